@@ -1,0 +1,1 @@
+"""Prefect flows: the pipeline DAG, and deployments built from pipelines.yaml."""

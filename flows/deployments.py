@@ -1,0 +1,31 @@
+"""Deployments built from pipelines.yaml: one per pipeline, its `schedule` as a cron schedule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fulltune.spec import load_pipelines
+
+
+def build_deployments(pipelines_file: str) -> list[Any]:
+    """One served deployment per pipeline; the Prefect UI lists them and can start them."""
+    from flows.pipeline import finetune_pipeline
+
+    pipelines = load_pipelines(pipelines_file)
+    deployments = []
+    for name, spec in pipelines.pipelines.items():
+        deployments.append(finetune_pipeline.to_deployment(
+            name=name,
+            parameters={"pipeline": name, "pipelines_file": pipelines_file},
+            cron=spec.schedule,
+            description=spec.description or f"fulltune pipeline {name}",
+            tags=["fulltune", name],
+        ))
+    return deployments
+
+
+def serve_pipelines(pipelines_file: str, limit: int | None = None) -> None:
+    """Serve every pipeline's deployment from this process until interrupted."""
+    from prefect import serve
+
+    serve(*build_deployments(pipelines_file), limit=limit)

@@ -1,0 +1,130 @@
+"""The pipeline flow: tokenize → memory budget → fine-tune → evaluate → register. Wiring only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+
+from fulltune import pipeline as stages
+from fulltune import registry
+from tasks.budget import memory_budget_task
+from tasks.common import results_dir
+from tasks.evaluate import evaluate_task
+from tasks.finetune import finetune_task
+from tasks.register import register_task
+from tasks.tokenize import tokenize_task
+
+
+@dataclass(frozen=True)
+class PipelineSummary:
+    """What a pipeline run did: each stage ran or was cached, the numbers, and what was registered."""
+
+    pipeline: str
+    stages: dict[str, str]
+    settings: str
+    train_metrics: dict[str, float]
+    evaluation: dict[str, dict[str, float]]
+    model_name: str
+    version: str
+    aliases: tuple[str, ...]
+    promoted: bool
+    gate: str
+    tracking_uri: str
+    mlflow_run_id: str
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def lines(self) -> list[str]:
+        out = [f"pipeline {self.pipeline}: " + ", ".join(f"{k} {v}" for k, v in self.stages.items())]
+        out.append(f"  settings: {self.settings}")
+        if "train_loss" in self.train_metrics:
+            out.append(f"  train loss {self.train_metrics['train_loss']:.4f} after "
+                       f"{int(self.train_metrics.get('steps', 0))} steps "
+                       f"({self.train_metrics.get('tokens_per_second', 0):.0f} tokens/s)")
+        names = list(self.evaluation)
+        for metric in ("eval_loss", "perplexity", "exact_match"):
+            values = [self.evaluation[n].get(metric) for n in names]
+            if any(v is not None for v in values):
+                cells = ", ".join(f"{n} {v:.4f}" for n, v in zip(names, values) if v is not None)
+                out.append(f"  {metric}: {cells}")
+        out.append(f"  registered {self.model_name} version {self.version}, aliases: {', '.join(self.aliases)}"
+                   f" ({self.gate})")
+        out.append(f"  load it: MLFLOW_TRACKING_URI={registry.redact(self.tracking_uri)} python -c \"import mlflow; "
+                   f"print(mlflow.transformers.load_model('models:/{self.model_name}@champion')('1+1='))\"")
+        return out
+
+
+def _stage(task: Any, p: stages.ResolvedPipeline, name: str, key: str, present: bool | None = None) -> Any:
+    """The task with results beside the outputs; a cache hit whose files are gone is refreshed."""
+    if present is None:
+        present = stages.outputs_present(p.workdir, name, key)
+    return task.with_options(result_storage=results_dir(p.workdir), refresh_cache=not present)
+
+
+def _state_word(state: Any) -> str:
+    return "cached" if state.name == "Cached" else "ran"
+
+
+@flow(name="fulltune-pipeline", log_prints=True)
+def finetune_pipeline(pipeline: str = "demo", overrides: dict[str, Any] | None = None,
+                      pipelines_file: str = "pipelines.yaml") -> PipelineSummary:
+    """Run one pipeline of `pipelines_file`, with `overrides` as dotted keys (`{"train.max_steps": 10}`)."""
+    logger = get_run_logger()
+    p = stages.resolve_pipeline(pipelines_file, pipeline, overrides)
+    stages.ensure_local_data(p)
+    done: dict[str, str] = {}
+
+    key = stages.tokenize_key(p)
+    state = _stage(tokenize_task, p, "tokenize", key)(p, key, return_state=True)
+    data, tokenizer = state.result()
+    done["tokenize"] = _state_word(state)
+
+    key = stages.budget_key(p, data.fingerprint)
+    state = _stage(memory_budget_task, p, "budget", key)(p, key, data, tokenizer, return_state=True)
+    decision = state.result()
+    done["memory-budget"] = _state_word(state)
+
+    uri = registry.configure(p.workdir)
+    run_id = registry.start_pipeline_run(
+        p.name, p.spec.model_dump(mode="json", by_alias=True),
+        {registry.TAG_FLOW_RUN: str(flow_run.id or "local"), registry.TAG_DATA: data.fingerprint,
+         registry.TAG_CONFIG: p.spec.config_hash()}, p.workdir)
+    try:
+        train_key = stages.train_key(p, data.fingerprint, decision.settings)
+        state = _stage(finetune_task, p, "fine-tune", train_key)(
+            p, train_key, data, tokenizer, decision, uri, run_id, return_state=True)
+        trained = state.result()
+        done["fine-tune"] = _state_word(state)
+
+        # The champion is compared only when it is another model: re-running an unchanged pipeline whose
+        # own model is champion keeps the evaluation cached.
+        champion = registry.current_champion(p.model_name)
+        if champion is not None and champion.train_key == trained.key:
+            champion = None
+        key = stages.evaluate_key(p, trained.key, data.fingerprint, champion.version if champion else None)
+        state = _stage(evaluate_task, p, "evaluate", key)(
+            p, key, data, trained, champion, decision.settings["device"], run_id, return_state=True)
+        report = state.result()
+        done["evaluate"] = _state_word(state)
+
+        key = stages.register_key(p, trained.key, key, uri)
+        marker = stages.read_marker(p.workdir, "register", key)
+        present = bool(marker) and registry.version_exists(marker["name"], marker["version"], trained.key)
+        state = _stage(register_task, p, "register", key, present)(
+            p, key, data, trained, report, run_id, str(flow_run.id or "local"), return_state=True)
+        registration = state.result()
+        done["register"] = _state_word(state)
+    except BaseException:
+        registry.end_pipeline_run(run_id, "FAILED")
+        raise
+    registry.set_run_tags(run_id, {f"fulltune.stage.{k}": v for k, v in done.items()})
+    registry.end_pipeline_run(run_id)
+    summary = PipelineSummary(
+        p.name, done, stages.describe_settings(decision.settings, decision.num_layers), trained.metrics,
+        {name: m.as_dict() for name, m in report.candidates.items()}, registration.name, registration.version,
+        registration.aliases, registration.promoted, registration.reason, uri, run_id, trained.replans)
+    for line in summary.lines():
+        logger.info(line)
+    return summary

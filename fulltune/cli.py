@@ -1,0 +1,191 @@
+"""`fulltune` command line: validate, list, plan, run, serve.
+
+User errors (bad config, missing data, an impossible budget) print one message and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from fulltune.errors import UserError
+
+DEFAULT_FILE = "pipelines.yaml"
+
+
+def _environment() -> None:
+    # Prefect's temporary server otherwise tries to send telemetry; tokenizers forks badly with threads.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LOG_PRINTS", "true")
+
+
+class _HideUserErrorTracebacks(logging.Filter):
+    """Prefect logs a failed task's traceback; for a user error the CLI's one message is enough."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], UserError):
+            return False
+        return True
+
+
+def _quiet_user_errors() -> None:
+    hide = _HideUserErrorTracebacks()
+    for name in ("prefect", "prefect.task_runs", "prefect.flow_runs", "prefect.flow_engine", "prefect.task_engine"):
+        logging.getLogger(name).addFilter(hide)
+    for handler in logging.getLogger().handlers + logging.getLogger("prefect").handlers:
+        handler.addFilter(hide)
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-f", "--file", default=DEFAULT_FILE, help="pipelines file (default: pipelines.yaml)")
+    common.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a pipeline field, e.g. --set train.learning_rate=1e-4 (repeatable)")
+    parser = argparse.ArgumentParser(prog="fulltune", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    validate = sub.add_parser("validate", parents=[common], help="check a pipelines file; report every problem")
+    validate.add_argument("path", nargs="?", help="pipelines file (same as -f)")
+    sub.add_parser("list", parents=[common], help="list the pipelines of the file")
+    plan = sub.add_parser("plan", parents=[common], help="show the memory estimate and the plan that fits")
+    plan.add_argument("name")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument("--simulate", action="store_true", help="also trace one step under FakeTensorMode")
+    plan.add_argument("--measure", action="store_true", help="also run two real steps and report the peak")
+    run = sub.add_parser("run", parents=[common], help="run a pipeline end to end")
+    run.add_argument("name")
+    serve = sub.add_parser("serve", parents=[common], help="serve one Prefect deployment per pipeline")
+    serve.add_argument("--limit", type=int, default=None, help="maximum concurrent runs")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    _environment()
+    args = _parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from fulltune.spec import load_pipelines
+
+    path = args.path or args.file
+    pipelines = load_pipelines(path)
+    print(f"{path}: {len(pipelines.pipelines)} pipeline(s) valid: {', '.join(pipelines.pipelines)}")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from fulltune.spec import load_pipelines
+
+    pipelines = load_pipelines(args.file)
+    for name, spec in pipelines.pipelines.items():
+        source = spec.model.name_or_path or "from_config"
+        schedule = f"  schedule: {spec.schedule}" if spec.schedule else ""
+        print(f"{name:20s} model: {source}  data: {spec.data.train}{schedule}")
+        if spec.description:
+            print(f"{'':20s} {spec.description}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from fulltune.pipeline import plan_budget, resolve_pipeline
+
+    p = resolve_pipeline(args.file, args.name, args.overrides)
+    seq_len, vocab = _plan_inputs(p)
+    decision = plan_budget(p, seq_len, vocab)
+    extra: dict[str, Any] = {}
+    if args.simulate or args.measure:
+        extra = _simulate_or_measure(p, decision, vocab, args.simulate, args.measure)
+    if args.json:
+        print(json.dumps({**decision.plan, **extra}, indent=2))
+    else:
+        print(decision.table)
+        for name, value in extra.items():
+            print(f"{name}: {json.dumps(value, indent=2)}")
+    return 0
+
+
+def _plan_inputs(p: Any) -> tuple[int, int | None]:
+    """Sequence length and vocabulary to plan for: from the tokenized data when it is cached, else the
+    worst case (rows of `data.max_length`, the configured vocabulary)."""
+    from fulltune.pipeline import read_marker, tokenize_key
+
+    seq_len, vocab = p.spec.data.max_length, None
+    marker = read_marker(p.workdir, "tokenize", tokenize_key(p))
+    tokenizer_spec = p.spec.model.tokenizer
+    if marker and all(Path(x).exists() for x in marker["paths"]):
+        from fulltune.data import load_tokenized
+
+        data = load_tokenized(marker["paths"][0])
+        seq_len = p.spec.data.max_length if data.packing else data.max_row_length
+        if p.spec.model.from_config is not None and len(marker["paths"]) > 1:
+            from fulltune.models import load_tokenizer
+
+            vocab = len(load_tokenizer(marker["paths"][1]))
+    elif p.spec.model.from_config is not None:
+        vocab = getattr(tokenizer_spec, "vocab_size", None)
+        if vocab is None and isinstance(tokenizer_spec, str):
+            from fulltune.models import load_tokenizer
+
+            vocab = len(load_tokenizer(tokenizer_spec))
+    return seq_len, vocab
+
+
+def _simulate_or_measure(p: Any, decision: Any, vocab: int | None, simulate: bool, measure: bool) -> dict[str, Any]:
+    from fulltune.memory import Settings, measure_memory, simulate_memory
+    from fulltune.models import read_model_config
+
+    config = read_model_config(p.spec.model, vocab)
+    settings = Settings(**decision.settings)
+    extra: dict[str, Any] = {}
+    if simulate:
+        traced = simulate_memory(config, settings)
+        extra["simulated"] = traced.to_dict() if hasattr(traced, "to_dict") else traced
+    if measure:
+        extra["measured_peak_bytes"] = measure_memory(config, settings)
+    return extra
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fulltune.pipeline import ensure_local_data, resolve_pipeline
+
+    # Validate before starting Prefect, so a bad config costs nothing and leaves nothing behind.
+    p = resolve_pipeline(args.file, args.name, args.overrides)
+    ensure_local_data(p)
+    _quiet_user_errors()
+    from flows.pipeline import finetune_pipeline
+
+    from fulltune.spec import parse_override
+
+    overrides = {".".join(parts): value for parts, value in map(parse_override, args.overrides)}
+    summary = finetune_pipeline(pipeline=args.name, overrides=overrides or None,
+                                pipelines_file=str(Path(args.file).resolve()))
+    print()
+    print("\n".join(summary.lines()))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from flows.deployments import serve_pipelines
+
+    serve_pipelines(str(Path(args.file).resolve()), limit=args.limit)
+    return 0
+
+
+COMMANDS = {"validate": cmd_validate, "list": cmd_list, "plan": cmd_plan, "run": cmd_run, "serve": cmd_serve}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Load models and tokenizers by path or hub id, or build a fresh model from a config.
+
+Safe by default: no remote code unless `model.trust_remote_code` is set, and only safetensors weights
+unless `model.allow_pickle_weights` is set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from fulltune.errors import ConfigError
+from fulltune.fingerprint import atomic_dir, hash_path
+from fulltune.spec import ModelSpec
+
+
+def hub_token(token_env: str | None) -> str | None:
+    """Read a Hub token from the environment variable the user named (never from the YAML)."""
+    if token_env is None:
+        return None
+    token = os.environ.get(token_env)
+    if not token:
+        raise ConfigError(f"model.token_env: environment variable {token_env} is not set")
+    return token
+
+
+def read_model_config(model: ModelSpec, tokenizer_vocab: int | None = None) -> Any:
+    """The transformers config of the model, without loading weights (used by the memory planner)."""
+    from transformers import AutoConfig
+
+    if model.from_config is not None:
+        return config_from_spec(model.from_config, tokenizer_vocab)
+    try:
+        return AutoConfig.from_pretrained(
+            model.name_or_path,
+            revision=model.revision,
+            trust_remote_code=model.trust_remote_code,
+            token=hub_token(model.token_env),
+        )
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.name_or_path: cannot read a model config from {model.name_or_path!r}: {exc}") from None
+
+
+def config_from_spec(from_config: str | dict[str, Any], tokenizer_vocab: int | None = None) -> Any:
+    """Build a PretrainedConfig from a config.json path or an inline mapping."""
+    from transformers import AutoConfig
+
+    if isinstance(from_config, str):
+        path = Path(from_config)
+        if not path.is_file():
+            raise ConfigError(f"model.from_config: file not found: {from_config}")
+        try:
+            mapping = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"model.from_config: {from_config} is not valid JSON (line {exc.lineno})") from None
+    else:
+        mapping = dict(from_config)
+    model_type = mapping.pop("model_type", None)
+    if not model_type:
+        raise ConfigError("model.from_config: needs a `model_type` (for example llama, qwen2, gpt2, gpt_neox)")
+    if tokenizer_vocab is not None:
+        mapping["vocab_size"] = tokenizer_vocab
+    try:
+        return AutoConfig.for_model(model_type, **mapping)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"model.from_config: {exc}") from None
+
+
+def load_tokenizer(path_or_id: str, *, revision: str | None = None, trust_remote_code: bool = False,
+                   token: str | None = None) -> Any:
+    """AutoTokenizer with a pad token (the eos token when the checkpoint has none)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            path_or_id, revision=revision, trust_remote_code=trust_remote_code, token=token
+        )
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.tokenizer: cannot load a tokenizer from {path_or_id!r}: {exc}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path_or_id: str, *, revision: str | None = None, trust_remote_code: bool = False,
+               allow_pickle_weights: bool = False, attn_implementation: str = "sdpa",
+               token: str | None = None, dtype: Any = None) -> Any:
+    """AutoModelForCausalLM in fp32 (mixed precision is autocast's job, not the weights')."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            path_or_id,
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+            use_safetensors=None if allow_pickle_weights else True,
+            attn_implementation=attn_implementation,
+            dtype=dtype or torch.float32,
+            token=token,
+        )
+    except (OSError, ValueError) as exc:
+        hint = ""
+        if "safetensors" in str(exc).lower() and not allow_pickle_weights:
+            hint = " (only safetensors weights load unless model.allow_pickle_weights: true)"
+        raise ConfigError(f"model.name_or_path: cannot load {path_or_id!r}{hint}: {exc}") from None
+
+
+def base_model_key(model: ModelSpec, tokenizer: str, seed: int) -> str:
+    """Identity of the base model: its source, plus tokenizer and seed for a model built from a config."""
+    from fulltune import __version__
+
+    parts = {"model": model.model_dump(mode="json"), "version": __version__}
+    if model.from_config is not None:
+        parts["tokenizer"] = hash_path(tokenizer) if Path(tokenizer).exists() else tokenizer
+        parts["seed"] = seed
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def prepare_base_model(model: ModelSpec, tokenizer: str, workdir: str | Path, seed: int) -> str:
+    """The path or hub id the trainer and the evaluator load the base model from.
+
+    A checkpoint is used where it is. A model built from a config is initialised once with `seed`,
+    sized to the tokenizer, and saved under `<workdir>/base/<key>/`, so that training and the
+    base-model evaluation see the same weights.
+    """
+    if model.from_config is None:
+        return model.name_or_path
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    target = Path(workdir) / "base" / base_model_key(model, tokenizer, seed)
+    if (target / "config.json").is_file():
+        return str(target)
+    tok = load_tokenizer(tokenizer)
+    config = config_from_spec(model.from_config, len(tok))
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        setattr(config, name, getattr(tok, name))
+    torch.manual_seed(seed)
+    built = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=model.attn_implementation)
+    with atomic_dir(target) as tmp:
+        built.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+    return str(target)

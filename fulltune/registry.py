@@ -1,0 +1,241 @@
+"""MLflow tracking and the model registry: one run per pipeline run, versions, and the champion gate."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fulltune.fingerprint import code_version
+
+CHALLENGER = "challenger"
+CHAMPION = "champion"
+
+# Tags on every registered version (DESIGN.md: pipeline, data fingerprint, config hash, code version).
+TAG_PIPELINE = "fulltune.pipeline"
+TAG_DATA = "fulltune.data_fingerprint"
+TAG_CONFIG = "fulltune.config_hash"
+TAG_VERSION = "fulltune.version"
+TAG_TRAIN_KEY = "fulltune.train_key"
+TAG_FLOW_RUN = "fulltune.flow_run_id"
+
+SECRET_KEY = re.compile(r"(token|password|secret|api[_-]?key|credential)", re.IGNORECASE)
+URI_PASSWORD = re.compile(r"(?<=://)([^:/@\s]+):([^@/\s]+)@")
+
+
+def redact(text: str) -> str:
+    """Remove a password from a URI (`postgresql://user:pw@host` → `postgresql://user:***@host`)."""
+    return URI_PASSWORD.sub(r"\1:***@", text)
+
+
+def tracking_uri(workdir: str | Path) -> str:
+    """`MLFLOW_TRACKING_URI` when set, else SQLite in the workdir (the registry needs a database)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(workdir).resolve() / 'mlflow.db'}"
+
+
+def configure(workdir: str | Path) -> str:
+    """Point this process's MLflow client at the pipeline's tracking server; returns the URI."""
+    import mlflow
+
+    uri = tracking_uri(workdir)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    return uri
+
+
+def experiment_id(name: str, workdir: str | Path) -> str:
+    """Get or create the experiment; local stores keep artifacts under `<workdir>/mlartifacts`."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    location = None
+    if tracking_uri(workdir).startswith("sqlite:"):
+        location = (Path(workdir).resolve() / "mlartifacts").as_uri()
+    return client.create_experiment(name, artifact_location=location)
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, str]:
+    """Nested mapping → `{dotted.key: str}` for MLflow params; secrets are dropped."""
+    flat: dict[str, str] = {}
+    if isinstance(value, dict):
+        for key, child in value.items():
+            if SECRET_KEY.search(str(key)) and not str(key).endswith("_env"):
+                continue
+            flat.update(flatten(child, f"{prefix}{key}."))
+    else:
+        flat[prefix.rstrip(".")] = redact(str(value))[:500]
+    return flat
+
+
+def start_pipeline_run(pipeline: str, params: dict[str, Any], tags: dict[str, str], workdir: str | Path) -> str:
+    """Create the MLflow run of one pipeline run; returns its id (it stays open until `end_pipeline_run`)."""
+    from mlflow.entities import Param, RunTag
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    run = client.create_run(experiment_id(f"fulltune-{pipeline}", workdir), run_name=f"{pipeline}",
+                            tags={TAG_PIPELINE: pipeline, TAG_VERSION: code_version(), **tags})
+    flat = [Param(k, v) for k, v in flatten(params).items()]
+    for start in range(0, len(flat), 100):
+        client.log_batch(run.info.run_id, params=flat[start:start + 100])
+    client.log_batch(run.info.run_id, tags=[RunTag("mlflow.runName", pipeline)])
+    return run.info.run_id
+
+
+def end_pipeline_run(run_id: str, status: str = "FINISHED") -> None:
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient().set_terminated(run_id, status=status)
+
+
+def log_metrics(run_id: str, metrics: dict[str, float], step: int | None = None) -> None:
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+    import time
+
+    now = int(time.time() * 1000)
+    batch = [Metric(k, float(v), now, step or 0) for k, v in metrics.items() if v is not None and math.isfinite(v)]
+    if batch:
+        MlflowClient().log_batch(run_id, metrics=batch)
+
+
+def set_run_tags(run_id: str, tags: dict[str, str]) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    for key, value in tags.items():
+        client.set_tag(run_id, key, redact(str(value)))
+
+
+@dataclass(frozen=True)
+class Champion:
+    """The version that currently holds the `champion` alias."""
+
+    name: str
+    version: str
+    source: str  # models:/name/version
+    train_key: str | None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def current_champion(name: str) -> Champion | None:
+    """The registered model's champion, or None when the model or the alias does not exist yet."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    try:
+        version = client.get_model_version_by_alias(name, CHAMPION)
+    except MlflowException:
+        return None
+    metrics = {k.removeprefix("metric."): float(v) for k, v in version.tags.items() if k.startswith("metric.")}
+    return Champion(name, str(version.version), f"models:/{name}/{version.version}",
+                    version.tags.get(TAG_TRAIN_KEY), metrics)
+
+
+def download_version(source: str, destination: str | Path) -> str:
+    """Download a registered version's transformers checkpoint (the `model` directory of the flavor)."""
+    import mlflow
+
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(destination)))
+    for candidate in (local / "model", local):
+        if (candidate / "config.json").is_file():
+            return str(candidate)
+    raise FileNotFoundError(f"{source}: no transformers checkpoint inside {local}")
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    promote: bool
+    reason: str
+
+
+def decide_promotion(candidate: dict[str, float], champion: dict[str, float] | None, base: dict[str, float] | None,
+                     metric: str, mode: str, min_delta: float, require_better_than_base: bool) -> GateDecision:
+    """The `champion` gate: promote when there is no champion, or when `metric` beats it by `min_delta`.
+
+    All values come from one evaluation on the same held-out data, so they are comparable.
+    """
+    value = candidate.get(metric)
+    if value is None or not math.isfinite(value):
+        return GateDecision(False, f"{metric} of the new model is missing or not finite")
+
+    def better(a: float, b: float, delta: float) -> bool:
+        return a <= b - delta if mode == "min" else a >= b + delta
+
+    if require_better_than_base and base and base.get(metric) is not None:
+        if not better(value, base[metric], 0.0) or value == base[metric]:
+            return GateDecision(False, f"{metric} {value:.4g} does not beat the base model ({base[metric]:.4g})")
+    if champion is None:
+        return GateDecision(True, "no champion yet")
+    reference = champion.get(metric)
+    if reference is None:
+        return GateDecision(True, f"the champion has no {metric} on this data")
+    if better(value, reference, min_delta) and value != reference:
+        return GateDecision(True, f"{metric} {value:.4g} beats the champion's {reference:.4g} (min_delta {min_delta})")
+    return GateDecision(False, f"{metric} {value:.4g} does not beat the champion's {reference:.4g} by {min_delta}")
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What the register stage did."""
+
+    name: str
+    version: str
+    aliases: tuple[str, ...]
+    promoted: bool
+    reason: str
+    run_id: str
+
+
+def register_model(model_dir: str, name: str, run_id: str, tags: dict[str, str], metrics: dict[str, float],
+                   decision: GateDecision) -> Registration:
+    """Log the saved checkpoint into the run, register it, tag it and move the aliases."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    requirements = [f"{pkg}=={_version(pkg)}" for pkg in ("torch", "transformers", "accelerate", "tokenizers",
+                                                          "safetensors")]
+    with mlflow.start_run(run_id=run_id):
+        info = mlflow.transformers.log_model(
+            transformers_model=model_dir,
+            name="model",
+            task="text-generation",
+            pip_requirements=requirements,
+            registered_model_name=name,
+        )
+    version = str(info.registered_model_version)
+    for key, value in {**tags, **{f"metric.{k}": f"{v:.6g}" for k, v in metrics.items()}}.items():
+        client.set_model_version_tag(name, version, key, redact(str(value)))
+    client.set_model_version_tag(name, version, "fulltune.gate", decision.reason)
+    client.set_registered_model_alias(name, CHALLENGER, version)
+    aliases = [CHALLENGER]
+    if decision.promote:
+        client.set_registered_model_alias(name, CHAMPION, version)
+        aliases.append(CHAMPION)
+    return Registration(name, version, tuple(aliases), decision.promote, decision.reason, run_id)
+
+
+def version_exists(name: str, version: str, train_key: str) -> bool:
+    """Whether a cached registration still matches the registry (a deleted database re-runs the stage)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    try:
+        found = MlflowClient().get_model_version(name, version)
+    except MlflowException:
+        return False
+    return found.tags.get(TAG_TRAIN_KEY) == train_key
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)

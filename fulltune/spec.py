@@ -1,0 +1,413 @@
+"""The schema of pipelines.yaml.
+
+A pipelines file has a `workdir`, optional `defaults` (merged into every pipeline) and a mapping of
+named `pipelines`. It parses into frozen pydantic models that reject unknown keys; every problem is
+reported at once with its YAML path (`pipelines.demo.train.learning_rate: must be > 0`).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from fulltune.errors import ConfigError
+
+SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+CRON_PATTERN = re.compile(r"^(\S+\s+){4}\S+$")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class TrainTokenizer(Strict):
+    """Train a byte-level BPE tokenizer on the training data (for models built from a config)."""
+
+    vocab_size: int = Field(512, ge=64, le=1_000_000, description="Vocabulary size of the trained tokenizer.")
+    min_frequency: int = Field(1, ge=1, description="Minimum pair frequency for a BPE merge.")
+
+
+class ModelSpec(Strict):
+    """Which model to fine-tune: a checkpoint (path or hub id) or a fresh one built from a config."""
+
+    name_or_path: str | None = Field(None, description="Local checkpoint directory or Hugging Face hub id.")
+    from_config: str | dict[str, Any] | None = Field(
+        None, description="Randomly initialised model from a config.json path or an inline config mapping."
+    )
+    tokenizer: str | TrainTokenizer | None = Field(
+        None,
+        description="Tokenizer path or hub id (default: name_or_path), or `{vocab_size: N}` to train a BPE "
+        "tokenizer on the training data.",
+    )
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of name_or_path.")
+    trust_remote_code: bool = Field(False, description="Run model code shipped with the checkpoint. Off by default.")
+    allow_pickle_weights: bool = Field(
+        False, description="Allow loading `.bin`/`.pt` weights (pickle). By default only safetensors load."
+    )
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
+    token_env: str | None = Field(
+        None, description="Name of the environment variable holding a Hub token (the token itself never goes here)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if (self.name_or_path is None) == (self.from_config is None):
+            raise ValueError("set exactly one of model.name_or_path and model.from_config")
+        if self.from_config is not None and self.tokenizer is None:
+            raise ValueError("model.tokenizer is required with model.from_config (a path, or {vocab_size: N})")
+        return self
+
+
+class DataSpec(Strict):
+    """Where the examples come from and how they become token sequences."""
+
+    train: str = Field(description="Training data: a .jsonl/.json/.csv/.parquet/.txt file, a directory, or a hub id.")
+    eval: str | None = Field(None, description="Held-out data; when absent, `eval_split` of train is held out.")
+    eval_split: float = Field(0.1, gt=0, lt=1, description="Fraction of train held out when `eval` is absent.")
+    format: Literal["text", "prompt_completion", "chat"] = Field("text", description="How records become text.")
+    text_field: str = Field("text", description="Column with the text (format `text`).")
+    prompt_field: str = Field("prompt", description="Column with the prompt (format `prompt_completion`).")
+    completion_field: str = Field("completion", description="Column with the completion (format `prompt_completion`).")
+    messages_field: str = Field("messages", description="Column with the chat messages (format `chat`).")
+    max_length: int = Field(512, ge=8, le=1_048_576, description="Sequences are truncated to this many tokens.")
+    packing: bool = Field(False, description="Pack several examples into each max_length row (positions restart).")
+
+
+class BudgetSpec(Strict):
+    """The memory the run must fit in."""
+
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device to plan for; auto = cuda if present.")
+    memory: int | str = Field("auto", description="Budget per device: `auto` (device total), bytes, or '24GiB'.")
+    on_overflow: Literal["plan", "fail"] = Field(
+        "plan", description="`plan`: change micro-batch/checkpointing/optimizer to fit; `fail`: exit with the breakdown."
+    )
+    headroom: float = Field(0.05, ge=0, lt=0.9, description="Fraction of the budget kept free.")
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, value: int | str) -> int | str:
+        if isinstance(value, int):
+            if value <= 0:
+                raise ValueError("must be > 0")
+            return value
+        if value == "auto" or SIZE_PATTERN.match(value):
+            return value
+        raise ValueError("must be 'auto', a number of bytes, or a size like '24GiB'")
+
+
+Auto = Literal["auto"]
+
+
+class TrainSpec(Strict):
+    """The optimisation. `effective_batch_size` = micro_batch_size × gradient_accumulation_steps × processes."""
+
+    effective_batch_size: int = Field(8, ge=1, description="Sequences per optimizer step, kept by the planner.")
+    micro_batch_size: int | Auto = Field("auto", description="Sequences per forward pass per process.")
+    gradient_accumulation_steps: int | Auto = Field("auto", description="Micro-batches per optimizer step.")
+    gradient_checkpointing: Union[Auto, bool, int] = Field(
+        "auto", description="Recompute activations: auto, true (all layers), false, or a number of layers."
+    )
+    mixed_precision: Literal["auto", "bf16", "fp16", "no"] = Field("auto", description="Autocast dtype.")
+    optimizer: Literal["auto", "adamw", "adamw_8bit", "adafactor"] = Field(
+        "adamw", description="`auto` lets the planner pick a cheaper optimizer when memory requires it."
+    )
+    learning_rate: float = Field(2e-5, gt=0, le=1, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of steps of linear warmup.")
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    num_epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored when max_steps is set).")
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides num_epochs.")
+    seed: int = Field(0, ge=0, description="Seed for initialisation, data order and the eval split.")
+    checkpoint_every_steps: int = Field(50, ge=0, description="Save a resumable checkpoint every N steps (0: never).")
+    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept on disk.")
+    log_every_steps: int = Field(10, ge=1, description="Read the loss and log metrics every N optimizer steps.")
+    compile: bool = Field(False, description="torch.compile the model.")
+    max_nonfinite_steps: int = Field(5, ge=1, description="Stop after this many non-finite losses in a row.")
+
+    @field_validator("micro_batch_size", "gradient_accumulation_steps")
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be >= 1 or 'auto'")
+        return value
+
+    @field_validator("gradient_checkpointing")
+    @classmethod
+    def _layers(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            raise ValueError("must be auto, true, false or a number of layers >= 0")
+        return value
+
+
+class DistributedSpec(Strict):
+    """How many processes train, and how model state is shared between them."""
+
+    strategy: Literal["none", "ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3"] = Field(
+        "none", description="`none` trains in one process."
+    )
+    num_processes: int = Field(1, ge=1, le=4096, description="Processes (usually GPUs) in total.")
+    num_machines: int = Field(1, ge=1, description="Machines taking part.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DistributedSpec:
+        if self.strategy == "none" and self.num_processes != 1:
+            raise ValueError("num_processes > 1 needs a strategy (ddp, fsdp, deepspeed_zero2, deepspeed_zero3)")
+        return self
+
+
+class EvaluateSpec(Strict):
+    """Held-out evaluation of the base model, the fine-tuned model and the current champion."""
+
+    batch_size: int = Field(8, ge=1, description="Sequences per evaluation forward pass.")
+    max_examples: int | None = Field(None, ge=1, description="Evaluate on at most this many held-out examples.")
+    max_generate_examples: int = Field(32, ge=0, description="Greedy generations for exact match (prompt_completion).")
+    max_new_tokens: int = Field(32, ge=1, description="Tokens generated per example.")
+    compare_champion: bool = Field(True, description="Also evaluate the current champion on the same data.")
+
+
+class PromoteIf(Strict):
+    """The gate a new version must pass against the current champion."""
+
+    metric: Literal["eval_loss", "perplexity", "exact_match"] = Field("eval_loss", description="Metric compared.")
+    mode: Literal["min", "max"] = Field("min", description="Whether lower or higher is better.")
+    min_delta: float = Field(0.0, ge=0, description="Required improvement over the champion.")
+
+    @model_validator(mode="after")
+    def _direction(self) -> PromoteIf:
+        expected = "max" if self.metric == "exact_match" else "min"
+        if self.mode != expected:
+            raise ValueError(f"{self.metric} improves in mode '{expected}'")
+        return self
+
+
+class RegisterSpec(Strict):
+    """The MLflow registered model the result lands in."""
+
+    model_name: str | None = Field(None, description="Registered model name (default: fulltune-<pipeline>).")
+    promote_if: PromoteIf = Field(default_factory=PromoteIf, description="Gate for the `champion` alias.")
+    require_better_than_base: bool = Field(True, description="Never promote a model worse than its base model.")
+
+
+class PipelineSpec(Strict):
+    """One named pipeline: tokenize → memory budget → fine-tune → evaluate → register."""
+
+    description: str = Field("", description="Shown by `fulltune list` and in the Prefect UI.")
+    model: ModelSpec
+    data: DataSpec
+    budget: BudgetSpec = Field(default_factory=BudgetSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    distributed: DistributedSpec = Field(default_factory=DistributedSpec)
+    evaluate: EvaluateSpec = Field(default_factory=EvaluateSpec)
+    # `register` is the YAML key; the attribute name avoids shadowing BaseModel.register.
+    registration: RegisterSpec = Field(default_factory=RegisterSpec, alias="register")
+    schedule: str | None = Field(None, description="Cron expression for scheduled retraining (`fulltune serve`).")
+
+    @field_validator("schedule")
+    @classmethod
+    def _cron(cls, value: str | None) -> str | None:
+        if value is not None and not CRON_PATTERN.match(value.strip()):
+            raise ValueError("must be a cron expression with five fields, e.g. '0 3 * * 1'")
+        return value
+
+    @model_validator(mode="after")
+    def _batch(self) -> PipelineSpec:
+        t, processes = self.train, self.distributed.num_processes
+        micro, accum = t.micro_batch_size, t.gradient_accumulation_steps
+        if isinstance(micro, int) and isinstance(accum, int) and micro * accum * processes != t.effective_batch_size:
+            raise ValueError(
+                f"train.micro_batch_size ({micro}) × train.gradient_accumulation_steps ({accum}) × "
+                f"distributed.num_processes ({processes}) must equal train.effective_batch_size "
+                f"({t.effective_batch_size})"
+            )
+        per_process = t.effective_batch_size / processes
+        if per_process != int(per_process):
+            raise ValueError("train.effective_batch_size must be a multiple of distributed.num_processes")
+        for name, value in (("micro_batch_size", micro), ("gradient_accumulation_steps", accum)):
+            if isinstance(value, int) and int(per_process) % value:
+                raise ValueError(f"train.{name} ({value}) must divide the per-process batch ({int(per_process)})")
+        return self
+
+    def model_name(self, pipeline: str) -> str:
+        return self.registration.model_name or f"fulltune-{pipeline}"
+
+    def config_hash(self) -> str:
+        """sha256 of the resolved pipeline, stable across runs and key order."""
+        text = json.dumps(self.model_dump(mode="json", by_alias=True), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+class PipelinesFile(Strict):
+    """The whole pipelines.yaml after `defaults` are merged into each pipeline."""
+
+    workdir: str = Field(".fulltune", description="Where tokenized data, runs, models and MLflow's database live.")
+    pipelines: dict[str, PipelineSpec] = Field(description="Named pipelines.")
+
+    @field_validator("pipelines")
+    @classmethod
+    def _names(cls, value: dict[str, PipelineSpec]) -> dict[str, PipelineSpec]:
+        if not value:
+            raise ValueError("declare at least one pipeline")
+        for name in value:
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+                raise ValueError(f"pipeline name {name!r} may only use letters, digits, '_', '-', '.'")
+        return value
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Return `base` updated recursively with `override` (mappings merge, everything else replaces)."""
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Parse `dotted.key=value`; the value is read as a YAML scalar (`1e-4`, `true`, `null`, `[1, 2]`)."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item}: expected dotted.key=value")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {item}: empty key part")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
+    """Apply `--set` overrides, relative to one pipeline's raw mapping."""
+    items = overrides.items() if isinstance(overrides, dict) else (parse_override(o) for o in overrides)
+    result = copy.deepcopy(raw)
+    for parts, value in items:
+        if isinstance(parts, str):
+            parts = parts.split(".")
+        node = result
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        node[parts[-1]] = value
+    return result
+
+
+def _format_errors(error: ValidationError, prefix: str) -> list[str]:
+    lines = []
+    for item in error.errors():
+        loc = [str(p) for p in item["loc"] if not _is_union_tag(p)]
+        path = ".".join([prefix, *loc]) if prefix else ".".join(loc)
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif item["type"] == "greater_than":
+            message = f"must be > {item['ctx']['gt']}"
+        elif item["type"] == "greater_than_equal":
+            message = f"must be >= {item['ctx']['ge']}"
+        elif item["type"] == "less_than":
+            message = f"must be < {item['ctx']['lt']}"
+        elif item["type"] == "less_than_equal":
+            message = f"must be <= {item['ctx']['le']}"
+        lines.append(f"{path}: {message}")
+    return list(dict.fromkeys(lines))
+
+
+def _is_union_tag(part: Any) -> bool:
+    # pydantic adds the member type of a union to the location ("int", "literal['auto']").
+    return isinstance(part, str) and (part in {"int", "str", "bool", "float"} or part.startswith(("literal[", "function-")))
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """Safe-load a YAML mapping; errors name the file and line."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: pipelines file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{path}:{where}: malformed YAML: {problem}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping with a `pipelines` key")
+    return data
+
+
+def load_pipelines(path: str | Path, overrides: dict[str, list[str]] | None = None) -> PipelinesFile:
+    """Parse and validate a pipelines file. `overrides` maps pipeline name → `--set` items.
+
+    Raises ConfigError listing every problem, each with its YAML path.
+    """
+    path = Path(path)
+    raw = read_yaml(path)
+    return validate_pipelines(raw, overrides, source=str(path))
+
+
+def validate_pipelines(
+    raw: dict[str, Any], overrides: dict[str, list[str]] | None = None, source: str = "pipelines.yaml"
+) -> PipelinesFile:
+    errors: list[str] = []
+    unknown = set(raw) - {"workdir", "defaults", "pipelines"}
+    errors += [f"{key}: unknown key" for key in sorted(unknown)]
+    defaults = raw.get("defaults") or {}
+    if not isinstance(defaults, dict):
+        errors.append("defaults: must be a mapping")
+        defaults = {}
+    pipelines_raw = raw.get("pipelines")
+    if not isinstance(pipelines_raw, dict) or not pipelines_raw:
+        errors.append("pipelines: declare at least one pipeline as a mapping")
+        pipelines_raw = {}
+    pipelines: dict[str, PipelineSpec] = {}
+    for name, body in pipelines_raw.items():
+        if not isinstance(body, dict):
+            errors.append(f"pipelines.{name}: must be a mapping")
+            continue
+        merged = deep_merge(defaults, body)
+        if overrides and name in overrides:
+            merged = apply_overrides(merged, overrides[name])
+        try:
+            pipelines[str(name)] = PipelineSpec.model_validate(merged)
+        except ValidationError as exc:
+            errors += _format_errors(exc, f"pipelines.{name}")
+    workdir = raw.get("workdir", ".fulltune")
+    if not isinstance(workdir, str) or not workdir:
+        errors.append("workdir: must be a path")
+    if errors:
+        raise ConfigError(f"{source}: {len(errors)} problem(s)\n  " + "\n  ".join(errors))
+    try:
+        return PipelinesFile(workdir=workdir, pipelines=pipelines)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: " + "; ".join(_format_errors(exc, ""))) from None
+
+
+def get_pipeline(pipelines: PipelinesFile, name: str) -> PipelineSpec:
+    if name not in pipelines.pipelines:
+        known = ", ".join(sorted(pipelines.pipelines))
+        raise ConfigError(f"unknown pipeline {name!r}; pipelines in this file: {known}")
+    return pipelines.pipelines[name]
+
+
+def parse_size(value: int | str) -> int:
+    """'24GiB' → bytes (binary for KiB/MiB/GiB/TiB, decimal for KB/MB/GB/TB)."""
+    if isinstance(value, int):
+        return value
+    match = SIZE_PATTERN.match(value)
+    if not match:
+        raise ValueError(f"not a size: {value!r}")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(number * scale)

@@ -1,0 +1,33 @@
+"""What every stage task shares: content-based cache keys, where results persist, when to retry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fulltune.errors import UserError
+
+
+def cache_key(stage: str):
+    """Cache key = the stage's content key, computed by the flow from fingerprints (DESIGN.md)."""
+
+    def key_fn(context: Any, parameters: dict[str, Any]) -> str:
+        return f"fulltune-{stage}-{parameters['key']}"
+
+    return key_fn
+
+
+def retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry crashes and flaky I/O, never a user error: retrying a bad config changes nothing."""
+    try:
+        state.result()
+    except UserError:
+        return False
+    except Exception:  # noqa: BLE001 - any other failure is what retries are for
+        return True
+    return True
+
+
+def results_dir(workdir: str) -> Path:
+    """Task results (small records) persist beside the outputs they point to."""
+    return Path(workdir) / "prefect-results"

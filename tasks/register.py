@@ -1,0 +1,44 @@
+"""Stage 5: register the fine-tuned model in MLflow; promote it to `champion` only when it wins."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+
+from fulltune.data import TokenizedData
+from fulltune.evaluate import EvalReport
+from fulltune.pipeline import ResolvedPipeline, record_outputs
+from fulltune.registry import Registration
+from tasks.common import cache_key, retry_unless_user_error
+from tasks.finetune import TrainedModel
+
+
+@task(name="register", cache_key_fn=cache_key("register"), persist_result=True, retries=2,
+      retry_delay_seconds=[5, 20], retry_condition_fn=retry_unless_user_error)
+def register_task(p: ResolvedPipeline, key: str, data: TokenizedData, trained: TrainedModel, report: EvalReport,
+                  mlflow_run_id: str, flow_run_id: str) -> Registration:
+    """Log the checkpoint from its directory, tag the version, set `challenger`, and gate `champion`."""
+    from fulltune.fingerprint import code_version
+    from fulltune.registry import (TAG_CONFIG, TAG_DATA, TAG_FLOW_RUN, TAG_PIPELINE, TAG_TRAIN_KEY, TAG_VERSION,
+                                   decide_promotion, register_model)
+
+    gate = p.spec.registration.promote_if
+    tuned = report.candidates["fine_tuned"].as_dict()
+    champion = report.candidates.get("champion")
+    decision = decide_promotion(
+        tuned, champion.as_dict() if champion else None, report.candidates["base"].as_dict(),
+        gate.metric, gate.mode, gate.min_delta, p.spec.registration.require_better_than_base)
+    tags = {TAG_PIPELINE: p.name, TAG_DATA: data.fingerprint, TAG_CONFIG: p.spec.config_hash(),
+            TAG_VERSION: code_version(), TAG_TRAIN_KEY: trained.key, TAG_FLOW_RUN: flow_run_id}
+    registration = register_model(trained.model_dir, p.model_name, mlflow_run_id, tags, tuned, decision)
+    get_run_logger().info("registered %s version %s %s: %s", registration.name, registration.version,
+                          list(registration.aliases), decision.reason)
+    record_outputs(p.workdir, "register", key, [], {"name": registration.name, "version": registration.version,
+                                                     "train_key": trained.key})
+    create_markdown_artifact(
+        key=f"{p.name}-registration",
+        markdown=(f"## Registered `{registration.name}` version {registration.version}\n\n"
+                  f"aliases: {', '.join(registration.aliases)}\n\ngate: {decision.reason}\n\n"
+                  f"```python\nmlflow.transformers.load_model(\"models:/{registration.name}@champion\")\n```"),
+        description="MLflow registration")
+    return registration

@@ -1,0 +1,129 @@
+"""pipelines.yaml schema: typed, strict, every error at once with its YAML path."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from fulltune.errors import ConfigError
+from fulltune.spec import apply_overrides, load_pipelines, parse_size, validate_pipelines
+
+MINIMAL = {"model": {"name_or_path": "some/model"}, "data": {"train": "train.jsonl"}}
+
+
+def write(tmp_path, text):
+    path = tmp_path / "pipelines.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_all_errors_reported_at_once_with_yaml_paths(tmp_path):
+    path = write(tmp_path, """
+        pipelines:
+          demo:
+            model: {name_or_path: m}
+            data: {train: t.jsonl, format: poetry}
+            train: {learning_rate: -1, bogus: 3, micro_batch_size: 0}
+            budget: {memory: 12 apples}
+    """)
+    with pytest.raises(ConfigError) as caught:
+        load_pipelines(path)
+    message = str(caught.value)
+    assert "pipelines.demo.train.learning_rate: must be > 0" in message
+    assert "pipelines.demo.train.bogus: unknown key" in message
+    assert "pipelines.demo.train.micro_batch_size" in message
+    assert "pipelines.demo.budget.memory" in message
+    assert "pipelines.demo.data.format" in message
+    assert "5 problem(s)" in message
+
+
+def test_malformed_yaml_names_the_line(tmp_path):
+    path = write(tmp_path, """
+        pipelines:
+          demo:
+            model: {name_or_path: m
+            data: x
+    """)
+    with pytest.raises(ConfigError, match=r"line \d+"):
+        load_pipelines(path)
+
+
+def test_defaults_merge_deeply_and_pipeline_wins():
+    spec = validate_pipelines({
+        "defaults": {"train": {"learning_rate": 0.1, "seed": 7}, "budget": {"memory": "8GiB"}},
+        "pipelines": {"a": {**MINIMAL, "train": {"learning_rate": 0.5}}},
+    }).pipelines["a"]
+    assert spec.train.learning_rate == 0.5
+    assert spec.train.seed == 7
+    assert spec.budget.memory == "8GiB"
+
+
+def test_overrides_are_typed_yaml_scalars():
+    spec = validate_pipelines(
+        {"pipelines": {"a": MINIMAL}},
+        {"a": ["train.learning_rate=1e-4", "train.gradient_checkpointing=true", "data.packing=true",
+               "train.max_steps=12"]},
+    ).pipelines["a"]
+    assert spec.train.learning_rate == 1e-4
+    assert spec.train.gradient_checkpointing is True
+    assert spec.data.packing is True
+    assert spec.train.max_steps == 12
+
+
+def test_override_of_unknown_key_is_reported_with_its_path():
+    with pytest.raises(ConfigError, match=r"pipelines.a.train.learnign_rate: unknown key"):
+        validate_pipelines({"pipelines": {"a": MINIMAL}}, {"a": ["train.learnign_rate=1"]})
+
+
+def test_model_needs_exactly_one_source():
+    with pytest.raises(ConfigError, match="exactly one of model.name_or_path and model.from_config"):
+        validate_pipelines({"pipelines": {"a": {"model": {}, "data": {"train": "t"}}}})
+
+
+def test_batch_arithmetic_must_match_effective_batch():
+    body = {**MINIMAL, "train": {"effective_batch_size": 8, "micro_batch_size": 4, "gradient_accumulation_steps": 4}}
+    with pytest.raises(ConfigError, match="must equal train.effective_batch_size"):
+        validate_pipelines({"pipelines": {"a": body}})
+
+
+def test_gradient_checkpointing_accepts_auto_bool_and_layer_count():
+    for value, expected in (("auto", "auto"), (True, True), (False, False), (3, 3)):
+        body = {**MINIMAL, "train": {"gradient_checkpointing": value}}
+        spec = validate_pipelines({"pipelines": {"a": body}}).pipelines["a"]
+        assert spec.train.gradient_checkpointing == expected
+        assert type(spec.train.gradient_checkpointing) is type(expected)
+
+
+def test_register_gate_direction_is_checked():
+    body = {**MINIMAL, "register": {"promote_if": {"metric": "exact_match", "mode": "min"}}}
+    with pytest.raises(ConfigError, match="exact_match improves in mode 'max'"):
+        validate_pipelines({"pipelines": {"a": body}})
+
+
+def test_schedule_must_be_cron():
+    with pytest.raises(ConfigError, match="pipelines.a.schedule"):
+        validate_pipelines({"pipelines": {"a": {**MINIMAL, "schedule": "every monday"}}})
+
+
+def test_config_hash_is_stable_and_sensitive():
+    one = validate_pipelines({"pipelines": {"a": MINIMAL}}).pipelines["a"]
+    two = validate_pipelines({"pipelines": {"a": dict(reversed(list(MINIMAL.items())))}}).pipelines["a"]
+    three = validate_pipelines({"pipelines": {"a": MINIMAL}}, {"a": ["train.seed=1"]}).pipelines["a"]
+    assert one.config_hash() == two.config_hash() != three.config_hash()
+
+
+def test_specs_are_frozen():
+    spec = validate_pipelines({"pipelines": {"a": MINIMAL}}).pipelines["a"]
+    with pytest.raises(Exception):
+        spec.train.learning_rate = 1.0
+
+
+@pytest.mark.parametrize("text,expected", [("24GiB", 24 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
+                                           ("1000", 1000)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+def test_apply_overrides_creates_missing_sections():
+    assert apply_overrides({}, ["budget.memory=4GiB"]) == {"budget": {"memory": "4GiB"}}
