@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,7 +205,7 @@ def register_model(model_dir: str, name: str, run_id: str, tags: dict[str, str],
     client = MlflowClient()
     requirements = [f"{pkg}=={_version(pkg)}" for pkg in ("torch", "transformers", "accelerate", "tokenizers",
                                                           "safetensors")]
-    with mlflow.start_run(run_id=run_id):
+    with mlflow.start_run(run_id=run_id), _pipeline_classes_resolved():
         info = mlflow.transformers.log_model(
             transformers_model=model_dir,
             name="model",
@@ -221,6 +223,35 @@ def register_model(model_dir: str, name: str, run_id: str, tags: dict[str, str],
         client.set_registered_model_alias(name, CHAMPION, version)
         aliases.append(CHAMPION)
     return Registration(name, version, tuple(aliases), decision.promote, decision.reason, run_id)
+
+
+@contextlib.contextmanager
+def _pipeline_classes_resolved() -> Iterator[None]:
+    """Let MLflow log a checkpoint directory under transformers 5.
+
+    MLflow's path-based logging reads `check_task(task)[1]["impl"].__name__`, but transformers 5 lists
+    pipeline classes as dotted strings (transformers/pipelines/__init__.py). Resolve the string to the
+    class for the duration of the call, so the model is logged from disk without being loaded.
+    """
+    import importlib
+
+    from transformers import pipelines
+
+    original = pipelines.check_task
+
+    def check_task(task: str) -> Any:
+        name, metadata, options = original(task)
+        impl = metadata.get("impl")
+        if isinstance(impl, str):
+            module, _, cls = impl.rpartition(".")
+            metadata = {**metadata, "impl": getattr(importlib.import_module(module), cls)}
+        return name, metadata, options
+
+    pipelines.check_task = check_task
+    try:
+        yield
+    finally:
+        pipelines.check_task = original
 
 
 def version_exists(name: str, version: str, train_key: str) -> bool:

@@ -1,0 +1,71 @@
+"""MLflow registry: versions, tags, the champion gate, and loading `@champion` in a fresh process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fulltune import registry
+from fulltune.registry import GateDecision, decide_promotion
+
+from tiny import make_model, make_tokenizer
+
+
+def test_gate_promotes_first_model_and_only_improvements():
+    assert decide_promotion({"eval_loss": 1.0}, None, {"eval_loss": 2.0}, "eval_loss", "min", 0.0, True).promote
+    assert decide_promotion({"eval_loss": 1.0}, {"eval_loss": 1.2}, None, "eval_loss", "min", 0.1, True).promote
+    assert not decide_promotion({"eval_loss": 1.15}, {"eval_loss": 1.2}, None, "eval_loss", "min", 0.1, True).promote
+    assert not decide_promotion({"eval_loss": 1.2}, {"eval_loss": 1.2}, None, "eval_loss", "min", 0.0, True).promote
+    assert decide_promotion({"exact_match": 0.6}, {"exact_match": 0.5}, None, "exact_match", "max", 0.05, True).promote
+
+
+def test_gate_never_promotes_a_model_worse_than_its_base():
+    decision = decide_promotion({"eval_loss": 3.0}, None, {"eval_loss": 2.0}, "eval_loss", "min", 0.0, True)
+    assert not decision.promote
+    assert "base model" in decision.reason
+
+
+def test_gate_refuses_non_finite_metric():
+    assert not decide_promotion({"eval_loss": float("nan")}, None, None, "eval_loss", "min", 0.0, True).promote
+
+
+def test_secrets_never_reach_params():
+    flat = registry.flatten({"model": {"token": "hf_abc", "token_env": "HF_TOKEN", "name": "x"},
+                             "uri": "postgresql://user:hunter2@db:5432/mlflow"})
+    assert "model.token" not in flat
+    assert flat["model.token_env"] == "HF_TOKEN"
+    assert "hunter2" not in flat["uri"] and "user:***@db" in flat["uri"]
+
+
+@pytest.mark.slow
+def test_register_aliases_and_load_champion_in_fresh_process(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = registry.configure(tmp_path)
+    tok = make_tokenizer(tmp_path / "tok")
+    good = make_model(tmp_path / "good", tok, seed=0)
+    worse = make_model(tmp_path / "worse", tok, seed=1)
+
+    run = registry.start_pipeline_run("p", {"a": 1}, {}, tmp_path)
+    first = registry.register_model(good, "tiny", run, {registry.TAG_TRAIN_KEY: "k1"}, {"eval_loss": 1.0},
+                                    GateDecision(True, "no champion yet"))
+    assert first.version == "1" and set(first.aliases) == {"challenger", "champion"}
+    champion = registry.current_champion("tiny")
+    assert champion.version == "1" and champion.train_key == "k1" and champion.metrics["eval_loss"] == 1.0
+
+    decision = decide_promotion({"eval_loss": 1.5}, champion.metrics, None, "eval_loss", "min", 0.0, True)
+    second = registry.register_model(worse, "tiny", run, {registry.TAG_TRAIN_KEY: "k2"}, {"eval_loss": 1.5},
+                                     decision)
+    assert second.version == "2" and second.aliases == ("challenger",)
+    assert registry.current_champion("tiny").version == "1"
+    assert registry.version_exists("tiny", "2", "k2") and not registry.version_exists("tiny", "2", "k1")
+
+    script = ("import mlflow; p = mlflow.transformers.load_model('models:/tiny@champion'); "
+              "out = p('12+35=', max_new_tokens=4, do_sample=False); print('GENERATED', type(out[0]['generated_text']))")
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "GENERATED <class 'str'>" in done.stdout
