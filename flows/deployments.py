@@ -8,19 +8,25 @@ from fulltune.spec import load_pipelines
 
 
 def build_deployments(pipelines_file: str) -> list[Any]:
-    """One served deployment per pipeline; the Prefect UI lists them and can start them."""
+    """One deployment per pipeline; the Prefect UI lists them and starts them with a typed form:
+    the pipeline as a dropdown of the file's pipelines, the overrides as fields the server validates."""
     from flows.pipeline import finetune_pipeline
 
     pipelines = load_pipelines(pipelines_file)
+    names = list(pipelines.pipelines)
     deployments = []
     for name, spec in pipelines.pipelines.items():
-        deployments.append(finetune_pipeline.to_deployment(
+        deployment = finetune_pipeline.to_deployment(
             name=name,
             parameters={"pipeline": name, "pipelines_file": pipelines_file},
             cron=spec.schedule,
             description=spec.description or f"fulltune pipeline {name}",
             tags=["fulltune", name],
-        ))
+        )
+        properties = deployment._parameter_openapi_schema.properties
+        properties["pipeline"].update({"enum": names, "default": name})
+        properties["pipelines_file"].update({"readOnly": True, "default": pipelines_file})
+        deployments.append(deployment)
     return deployments
 
 

@@ -7,15 +7,38 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
+from pydantic import BaseModel, ConfigDict, Field
 
 from fulltune import pipeline as stages
 from fulltune import registry
 from tasks.budget import memory_budget_task
-from tasks.common import results_dir
+from tasks.common import results_dir, stage_policy
 from tasks.evaluate import evaluate_task
 from tasks.finetune import finetune_task
 from tasks.register import register_task
 from tasks.tokenize import tokenize_task
+
+
+class Overrides(BaseModel):
+    """Changes to the pipeline for one run. The Prefect UI shows this as a form and the server validates
+    it; `extra` takes any other field as `dotted.key: value` (what `--set` does on the command line)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    learning_rate: float | None = Field(None, gt=0, description="train.learning_rate")
+    max_steps: int | None = Field(None, ge=1, description="train.max_steps")
+    num_epochs: float | None = Field(None, gt=0, description="train.num_epochs")
+    effective_batch_size: int | None = Field(None, ge=1, description="train.effective_batch_size")
+    seed: int | None = Field(None, ge=0, description="train.seed")
+    max_length: int | None = Field(None, ge=8, description="data.max_length")
+    budget_memory: str | None = Field(None, description="budget.memory, e.g. '24GiB'")
+    extra: dict[str, Any] = Field(default_factory=dict, description="Any other field, as dotted.key: value")
+
+    def dotted(self) -> dict[str, Any]:
+        fields = {name: info.description for name, info in type(self).model_fields.items() if name != "extra"}
+        typed = {fields[name].split(",")[0].split(" ")[0]: value
+                 for name, value in self.model_dump(exclude={"extra"}).items() if value is not None}
+        return {**typed, **self.extra}
 
 
 @dataclass(frozen=True)
@@ -60,7 +83,8 @@ def _stage(task: Any, p: stages.ResolvedPipeline, name: str, key: str, present: 
     """The task with results beside the outputs; a cache hit whose files are gone is refreshed."""
     if present is None:
         present = stages.outputs_present(p.workdir, name, key)
-    return task.with_options(result_storage=results_dir(p.workdir), refresh_cache=not present)
+    return task.with_options(cache_policy=stage_policy(name, p.workdir), result_storage=results_dir(p.workdir),
+                             refresh_cache=not present)
 
 
 def _state_word(state: Any) -> str:
@@ -68,11 +92,11 @@ def _state_word(state: Any) -> str:
 
 
 @flow(name="fulltune-pipeline", log_prints=True)
-def finetune_pipeline(pipeline: str = "demo", overrides: dict[str, Any] | None = None,
+def finetune_pipeline(pipeline: str = "demo", overrides: Overrides | None = None,
                       pipelines_file: str = "pipelines.yaml") -> PipelineSummary:
-    """Run one pipeline of `pipelines_file`, with `overrides` as dotted keys (`{"train.max_steps": 10}`)."""
+    """Run one pipeline of `pipelines_file`: tokenize, check the memory budget, fine-tune, evaluate, register."""
     logger = get_run_logger()
-    p = stages.resolve_pipeline(pipelines_file, pipeline, overrides)
+    p = stages.resolve_pipeline(pipelines_file, pipeline, overrides.dotted() if overrides else None)
     stages.ensure_local_data(p)
     done: dict[str, str] = {}
 
@@ -124,7 +148,7 @@ def finetune_pipeline(pipeline: str = "demo", overrides: dict[str, Any] | None =
     summary = PipelineSummary(
         p.name, done, stages.describe_settings(decision.settings, decision.num_layers), trained.metrics,
         {name: m.as_dict() for name, m in report.candidates.items()}, registration.name, registration.version,
-        registration.aliases, registration.promoted, registration.reason, uri, run_id, trained.replans)
+        registry.aliases_of(registration.name, registration.version), registration.promoted, registration.reason, uri, run_id, trained.replans)
     for line in summary.lines():
         logger.info(line)
     return summary

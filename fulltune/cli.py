@@ -165,12 +165,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     p = resolve_pipeline(args.file, args.name, args.overrides)
     ensure_local_data(p)
     _quiet_user_errors()
-    from flows.pipeline import finetune_pipeline
+    from flows.pipeline import Overrides, finetune_pipeline
 
     from fulltune.spec import parse_override
 
     overrides = {".".join(parts): value for parts, value in map(parse_override, args.overrides)}
-    summary = finetune_pipeline(pipeline=args.name, overrides=overrides or None,
+    summary = finetune_pipeline(pipeline=args.name, overrides=Overrides(extra=overrides) if overrides else None,
                                 pipelines_file=str(Path(args.file).resolve()))
     print()
     print("\n".join(summary.lines()))

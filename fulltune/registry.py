@@ -254,6 +254,26 @@ def _pipeline_classes_resolved() -> Iterator[None]:
         pipelines.check_task = original
 
 
+def find_version(name: str, train_key: str) -> str | None:
+    """The version already registered from the same trained weights, if any."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    try:
+        found = MlflowClient().search_model_versions(f"name='{name}'")
+    except MlflowException:
+        return None
+    matches = [v.version for v in found if v.tags.get(TAG_TRAIN_KEY) == train_key]
+    return str(min(matches, key=int)) if matches else None
+
+
+def aliases_of(name: str, version: str) -> tuple[str, ...]:
+    """The aliases a version holds now (another run may have moved them since it was registered)."""
+    from mlflow.tracking import MlflowClient
+
+    return tuple(sorted(MlflowClient().get_model_version(name, version).aliases))
+
+
 def version_exists(name: str, version: str, train_key: str) -> bool:
     """Whether a cached registration still matches the registry (a deleted database re-runs the stage)."""
     from mlflow.exceptions import MlflowException

@@ -9,10 +9,10 @@ from prefect.artifacts import create_markdown_artifact
 
 from fulltune.data import TokenizedData
 from fulltune.pipeline import BudgetDecision, ResolvedPipeline, plan_budget, record_outputs
-from tasks.common import cache_key
+from tasks.common import stage_policy
 
 
-@task(name="memory-budget", cache_key_fn=cache_key("budget"), persist_result=True)
+@task(name="memory-budget", cache_policy=stage_policy("budget"), persist_result=True)
 def memory_budget_task(p: ResolvedPipeline, key: str, data: TokenizedData, tokenizer: str) -> BudgetDecision:
     """Estimate the peak for the configured settings; pick the fastest settings within the budget."""
     from fulltune.models import load_tokenizer

@@ -17,6 +17,24 @@ def cache_key(stage: str):
     return key_fn
 
 
+def stage_policy(stage: str, workdir: str | None = None) -> Any:
+    """Cache policy of a stage. With a workdir, cache records live there and runs that compute the same
+    key at once are serialised by a file lock: the second waits, then finds the first one's result."""
+    from prefect.cache_policies import CacheKeyFnPolicy
+    from prefect.locking.filesystem import FileSystemLockManager
+    from prefect.transactions import IsolationLevel
+
+    policy = CacheKeyFnPolicy(cache_key_fn=cache_key(stage))
+    if workdir is None:
+        return policy
+    return policy.configure(key_storage=results_dir(workdir), lock_manager=FileSystemLockManager(locks_dir(workdir)),
+                            isolation_level=IsolationLevel.SERIALIZABLE)
+
+
+def locks_dir(workdir: str) -> Path:
+    return Path(workdir) / "locks"
+
+
 def retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:
     """Retry crashes and flaky I/O, never a user error: retrying a bad config changes nothing."""
     try:

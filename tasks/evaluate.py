@@ -12,11 +12,11 @@ from fulltune.evaluate import EvalReport
 from fulltune.fingerprint import atomic_write_text
 from fulltune.pipeline import ResolvedPipeline, record_outputs
 from fulltune.registry import Champion
-from tasks.common import cache_key, retry_unless_user_error
+from tasks.common import stage_policy, retry_unless_user_error
 from tasks.finetune import TrainedModel
 
 
-@task(name="evaluate", cache_key_fn=cache_key("evaluate"), persist_result=True, retries=2,
+@task(name="evaluate", cache_policy=stage_policy("evaluate"), persist_result=True, retries=2,
       retry_delay_seconds=[5, 20], retry_condition_fn=retry_unless_user_error)
 def evaluate_task(p: ResolvedPipeline, key: str, data: TokenizedData, trained: TrainedModel,
                   champion: Champion | None, device: str, mlflow_run_id: str) -> EvalReport:

@@ -13,7 +13,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from fulltune.data import TokenizedData
 from fulltune.pipeline import BudgetDecision, ResolvedPipeline, describe_settings, record_outputs
-from tasks.common import cache_key, retry_unless_user_error
+from tasks.common import stage_policy, retry_unless_user_error
 
 MAX_OOM_REPLANS = 2
 
@@ -32,7 +32,7 @@ class TrainedModel:
     replans: tuple[str, ...] = ()
 
 
-@task(name="fine-tune", cache_key_fn=cache_key("fine-tune"), persist_result=True, retries=2,
+@task(name="fine-tune", cache_policy=stage_policy("fine-tune"), persist_result=True, retries=2,
       retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error)
 def finetune_task(p: ResolvedPipeline, key: str, data: TokenizedData, tokenizer: str, decision: BudgetDecision,
                   mlflow_uri: str, mlflow_run_id: str) -> TrainedModel:

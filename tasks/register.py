@@ -9,18 +9,29 @@ from fulltune.data import TokenizedData
 from fulltune.evaluate import EvalReport
 from fulltune.pipeline import ResolvedPipeline, record_outputs
 from fulltune.registry import Registration
-from tasks.common import cache_key, retry_unless_user_error
+from tasks.common import stage_policy, retry_unless_user_error
 from tasks.finetune import TrainedModel
 
 
-@task(name="register", cache_key_fn=cache_key("register"), persist_result=True, retries=2,
+@task(name="register", cache_policy=stage_policy("register"), persist_result=True, retries=2,
       retry_delay_seconds=[5, 20], retry_condition_fn=retry_unless_user_error)
 def register_task(p: ResolvedPipeline, key: str, data: TokenizedData, trained: TrainedModel, report: EvalReport,
                   mlflow_run_id: str, flow_run_id: str) -> Registration:
     """Log the checkpoint from its directory, tag the version, set `challenger`, and gate `champion`."""
     from fulltune.fingerprint import code_version
     from fulltune.registry import (TAG_CONFIG, TAG_DATA, TAG_FLOW_RUN, TAG_PIPELINE, TAG_TRAIN_KEY, TAG_VERSION,
-                                   decide_promotion, register_model)
+                                   aliases_of, decide_promotion, find_version, register_model)
+
+    logger = get_run_logger()
+    existing = find_version(p.model_name, trained.key)
+    if existing is not None:
+        # Same weights as a registered version (only evaluation settings changed): no new version.
+        aliases = aliases_of(p.model_name, existing)
+        logger.info("%s version %s already holds these weights; nothing new to register", p.model_name, existing)
+        record_outputs(p.workdir, "register", key, [], {"name": p.model_name, "version": existing,
+                                                         "train_key": trained.key})
+        return Registration(p.model_name, existing, aliases, "champion" in aliases,
+                            "same weights as an existing version", mlflow_run_id)
 
     gate = p.spec.registration.promote_if
     tuned = report.candidates["fine_tuned"].as_dict()
@@ -31,7 +42,7 @@ def register_task(p: ResolvedPipeline, key: str, data: TokenizedData, trained: T
     tags = {TAG_PIPELINE: p.name, TAG_DATA: data.fingerprint, TAG_CONFIG: p.spec.config_hash(),
             TAG_VERSION: code_version(), TAG_TRAIN_KEY: trained.key, TAG_FLOW_RUN: flow_run_id}
     registration = register_model(trained.model_dir, p.model_name, mlflow_run_id, tags, tuned, decision)
-    get_run_logger().info("registered %s version %s %s: %s", registration.name, registration.version,
+    logger.info("registered %s version %s %s: %s", registration.name, registration.version,
                           list(registration.aliases), decision.reason)
     record_outputs(p.workdir, "register", key, [], {"name": registration.name, "version": registration.version,
                                                      "train_key": trained.key})

@@ -7,10 +7,10 @@ from prefect.artifacts import create_table_artifact
 
 from fulltune.data import TokenizedData
 from fulltune.pipeline import ResolvedPipeline, record_outputs
-from tasks.common import cache_key, retry_unless_user_error
+from tasks.common import stage_policy, retry_unless_user_error
 
 
-@task(name="tokenize", cache_key_fn=cache_key("tokenize"), persist_result=True, retries=2,
+@task(name="tokenize", cache_policy=stage_policy("tokenize"), persist_result=True, retries=2,
       retry_delay_seconds=[2, 10], retry_condition_fn=retry_unless_user_error)
 def tokenize_task(p: ResolvedPipeline, key: str) -> tuple[TokenizedData, str]:
     """Prepare the tokenizer (train a BPE one if asked) and tokenize the data; returns (data, tokenizer)."""

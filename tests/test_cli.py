@@ -1,0 +1,109 @@
+"""The command line: user errors exit 2 with one message naming the field or file, and leave nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fulltune.cli import main
+
+from conftest import ROOT
+from pipelines_fixture import tiny_pipeline
+
+CLI = [sys.executable, "-m", "fulltune.cli"]
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([*CLI, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def assert_user_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    for needle in needles:
+        assert needle in result.stderr
+
+
+def test_validate_ok_and_list(tmp_path, capsys):
+    path = tiny_pipeline(tmp_path)
+    assert main(["validate", str(path)]) == 0
+    assert "1 pipeline(s) valid: tiny" in capsys.readouterr().out
+    assert main(["list", "-f", str(path)]) == 0
+    assert "tiny" in capsys.readouterr().out
+
+
+def test_bad_config_exits_2_naming_the_field(tmp_path):
+    path = tiny_pipeline(tmp_path, train={"learning_rate": -1})
+    result = run_cli("validate", str(path), cwd=tmp_path)
+    assert_user_error(result, "pipelines.tiny.train.learning_rate: must be > 0")
+
+
+def test_malformed_yaml_exits_2_with_line(tmp_path):
+    (tmp_path / "pipelines.yaml").write_text("pipelines:\n  a: [1, 2\n")
+    result = run_cli("run", "a", cwd=tmp_path)
+    assert_user_error(result, "pipelines.yaml", "line")
+
+
+def test_unknown_pipeline_exits_2(tmp_path, capsys):
+    path = tiny_pipeline(tmp_path)
+    assert main(["run", "nope", "-f", str(path)]) == 2
+    assert "unknown pipeline 'nope'" in capsys.readouterr().err
+
+
+def test_unknown_override_key_exits_2(tmp_path, capsys):
+    path = tiny_pipeline(tmp_path)
+    assert main(["plan", "tiny", "-f", str(path), "--set", "train.lr=1"]) == 2
+    assert "pipelines.tiny.train.lr: unknown key" in capsys.readouterr().err
+
+
+def test_missing_data_file_exits_2_before_anything_runs(tmp_path):
+    path = tiny_pipeline(tmp_path, data={"train": "missing.jsonl"})
+    result = run_cli("run", "tiny", "-f", str(path), cwd=tmp_path)
+    assert_user_error(result, "data.train", "missing.jsonl")
+    assert not (tmp_path / "work").exists()
+
+
+def test_plan_json_keeps_the_contract(tmp_path, capsys):
+    path = tiny_pipeline(tmp_path)
+    assert main(["plan", "tiny", "-f", str(path), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["device"] == "cpu"
+    assert isinstance(plan["budget_bytes"], int) and plan["fits"] is True
+    breakdown_keys = {"parameters", "gradients", "optimizer_states", "activations", "logits", "temporary",
+                      "runtime_overhead"}
+    for estimate in (plan["estimate"], plan["plan"]["estimate"]):
+        assert set(estimate["breakdown"]) == breakdown_keys
+        assert estimate["device_bytes"] >= estimate["peak_bytes"] > 0
+    chosen = plan["plan"]
+    assert chosen["micro_batch_size"] * chosen["gradient_accumulation_steps"] == 4
+    for key in ("gradient_checkpointing", "mixed_precision", "optimizer"):
+        assert key in chosen
+    assert isinstance(plan["alternatives"], list)
+
+
+def test_impossible_budget_with_fail_exits_2_with_breakdown(tmp_path):
+    path = tiny_pipeline(tmp_path, budget={"device": "cpu", "memory": 1000, "on_overflow": "fail"})
+    result = run_cli("plan", "tiny", "-f", str(path), cwd=tmp_path)
+    assert_user_error(result, "budget")
+    assert "parameters" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("content,needles", [
+    ('{"prompt": "1+1=", "completion": "2"}\n{"prompt": "2+2=", "completion": \n', ["train.jsonl", "line 2"]),
+    ("", ["train.jsonl", "empty"]),
+    ('{"question": "1+1=", "completion": "2"}\n' * 8, ["train.jsonl", "prompt"]),
+])
+def test_broken_data_exits_2_and_registers_nothing(tmp_path, content, needles):
+    path = tiny_pipeline(tmp_path)
+    (tmp_path / "train.jsonl").write_text(content)
+    result = run_cli("run", "tiny", "-f", str(path), cwd=tmp_path)
+    assert_user_error(result, *needles)
+    assert not list((tmp_path / "work").glob("tokenized/[!.]*"))
+    assert not (tmp_path / "work" / "mlflow.db").exists()
