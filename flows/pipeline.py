@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fulltune import pipeline as stages
 from fulltune import registry
 from tasks.budget import memory_budget_task
-from tasks.common import results_dir, stage_policy
+from tasks.common import clear_stale_locks, results_dir, stage_policy
 from tasks.evaluate import evaluate_task
 from tasks.finetune import finetune_task
 from tasks.register import register_task
@@ -98,6 +98,8 @@ def finetune_pipeline(pipeline: str = "demo", overrides: Overrides | None = None
     logger = get_run_logger()
     p = stages.resolve_pipeline(pipelines_file, pipeline, overrides.dotted() if overrides else None)
     stages.ensure_local_data(p)
+    for lock in clear_stale_locks(p.workdir):
+        logger.warning("removed the stale lock %s of a run that no longer exists", lock.name)
     done: dict[str, str] = {}
 
     key = stages.tokenize_key(p)

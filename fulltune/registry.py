@@ -211,6 +211,9 @@ def register_model(model_dir: str, name: str, run_id: str, tags: dict[str, str],
             name="model",
             task="text-generation",
             pip_requirements=requirements,
+            # Declaring params lets served models honour {"params": {"max_new_tokens": ...}}.
+            signature=mlflow.models.infer_signature(["prompt"], ["text"],
+                                                    params={"max_new_tokens": 64, "do_sample": False}),
             registered_model_name=name,
         )
     version = str(info.registered_model_version)

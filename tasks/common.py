@@ -27,12 +27,44 @@ def stage_policy(stage: str, workdir: str | None = None) -> Any:
     policy = CacheKeyFnPolicy(cache_key_fn=cache_key(stage))
     if workdir is None:
         return policy
-    return policy.configure(key_storage=results_dir(workdir), lock_manager=FileSystemLockManager(locks_dir(workdir)),
+    return policy.configure(lock_manager=FileSystemLockManager(locks_dir(workdir)),
                             isolation_level=IsolationLevel.SERIALIZABLE)
 
 
 def locks_dir(workdir: str) -> Path:
     return Path(workdir) / "locks"
+
+
+def clear_stale_locks(workdir: str) -> list[Path]:
+    """Remove stage locks whose holder process on this host is gone (a run killed while it held one);
+    otherwise the next run of the same stage would wait for it forever."""
+    import json
+    import socket
+
+    removed = []
+    for lock in locks_dir(workdir).glob("*.lock"):
+        try:
+            holder = json.loads(lock.read_text())["holder"]
+            host, pid = holder.split(":")[:2]
+        except (OSError, ValueError, KeyError):
+            continue
+        if host != socket.gethostname() or _alive(int(pid)):
+            continue
+        lock.unlink(missing_ok=True)
+        removed.append(lock)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:

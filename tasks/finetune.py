@@ -80,7 +80,7 @@ def finetune_task(p: ResolvedPipeline, key: str, data: TokenizedData, tokenizer:
 
 def build_job(p: ResolvedPipeline, data: TokenizedData, tokenizer: str, base_model: str, settings: dict[str, Any],
               output_dir: Path, mlflow_uri: str, mlflow_run_id: str) -> Any:
-    from fulltune.train import TrainJob
+    from fulltune.launch import TrainJob
 
     t, d, m = p.spec.train, p.spec.distributed, p.spec.model
     return TrainJob(

@@ -32,7 +32,7 @@ def versions(path: Path) -> list[str]:
     from fulltune import registry
 
     registry.configure(path.parent / "work")
-    return sorted(v.version for v in MlflowClient().search_model_versions("name='tiny-model'"))
+    return sorted(str(v.version) for v in MlflowClient().search_model_versions("name='tiny-model'"))
 
 
 def test_first_run_trains_evaluates_and_registers_champion(workspace):
