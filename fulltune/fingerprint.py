@@ -35,14 +35,20 @@ def hash_json(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
-@lru_cache(maxsize=1)
-def code_version() -> str:
-    """Version plus a hash of the engine's source: changing engine code invalidates cached stages."""
+@lru_cache(maxsize=None)
+def code_version(*modules: str) -> str:
+    """Version plus a hash of engine source: of the named modules (paths relative to the package, a
+    directory for a sub-package), or of the whole engine. Stage cache keys name the modules the stage
+    runs, so changing the trainer re-runs training but not tokenization."""
     from fulltune import __version__
 
     package = Path(__file__).parent
+    files: list[Path] = []
+    for module in modules or (".",):
+        target = package / module
+        files += sorted(target.rglob("*.py")) if target.is_dir() else [target]
     digest = hashlib.sha256(__version__.encode())
-    for file in sorted(package.rglob("*.py")):
+    for file in files:
         digest.update(str(file.relative_to(package)).encode() + file.read_bytes())
     return f"{__version__}+{digest.hexdigest()[:12]}"
 

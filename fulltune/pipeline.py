@@ -20,6 +20,15 @@ from fulltune.spec import PipelineSpec, get_pipeline, load_pipelines
 
 log = logging.getLogger("fulltune")
 
+# The engine modules each stage runs: their source is part of the stage's cache key.
+STAGE_CODE = {
+    "tokenize": ("data.py", "tokenizer.py", "fingerprint.py"),
+    "budget": ("memory", "models.py", "pipeline.py"),
+    "train": ("train.py", "launch.py", "models.py", "data.py", "memory"),
+    "evaluate": ("evaluate.py", "data.py", "models.py"),
+    "register": ("registry.py",),
+}
+
 
 @dataclass(frozen=True)
 class ResolvedPipeline:
@@ -86,7 +95,7 @@ def tokenize_key(p: ResolvedPipeline) -> str:
     spec = p.spec
     tokenizer = spec.model.tokenizer if spec.model.tokenizer is not None else spec.model.name_or_path
     return hash_json({
-        "stage": "tokenize", "code": code_version(), "workdir": p.workdir,
+        "stage": "tokenize", "code": code_version(*STAGE_CODE["tokenize"]), "workdir": p.workdir,
         "data": spec.data.model_dump(mode="json"),
         "train": _source_hash(spec.data.train), "eval": _source_hash(spec.data.eval),
         "tokenizer": tokenizer if not isinstance(tokenizer, str) else _source_hash(tokenizer),
@@ -97,7 +106,7 @@ def tokenize_key(p: ResolvedPipeline) -> str:
 def budget_key(p: ResolvedPipeline, data_fingerprint: str) -> str:
     spec = p.spec
     return hash_json({
-        "stage": "budget", "code": code_version(), "data": data_fingerprint,
+        "stage": "budget", "code": code_version(*STAGE_CODE["budget"]), "data": data_fingerprint,
         "model": spec.model.model_dump(mode="json"), "model_source": _source_hash(spec.model.name_or_path),
         "budget": spec.budget.model_dump(mode="json"), "train": spec.train.model_dump(mode="json"),
         "distributed": spec.distributed.model_dump(mode="json"),
@@ -107,7 +116,8 @@ def budget_key(p: ResolvedPipeline, data_fingerprint: str) -> str:
 def train_key(p: ResolvedPipeline, data_fingerprint: str, settings: dict[str, Any]) -> str:
     spec = p.spec
     return hash_json({
-        "stage": "train", "code": code_version(), "data": data_fingerprint, "settings": settings,
+        "stage": "train", "code": code_version(*STAGE_CODE["train"]), "data": data_fingerprint,
+        "settings": settings,
         "model": spec.model.model_dump(mode="json"), "model_source": _source_hash(spec.model.name_or_path),
         "train": spec.train.model_dump(mode="json", exclude={"log_every_steps", "keep_checkpoints"}),
         "distributed": spec.distributed.model_dump(mode="json"),
@@ -116,14 +126,16 @@ def train_key(p: ResolvedPipeline, data_fingerprint: str, settings: dict[str, An
 
 def evaluate_key(p: ResolvedPipeline, trained_key: str, data_fingerprint: str, champion_version: str | None) -> str:
     return hash_json({
-        "stage": "evaluate", "code": code_version(), "train": trained_key, "data": data_fingerprint,
+        "stage": "evaluate", "code": code_version(*STAGE_CODE["evaluate"]), "train": trained_key,
+        "data": data_fingerprint,
         "evaluate": p.spec.evaluate.model_dump(mode="json"), "champion": champion_version,
     })
 
 
 def register_key(p: ResolvedPipeline, trained_key: str, eval_key: str, uri: str) -> str:
     return hash_json({
-        "stage": "register", "code": code_version(), "train": trained_key, "evaluate": eval_key,
+        "stage": "register", "code": code_version(*STAGE_CODE["register"]), "train": trained_key,
+        "evaluate": eval_key,
         "register": p.spec.registration.model_dump(mode="json"), "name": p.model_name,
         "tracking_uri": uri,
     })
