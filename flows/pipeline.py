@@ -58,6 +58,7 @@ class PipelineSummary:
     tracking_uri: str
     mlflow_run_id: str
     notes: tuple[str, ...] = field(default_factory=tuple)
+    example_prompt: str = "Hello"
 
     def lines(self) -> list[str]:
         out = [f"pipeline {self.pipeline}: " + ", ".join(f"{k} {v}" for k, v in self.stages.items())]
@@ -75,7 +76,7 @@ class PipelineSummary:
         out.append(f"  registered {self.model_name} version {self.version}, aliases: {', '.join(self.aliases)}"
                    f" ({self.gate})")
         out.append(f"  load it: MLFLOW_TRACKING_URI={registry.redact(self.tracking_uri)} python -c \"import mlflow; "
-                   f"print(mlflow.transformers.load_model('models:/{self.model_name}@champion')('1+1='))\"")
+                   f"print(mlflow.transformers.load_model('models:/{self.model_name}@champion')({self.example_prompt!r}))\"")
         return out
 
 
@@ -85,6 +86,11 @@ def _stage(task: Any, p: stages.ResolvedPipeline, name: str, key: str, present: 
         present = stages.outputs_present(p.workdir, name, key)
     return task.with_options(cache_policy=stage_policy(name, p.workdir), result_storage=results_dir(p.workdir),
                              refresh_cache=not present)
+
+
+def _example_prompt(report: Any) -> str:
+    samples = report.candidates["fine_tuned"].samples
+    return samples[0][0] if samples and samples[0][0] else "Hello"
 
 
 def _state_word(state: Any) -> str:
@@ -150,7 +156,8 @@ def finetune_pipeline(pipeline: str = "demo", overrides: Overrides | None = None
     summary = PipelineSummary(
         p.name, done, stages.describe_settings(decision.settings, decision.num_layers), trained.metrics,
         {name: m.as_dict() for name, m in report.candidates.items()}, registration.name, registration.version,
-        registry.aliases_of(registration.name, registration.version), registration.promoted, registration.reason, uri, run_id, trained.replans)
+        registry.aliases_of(registration.name, registration.version), registration.promoted, registration.reason,
+        uri, run_id, trained.replans, _example_prompt(report))
     for line in summary.lines():
         logger.info(line)
     return summary

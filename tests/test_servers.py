@@ -160,11 +160,11 @@ def test_served_deployment_run_registers_champion_and_reruns_register_nothing(se
     assert tags["fulltune.pipeline"] == "demo" and tags["fulltune.data_fingerprint"]
 
     load = ("import mlflow; p = mlflow.transformers.load_model('models:/%s@champion'); "
-            "print('OUT', repr(p('12+35=', max_new_tokens=4, do_sample=False)[0]['generated_text']))" % MODEL)
+            "print('OUT', repr(p('reverse 48213=', max_new_tokens=8, do_sample=False)[0]['generated_text']))" % MODEL)
     loaded = subprocess.run([sys.executable, "-c", load], env=servers.env, cwd=servers.root, capture_output=True,
                             text=True, timeout=300)
     assert loaded.returncode == 0, loaded.stderr[-3000:]
-    assert "OUT '12+35=" in loaded.stdout
+    assert "OUT 'reverse 48213=" in loaded.stdout
 
     assert run_deployment(servers) == "STATE COMPLETED", servers.log("serve")
     assert [v["version"] for v in model_versions(servers)] == ["1"]
