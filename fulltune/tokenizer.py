@@ -1,0 +1,190 @@
+"""Resolve the tokenizer a pipeline uses, or train one on its training data.
+
+`model.tokenizer` is a path or hub id (used as-is), absent (the checkpoint's own tokenizer), or
+`{vocab_size: N}`: a byte-level BPE trained here on the training texts, for models built from a config.
+A trained tokenizer is content-addressed like every other output: `<workdir>/tokenizers/<key>/`, where
+the key hashes the training file bytes and the options, and the same inputs give identical files.
+
+The trained tokenizer:
+- is byte-level (any UTF-8 text round-trips, no unknown token) and splits digits one by one, as the
+  Llama 3 and Qwen tokenizers do, so numbers tokenize the same way wherever they appear;
+- has the special tokens <|pad|> (id 0), <|bos|>, <|eos|> and the chat role tokens <|system|>,
+  <|user|>, <|assistant|>, <|end|>; plain text is encoded as <|bos|> + text (like Llama);
+- carries a chat template whose assistant turns are wrapped in `{% generation %}` so that
+  `apply_chat_template(..., return_assistant_tokens_mask=True)` finds the tokens to train on:
+  `<|bos|><|user|>hi<|end|><|assistant|>hello<|eos|>`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from fulltune.data import (
+    local_data_files,
+    looks_like_local_path,
+    hash_parts,
+    load_records,
+    publish_dir,
+    remove_stale_temp_dirs,
+    require_columns,
+    temp_dir_name,
+    update_hash_with_source,
+)
+from fulltune.errors import ConfigError
+from fulltune.spec import DataSpec, ModelSpec, TrainTokenizer
+
+# Bump when the trained tokenizer changes (pre-tokenizer, special tokens, template): retrains it.
+TOKENIZER_FORMAT_VERSION = 1
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+SPECIAL_TOKENS = (PAD, BOS, EOS, *ROLE_TOKENS)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '<|end|>' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def prepare_tokenizer(model: ModelSpec, data: DataSpec, workdir: str | Path) -> str:
+    """Return a directory or hub id that `AutoTokenizer.from_pretrained` loads.
+
+    - `model.tokenizer` is a string: returned as-is (a local directory must exist and hold tokenizer files);
+    - `model.tokenizer` is absent: `model.name_or_path`, checked the same way;
+    - `model.tokenizer` is `{vocab_size, min_frequency}`: a BPE tokenizer trained on `data.train`
+      (formatted as `data.format` reads it), saved to `<workdir>/tokenizers/<key>/` and reused after.
+
+    Raises ConfigError for a missing tokenizer directory, DataError for unusable training data.
+    """
+    if isinstance(model.tokenizer, TrainTokenizer):
+        return str(train_tokenizer(data, model.tokenizer, workdir))
+    if model.tokenizer is not None:
+        return _check_reference(model.tokenizer, "model.tokenizer")
+    if model.name_or_path is None:  # the spec requires model.tokenizer with model.from_config
+        raise ConfigError("model.tokenizer is required with model.from_config (a path, or {vocab_size: N})")
+    return _check_reference(model.name_or_path, "model.name_or_path")
+
+
+def _check_reference(reference: str, field: str) -> str:
+    path = Path(reference).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ConfigError(f"{field}: {reference} is a file; point it at the directory holding the tokenizer files")
+        if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+            raise ConfigError(
+                f"{field}: {reference} holds no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
+                "point model.tokenizer at a tokenizer directory"
+            )
+        return reference
+    if looks_like_local_path(reference):
+        raise ConfigError(f"{field}: directory {reference} not found (resolved to {path.resolve()}); check the path")
+    return reference  # a hub id
+
+
+def tokenizer_key(data: DataSpec, options: TrainTokenizer) -> str:
+    """sha256 of the training file bytes and every option that changes the trained tokenizer."""
+    h = hashlib.sha256()
+    hash_parts(h, "fulltune-tokenizer", str(TOKENIZER_FORMAT_VERSION))
+    update_hash_with_source(h, data.train, what="data.train")
+    fields = {
+        "text": [data.text_field],
+        "prompt_completion": [data.prompt_field, data.completion_field],
+        "chat": [data.messages_field],
+    }[data.format]
+    settings = {"format": data.format, "fields": fields, "vocab_size": options.vocab_size,
+                "min_frequency": options.min_frequency}
+    hash_parts(h, json.dumps(settings, sort_keys=True))
+    return h.hexdigest()
+
+
+def training_texts(data: DataSpec, cache_dir: str | Path | None = None) -> Iterator[str]:
+    """The strings the tokenizer is trained on, as tokenize_dataset will tokenize them: texts; prompts and
+    completions separately; chat message contents (role markers are special tokens)."""
+    records = load_records(data.train, what="data.train", cache_dir=cache_dir)
+    source = data.train
+    require_columns(records, data, source=source, what="data.train")
+    columns = {
+        "text": [data.text_field],
+        "prompt_completion": [data.prompt_field, data.completion_field],
+        "chat": [data.messages_field],
+    }[data.format]
+    for batch in records.select_columns(columns).iter(batch_size=1000):
+        for column in columns:
+            for value in batch[column]:
+                if isinstance(value, str):
+                    yield value
+                elif isinstance(value, list):  # chat messages; tokenize_dataset reports malformed ones
+                    for message in value:
+                        if isinstance(message, dict) and isinstance(message.get("content"), str):
+                            yield message["content"]
+
+
+def train_tokenizer(data: DataSpec, options: TrainTokenizer, workdir: str | Path) -> Path:
+    """Train (or reuse) the byte-level BPE tokenizer for `data`; returns its directory."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Checks data.train exists before anything is created (DataError otherwise).
+    local_data_files(data.train, "data.train")
+    root = Path(workdir) / "tokenizers"
+    final = root / tokenizer_key(data, options)
+    if _is_intact(final):
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_dirs(root)
+    tmp = root / temp_dir_name(final.name)
+    tmp.mkdir()
+    try:
+        texts = training_texts(data, cache_dir=tmp / "datasets-cache")
+        tokenizer = build_tokenizer(texts, options)
+        shutil.rmtree(tmp / "datasets-cache", ignore_errors=True)
+        tokenizer.save_pretrained(str(tmp))
+        publish_dir(tmp, final, _is_intact)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def build_tokenizer(texts: Iterable[str], options: TrainTokenizer) -> Any:
+    """Train a byte-level BPE on `texts` and wrap it as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=options.vocab_size,
+        min_frequency=options.min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: no unknown tokens
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts, trainer)
+    bos_id = bpe.token_to_id(BOS)
+    bpe.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=list(ROLE_TOKENS),
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def _is_intact(path: Path) -> bool:
+    return (path / "tokenizer.json").is_file() and (path / "tokenizer_config.json").is_file()
