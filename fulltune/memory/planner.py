@@ -1,0 +1,485 @@
+"""Choose micro-batch, gradient checkpointing, mixed precision and optimizer to fit a memory budget.
+
+The planner only changes fields the user left on auto, keeps the effective batch
+(micro_batch_size × gradient_accumulation_steps × num_processes) fixed, and among the settings
+whose estimated device memory fits in budget × (1 − headroom) picks the fastest by a simple
+step-time model (below). Gradient checkpointing is turned on for as few layers as needed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fulltune.memory.estimate import _estimate
+from fulltune.memory.shapes import ModelShape, model_shape
+from fulltune.memory.types import MemoryEstimate, MemoryPlan, PlanRequest, Settings
+from fulltune.memory.units import format_bytes, parse_bytes
+
+# --- step-time model --------------------------------------------------------------------------
+# Only the ranking of candidates matters, so the constants are round numbers:
+# sustained matmul throughput per device and precision (FLOP/s), the number of tokens per
+# micro-batch at which a device reaches half its throughput, and memory bandwidth for the
+# optimizer's pass over its states.
+_FLOPS = {
+    ("cuda", "bf16"): 400e12,
+    ("cuda", "fp16"): 400e12,
+    ("cuda", "no"): 150e12,  # TF32 matmuls
+    ("cpu", "no"): 2e11,
+    ("cpu", "bf16"): 1.3e11,  # bf16 autocast on CPUs without AMX is slower than fp32
+    ("cpu", "fp16"): 2e11,  # Accelerate runs fp16 as fp32 on CPU
+}
+_HALF_EFFICIENCY_TOKENS = {"cuda": 1024, "cpu": 64}
+_BANDWIDTH = {"cuda": 2.0e12, "cpu": 2.0e10}
+# Bytes the optimizer reads and writes per parameter in one step (weights, grads, states).
+_OPTIMIZER_TRAFFIC = {"adamw": 32, "adamw_8bit": 20, "adafactor": 20}
+# Penalties for choices that cost more than their FLOPs show: 8-bit AdamW ≈5% slower per step
+# (REFERENCE.md), Adafactor's factored second moment converges slower on fine-tuning tasks.
+_OPTIMIZER_PENALTY = {"adamw": 1.0, "adamw_8bit": 1.05, "adafactor": 1.12}
+
+
+def step_seconds(shape: ModelShape, settings: Settings) -> float:
+    """Estimated wall time of one optimizer step (ranking only, not a promise).
+
+    FLOPs per token 6N + 12·L·h·s (PaLM appendix B) plus one extra forward (2·N_layer + 4·h·s per
+    token) for each checkpointed layer; throughput grows with tokens per micro-batch.
+    """
+    s, b = settings.seq_len, settings.micro_batch_size
+    L, h = shape.num_layers, shape.hidden
+    k = min(settings.gradient_checkpointing, L)
+    per_token = 6.0 * shape.num_params + 12.0 * L * h * s
+    per_token += k * (2.0 * shape.layer_numel + 4.0 * h * s)
+    tokens = b * s
+    efficiency = tokens / (tokens + _HALF_EFFICIENCY_TOKENS[settings.device])
+    flops = _FLOPS[(settings.device, settings.mixed_precision)]
+    compute = settings.gradient_accumulation_steps * tokens * per_token / (flops * efficiency)
+    shard = settings.num_processes if settings.strategy in ("fsdp", "deepspeed_zero2", "deepspeed_zero3") else 1
+    optimizer = shape.num_params / shard * _OPTIMIZER_TRAFFIC[settings.optimizer] / _BANDWIDTH[settings.device]
+    return (compute + optimizer) * _OPTIMIZER_PENALTY[settings.optimizer]
+
+
+# --- budget ---------------------------------------------------------------------------------
+
+
+def resolve_budget(device: str = "auto", memory: int | str = "auto") -> tuple[str, int | None, bool]:
+    """Turn `budget.device` / `budget.memory` into (device, bytes per device, bf16 supported).
+
+    `auto` device is cuda when a GPU is visible, else cpu; `auto` memory is the device's total
+    memory (CPU: physical RAM, or the cgroup limit when lower).
+
+    Raises:
+        ValueError: unknown device, an unreadable memory size, or `memory: auto` for cuda on a
+            machine without a GPU.
+    """
+    import torch
+
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"budget.device must be auto, cpu or cuda; got {device!r}")
+    has_cuda = torch.cuda.is_available()
+    resolved = ("cuda" if has_cuda else "cpu") if device == "auto" else device
+    if resolved == "cuda":
+        bf16 = bool(torch.cuda.is_bf16_supported()) if has_cuda else True
+    else:
+        bf16 = True  # CPU autocast supports bf16 (slower without AMX; the planner knows)
+    if memory == "auto":
+        if resolved == "cuda":
+            if not has_cuda:
+                raise ValueError(
+                    "budget.memory: auto needs a visible GPU to read its size; none is visible here. "
+                    "Give the per-GPU memory, e.g. budget.memory: 80GiB"
+                )
+            return resolved, int(torch.cuda.get_device_properties(0).total_memory), bf16
+        return resolved, _cpu_memory(), bf16
+    return resolved, parse_bytes(memory), bf16
+
+
+def _cpu_memory() -> int:
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            total = int(text)
+    return int(total)
+
+
+# --- search ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    settings: Settings
+    estimate: MemoryEstimate
+    seconds: float
+
+
+def _per_process(request: PlanRequest) -> int:
+    return request.effective_batch_size // request.num_processes
+
+
+def _divisors(n: int) -> list[int]:
+    return sorted({d for i in range(1, int(math.isqrt(n)) + 1) if n % i == 0 for d in (i, n // i)}, reverse=True)
+
+
+def _fixed_checkpointing(value: bool | int | None, num_layers: int) -> int | None:
+    if value is None:
+        return None
+    if value is True:
+        return num_layers
+    if value is False:
+        return 0
+    return min(int(value), num_layers)
+
+
+def _default_precision(request: PlanRequest) -> str:
+    if request.device == "cuda" and request.bf16_supported:
+        return "bf16"
+    return "no"
+
+
+def configured_settings(config: Any, request: PlanRequest) -> Settings:
+    """The settings as configured, auto fields at their naive defaults.
+
+    micro-batch: the whole per-process batch in one pass (accumulation 1), or what the fixed
+    accumulation leaves; checkpointing off; mixed precision bf16 on a GPU that supports it, else
+    fp32; optimizer AdamW.
+    """
+    return _configured(model_shape(config), request)
+
+
+def _configured(shape: ModelShape, request: PlanRequest) -> Settings:
+    per = _per_process(request)
+    if request.micro_batch_size is not None:
+        micro = request.micro_batch_size
+    elif request.gradient_accumulation_steps is not None:
+        micro = per // request.gradient_accumulation_steps
+    else:
+        micro = per
+    return Settings(
+        micro_batch_size=micro,
+        seq_len=request.seq_len,
+        gradient_accumulation_steps=per // micro,
+        gradient_checkpointing=_fixed_checkpointing(request.gradient_checkpointing, shape.num_layers) or 0,
+        mixed_precision=request.mixed_precision or _default_precision(request),
+        optimizer=request.optimizer or "adamw",
+        attn_implementation=request.attn_implementation,
+        device=request.device,
+        strategy=request.strategy,
+        num_processes=request.num_processes,
+        attention_mask=request.attention_mask,
+    )
+
+
+def _options(shape: ModelShape, request: PlanRequest) -> tuple[list[int], list[str], list[str], int | None]:
+    per = _per_process(request)
+    if request.micro_batch_size is not None:
+        micros = [request.micro_batch_size]
+    elif request.gradient_accumulation_steps is not None:
+        micros = [per // request.gradient_accumulation_steps]
+    else:
+        micros = _divisors(per)
+    if request.mixed_precision is not None:
+        precisions = [request.mixed_precision]
+    elif request.device == "cuda":
+        precisions = ["bf16", "no"] if request.bf16_supported else ["fp16", "no"]
+    else:
+        precisions = ["no", "bf16"]
+    optimizers = [request.optimizer] if request.optimizer is not None else ["adamw", "adamw_8bit", "adafactor"]
+    return micros, precisions, optimizers, _fixed_checkpointing(request.gradient_checkpointing, shape.num_layers)
+
+
+def _candidate(shape: ModelShape, settings: Settings) -> _Candidate:
+    return _Candidate(settings, _estimate(shape, settings), step_seconds(shape, settings))
+
+
+def _least_checkpointing(shape: ModelShape, base: Settings, usable: int, lowest: int = 0) -> _Candidate:
+    """The candidate with the fewest checkpointed layers (>= lowest) that fits, else all layers.
+
+    Memory falls monotonically with each layer checkpointed, so a binary search finds it.
+    """
+    L = shape.num_layers
+    top = _candidate(shape, replace(base, gradient_checkpointing=L))
+    if top.estimate.device_bytes > usable:
+        return top
+    lo, hi = lowest, L
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _estimate(shape, replace(base, gradient_checkpointing=mid)).device_bytes <= usable:
+            hi = mid
+        else:
+            lo = mid + 1
+    return _candidate(shape, replace(base, gradient_checkpointing=lo))
+
+
+def _search(
+    shape: ModelShape,
+    request: PlanRequest,
+    usable: int,
+    micros: list[int] | None = None,
+    min_checkpointing: int = 0,
+) -> list[_Candidate]:
+    """One candidate per (micro-batch, precision, optimizer): fewest checkpointed layers that fit."""
+    per = _per_process(request)
+    default_micros, precisions, optimizers, fixed_k = _options(shape, request)
+    micros = default_micros if micros is None else micros
+    out = []
+    for micro in micros:
+        for precision in precisions:
+            for optimizer in optimizers:
+                base = Settings(
+                    micro_batch_size=micro,
+                    seq_len=request.seq_len,
+                    gradient_accumulation_steps=per // micro,
+                    gradient_checkpointing=fixed_k or 0,
+                    mixed_precision=precision,
+                    optimizer=optimizer,
+                    attn_implementation=request.attn_implementation,
+                    device=request.device,
+                    strategy=request.strategy,
+                    num_processes=request.num_processes,
+                    attention_mask=request.attention_mask,
+                )
+                if fixed_k is not None:
+                    out.append(_candidate(shape, base))
+                else:
+                    out.append(_least_checkpointing(shape, base, usable, min_checkpointing))
+    return out
+
+
+def _describe(settings: Settings) -> str:
+    parts = [f"micro-batch {settings.micro_batch_size} × accumulation {settings.gradient_accumulation_steps}"]
+    parts.append(f"checkpointing {settings.gradient_checkpointing} layers")
+    parts.append(f"precision {settings.mixed_precision}")
+    parts.append(settings.optimizer)
+    return ", ".join(parts)
+
+
+def _alternative(c: _Candidate, why: str) -> dict[str, Any]:
+    s = c.settings
+    return {
+        "micro_batch_size": s.micro_batch_size,
+        "gradient_accumulation_steps": s.gradient_accumulation_steps,
+        "gradient_checkpointing": s.gradient_checkpointing,
+        "mixed_precision": s.mixed_precision,
+        "optimizer": s.optimizer,
+        "peak_bytes": c.estimate.peak_bytes,
+        "device_bytes": c.estimate.device_bytes,
+        "estimated_step_seconds": round(c.seconds, 6),
+        "rejected_because": why,
+    }
+
+
+def plan_memory(config: Any, request: PlanRequest) -> MemoryPlan:
+    """Plan the settings of a run so that one training step fits `request.budget_bytes`.
+
+    With no budget, the configured settings run as they are (fits=True). Otherwise every
+    combination of the auto fields is estimated; the fastest one whose `device_bytes` fits in
+    budget × (1 − headroom) wins. When none fits, `fits` is False, `settings` is the candidate
+    with the smallest peak and `suggestions` say what would fit (more memory, more GPUs with
+    FSDP/ZeRO-3, a shorter max_length).
+    """
+    shape = model_shape(config)
+    configured = _configured(shape, request)
+    configured_estimate = _estimate(shape, configured)
+    if request.budget_bytes is None:
+        return MemoryPlan(
+            device=request.device,
+            budget_bytes=None,
+            fits=True,
+            estimate=configured_estimate,
+            settings=configured,
+            plan_estimate=configured_estimate,
+            reasons=(
+                "no memory budget given: running the configured settings "
+                f"(estimated peak {format_bytes(configured_estimate.peak_bytes)})",
+            ),
+            smallest_peak_bytes=configured_estimate.peak_bytes,
+            estimated_step_seconds=step_seconds(shape, configured),
+        )
+    usable = int(request.budget_bytes * (1.0 - request.headroom))
+    candidates = _search(shape, request, usable)
+    return _finish(shape, request, usable, configured, configured_estimate, candidates)
+
+
+def _finish(
+    shape: ModelShape,
+    request: PlanRequest,
+    usable: int,
+    configured: Settings,
+    configured_estimate: MemoryEstimate,
+    candidates: list[_Candidate],
+    extra_reasons: tuple[str, ...] = (),
+) -> MemoryPlan:
+    budget = request.budget_bytes
+    assert budget is not None
+    fitting = sorted(
+        (c for c in candidates if c.estimate.device_bytes <= usable),
+        key=lambda c: (c.seconds, c.settings.gradient_checkpointing, -c.settings.micro_batch_size),
+    )
+    smallest = min(candidates, key=lambda c: (c.estimate.device_bytes, c.seconds))
+    fits = bool(fitting)
+    chosen = fitting[0] if fits else smallest
+    reasons = [
+        f"budget {format_bytes(budget)} per {request.device} device; planning for {format_bytes(usable)} "
+        f"({request.headroom:.0%} headroom)",
+        *extra_reasons,
+    ]
+    over = configured_estimate.device_bytes - usable
+    if over <= 0:
+        reasons.append(
+            f"the configured settings fit: {format_bytes(configured_estimate.device_bytes)} "
+            f"(peak in {configured_estimate.peak_phase})"
+        )
+    else:
+        reasons.append(
+            f"the configured settings ({_describe(configured)}) need {format_bytes(configured_estimate.device_bytes)}, "
+            f"{format_bytes(over)} over budget (peak in {configured_estimate.peak_phase})"
+        )
+    reasons.extend(_change_reasons(shape, configured, chosen, usable))
+    suggestions: tuple[str, ...] = ()
+    if not fits:
+        reasons.append(
+            f"nothing fits: the smallest configuration ({_describe(chosen.settings)}) needs "
+            f"{format_bytes(chosen.estimate.device_bytes)}, {format_bytes(chosen.estimate.device_bytes - usable)} "
+            "over budget"
+        )
+        suggestions = _suggestions(shape, request, chosen)
+    alternatives = []
+    for c in fitting[1:]:
+        if len(alternatives) >= 4:
+            break
+        alternatives.append(_alternative(c, f"slower: {c.seconds:.3g} s/step vs {chosen.seconds:.3g} s/step"))
+    over_budget = sorted(
+        (c for c in candidates if c.estimate.device_bytes > usable and c is not chosen),
+        key=lambda c: c.seconds,
+    )
+    for c in over_budget[:3]:
+        alternatives.append(
+            _alternative(c, f"does not fit: {format_bytes(c.estimate.device_bytes)} > {format_bytes(usable)} usable")
+        )
+    return MemoryPlan(
+        device=request.device,
+        budget_bytes=budget,
+        fits=fits,
+        estimate=configured_estimate,
+        settings=chosen.settings,
+        plan_estimate=chosen.estimate,
+        alternatives=alternatives,
+        reasons=tuple(reasons),
+        smallest_peak_bytes=smallest.estimate.peak_bytes,
+        suggestions=suggestions,
+        usable_bytes=usable,
+        estimated_step_seconds=chosen.seconds,
+    )
+
+
+def _change_reasons(shape: ModelShape, configured: Settings, chosen: _Candidate, usable: int) -> list[str]:
+    out = []
+    s = chosen.settings
+    if s == configured:
+        return out
+    if s.micro_batch_size != configured.micro_batch_size:
+        out.append(
+            f"micro-batch {configured.micro_batch_size} → {s.micro_batch_size} with gradient accumulation "
+            f"{configured.gradient_accumulation_steps} → {s.gradient_accumulation_steps}: the effective batch "
+            f"stays {s.micro_batch_size * s.gradient_accumulation_steps * s.num_processes}"
+        )
+    if s.mixed_precision != configured.mixed_precision:
+        out.append(f"mixed precision {configured.mixed_precision} → {s.mixed_precision}")
+    if s.optimizer != configured.optimizer:
+        before = _estimate(shape, replace(s, optimizer=configured.optimizer)).breakdown["optimizer_states"]
+        after = chosen.estimate.breakdown["optimizer_states"]
+        out.append(
+            f"optimizer {configured.optimizer} → {s.optimizer}: optimizer states "
+            f"{format_bytes(before)} → {format_bytes(after)}"
+        )
+    if s.gradient_checkpointing and s.gradient_checkpointing != configured.gradient_checkpointing:
+        without = _estimate(shape, replace(s, gradient_checkpointing=configured.gradient_checkpointing))
+        excess = without.device_bytes - usable
+        tail = (
+            f"{format_bytes(excess)} over budget without it"
+            if excess > 0
+            else f"{format_bytes(without.device_bytes)} without it"
+        )
+        out.append(f"gradient checkpointing on {s.gradient_checkpointing} of {shape.num_layers} layers: {tail}")
+    return out
+
+
+def _suggestions(shape: ModelShape, request: PlanRequest, smallest: _Candidate) -> tuple[str, ...]:
+    out = []
+    need = smallest.estimate.device_bytes / (1.0 - request.headroom)
+    out.append(
+        f"a budget of {format_bytes(need)} per device would fit {_describe(smallest.settings)} "
+        f"(peak {format_bytes(smallest.estimate.peak_bytes)})"
+    )
+    if request.strategy in ("none", "ddp", "deepspeed_zero2"):
+        # Shard over the processes already there first, then over more GPUs.
+        counts = sorted({n for n in (2, 4, 8, 16, 32, 64) if n >= request.num_processes} | {request.num_processes})
+        for n in counts:
+            if n < 2 or request.effective_batch_size % n:
+                continue
+            sharded = replace(request, strategy="fsdp", num_processes=n, micro_batch_size=None, gradient_accumulation_steps=None)
+            usable = int(request.budget_bytes * (1.0 - request.headroom)) if request.budget_bytes else 0
+            candidates = [c for c in _search(shape, sharded, usable) if c.estimate.device_bytes <= usable]
+            if candidates:
+                best = min(candidates, key=lambda c: c.seconds)
+                out.append(
+                    f"{n} GPUs with FSDP full shard or DeepSpeed ZeRO-3 (distributed.strategy: fsdp, "
+                    f"num_processes: {n}) would fit: {format_bytes(best.estimate.device_bytes)} per GPU"
+                )
+                break
+    usable = int(request.budget_bytes * (1.0 - request.headroom)) if request.budget_bytes else 0
+    seq = request.seq_len
+    while seq > 64:
+        seq //= 2
+        shorter = replace(request, seq_len=seq)
+        candidates = [c for c in _search(shape, shorter, usable) if c.estimate.device_bytes <= usable]
+        if candidates:
+            out.append(f"data.max_length {seq} (instead of {request.seq_len}) would fit on this budget")
+            break
+    return tuple(out)
+
+
+def replan_after_oom(
+    config: Any, request: PlanRequest, previous: Settings, observed_peak_bytes: int | None
+) -> MemoryPlan:
+    """A new plan after `previous` ran out of memory: same effective batch, smaller footprint.
+
+    The overshoot (observed peak over the estimate, or 15% when unknown) tightens the budget;
+    the micro-batch shrinks to the largest divisor below the previous one that fits (more
+    accumulation); at micro-batch 1, more layers are checkpointed. Fields the user fixed other
+    than micro-batch/accumulation stay fixed; those two must change after an OOM.
+    """
+    shape = model_shape(config)
+    previous_estimate = _estimate(shape, previous)
+    if observed_peak_bytes is not None and observed_peak_bytes > 0:
+        ratio = max(observed_peak_bytes / max(previous_estimate.device_bytes, 1), 1.05)
+    else:
+        ratio = 1.15
+    budget = request.budget_bytes or previous_estimate.device_bytes
+    tightened = max(int(budget / ratio), 1)
+    relaxed = replace(request, budget_bytes=tightened, micro_batch_size=None, gradient_accumulation_steps=None)
+    usable = int(tightened * (1.0 - request.headroom))
+    per = _per_process(request)
+    smaller = [m for m in _divisors(per) if m < previous.micro_batch_size]
+    reason = (
+        f"out of memory with {_describe(previous)}: the estimate was {format_bytes(previous_estimate.device_bytes)}"
+        + (f", observed {format_bytes(observed_peak_bytes)}" if observed_peak_bytes else "")
+        + f"; planning for {format_bytes(tightened)} (budget ÷ {ratio:.2f})"
+    )
+    if smaller:
+        candidates = _search(shape, relaxed, usable, micros=smaller)
+    else:
+        fixed = replace(relaxed, gradient_checkpointing=None) if request.gradient_checkpointing is None else relaxed
+        floor = min(previous.gradient_checkpointing + max(1, shape.num_layers // 4), shape.num_layers)
+        candidates = _search(shape, fixed, usable, micros=[1], min_checkpointing=floor)
+        if request.gradient_checkpointing is not None:
+            forced = replace(previous, gradient_checkpointing=floor)
+            candidates.append(_candidate(shape, forced))
+    configured = _configured(shape, request)
+    plan = _finish(shape, relaxed, usable, configured, _estimate(shape, configured), candidates, (reason,))
+    return replace(plan, budget_bytes=request.budget_bytes)

@@ -1,0 +1,112 @@
+"""Show a memory plan: a terminal table and a stacked-bar PNG of both breakdowns against the budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fulltune.memory.types import BREAKDOWN_KEYS, MemoryPlan
+from fulltune.memory.units import format_bytes
+
+
+def _settings_line(plan: MemoryPlan) -> str:
+    s = plan.settings
+    return (
+        f"plan: micro_batch_size={s.micro_batch_size} gradient_accumulation_steps="
+        f"{s.gradient_accumulation_steps} gradient_checkpointing={s.gradient_checkpointing} "
+        f"mixed_precision={s.mixed_precision} optimizer={s.optimizer}"
+    )
+
+
+def format_plan_table(plan: MemoryPlan) -> str:
+    """A readable table: configured vs planned breakdown, totals, budget, reasons, alternatives."""
+    budget = plan.budget_bytes
+    rows: list[tuple[str, str, str]] = []
+    for key in BREAKDOWN_KEYS:
+        rows.append((key.replace("_", " "), format_bytes(plan.estimate.breakdown.get(key, 0)),
+                     format_bytes(plan.plan_estimate.breakdown.get(key, 0))))
+    rows.append(("peak (allocated)", format_bytes(plan.estimate.peak_bytes), format_bytes(plan.plan_estimate.peak_bytes)))
+    rows.append(("device total", format_bytes(plan.estimate.device_bytes), format_bytes(plan.plan_estimate.device_bytes)))
+    if budget is not None:
+        pct = [f"{100 * e.device_bytes / budget:.0f}% of budget" for e in (plan.estimate, plan.plan_estimate)]
+        rows.append(("", pct[0], pct[1]))
+    rows.append(("peak during", plan.estimate.peak_phase, plan.plan_estimate.peak_phase))
+    w0 = max(len(r[0]) for r in rows + [("", "", "")])
+    w1 = max(max(len(r[1]) for r in rows), len("configured"))
+    w2 = max(max(len(r[2]) for r in rows), len("plan"))
+    sep = f"+-{'-' * w0}-+-{'-' * w1}-+-{'-' * w2}-+"
+    lines = []
+    head = "fits" if plan.fits else "DOES NOT FIT"
+    budget_text = format_bytes(budget) if budget is not None else "none"
+    usable = f", usable {format_bytes(plan.usable_bytes)}" if plan.usable_bytes is not None else ""
+    lines.append(f"memory plan on {plan.device}: budget {budget_text}{usable} — {head}")
+    lines.append(sep)
+    lines.append(f"| {'':{w0}} | {'configured':>{w1}} | {'plan':>{w2}} |")
+    lines.append(sep)
+    for i, (a, b, c) in enumerate(rows):
+        if i == len(BREAKDOWN_KEYS):
+            lines.append(sep)
+        lines.append(f"| {a:{w0}} | {b:>{w1}} | {c:>{w2}} |")
+    lines.append(sep)
+    lines.append(_settings_line(plan))
+    if plan.estimated_step_seconds is not None:
+        lines.append(f"estimated step time (ranking model): {plan.estimated_step_seconds:.3g} s")
+    if plan.reasons:
+        lines.append("why:")
+        lines.extend(f"  - {r}" for r in plan.reasons)
+    if plan.suggestions:
+        lines.append("to make it fit:")
+        lines.extend(f"  - {s}" for s in plan.suggestions)
+    if plan.alternatives:
+        lines.append("alternatives:")
+        for alt in plan.alternatives[:5]:
+            lines.append(
+                f"  - micro {alt['micro_batch_size']} × accum {alt['gradient_accumulation_steps']}, "
+                f"ckpt {alt['gradient_checkpointing']}, {alt['mixed_precision']}, {alt['optimizer']}: "
+                f"{format_bytes(alt['device_bytes'])} — {alt['rejected_because']}"
+            )
+    for note in dict.fromkeys(plan.estimate.notes + plan.plan_estimate.notes):
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+_COLORS = {
+    "parameters": "#4C72B0",
+    "gradients": "#DD8452",
+    "optimizer_states": "#55A868",
+    "activations": "#C44E52",
+    "logits": "#8172B3",
+    "temporary": "#937860",
+    "runtime_overhead": "#8C8C8C",
+}
+
+
+def render_breakdown_png(plan: MemoryPlan, path: str | Path) -> Path:
+    """Stacked bars of the configured and planned breakdowns (GiB) with the budget as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    gib = float(2**30)
+    labels = ["configured", "plan"]
+    estimates = [plan.estimate, plan.plan_estimate]
+    fig, ax = plt.subplots(figsize=(6.5, 4.5), dpi=110)
+    bottoms = [0.0, 0.0]
+    for key in BREAKDOWN_KEYS:
+        values = [e.breakdown.get(key, 0) / gib for e in estimates]
+        ax.bar(labels, values, bottom=bottoms, color=_COLORS[key], label=key.replace("_", " "), width=0.55)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    if plan.budget_bytes is not None:
+        ax.axhline(plan.budget_bytes / gib, color="black", linestyle="-", linewidth=1.2, label="budget")
+        if plan.usable_bytes is not None:
+            ax.axhline(plan.usable_bytes / gib, color="black", linestyle="--", linewidth=1.0, label="budget − headroom")
+    ax.set_ylabel("GiB per device")
+    title = "fits" if plan.fits else "does not fit"
+    ax.set_title(f"memory per training step on {plan.device} ({title})")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

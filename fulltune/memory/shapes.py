@@ -1,0 +1,278 @@
+"""What the memory model needs to know about a transformers config: dimensions and parameter tensors.
+
+Three layouts are modelled tensor by tensor (checked against `model.parameters()` in the tests):
+- `llama`: Llama, Mistral, Qwen2, Qwen3, Gemma and other decoder-only models with separate q/k/v
+  projections, grouped-query attention, a gated MLP, RMSNorm and rotary positions.
+- `gpt2`: fused `c_attn`, learned positions, LayerNorm with biases, GELU MLP, tied embeddings.
+- `gpt_neox`: fused `query_key_value`, partial rotary, LayerNorm, parallel residual, GELU MLP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+LLAMA_LIKE = {
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "olmo",
+    "olmo2",
+    "smollm3",
+    "granite",
+    "cohere",
+    "starcoder2",
+    "phi3",
+    "stablelm",
+    "internlm2",
+    "deepseek",
+    "yi",
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Dimensions of a decoder-only transformer, as the memory model reads them."""
+
+    layout: str  # "llama" | "gpt2" | "gpt_neox"
+    model_type: str
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    gated_mlp: bool
+    activation: str
+    qk_norm: bool
+    rotary_dim: int
+    parallel_residual: bool
+    attention_dropout: float
+    hidden_dropout: float
+    embedding_dropout: float
+    layer_params: tuple[tuple[int, ...], ...]  # parameter shapes of one decoder layer
+    other_params: tuple[tuple[int, ...], ...]  # embeddings, final norm, untied lm head
+    approximate: bool
+
+    @property
+    def layer_numel(self) -> int:
+        return sum(_numel(s) for s in self.layer_params)
+
+    @property
+    def layer_matmul_numel(self) -> int:
+        """Parameters of one layer that autocast copies to 16 bit (linear weights and biases)."""
+        return sum(_numel(s) for s in self.layer_params if not _is_norm(s, self.hidden))
+
+    @property
+    def num_params(self) -> int:
+        return self.num_layers * self.layer_numel + sum(_numel(s) for s in self.other_params)
+
+    @property
+    def param_shapes(self) -> list[tuple[int, ...]]:
+        return list(self.other_params) + [s for _ in range(self.num_layers) for s in self.layer_params]
+
+    @property
+    def embedding_numel(self) -> int:
+        return self.vocab * self.hidden
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _is_norm(shape: tuple[int, ...], hidden: int) -> bool:
+    # Norm weights/biases are 1-D of the hidden size; linear biases are 1-D too but autocast casts
+    # them with the weight (addmm), so only norm-sized vectors are excluded here.
+    return len(shape) == 1 and shape[0] == hidden
+
+
+def _get(config: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def model_shape(config: Any) -> ModelShape:
+    """Read a `transformers.PretrainedConfig` (or any object with the same attributes).
+
+    Raises:
+        ValueError: the config lacks the dimensions a decoder-only causal LM needs.
+    """
+    model_type = str(getattr(config, "model_type", "") or "")
+    text_config = getattr(config, "text_config", None)
+    if text_config is not None and getattr(config, "hidden_size", None) is None:
+        config = text_config
+        model_type = str(getattr(config, "model_type", model_type) or model_type)
+
+    if model_type == "gpt2":
+        return _gpt2_shape(config)
+    if model_type == "gpt_neox":
+        return _neox_shape(config)
+    return _llama_shape(config, model_type)
+
+
+def _require(config: Any, model_type: str, *pairs: tuple[str, ...]) -> list[int]:
+    values = []
+    for names in pairs:
+        value = _get(config, *names)
+        if value is None:
+            raise ValueError(
+                f"model config ({model_type or 'unknown type'}) has no {names[0]}: the memory model needs "
+                "hidden_size, num_hidden_layers, num_attention_heads, intermediate_size and vocab_size"
+            )
+        values.append(int(value))
+    return values
+
+
+def _llama_shape(config: Any, model_type: str) -> ModelShape:
+    h, L, a, I, V = _require(
+        config,
+        model_type,
+        ("hidden_size",),
+        ("num_hidden_layers",),
+        ("num_attention_heads",),
+        ("intermediate_size",),
+        ("vocab_size",),
+    )
+    kv = int(_get(config, "num_key_value_heads", default=a))
+    d = int(_get(config, "head_dim", default=h // a))
+    if model_type == "qwen2":
+        qkv_bias, o_bias = True, False
+    else:
+        qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
+    mlp_bias = bool(getattr(config, "mlp_bias", False))
+    qk_norm = model_type == "qwen3"
+    layer: list[tuple[int, ...]] = [(h,), (h,)]  # input_layernorm, post_attention_layernorm
+    layer += [(a * d, h), (kv * d, h), (kv * d, h), (h, a * d)]
+    if qkv_bias:
+        layer += [(a * d,), (kv * d,), (kv * d,)]
+    if o_bias:
+        layer += [(h,)]
+    if qk_norm:
+        layer += [(d,), (d,)]
+    layer += [(I, h), (I, h), (h, I)]
+    if mlp_bias:
+        layer += [(I,), (I,), (h,)]
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    other: list[tuple[int, ...]] = [(V, h), (h,)]
+    if not tied:
+        other.append((V, h))
+    act = str(_get(config, "hidden_act", "hidden_activation", default="silu"))
+    return ModelShape(
+        layout="llama",
+        model_type=model_type,
+        num_layers=L,
+        hidden=h,
+        heads=a,
+        kv_heads=kv,
+        head_dim=d,
+        intermediate=I,
+        vocab=V,
+        tied=tied,
+        gated_mlp=True,
+        activation=act,
+        qk_norm=qk_norm,
+        rotary_dim=d,
+        parallel_residual=False,
+        attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+        hidden_dropout=0.0,
+        embedding_dropout=0.0,
+        layer_params=tuple(layer),
+        other_params=tuple(other),
+        approximate=model_type not in LLAMA_LIKE,
+    )
+
+
+def _gpt2_shape(config: Any) -> ModelShape:
+    h, L, a, V = _require(config, "gpt2", ("n_embd", "hidden_size"), ("n_layer",), ("n_head",), ("vocab_size",))
+    I = int(getattr(config, "n_inner", None) or 4 * h)
+    n_pos = int(_get(config, "n_positions", "max_position_embeddings", default=1024))
+    layer: list[tuple[int, ...]] = [(h,), (h,)]  # ln_1
+    layer += [(h, 3 * h), (3 * h,), (h, h), (h,)]  # c_attn, c_proj (Conv1D: in x out)
+    layer += [(h,), (h,)]  # ln_2
+    layer += [(h, I), (I,), (I, h), (h,)]  # mlp.c_fc, mlp.c_proj
+    other: list[tuple[int, ...]] = [(V, h), (n_pos, h), (h,), (h,)]
+    tied = bool(getattr(config, "tie_word_embeddings", True))
+    if not tied:
+        other.append((V, h))
+    return ModelShape(
+        layout="gpt2",
+        model_type="gpt2",
+        num_layers=L,
+        hidden=h,
+        heads=a,
+        kv_heads=a,
+        head_dim=h // a,
+        intermediate=I,
+        vocab=V,
+        tied=tied,
+        gated_mlp=False,
+        activation=str(getattr(config, "activation_function", "gelu_new")),
+        qk_norm=False,
+        rotary_dim=0,
+        parallel_residual=False,
+        attention_dropout=float(getattr(config, "attn_pdrop", 0.0) or 0.0),
+        hidden_dropout=float(getattr(config, "resid_pdrop", 0.0) or 0.0),
+        embedding_dropout=float(getattr(config, "embd_pdrop", 0.0) or 0.0),
+        layer_params=tuple(layer),
+        other_params=tuple(other),
+        approximate=False,
+    )
+
+
+def _neox_shape(config: Any) -> ModelShape:
+    h, L, a, I, V = _require(
+        config,
+        "gpt_neox",
+        ("hidden_size",),
+        ("num_hidden_layers",),
+        ("num_attention_heads",),
+        ("intermediate_size",),
+        ("vocab_size",),
+    )
+    d = h // a
+    rope = getattr(config, "rope_parameters", None) or {}
+    pct = rope.get("partial_rotary_factor", getattr(config, "rotary_pct", 0.25)) if isinstance(rope, dict) else 0.25
+    rot = int(d * float(pct))
+    bias = bool(getattr(config, "attention_bias", True))
+    layer: list[tuple[int, ...]] = [(h,), (h,), (h,), (h,)]  # input_layernorm, post_attention_layernorm
+    layer += [(3 * h, h), (h, h)]
+    if bias:
+        layer += [(3 * h,), (h,)]
+    layer += [(I, h), (I,), (h, I), (h,)]
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    other: list[tuple[int, ...]] = [(V, h), (h,), (h,)]
+    if not tied:
+        other.append((V, h))
+    return ModelShape(
+        layout="gpt_neox",
+        model_type="gpt_neox",
+        num_layers=L,
+        hidden=h,
+        heads=a,
+        kv_heads=a,
+        head_dim=d,
+        intermediate=I,
+        vocab=V,
+        tied=tied,
+        gated_mlp=False,
+        activation=str(getattr(config, "hidden_act", "gelu")),
+        qk_norm=False,
+        rotary_dim=rot,
+        parallel_residual=bool(getattr(config, "use_parallel_residual", True)),
+        attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+        hidden_dropout=float(getattr(config, "hidden_dropout", 0.0) or 0.0),
+        embedding_dropout=0.0,
+        layer_params=tuple(layer),
+        other_params=tuple(other),
+        approximate=False,
+    )

@@ -1,0 +1,242 @@
+"""Typed inputs and results of the memory model and the planner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MIXED_PRECISIONS = ("no", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "adamw_8bit", "adafactor")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+DEVICES = ("cpu", "cuda")
+STRATEGIES = ("none", "ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
+BREAKDOWN_KEYS = (
+    "parameters",
+    "gradients",
+    "optimizer_states",
+    "activations",
+    "logits",
+    "temporary",
+    "runtime_overhead",
+)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One concrete way to run a training step; everything that decides its memory.
+
+    Attributes:
+        micro_batch_size: sequences per forward pass, per process.
+        seq_len: tokens per sequence (the tokenized `max_length`).
+        gradient_accumulation_steps: micro-batches per optimizer step. Above 1 the gradients stay
+            allocated through every forward and backward pass of the step.
+        gradient_checkpointing: number of decoder layers (counted from the first) whose activations
+            are recomputed in backward instead of kept; 0 = off, `num_hidden_layers` = all.
+        mixed_precision: `no` (fp32), `bf16` or `fp16` autocast as Accelerate runs it: weights,
+            gradients and optimizer states stay fp32; autocast keeps 16-bit copies of the weights
+            and 16-bit activations for the forward and backward pass. Accelerate ignores `fp16` on
+            CPU, so it is counted as `no` there.
+        optimizer: `adamw` (torch, fused: 8 B/param), `adamw_8bit` (bitsandbytes: ~2 B/param),
+            `adafactor` (transformers, factored second moment, no first moment).
+        attn_implementation: `sdpa` (fused attention) or `eager` (keeps the s×s score matrices).
+        device: `cpu` or `cuda`; decides the attention kernel and the runtime overhead.
+        strategy: how parameters, gradients and optimizer states are split over processes.
+        num_processes: processes (GPUs) taking part; the estimate is per process.
+        attention_mask: True when the model receives an explicit attention mask — padded batches,
+            or packed rows whose position_ids restart (transformers then builds a block-diagonal
+            mask). A mask makes SDPA keep a (b, 1, s, s) mask per layer and repeat grouped
+            key/value heads; without one (a causal row with no padding) neither happens.
+    """
+
+    micro_batch_size: int
+    seq_len: int
+    gradient_accumulation_steps: int = 1
+    gradient_checkpointing: int = 0
+    mixed_precision: str = "no"
+    optimizer: str = "adamw"
+    attn_implementation: str = "sdpa"
+    device: str = "cpu"
+    strategy: str = "none"
+    num_processes: int = 1
+    attention_mask: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "num_processes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        if isinstance(self.gradient_checkpointing, bool) or not isinstance(self.gradient_checkpointing, int):
+            raise ValueError(
+                f"gradient_checkpointing must be a number of layers (int >= 0); got {self.gradient_checkpointing!r}"
+            )
+        if self.gradient_checkpointing < 0:
+            raise ValueError(f"gradient_checkpointing must be >= 0; got {self.gradient_checkpointing}")
+        _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
+        _check_choice("device", self.device, DEVICES)
+        _check_choice("strategy", self.strategy, STRATEGIES)
+        if self.strategy == "none" and self.num_processes != 1:
+            raise ValueError("num_processes > 1 needs a strategy (ddp, fsdp, deepspeed_zero2, deepspeed_zero3)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "micro_batch_size": self.micro_batch_size,
+            "seq_len": self.seq_len,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "mixed_precision": self.mixed_precision,
+            "optimizer": self.optimizer,
+            "attn_implementation": self.attn_implementation,
+            "device": self.device,
+            "strategy": self.strategy,
+            "num_processes": self.num_processes,
+            "attention_mask": self.attention_mask,
+        }
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak memory of one steady-state optimizer step, per process.
+
+    `peak_bytes` is allocated tensor memory (what `torch.cuda.max_memory_allocated` or a storage
+    tracker reports); `device_bytes` adds what the device needs beyond tensors (CUDA context,
+    allocator slack). `breakdown` splits `device_bytes` as it stands at the peak: the first six
+    entries sum to `peak_bytes`, `runtime_overhead` is the rest.
+    """
+
+    peak_bytes: int
+    device_bytes: int
+    breakdown: dict[str, int]
+    peak_phase: str
+    notes: tuple[str, ...] = ()
+    source: str = "estimate"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peak_bytes": int(self.peak_bytes),
+            "device_bytes": int(self.device_bytes),
+            "breakdown": {key: int(self.breakdown.get(key, 0)) for key in BREAKDOWN_KEYS},
+            "peak_phase": self.peak_phase,
+        }
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the user asked for; `None` in a field means "auto": the planner may choose it.
+
+    `effective_batch_size` = micro_batch_size × gradient_accumulation_steps × num_processes and
+    never changes. `budget_bytes` is per device; `None` plans nothing (the configured settings
+    run as they are). The planner keeps `headroom` of the budget free for what no estimate sees
+    (fragmentation, other processes).
+    """
+
+    effective_batch_size: int
+    seq_len: int
+    micro_batch_size: int | None = None
+    gradient_accumulation_steps: int | None = None
+    gradient_checkpointing: bool | int | None = None
+    mixed_precision: str | None = None
+    optimizer: str | None = None
+    attn_implementation: str = "sdpa"
+    device: str = "cpu"
+    budget_bytes: int | None = None
+    headroom: float = 0.05
+    strategy: str = "none"
+    num_processes: int = 1
+    bf16_supported: bool = False
+    attention_mask: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("effective_batch_size", "seq_len", "num_processes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        for name in ("micro_batch_size", "gradient_accumulation_steps"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None (auto); got {value!r}")
+        if self.effective_batch_size % self.num_processes:
+            raise ValueError(
+                f"effective_batch_size ({self.effective_batch_size}) must be a multiple of "
+                f"num_processes ({self.num_processes})"
+            )
+        per_process = self.effective_batch_size // self.num_processes
+        micro, accum = self.micro_batch_size, self.gradient_accumulation_steps
+        if micro is not None and accum is not None and micro * accum != per_process:
+            raise ValueError(
+                f"micro_batch_size ({micro}) × gradient_accumulation_steps ({accum}) × num_processes "
+                f"({self.num_processes}) must equal effective_batch_size ({self.effective_batch_size})"
+            )
+        for name, value in (("micro_batch_size", micro), ("gradient_accumulation_steps", accum)):
+            if value is not None and per_process % value:
+                raise ValueError(
+                    f"{name} ({value}) must divide effective_batch_size / num_processes ({per_process})"
+                )
+        gc = self.gradient_checkpointing
+        if gc is not None and not isinstance(gc, bool) and (not isinstance(gc, int) or gc < 0):
+            raise ValueError(f"gradient_checkpointing must be None, a bool or a layer count >= 0; got {gc!r}")
+        if self.mixed_precision is not None:
+            _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+        if self.optimizer is not None:
+            _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
+        _check_choice("device", self.device, DEVICES)
+        _check_choice("strategy", self.strategy, STRATEGIES)
+        if self.budget_bytes is not None and (isinstance(self.budget_bytes, bool) or self.budget_bytes <= 0):
+            raise ValueError(f"budget_bytes must be a positive number of bytes or None; got {self.budget_bytes!r}")
+        if not 0.0 <= self.headroom < 1.0:
+            raise ValueError(f"headroom must be in [0, 1); got {self.headroom}")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The planner's answer: what runs, why, and what it will cost.
+
+    `estimate` is for the settings as configured (auto fields at their naive defaults, see
+    `plan_memory`); `settings`/`plan_estimate` is what the run will use.
+    """
+
+    device: str
+    budget_bytes: int | None
+    fits: bool
+    estimate: MemoryEstimate
+    settings: Settings
+    plan_estimate: MemoryEstimate
+    alternatives: list[dict[str, Any]] = field(default_factory=list)
+    reasons: tuple[str, ...] = ()
+    smallest_peak_bytes: int | None = None
+    suggestions: tuple[str, ...] = ()
+    usable_bytes: int | None = None
+    estimated_step_seconds: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "device": self.device,
+            "budget_bytes": self.budget_bytes,
+            "usable_bytes": self.usable_bytes,
+            "fits": self.fits,
+            "estimate": self.estimate.to_dict(),
+            "plan": {
+                "micro_batch_size": s.micro_batch_size,
+                "gradient_accumulation_steps": s.gradient_accumulation_steps,
+                "gradient_checkpointing": s.gradient_checkpointing,
+                "mixed_precision": s.mixed_precision,
+                "optimizer": s.optimizer,
+                "seq_len": s.seq_len,
+                "strategy": s.strategy,
+                "num_processes": s.num_processes,
+                "estimated_step_seconds": self.estimated_step_seconds,
+                "estimate": self.plan_estimate.to_dict(),
+            },
+            "alternatives": [dict(a) for a in self.alternatives],
+            "reasons": list(self.reasons),
+            "smallest_peak_bytes": self.smallest_peak_bytes,
+            "suggestions": list(self.suggestions),
+        }
