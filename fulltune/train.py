@@ -1,0 +1,597 @@
+"""The training loop: `python -m fulltune.train JOB.json`, alone, under torchrun or under accelerate launch.
+
+One explicit loop over `accelerate`, read top to bottom (nanoGPT's train.py, torchtune's full-finetune
+recipe):
+
+    set-up   seed; data order; model in fp32; gradient checkpointing on k of L layers; Accelerator;
+             optimizer; LR schedule; torch.compile
+    resume   the newest complete checkpoint: weights, optimizer, schedule, grad scaler, every process's
+             RNG states (accelerate's save_state) and the data position and counters (trainer_state.json)
+    loop     gather the step's micro-batches → forward/backward each, loss summed over tokens and divided
+             by the step's target tokens → clip → step if the loss is finite, else skip → log → checkpoint
+    finish   output_dir/model/ (weights + tokenizer), result.json, loss_curve.png
+
+Rerunning a killed job resumes from its newest checkpoint and ends with the same weights, bit for bit on
+CPU, and the same loss history as a run that was never interrupted: the data order is a pure function of
+(seed, epoch), checkpoints are taken at optimizer-step boundaries and written atomically.
+
+Exit codes: 0 done; 2 user error (one line on stderr, output_dir/error.json); 3 out of device memory
+(output_dir/oom.json). Only the main process writes checkpoints' metadata, the model and the results.
+
+Host syncs are labelled `# Sync point`: one boolean per optimizer step (the finite check), the metrics
+every `log_every_steps`, and checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import resource
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm import tqdm
+
+from fulltune.data import IGNORE_INDEX, collate, iter_length_grouped_batches, pad_token_id_of
+from fulltune.errors import ConfigError, DataError, TrainingError, UserError
+from fulltune.fingerprint import _fsync_dir, atomic_dir, atomic_write_text, fsync_tree
+from fulltune.launch import (ERROR_FILE, MODEL_DIR, OOM_FILE, PROGRESS_FILE, RESULT_FILE, TrainJob, TrainResult,
+                             completed_result, validate_job)
+
+EXIT_USER_ERROR = 2
+EXIT_OUT_OF_MEMORY = 3
+CHECKPOINT_DIR = "checkpoints"
+TRAINER_STATE_FILE = "trainer_state.json"
+CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
+
+# Dense 16-bit tensor-core peak per GPU (NVIDIA datasheets; REFERENCE.md), for MFU. Checked in order,
+# by substring of torch.cuda.get_device_name(). Other GPUs, fp32 runs and CPUs report no MFU.
+GPU_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data: which rows each process trains on, as a pure function of (seed, epoch, step)
+
+
+class TokenizedRows:
+    """train.parquet held as flat numpy arrays and row offsets: a row is a slice, not a Python object.
+
+    Per row it precomputes what the loop needs without touching tensors: `lengths` (non-padding tokens),
+    `targets` (loss terms: labels[1:] != -100, the count the loss is divided by) and `attention_pairs`
+    (Σ over the row's documents of length², the attention term of the FLOP count).
+    """
+
+    COLUMNS = ("input_ids", "labels", "position_ids")
+
+    def __init__(self, path: str) -> None:
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except (OSError, ValueError) as exc:
+            raise DataError(f"{path}: cannot read tokenized data ({exc}); re-run the tokenize stage") from None
+        missing = [name for name in self.COLUMNS if name not in table.column_names]
+        if missing:
+            raise DataError(f"{path}: missing column(s) {missing}; expected {list(self.COLUMNS)}")
+        if table.num_rows == 0:
+            raise DataError(f"{path}: no rows to train on")
+        lengths = {name: pc.list_value_length(table[name]).to_numpy(zero_copy_only=False) for name in self.COLUMNS}
+        if any(not np.array_equal(lengths["input_ids"], other) for other in lengths.values()):
+            raise DataError(f"{path}: input_ids, labels and position_ids differ in length in some rows")
+        # int32 as stored: 12 bytes per token for the three columns.
+        self.values = {name: pc.list_flatten(table[name]).to_numpy(zero_copy_only=False) for name in self.COLUMNS}
+        self.lengths = lengths["input_ids"].astype(np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
+        starts = self.offsets[:-1]
+
+        # Loss terms per row: labels shifted left by one (the row's first label is never predicted).
+        trainable = self.values["labels"] != IGNORE_INDEX
+        trainable[starts[self.lengths > 0]] = False
+        cumulative = np.concatenate([[0], np.cumsum(trainable)])
+        self.targets = cumulative[self.offsets[1:]] - cumulative[starts]
+        if self.targets.sum() == 0:
+            raise DataError(f"{path}: no token has a label (every label is -100); nothing to train on")
+
+        # Documents: a row start, or a position id of 0 (packed rows restart positions per document).
+        doc_start = self.values["position_ids"] == 0
+        doc_start[starts[self.lengths > 0]] = True
+        first = np.flatnonzero(doc_start)
+        doc_lengths = np.diff(np.append(first, len(doc_start)))
+        doc_row = np.searchsorted(self.offsets, first, side="right") - 1
+        self.attention_pairs = np.bincount(doc_row, weights=doc_lengths.astype(np.float64) ** 2,
+                                           minlength=len(self.lengths))
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def rows(self, indices: np.ndarray) -> list[dict[str, list[int]]]:
+        """The rows as `collate` takes them."""
+        spans = [(self.offsets[i], self.offsets[i + 1]) for i in indices]
+        return [{name: self.values[name][a:b].tolist() for name in self.COLUMNS} for a, b in spans]
+
+
+class StepSchedule:
+    """Rows of each optimizer step (all micro-batches, all processes): a pure function of (seed, epoch, step).
+
+    An epoch is a length-grouped shuffle seeded with seed + epoch (`data.iter_length_grouped_batches`
+    with one batch per optimizer step: rows of similar length share a step, and within it they are sorted
+    longest first, so micro-batches pad little; packed rows are all about max_length and it is a plain
+    shuffle). How a step is cut into micro-batches and processes does not change which rows it holds, so
+    micro 2 × accumulation 2, micro 4 × accumulation 1 and 2 processes × micro 2 train on the same data.
+    The last incomplete step of an epoch is dropped. The data position is just the step number.
+    """
+
+    def __init__(self, lengths: np.ndarray, rows_per_step: int, seed: int) -> None:
+        self.lengths, self.rows_per_step, self.seed = lengths, rows_per_step, seed
+        self.per_epoch = len(lengths) // rows_per_step
+        self._epoch, self._steps = -1, []
+
+    def step_rows(self, step: int) -> np.ndarray:
+        epoch, index = divmod(step, self.per_epoch)
+        if epoch != self._epoch:
+            self._steps = list(iter_length_grouped_batches(self.lengths, self.rows_per_step, self.seed + epoch,
+                                                           drop_last=True))
+            self._epoch = epoch
+        return np.asarray(self._steps[index])
+
+    @staticmethod
+    def micro_batch(rows: np.ndarray, index: int, process: int, micro_batch_size: int, processes: int) -> np.ndarray:
+        """Process `process`'s rows of micro-batch `index`: each micro-batch is `processes` disjoint slices."""
+        start = (index * processes + process) * micro_batch_size
+        return rows[start:start + micro_batch_size]
+
+
+# ---------------------------------------------------------------------------------------------------
+# State a checkpoint adds to accelerate's, and the checkpoints themselves
+
+
+@dataclass
+class TrainState:
+    """The data position and running counters; saved as trainer_state.json in every checkpoint."""
+
+    step: int = 0  # optimizer steps done; the next global micro-batch is step × gradient_accumulation_steps
+    total_steps: int = 0
+    tokens: int = 0  # non-padding tokens processed, all processes
+    nonfinite_steps: int = 0
+    nonfinite_in_a_row: int = 0
+    interval_loss_sum: float = 0.0  # Σ token losses of the finite steps since the last log (exact fp32 value)
+    interval_targets: int = 0  # their target tokens
+    loss_history: list[list[float]] = field(default_factory=list)  # [step, mean token loss of the interval]
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint: `step-N` directories appear only by an atomic rename."""
+    steps = [(int(m.group(1)), p) for p in root.glob("step-*") if (m := CHECKPOINT_NAME.match(p.name))]
+    return max(steps)[1] if steps else None
+
+
+def save_checkpoint(accelerator: Accelerator, root: Path, state: TrainState, keep: int, faults: FaultInjection) -> None:
+    """Write checkpoints/.tmp-step-N, fsync, rename to checkpoints/step-N; keep the newest `keep`.
+
+    accelerate's save_state writes the model, optimizer, scheduler and grad scaler states and each
+    process's RNG states (python, numpy, torch CPU and CUDA) into the directory; it is not atomic by
+    itself, hence the temporary name. Every process takes part (each saves its RNG state; FSDP and
+    DeepSpeed save shards), so the directory must be on storage all processes share.
+    """
+    tmp, final = root / f".tmp-step-{state.step}", root / f"step-{state.step}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / TRAINER_STATE_FILE).write_text(json.dumps(asdict(state)))
+        faults.maybe_kill("checkpoint_write", state.step)
+        fsync_tree(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := CHECKPOINT_NAME.match(p.name)))
+        for old in steps[:-keep]:
+            shutil.rmtree(root / f"step-{old}", ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+class FaultInjection:
+    """Test-only fault injection, read from FULLTUNE_TEST_FAULT=<point>:<n>; unset in real runs.
+
+    micro_step:N        SIGKILL after the N-th micro-batch's backward (1-based, counted over the run)
+    checkpoint_write:S  SIGKILL while checkpoint S is half written (files in place, not yet renamed)
+    after_checkpoint:S  SIGKILL right after checkpoint S was renamed into place
+    oom:S               raise torch.OutOfMemoryError at the start of optimizer step S (1-based)
+    nan_loss:S          make the loss of optimizer step S NaN (the step must be skipped)
+    """
+
+    def __init__(self, spec: str | None) -> None:
+        point, _, value = (spec or "").partition(":")
+        self.point, self.value = point, int(value) if value else -1
+
+    def maybe_kill(self, point: str, value: int) -> None:
+        if (point, value) == (self.point, self.value):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def maybe_oom(self, step: int) -> None:
+        if ("oom", step) == (self.point, self.value):
+            raise torch.OutOfMemoryError(f"FULLTUNE_TEST_FAULT: simulated out of memory at step {step}")
+
+    def maybe_nan(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * float("nan") if ("nan_loss", step) == (self.point, self.value) else loss
+
+
+# ---------------------------------------------------------------------------------------------------
+# Set-up helpers
+
+
+def build_optimizer(job: TrainJob, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW (fused kernel), bitsandbytes AdamW8bit (~2 B/param of state) or Adafactor (factored).
+
+    Weight decay applies to matrices only, not to biases and norm weights (as nanoGPT and HF Trainer).
+    Fused AdamW runs on CPU and CUDA; on this machine's CPU it steps 3.4× faster than foreach and
+    6× faster than the per-parameter loop (32M parameters, torch 2.13).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": job.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    if job.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=job.learning_rate, fused=True)
+    if job.optimizer == "adamw_8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(groups, lr=job.learning_rate)
+    from transformers.optimization import Adafactor
+
+    return Adafactor(groups, lr=job.learning_rate, scale_parameter=False, relative_step=False, warmup_init=False)
+
+
+def flop_coefficients(model: torch.nn.Module) -> tuple[float, float]:
+    """Training FLOPs per token and per (query, key) pair: FLOPs = 6·N·tokens + 12·L·h·Σ_documents length².
+
+    PaLM appendix B's `6N + 12·L·h·s` per token, with s summed per document (packed documents do not
+    attend to each other); recomputation is not counted. N excludes the input embedding, a lookup
+    (unless it is tied to the output projection, which multiplies).
+    """
+    config = model.config
+    n = sum(p.numel() for p in model.parameters())
+    embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
+    if output is None or output.weight is not embedding.weight:
+        n -= embedding.weight.numel()
+    return 6.0 * n, 12.0 * config.num_hidden_layers * config.hidden_size
+
+
+def peak_flops(job: TrainJob) -> float | None:
+    if job.device != "cuda" or job.mixed_precision == "no":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in GPU_PEAK_FLOPS if key in name), None)
+
+
+def memory_metrics(device: str) -> dict[str, float]:
+    if device == "cuda":
+        return {"peak_memory_allocated_bytes": torch.cuda.max_memory_allocated(),
+                "peak_memory_reserved_bytes": torch.cuda.max_memory_reserved()}
+    return {"cpu_rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+class MlflowMetrics:
+    """Metrics into the flow's existing MLflow run (main process only); a no-op without a run id."""
+
+    def __init__(self, job: TrainJob, enabled: bool) -> None:
+        self.run_id = job.mlflow_run_id if enabled else None
+        self.client = None
+        if self.run_id:
+            from mlflow.tracking import MlflowClient
+
+            self.client = MlflowClient(tracking_uri=job.mlflow_tracking_uri)
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        if self.client is None:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(key, float(value), now, step) for key, value in values.items() if math.isfinite(value)]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def log_artifact(self, path: Path) -> None:
+        if self.client is not None:
+            self.client.log_artifact(self.run_id, str(path))
+
+
+def save_loss_curve(history: list[list[float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
+    axes.plot([s for s, _ in history], [loss for _, loss in history], marker="." if len(history) < 50 else None)
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("training loss (mean per token)")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The loop
+
+
+def train(job: TrainJob) -> TrainResult:
+    """Train `job` to the end, resuming from its newest checkpoint; returns what result.json holds.
+
+    Raises:
+        ConfigError: the device or a setting cannot work (e.g. CUDA requested but absent).
+        DataError: train_file is unreadable, empty, or smaller than one micro-batch per process.
+        TrainingError: `max_nonfinite_steps` non-finite losses in a row.
+        torch.OutOfMemoryError: the device ran out of memory (main() turns it into exit code 3).
+    """
+    from fulltune.memory.checkpointing import apply_gradient_checkpointing
+    from fulltune.models import hub_token, load_model, load_tokenizer
+    from transformers import get_scheduler
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # weight loading/saving bars would flood the flow's log
+    faults = FaultInjection(os.environ.get("FULLTUNE_TEST_FAULT"))
+    output_dir = Path(job.output_dir)
+    checkpoints = output_dir / CHECKPOINT_DIR
+    if job.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("budget.device: cuda was planned but this machine has no usable CUDA device")
+
+    # The scheduler steps once per optimizer step: total_steps already counts every process's
+    # micro-batches (accelerate would otherwise step it num_processes times).
+    accelerator = Accelerator(cpu=job.device == "cpu", mixed_precision=job.mixed_precision,
+                              gradient_accumulation_steps=job.gradient_accumulation_steps,
+                              step_scheduler_with_optimizer=False)
+    device, main_process = accelerator.device, accelerator.is_main_process
+    processes, rank = accelerator.num_processes, accelerator.process_index
+    micro, accumulation = job.micro_batch_size, job.gradient_accumulation_steps
+    set_seed(job.seed)
+
+    # Data: the rows of each optimizer step follow from (seed, epoch); this process trains on its slices.
+    # e.g. 2 micro × 4 accumulation × 2 processes = 16 rows (≤ 16 × max_length tokens) per optimizer step
+    data = TokenizedRows(job.train_file)
+    schedule = StepSchedule(data.lengths, micro * accumulation * processes, job.seed)
+    if schedule.per_epoch == 0:
+        raise DataError(f"{job.train_file}: {len(data)} rows is less than one optimizer step (micro_batch_size "
+                        f"{micro} × gradient_accumulation_steps {accumulation} × {processes} processes)")
+    total_steps = job.max_steps or max(1, math.ceil(job.num_epochs * schedule.per_epoch))
+
+    token = hub_token(job.token_env)
+    tokenizer = load_tokenizer(job.tokenizer_path, trust_remote_code=job.trust_remote_code, token=token,
+                               revision=job.revision if job.tokenizer_path == job.model_path else None)
+    pad_token_id = pad_token_id_of(tokenizer)
+    model = load_model(job.model_path, revision=job.revision, trust_remote_code=job.trust_remote_code,
+                       allow_pickle_weights=job.allow_pickle_weights, attn_implementation=job.attn_implementation,
+                       token=token)
+    use_cache = getattr(model.config, "use_cache", None)
+    try:
+        # Recompute the first k layers' activations in backward: ~1/3 more compute for those layers,
+        # their activations shrink to the layer input (Korthikanti et al. 2022).
+        checkpointed = apply_gradient_checkpointing(model, job.gradient_checkpointing)
+    except ValueError as exc:
+        raise ConfigError(f"train.gradient_checkpointing: {exc}") from None
+    model.config.use_cache = False
+    num_layers = model.config.num_hidden_layers
+    flops_per_token, flops_per_pair = flop_coefficients(model)
+    optimizer = build_optimizer(job, model)
+    warmup_steps = math.ceil(job.warmup_ratio * total_steps)
+    schedule_name = "constant_with_warmup" if job.lr_scheduler == "constant" else job.lr_scheduler
+    scheduler = get_scheduler(schedule_name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
+    if job.compile:
+        model = torch.compile(model)
+    if accelerator.state.deepspeed_plugin is not None:  # DeepSpeed reads it from a prepared dataloader otherwise
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    model.train()
+
+    # Resume from the newest complete checkpoint; half-written ones (.tmp-*) are leftovers of a kill.
+    state, resumed_from = TrainState(total_steps=total_steps), None
+    if main_process:
+        for leftover in [*checkpoints.glob(".tmp-*"), *output_dir.glob(".tmp-*")]:
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+        checkpoints.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    checkpoint = latest_checkpoint(checkpoints)
+    if checkpoint is not None:
+        accelerator.load_state(str(checkpoint))
+        state = TrainState(**json.loads((checkpoint / TRAINER_STATE_FILE).read_text()))
+        if state.total_steps != total_steps:
+            raise ConfigError(f"{checkpoint}: written for {state.total_steps} steps, this job has {total_steps}; "
+                              f"delete {checkpoints} to start over")
+        resumed_from = state.step
+    interval_loss = torch.tensor(state.interval_loss_sum, dtype=torch.float32, device=device)
+
+    metrics = MlflowMetrics(job, main_process)
+    peak = peak_flops(job)
+    if main_process:
+        print(f"fulltune train: {len(data)} rows, {schedule.per_epoch} optimizer steps per epoch, {total_steps} "
+              f"steps of {micro} micro × {accumulation} accumulation × {processes} processes; gradient "
+              f"checkpointing {checkpointed}/{num_layers} layers; {job.optimizer}; precision {job.mixed_precision}; "
+              f"{f'resumed from step {resumed_from}' if checkpoint else 'from the start'}", file=sys.stderr, flush=True)
+    with tqdm(total=total_steps, initial=state.step, desc="train", unit="step", file=sys.stderr,
+              disable=not main_process, mininterval=1.0 if sys.stderr.isatty() else 30.0) as progress:
+        started = interval_started = time.perf_counter()
+        start_tokens, interval_tokens, interval_rows, interval_flops = state.tokens, 0, 0, 0.0
+        grad_norm = torch.zeros((), device=device)
+
+        while state.step < total_steps:
+            faults.maybe_oom(state.step + 1)
+            # The step's rows first: the loss is normalised by the target tokens of the whole optimizer step
+            # (all micro-batches, all processes), which every process knows from the data without communicating.
+            step_rows = schedule.step_rows(state.step)
+            step_targets = int(data.targets[step_rows].sum())
+            step_loss = torch.zeros((), device=device)  # Σ token losses of this process's micro-batches
+            for index in range(accumulation):
+                rows = schedule.micro_batch(step_rows, index, rank, micro, processes)
+                batch = collate(data.rows(rows), pad_token_id)
+                # Padding is on the right, so in a causal LM no real token attends to it, and it has no
+                # labels: the padding mask changes nothing but keeps SDPA off its causal kernel (11% slower
+                # per micro-batch of 200 tokens on CPU here). Packed rows are separated by position_ids.
+                batch.pop("attention_mask", None)
+                # Shift like transformers' ForCausalLMLoss: position t predicts token t+1.
+                targets = F.pad(batch.pop("labels")[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T)
+                inputs = {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
+                targets = targets.to(device, non_blocking=True)
+                # Forward and backward; accelerate accumulates, syncing DDP gradients on the last micro-batch only.
+                with accelerator.accumulate(model):
+                    logits = model(**inputs, use_cache=False).logits  # (B, T, V)
+                    loss_sum = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
+                                               ignore_index=IGNORE_INDEX, reduction="sum")
+                    loss_sum = faults.maybe_nan(state.step + 1, loss_sum)
+                    # accelerator.backward divides by the accumulation steps and DDP averages over processes;
+                    # scaling back leaves gradients of Σ(all token losses of the step) / step_targets.
+                    accelerator.backward(loss_sum * (accumulation * processes / step_targets))
+                step_loss += loss_sum.detach()
+                faults.maybe_kill("micro_step", state.step * accumulation + index + 1)
+
+            # Clip the (all-reduced) gradient; under fp16 this unscales first.
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), job.max_grad_norm)
+            grad_norm = torch.as_tensor(grad_norm if grad_norm is not None else 0.0, device=device)
+            if processes > 1:
+                step_loss = accelerator.reduce(step_loss, reduction="sum")  # the same decision on every process
+            finite = torch.isfinite(step_loss)
+            if accelerator.scaler is None:  # under fp16, overflowing gradients are the grad scaler's to skip
+                finite &= torch.isfinite(grad_norm)
+            # Sync point (every step): one boolean decides whether the optimizer steps (as torchtitan does).
+            if bool(finite):
+                optimizer.step()
+                scheduler.step()
+                interval_loss += step_loss
+                state.interval_targets += step_targets
+                state.nonfinite_in_a_row = 0
+            else:
+                state.nonfinite_steps += 1
+                state.nonfinite_in_a_row += 1
+                if state.nonfinite_in_a_row >= job.max_nonfinite_steps:
+                    raise TrainingError(
+                        f"training stopped: {state.nonfinite_in_a_row} non-finite losses in a row at step "
+                        f"{state.step + 1}; lower train.learning_rate, or use train.mixed_precision bf16 instead of "
+                        "fp16")
+            optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            step_tokens = int(data.lengths[step_rows].sum())
+            state.tokens += step_tokens
+            interval_tokens += step_tokens
+            interval_rows += len(step_rows)
+            interval_flops += (flops_per_token * step_tokens
+                               + flops_per_pair * float(data.attention_pairs[step_rows].sum()))
+            progress.update(1)
+
+            if state.step % job.log_every_steps == 0 or state.step == total_steps:
+                # Sync point (every log_every_steps): the interval's loss and the last gradient norm.
+                loss_sum, norm = torch.stack([interval_loss, grad_norm.float()]).tolist()
+                loss = loss_sum / state.interval_targets if state.interval_targets else float("nan")
+                seconds = time.perf_counter() - interval_started
+                state.loss_history.append([state.step, loss])
+                if main_process:
+                    values = {"train_loss": loss, "learning_rate": scheduler.get_last_lr()[0], "grad_norm": norm,
+                              "tokens_per_second": interval_tokens / seconds,
+                              "samples_per_second": interval_rows / seconds, **memory_metrics(job.device)}
+                    if peak:
+                        values["mfu"] = interval_flops / seconds / peak
+                    metrics.log(state.step, values)
+                    atomic_write_text(output_dir / PROGRESS_FILE,
+                                      json.dumps({"step": state.step, "total_steps": total_steps, "loss": loss}))
+                    progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                interval_loss.zero_()
+                state.interval_targets = 0
+                interval_started, interval_tokens, interval_rows, interval_flops = time.perf_counter(), 0, 0, 0.0
+
+            if job.checkpoint_every_steps and state.step % job.checkpoint_every_steps == 0 and state.step < total_steps:
+                state.interval_loss_sum = interval_loss.item()  # Sync point (checkpoint)
+                save_checkpoint(accelerator, checkpoints, state, job.keep_checkpoints, faults)
+                faults.maybe_kill("after_checkpoint", state.step)
+    seconds = time.perf_counter() - started
+
+    # The final model, whole or not at all: gathered on every process (FSDP/DeepSpeed shards), written by one.
+    model_dir = output_dir / MODEL_DIR
+    state_dict = accelerator.get_state_dict(model)
+    if main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.config.use_cache = use_cache
+        with atomic_dir(model_dir) as tmp:
+            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+    result = TrainResult(
+        model_dir=str(model_dir),
+        steps=state.step,
+        epochs=state.step / schedule.per_epoch,
+        train_loss=state.loss_history[-1][1] if state.loss_history else float("nan"),
+        tokens=state.tokens,
+        tokens_per_second=(state.tokens - start_tokens) / seconds if seconds > 0 else 0.0,
+        seconds=seconds,
+        peak_memory_bytes=torch.cuda.max_memory_allocated() if job.device == "cuda" else None,
+        nonfinite_steps=state.nonfinite_steps,
+        resumed_from_step=resumed_from,
+        loss_history=state.loss_history,
+    )
+    if main_process:
+        curve = output_dir / "loss_curve.png"
+        save_loss_curve(state.loss_history, curve)
+        metrics.log_artifact(curve)
+        atomic_write_text(output_dir / RESULT_FILE, result.to_json())
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return result
+
+
+def _write_marker(path: Path, payload: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):
+        atomic_write_text(path, json.dumps(payload))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m fulltune.train JOB.json`: 0 done, 2 user error, 3 out of memory."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m fulltune.train JOB.json", file=sys.stderr)
+        return EXIT_USER_ERROR
+    job_file = Path(args[0])
+    if not job_file.is_file():
+        print(f"fulltune train: error: {job_file}: job file not found", file=sys.stderr)
+        return EXIT_USER_ERROR
+    output_dir = job_file.parent
+    try:
+        job = TrainJob.from_json(job_file.read_text())
+        output_dir = Path(job.output_dir)
+        validate_job(job)
+        if completed_result(output_dir) is not None:
+            print(f"fulltune train: {output_dir / MODEL_DIR} is already complete", file=sys.stderr)
+            return 0
+        train(job)
+    except UserError as exc:
+        message = " ".join(str(exc).split())
+        _write_marker(output_dir / ERROR_FILE, {"type": type(exc).__name__, "message": message})
+        print(f"fulltune train: error: {message}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    except torch.OutOfMemoryError as exc:
+        # CUDA's allocator peak; on CPU (only ever simulated) the process's RSS peak.
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        peak_bytes = torch.cuda.max_memory_allocated() if cuda else memory_metrics("cpu")["cpu_rss_peak_bytes"]
+        _write_marker(output_dir / OOM_FILE, {"peak_bytes": int(peak_bytes)})
+        detail = " ".join(str(exc).split())[:300]
+        print(f"fulltune train: out of memory (peak {peak_bytes / 2**30:.2f} GiB): {detail}", file=sys.stderr, flush=True)
+        return EXIT_OUT_OF_MEMORY
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,427 @@
+"""The training loop and its launcher, on CPU with a 2-layer Llama (hidden 32, vocab 64).
+
+Every training run goes through `run_training`, i.e. a real child process (`python -m fulltune.train`
+or torchrun), exactly as the flow runs it. Children get OMP_NUM_THREADS=1: on a shared 2-core machine
+OpenMP's thread hand-offs stall for ~100 ms per op, and results must not depend on the thread count.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from fulltune.errors import ConfigError, DataError, TrainingError
+from fulltune.launch import (OutOfMemory, TrainJob, TrainResult, _outcome, generate_accelerate_config, run_training,
+                             training_command, validate_job)
+
+VOCAB = 64
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fixtures: a tokenizer, two tiny models (with and without dropout) and a learnable tokenized dataset
+
+
+def build_tokenizer(directory: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>").save_pretrained(directory)
+
+
+def build_model(directory: Path, attention_dropout: float) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=None, attention_dropout=attention_dropout)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    build_tokenizer(directory)
+
+
+def write_rows(path: Path, rows: list[tuple[list[int], list[int], list[int]]]) -> None:
+    columns = {"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows], "position_ids": [r[2] for r in rows]}
+    pq.write_table(pa.table({k: pa.array(v, type=pa.list_(pa.int32())) for k, v in columns.items()}), path)
+
+
+def counting_rows(count: int, seed: int = 0) -> list[tuple[list[int], list[int], list[int]]]:
+    """Rows of 1–3 packed documents `s, s+1, s+2, …` (learnable: the next token is this one + 1).
+
+    As fulltune.data writes them: the first token of each document is not a target, positions restart.
+    """
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(count):
+        ids, labels, positions = [], [], []
+        for _ in range(rng.integers(1, 4)):
+            n, start = int(rng.integers(4, 11)), int(rng.integers(2, VOCAB))
+            doc = [2 + (start - 2 + k) % (VOCAB - 2) for k in range(n)]
+            ids += doc
+            labels += [-100] + doc[1:]
+            positions += list(range(n))
+        rows.append((ids, labels, positions))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("train-assets")
+    build_model(root / "dropout", attention_dropout=0.1)  # dropout makes RNG restore matter for resume
+    build_model(root / "plain", attention_dropout=0.0)  # deterministic forward for equivalence checks
+    write_rows(root / "train.parquet", counting_rows(64))
+    return {"dropout": root / "dropout", "plain": root / "plain", "data": root / "train.parquet", "root": root}
+
+
+@pytest.fixture(autouse=True)
+def single_thread_children(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("FULLTUNE_TEST_FAULT", raising=False)
+
+
+def make_job(assets: dict[str, Path], output_dir: Path, model: str = "plain", **settings) -> TrainJob:
+    defaults = dict(micro_batch_size=2, gradient_accumulation_steps=2, learning_rate=3e-3, max_steps=12,
+                    warmup_ratio=0.1, checkpoint_every_steps=3, keep_checkpoints=2, log_every_steps=1, seed=3)
+    return TrainJob(model_path=str(assets[model]), tokenizer_path=str(assets[model]), train_file=str(assets["data"]),
+                    output_dir=str(output_dir), **{**defaults, **settings})
+
+
+def run_with_fault(job: TrainJob, fault: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run `job` with a FULLTUNE_TEST_FAULT that kills the child; the launcher reports a crash."""
+    with monkeypatch.context() as patch:
+        patch.setenv("FULLTUNE_TEST_FAULT", fault)
+        with pytest.raises(RuntimeError, match="exited with code -9"):
+            run_training(job, on_output=lambda line: None)
+
+
+def model_tensors(model_dir: str | Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(model_dir) / "model.safetensors"))
+
+
+def quiet(job: TrainJob) -> TrainResult:
+    return run_training(job, on_output=lambda line: None)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(assets: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainJob, TrainResult]:
+    """12 steps of micro 2 × accumulation 2 on the dropout model, checkpoints every 3 steps."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        job = make_job(assets, tmp_path_factory.mktemp("uninterrupted") / "run", model="dropout")
+        return job, quiet(job)
+
+
+@pytest.fixture(scope="module")
+def reference(assets: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> TrainResult:
+    """3 steps of micro 4 × accumulation 1, one process, no dropout: what the equivalent runs must match."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        job = make_job(assets, tmp_path_factory.mktemp("reference") / "run", micro_batch_size=4,
+                       gradient_accumulation_steps=1, max_steps=3, checkpoint_every_steps=0)
+        return quiet(job)
+
+
+def assert_same_training(result: TrainResult, expected: TrainResult, *, rtol: float, atol: float) -> None:
+    import torch
+
+    assert [s for s, _ in result.loss_history] == [s for s, _ in expected.loss_history]
+    np.testing.assert_allclose([loss for _, loss in result.loss_history],
+                               [loss for _, loss in expected.loss_history], rtol=rtol)
+    got, want = model_tensors(result.model_dir), model_tensors(expected.model_dir)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=atol, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# End to end
+
+
+@pytest.mark.slow
+def test_training_reduces_loss_and_writes_the_run_directory(uninterrupted: tuple[TrainJob, TrainResult]) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    job, result = uninterrupted
+    out = Path(job.output_dir)
+    losses = [loss for _, loss in result.loss_history]
+    assert [s for s, _ in result.loss_history] == list(range(1, 13))
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.25, losses
+    assert result.steps == 12 and result.epochs == pytest.approx(12 / 16) and result.nonfinite_steps == 0
+    assert result.tokens > 0 and result.tokens_per_second > 0 and result.resumed_from_step is None
+    assert TrainResult.from_json((out / "result.json").read_text()) == result
+    assert json.loads((out / "progress.json").read_text()) == {"step": 12, "total_steps": 12, "loss": losses[-1]}
+    assert (out / "loss_curve.png").stat().st_size > 1000
+    # Newest two checkpoints kept (steps 6 and 9; none at the final step), nothing half-written left.
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-6", "step-9"]
+    assert {p.name for p in (out / "checkpoints" / "step-9").iterdir()} >= {
+        "model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl", "trainer_state.json"}
+    assert not list(out.glob(".tmp-*"))
+    model = AutoModelForCausalLM.from_pretrained(result.model_dir)
+    assert model.config.use_cache is True  # turned off for training only
+    assert AutoTokenizer.from_pretrained(result.model_dir).pad_token == "<pad>"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fault", "resumed_from"), [
+    ("micro_step:15", 6),  # mid-accumulation: the first micro-batch of step 8
+    ("checkpoint_write:6", 3),  # checkpoint 6 half written: it is discarded
+    ("after_checkpoint:6", 6),  # right after checkpoint 6 was renamed into place
+])
+def test_killed_run_resumes_bit_exact(fault: str, resumed_from: int, assets: dict[str, Path], tmp_path: Path,
+                                      uninterrupted: tuple[TrainJob, TrainResult],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    base_job, expected = uninterrupted
+    job = replace(base_job, output_dir=str(tmp_path / "run"))
+    run_with_fault(job, fault, monkeypatch)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    if fault.startswith("checkpoint_write"):
+        assert (checkpoints / ".tmp-step-6").is_dir() and not (checkpoints / "step-6").exists()
+    assert not (tmp_path / "run" / "model").exists()
+
+    result = quiet(job)  # the same job again, as a Prefect retry would
+    assert result.resumed_from_step == resumed_from
+    assert result.loss_history == expected.loss_history
+    assert result.tokens == expected.tokens and result.steps == expected.steps
+    got, want = model_tensors(result.model_dir), model_tensors(expected.model_dir)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[name], want[name]) for name in want), [n for n in want if not torch.equal(got[n], want[n])]
+    assert not list(checkpoints.glob(".tmp-*"))
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_matches_a_larger_micro_batch(assets: dict[str, Path], tmp_path: Path,
+                                                            reference: TrainResult) -> None:
+    # Same rows per optimizer step; the loss is normalised by the step's tokens, not per micro-batch.
+    job = make_job(assets, tmp_path / "run", micro_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+                   checkpoint_every_steps=0)
+    assert_same_training(quiet(job), reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_on_cpu_matches_one_process(assets: dict[str, Path], tmp_path: Path,
+                                                    reference: TrainResult) -> None:
+    # 2 processes × micro 2 (torchrun, gloo) against 1 process × micro 4: only the order of the gradient
+    # all-reduce's additions differs; Adam's normalisation lets it grow to ~1e-5 in 3 steps.
+    job = make_job(assets, tmp_path / "run", micro_batch_size=2, gradient_accumulation_steps=1, max_steps=3,
+                   checkpoint_every_steps=0, strategy="ddp", num_processes=2)
+    assert training_command(job, Path("JOB.json"))[2] == "torch.distributed.run"
+    assert_same_training(quiet(job), reference, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layers", [1])  # partial: 1 of 2 layers (all layers is the same mechanism)
+def test_gradient_checkpointing_does_not_change_training(layers: int, assets: dict[str, Path], tmp_path: Path,
+                                                         reference: TrainResult) -> None:
+    job = make_job(assets, tmp_path / "run", micro_batch_size=4, gradient_accumulation_steps=1, max_steps=3,
+                   checkpoint_every_steps=0, gradient_checkpointing=layers)
+    lines: list[str] = []
+    result = run_training(job, on_output=lines.append)
+    assert any(f"gradient checkpointing {layers}/2 layers" in line for line in lines)
+    assert_same_training(result, reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("optimizer", "precision"), [("adafactor", "bf16"), ("adamw_8bit", "no")])
+def test_other_optimizers_and_bf16_take_a_step(optimizer: str, precision: str, assets: dict[str, Path],
+                                               tmp_path: Path) -> None:
+    import torch
+
+    job = make_job(assets, tmp_path / "run", optimizer=optimizer, mixed_precision=precision, max_steps=2,
+                   checkpoint_every_steps=0, warmup_ratio=0.0)
+    result = quiet(job)
+    assert result.steps == 2 and np.isfinite(result.train_loss)
+    before, after = model_tensors(assets["plain"]), model_tensors(result.model_dir)
+    assert all(torch.isfinite(t).all() for t in after.values())
+    assert sum(not torch.equal(before[name], after[name]) for name in before) >= len(before) - 2
+
+
+@pytest.mark.slow
+def test_a_nonfinite_step_is_skipped_and_logged_to_mlflow(assets: dict[str, Path], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.create_experiment("train-test", artifact_location=str(tmp_path / "artifacts"))
+    run_id = client.create_run(experiment).info.run_id
+    job = make_job(assets, tmp_path / "run", max_steps=4, checkpoint_every_steps=0, log_every_steps=2,
+                   mlflow_tracking_uri=uri, mlflow_run_id=run_id)
+    monkeypatch.setenv("FULLTUNE_TEST_FAULT", "nan_loss:2")
+    result = quiet(job)
+    assert result.nonfinite_steps == 1 and result.steps == 4
+    assert all(np.isfinite(loss) for _, loss in result.loss_history)
+    history = client.get_metric_history(run_id, "train_loss")
+    assert [(m.step, m.value) for m in history] == [(s, pytest.approx(v)) for s, v in result.loss_history]
+    logged = set(client.get_run(run_id).data.metrics)
+    assert {"learning_rate", "grad_norm", "tokens_per_second", "samples_per_second", "cpu_rss_peak_bytes"} <= logged
+    assert "mfu" not in logged  # no defensible peak FLOP/s on CPU
+    mlflow.set_tracking_uri(uri)
+    assert "loss_curve.png" in [a.path for a in client.list_artifacts(run_id)]
+
+
+@pytest.mark.slow
+def test_repeated_nonfinite_losses_stop_with_exit_code_2(assets: dict[str, Path], tmp_path: Path) -> None:
+    # A learning rate of 1e30 blows the weights up after the first step; every later loss is NaN.
+    job = make_job(assets, tmp_path / "run", learning_rate=1e30, warmup_ratio=0.0, max_nonfinite_steps=3,
+                   checkpoint_every_steps=0)
+    lines: list[str] = []
+    with pytest.raises(TrainingError, match=r"3 non-finite losses in a row at step \d+; lower train.learning_rate"):
+        run_training(job, on_output=lines.append)
+    assert not (Path(job.output_dir) / "model").exists() and not (Path(job.output_dir) / "result.json").exists()
+    # The child's last line is its one-line message (exit code 2 → TrainingError: test_child_exit_maps_…).
+    assert lines[-1].startswith("fulltune train: error: training stopped: 3 non-finite losses in a row")
+
+
+@pytest.mark.slow
+def test_out_of_memory_exits_3_and_raises_out_of_memory(assets: dict[str, Path], tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    job = make_job(assets, tmp_path / "run", max_steps=3, checkpoint_every_steps=0)
+    monkeypatch.setenv("FULLTUNE_TEST_FAULT", "oom:2")
+    with pytest.raises(OutOfMemory) as raised:
+        quiet(job)
+    assert raised.value.observed_peak_bytes > 0
+    assert not isinstance(raised.value, (ConfigError, DataError, TrainingError))
+    out = Path(job.output_dir)
+    assert json.loads((out / "oom.json").read_text())["peak_bytes"] == raised.value.observed_peak_bytes
+    assert not (out / "model").exists()
+    child = subprocess.run([sys.executable, "-m", "fulltune.train", str(out / "JOB.json")],
+                           capture_output=True, text=True, check=False)
+    assert child.returncode == 3 and "out of memory" in child.stderr
+
+
+@pytest.mark.slow
+def test_a_finished_run_is_returned_without_training(uninterrupted: tuple[TrainJob, TrainResult]) -> None:
+    job, expected = uninterrupted
+    lines: list[str] = []
+    assert run_training(job, on_output=lines.append) == expected
+    assert lines == []  # no child process ran
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pieces, without training
+
+
+def test_step_schedule_is_deterministic_and_independent_of_the_split() -> None:
+    from fulltune.train import StepSchedule
+
+    lengths = np.random.default_rng(0).integers(4, 40, size=50)
+    schedule = StepSchedule(lengths, rows_per_step=8, seed=5)
+    assert schedule.per_epoch == 6  # 50 // 8; the incomplete last step of each epoch is dropped
+    again = StepSchedule(lengths, rows_per_step=8, seed=5)
+    steps = [schedule.step_rows(s) for s in range(12)]
+    assert all(np.array_equal(a, again.step_rows(s)) for s, a in enumerate(steps))  # a pure function of the step
+    assert len(set(np.concatenate(steps[:6]).tolist())) == 48  # no row twice within an epoch
+    assert not np.array_equal(np.concatenate(steps[:6]), np.concatenate(steps[6:]))  # a new order each epoch
+    rows = steps[0]
+    for micro, processes in [(2, 2), (4, 1), (1, 4), (8, 1)]:
+        parts = [StepSchedule.micro_batch(rows, i, p, micro, processes)
+                 for i in range(8 // (micro * processes)) for p in range(processes)]
+        assert np.array_equal(np.concatenate(parts), rows)
+
+
+def test_tokenized_rows_counts_targets_tokens_and_attention_pairs(tmp_path: Path) -> None:
+    from fulltune.train import TokenizedRows
+
+    write_rows(tmp_path / "t.parquet", [
+        ([5, 6, 7, 8, 9], [-100, 6, 7, -100, 9], [0, 1, 2, 0, 1]),  # two documents: 3 + 2 tokens
+        ([4, 5, 6], [-100, -100, 6], [0, 1, 2]),
+    ])
+    rows = TokenizedRows(str(tmp_path / "t.parquet"))
+    assert rows.lengths.tolist() == [5, 3]
+    assert rows.targets.tolist() == [3, 1]
+    assert rows.attention_pairs.tolist() == [3**2 + 2**2, 3**2]
+    assert rows.rows(np.array([1])) == [{"input_ids": [4, 5, 6], "labels": [-100, -100, 6], "position_ids": [0, 1, 2]}]
+
+
+def test_tokenized_rows_reject_bad_files(tmp_path: Path) -> None:
+    from fulltune.train import TokenizedRows
+
+    pq.write_table(pa.table({"input_ids": pa.array([[1, 2]], type=pa.list_(pa.int32()))}), tmp_path / "a.parquet")
+    with pytest.raises(DataError, match=r"missing column\(s\) \['labels', 'position_ids'\]"):
+        TokenizedRows(str(tmp_path / "a.parquet"))
+    write_rows(tmp_path / "b.parquet", [([1, 2, 3], [-100, -100, -100], [0, 1, 2])])
+    with pytest.raises(DataError, match="no token has a label"):
+        TokenizedRows(str(tmp_path / "b.parquet"))
+
+
+def test_validate_job_reports_every_problem_at_once(tmp_path: Path) -> None:
+    data = tmp_path / "train.parquet"
+    data.touch()
+    job = TrainJob(model_path="m", tokenizer_path="m", train_file=str(data), output_dir=str(tmp_path),
+                   micro_batch_size=0, mixed_precision="fp16", optimizer="sgd", num_processes=2)
+    with pytest.raises(ConfigError) as raised:
+        validate_job(job)
+    message = str(raised.value)
+    for part in ("micro_batch_size must be >= 1", "optimizer must be one of", "num_processes > 1 needs a strategy",
+                 "fp16 needs a CUDA device"):
+        assert part in message
+    with pytest.raises(DataError, match="tokenized training data not found"):
+        validate_job(TrainJob(model_path="m", tokenizer_path="m", train_file="/nope.parquet", output_dir=str(tmp_path)))
+
+
+def test_job_round_trips_through_json_and_rejects_unknown_keys() -> None:
+    job = TrainJob(model_path="m", tokenizer_path="t", train_file="d", output_dir="o", max_steps=7, token_env="HF_TOKEN")
+    assert TrainJob.from_json(job.to_json()) == job
+    with pytest.raises(ConfigError, match="unknown keys"):
+        TrainJob.from_json(json.dumps({**json.loads(job.to_json()), "learning_rat": 1}))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3"])
+def test_generated_accelerate_config_is_read_by_accelerate(strategy: str, tmp_path: Path) -> None:
+    import yaml
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    job = TrainJob(model_path="m", tokenizer_path="m", train_file="d", output_dir=str(tmp_path), device="cuda",
+                   strategy=strategy, num_processes=4, gradient_accumulation_steps=3, mixed_precision="bf16")
+    config = generate_accelerate_config(job)
+    (tmp_path / "accelerate.yaml").write_text(yaml.safe_dump(config))
+    loaded = ClusterConfig.from_yaml_file(str(tmp_path / "accelerate.yaml"))
+    assert loaded.num_processes == 4 and loaded.mixed_precision == "bf16"
+    assert loaded.distributed_type.value == {"ddp": "MULTI_GPU", "fsdp": "FSDP"}.get(strategy, "DEEPSPEED")
+    if strategy.startswith("deepspeed"):
+        assert loaded.deepspeed_config["gradient_accumulation_steps"] == 3
+        assert loaded.deepspeed_config["zero_stage"] == (3 if strategy.endswith("3") else 2)
+    command = training_command(job, tmp_path / "JOB.json")
+    assert command[1:3] == ["-m", "accelerate.commands.launch"] and "fulltune.train" in command
+
+
+def test_multi_machine_config_needs_the_rendezvous_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    job = TrainJob(model_path="m", tokenizer_path="m", train_file="d", output_dir="o", device="cuda",
+                   strategy="ddp", num_processes=16, num_machines=2)
+    with pytest.raises(ConfigError, match="MASTER_ADDR"):
+        generate_accelerate_config(job)
+
+
+def test_child_exit_maps_to_result_or_exception(tmp_path: Path) -> None:
+    with pytest.raises(OutOfMemory):
+        _outcome(tmp_path, 3, [])
+    with pytest.raises(TrainingError, match="the last line"):
+        _outcome(tmp_path, 2, ["noise", "the last line"])
+    with pytest.raises(RuntimeError, match="exited with code -9") as crashed:
+        _outcome(tmp_path, -9, ["Killed"])
+    assert not isinstance(crashed.value, (OutOfMemory, TrainingError))
+    # Under torchrun a failed worker surfaces as exit code 1; the marker files still tell what happened.
+    (tmp_path / "error.json").write_text(json.dumps({"type": "DataError", "message": "x.parquet: no rows"}))
+    with pytest.raises(DataError, match="no rows"):
+        _outcome(tmp_path, 1, [])
+    (tmp_path / "oom.json").write_text(json.dumps({"peak_bytes": 123}))
+    with pytest.raises(OutOfMemory) as raised:
+        _outcome(tmp_path, 1, [])
+    assert raised.value.observed_peak_bytes == 123
