@@ -112,9 +112,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({**decision.plan, **extra}, indent=2))
     else:
         print(decision.table)
-        for name, value in extra.items():
-            print(f"{name}: {json.dumps(value, indent=2)}")
+        if extra:
+            print(_comparison_table(decision.plan["plan"]["estimate"], extra))
     return 0
+
+
+def _comparison_table(analytic: dict[str, Any], extra: dict[str, Any]) -> str:
+    """The analytic breakdown beside the traced one (and the measured peak) for the planned settings."""
+    from fulltune.memory import format_bytes
+
+    columns = [("analytic", analytic)] + ([("simulated", extra["simulated"])] if "simulated" in extra else [])
+    rows = [f"{'':18s}" + "".join(f"{name:>14s}" for name, _ in columns)]
+    for key in analytic["breakdown"]:
+        if key == "runtime_overhead":
+            continue
+        rows.append(f"{key:18s}" + "".join(f"{format_bytes(c['breakdown'].get(key, 0)):>14s}" for _, c in columns))
+    rows.append(f"{'peak (allocated)':18s}" + "".join(f"{format_bytes(c['peak_bytes']):>14s}" for _, c in columns))
+    if "measured_peak_bytes" in extra:
+        measured = extra["measured_peak_bytes"]
+        error = (analytic["peak_bytes"] - measured) / measured * 100
+        rows.append(f"measured peak {format_bytes(measured)}: the analytic estimate is {error:+.1f}% off")
+    return "\n".join(rows)
 
 
 def _plan_inputs(p: Any) -> tuple[int, int | None]:
