@@ -163,7 +163,7 @@ class StepSchedule:
 class TrainState:
     """The data position and running counters; saved as trainer_state.json in every checkpoint."""
 
-    step: int = 0  # optimizer steps done; the next global micro-batch is step × gradient_accumulation_steps
+    step: int = 0  # optimizer steps done; also the data position (StepSchedule.step_rows(step) is next)
     total_steps: int = 0
     tokens: int = 0  # non-padding tokens processed, all processes
     nonfinite_steps: int = 0
@@ -292,10 +292,22 @@ class MlflowMetrics:
     def __init__(self, job: TrainJob, enabled: bool) -> None:
         self.run_id = job.mlflow_run_id if enabled else None
         self.client = None
+        self.system = None
         if self.run_id:
+            import mlflow
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
             from mlflow.tracking import MlflowClient
 
+            mlflow.set_tracking_uri(job.mlflow_tracking_uri)
             self.client = MlflowClient(tracking_uri=job.mlflow_tracking_uri)
+            # CPU, memory and (with nvidia-ml-py) GPU utilisation, sampled beside the training metrics.
+            self.system = SystemMetricsMonitor(self.run_id, sampling_interval=10, samples_before_logging=1)
+            self.system.start()
+
+    def close(self) -> None:
+        if self.system is not None:
+            self.system.finish()
+            self.system = None
 
     def log(self, step: int, values: dict[str, float]) -> None:
         if self.client is None:
@@ -336,7 +348,7 @@ def train(job: TrainJob) -> TrainResult:
 
     Raises:
         ConfigError: the device or a setting cannot work (e.g. CUDA requested but absent).
-        DataError: train_file is unreadable, empty, or smaller than one micro-batch per process.
+        DataError: train_file is unreadable, empty, or has fewer rows than one optimizer step.
         TrainingError: `max_nonfinite_steps` non-finite losses in a row.
         torch.OutOfMemoryError: the device ran out of memory (main() turns it into exit code 3).
     """
@@ -547,6 +559,7 @@ def train(job: TrainJob) -> TrainResult:
         curve = output_dir / "loss_curve.png"
         save_loss_curve(state.loss_history, curve)
         metrics.log_artifact(curve)
+        metrics.close()
         atomic_write_text(output_dir / RESULT_FILE, result.to_json())
     accelerator.wait_for_everyone()
     accelerator.end_training()

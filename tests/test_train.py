@@ -263,6 +263,7 @@ def test_a_nonfinite_step_is_skipped_and_logged_to_mlflow(assets: dict[str, Path
     job = make_job(assets, tmp_path / "run", max_steps=4, checkpoint_every_steps=0, log_every_steps=2,
                    mlflow_tracking_uri=uri, mlflow_run_id=run_id)
     monkeypatch.setenv("FULLTUNE_TEST_FAULT", "nan_loss:2")
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
     result = quiet(job)
     assert result.nonfinite_steps == 1 and result.steps == 4
     assert all(np.isfinite(loss) for _, loss in result.loss_history)
@@ -271,6 +272,7 @@ def test_a_nonfinite_step_is_skipped_and_logged_to_mlflow(assets: dict[str, Path
     logged = set(client.get_run(run_id).data.metrics)
     assert {"learning_rate", "grad_norm", "tokens_per_second", "samples_per_second", "cpu_rss_peak_bytes"} <= logged
     assert "mfu" not in logged  # no defensible peak FLOP/s on CPU
+    assert any(name.startswith("system/cpu_utilization") for name in logged), sorted(logged)
     mlflow.set_tracking_uri(uri)
     assert "loss_curve.png" in [a.path for a in client.list_artifacts(run_id)]
 
