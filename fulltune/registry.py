@@ -59,7 +59,16 @@ def experiment_id(name: str, workdir: str | Path) -> str:
     location = None
     if tracking_uri(workdir).startswith("sqlite:"):
         location = (Path(workdir).resolve() / "mlartifacts").as_uri()
-    return client.create_experiment(name, artifact_location=location)
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except MlflowException:
+        # Another run created it between the two calls.
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return experiment.experiment_id
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, str]:
