@@ -39,12 +39,21 @@ def tracking_uri(workdir: str | Path) -> str:
 
 
 def configure(workdir: str | Path) -> str:
-    """Point this process's MLflow client at the pipeline's tracking server; returns the URI."""
+    """Point this process's MLflow client at the pipeline's tracking server; returns the URI.
+
+    `mlflow.set_tracking_uri` also exports the URI as MLFLOW_TRACKING_URI; the environment is put back
+    as the user left it, so the next pipeline in this process and every child process still see the
+    user's choice rather than this workdir's database. The registry follows the tracking URI.
+    """
     import mlflow
 
     uri = tracking_uri(workdir)
+    previous = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
+    if previous is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = previous
     return uri
 
 

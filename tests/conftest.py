@@ -37,3 +37,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_mlflow_environment():
+    """`mlflow.set_tracking_uri` exports the URI to the environment; keep one test's database from
+    leaking into the next test's child processes."""
+    yield
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
+        os.environ.pop(name, None)
