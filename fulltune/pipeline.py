@@ -205,6 +205,9 @@ def plan_request(p: ResolvedPipeline, seq_len: int, device: str, budget_bytes: i
         strategy=d.strategy,
         num_processes=d.num_processes,
         bf16_supported=bf16,
+        # Packed rows restart position_ids, so transformers builds a block mask per layer; unpacked rows
+        # are right-padded and the trainer passes no mask at all (see fulltune/train.py).
+        attention_mask=p.spec.data.packing,
     )
 
 
@@ -231,8 +234,7 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
     if not as_json["fits"]:
         raise BudgetError(f"pipelines.{p.name}.budget.memory: no configuration fits the budget\n{table}")
     if p.spec.budget.on_overflow == "fail" and budget_bytes is not None:
-        limit = budget_bytes * (1 - p.spec.budget.headroom)
-        if plan.estimate.peak_bytes > limit:
+        if plan.estimate.device_bytes > plan.usable_bytes:
             raise BudgetError(
                 f"pipelines.{p.name}.budget.on_overflow is 'fail' and the configured settings do not fit\n{table}"
             )

@@ -468,6 +468,9 @@ def train(job: TrainJob) -> TrainResult:
                     loss_sum = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
                                                ignore_index=IGNORE_INDEX, reduction="sum")
                     loss_sum = faults.maybe_nan(state.step + 1, loss_sum)
+                    # Free the (B, T, V) logits before backward: kept alive, they add 4·B·T·V bytes at the
+                    # peak (the loss backward), which the memory plan does not budget for.
+                    del logits
                     # accelerator.backward divides by the accumulation steps and DDP averages over processes;
                     # scaling back leaves gradients of Σ(all token losses of the step) / step_targets.
                     accelerator.backward(loss_sum * (accumulation * processes / step_targets))
