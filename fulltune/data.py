@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fulltune.errors import ConfigError, DataError
+from fulltune.fingerprint import fsync_dir, fsync_tree, pid_alive
 from fulltune.spec import DataSpec
 
 if TYPE_CHECKING:
@@ -692,22 +693,6 @@ def _write_rows(path: Path, table: pa.Table, *, packing: bool, max_length: int, 
     }
 
 
-def _fsync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            with path.open("rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def temp_dir_name(key: str) -> str:
     """A build directory name that says who is writing it: `.tmp-<key>-<host>-<pid>-<random>`."""
     return f".tmp-{key[:16]}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -725,26 +710,14 @@ def remove_stale_temp_dirs(root: Path) -> None:
         match = re.fullmatch(r"\.tmp-[0-9a-f]+-(.+)-(\d+)-[0-9a-f]+", entry.name)
         if not match or match.group(1) != host:
             continue
-        if not _pid_alive(int(match.group(2))):
+        if not pid_alive(int(match.group(2))):
             shutil.rmtree(entry, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def publish_dir(tmp: Path, final: Path, is_intact: Any) -> None:
     """Rename a finished build dir into place. If another process got there first with an intact
     result, keep theirs; a broken leftover at `final` is moved aside and deleted."""
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     try:
         os.rename(tmp, final)
     except OSError:
@@ -755,7 +728,7 @@ def publish_dir(tmp: Path, final: Path, is_intact: Any) -> None:
         os.rename(final, trash)
         shutil.rmtree(trash, ignore_errors=True)
         os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -53,7 +53,8 @@ def code_version(*modules: str) -> str:
     return f"{__version__}+{digest.hexdigest()[:12]}"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Persist a directory entry (a rename into it) across a crash."""
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -66,7 +67,7 @@ def fsync_tree(path: Path) -> None:
     for file in (p for p in path.rglob("*") if p.is_file()):
         with open(file, "rb+") as handle:
             os.fsync(handle.fileno())
-    _fsync_dir(path)
+    fsync_dir(path)
 
 
 @contextlib.contextmanager
@@ -88,10 +89,23 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
             if not target.exists():
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host still exists (a stale lock or temp dir names a dead one)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

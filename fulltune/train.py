@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from fulltune.data import IGNORE_INDEX, collate, iter_length_grouped_batches, pad_token_id_of
 from fulltune.errors import ConfigError, DataError, TrainingError, UserError
-from fulltune.fingerprint import _fsync_dir, atomic_dir, atomic_write_text, fsync_tree
+from fulltune.fingerprint import atomic_dir, atomic_write_text, fsync_dir, fsync_tree
 from fulltune.launch import (ERROR_FILE, MODEL_DIR, OOM_FILE, PROGRESS_FILE, RESULT_FILE, TrainJob, TrainResult,
                              completed_result, validate_job)
 
@@ -199,7 +199,7 @@ def save_checkpoint(accelerator: Accelerator, root: Path, state: TrainState, kee
         fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := CHECKPOINT_NAME.match(p.name)))
         for old in steps[:-keep]:
             shutil.rmtree(root / f"step-{old}", ignore_errors=True)

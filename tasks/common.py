@@ -41,6 +41,8 @@ def clear_stale_locks(workdir: str) -> list[Path]:
     import json
     import socket
 
+    from fulltune.fingerprint import pid_alive
+
     removed = []
     for lock in locks_dir(workdir).glob("*.lock"):
         try:
@@ -48,23 +50,11 @@ def clear_stale_locks(workdir: str) -> list[Path]:
             host, pid = holder.split(":")[:2]
         except (OSError, ValueError, KeyError):
             continue
-        if host != socket.gethostname() or _alive(int(pid)):
+        if host != socket.gethostname() or pid_alive(int(pid)):
             continue
         lock.unlink(missing_ok=True)
         removed.append(lock)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:
