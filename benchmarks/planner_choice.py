@@ -10,9 +10,9 @@ vocabulary 1k–8k, sequence 128–512, effective batch 8–32) this script
 3. enumerates the candidates the planner could have picked: every micro-batch divisor of the
    effective batch × the precisions and optimizers the case leaves on auto, each with the fewest
    checkpointed layers that fit (the planner's own candidates; the choice and
-   `plan.alternatives` are among them) plus checkpointing on all layers (fixed-precision cases:
-   measures what recomputation costs; of the bf16 ones, ~3× slower on this CPU, only the
-   predicted-fastest); only those whose estimate fits budget × (1 − headroom);
+   `plan.alternatives` are among them), plus the chosen micro-batch with every layer checkpointed
+   (fixed-precision cases: what recomputation really costs); of the bf16 ones, ~3× slower on this
+   CPU, only the predicted-fastest; only those whose estimate fits budget × (1 − headroom);
 4. runs every candidate for real on CPU, the step fulltune's trainer runs
    (`fulltune.memory.trace._train_steps`, the step `measure_memory` runs: forward under the
    case's autocast, fp32 cross-entropy summed / tokens, backward per micro-batch, clipping,
@@ -176,7 +176,9 @@ def candidates(case: Case, usable: int, chosen: Settings, alternatives: list[dic
                         if estimate_memory(case.config, replace(base, gradient_checkpointing=k)).device_bytes <= usable]
                 if not fits:
                     continue
-                ks = {fits[0]} | ({L} if fixed else set())
+                # all layers checkpointed at the chosen micro-batch: what recomputation really costs
+                extra = fixed and micro == chosen.micro_batch_size and precision == chosen.mixed_precision
+                ks = {fits[0]} | ({L} if extra else set())
                 for k in sorted(ks):
                     s = replace(base, gradient_checkpointing=k)
                     if precision == "bf16":  # ~3x slower on this CPU: keep its predicted-fastest only
@@ -494,8 +496,8 @@ def section(rows: list[dict], diag: dict, command: str, seconds: float, reps: in
             "(whole batch in one micro-batch, no checkpointing) for tensors. Candidates: every micro-batch divisor",
             "of the effective batch (× the precisions and optimizers the case leaves on auto) with the fewest",
             "checkpointed layers that fit — the planner's own candidate set, the choice and `plan.alternatives`",
-            "among them — plus, in the fixed-precision cases, the same micro-batches with all layers checkpointed",
-            "(of the bf16 candidates, ~3× slower on this CPU, only the predicted-fastest one). Only",
+            "among them — plus, in the fixed-precision cases, the chosen micro-batch with every layer checkpointed",
+            "(what recomputation costs); of the bf16 candidates, ~3× slower on this CPU, only the predicted-fastest. Only",
             "candidates whose estimate fits budget × (1 − headroom) are in the set. Each candidate runs the",
             "trainer's step (`fulltune.memory.trace._train_steps`, what `measure_memory` runs) on real CPU tensors:",
             f"one warm-up optimizer step, one step under MemTracker (peak), then {reps} timed optimizer steps",
@@ -545,7 +547,7 @@ def write_section(path: Path, text: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3, help="timed optimizer steps per candidate (median)")
+    parser.add_argument("--reps", type=int, default=5, help="timed optimizer steps per candidate (median)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     parser.add_argument("--cases", type=str, default=None, help="comma-separated 1-based case numbers")
     parser.add_argument("--plan-only", action="store_true", help="print budgets and candidates, run nothing")
@@ -582,7 +584,7 @@ def main() -> int:
         return 0
     seconds = time.perf_counter() - started
     diag = diagnostics(rows)
-    command = "python benchmarks/planner_choice.py" + (f" --reps {args.reps}" if args.reps != 3 else "")
+    command = "python benchmarks/planner_choice.py" + (f" --reps {args.reps}" if args.reps != 5 else "")
     text = section(rows, diag, command, seconds, args.reps, args.threads)
     print(text)
     if args.json:
