@@ -31,7 +31,12 @@ _FLOPS = {
     ("cpu", "bf16"): 1.3e11,  # bf16 autocast on CPUs without AMX is slower than fp32
     ("cpu", "fp16"): 2e11,  # Accelerate runs fp16 as fp32 on CPU
 }
-_HALF_EFFICIENCY_TOKENS = {"cuda": 1024, "cpu": 64}
+# Tokens per micro-batch at which throughput is half its peak. CPU throughput is nearly flat in
+# micro-batch size (benchmarks/planner_choice.py: micro-batch 1 costs ~1.12× the largest that fits).
+_HALF_EFFICIENCY_TOKENS = {"cuda": 1024, "cpu": 16}
+# A recomputed layer costs more than its matmul FLOPs (norms, activations, dropout run again):
+# measured 6–7% of the step per layer on CPU against 5% from FLOPs alone.
+_RECOMPUTE_OVERHEAD = 1.4
 _BANDWIDTH = {"cuda": 2.0e12, "cpu": 2.0e10}
 # Bytes the optimizer reads and writes per parameter in one step (weights, grads, states).
 _OPTIMIZER_TRAFFIC = {"adamw": 32, "adamw_8bit": 20, "adafactor": 20}
@@ -50,7 +55,7 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
     L, h = shape.num_layers, shape.hidden
     k = min(settings.gradient_checkpointing, L)
     per_token = 6.0 * shape.num_params + 12.0 * L * h * s
-    per_token += k * (2.0 * shape.layer_numel + 4.0 * h * s)
+    per_token += k * _RECOMPUTE_OVERHEAD * (2.0 * shape.layer_numel + 4.0 * h * s)
     tokens = b * s
     efficiency = tokens / (tokens + _HALF_EFFICIENCY_TOKENS[settings.device])
     flops = _FLOPS[(settings.device, settings.mixed_precision)]
