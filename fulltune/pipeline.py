@@ -8,7 +8,6 @@ code version, so changing data, config or engine code re-runs exactly the stages
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,8 +16,6 @@ from typing import Any
 from fulltune.errors import BudgetError, ConfigError
 from fulltune.fingerprint import atomic_write_text, code_version, hash_json, hash_path
 from fulltune.spec import PipelineSpec, get_pipeline, load_pipelines
-
-log = logging.getLogger("fulltune")
 
 # The engine modules each stage runs: their source is part of the stage's cache key.
 STAGE_CODE = {
@@ -218,8 +215,6 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
     Raises BudgetError (exit 2, with the breakdown) when nothing fits, or when the configured settings
     do not fit and `budget.on_overflow` is `fail`.
     """
-    from dataclasses import asdict as dc_asdict
-
     from fulltune.memory import format_plan_table, plan_memory, render_breakdown_png, resolve_budget
     from fulltune.models import read_model_config
 
@@ -238,7 +233,7 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
             raise BudgetError(
                 f"pipelines.{p.name}.budget.on_overflow is 'fail' and the configured settings do not fit\n{table}"
             )
-    return BudgetDecision(dc_asdict(plan.settings), as_json, table, seq_len, int(config.num_hidden_layers),
+    return BudgetDecision(asdict(plan.settings), as_json, table, seq_len, int(config.num_hidden_layers),
                           str(picture) if picture is not None else None, tokenizer_vocab)
 
 
@@ -248,10 +243,6 @@ def describe_settings(settings: dict[str, Any], num_layers: int) -> str:
     return (f"micro_batch_size={settings['micro_batch_size']} × gradient_accumulation_steps="
             f"{settings['gradient_accumulation_steps']}, mixed_precision={settings['mixed_precision']}, "
             f"optimizer={settings['optimizer']}, gradient checkpointing {ckpt_text}")
-
-
-def settings_to_json(settings: Any) -> dict[str, Any]:
-    return asdict(settings) if not isinstance(settings, dict) else dict(settings)
 
 
 def ensure_local_data(p: ResolvedPipeline) -> None:
