@@ -40,7 +40,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
@@ -48,6 +47,7 @@ from tqdm import tqdm
 from fulltune.data import IGNORE_INDEX, collate, iter_length_grouped_batches, pad_token_id_of
 from fulltune.errors import ConfigError, DataError, TrainingError, UserError
 from fulltune.fingerprint import atomic_dir, atomic_write_text, fsync_dir, fsync_tree
+from fulltune.loss import TargetHead, Targets
 from fulltune.launch import (ERROR_FILE, MODEL_DIR, OOM_FILE, PROGRESS_FILE, RESULT_FILE, TrainJob, TrainResult,
                              completed_result, validate_job)
 
@@ -404,6 +404,7 @@ def train(job: TrainJob) -> TrainResult:
     warmup_steps = math.ceil(job.warmup_ratio * total_steps)
     schedule_name = "constant_with_warmup" if job.lr_scheduler == "constant" else job.lr_scheduler
     scheduler = get_scheduler(schedule_name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
+    head = TargetHead(model)
     if job.compile:
         model = torch.compile(model)
     if accelerator.state.deepspeed_plugin is not None:  # DeepSpeed reads it from a prepared dataloader otherwise
@@ -458,19 +459,12 @@ def train(job: TrainJob) -> TrainResult:
                 # labels: the padding mask changes nothing but keeps SDPA off its causal kernel (11% slower
                 # per micro-batch of 200 tokens on CPU here). Packed rows are separated by position_ids.
                 batch.pop("attention_mask", None)
-                # Shift like transformers' ForCausalLMLoss: position t predicts token t+1.
-                targets = F.pad(batch.pop("labels")[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T)
+                targets = Targets.from_labels(batch.pop("labels")).to(device)
                 inputs = {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
-                targets = targets.to(device, non_blocking=True)
                 # Forward and backward; accelerate accumulates, syncing DDP gradients on the last micro-batch only.
+                # The output head runs only at the positions with a target (fulltune/loss.py).
                 with accelerator.accumulate(model):
-                    logits = model(**inputs, use_cache=False).logits  # (B, T, V)
-                    loss_sum = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
-                                               ignore_index=IGNORE_INDEX, reduction="sum")
-                    loss_sum = faults.maybe_nan(state.step + 1, loss_sum)
-                    # Free the (B, T, V) logits before backward: kept alive, they add 4·B·T·V bytes at the
-                    # peak (the loss backward), which the memory plan does not budget for.
-                    del logits
+                    loss_sum = faults.maybe_nan(state.step + 1, head.loss_sum(model, inputs, targets))
                     # accelerator.backward divides by the accumulation steps and DDP averages over processes;
                     # scaling back leaves gradients of Σ(all token losses of the step) / step_targets.
                     accelerator.backward(loss_sum * (accumulation * processes / step_targets))

@@ -3,9 +3,10 @@
 The trainer (fulltune/train.py) runs, per optimizer step and per process:
 
     for each of gradient_accumulation_steps micro-batches:
-        logits = model(input_ids, position_ids, attention_mask)        # autocast under Accelerate
-        loss = cross_entropy(logits.float().view(-1, V), labels, reduction="sum") / tokens
-        del logits                                                      # not kept through backward
+        # lm_head runs on the t positions that have a target (fulltune/loss.py): a forward
+        # pre-hook gathers its input (b, s, h) → (t, h); t ≤ b·(s-1)
+        logits = model(input_ids, position_ids, attention_mask).logits.float()   # (t, V)
+        loss = cross_entropy(logits, targets, reduction="sum") / tokens  # logits freed on return
         accelerator.backward(loss)
     accelerator.clip_grad_norm_(...); optimizer.step(); optimizer.zero_grad(set_to_none=True)
 
@@ -19,11 +20,12 @@ Every byte count comes from the tensors autograd saves in the transformers 5 imp
 - Gradients are fp32 like the weights. With `zero_grad(set_to_none=True)` and no accumulation
   they appear layer by layer during backward; with accumulation they exist for the whole step.
 - The loss upcasts logits to fp32 and `log_softmax` keeps its fp32 output; its backward holds
-  three fp32 (b, s, V) tensors at once (saved output, grad of nll, grad of log_softmax): the
+  three fp32 (t, V) tensors at once (saved output, grad of nll, grad of log_softmax): the
   usual peak for vocabularies over ~30k (Liger and Cut-Cross-Entropy papers measure the same).
 - A checkpointed layer keeps only its input and rebuilds its activations during its backward.
-- Keeping a reference to the logits through backward would add 4·b·s·V bytes at the peak; the
+- Keeping a reference to the logits through backward would add 4·t·V bytes at the peak; the
   trainer drops it (measured with Accelerate on CPU: +17.8% for a 3k vocabulary otherwise).
+- The gather's backward scatters the head input's gradient into a zero (b, s, h) fp32 tensor.
 """
 
 from __future__ import annotations
@@ -296,7 +298,8 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
     elif strategy == "deepspeed_zero2":
         # Gradients are reduced in buckets about two layers large before being partitioned.
         buckets = 2 * 4 * shape.layer_numel
-    batch = 3 * 8 * b * s  # input_ids, labels, position_ids (int64)
+    t = b * round(settings.target_fraction * (s - 1))  # positions with a target: the head's rows
+    batch = 2 * 8 * b * s + 2 * 8 * t  # input_ids, position_ids; target index and tokens (int64)
     accumulating = settings.gradient_accumulation_steps > 1
     grads_before = grads_total if accumulating else 0
 
@@ -307,7 +310,7 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
     # RMSNorm keeps the normalised x and 1/rms; LayerNorm only mean and rstd (its input, the last
     # layer's output, is counted with that layer).
     final_norm = bsh4 + 4 * b * s if shape.layout == "llama" else 8 * b * s
-    lm_head_input = b * s * h * 2 if mixed else bsh4
+    lm_head_input = t * h * c  # the gathered rows (a 16-bit copy under autocast)
     rope = 2 * 4 * b * s * shape.rotary_dim if shape.rotary_dim else 0
     head_copy = 2 * V * h if mixed and settings.strategy not in ("fsdp", "deepspeed_zero3") else 0
     stream_in = bsh4  # embedding output (the input of layer 0)
@@ -326,8 +329,8 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
     acts_total = model_saved + sum(saved_by_layer)
     mask_bool = b * s * s if settings.attention_mask else 0
 
-    logits_c = b * s * V * c  # lm_head output in the compute dtype
-    logits32 = 4 * b * s * V
+    logits_c = t * V * c  # lm_head output in the compute dtype
+    logits32 = 4 * t * V
 
     phases: list[tuple[str, int, dict[str, int]]] = []
 
@@ -345,6 +348,9 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
     # Forward: the last layer's forward peak with everything below it saved.
     before_head = acts_total - final_norm - lm_head_input - head_copy
     add("forward", grads_before, before_head, 0, layer.forward_transient + mask_bool)
+    # lm_head's forward: the final norm's (b, s, h) output is alive until the model returns, next to
+    # the gathered fp32 rows.
+    add("forward of the lm head / loss", grads_before, acts_total, logits_c, bsh4 + 4 * t * h)
     # lm_head output, its fp32 upcast and log_softmax's fp32 output.
     if mixed:
         add("forward of the lm head / loss", grads_before, acts_total, logits_c + logits32, 0)
@@ -362,8 +368,11 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
         g,
         acts_total,
         logits_c + (logits32 if mixed else 0),
-        head_grad_tmp + (head_grad if accumulating else 0) + b * s * h * c,
+        head_grad_tmp + (head_grad if accumulating else 0) + t * h * c,
     )
+    # Backward of the gather: the rows' fp32 gradient scattered into a zero (b, s, h) tensor.
+    add("backward of the lm head / loss", grads_before if accumulating else head_grad, after_head, 0,
+        bsh4 + 4 * t * h)
 
     # Backward through the layers, last to first. Each layer has two peaks: the MLP backward
     # (everything of the layer still saved, plus the grads of the (b, s, I) tensors) and the

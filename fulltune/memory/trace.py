@@ -2,7 +2,7 @@
 
 Both run the step the way fulltune's trainer does (see `estimate.py`): fp32 weights, autocast for
 mixed precision with the logits upcast to fp32 (what Accelerate's `convert_outputs_to_fp32` does),
-the summed cross-entropy over the upcast logits, gradient clipping, the optimizer step and
+the summed cross-entropy over the upcast logits of the target positions (`fulltune.loss`), gradient clipping, the optimizer step and
 `zero_grad(set_to_none=True)`. Accelerate's `Accelerator` itself is not used: its process-wide
 state cannot change mixed precision between two measurements in one process; what it adds to a
 single-process step (the autocast wrapper and the fp32 conversion) is reproduced here.
@@ -98,61 +98,57 @@ def _FakeAdamW8bit(params: Any, lr: float) -> Any:  # noqa: N802 - factory stand
     return _fake_adamw8bit_class()(params, lr=lr)
 
 
-def _make_batch(vocab: int, settings: Settings, device: str) -> dict[str, Any]:
+def _make_batch(vocab: int, settings: Settings, device: str) -> tuple[dict[str, Any], Any]:
+    """Inputs and targets of one micro-batch: every position but a row's last has a target (the
+    worst case the estimate assumes) unless `settings.target_fraction` leaves the first ones out."""
     import torch
+
+    from fulltune.loss import Targets
 
     b, s = settings.micro_batch_size, settings.seq_len
     input_ids = torch.randint(0, vocab, (b, s), device=device)
-    labels = input_ids.clone()
     position_ids = torch.arange(s, device=device).expand(b, s).contiguous()
     attention_mask = None
     if settings.attention_mask:
         # One padded row makes transformers build and pass a real (b, 1, s, s) mask.
         attention_mask = torch.ones(b, s, dtype=torch.long, device=device)
         attention_mask[0, : max(1, s // 16)] = 0
-        labels[0, : max(1, s // 16)] = -100
-    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "attention_mask": attention_mask}
+    # Built from shapes, not from labels: nonzero() has no static shape under FakeTensorMode.
+    first = (s - 1) - target_positions_per_row(settings)
+    index = torch.arange(b * s, device=device).view(b, s)[:, first : s - 1].reshape(-1)
+    targets = Targets(index=index, tokens=input_ids.view(-1).index_select(0, index + 1))
+    inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
+    return inputs, targets
 
 
-def _loss(model: Any, batch: dict[str, Any], settings: Settings, num_tokens: int) -> Any:
-    """Forward and loss as the trainer computes them; only the loss survives this function."""
-    import torch.nn.functional as F
-
-    with _autocast(settings):
-        out = model(
-            input_ids=batch["input_ids"],
-            position_ids=batch["position_ids"],
-            attention_mask=batch["attention_mask"],
-            use_cache=False,  # as the trainer calls it: no KV cache in training
-        )
-    logits = out.logits
-    if settings.mixed_precision != "no":
-        logits = logits.float()  # Accelerate's convert_outputs_to_fp32
-    del out
-    vocab = logits.shape[-1]
-    loss = F.cross_entropy(
-        logits.float().view(-1, vocab), batch["labels"].view(-1), ignore_index=-100, reduction="sum"
-    )
-    return loss / num_tokens
+def target_positions_per_row(settings: Settings) -> int:
+    """Positions with a target in each synthetic row (the estimate's t / micro_batch_size)."""
+    return round(settings.target_fraction * (settings.seq_len - 1))
 
 
 def _train_steps(model: Any, optimizer: Any, vocab: int, settings: Settings, steps: int, device: str, tracker: Any) -> None:
     import torch
 
+    from fulltune.loss import TargetHead
+
+    head = TargetHead(model)
     for _ in range(steps):
         for _ in range(settings.gradient_accumulation_steps):
             if tracker is not None:
                 # MemTracker refuses a second forward of the root module without this; the global
                 # peak survives it.
                 tracker.reset_mod_stats()
-            batch = _make_batch(vocab, settings, device)
+            inputs, targets = _make_batch(vocab, settings, device)
             num_tokens = settings.micro_batch_size * settings.seq_len * settings.gradient_accumulation_steps
-            loss = _loss(model, batch, settings, num_tokens)
+            # As the trainer computes it (fulltune/loss.py); Accelerate autocasts the forward.
+            with _autocast(settings):
+                loss = head.loss_sum(model, inputs, targets) / num_tokens
             loss.backward()
-            del loss, batch
+            del loss, inputs, targets
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    head.remove()
 
 
 def _check_single_process(settings: Settings) -> None:

@@ -51,6 +51,10 @@ class Settings:
             or packed rows whose position_ids restart (transformers then builds a block-diagonal
             mask). A mask makes SDPA keep a (b, 1, s, s) mask per layer and repeat grouped
             key/value heads; without one (a causal row with no padding) neither happens.
+        target_fraction: share of the positions that can have a target (all but each row's last)
+            that do. The trainer runs the output head only at those positions (`fulltune.loss`),
+            so the logits are (t, V) with t = micro_batch_size · round(target_fraction ·
+            (seq_len - 1)). 1.0, the default, is the most any batch can have.
     """
 
     micro_batch_size: int
@@ -64,6 +68,7 @@ class Settings:
     strategy: str = "none"
     num_processes: int = 1
     attention_mask: bool = True
+    target_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "num_processes"):
@@ -76,6 +81,8 @@ class Settings:
             )
         if self.gradient_checkpointing < 0:
             raise ValueError(f"gradient_checkpointing must be >= 0; got {self.gradient_checkpointing}")
+        if not 0.0 <= self.target_fraction <= 1.0:
+            raise ValueError(f"target_fraction must be between 0 and 1; got {self.target_fraction!r}")
         _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
@@ -97,6 +104,7 @@ class Settings:
             "strategy": self.strategy,
             "num_processes": self.num_processes,
             "attention_mask": self.attention_mask,
+            "target_fraction": self.target_fraction,
         }
 
 

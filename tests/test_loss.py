@@ -1,0 +1,78 @@
+"""The training loss: the output head at target positions only gives the full-logits loss and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fulltune.loss import TargetHead, Targets
+
+
+def _model(kind: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, Gemma2Config, GPT2Config, GPTNeoXConfig, LlamaConfig
+
+    configs = {
+        "llama": LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+        "gpt2": GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                           attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
+        "gpt_neox": GPTNeoXConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4),
+        # Soft-capped logits: what the model does after the head still applies.
+        "gemma2": Gemma2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                               final_logit_softcapping=5.0),
+    }
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(configs[kind], attn_implementation="eager").train()
+
+
+def _full_loss_and_grads(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor):
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=input_ids, use_cache=False).logits
+    shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1), reduction="sum")
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "gpt_neox", "gemma2"])
+def test_head_at_target_positions_matches_the_full_logits_loss(kind: str) -> None:
+    model = _model(kind)
+    input_ids = torch.randint(0, 97, (3, 11))
+    labels = input_ids.clone()
+    labels[0, :6] = -100  # a prompt
+    labels[1, 8:] = -100  # padding
+    labels[2, :] = -100  # a row without targets
+    expected, expected_grads = _full_loss_and_grads(model, input_ids, labels)
+
+    targets = Targets.from_labels(labels)
+    assert len(targets) == 5 + 7  # shifted: row 0 predicts labels 6..10, row 1 labels 1..7
+    head = TargetHead(model)
+    model.zero_grad(set_to_none=True)
+    loss = head.loss_sum(model, {"input_ids": input_ids}, targets)
+    loss.backward()
+
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-6, atol=1e-5)
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, expected_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_head_is_untouched_outside_the_loss() -> None:
+    model = _model("llama").eval()
+    input_ids = torch.randint(0, 97, (2, 7))
+    before = model(input_ids=input_ids).logits
+    head = TargetHead(model)
+    assert model(input_ids=input_ids).logits.shape == (2, 7, 97)
+    torch.testing.assert_close(model(input_ids=input_ids).logits, before)
+    head.remove()
+    assert not model.get_output_embeddings()._forward_pre_hooks
+
+
+def test_targets_are_the_shifted_labels() -> None:
+    labels = torch.tensor([[5, -100, 7, 8], [-100, -100, 3, -100]])
+    targets = Targets.from_labels(labels)
+    # Position i predicts label i + 1; flat positions over the (2, 4) batch.
+    assert targets.index.tolist() == [1, 2, 5]
+    assert targets.tokens.tolist() == [7, 8, 3]
