@@ -62,6 +62,17 @@ CASES = [
         ),
         Settings(micro_batch_size=4, seq_len=64, attention_mask=False, target_fraction=0.3),
     ),
+    (
+        # Tied embeddings: the head's weight gradient waits for the embedding's, then both are summed
+        # out of place; with everything checkpointed that is the peak.
+        "llama-tied-accumulate-all-checkpointed",
+        transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=3000, tie_word_embeddings=True,
+        ),
+        Settings(micro_batch_size=1, seq_len=32, gradient_accumulation_steps=2, gradient_checkpointing=2,
+                 attention_mask=False),
+    ),
 ]
 
 

@@ -379,6 +379,10 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
     # attention backward (the MLP part freed, its weight gradients made, grads of q, k, v).
     layer_grads = int(layer.grads * grad_shard)
     grads_now = grads_before if accumulating else head_grad + 4 * h * (2 if shape.layout != "llama" else 1)
+    # Tied: the head's weight gradient waits in autograd's input buffer for the embedding's share
+    # (when accumulating it is not yet added into .grad, so it is extra).
+    waiting = head_grad if shape.tied and accumulating else 0
+    grads_now += waiting
     acts_now = after_head
     for i in reversed(range(L)):
         below = acts_now - saved_by_layer[i]
@@ -398,10 +402,12 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
         add(f"backward of layer {i}", grads_now + grad_mlp, below, 0, layer.attn_saved + layer.attn_backward)
         grads_now += 0 if accumulating else layer_grads
         acts_now = below
-    # Embedding backward: a dense (V, h) gradient; added into the existing one when tied or
-    # when accumulating.
+    # Embedding backward: a dense (V, h) gradient. Tied, autograd then sums it with the waiting head
+    # gradient out of place (three (V, h) tensors at once, .grad not yet among them unless
+    # accumulating); untied and accumulating, it is added into the existing .grad.
     # At the end of backward every gradient exists.
-    emb_tmp = 4 * V * h if (shape.tied or accumulating) else 0
+    emb_grad = int(4 * V * h * grad_shard)
+    emb_tmp = (3 if accumulating else 2) * emb_grad if shape.tied else (emb_grad if accumulating else 0)
     add("backward of the embeddings", grads_total, max(acts_now, 0), 0, emb_tmp)
 
     # Optimizer step: all gradients, states, the optimizer's own temporaries.
