@@ -28,7 +28,9 @@ _FLOPS = {
     ("cuda", "fp16"): 400e12,
     ("cuda", "no"): 150e12,  # TF32 matmuls
     ("cpu", "no"): 2e11,
-    ("cpu", "bf16"): 1.3e11,  # bf16 autocast on CPUs without AMX is slower than fp32
+    # bf16 autocast on CPUs without AMX: 3.6× the fp32 step time on the development CPU
+    # (benchmarks/planner_choice.py measurements), not the 1.5× the casts alone would cost.
+    ("cpu", "bf16"): 5.5e10,
     ("cpu", "fp16"): 2e11,  # Accelerate runs fp16 as fp32 on CPU
 }
 # Tokens per micro-batch at which throughput is half its peak. CPU throughput is nearly flat in
@@ -40,6 +42,9 @@ _RECOMPUTE_OVERHEAD = 1.4
 _BANDWIDTH = {"cuda": 2.0e12, "cpu": 2.0e10}
 # Bytes the optimizer reads and writes per parameter in one step (weights, grads, states).
 _OPTIMIZER_TRAFFIC = {"adamw": 32, "adamw_8bit": 20, "adafactor": 20}
+# bitsandbytes' 8-bit AdamW on CPU runs a scalar fallback: ~20× fused AdamW's step time, i.e.
+# what ~450 bytes per parameter would cost at the CPU bandwidth above.
+_CPU_OPTIMIZER_TRAFFIC = {**_OPTIMIZER_TRAFFIC, "adamw_8bit": 450}
 # Penalties for choices that cost more than their FLOPs show: 8-bit AdamW ≈5% slower per step
 # (REFERENCE.md), Adafactor's factored second moment converges slower on fine-tuning tasks.
 _OPTIMIZER_PENALTY = {"adamw": 1.0, "adamw_8bit": 1.05, "adafactor": 1.12}
@@ -61,7 +66,8 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
     flops = _FLOPS[(settings.device, settings.mixed_precision)]
     compute = settings.gradient_accumulation_steps * tokens * per_token / (flops * efficiency)
     shard = settings.num_processes if settings.strategy in ("fsdp", "deepspeed_zero2", "deepspeed_zero3") else 1
-    optimizer = shape.num_params / shard * _OPTIMIZER_TRAFFIC[settings.optimizer] / _BANDWIDTH[settings.device]
+    traffic = (_CPU_OPTIMIZER_TRAFFIC if settings.device == "cpu" else _OPTIMIZER_TRAFFIC)[settings.optimizer]
+    optimizer = shape.num_params / shard * traffic / _BANDWIDTH[settings.device]
     return (compute + optimizer) * _OPTIMIZER_PENALTY[settings.optimizer]
 
 
