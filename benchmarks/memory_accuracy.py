@@ -35,6 +35,7 @@ import transformers  # noqa: E402
 from fulltune.memory import Settings, estimate_memory, measure_memory, simulate_memory  # noqa: E402
 from fulltune.memory.shapes import model_shape  # noqa: E402
 from fulltune.memory.units import format_bytes  # noqa: E402
+from sections import write_section  # noqa: E402  (benchmarks/sections.py, beside this script)
 
 SECTION = "## Memory accuracy"
 
@@ -240,19 +241,6 @@ def section(rows: list[dict], command: str, seconds: float) -> str:
     )
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace (or append) the `## Memory accuracy` section of BENCHMARKS.md, leaving the rest alone."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    lines = old.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == SECTION), None)
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        new = "".join(lines[:start]) + text + ("\n" if end < len(lines) else "") + "".join(lines[end:])
-    path.write_text(new)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the real-tensor rows")
@@ -268,7 +256,7 @@ def main() -> int:
     text = section(rows, command, seconds)
     print(text)
     if not args.no_write:
-        write_section(ROOT / "BENCHMARKS.md", text)
+        write_section(ROOT / "BENCHMARKS.md", SECTION, text)
     return 0
 
 

@@ -66,6 +66,7 @@ from fulltune.memory.estimate import CPU_ALLOCATOR_SLACK, CPU_PROCESS_BYTES  # n
 from fulltune.memory.shapes import model_shape  # noqa: E402
 from fulltune.memory.trace import _build_model, _quiet, _train_steps, build_optimizer  # noqa: E402
 from fulltune.memory.units import format_bytes  # noqa: E402
+from sections import write_section  # noqa: E402  (benchmarks/sections.py, beside this script)
 
 SECTION = "## Planner choice"
 TIE = 0.05  # within 5% of the measured-fastest counts as the fastest
@@ -532,19 +533,6 @@ def section(rows: list[dict], diag: dict, command: str, seconds: float, reps: in
     )
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace (or append at the end) the `## Planner choice` section of BENCHMARKS.md."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    lines = old.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == SECTION), None)
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        new = "".join(lines[:start]) + text + ("\n" if end < len(lines) else "") + "".join(lines[end:])
-    path.write_text(new)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="timed optimizer steps per candidate (median)")
@@ -590,7 +578,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "diagnostics": diag}, indent=1, default=str))
     if not args.no_write and not args.cases:
-        write_section(ROOT / "BENCHMARKS.md", text)
+        write_section(ROOT / "BENCHMARKS.md", SECTION, text)
     return 0
 
 
