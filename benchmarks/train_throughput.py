@@ -1,13 +1,14 @@
 """Training throughput: fulltune's loop against transformers' Trainer on the same data, model and settings.
 
-    python benchmarks/train_throughput.py              # CPU: ~1M-parameter Llama, seq ≤ 256, fp32 (~10 min)
+    python benchmarks/train_throughput.py              # CPU: ~1M-parameter Llama, seq ≤ 256, fp32 (~6 min; --runs 5: ~9 min)
     python benchmarks/train_throughput.py --gpu        # CUDA: ~1.1B Llama from a config, bf16, seq ≤ 2048
 
 Contenders, each in a fresh process, interleaved run by run (`--runs`, default 3):
 
     trainer            Trainer defaults: random order, each micro-batch padded to its longest row
     trainer_grouped    Trainer with train_sampling_strategy="group_by_length" (transformers 5's name)
-    fulltune           fulltune's loop on one example per row (length-grouped steps, padded micro-batches)
+    fulltune           fulltune's loop on one example per row (length-grouped steps, padded micro-batches;
+                       like every fulltune run, the output head only at positions with a target)
     fulltune_packed    fulltune's loop on packed rows (data.packing: true; no padding)
 
 All use the same variable-length prompt/completion data tokenized by `fulltune.data.tokenize_dataset`,
