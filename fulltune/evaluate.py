@@ -13,7 +13,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-IGNORE_INDEX = -100
+from fulltune.data import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
@@ -68,28 +68,26 @@ def evaluate_model(model_path: str, tokenizer_path: str, rows: list[dict[str, An
                    generate_examples: int, max_new_tokens: int, device: str, load_kwargs: dict[str, Any]) -> ModelMetrics:
     """Token-weighted mean loss over every labelled token, perplexity = exp(loss), and exact match."""
     import torch
-    import torch.nn.functional as F
 
     from fulltune.data import collate
+    from fulltune.loss import TargetHead, Targets
     from fulltune.models import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_path, revision=load_kwargs.get("revision"),
                                trust_remote_code=load_kwargs.get("trust_remote_code", False),
                                token=load_kwargs.get("token"))
     model = load_model(model_path, **load_kwargs).to(device).eval()
+    head = TargetHead(model)  # the loss as training computes it: logits only where there is a target
     total_loss = torch.zeros((), dtype=torch.float64)
     total_tokens = 0
     with torch.inference_mode():
         for start in range(0, len(rows), batch_size):
-            batch = {k: v.to(device) for k, v in collate(rows[start:start + batch_size], tokenizer.pad_token_id).items()}
-            labels = batch.pop("labels")
-            logits = model(**batch).logits
-            # logits[:, t] predicts labels[:, t + 1], as in transformers' ForCausalLMLoss.
-            shifted = labels[:, 1:]
-            loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), shifted.reshape(-1),
-                                   ignore_index=IGNORE_INDEX, reduction="sum")
-            total_loss += loss.double().cpu()
-            total_tokens += int((shifted != IGNORE_INDEX).sum())
+            batch = collate(rows[start:start + batch_size], tokenizer.pad_token_id)
+            targets = Targets.from_labels(batch.pop("labels"))
+            inputs = {name: tensor.to(device) for name, tensor in batch.items()}
+            total_loss += head.loss_sum(model, inputs, targets.to(device)).double().cpu()
+            total_tokens += len(targets)
+    head.remove()
     if total_tokens == 0:
         raise ValueError("the eval set has no labelled tokens")
     eval_loss = float(total_loss) / total_tokens

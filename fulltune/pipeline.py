@@ -20,9 +20,9 @@ from fulltune.spec import PipelineSpec, get_pipeline, load_pipelines
 # The engine modules each stage runs: their source is part of the stage's cache key.
 STAGE_CODE = {
     "tokenize": ("data.py", "tokenizer.py", "fingerprint.py"),
-    "budget": ("memory", "models.py", "pipeline.py"),
-    "train": ("train.py", "launch.py", "models.py", "data.py", "memory"),
-    "evaluate": ("evaluate.py", "data.py", "models.py"),
+    "budget": ("memory", "loss.py", "models.py", "pipeline.py"),
+    "train": ("train.py", "launch.py", "loss.py", "models.py", "data.py", "memory"),
+    "evaluate": ("evaluate.py", "loss.py", "data.py", "models.py"),
     "register": ("registry.py",),
 }
 
