@@ -103,8 +103,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from fulltune.pipeline import plan_budget, resolve_pipeline
 
     p = resolve_pipeline(args.file, args.name, args.overrides)
-    seq_len, vocab = _plan_inputs(p)
-    decision = plan_budget(p, seq_len, vocab)
+    seq_len, vocab, target_fraction = _plan_inputs(p)
+    decision = plan_budget(p, seq_len, vocab, target_fraction=target_fraction)
     extra: dict[str, Any] = {}
     if args.simulate or args.measure:
         extra = _simulate_or_measure(p, decision, vocab, args.simulate, args.measure)
@@ -135,19 +135,19 @@ def _comparison_table(analytic: dict[str, Any], extra: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def _plan_inputs(p: Any) -> tuple[int, int | None]:
-    """Sequence length and vocabulary to plan for: from the tokenized data when it is cached, else the
-    worst case (rows of `data.max_length`, the configured vocabulary)."""
-    from fulltune.pipeline import read_marker, tokenize_key
+def _plan_inputs(p: Any) -> tuple[int, int | None, float]:
+    """Sequence length, vocabulary and target share to plan for: from the tokenized data when it is
+    cached, else the worst case (rows of `data.max_length` with a target everywhere, the configured
+    vocabulary)."""
+    from fulltune.pipeline import planned_rows, read_marker, tokenize_key
 
-    seq_len, vocab = p.spec.data.max_length, None
+    seq_len, vocab, target_fraction = p.spec.data.max_length, None, 1.0
     marker = read_marker(p.workdir, "tokenize", tokenize_key(p))
     tokenizer_spec = p.spec.model.tokenizer
     if marker and all(Path(x).exists() for x in marker["paths"]):
         from fulltune.data import load_tokenized
 
-        data = load_tokenized(marker["paths"][0])
-        seq_len = p.spec.data.max_length if data.packing else data.max_row_length
+        seq_len, target_fraction = planned_rows(p, load_tokenized(marker["paths"][0]))
         if p.spec.model.from_config is not None and len(marker["paths"]) > 1:
             from fulltune.models import load_tokenizer
 
@@ -158,7 +158,7 @@ def _plan_inputs(p: Any) -> tuple[int, int | None]:
             from fulltune.models import load_tokenizer
 
             vocab = len(load_tokenizer(tokenizer_spec))
-    return seq_len, vocab
+    return seq_len, vocab, target_fraction
 
 
 def _simulate_or_measure(p: Any, decision: Any, vocab: int | None, simulate: bool, measure: bool) -> dict[str, Any]:

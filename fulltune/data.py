@@ -86,6 +86,7 @@ class TokenizedData:
     dropped_examples: int = 0  # train + eval examples with no label token left after truncation
     eval_tokens: int = 0
     eval_label_tokens: int = 0
+    max_row_targets: int = 0  # most loss terms in one train row (0: unknown)
 
     @property
     def train_file(self) -> str:
@@ -684,12 +685,19 @@ def _write_rows(path: Path, table: pa.Table, *, packing: bool, max_length: int, 
                 columns += [pa.array(prompts[first:last], pa.string()), pa.array(completions[first:last], pa.string())]
             writer.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=_ROW_CHUNK)
     row_lengths = np.diff(row_offsets)
+    # Loss terms per row: labels shifted left by one (a row's first label is never predicted). The most
+    # in one row bounds the output head's work per micro-batch (fulltune/loss.py, the memory plan).
+    trainable = flat_labels != IGNORE_INDEX
+    trainable[row_offsets[:-1][row_lengths > 0]] = False
+    cumulative = np.concatenate([[0], np.cumsum(trainable)])
+    row_targets = cumulative[row_offsets[1:]] - cumulative[row_offsets[:-1]]
     return {
         "examples": int(len(lengths)),
         "rows": int(num_rows),
         "tokens": int(doc_offsets[-1]),
         "label_tokens": int(np.count_nonzero(flat_labels != IGNORE_INDEX)),
         "max_row_length": int(row_lengths.max()) if num_rows else 0,
+        "max_row_targets": int(row_targets.max()) if num_rows else 0,
     }
 
 
@@ -825,6 +833,7 @@ def _build(data: DataSpec, tokenizer_ref: str, seed: int, fingerprint: str, out:
         dropped_examples=dropped,
         eval_tokens=evaluation["tokens"],
         eval_label_tokens=evaluation["label_tokens"],
+        max_row_targets=train["max_row_targets"],
     )
     meta = dataclasses.asdict(record)
     meta.pop("path")

@@ -180,9 +180,21 @@ class BudgetDecision:
     num_layers: int
     picture: str | None = None
     vocab_size: int | None = None  # of the trained tokenizer, for a model built from a config
+    target_fraction: float = 1.0  # the most positions with a target in one row ÷ (seq_len - 1)
 
 
-def plan_request(p: ResolvedPipeline, seq_len: int, device: str, budget_bytes: int | None, bf16: bool) -> Any:
+def planned_rows(p: ResolvedPipeline, data: Any) -> tuple[int, float]:
+    """(seq_len, target_fraction) to plan for, from the tokenized data: packed rows are padded to
+    data.max_length, unpacked micro-batches to their longest row; a row never has more positions with
+    a target than the most in the data (the output head's share, fulltune/loss.py)."""
+    seq_len = p.spec.data.max_length if data.packing else data.max_row_length
+    if not data.max_row_targets or seq_len < 2:
+        return seq_len, 1.0
+    return seq_len, min(1.0, data.max_row_targets / (seq_len - 1))
+
+
+def plan_request(p: ResolvedPipeline, seq_len: int, device: str, budget_bytes: int | None, bf16: bool,
+                 target_fraction: float = 1.0) -> Any:
     from fulltune.memory import PlanRequest
 
     t, d = p.spec.train, p.spec.distributed
@@ -205,11 +217,12 @@ def plan_request(p: ResolvedPipeline, seq_len: int, device: str, budget_bytes: i
         # Packed rows restart position_ids, so transformers builds a block mask per layer; unpacked rows
         # are right-padded and the trainer passes no mask at all (see fulltune/train.py).
         attention_mask=p.spec.data.packing,
+        target_fraction=target_fraction,
     )
 
 
 def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
-                picture: Path | None = None) -> BudgetDecision:
+                picture: Path | None = None, target_fraction: float = 1.0) -> BudgetDecision:
     """Stage 2: estimate peak memory for the configured settings and plan settings that fit.
 
     Raises BudgetError (exit 2, with the breakdown) when nothing fits, or when the configured settings
@@ -220,7 +233,7 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
 
     device, budget_bytes, bf16 = resolve_budget(p.spec.budget.device, p.spec.budget.memory)
     config = read_model_config(p.spec.model, tokenizer_vocab)
-    plan = plan_memory(config, plan_request(p, seq_len, device, budget_bytes, bf16))
+    plan = plan_memory(config, plan_request(p, seq_len, device, budget_bytes, bf16, target_fraction))
     table = format_plan_table(plan)
     as_json = plan.to_dict()
     if picture is not None:
@@ -234,7 +247,7 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
                 f"pipelines.{p.name}.budget.on_overflow is 'fail' and the configured settings do not fit\n{table}"
             )
     return BudgetDecision(asdict(plan.settings), as_json, table, seq_len, int(config.num_hidden_layers),
-                          str(picture) if picture is not None else None, tokenizer_vocab)
+                          str(picture) if picture is not None else None, tokenizer_vocab, target_fraction)
 
 
 def describe_settings(settings: dict[str, Any], num_layers: int) -> str:

@@ -8,7 +8,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from fulltune.data import TokenizedData
-from fulltune.pipeline import BudgetDecision, ResolvedPipeline, plan_budget, record_outputs
+from fulltune.pipeline import BudgetDecision, ResolvedPipeline, plan_budget, planned_rows, record_outputs
 from tasks.common import stage_policy
 
 
@@ -18,9 +18,9 @@ def memory_budget_task(p: ResolvedPipeline, key: str, data: TokenizedData, token
     from fulltune.models import load_tokenizer
 
     vocab = len(load_tokenizer(tokenizer)) if p.spec.model.from_config is not None else None
-    seq_len = p.spec.data.max_length if data.packing else data.max_row_length
+    seq_len, target_fraction = planned_rows(p, data)
     picture = Path(p.workdir) / "plans" / f"{key[:16]}.png"
-    decision = plan_budget(p, seq_len, vocab, picture)
+    decision = plan_budget(p, seq_len, vocab, picture, target_fraction)
     get_run_logger().info("memory plan:\n%s", decision.table)
     record_outputs(p.workdir, "budget", key, [str(picture)])
     create_markdown_artifact(

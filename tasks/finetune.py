@@ -111,7 +111,7 @@ def _replan(p: ResolvedPipeline, decision: BudgetDecision, settings: dict[str, A
 
     device, budget_bytes, bf16 = resolve_budget(p.spec.budget.device, p.spec.budget.memory)
     config = read_model_config(p.spec.model, decision.vocab_size)
-    request = plan_request(p, decision.seq_len, device, budget_bytes, bf16)
+    request = plan_request(p, decision.seq_len, device, budget_bytes, bf16, decision.target_fraction)
     plan = replan_after_oom(config, request, Settings(**settings), peak)
     return asdict(plan.settings)
 

@@ -82,6 +82,18 @@ def test_prompt_completion_masks_exactly_the_prompt(tmp_path: Path, tok_dir: str
     assert [(r["prompt"], r["completion"]) for r in eval_rows] == [(p["prompt"], p["completion"]) for p in PAIRS[:2]]
     labelled = sum(sum(t != IGNORE_INDEX for t in r["labels"]) for r in rows(result.train_file))
     assert result.train_label_tokens == labelled
+    # Loss terms per row: a row's first label is never predicted. The most in one row bounds the output
+    # head's rows in the memory plan.
+    assert result.max_row_targets == max(sum(t != IGNORE_INDEX for t in r["labels"][1:]) for r in rows(result.train_file))
+    # The memory plan: micro-batches padded to the longest row, the head's share bounded by the data.
+    from types import SimpleNamespace
+
+    from fulltune.pipeline import planned_rows
+
+    pipeline = SimpleNamespace(spec=SimpleNamespace(data=spec))
+    seq_len, share = planned_rows(pipeline, result)
+    assert seq_len == result.max_row_length
+    assert share == pytest.approx(result.max_row_targets / (result.max_row_length - 1)) and 0 < share < 1
 
 
 def test_text_format_trains_every_token_but_the_first(tmp_path: Path, tok_dir: str, tok) -> None:
@@ -200,6 +212,8 @@ def test_packing_keeps_documents_whole_and_restarts_positions(tmp_path: Path, to
             assert labels[0] == IGNORE_INDEX  # no document's first token is predicted from the previous one
     assert packed.train_label_tokens == unpacked.train_label_tokens
     assert packed.train_tokens == unpacked.train_tokens
+    assert packed.max_row_targets == max(sum(t != IGNORE_INDEX for t in r["labels"][1:]) for r in packed_rows)
+    assert packed.max_row_targets > unpacked.max_row_targets
     assert all(r["position_ids"] == list(range(len(r["input_ids"]))) for r in rows(packed.eval_file))  # never packed
 
 

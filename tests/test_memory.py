@@ -221,6 +221,23 @@ def test_planner_keeps_the_effective_batch_and_fits_the_budget():
     assert any("effective batch stays 16" in r for r in plan.reasons)
 
 
+def test_data_with_fewer_targets_per_row_plans_a_larger_micro_batch():
+    # Completions that are at most a quarter of a row: the logits of a 32k vocabulary shrink 4×, and the
+    # budget that needed micro-batch 2 (or recomputation) for targets everywhere fits more rows at once.
+    cfg = small_llama()
+    budget = 2 * GiB
+    everywhere = plan_memory(cfg, request(budget_bytes=budget))
+    quarter = plan_memory(cfg, request(budget_bytes=budget, target_fraction=0.25))
+    assert quarter.fits and quarter.settings.target_fraction == 0.25
+    assert quarter.settings.micro_batch_size > everywhere.settings.micro_batch_size
+    assert quarter.estimate.breakdown["logits"] < everywhere.estimate.breakdown["logits"] / 3.5
+    assert quarter.estimate.peak_bytes < everywhere.estimate.peak_bytes
+    assert quarter.estimated_step_seconds < everywhere.estimated_step_seconds
+    assert plan_memory(cfg, request(budget_bytes=budget, target_fraction=1.0)).settings == everywhere.settings
+    with pytest.raises(ValueError, match="target_fraction"):
+        request(target_fraction=1.5)
+
+
 def test_planner_never_changes_fixed_fields():
     cfg = small_llama()
     plan = plan_memory(

@@ -53,13 +53,15 @@ _OPTIMIZER_PENALTY = {"adamw": 1.0, "adamw_8bit": 1.05, "adafactor": 1.12}
 def step_seconds(shape: ModelShape, settings: Settings) -> float:
     """Estimated wall time of one optimizer step (ranking only, not a promise).
 
-    FLOPs per token 6N + 12·L·h·s (PaLM appendix B) plus one extra forward (2·N_layer + 4·h·s per
-    token) for each checkpointed layer; throughput grows with tokens per micro-batch.
+    FLOPs per token 6N + 12·L·h·s (PaLM appendix B), less the output head's 6·V·h at positions
+    without a target, plus one extra forward (2·N_layer + 4·h·s per token) for each checkpointed
+    layer; throughput grows with tokens per micro-batch.
     """
     s, b = settings.seq_len, settings.micro_batch_size
     L, h = shape.num_layers, shape.hidden
     k = min(settings.gradient_checkpointing, L)
     per_token = 6.0 * shape.num_params + 12.0 * L * h * s
+    per_token -= 6.0 * (1.0 - settings.target_fraction) * shape.vocab * h  # the head runs at targets only
     per_token += k * _RECOMPUTE_OVERHEAD * (2.0 * shape.layer_numel + 4.0 * h * s)
     tokens = b * s
     efficiency = tokens / (tokens + _HALF_EFFICIENCY_TOKENS[settings.device])
@@ -182,6 +184,7 @@ def _configured(shape: ModelShape, request: PlanRequest) -> Settings:
         strategy=request.strategy,
         num_processes=request.num_processes,
         attention_mask=request.attention_mask,
+        target_fraction=request.target_fraction,
     )
 
 
@@ -253,6 +256,7 @@ def _search(
                     strategy=request.strategy,
                     num_processes=request.num_processes,
                     attention_mask=request.attention_mask,
+                    target_fraction=request.target_fraction,
                 )
                 if fixed_k is not None:
                     out.append(_candidate(shape, base))

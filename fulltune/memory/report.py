@@ -48,6 +48,10 @@ def format_plan_table(plan: MemoryPlan) -> str:
         lines.append(f"| {a:{w0}} | {b:>{w1}} | {c:>{w2}} |")
     lines.append(sep)
     lines.append(_settings_line(plan))
+    share = plan.settings.target_fraction
+    if share < 1.0:
+        lines.append(f"logits: at most {share:.0%} of a row's positions have a target (from the data); the output "
+                     f"head runs only there")
     if plan.estimated_step_seconds is not None:
         lines.append(f"estimated step time (ranking model): {plan.estimated_step_seconds:.3g} s")
     if plan.reasons:

@@ -141,7 +141,8 @@ class PlanRequest:
     `effective_batch_size` = micro_batch_size × gradient_accumulation_steps × num_processes and
     never changes. `budget_bytes` is per device; `None` plans nothing (the configured settings
     run as they are). The planner keeps `headroom` of the budget free for what no estimate sees
-    (fragmentation, other processes).
+    (fragmentation, other processes). `target_fraction` bounds the positions with a target in any
+    row (see `Settings`); the data stage knows it (the most loss terms in one row ÷ (seq_len - 1)).
     """
 
     effective_batch_size: int
@@ -159,8 +160,11 @@ class PlanRequest:
     num_processes: int = 1
     bf16_supported: bool = False
     attention_mask: bool = True
+    target_fraction: float = 1.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.target_fraction <= 1.0:
+            raise ValueError(f"target_fraction must be between 0 and 1; got {self.target_fraction!r}")
         for name in ("effective_batch_size", "seq_len", "num_processes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
