@@ -147,8 +147,9 @@ def section(times: list[dict], memory: list[dict], reps: int, seconds: float) ->
     lines += [
         "",
         "At 100% the head runs on every position but each row's last, which is what a full-logits loss computes,",
-        "so that row is the full-logits baseline. The planner budgets for 100% (the most any batch can hold); the",
-        "memory a prompt-heavy dataset saves is headroom, not a bigger plan. Where weights, gradients and AdamW",
+        "so that row is the full-logits baseline. The planner budgets for the most positions with a target that one",
+        "row of the data holds (recorded by the tokenize stage), so prompt-heavy data plans with smaller logits",
+        "(tests/test_memory.py: micro-batch 2 → 8 under the same budget at 25%). Where weights, gradients and AdamW",
         "states (16 B/parameter) set the peak, as for the 1.2B-parameter Llama shape here once its logits shrink,",
         "the peak moves to the end of the backward pass and little is saved.",
         "",
