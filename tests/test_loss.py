@@ -59,6 +59,18 @@ def test_head_at_target_positions_matches_the_full_logits_loss(kind: str) -> Non
         torch.testing.assert_close(parameter.grad, expected_grads[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_a_model_that_bypasses_its_head_module_gets_the_same_loss() -> None:
+    model = _model("llama")
+    input_ids = torch.randint(0, 97, (2, 9))
+    labels = input_ids.clone()
+    labels[:, :4] = -100
+    expected, _ = _full_loss_and_grads(model, input_ids, labels)
+    head = TargetHead(model)
+    head.remove()  # as if the model multiplied by the weight itself: the hook never runs
+    torch.testing.assert_close(head.loss_sum(model, {"input_ids": input_ids}, Targets.from_labels(labels)).detach(),
+                               expected)
+
+
 def test_the_head_is_untouched_outside_the_loss() -> None:
     model = _model("llama").eval()
     input_ids = torch.randint(0, 97, (2, 7))
