@@ -132,7 +132,8 @@ def prepare_inputs(size: Size, workdir: Path) -> dict[str, Any]:
 
 
 def flop_coefficients(model_dir: str) -> tuple[float, float]:
-    """(FLOPs per token, FLOPs per attended pair), counted like fulltune.train.flop_coefficients."""
+    """(FLOPs per token, FLOPs per attended pair), counted like fulltune.train.flop_coefficients but with the
+    output head at every position, as a full-logits loss runs it: both loops are credited the same work."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -141,7 +142,8 @@ def flop_coefficients(model_dir: str) -> tuple[float, float]:
         model = AutoModelForCausalLM.from_config(config)
     from fulltune.train import flop_coefficients as coefficients
 
-    return coefficients(model)
+    per_token, per_target, per_pair = coefficients(model)
+    return per_token + per_target, per_pair
 
 
 def measured_gemm_peak(seconds: float = 3.0) -> float:

@@ -685,12 +685,8 @@ def _write_rows(path: Path, table: pa.Table, *, packing: bool, max_length: int, 
                 columns += [pa.array(prompts[first:last], pa.string()), pa.array(completions[first:last], pa.string())]
             writer.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=_ROW_CHUNK)
     row_lengths = np.diff(row_offsets)
-    # Loss terms per row: labels shifted left by one (a row's first label is never predicted). The most
-    # in one row bounds the output head's work per micro-batch (fulltune/loss.py, the memory plan).
-    trainable = flat_labels != IGNORE_INDEX
-    trainable[row_offsets[:-1][row_lengths > 0]] = False
-    cumulative = np.concatenate([[0], np.cumsum(trainable)])
-    row_targets = cumulative[row_offsets[1:]] - cumulative[row_offsets[:-1]]
+    # The most loss terms in one row bounds the output head's work per micro-batch (fulltune/loss.py).
+    row_targets = row_target_counts(flat_labels, row_offsets)
     return {
         "examples": int(len(lengths)),
         "rows": int(num_rows),
@@ -699,6 +695,18 @@ def _write_rows(path: Path, table: pa.Table, *, packing: bool, max_length: int, 
         "max_row_length": int(row_lengths.max()) if num_rows else 0,
         "max_row_targets": int(row_targets.max()) if num_rows else 0,
     }
+
+
+def row_target_counts(labels: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Loss terms per row of flat `labels` cut at `offsets` (n_rows + 1): labels shifted left by one, as
+    the loss predicts them, so a row's first label never counts."""
+    import numpy as np
+
+    trainable = labels != IGNORE_INDEX
+    starts = offsets[:-1]
+    trainable[starts[np.diff(offsets) > 0]] = False
+    cumulative = np.concatenate([[0], np.cumsum(trainable)])
+    return cumulative[offsets[1:]] - cumulative[starts]
 
 
 def temp_dir_name(key: str) -> str:
@@ -881,9 +889,22 @@ def load_tokenized(path: str) -> TokenizedData:
             raise DataError(f"{file}: missing or not the size it was written with; {redo}")
     names = [f.name for f in dataclasses.fields(TokenizedData) if f.name != "path"]
     try:
-        return TokenizedData(path=str(root), **{name: meta[name] for name in names if name in meta})
+        record = TokenizedData(path=str(root), **{name: meta[name] for name in names if name in meta})
     except TypeError as exc:
         raise DataError(f"{root / 'meta.json'}: broken ({exc}); {redo}") from None
+    if "max_row_targets" not in meta:  # written before it was recorded: count it (the file is not rewritten)
+        record = dataclasses.replace(record, max_row_targets=_max_row_targets(record.train_file))
+    return record
+
+
+def _max_row_targets(train_file: str) -> int:
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    labels = pq.read_table(train_file, columns=["labels"])["labels"].combine_chunks()
+    offsets = labels.offsets.to_numpy().astype(np.int64)
+    counts = row_target_counts(labels.flatten().to_numpy(zero_copy_only=False), offsets - offsets[0])
+    return int(counts.max()) if len(counts) else 0
 
 
 def _read_intact(path: Path) -> TokenizedData | None:

@@ -78,6 +78,14 @@ class TargetHead:
     def remove(self) -> None:
         self._handle.remove()
 
+    @staticmethod
+    def compile(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
+        """torch.compile for a model with a TargetHead: the gather index changes length with every
+        micro-batch, and dynamo, which reaches it through a module's hook, would otherwise take its
+        shape as static and recompile for each length (giving up after its recompile limit)."""
+        torch._dynamo.config.force_nn_module_property_static_shapes = False
+        return torch.compile(model, **options)
+
     def loss_sum(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], targets: Targets) -> torch.Tensor:
         """Σ over the target positions of the fp32 cross-entropy; the logits are freed on return."""
         self.index = targets.index

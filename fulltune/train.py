@@ -44,7 +44,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
-from fulltune.data import IGNORE_INDEX, collate, iter_length_grouped_batches, pad_token_id_of
+from fulltune.data import collate, iter_length_grouped_batches, pad_token_id_of, row_target_counts
 from fulltune.errors import ConfigError, DataError, TrainingError, UserError
 from fulltune.fingerprint import atomic_dir, atomic_write_text, fsync_dir, fsync_tree
 from fulltune.loss import TargetHead, Targets
@@ -98,11 +98,7 @@ class TokenizedRows:
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
         starts = self.offsets[:-1]
 
-        # Loss terms per row: labels shifted left by one (the row's first label is never predicted).
-        trainable = self.values["labels"] != IGNORE_INDEX
-        trainable[starts[self.lengths > 0]] = False
-        cumulative = np.concatenate([[0], np.cumsum(trainable)])
-        self.targets = cumulative[self.offsets[1:]] - cumulative[starts]
+        self.targets = row_target_counts(self.values["labels"], self.offsets)
         if self.targets.sum() == 0:
             raise DataError(f"{path}: no token has a label (every label is -100); nothing to train on")
 
@@ -257,19 +253,22 @@ def build_optimizer(job: TrainJob, model: torch.nn.Module) -> torch.optim.Optimi
     return Adafactor(groups, lr=job.learning_rate, scale_parameter=False, relative_step=False, warmup_init=False)
 
 
-def flop_coefficients(model: torch.nn.Module) -> tuple[float, float]:
-    """Training FLOPs per token and per (query, key) pair: FLOPs = 6·N·tokens + 12·L·h·Σ_documents length².
+def flop_coefficients(model: torch.nn.Module) -> tuple[float, float, float]:
+    """Training FLOPs per token, per target and per (query, key) pair:
+    FLOPs = 6·(N - N_head)·tokens + 6·N_head·targets + 12·L·h·Σ_documents length².
 
     PaLM appendix B's `6N + 12·L·h·s` per token, with s summed per document (packed documents do not
-    attend to each other); recomputation is not counted. N excludes the input embedding, a lookup
-    (unless it is tied to the output projection, which multiplies).
+    attend to each other) and the output head counted where it runs, at the positions with a target
+    (fulltune/loss.py); recomputation is not counted. N excludes the input embedding, a lookup (unless it
+    is tied to the output projection, which multiplies).
     """
     config = model.config
     n = sum(p.numel() for p in model.parameters())
     embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
     if output is None or output.weight is not embedding.weight:
         n -= embedding.weight.numel()
-    return 6.0 * n, 12.0 * config.num_hidden_layers * config.hidden_size
+    head = sum(p.numel() for p in output.parameters()) if output is not None else 0
+    return 6.0 * (n - head), 6.0 * head, 12.0 * config.num_hidden_layers * config.hidden_size
 
 
 def peak_flops(job: TrainJob) -> float | None:
@@ -399,14 +398,14 @@ def train(job: TrainJob) -> TrainResult:
         raise ConfigError(f"train.gradient_checkpointing: {exc}") from None
     model.config.use_cache = False
     num_layers = model.config.num_hidden_layers
-    flops_per_token, flops_per_pair = flop_coefficients(model)
+    flops_per_token, flops_per_target, flops_per_pair = flop_coefficients(model)
     optimizer = build_optimizer(job, model)
     warmup_steps = math.ceil(job.warmup_ratio * total_steps)
     schedule_name = "constant_with_warmup" if job.lr_scheduler == "constant" else job.lr_scheduler
     scheduler = get_scheduler(schedule_name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
     head = TargetHead(model)
     if job.compile:
-        model = torch.compile(model)
+        model = head.compile(model)
     if accelerator.state.deepspeed_plugin is not None:  # DeepSpeed reads it from a prepared dataloader otherwise
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -500,7 +499,7 @@ def train(job: TrainJob) -> TrainResult:
             state.tokens += step_tokens
             interval_tokens += step_tokens
             interval_rows += len(step_rows)
-            interval_flops += (flops_per_token * step_tokens
+            interval_flops += (flops_per_token * step_tokens + flops_per_target * step_targets
                                + flops_per_pair * float(data.attention_pairs[step_rows].sum()))
             progress.update(1)
 

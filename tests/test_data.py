@@ -470,3 +470,14 @@ def test_more_data_errors(tmp_path: Path, tok_dir: str) -> None:
     with pytest.raises(DataError, match=r"raise it"):
         spec = DataSpec(train=long_prompts, format="prompt_completion", max_length=8)
         tokenize_dataset(spec, tok_dir, tmp_path / "w", 0)
+
+
+def test_tokenized_data_written_without_the_target_count_gets_it_on_load(tmp_path: Path, tok_dir: str) -> None:
+    train = write_jsonl(tmp_path / "train.jsonl", PAIRS)
+    spec = DataSpec(train=train, eval=train, format="prompt_completion", max_length=64)
+    result = tokenize_dataset(spec, tok_dir, tmp_path / "work", seed=0)
+    meta_file = Path(result.path) / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["max_row_targets"]  # as an earlier fulltune wrote it
+    meta_file.write_text(json.dumps(meta))
+    assert load_tokenized(result.path).max_row_targets == result.max_row_targets > 0

@@ -88,3 +88,22 @@ def test_targets_are_the_shifted_labels() -> None:
     # Position i predicts label i + 1; flat positions over the (2, 4) batch.
     assert targets.index.tolist() == [1, 2, 5]
     assert targets.tokens.tolist() == [7, 8, 3]
+
+
+def test_compiled_model_does_not_recompile_for_every_target_count() -> None:
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    model = _model("llama")
+    head = TargetHead(model)
+    counter = CompileCounter()
+    compiled = head.compile(model, backend=counter)
+    for length in range(8, 20):  # 12 different (b, s) and target counts
+        input_ids = torch.randint(0, 97, (2, length))
+        labels = input_ids.clone()
+        labels[:, : length // 2] = -100
+        expected, _ = _full_loss_and_grads(model, input_ids, labels)
+        loss = head.loss_sum(compiled, {"input_ids": input_ids}, Targets.from_labels(labels))
+        torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-4)
+    assert counter.frame_count <= 3
+    torch._dynamo.reset()
