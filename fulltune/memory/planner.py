@@ -175,13 +175,20 @@ def _configured(shape: ModelShape, request: PlanRequest) -> Settings:
         micro = per // request.gradient_accumulation_steps
     else:
         micro = per
+    checkpointing = _fixed_checkpointing(request.gradient_checkpointing, shape.num_layers) or 0
+    return _settings(request, micro, checkpointing, request.mixed_precision or _default_precision(request),
+                     request.optimizer or "adamw")
+
+
+def _settings(request: PlanRequest, micro: int, checkpointing: int, precision: str, optimizer: str) -> Settings:
+    """Settings with the planner's choices filled in and everything else as the request fixes it."""
     return Settings(
         micro_batch_size=micro,
         seq_len=request.seq_len,
-        gradient_accumulation_steps=per // micro,
-        gradient_checkpointing=_fixed_checkpointing(request.gradient_checkpointing, shape.num_layers) or 0,
-        mixed_precision=request.mixed_precision or _default_precision(request),
-        optimizer=request.optimizer or "adamw",
+        gradient_accumulation_steps=_per_process(request) // micro,
+        gradient_checkpointing=checkpointing,
+        mixed_precision=precision,
+        optimizer=optimizer,
         attn_implementation=request.attn_implementation,
         device=request.device,
         strategy=request.strategy,
@@ -240,27 +247,13 @@ def _search(
     min_checkpointing: int = 0,
 ) -> list[_Candidate]:
     """One candidate per (micro-batch, precision, optimizer): fewest checkpointed layers that fit."""
-    per = _per_process(request)
     default_micros, precisions, optimizers, fixed_k = _options(shape, request)
     micros = default_micros if micros is None else micros
     out = []
     for micro in micros:
         for precision in precisions:
             for optimizer in optimizers:
-                base = Settings(
-                    micro_batch_size=micro,
-                    seq_len=request.seq_len,
-                    gradient_accumulation_steps=per // micro,
-                    gradient_checkpointing=fixed_k or 0,
-                    mixed_precision=precision,
-                    optimizer=optimizer,
-                    attn_implementation=request.attn_implementation,
-                    device=request.device,
-                    strategy=request.strategy,
-                    num_processes=request.num_processes,
-                    attention_mask=request.attention_mask,
-                    target_fraction=request.target_fraction,
-                )
+                base = _settings(request, micro, fixed_k or 0, precision, optimizer)
                 if fixed_k is not None:
                     out.append(_candidate(shape, base))
                 else:
@@ -277,13 +270,8 @@ def _describe(settings: Settings) -> str:
 
 
 def _alternative(c: _Candidate, why: str) -> dict[str, Any]:
-    s = c.settings
     return {
-        "micro_batch_size": s.micro_batch_size,
-        "gradient_accumulation_steps": s.gradient_accumulation_steps,
-        "gradient_checkpointing": s.gradient_checkpointing,
-        "mixed_precision": s.mixed_precision,
-        "optimizer": s.optimizer,
+        **c.settings.choices(),
         "peak_bytes": c.estimate.peak_bytes,
         "device_bytes": c.estimate.device_bytes,
         "estimated_step_seconds": round(c.seconds, 6),

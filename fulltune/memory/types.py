@@ -91,6 +91,16 @@ class Settings:
         if self.strategy == "none" and self.num_processes != 1:
             raise ValueError("num_processes > 1 needs a strategy (ddp, fsdp, deepspeed_zero2, deepspeed_zero3)")
 
+    def choices(self) -> dict[str, Any]:
+        """The fields the planner chooses, as `plan --json` and the alternatives report them."""
+        return {
+            "micro_batch_size": self.micro_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "mixed_precision": self.mixed_precision,
+            "optimizer": self.optimizer,
+        }
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "micro_batch_size": self.micro_batch_size,
@@ -236,11 +246,7 @@ class MemoryPlan:
             "fits": self.fits,
             "estimate": self.estimate.to_dict(),
             "plan": {
-                "micro_batch_size": s.micro_batch_size,
-                "gradient_accumulation_steps": s.gradient_accumulation_steps,
-                "gradient_checkpointing": s.gradient_checkpointing,
-                "mixed_precision": s.mixed_precision,
-                "optimizer": s.optimizer,
+                **s.choices(),
                 "seq_len": s.seq_len,
                 "strategy": s.strategy,
                 "num_processes": s.num_processes,
