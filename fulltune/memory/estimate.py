@@ -298,7 +298,7 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
     elif strategy == "deepspeed_zero2":
         # Gradients are reduced in buckets about two layers large before being partitioned.
         buckets = 2 * 4 * shape.layer_numel
-    t = b * round(settings.target_fraction * (s - 1))  # positions with a target: the head's rows
+    t = b * settings.targets_per_row  # positions with a target: the head's rows
     batch = 2 * 8 * b * s + 2 * 8 * t  # input_ids, position_ids; target index and tokens (int64)
     accumulating = settings.gradient_accumulation_steps > 1
     grads_before = grads_total if accumulating else 0

@@ -2,10 +2,11 @@
 
 Both run the step the way fulltune's trainer does (see `estimate.py`): fp32 weights, autocast for
 mixed precision with the logits upcast to fp32 (what Accelerate's `convert_outputs_to_fp32` does),
-the summed cross-entropy over the upcast logits of the target positions (`fulltune.loss`), gradient clipping, the optimizer step and
-`zero_grad(set_to_none=True)`. Accelerate's `Accelerator` itself is not used: its process-wide
-state cannot change mixed precision between two measurements in one process; what it adds to a
-single-process step (the autocast wrapper and the fp32 conversion) is reproduced here.
+the summed cross-entropy over the upcast logits of the target positions (`fulltune.loss`), gradient
+clipping, the optimizer step and `zero_grad(set_to_none=True)`. Accelerate's `Accelerator` itself is
+not used: its process-wide state cannot change mixed precision between two measurements in one
+process; what it adds to a single-process step (the autocast wrapper and the fp32 conversion) is
+reproduced here.
 
 - `simulate_memory` builds the model under `FakeTensorMode` and records every storage with
   `torch.distributed._tools.mem_tracker.MemTracker`: a 1B-parameter model traces in ~20 s on CPU
@@ -114,16 +115,11 @@ def _make_batch(vocab: int, settings: Settings, device: str) -> tuple[dict[str, 
         attention_mask = torch.ones(b, s, dtype=torch.long, device=device)
         attention_mask[0, : max(1, s // 16)] = 0
     # Built from shapes, not from labels: nonzero() has no static shape under FakeTensorMode.
-    first = (s - 1) - target_positions_per_row(settings)
+    first = (s - 1) - settings.targets_per_row
     index = torch.arange(b * s, device=device).view(b, s)[:, first : s - 1].reshape(-1)
     targets = Targets(index=index, tokens=input_ids.view(-1).index_select(0, index + 1))
     inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
     return inputs, targets
-
-
-def target_positions_per_row(settings: Settings) -> int:
-    """Positions with a target in each synthetic row (the estimate's t / micro_batch_size)."""
-    return round(settings.target_fraction * (settings.seq_len - 1))
 
 
 def _train_steps(model: Any, optimizer: Any, vocab: int, settings: Settings, steps: int, device: str, tracker: Any) -> None:

@@ -91,6 +91,12 @@ class Settings:
         if self.strategy == "none" and self.num_processes != 1:
             raise ValueError("num_processes > 1 needs a strategy (ddp, fsdp, deepspeed_zero2, deepspeed_zero3)")
 
+    @property
+    def targets_per_row(self) -> int:
+        """Positions with a target in a row of the micro-batch, at most: the output head's rows are
+        micro_batch_size × this (`fulltune.loss`)."""
+        return round(self.target_fraction * (self.seq_len - 1))
+
     def choices(self) -> dict[str, Any]:
         """The fields the planner chooses, as `plan --json` and the alternatives report them."""
         return {
