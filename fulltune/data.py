@@ -893,7 +893,10 @@ def load_tokenized(path: str) -> TokenizedData:
     except TypeError as exc:
         raise DataError(f"{root / 'meta.json'}: broken ({exc}); {redo}") from None
     if "max_row_targets" not in meta:  # written before it was recorded: count it (the file is not rewritten)
-        record = dataclasses.replace(record, max_row_targets=_max_row_targets(record.train_file))
+        try:
+            record = dataclasses.replace(record, max_row_targets=_max_row_targets(record.train_file))
+        except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+            raise DataError(f"{record.train_file}: unreadable ({exc}); {redo}") from None
     return record
 
 

@@ -481,3 +481,7 @@ def test_tokenized_data_written_without_the_target_count_gets_it_on_load(tmp_pat
     del meta["max_row_targets"]  # as an earlier fulltune wrote it
     meta_file.write_text(json.dumps(meta))
     assert load_tokenized(result.path).max_row_targets == result.max_row_targets > 0
+    train_file = Path(result.train_file)
+    train_file.write_bytes(b"\0" * train_file.stat().st_size)  # same size, not Parquet
+    with pytest.raises(DataError, match="train.parquet: unreadable"):
+        load_tokenized(result.path)
