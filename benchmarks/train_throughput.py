@@ -312,8 +312,9 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
         peak, peak_label = measured_gemm_peak(), f"measured fp32 GEMM FLOP per CPU-second, {args.threads} thread(s)"
-    print(f"workdir {workdir}; {inputs['unpacked'].num_train_rows} unpacked rows, {inputs['packed'].num_train_rows} "
-          f"packed rows; {size.steps} steps of {size.micro_batch_size} × {size.gradient_accumulation_steps} rows; peak {peak / 1e9 if peak else float('nan'):.1f} GFLOP/s ({peak_label}); "
+    unpacked = inputs["unpacked"]
+    print(f"workdir {workdir}; {unpacked.num_train_rows} unpacked rows ({unpacked.train_label_tokens / unpacked.train_tokens:.0%} "
+          f"of their tokens have a target), {inputs['packed'].num_train_rows} packed rows; {size.steps} steps of {size.micro_batch_size} × {size.gradient_accumulation_steps} rows; peak {peak / 1e9 if peak else float('nan'):.1f} GFLOP/s ({peak_label}); "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
 
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in args.contenders}
