@@ -1,0 +1,541 @@
+"""The optimizer, and the levers that change where its memory goes: one builder for trainer and memory trace.
+
+    build_optimizer(model_or_params, name, lr=..., weight_decay=..., pure_bf16=..., step_in_backward=...,
+                    offload=..., accumulation_steps=..., max_grad_norm=..., fake=...)
+
+Optimizers (`name`), and their state per parameter element (`optimizer_state_bytes` counts it exactly):
+
+    adamw        torch AdamW, fused kernel (CPU and CUDA)                         8 B (fp32 weights)
+    adamw_8bit   bitsandbytes AdamW8bit, block-wise 8-bit states (256 / block)    ~2 B
+    adamw_4bit   torchao AdamW4bit, block-wise 4-bit states (128 / block)         ~1 B
+    adafactor    transformers Adafactor, factored second moment, no first moment  ~0 B for matrices
+
+Levers (each composes with every optimizer above, except where `check_levers` says otherwise):
+
+- `pure_bf16`: the weights and gradients are bf16 and there is no fp32 master copy (2 + 2 B/param
+  instead of 4 + 4). A bf16 weight cannot hold an update smaller than 1/256 of itself, so plain
+  updates are lost late in training; the update is compensated instead (`compensation`):
+    kahan                torch-optimi AdamW with `kahan_sum`: a bf16 buffer keeps what rounding dropped
+                         and adds it back next step (+2 B/param; states bf16: 2 + 2 + 2 = 6 B/param).
+                         Chosen for `adamw` because it is pure PyTorch (CPU and CUDA, no compiler), small,
+                         maintained, and its Kahan update is the AnyPrecisionAdamW one torchdistx validated.
+    stochastic_rounding  torchao's low-bit AdamW with `bf16_stochastic_round`: rounding up or down with
+                         the probability of the remainder keeps updates unbiased (no extra state).
+                         The only compensated path for 4-bit states; it needs torch.compile.
+    none                 plain rounding (as torchtune's pure-bf16 recipes, and bitsandbytes 8-bit, which
+                         has no compensated update).
+- `step_in_backward`: each parameter is updated, and its gradient freed, as soon as its gradient is
+  complete in backward (`Tensor.register_post_accumulate_grad_hook`), so at most one parameter's gradient
+  is alive instead of all of them. See `InBackwardOptimizer` for what accumulation and clipping mean then.
+- `offload`: fp32 master weights, gradients and optimizer states live in host RAM and the update runs on
+  the host (ZeRO-Offload's split); the device keeps only its weights. See `HostOffloadOptimizer`.
+
+The two wrappers are torch Optimizers (LR schedulers, Accelerate and checkpoints take them as any other)
+and add `clip_grad_norm_(max_norm)`, which the trainer must call instead of `clip_grad_norm_` over the
+model's parameters: their gradients are not on the parameters when the step comes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adafactor")
+COMPENSATIONS = ("kahan", "stochastic_rounding", "none")
+
+# bitsandbytes: tensors under 4096 elements keep fp32 states; blocks of 256 with one fp32 absmax each,
+# and one 256-entry fp32 quantisation map per state kind.
+BNB_MIN_8BIT_SIZE = 4096
+BNB_BLOCKSIZE = 256
+# torchao low-bit AdamW: tensors of at least 4096 elements whose size divides by the block are quantised
+# (codes + one fp32 scale per block + a fp32 map per state tensor); the others keep states in the weight dtype.
+TORCHAO_MIN_LOWBIT_SIZE = 4096
+TORCHAO_BLOCKSIZE = {8: 256, 4: 128}
+TORCHAO_QMAP_ENTRIES = {8: 256, 4: 16}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bytes: what the memory model imports, so estimate, trace and trainer agree
+
+
+def weight_bytes(pure_bf16: bool) -> int:
+    """Bytes per parameter element of the device weights (and of their gradients)."""
+    return 2 if pure_bf16 else 4
+
+
+def default_compensation(name: str) -> str:
+    """The compensated update `pure_bf16` gets for optimizer `name` unless told otherwise."""
+    return {"adamw": "kahan", "adamw_4bit": "stochastic_rounding"}.get(name, "none")
+
+
+def optimizer_state_bytes(name: str, shapes: Iterable[tuple[int, ...]], param_bytes: int = 4,
+                          compensation: str = "none") -> tuple[int, int]:
+    """(persistent state bytes, temporary bytes during `step`) of optimizer `name` over parameter `shapes`.
+
+    `param_bytes` is the dtype size of the parameters the optimizer updates (2 for pure bf16 weights,
+    4 for fp32 weights or offloaded fp32 masters): torch AdamW, torch-optimi and torchao's small-tensor
+    states follow it; bitsandbytes' small-tensor states are always fp32.
+    """
+    shapes = list(shapes)
+    if name == "adamw":
+        # exp_avg + exp_avg_sq in the weight dtype and a fp32 step per tensor (torch fused) or per group
+        # (torch-optimi); Kahan adds one weight-sized compensation buffer. Both update in place.
+        kahan = param_bytes if compensation == "kahan" else 0
+        return sum((2 * param_bytes + kahan) * _n(sh) + 4 for sh in shapes), 0
+    if name == "adamw_8bit":
+        state = 0
+        for sh in shapes:
+            n = _n(sh)
+            state += 8 * n if n < BNB_MIN_8BIT_SIZE else 2 * n + 2 * 4 * -(-n // BNB_BLOCKSIZE)
+        # The CPU/CUDA kernels update block by block in place; no full-size temporaries.
+        return state + 2 * BNB_BLOCKSIZE * 4, 0
+    if name == "adamw_4bit":
+        return _torchao_state_bytes(4, shapes, param_bytes), 0
+    if name == "adafactor":
+        return _adafactor_bytes(shapes)
+    raise ValueError(f"unknown optimizer {name!r}; expected one of {', '.join(OPTIMIZERS)}")
+
+
+def _torchao_state_bytes(bits: int, shapes: list[tuple[int, ...]], param_bytes: int) -> int:
+    block = TORCHAO_BLOCKSIZE[bits]
+    state = 0
+    for sh in shapes:
+        n = _n(sh)
+        if n >= TORCHAO_MIN_LOWBIT_SIZE and n % block == 0:
+            per_state = n * bits // 8 + 4 * (n // block) + 4 * TORCHAO_QMAP_ENTRIES[bits]
+        else:
+            per_state = param_bytes * n
+        state += 2 * per_state + 4  # exp_avg, exp_avg_sq and a fp32 step
+    return state
+
+
+def _adafactor_bytes(shapes: list[tuple[int, ...]]) -> tuple[int, int]:
+    # transformers Adafactor without beta1: factored second moment (row and column means) for matrices,
+    # a full second moment for vectors, an RMS scalar and a step per parameter. Its step builds
+    # `grad**2 + eps`, the approximated update and `-update` (full-size fp32) for one parameter at a
+    # time: two live at once for the largest tensor.
+    state, largest = 0, 0
+    for sh in shapes:
+        n = _n(sh)
+        state += 4 * (_n(sh[:-1]) + _n(sh[:-2] + sh[-1:])) if len(sh) >= 2 else 4 * n
+        state += 4
+        largest = max(largest, n)
+    return state, 2 * 4 * largest
+
+
+def device_gradient_bytes(shapes: Iterable[tuple[int, ...]], pure_bf16: bool = False,
+                          step_in_backward: bool = False, offload: bool = False) -> int:
+    """Gradient bytes alive on the device at the optimizer step (the peak's gradient term).
+
+    All gradients normally; with `step_in_backward` or `offload` one parameter's at a time (the largest).
+    """
+    sizes = [_n(sh) for sh in shapes]
+    per = weight_bytes(pure_bf16)
+    if step_in_backward or offload:
+        return per * max(sizes, default=0)
+    return per * sum(sizes)
+
+
+def device_state_bytes(name: str, shapes: Iterable[tuple[int, ...]], pure_bf16: bool = False,
+                       offload: bool = False, compensation: str | None = None) -> tuple[int, int]:
+    """(persistent, temporary) optimizer-state bytes on the device: none when offloaded."""
+    if offload:
+        return 0, 0
+    if compensation is None:
+        compensation = default_compensation(name) if pure_bf16 else "none"
+    return optimizer_state_bytes(name, shapes, weight_bytes(pure_bf16), compensation)
+
+
+def host_bytes(name: str, shapes: Iterable[tuple[int, ...]], pure_bf16: bool = False,
+               step_in_backward: bool = False, offload: bool = False, accumulation_steps: int = 1) -> int:
+    """Host RAM the levers need beyond the process itself (pinned where CUDA is present).
+
+    offload: fp32 master weights + fp32 gradients + the optimizer's states over fp32 weights.
+    step_in_backward with accumulation > 1: one gradient buffer in the weight dtype.
+    """
+    shapes = list(shapes)
+    numel = sum(_n(sh) for sh in shapes)
+    if offload:
+        states, temporary = optimizer_state_bytes(name, shapes, 4, "none")
+        return 8 * numel + states + temporary
+    if step_in_backward and accumulation_steps > 1:
+        return weight_bytes(pure_bf16) * numel
+    return 0
+
+
+def _n(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Building
+
+
+def check_levers(name: str, pure_bf16: bool = False, compensation: str | None = None,
+                 step_in_backward: bool = False, offload: bool = False) -> str:
+    """Validate a lever combination; returns the compensation that applies ("none" without pure_bf16).
+
+    Raises:
+        ValueError: an unknown optimizer or compensation, or one the optimizer's library cannot do,
+            naming the setting (the trainer turns it into a ConfigError).
+    """
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer: unknown {name!r}; expected one of {', '.join(OPTIMIZERS)}")
+    if compensation is None or compensation == "auto":
+        compensation = default_compensation(name)
+    if compensation not in COMPENSATIONS:
+        raise ValueError(f"compensation: unknown {compensation!r}; expected auto or one of {', '.join(COMPENSATIONS)}")
+    if not pure_bf16 or offload:
+        # fp32 weights, or fp32 masters on the host: nothing to compensate.
+        return "none"
+    allowed = {"adamw": ("kahan", "stochastic_rounding", "none"), "adamw_8bit": ("stochastic_rounding", "none"),
+               "adamw_4bit": ("stochastic_rounding", "none"), "adafactor": ("none",)}[name]
+    if compensation not in allowed:
+        raise ValueError(f"compensation: {name} offers {' or '.join(allowed)} with pure bf16 weights, not {compensation}")
+    return compensation
+
+
+def parameter_groups(model_or_params: torch.nn.Module | Iterable[Any], weight_decay: float = 0.0) -> list[dict[str, Any]]:
+    """Groups with weight decay on matrices only, not on biases and norm weights (as nanoGPT and HF
+    Trainer); an iterable of parameters or of groups is taken as given."""
+    if isinstance(model_or_params, torch.nn.Module):
+        params = [p for p in model_or_params.parameters() if p.requires_grad]
+        return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+                {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    items = list(model_or_params)
+    if items and isinstance(items[0], dict):
+        return [dict(g) for g in items]
+    return [{"params": items, "weight_decay": weight_decay}]
+
+
+def build_optimizer(model_or_params: torch.nn.Module | Iterable[Any], name: str = "adamw", *, lr: float = 1e-4,
+                    weight_decay: float = 0.0, pure_bf16: bool = False, compensation: str | None = None,
+                    step_in_backward: bool = False, offload: bool = False, accumulation_steps: int = 1,
+                    max_grad_norm: float | None = None, fake: bool = False) -> torch.optim.Optimizer:
+    """The optimizer the trainer steps and the memory model counts, with the levers applied.
+
+    `model_or_params`: a model (weight decay on matrices only) or parameters / parameter groups.
+    `pure_bf16`: the parameters are already bf16 (cast the model first); picks the compensated update.
+    `step_in_backward` / `offload`: see `InBackwardOptimizer` / `HostOffloadOptimizer`; they register
+    gradient hooks on the parameters, so build them on the unwrapped model before accelerator.prepare.
+    `max_grad_norm` is used by `step_in_backward` only (per-parameter clipping in the hook).
+    `fake=True` swaps kernels that cannot run on FakeTensors (bitsandbytes, torchao) for stand-ins that
+    allocate the same states (for the memory trace).
+
+    Raises:
+        ValueError: an impossible combination (see `check_levers`).
+    """
+    compensation = check_levers(name, pure_bf16, compensation, step_in_backward, offload)
+    if step_in_backward and offload:
+        raise ValueError("step_in_backward and offload: pick one (offload already frees device gradients in backward)")
+    groups = parameter_groups(model_or_params, weight_decay)
+    if offload:
+        return HostOffloadOptimizer(groups, lambda g: _base_optimizer(name, g, lr, "none", fake))
+    if step_in_backward:
+        return InBackwardOptimizer(groups, lambda g: _base_optimizer(name, g, lr, compensation, fake),
+                                   accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm)
+    return _base_optimizer(name, groups, lr, compensation, fake)
+
+
+def _base_optimizer(name: str, groups: list[dict[str, Any]], lr: float, compensation: str,
+                    fake: bool) -> torch.optim.Optimizer:
+    if fake and (name in ("adamw_8bit", "adamw_4bit") or compensation in ("kahan", "stochastic_rounding")):
+        return FakeStatesOptimizer(groups, lr=lr, layout=name, compensation=compensation)
+    if name == "adamw":
+        if compensation == "kahan":
+            import optimi
+
+            # torch AdamW's betas and eps (optimi defaults to 0.99 / 1e-6); decoupled weight decay
+            # scaled by lr, as torch AdamW.
+            return optimi.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, kahan_sum=True, foreach=True)
+        if compensation == "stochastic_rounding":
+            return _torchao_optim()._AdamW(groups, lr=lr, bf16_stochastic_round=True)
+        return torch.optim.AdamW(groups, lr=lr, fused=True)
+    if name == "adamw_8bit":
+        if compensation == "stochastic_rounding":
+            return _torchao_optim().AdamW8bit(groups, lr=lr, bf16_stochastic_round=True)
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(groups, lr=lr)
+    if name == "adamw_4bit":
+        # torchao's 4-bit AdamW: the only maintained 4-bit optimizer that runs on CPU and CUDA; its
+        # per-parameter update is torch.compile'd (one compile per parameter shape, seconds each on CPU).
+        return _torchao_optim().AdamW4bit(groups, lr=lr, bf16_stochastic_round=compensation == "stochastic_rounding")
+    from transformers.optimization import Adafactor
+
+    return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
+
+
+def torchao_available() -> bool:
+    """Whether torchao (4-bit states, stochastic rounding) is installed: the planner offers those only then."""
+    import importlib.util
+
+    return importlib.util.find_spec("torchao") is not None
+
+
+def _torchao_optim() -> Any:
+    # torchao is an optional extra (fulltune[lowbit]): once installed, transformers imports it with every
+    # model it builds (its quantizer registry), which costs ~9 s per process on this CPU and logs two
+    # warnings about its CUDA extensions, so the base install leaves it out.
+    if not torchao_available():
+        raise ValueError("optimizer: adamw_4bit and stochastic rounding need torchao; install fulltune[lowbit]")
+    import torchao.optim
+
+    return torchao.optim
+
+
+class FakeStatesOptimizer(torch.optim.Optimizer):
+    """Allocates the states a native-kernel optimizer allocates, without its kernels (memory trace).
+
+    bitsandbytes runs its update through C code, torchao through torch.compile and torch-optimi reads its
+    step count with `.item()`, none of which a FakeTensor allows; both update in place, block by block, so the states are all the memory they need.
+    """
+
+    def __init__(self, params: Any, lr: float = 1e-4, layout: str = "adamw_8bit", compensation: str = "none") -> None:
+        super().__init__(params, {"lr": lr})
+        self.layout = layout
+        self.compensation = compensation
+
+    def _states(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        n = p.numel()
+        if self.layout == "adamw_8bit" and self.compensation != "stochastic_rounding":
+            if n < BNB_MIN_8BIT_SIZE:
+                return {"state1": torch.zeros_like(p, dtype=torch.float32), "state2": torch.zeros_like(p, dtype=torch.float32)}
+            blocks = -(-n // BNB_BLOCKSIZE)
+            return {"state1": torch.zeros_like(p, dtype=torch.uint8), "state2": torch.zeros_like(p, dtype=torch.uint8),
+                    "absmax1": p.new_zeros((blocks,), dtype=torch.float32),
+                    "absmax2": p.new_zeros((blocks,), dtype=torch.float32)}
+        bits = {"adamw_8bit": 8, "adamw_4bit": 4}.get(self.layout)
+        states: dict[str, torch.Tensor] = {"step": p.new_zeros((), dtype=torch.float32)}
+        if self.compensation == "kahan":  # torch-optimi: its step reads a host int, which a FakeTensor has not
+            states["kahan_comp"] = torch.zeros_like(p)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if bits and n >= TORCHAO_MIN_LOWBIT_SIZE and n % TORCHAO_BLOCKSIZE[bits] == 0:
+                states[key] = p.new_zeros((n * bits // 8,), dtype=torch.uint8)
+                states[key + "_scale"] = p.new_zeros((n // TORCHAO_BLOCKSIZE[bits],), dtype=torch.float32)
+                states[key + "_qmap"] = p.new_zeros((TORCHAO_QMAP_ENTRIES[bits],), dtype=torch.float32)
+            else:
+                states[key] = torch.zeros_like(p)
+        return states
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not self.state[p]:
+                    self.state[p].update(self._states(p))
+                p.add_(p.grad, alpha=-float(group["lr"]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Wrappers
+
+
+class _GroupedWrapper(torch.optim.Optimizer):
+    """A torch Optimizer over inner optimizers, whose param_groups are the inner groups themselves (so an
+    LR scheduler's writes reach them) and whose state_dict holds each inner one's."""
+
+    def __init__(self, groups: list[dict[str, Any]], defaults: dict[str, Any]) -> None:
+        super().__init__(groups, defaults)
+
+    def _inner(self) -> list[torch.optim.Optimizer]:
+        raise NotImplementedError
+
+    def _adopt_inner_groups(self) -> None:
+        self.param_groups = [g for opt in self._inner() for g in opt.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner": [opt.state_dict() for opt in self._inner()], **self._extra_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for opt, inner in zip(self._inner(), state_dict["inner"], strict=True):
+            opt.load_state_dict(inner)
+        self._adopt_inner_groups()
+        self._load_extra_state(state_dict)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
+class InBackwardOptimizer(_GroupedWrapper):
+    """Each parameter's update runs inside backward, as soon as its gradient is complete; then the
+    gradient is freed, so the device never holds more than one parameter's gradient (torchtune's
+    `optimizer_in_bwd`, torchtitan's `optimizer.early_step_in_backward`).
+
+    One inner optimizer per parameter (built by `make(groups)`), stepped from a
+    `register_post_accumulate_grad_hook`. `step()` and `zero_grad()` have nothing left to do.
+
+    Effective batch with accumulation > 1: the gradient of micro-batches 1..k-1 is added to a host buffer
+    in the weight dtype (the same additions autograd's accumulation does, so the result is bit-identical),
+    and the update runs in the backward of micro-batch k. It costs one weight-sized host buffer and two
+    host copies per parameter per micro-batch; the planner should prefer accumulation 1 with a larger
+    checkpointed micro-batch when that fits. The trainer tells which micro-batch is last with
+    `set_micro_batch(index)`.
+
+    Clipping: the global norm needs every gradient, and the first ones are already applied when the last
+    arrives. Each parameter's gradient is clipped on its own to `max_grad_norm` (None: no clipping): a
+    spike guard, looser than global clipping (the global norm may reach √P · max_norm for P tensors).
+    `clip_grad_norm_` reports the global norm of the step's gradients, from the per-parameter norms, and
+    clips nothing.
+
+    Non-finite gradients: a parameter whose gradient has a NaN/inf is not updated (one host sync per
+    parameter); the trainer should still check the loss is finite before backward.
+    """
+
+    def __init__(self, groups: list[dict[str, Any]], make: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+                 accumulation_steps: int = 1, max_grad_norm: float | None = None) -> None:
+        super().__init__(groups, {})
+        self.accumulation_steps = accumulation_steps
+        self.max_grad_norm = max_grad_norm
+        self.last_micro_batch = True
+        self.skipped = 0  # parameter updates skipped for a non-finite gradient
+        self._optimizers: dict[torch.Tensor, torch.optim.Optimizer] = {}
+        self._buffers: dict[torch.Tensor, torch.Tensor] = {}
+        self._norm_sq: torch.Tensor | None = None
+        self._handles = []
+        for group in groups:
+            options = {k: v for k, v in group.items() if k != "params"}
+            for p in group["params"]:
+                self._optimizers[p] = make([{"params": [p], **options}])
+                self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
+        self._adopt_inner_groups()
+
+    def _inner(self) -> list[torch.optim.Optimizer]:
+        return list(self._optimizers.values())
+
+    def set_micro_batch(self, index: int) -> None:
+        """Before the backward of micro-batch `index` (0-based) of the optimizer step."""
+        self.last_micro_batch = index == self.accumulation_steps - 1
+
+    @torch.no_grad()
+    def _hook(self, p: torch.Tensor) -> None:
+        if p.grad is None:
+            return
+        buffer = self._buffers.pop(p, None)
+        if not self.last_micro_batch:
+            # Park the partial sum on the host; the device gradient is freed.
+            host = p.grad.to("cpu", copy=True) if buffer is None else buffer.add_(p.grad.to("cpu"))
+            self._buffers[p] = host
+            p.grad = None
+            return
+        if buffer is not None:
+            p.grad = buffer.to(p.device, non_blocking=True).add_(p.grad)
+        norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+        self._norm_sq = norm.square() if self._norm_sq is None else self._norm_sq + norm.square()
+        if not bool(torch.isfinite(norm)):  # Sync point (per parameter): skip a non-finite update
+            self.skipped += 1
+        else:
+            if self.max_grad_norm is not None:
+                p.grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).to(p.grad.dtype))
+            self._optimizers[p].step()
+        p.grad = None
+
+    def clip_grad_norm_(self, max_norm: float | None = None) -> torch.Tensor:
+        """The global gradient norm of the last optimizer step (already applied: nothing is clipped here)."""
+        norm_sq = self._norm_sq if self._norm_sq is not None else torch.zeros(())
+        return norm_sq.sqrt()
+
+    def step(self, closure: Any = None) -> None:
+        """Nothing: every parameter was updated in backward."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing on the device (gradients are freed in backward); drops a partly accumulated host sum
+        and the step's gradient norm."""
+        self._buffers.clear()
+        self._norm_sq = None
+
+    def remove(self) -> None:
+        """Unhook the parameters (the optimizer steps no more)."""
+        for handle in self._handles:
+            handle.remove()
+
+
+class HostOffloadOptimizer(_GroupedWrapper):
+    """Optimizer states, fp32 master weights and gradients in host RAM; the update runs on the host.
+
+    Each device parameter has a fp32 host copy (pinned when CUDA is present) that the inner optimizer
+    (built by `make(host groups)`) updates. In backward, a post-accumulate-grad hook adds each gradient
+    into the host copy's fp32 `.grad` and frees the device gradient, so accumulation over micro-batches,
+    global-norm clipping (`clip_grad_norm_`, on the host gradients) and skipping a non-finite step mean
+    what they mean without offload. `step()` updates the masters and copies them into the device weights
+    (rounded to bf16 when the device weights are bf16: the fp32 master keeps the small updates, so pure
+    bf16 weights need no compensation with offload).
+
+    torchao's CPUOffloadOptimizer does the same on CUDA only and keeps the host copy in the device dtype
+    (no fp32 master under bf16 weights); this one runs on any device, which the CPU tests exercise
+    (there every copy is a host-to-host copy). The cost is the host update (CPU AdamW speed) and
+    2 × 4 B/param of host traffic per step plus the gradient copies per micro-batch.
+    """
+
+    def __init__(self, groups: list[dict[str, Any]], make: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]) -> None:
+        super().__init__(groups, {})
+        pin = torch.cuda.is_available()
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._host: dict[torch.Tensor, torch.Tensor] = {}
+        host_groups, self._handles = [], []
+        for group in groups:
+            host_params = []
+            for p in group["params"]:
+                host = torch.empty(p.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
+                host.copy_(p.detach())
+                self._pairs.append((p, host))
+                self._host[p] = host
+                host_params.append(host)
+                self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
+            host_groups.append({**group, "params": host_params})
+        self.host_optimizer = make(host_groups)
+        self._adopt_inner_groups()
+
+    def _inner(self) -> list[torch.optim.Optimizer]:
+        return [self.host_optimizer]
+
+    @torch.no_grad()
+    def _hook(self, p: torch.Tensor) -> None:
+        if p.grad is None:
+            return
+        host = self._host[p]
+        if host.grad is None:
+            host.grad = p.grad.to("cpu", torch.float32, copy=True)
+        else:
+            host.grad.add_(p.grad.to("cpu", torch.float32))
+        p.grad = None
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the host gradients to a global norm of `max_norm`; returns the norm before clipping."""
+        grads = [host for _, host in self._pairs if host.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        return torch.nn.utils.clip_grad_norm_(grads, max_norm)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """Update the host masters and copy them into the device weights."""
+        self.host_optimizer.step()
+        for p, host in self._pairs:
+            p.copy_(host, non_blocking=True)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.host_optimizer.zero_grad(set_to_none=True)
+
+    def _extra_state(self) -> dict[str, Any]:
+        # The masters are the weights' full-precision truth: without them a resumed bf16 run would differ.
+        return {"masters": [host.clone() for _, host in self._pairs]}
+
+    @torch.no_grad()
+    def _load_extra_state(self, state_dict: dict[str, Any]) -> None:
+        for (p, host), saved in zip(self._pairs, state_dict["masters"], strict=True):
+            host.copy_(saved)
+            p.copy_(host)
+
+    def remove(self) -> None:
+        """Unhook the parameters."""
+        for handle in self._handles:
+            handle.remove()
