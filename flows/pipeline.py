@@ -104,6 +104,8 @@ def finetune_pipeline(pipeline: str = "demo", overrides: Overrides | None = None
     logger = get_run_logger()
     p = stages.resolve_pipeline(pipelines_file, pipeline, overrides.dotted() if overrides else None)
     stages.ensure_local_data(p)
+    # One commit for the whole run: every stage loads, and every key names, the same hub weights.
+    p = stages.pin_hub_revisions(p)
     for lock in clear_stale_locks(p.workdir):
         logger.warning("removed the stale lock %s of a run that no longer exists", lock.name)
     done: dict[str, str] = {}
@@ -113,7 +115,8 @@ def finetune_pipeline(pipeline: str = "demo", overrides: Overrides | None = None
     data, tokenizer = state.result()
     done["tokenize"] = _state_word(state)
 
-    key = stages.budget_key(p, data.fingerprint)
+    # Budget and training see the training data only; evaluation and registration the held-out data too.
+    key = stages.budget_key(p, data.training_fingerprint)
     state = _stage(memory_budget_task, p, "budget", key)(p, key, data, tokenizer, return_state=True)
     decision = state.result()
     done["memory-budget"] = _state_word(state)
@@ -124,7 +127,7 @@ def finetune_pipeline(pipeline: str = "demo", overrides: Overrides | None = None
         {registry.TAG_FLOW_RUN: str(flow_run.id or "local"), registry.TAG_DATA: data.fingerprint,
          registry.TAG_CONFIG: p.spec.config_hash()}, p.workdir)
     try:
-        train_key = stages.train_key(p, data.fingerprint, decision.settings)
+        train_key = stages.train_key(p, data.training_fingerprint, decision.settings)
         state = _stage(finetune_task, p, "fine-tune", train_key)(
             p, train_key, data, tokenizer, decision, uri, run_id, return_state=True)
         trained = state.result()

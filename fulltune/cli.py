@@ -23,6 +23,8 @@ def _environment() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PREFECT_LOGGING_LOG_PRINTS", "true")
+    # Prefect waits 20 s for its temporary server, which a busy 2-core machine can miss.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
 class _HideUserErrorTracebacks(logging.Filter):
@@ -78,10 +80,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    """The schema, then every file the pipelines read: each missing local file (and, offline, each hub
+    id missing from the cache) is listed with its YAML path; hub ids online are left to run time."""
+    from fulltune.errors import ConfigError
+    from fulltune.pipeline import check_sources, resolve_pipeline
     from fulltune.spec import load_pipelines
 
     path = args.path or args.file
     pipelines = load_pipelines(path)
+    problems, notes = [], []
+    for name in pipelines.pipelines:
+        found, said = check_sources(resolve_pipeline(path, name))
+        problems += found
+        notes += said
+    if problems:
+        raise ConfigError(f"{path}: {len(problems)} problem(s)\n  " + "\n  ".join(problems))
+    for note in notes:
+        print(f"note: {note}")
     print(f"{path}: {len(pipelines.pipelines)} pipeline(s) valid: {', '.join(pipelines.pipelines)}")
     return 0
 
@@ -100,9 +115,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fulltune.pipeline import plan_budget, resolve_pipeline
+    from fulltune.pipeline import pin_hub_revisions, plan_budget, resolve_pipeline
 
-    p = resolve_pipeline(args.file, args.name, args.overrides)
+    p = pin_hub_revisions(resolve_pipeline(args.file, args.name, args.overrides))
     seq_len, vocab, target_fraction = _plan_inputs(p)
     decision = plan_budget(p, seq_len, vocab, target_fraction=target_fraction)
     extra: dict[str, Any] = {}
@@ -156,32 +171,45 @@ def _plan_inputs(p: Any) -> tuple[int, int | None, float]:
         vocab = getattr(tokenizer_spec, "vocab_size", None)
         if vocab is None and isinstance(tokenizer_spec, str):
             from fulltune.models import load_tokenizer
+            from fulltune.tokenizer import prepare_tokenizer
 
-            vocab = len(load_tokenizer(tokenizer_spec))
+            reference = prepare_tokenizer(p.spec.model, p.spec.data, p.workdir)
+            vocab = len(load_tokenizer(reference, trust_remote_code=p.spec.model.trust_remote_code))
     return seq_len, vocab, target_fraction
 
 
 def _simulate_or_measure(p: Any, decision: Any, vocab: int | None, simulate: bool, measure: bool) -> dict[str, Any]:
+    from fulltune.errors import ConfigError
     from fulltune.memory import Settings, measure_memory, simulate_memory
     from fulltune.models import read_model_config
 
+    strategy = p.spec.distributed.strategy
+    if strategy != "none":
+        raise ConfigError(f"pipelines.{p.name}.distributed.strategy: --simulate and --measure run one process; "
+                          f"the analytic plan covers {strategy} (drop the flags, or --set distributed.strategy=none "
+                          "--set distributed.num_processes=1)")
     config = read_model_config(p.spec.model, vocab)
     settings = Settings(**decision.settings)
     extra: dict[str, Any] = {}
-    if simulate:
-        traced = simulate_memory(config, settings)
-        extra["simulated"] = traced.to_dict() if hasattr(traced, "to_dict") else traced
-    if measure:
-        extra["measured_peak_bytes"] = measure_memory(config, settings)
+    try:
+        if simulate:
+            traced = simulate_memory(config, settings)
+            extra["simulated"] = traced.to_dict() if hasattr(traced, "to_dict") else traced
+        if measure:
+            extra["measured_peak_bytes"] = measure_memory(config, settings)
+    except ValueError as exc:  # e.g. measuring on cuda where no GPU is visible
+        raise ConfigError(f"pipelines.{p.name}.budget.device: {exc}") from None
     return extra
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fulltune.pipeline import ensure_local_data, resolve_pipeline
+    from fulltune.pipeline import ensure_local_data, pin_hub_revisions, resolve_pipeline, resolved_budget
 
     # Validate before starting Prefect, so a bad config costs nothing and leaves nothing behind.
     p = resolve_pipeline(args.file, args.name, args.overrides)
     ensure_local_data(p)
+    pin_hub_revisions(p)
+    resolved_budget(p)
     _quiet_user_errors()
     from flows.pipeline import Overrides, finetune_pipeline
 

@@ -16,7 +16,8 @@ token). `train_label_tokens` is then exactly the number of loss terms.
 
 The directory name is a content fingerprint (data bytes, tokenizer files, formatting options, seed and
 `DATA_FORMAT_VERSION`): changing any of them builds a new directory, an unchanged input is a cache hit
-that does no work. Builds happen in a temp dir that is renamed into place, so a killed build never
+that does no work. `train_fingerprint` covers only what `train.parquet` depends on (not `data.eval`), so
+new held-out data re-evaluates a model without retraining it. A hub dataset counts by its commit. Builds happen in a temp dir that is renamed into place, so a killed build never
 leaves a half-written dataset behind.
 
 Heavy libraries (datasets, pyarrow, transformers, torch) are imported inside the functions that use
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fulltune import hub
 from fulltune.errors import ConfigError, DataError
 from fulltune.fingerprint import fsync_dir, fsync_tree, pid_alive
 from fulltune.spec import DataSpec
@@ -87,6 +89,12 @@ class TokenizedData:
     eval_tokens: int = 0
     eval_label_tokens: int = 0
     max_row_targets: int = 0  # most loss terms in one train row (0: unknown)
+    train_fingerprint: str = ""  # what train.parquet depends on: train data, tokenizer, options, seed
+
+    @property
+    def training_fingerprint(self) -> str:
+        """The fingerprint training depends on (the whole one for data tokenized before it was recorded)."""
+        return self.train_fingerprint or self.fingerprint
 
     @property
     def train_file(self) -> str:
@@ -101,29 +109,32 @@ class TokenizedData:
 # Loading records
 
 
-def load_records(path: str, *, what: str, cache_dir: str | Path | None = None) -> datasets.Dataset:
+def load_records(path: str, *, what: str, cache_dir: str | Path | None = None,
+                 token: str | None = None) -> datasets.Dataset:
     """Load a dataset from a local file or directory, or a Hugging Face Hub dataset id.
 
     Local files: `.jsonl`/`.json` (JSON lines, or one JSON list of objects), `.csv`, `.parquet`, `.txt`
     (one example per line in column `text`; blank lines are skipped). A directory loads every such
     file under it (name order, hidden files skipped; one file type per directory). Anything that does
     not look like a local path is a hub id, optionally with a split: `org/name` or `org/name:validation`
-    (default split `train`).
+    (default split `train`), read from its repository snapshot (fulltune/hub.py; offline from the cache).
 
     `what` is the YAML path used in messages (`data.train`). `cache_dir` is where `datasets` writes its
-    Arrow copy of local files (default: the `datasets` cache).
+    Arrow copy of the files (default: the `datasets` cache). `token` reads a private hub dataset.
 
-    Raises DataError: missing or empty file, broken JSON line (with its line number), unreadable file,
-    a dataset without examples, a hub dataset that cannot be loaded.
+    Raises DataError: missing or empty file, text that is not UTF-8 or broken JSON (with the line), an
+    unreadable file, a dataset without examples, a hub dataset that cannot be loaded.
     """
     import datasets
 
     files = local_data_files(path, what)
     if files is None:
-        return _load_hub(path, what)
+        return _load_hub(path, what, cache_dir, token)
     for file in files:
         if file.stat().st_size == 0:
             raise DataError(f"{what}: {file} is empty; add examples to it or point {what} at another file")
+        if SUFFIX_BUILDERS[file.suffix.lower()] != "parquet":
+            _require_utf8(file, what)
     builder = SUFFIX_BUILDERS[files[0].suffix.lower()]
     with _quiet_datasets():
         try:
@@ -172,29 +183,43 @@ def local_data_files(path: str, what: str) -> list[Path] | None:
 
 
 def looks_like_local_path(path: str) -> bool:
-    # Hub ids are `name` or `org/name`, optionally with `:split`; anything else is meant as a path.
-    name = path.split(":", 1)[0] if not os.path.isabs(path) else path
-    return (
-        os.path.isabs(path)
-        or path.startswith((".", "~"))
-        or "\\" in path
-        or name.count("/") > 1
-        or Path(name).suffix.lower() in SUFFIX_BUILDERS
-    )
+    """Whether a data reference that does not exist can only be meant as a local path: absolute, `./`,
+    `~`, a data file suffix (`data/train.jsonl`), or not spelled like a hub id `org/name[:split]`."""
+    return hub.looks_local(path, data_suffixes=tuple(SUFFIX_BUILDERS))
 
 
-def _load_hub(spec: str, what: str) -> datasets.Dataset:
+def hub_dataset_key(spec: str, what: str, token: str | None = None) -> str:
+    """`hub:<org/name>@<commit>[:split]`: what a hub dataset contributes to a fingerprint."""
+    name, split = hub.split_dataset_id(spec)
+    try:
+        commit = hub.commit_of(name, None, "dataset", token)
+    except hub.HubError as exc:
+        raise _hub_data_error(spec, what, exc) from None
+    return f"hub:{name}@{commit}" + (f":{split}" if split else "")
+
+
+def _hub_data_error(spec: str, what: str, exc: BaseException) -> DataError:
+    local = Path(spec).expanduser().resolve()
+    return DataError(f"{what}: {spec!r} is not a local file or directory ({local} does not exist), and as a "
+                     f"Hugging Face Hub dataset: {exc}. Fix the path or the dataset id.")
+
+
+def _load_hub(spec: str, what: str, cache_dir: str | Path | None, token: str | None) -> datasets.Dataset:
     import datasets
 
-    name, _, split = spec.partition(":")
+    name, split = hub.split_dataset_id(spec)
     try:
+        # `datasets` cannot open a hub id offline; its repository snapshot it can (fulltune/hub.py).
+        local = hub.snapshot(name, None, "dataset", token)
         with _quiet_datasets():
-            dataset = datasets.load_dataset(name, split=split or "train")
-    except (datasets.exceptions.DatasetsError, FileNotFoundError, ConnectionError, OSError, ValueError) as exc:
-        raise DataError(
-            f"{what}: {spec!r} is not a local file or directory (looked in {Path.cwd()}), and loading it as a "
-            f"Hugging Face Hub dataset failed: {_root_message(exc)}. Fix the path or the dataset id."
-        ) from None
+            dataset = datasets.load_dataset(str(local), split=split or "train",
+                                            cache_dir=str(cache_dir) if cache_dir is not None else None)
+    except hub.HubError as exc:
+        raise _hub_data_error(spec, what, exc) from None
+    except (datasets.exceptions.DatasetsError, FileNotFoundError, ConnectionError, OSError, ValueError,
+            KeyError) as exc:
+        raise DataError(f"{what}: hub dataset {spec!r} could not be read: {_root_message(exc)}. "
+                        "Name an existing split as org/name:<split>.") from None
     if not isinstance(dataset, datasets.Dataset):
         raise DataError(f"{what}: {spec!r} did not load as one split; name it as {name}:<split>")
     if len(dataset) == 0:
@@ -303,13 +328,34 @@ def _find_json_document_problem(path: Path) -> str | None:
 
 
 def _find_utf8_problem(path: Path) -> str | None:
+    """The line and byte offset of the first byte that is not UTF-8, streaming the file."""
+    carry, offset, lines = b"", 0, 0
     with path.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        while True:
+            chunk = f.read(_HASH_CHUNK)
+            buffer = carry + chunk
+            if not buffer:
+                return None
             try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError:
-                return f"{path} line {lineno}: not UTF-8 text; re-encode the file as UTF-8"
-    return None
+                buffer.decode("utf-8")
+                used, carry = len(buffer), b""
+            except UnicodeDecodeError as exc:
+                if not (chunk and exc.reason == "unexpected end of data"):
+                    line = lines + buffer[: exc.start].count(b"\n") + 1
+                    return f"{path} line {line} (byte {offset + exc.start}): not UTF-8 text; re-encode the file as UTF-8"
+                # A character cut by the chunk boundary: decode it with the next chunk.
+                used, carry = exc.start, buffer[exc.start:]
+            lines += buffer[:used].count(b"\n")
+            offset += used
+            if not chunk:
+                return None
+
+
+def _require_utf8(path: Path, what: str) -> None:
+    # pyarrow's JSON reader keeps invalid UTF-8 in its strings and fails only when a row is read.
+    problem = _find_utf8_problem(path)
+    if problem:
+        raise DataError(f"{what}: {problem}")
 
 
 def require_columns(dataset: datasets.Dataset, data: DataSpec, *, source: str, what: str) -> None:
@@ -347,11 +393,12 @@ def _update_file(h: Any, path: Path) -> None:
             h.update(chunk)
 
 
-def update_hash_with_source(h: Any, source: str, *, what: str) -> None:
-    """Add a data source to a hash: file bytes (streamed) for local data, the id for a hub dataset."""
+def update_hash_with_source(h: Any, source: str, *, what: str, token: str | None = None) -> None:
+    """Add a data source to a hash: file bytes (streamed) for local data, the id, commit and split for a
+    hub dataset."""
     files = local_data_files(source, what)
     if files is None:
-        hash_parts(h, "hub", source)
+        hash_parts(h, "hub", hub_dataset_key(source, what, token))
         return
     root = Path(source).expanduser()
     for file in files:
@@ -385,20 +432,23 @@ def _format_options(data: DataSpec) -> dict[str, Any]:
     return options
 
 
-def fingerprint_data(data: DataSpec, tokenizer: str, seed: int) -> str:
+def fingerprint_data(data: DataSpec, tokenizer: str, seed: int, *, token: str | None = None,
+                     include_eval: bool = True) -> str:
     """sha256 of everything the tokenized dataset depends on.
 
-    Data files' bytes (not their paths: moving a file keeps its fingerprint), the tokenizer's files (or
-    its hub id), the formatting options (format, the fields it reads, max_length, packing, eval_split),
-    the seed and DATA_FORMAT_VERSION. Raises DataError when a data file is missing.
+    Data files' bytes (not their paths: moving a file keeps its fingerprint; a hub dataset by its
+    commit), the tokenizer's files (or its hub id), the formatting options (format, the fields it reads,
+    max_length, packing, eval_split), the seed and DATA_FORMAT_VERSION. With `include_eval=False`, what
+    `train.parquet` alone depends on: `data.eval` is left out (a held-out split of train is not).
+    Raises DataError when a data file is missing.
     """
     h = hashlib.sha256()
     hash_parts(h, "fulltune-data", str(DATA_FORMAT_VERSION))
     hash_parts(h, "train")
-    update_hash_with_source(h, data.train, what="data.train")
-    if data.eval is not None:
+    update_hash_with_source(h, data.train, what="data.train", token=token)
+    if data.eval is not None and include_eval:
         hash_parts(h, "eval")
-        update_hash_with_source(h, data.eval, what="data.eval")
+        update_hash_with_source(h, data.eval, what="data.eval", token=token)
     hash_parts(h, "tokenizer")
     update_hash_with_tokenizer(h, tokenizer)
     hash_parts(h, "options", json.dumps(_format_options(data), sort_keys=True), "seed", str(seed))
@@ -409,12 +459,12 @@ def fingerprint_data(data: DataSpec, tokenizer: str, seed: int) -> str:
 # Formatting and tokenizing
 
 
-def load_tokenizer(tokenizer: str) -> Any:
+def load_tokenizer(tokenizer: str, trust_remote_code: bool = False) -> Any:
     """AutoTokenizer.from_pretrained, with a ConfigError that names the tokenizer when it fails."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(tokenizer)
+        return AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(
             f"tokenizer {tokenizer!r} could not be loaded ({_root_message(exc)}); check model.tokenizer "
@@ -751,15 +801,19 @@ def publish_dir(tmp: Path, final: Path, is_intact: Any) -> None:
 # The stage
 
 
-def tokenize_dataset(data: DataSpec, tokenizer: str, workdir: str | Path, seed: int) -> TokenizedData:
+def tokenize_dataset(data: DataSpec, tokenizer: str, workdir: str | Path, seed: int, *, token: str | None = None,
+                     trust_remote_code: bool = False) -> TokenizedData:
     """Tokenize (and pack) `data` into `<workdir>/tokenized/<fingerprint>/`; a cache hit does no work.
+
+    `tokenizer` is what `fulltune.tokenizer.prepare_tokenizer` returned (a directory, for hub tokenizers
+    the snapshot's); `token` reads private hub datasets; `trust_remote_code` is `model.trust_remote_code`.
 
     Raises DataError for every problem with the data (missing/empty/broken files, missing columns,
     records of the wrong type, no example left with a label token) and ConfigError when the tokenizer
     cannot be loaded or lacks what the format needs (eos token, chat template).
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    fingerprint = fingerprint_data(data, tokenizer, seed)
+    fingerprint = fingerprint_data(data, tokenizer, seed, token=token)
     root = Path(workdir) / "tokenized"
     final = root / fingerprint
     cached = _read_intact(final)
@@ -770,27 +824,28 @@ def tokenize_dataset(data: DataSpec, tokenizer: str, workdir: str | Path, seed: 
     tmp = root / temp_dir_name(fingerprint)
     tmp.mkdir()
     try:
-        _build(data, tokenizer, seed, fingerprint, tmp)
+        _build(data, tokenizer, seed, fingerprint, tmp, token, trust_remote_code)
         publish_dir(tmp, final, lambda p: _read_intact(p) is not None)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return load_tokenized(str(final))
 
 
-def _build(data: DataSpec, tokenizer_ref: str, seed: int, fingerprint: str, out: Path) -> None:
+def _build(data: DataSpec, tokenizer_ref: str, seed: int, fingerprint: str, out: Path, token: str | None,
+           trust_remote_code: bool) -> None:
     import numpy as np
 
-    tokenizer = load_tokenizer(tokenizer_ref)
+    tokenizer = load_tokenizer(tokenizer_ref, trust_remote_code)
     arrow_cache = out / "datasets-cache"  # datasets' Arrow copy of the local files; deleted with the build
     train_source = _source_name(data.train)
-    train_records = load_records(data.train, what="data.train", cache_dir=arrow_cache)
+    train_records = load_records(data.train, what="data.train", cache_dir=arrow_cache, token=token)
     train_table, truncated, dropped = _tokenize_split(
         train_records, _Formatter(tokenizer, data, train_source, tokenizer_ref), train_source, "data.train"
     )
     rng = np.random.default_rng(seed)
     if data.eval is not None:
         eval_source = _source_name(data.eval)
-        eval_records = load_records(data.eval, what="data.eval", cache_dir=arrow_cache)
+        eval_records = load_records(data.eval, what="data.eval", cache_dir=arrow_cache, token=token)
         eval_table, eval_truncated, eval_dropped = _tokenize_split(
             eval_records, _Formatter(tokenizer, data, eval_source, tokenizer_ref), eval_source, "data.eval"
         )
@@ -842,6 +897,7 @@ def _build(data: DataSpec, tokenizer_ref: str, seed: int, fingerprint: str, out:
         eval_tokens=evaluation["tokens"],
         eval_label_tokens=evaluation["label_tokens"],
         max_row_targets=train["max_row_targets"],
+        train_fingerprint=fingerprint_data(data, tokenizer_ref, seed, token=token, include_eval=False),
     )
     meta = dataclasses.asdict(record)
     meta.pop("path")

@@ -33,6 +33,8 @@ def read_model_config(model: ModelSpec, tokenizer_vocab: int | None = None) -> A
 
     if model.from_config is not None:
         return config_from_spec(model.from_config, tokenizer_vocab)
+    if os.path.isabs(model.name_or_path) and not Path(model.name_or_path).is_dir():
+        raise ConfigError(f"model.name_or_path: directory {model.name_or_path} not found; check the path")
     try:
         return AutoConfig.from_pretrained(
             model.name_or_path,
@@ -135,7 +137,7 @@ def prepare_base_model(model: ModelSpec, tokenizer: str, workdir: str | Path, se
     target = Path(workdir) / "base" / base_model_key(model, tokenizer, seed)
     if (target / "config.json").is_file():
         return str(target)
-    tok = load_tokenizer(tokenizer)
+    tok = load_tokenizer(tokenizer, trust_remote_code=model.trust_remote_code)
     config = config_from_spec(model.from_config, len(tok))
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         setattr(config, name, getattr(tok, name))

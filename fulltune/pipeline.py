@@ -2,7 +2,13 @@
 
 Each stage takes paths, fingerprints and typed specs, writes its outputs atomically under the workdir,
 and returns a small frozen record. Cache keys are content hashes of a stage's inputs plus the engine's
-code version, so changing data, config or engine code re-runs exactly the stages that depend on it.
+code version, so changing data, config or engine code re-runs exactly the stages that depend on it:
+
+- local files count by their bytes (hashed once, then remembered by size and mtime in
+  `<workdir>/file-hashes.json`), hub models, tokenizers and datasets by the commit their revision names;
+- the budget counts the device and memory `auto` resolves to on this machine, so a new machine replans;
+- training counts the training data only (`TokenizedData.train_fingerprint`), evaluation and
+  registration the held-out data too, so new eval data re-evaluates without retraining.
 """
 
 from __future__ import annotations
@@ -13,13 +19,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from fulltune.errors import BudgetError, ConfigError
-from fulltune.fingerprint import atomic_write_text, code_version, hash_json, hash_path
+from fulltune import hub
+from fulltune.errors import BudgetError, ConfigError, DataError, UserError
+from fulltune.fingerprint import atomic_write_text, code_version, hash_json
 from fulltune.spec import PipelineSpec, get_pipeline, load_pipelines
 
 # The engine modules each stage runs: their source is part of the stage's cache key.
 STAGE_CODE = {
-    "tokenize": ("data.py", "tokenizer.py", "fingerprint.py"),
+    "tokenize": ("data.py", "tokenizer.py", "fingerprint.py", "hub.py"),
     "budget": ("memory", "loss.py", "models.py", "pipeline.py"),
     "train": ("train.py", "launch.py", "loss.py", "models.py", "data.py", "memory"),
     "evaluate": ("evaluate.py", "loss.py", "data.py", "models.py"),
@@ -55,19 +62,21 @@ def resolve_pipeline(pipelines_file: str, name: str, overrides: list[str] | dict
 
 
 def _absolute_paths(spec: PipelineSpec, base: Path) -> PipelineSpec:
-    """Make local file references absolute so stages do not depend on the current directory."""
+    """Make local file references absolute so stages do not depend on the current directory; hub ids
+    stay as they are (fulltune/hub.py tells them apart: after this, a reference is local iff absolute)."""
+    from fulltune.data import SUFFIX_BUILDERS
 
-    def local(value: str | None) -> str | None:
+    def local(value: str | None, data: bool = False) -> str | None:
         if value is None:
             return None
         candidate = Path(value).expanduser()
         if candidate.is_absolute():
             return str(candidate)
-        if (base / candidate).exists() or value.startswith((".", "/")) or Path(value).suffix:
+        if (base / candidate).exists() or hub.looks_local(value, data_suffixes=tuple(SUFFIX_BUILDERS) if data else ()):
             return str(base / candidate)
-        return value  # a hub id
+        return value
 
-    data = spec.data.model_copy(update={"train": local(spec.data.train), "eval": local(spec.data.eval)})
+    data = spec.data.model_copy(update={"train": local(spec.data.train, True), "eval": local(spec.data.eval, True)})
     model_updates: dict[str, Any] = {}
     if spec.model.name_or_path is not None:
         model_updates["name_or_path"] = local(spec.model.name_or_path)
@@ -78,50 +87,165 @@ def _absolute_paths(spec: PipelineSpec, base: Path) -> PipelineSpec:
     return spec.model_copy(update={"data": data, "model": spec.model.model_copy(update=model_updates)})
 
 
-def _source_hash(reference: str | None) -> str | None:
-    """Content hash of a local file or directory; a hub id stands for itself."""
+def is_hub(reference: str | None) -> bool:
+    """After resolve_pipeline, a reference is a hub id exactly when it is not an absolute path."""
+    return reference is not None and not os.path.isabs(reference)
+
+
+def pin_hub_revisions(p: ResolvedPipeline) -> ResolvedPipeline:
+    """Replace `model.revision` of a hub model by the commit it names now (from the cache when offline),
+    so every stage loads, and every cache key names, the same weights. Local models are unchanged.
+
+    Raises ConfigError naming model.name_or_path when the hub id cannot be resolved.
+    """
+    from fulltune.models import hub_token
+
+    model = p.spec.model
+    if not is_hub(model.name_or_path):
+        return p
+    try:
+        commit = hub.commit_of(model.name_or_path, model.revision, "model", hub_token(model.token_env))
+    except hub.HubError as exc:
+        raise ConfigError(f"pipelines.{p.name}.model.name_or_path: {_not_local(p, model.name_or_path)}, and as a "
+                          f"hub model: {exc}") from None
+    spec = p.spec.model_copy(update={"model": model.model_copy(update={"revision": commit})})
+    return ResolvedPipeline(p.name, spec, p.workdir, p.pipelines_file)
+
+
+def _not_local(p: ResolvedPipeline, reference: str) -> str:
+    where = Path(p.pipelines_file).parent / reference
+    return f"{reference!r} is not a local path ({where} does not exist)"
+
+
+# ---------------------------------------------------------------- what a key sees of a file or a hub repo
+
+HASH_CACHE = "file-hashes.json"
+
+
+def cached_hash(path: str | Path, workdir: str | Path) -> str:
+    """sha256 of a file, or of a directory's files (relative names and bytes), like a full read but
+    remembering each file's digest under its path, size, mtime and ctime in `<workdir>/file-hashes.json`:
+    a multi-GB checkpoint is read once, not on every run. Any change to a file (its bytes rewritten,
+    even with the old mtime restored, changes its ctime) hashes it again."""
+    import hashlib
+
+    root = Path(path)
+    cache_file = Path(workdir) / HASH_CACHE
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.is_file())
+    digest, changed = hashlib.sha256(), False
+    for file in files:
+        stat = file.stat()
+        stamp = [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
+        entry = cache.get(str(file))
+        if not (isinstance(entry, dict) and entry.get("stamp") == stamp):
+            entry, changed = {"stamp": stamp, "sha256": _file_sha256(file)}, True
+            cache[str(file)] = entry
+        name = str(file.relative_to(root)) if root.is_dir() else ""
+        digest.update(f"{name}\0{entry['sha256']}\0".encode())
+    if changed:
+        atomic_write_text(cache_file, json.dumps(cache))
+    return digest.hexdigest()
+
+
+def _file_sha256(file: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(file, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _source_key(p: ResolvedPipeline, reference: str | None, field: str, repo_type: hub.RepoType = "model",
+                revision: str | None = None) -> str | None:
+    """What a cache key sees of a model, tokenizer or data reference: a local file's or directory's
+    content hash, a hub repository's commit (and a dataset's split)."""
     if reference is None:
         return None
-    return hash_path(reference) if Path(reference).exists() else reference
+    if not is_hub(reference):
+        return cached_hash(reference, p.workdir) if Path(reference).exists() else reference
+    from fulltune.models import hub_token
+
+    name, split = hub.split_dataset_id(reference) if repo_type == "dataset" else (reference, None)
+    try:
+        commit = hub.commit_of(name, revision, repo_type, hub_token(p.spec.model.token_env))
+    except hub.HubError as exc:
+        error = DataError if repo_type == "dataset" else ConfigError
+        raise error(f"pipelines.{p.name}.{field}: {_not_local(p, reference)}, and as a hub {repo_type}: {exc}") from None
+    return f"hub:{repo_type}:{name}@{commit}" + (f":{split}" if split else "")
+
+
+def _model_source(p: ResolvedPipeline) -> str | None:
+    return _source_key(p, p.spec.model.name_or_path, "model.name_or_path", revision=p.spec.model.revision)
 
 
 # ---------------------------------------------------------------- stage keys
 
 
 def tokenize_key(p: ResolvedPipeline) -> str:
+    from fulltune.tokenizer import tokenizer_revision
+
     spec = p.spec
     tokenizer = spec.model.tokenizer if spec.model.tokenizer is not None else spec.model.name_or_path
+    field = "model.tokenizer" if spec.model.tokenizer is not None else "model.name_or_path"
     return hash_json({
         "stage": "tokenize", "code": code_version(*STAGE_CODE["tokenize"]), "workdir": p.workdir,
         "data": spec.data.model_dump(mode="json"),
-        "train": _source_hash(spec.data.train), "eval": _source_hash(spec.data.eval),
-        "tokenizer": tokenizer if not isinstance(tokenizer, str) else _source_hash(tokenizer),
+        "train": _source_key(p, spec.data.train, "data.train", "dataset"),
+        "eval": _source_key(p, spec.data.eval, "data.eval", "dataset"),
+        "tokenizer": tokenizer if not isinstance(tokenizer, str)
+        else _source_key(p, tokenizer, field, revision=tokenizer_revision(spec.model)),
         "seed": spec.train.seed,
     })
 
 
-def budget_key(p: ResolvedPipeline, data_fingerprint: str) -> str:
+def resolved_budget(p: ResolvedPipeline) -> tuple[str, int | None, bool]:
+    """(device, bytes per device, bf16 supported) that `budget.device` / `budget.memory` mean on this
+    machine. Raises ConfigError naming the field (e.g. `memory: auto` for cuda where no GPU is visible)."""
+    from fulltune.memory import resolve_budget
+
+    try:
+        return resolve_budget(p.spec.budget.device, p.spec.budget.memory)
+    except (ValueError, UserError) as exc:
+        message = str(exc).removeprefix(f"pipelines.{p.name}.")
+        if not message.startswith("budget."):
+            field = "budget.memory" if "memory" in message else "budget.device"
+            message = f"{field}: {message}"
+        raise ConfigError(f"pipelines.{p.name}.{message}") from None
+
+
+def budget_key(p: ResolvedPipeline, train_fingerprint: str) -> str:
     spec = p.spec
+    device, budget_bytes, bf16 = resolved_budget(p)
     return hash_json({
-        "stage": "budget", "code": code_version(*STAGE_CODE["budget"]), "data": data_fingerprint,
-        "model": spec.model.model_dump(mode="json"), "model_source": _source_hash(spec.model.name_or_path),
+        "stage": "budget", "code": code_version(*STAGE_CODE["budget"]), "data": train_fingerprint,
+        "model": spec.model.model_dump(mode="json"), "model_source": _model_source(p),
         "budget": spec.budget.model_dump(mode="json"), "train": spec.train.model_dump(mode="json"),
         "distributed": spec.distributed.model_dump(mode="json"),
+        "resolved": {"device": device, "bytes": budget_bytes, "bf16": bf16},
     })
 
 
-def train_key(p: ResolvedPipeline, data_fingerprint: str, settings: dict[str, Any]) -> str:
+def train_key(p: ResolvedPipeline, train_fingerprint: str, settings: dict[str, Any]) -> str:
+    """The fine-tuned weights' identity: training data (not eval data), model, the planned settings
+    (which hold the device the budget resolved to) and the optimisation."""
     spec = p.spec
     return hash_json({
-        "stage": "train", "code": code_version(*STAGE_CODE["train"]), "data": data_fingerprint,
+        "stage": "train", "code": code_version(*STAGE_CODE["train"]), "data": train_fingerprint,
         "settings": settings,
-        "model": spec.model.model_dump(mode="json"), "model_source": _source_hash(spec.model.name_or_path),
+        "model": spec.model.model_dump(mode="json"), "model_source": _model_source(p),
         "train": spec.train.model_dump(mode="json", exclude={"log_every_steps", "keep_checkpoints"}),
         "distributed": spec.distributed.model_dump(mode="json"),
     })[:24]
 
 
 def evaluate_key(p: ResolvedPipeline, trained_key: str, data_fingerprint: str, champion_version: str | None) -> str:
+    """`data_fingerprint` is the whole one (TokenizedData.fingerprint): it covers the held-out data."""
     return hash_json({
         "stage": "evaluate", "code": code_version(*STAGE_CODE["evaluate"]), "train": trained_key,
         "data": data_fingerprint,
@@ -228,12 +352,16 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
     Raises BudgetError (exit 2, with the breakdown) when nothing fits, or when the configured settings
     do not fit and `budget.on_overflow` is `fail`.
     """
-    from fulltune.memory import format_plan_table, plan_memory, render_breakdown_png, resolve_budget
+    from fulltune.memory import format_plan_table, plan_memory, render_breakdown_png
     from fulltune.models import read_model_config
 
-    device, budget_bytes, bf16 = resolve_budget(p.spec.budget.device, p.spec.budget.memory)
+    device, budget_bytes, bf16 = resolved_budget(p)
     config = read_model_config(p.spec.model, tokenizer_vocab)
-    plan = plan_memory(config, plan_request(p, seq_len, device, budget_bytes, bf16, target_fraction))
+    try:
+        plan = plan_memory(config, plan_request(p, seq_len, device, budget_bytes, bf16, target_fraction))
+    except ValueError as exc:  # the config lacks what the memory model needs (not a decoder-only LM)
+        field = "model.from_config" if p.spec.model.from_config is not None else "model.name_or_path"
+        raise ConfigError(f"pipelines.{p.name}.{field}: cannot plan memory for this model: {exc}") from None
     table = format_plan_table(plan)
     as_json = plan.to_dict()
     if picture is not None:
@@ -259,11 +387,59 @@ def describe_settings(settings: dict[str, Any], num_layers: int) -> str:
 
 
 def ensure_local_data(p: ResolvedPipeline) -> None:
-    """Fail fast, before any stage runs, on a data path that looks local but does not exist."""
-    for field, value in (("data.train", p.spec.data.train), ("data.eval", p.spec.data.eval)):
-        if value and Path(value).is_absolute() and not Path(value).exists():
-            from fulltune.errors import DataError
+    """Fail fast, before any stage runs, on a local file the pipeline names that does not exist (every
+    one of them in one message, each with its YAML path)."""
+    problems, _ = check_sources(p, check_hub=False)
+    if problems:
+        error = DataError if all(".data." in problem for problem in problems) else ConfigError
+        raise error("\n".join(problems) if len(problems) == 1 else
+                    f"{len(problems)} problem(s)\n  " + "\n  ".join(problems))
 
-            raise DataError(f"pipelines.{p.name}.{field}: file not found: {value}")
-    if isinstance(p.spec.model.from_config, str) and not Path(p.spec.model.from_config).is_file():
-        raise ConfigError(f"pipelines.{p.name}.model.from_config: file not found: {p.spec.model.from_config}")
+
+def _references(p: ResolvedPipeline) -> list[tuple[str, str, str, str | None]]:
+    """(YAML field, reference, kind, hub revision) of every file or repository the pipeline reads."""
+    from fulltune.tokenizer import tokenizer_revision
+
+    m, d = p.spec.model, p.spec.data
+    refs = [("data.train", d.train, "data", None)]
+    if d.eval is not None:
+        refs.append(("data.eval", d.eval, "data", None))
+    if m.name_or_path is not None:
+        refs.append(("model.name_or_path", m.name_or_path, "model", m.revision))
+    if isinstance(m.from_config, str):
+        refs.append(("model.from_config", m.from_config, "config", None))
+    if isinstance(m.tokenizer, str) and m.tokenizer != m.name_or_path:
+        refs.append(("model.tokenizer", m.tokenizer, "tokenizer", tokenizer_revision(m)))
+    return refs
+
+
+def check_sources(p: ResolvedPipeline, check_hub: bool = True) -> tuple[list[str], list[str]]:
+    """(problems, notes) about the files and hub repositories the pipeline reads, each with its YAML path.
+
+    A local file or directory must exist (a model directory must hold config.json). A hub id is looked
+    up in the local Hugging Face cache when HF_HUB_OFFLINE=1 (a run could not fetch it); online it is
+    left to run time, which a note says.
+    """
+    problems, notes = [], []
+    for field, reference, kind, revision in _references(p):
+        where = f"pipelines.{p.name}.{field}"
+        if is_hub(reference):
+            if not check_hub:
+                continue
+            repo = hub.split_dataset_id(reference)[0] if kind == "data" else reference
+            repo_type: hub.RepoType = "dataset" if kind == "data" else "model"
+            if not hub.offline():
+                notes.append(f"{where}: hub {repo_type} {repo} is resolved at run time")
+            elif hub.cached_commit(repo, revision, repo_type) is None:
+                at = f" at revision {revision}" if revision else ""
+                problems.append(f"{where}: {_not_local(p, reference)}, and hub {repo_type} {repo}{at} is not in the "
+                                f"Hugging Face cache ({hub.cache_dir()}) while HF_HUB_OFFLINE=1")
+            continue
+        path = Path(reference)
+        if not path.exists():
+            problems.append(f"{where}: {'directory' if kind in ('model', 'tokenizer') else 'file'} not found: {path}")
+        elif kind == "model" and not (path / "config.json").is_file():
+            problems.append(f"{where}: {path} holds no config.json; point it at a checkpoint directory")
+        elif kind == "config" and not path.is_file():
+            problems.append(f"{where}: {path} is not a file; point it at a config.json")
+    return problems, notes

@@ -406,7 +406,7 @@ def parse_size(value: int | str) -> int:
         return value
     match = SIZE_PATTERN.match(value)
     if not match:
-        raise ValueError(f"not a size: {value!r}")
+        raise ConfigError(f"budget.memory: not a size: {value!r} (use bytes, or a size like '24GiB')")
     number, unit = float(match.group(1)), (match.group(2) or "B").upper()
     scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]

@@ -1,7 +1,10 @@
 """Resolve the tokenizer a pipeline uses, or train one on its training data.
 
-`model.tokenizer` is a path or hub id (used as-is), absent (the checkpoint's own tokenizer), or
-`{vocab_size: N}`: a byte-level BPE trained here on the training texts, for models built from a config.
+`model.tokenizer` is a path or hub id, absent (the checkpoint's own tokenizer), or `{vocab_size: N}`: a
+byte-level BPE trained here on the training texts, for models built from a config. A hub tokenizer is
+fetched as a snapshot of its repository without the weights (at `model.revision` when it is the model's
+own, with the token of `model.token_env`; offline from the cache) and used from that directory, so every
+stage loads the same files.
 A trained tokenizer is content-addressed like every other output: `<workdir>/tokenizers/<key>/`, where
 the key hashes the training file bytes and the options, and the same inputs give identical files.
 
@@ -27,7 +30,6 @@ from typing import Any
 
 from fulltune.data import (
     local_data_files,
-    looks_like_local_path,
     hash_parts,
     load_records,
     publish_dir,
@@ -36,6 +38,7 @@ from fulltune.data import (
     temp_dir_name,
     update_hash_with_source,
 )
+from fulltune import hub
 from fulltune.errors import ConfigError
 from fulltune.spec import DataSpec, ModelSpec, TrainTokenizer
 
@@ -60,23 +63,34 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 def prepare_tokenizer(model: ModelSpec, data: DataSpec, workdir: str | Path) -> str:
     """Return a directory or hub id that `AutoTokenizer.from_pretrained` loads.
 
-    - `model.tokenizer` is a string: returned as-is (a local directory must exist and hold tokenizer files);
-    - `model.tokenizer` is absent: `model.name_or_path`, checked the same way;
+    - `model.tokenizer` is a string: a local directory (it must exist and hold tokenizer files) is
+      returned as-is, a hub id as the directory of its snapshot;
+    - `model.tokenizer` is absent: `model.name_or_path`, the same way;
     - `model.tokenizer` is `{vocab_size, min_frequency}`: a BPE tokenizer trained on `data.train`
       (formatted as `data.format` reads it), saved to `<workdir>/tokenizers/<key>/` and reused after.
 
-    Raises ConfigError for a missing tokenizer directory, DataError for unusable training data.
+    Raises ConfigError for a missing tokenizer directory or hub tokenizer, DataError for unusable
+    training data.
     """
+    from fulltune.models import hub_token
+
+    token = hub_token(model.token_env)
     if isinstance(model.tokenizer, TrainTokenizer):
-        return str(train_tokenizer(data, model.tokenizer, workdir))
-    if model.tokenizer is not None:
-        return _check_reference(model.tokenizer, "model.tokenizer")
-    if model.name_or_path is None:  # the spec requires model.tokenizer with model.from_config
+        return str(train_tokenizer(data, model.tokenizer, workdir, token=token))
+    reference = model.tokenizer if model.tokenizer is not None else model.name_or_path
+    if reference is None:  # the spec requires model.tokenizer with model.from_config
         raise ConfigError("model.tokenizer is required with model.from_config (a path, or {vocab_size: N})")
-    return _check_reference(model.name_or_path, "model.name_or_path")
+    field = "model.tokenizer" if model.tokenizer is not None else "model.name_or_path"
+    return _check_reference(reference, field, tokenizer_revision(model), token)
 
 
-def _check_reference(reference: str, field: str) -> str:
+def tokenizer_revision(model: ModelSpec) -> str | None:
+    """`model.revision` applies to the tokenizer when it comes from the model's own repository."""
+    same = model.tokenizer is None or model.tokenizer == model.name_or_path
+    return model.revision if same else None
+
+
+def _check_reference(reference: str, field: str, revision: str | None = None, token: str | None = None) -> str:
     path = Path(reference).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -87,16 +101,20 @@ def _check_reference(reference: str, field: str) -> str:
                 "point model.tokenizer at a tokenizer directory"
             )
         return reference
-    if looks_like_local_path(reference):
+    if hub.looks_local(reference):
         raise ConfigError(f"{field}: directory {reference} not found (resolved to {path.resolve()}); check the path")
-    return reference  # a hub id
+    try:
+        return str(hub.snapshot(reference, revision, "model", token, ignore_patterns=hub.WEIGHT_PATTERNS))
+    except hub.HubError as exc:
+        raise ConfigError(f"{field}: {reference!r} is not a local directory ({path.resolve()} does not exist), "
+                          f"and as a hub tokenizer: {exc}") from None
 
 
-def tokenizer_key(data: DataSpec, options: TrainTokenizer) -> str:
+def tokenizer_key(data: DataSpec, options: TrainTokenizer, token: str | None = None) -> str:
     """sha256 of the training file bytes and every option that changes the trained tokenizer."""
     h = hashlib.sha256()
     hash_parts(h, "fulltune-tokenizer", str(TOKENIZER_FORMAT_VERSION))
-    update_hash_with_source(h, data.train, what="data.train")
+    update_hash_with_source(h, data.train, what="data.train", token=token)
     fields = {
         "text": [data.text_field],
         "prompt_completion": [data.prompt_field, data.completion_field],
@@ -108,10 +126,10 @@ def tokenizer_key(data: DataSpec, options: TrainTokenizer) -> str:
     return h.hexdigest()
 
 
-def training_texts(data: DataSpec, cache_dir: str | Path | None = None) -> Iterator[str]:
+def training_texts(data: DataSpec, cache_dir: str | Path | None = None, token: str | None = None) -> Iterator[str]:
     """The strings the tokenizer is trained on, as tokenize_dataset will tokenize them: texts; prompts and
     completions separately; chat message contents (role markers are special tokens)."""
-    records = load_records(data.train, what="data.train", cache_dir=cache_dir)
+    records = load_records(data.train, what="data.train", cache_dir=cache_dir, token=token)
     source = data.train
     require_columns(records, data, source=source, what="data.train")
     columns = {
@@ -130,13 +148,13 @@ def training_texts(data: DataSpec, cache_dir: str | Path | None = None) -> Itera
                             yield message["content"]
 
 
-def train_tokenizer(data: DataSpec, options: TrainTokenizer, workdir: str | Path) -> Path:
+def train_tokenizer(data: DataSpec, options: TrainTokenizer, workdir: str | Path, token: str | None = None) -> Path:
     """Train (or reuse) the byte-level BPE tokenizer for `data`; returns its directory."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Checks data.train exists before anything is created (DataError otherwise).
     local_data_files(data.train, "data.train")
     root = Path(workdir) / "tokenizers"
-    final = root / tokenizer_key(data, options)
+    final = root / tokenizer_key(data, options, token)
     if _is_intact(final):
         return final
     root.mkdir(parents=True, exist_ok=True)
@@ -144,7 +162,7 @@ def train_tokenizer(data: DataSpec, options: TrainTokenizer, workdir: str | Path
     tmp = root / temp_dir_name(final.name)
     tmp.mkdir()
     try:
-        texts = training_texts(data, cache_dir=tmp / "datasets-cache")
+        texts = training_texts(data, cache_dir=tmp / "datasets-cache", token=token)
         tokenizer = build_tokenizer(texts, options)
         shutil.rmtree(tmp / "datasets-cache", ignore_errors=True)
         tokenizer.save_pretrained(str(tmp))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -17,15 +18,22 @@ def memory_budget_task(p: ResolvedPipeline, key: str, data: TokenizedData, token
     """Estimate the peak for the configured settings; pick the fastest settings within the budget."""
     from fulltune.models import load_tokenizer
 
-    vocab = len(load_tokenizer(tokenizer)) if p.spec.model.from_config is not None else None
+    from_config = p.spec.model.from_config is not None
+    vocab = len(load_tokenizer(tokenizer, trust_remote_code=p.spec.model.trust_remote_code)) if from_config else None
     seq_len, target_fraction = planned_rows(p, data)
     picture = Path(p.workdir) / "plans" / f"{key[:16]}.png"
     decision = plan_budget(p, seq_len, vocab, picture, target_fraction)
     get_run_logger().info("memory plan:\n%s", decision.table)
     record_outputs(p.workdir, "budget", key, [str(picture)])
-    create_markdown_artifact(
-        key=f"{p.name}-memory-plan",
-        markdown=f"## Memory plan for `{p.name}`\n\n```\n{decision.table}\n```\n\n![breakdown]({picture.as_uri()})",
-        description="Estimated peak memory against the budget",
-    )
+    create_markdown_artifact(key=f"{p.name}-memory-plan", markdown=plan_markdown(p.name, decision.table, picture),
+                             description="Estimated peak memory against the budget")
     return decision
+
+
+def plan_markdown(name: str, table: str, picture: Path) -> str:
+    """The plan table and the breakdown picture, embedded as a data URI: the Prefect UI renders it from
+    the artifact itself, on any machine (a file:// link only resolves where the run wrote the file)."""
+    encoded = base64.b64encode(picture.read_bytes()).decode("ascii")
+    return (f"## Memory plan for `{name}`\n\n```\n{table}\n```\n\n"
+            f"![memory breakdown](data:image/png;base64,{encoded})\n\n"
+            f"The picture is also at `{picture}` on the machine that ran the plan.")

@@ -15,10 +15,13 @@ from tasks.common import stage_policy, retry_unless_user_error
 def tokenize_task(p: ResolvedPipeline, key: str) -> tuple[TokenizedData, str]:
     """Prepare the tokenizer (train a BPE one if asked) and tokenize the data; returns (data, tokenizer)."""
     from fulltune.data import tokenize_dataset
+    from fulltune.models import hub_token
     from fulltune.tokenizer import prepare_tokenizer
 
-    tokenizer = prepare_tokenizer(p.spec.model, p.spec.data, p.workdir)
-    data = tokenize_dataset(p.spec.data, tokenizer, p.workdir, p.spec.train.seed)
+    m = p.spec.model
+    tokenizer = prepare_tokenizer(m, p.spec.data, p.workdir)
+    data = tokenize_dataset(p.spec.data, tokenizer, p.workdir, p.spec.train.seed, token=hub_token(m.token_env),
+                            trust_remote_code=m.trust_remote_code)
     record_outputs(p.workdir, "tokenize", key, [data.path, tokenizer] if tokenizer.startswith("/") else [data.path])
     create_table_artifact(
         key=f"{p.name}-tokenized",

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # Before anything imports prefect or tokenizers.
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
@@ -11,12 +14,25 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["DO_NOT_TRACK"] = "1"
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("FULLTUNE_WORKDIR", None)
+# A Hugging Face cache of the session's own: tests write fake hub repositories into it (tests/tiny.py),
+# and nothing a developer has cached can make a test pass or fail.
+for _name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE"):
+    os.environ.pop(_name, None)
+_HF_HOME = tempfile.mkdtemp(prefix="fulltune-test-hf-")
+os.environ["HF_HOME"] = _HF_HOME
+atexit.register(shutil.rmtree, _HF_HOME, True)
 
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def hf_home() -> Path:
+    """The session's HF_HOME (huggingface_hub read it at import): write fake hub repos under `hub/`."""
+    return Path(_HF_HOME)
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,8 @@ from fulltune.errors import ConfigError, DataError
 from fulltune.spec import DataSpec, ModelSpec, TrainTokenizer
 from fulltune.tokenizer import BOS, CHAT_TEMPLATE, EOS, PAD, prepare_tokenizer
 
+from tiny import fake_hub_repo
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "data" / "demo"
 
@@ -83,15 +85,26 @@ def test_trained_tokenizer_chat_template_marks_assistant_turns(tmp_path: Path) -
     assert marked == tok("hello", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
 
-def test_tokenizer_references(tmp_path: Path) -> None:
+def test_tokenizer_references(tmp_path: Path, hf_home: Path) -> None:
     data = DataSpec(train=str(DEMO / "train.jsonl"), format="prompt_completion")
     tok_dir = tmp_path / "tok"
     tok_dir.mkdir()
     (tok_dir / "tokenizer.json").write_text("{}")
     local = ModelSpec(name_or_path="org/model", tokenizer=str(tok_dir))
     assert prepare_tokenizer(local, data, tmp_path) == str(tok_dir)
-    assert prepare_tokenizer(ModelSpec(name_or_path="org/model"), data, tmp_path) == "org/model"
-    assert prepare_tokenizer(ModelSpec(name_or_path="org/model", tokenizer="org/tok"), data, tmp_path) == "org/tok"
+    # A hub id, dots and all, is used from its snapshot in the cache (offline), at model.revision.
+    main = fake_hub_repo(hf_home, "Org/Tok-1.5B.v2", "1" * 40)
+    (main / "tokenizer.json").write_text("{}")
+    (main / "model.safetensors").write_text("weights")
+    other = fake_hub_repo(hf_home, "Org/Tok-1.5B.v2", "2" * 40, branch="v2")
+    (other / "tokenizer.json").write_text("{}")
+    assert prepare_tokenizer(ModelSpec(name_or_path="Org/Tok-1.5B.v2"), data, tmp_path) == str(main)
+    assert prepare_tokenizer(ModelSpec(name_or_path="Org/Tok-1.5B.v2", revision="v2"), data, tmp_path) == str(other)
+    separate = ModelSpec(name_or_path="org/model", tokenizer="Org/Tok-1.5B.v2", revision="v9")
+    assert prepare_tokenizer(separate, data, tmp_path) == str(main), "model.revision is the model's, not the tokenizer's"
+    with pytest.raises(ConfigError, match=r"model\.name_or_path: 'org/model' is not a local directory .* not in the "
+                                          r"Hugging Face cache"):
+        prepare_tokenizer(ModelSpec(name_or_path="org/model"), data, tmp_path)
     with pytest.raises(ConfigError, match=r"model\.tokenizer: directory \./no/such/tokenizer not found"):
         prepare_tokenizer(ModelSpec(name_or_path="org/model", tokenizer="./no/such/tokenizer"), data, tmp_path)
     with pytest.raises(ConfigError, match=r"model\.name_or_path: .* holds no tokenizer files"):

@@ -36,3 +36,22 @@ def make_model(directory: Path, tokenizer_dir: str, seed: int = 0, hidden: int =
     model.save_pretrained(directory, safe_serialization=True)
     tok.save_pretrained(directory)
     return str(directory)
+
+
+def fake_hub_repo(hf_home: Path, repo_id: str, commit: str, repo_type: str = "model", branch: str = "main") -> Path:
+    """An empty snapshot `<hf_home>/hub/<type>s--ORG--NAME/snapshots/<commit>/` with `refs/<branch>` naming
+    it, as huggingface_hub lays out its cache; fill it, then use `repo_id` offline (HF_HUB_OFFLINE=1)."""
+    root = Path(hf_home) / "hub" / f"{repo_type}s--{repo_id.replace('/', '--')}"
+    snapshot = root / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / branch).write_text(commit)
+    return snapshot
+
+
+def fake_hub_model(hf_home: Path, repo_id: str, commit: str, seed: int = 0, branch: str = "main",
+                   hidden: int = 32) -> Path:
+    """A tiny Llama checkpoint and its tokenizer in the Hugging Face cache under `repo_id`."""
+    snapshot = fake_hub_repo(hf_home, repo_id, commit, branch=branch)
+    make_model(snapshot, make_tokenizer(snapshot), seed=seed, hidden=hidden)
+    return snapshot
