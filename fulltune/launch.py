@@ -1,6 +1,6 @@
 """Run the training loop in a child process and turn its outcome into a result or an error.
 
-Training always runs in a child (DESIGN.md): a retry starts with a clean device, an OOM cannot poison
+Training always runs in a child: a retry starts with a clean device, an OOM cannot poison
 the flow process, and one process, several processes and several GPUs are the same code path.
 
     run_training(job)
@@ -11,6 +11,9 @@ the flow process, and one process, several processes and several GPUs are the sa
       │  ddp/fsdp/deepspeed:   accelerate launch --config_file accelerate.yaml -m fulltune.train JOB.json
       └─ exit 0 → TrainResult; 2 → UserError (the child's message); 3 → OutOfMemory; else RuntimeError
 
+The child runs in its own session and ends itself when this process is gone (LAUNCHER_ENV), so a
+killed flow leaves no orphan training on.
+
 This module imports neither torch nor accelerate, so the flow can build jobs without them.
 """
 
@@ -20,6 +23,7 @@ import collections
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -45,6 +49,8 @@ MODEL_DIR = "model"
 ERROR_FILE = "error.json"  # {"type": "TrainingError", "message": "..."}: exit code 2
 OOM_FILE = "oom.json"  # {"peak_bytes": int}: exit code 3
 PROGRESS_FILE = "progress.json"  # {"step", "total_steps", "loss"}: rewritten every log interval
+# The launching process's identity (JSON of process_identity()): the child ends itself when it is gone.
+LAUNCHER_ENV = "FULLTUNE_LAUNCHER"
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,42 @@ class OutOfMemory(RuntimeError):
         self.observed_peak_bytes = observed_peak_bytes
         peak = f"{observed_peak_bytes / 2**30:.2f} GiB" if observed_peak_bytes else "unknown"
         super().__init__(message or f"training ran out of device memory (observed peak {peak})")
+
+
+def _host() -> str:
+    """This host, and its PID namespace where there is one: containers that share a hostname and a
+    workdir volume do not see each other's processes, so their pids must not be compared."""
+    try:
+        return f"{socket.gethostname()}/pidns-{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return socket.gethostname()
+
+
+def process_identity(pid: int | None = None) -> dict[str, Any]:
+    """This process (or `pid`) as {"host", "pid", "started"}: enough to tell later whether it still runs.
+    The start time tells a reused pid from the original."""
+    import psutil
+
+    process = psutil.Process(pid)
+    return {"host": _host(), "pid": process.pid, "started": process.create_time()}
+
+
+def process_gone(identity: Any) -> bool:
+    """Whether the process `identity` (from process_identity) has ended: no such pid, a zombie, or a
+    pid reused by a later process. False when it cannot be told (another host, a malformed record), so
+    only a provably dead process is ever treated as gone."""
+    import psutil
+
+    try:
+        if identity["host"] != _host():
+            return False
+        process = psutil.Process(int(identity["pid"]))
+        # psutil derives the start time from the boot time, which may drift by under a second.
+        return process.status() == psutil.STATUS_ZOMBIE or abs(process.create_time() - float(identity["started"])) > 1.0
+    except psutil.NoSuchProcess:
+        return True
+    except (psutil.Error, KeyError, TypeError, ValueError):
+        return False
 
 
 def validate_job(job: TrainJob) -> None:
@@ -250,7 +292,7 @@ def training_command(job: TrainJob, job_file: Path) -> list[str]:
     if job.num_processes == 1 and job.strategy == "none":
         return [sys.executable, "-m", "fulltune.train", str(job_file)]
     if job.device == "cpu":
-        # `accelerate launch --cpu --num_processes 2` ran a single process here (REFERENCE.md);
+        # `accelerate launch --cpu --num_processes 2` ran a single process (accelerate 1.x);
         # torchrun gives Accelerate a MULTI_CPU (gloo) run.
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={job.num_processes}", "--module", "fulltune.train", str(job_file)]
@@ -285,6 +327,9 @@ def run_training(job: TrainJob, on_output: Callable[[str], None] | None = None) 
         atomic_write_text(output_dir / ACCELERATE_CONFIG_FILE, yaml.safe_dump(generate_accelerate_config(job)))
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # The child has its own session (below), so killing this process's group does not reach it; it
+    # watches this process instead and ends with it, leaving no orphan to write checkpoints a rerun uses.
+    env[LAUNCHER_ENV] = json.dumps(process_identity())
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # The child imports fulltune from this checkout even where the package is not installed.
     package_root = str(Path(__file__).resolve().parent.parent)

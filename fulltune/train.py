@@ -33,6 +33,7 @@ import resource
 import shutil
 import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,8 +49,8 @@ from fulltune.data import collate, iter_length_grouped_batches, pad_token_id_of,
 from fulltune.errors import ConfigError, DataError, TrainingError, UserError
 from fulltune.fingerprint import atomic_dir, atomic_write_text, fsync_dir, fsync_tree
 from fulltune.loss import TargetHead, Targets
-from fulltune.launch import (ERROR_FILE, MODEL_DIR, OOM_FILE, PROGRESS_FILE, RESULT_FILE, TrainJob, TrainResult,
-                             completed_result, validate_job)
+from fulltune.launch import (ERROR_FILE, LAUNCHER_ENV, MODEL_DIR, OOM_FILE, PROGRESS_FILE, RESULT_FILE, TrainJob,
+                             TrainResult, completed_result, process_gone, validate_job)
 
 EXIT_USER_ERROR = 2
 EXIT_OUT_OF_MEMORY = 3
@@ -57,7 +58,7 @@ CHECKPOINT_DIR = "checkpoints"
 TRAINER_STATE_FILE = "trainer_state.json"
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 
-# Dense 16-bit tensor-core peak per GPU (NVIDIA datasheets; REFERENCE.md), for MFU. Checked in order,
+# Dense 16-bit tensor-core peak per GPU (NVIDIA datasheets), for MFU. Checked in order,
 # by substring of torch.cuda.get_device_name(). Other GPUs, fp32 runs and CPUs report no MFU.
 GPU_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 
@@ -208,6 +209,7 @@ class FaultInjection:
     micro_step:N        SIGKILL after the N-th micro-batch's backward (1-based, counted over the run)
     checkpoint_write:S  SIGKILL while checkpoint S is half written (files in place, not yet renamed)
     after_checkpoint:S  SIGKILL right after checkpoint S was renamed into place
+    stall_<point>:N     at any of the three points above, stop and wait to be killed from outside
     oom:S               raise torch.OutOfMemoryError at the start of optimizer step S (1-based)
     nan_loss:S          make the loss of optimizer step S NaN (the step must be skipped)
     """
@@ -219,6 +221,8 @@ class FaultInjection:
     def maybe_kill(self, point: str, value: int) -> None:
         if (point, value) == (self.point, self.value):
             os.kill(os.getpid(), signal.SIGKILL)
+        while (f"stall_{point}", value) == (self.point, self.value):
+            time.sleep(60)
 
     def maybe_oom(self, step: int) -> None:
         if ("oom", step) == (self.point, self.value):
@@ -562,6 +566,27 @@ def train(job: TrainJob) -> TrainResult:
     return result
 
 
+def end_with_launcher() -> None:
+    """SIGKILL this process once the process that launched it (named by LAUNCHER_ENV) is gone.
+
+    The launcher starts training in its own session, so killing `fulltune run`'s process group (a
+    preempted node, `kill -9 -PGID`) or only the flow process (the OOM killer) does not reach the child.
+    An orphan would go on writing checkpoints into the directory a rerun resumes from. Under torchrun or
+    accelerate launch every worker watches; the agent stops the others when one ends.
+    """
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if not launcher:
+        return
+    identity = json.loads(launcher)
+
+    def watch() -> None:
+        while not process_gone(identity):
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="fulltune-launcher-watch", daemon=True).start()
+
+
 def _write_marker(path: Path, payload: dict[str, Any]) -> None:
     with contextlib.suppress(OSError):
         atomic_write_text(path, json.dumps(payload))
@@ -578,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fulltune train: error: {job_file}: job file not found", file=sys.stderr)
         return EXIT_USER_ERROR
     output_dir = job_file.parent
+    end_with_launcher()
     try:
         job = TrainJob.from_json(job_file.read_text())
         output_dir = Path(job.output_dir)

@@ -1,20 +1,68 @@
 """Two runs of the same pipeline at once: one trains, the other waits on the stage lock and reuses the
-result; no cache entry, checkpoint or registry version is corrupted or duplicated."""
+result; no cache entry, checkpoint or registry version is corrupted or duplicated. A stage lock whose
+holder was killed is cleared; a live holder's lock is waited for."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from conftest import ROOT
 from pipelines_fixture import tiny_pipeline
 
-pytestmark = pytest.mark.slow
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from tasks.common import StageLockManager
+assert StageLockManager(Path(sys.argv[1])).acquire_lock("fulltune-fine-tune-abc", "holder-1")
+print("held", flush=True)
+time.sleep(600)
+"""
 
 
+def test_a_killed_holders_stage_lock_is_cleared_and_a_live_ones_is_respected(tmp_path):
+    from tasks.common import StageLockManager, clear_stale_locks, locks_dir
+
+    locks, key = locks_dir(str(tmp_path)), "fulltune-fine-tune-abc"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(locks)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline() == "held\n"
+        manager = StageLockManager(locks)
+        assert manager.is_locked(key)
+        assert not manager.acquire_lock(key, "holder-2", acquire_timeout=1.0)
+        assert clear_stale_locks(str(tmp_path)) == []
+        # A run already waiting for the lock takes it once the holder is killed.
+        taken = []
+        waiter = threading.Thread(target=lambda: taken.append(manager.acquire_lock(key, "holder-2")), daemon=True)
+        waiter.start()
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive()
+    finally:
+        holder.kill()
+        holder.wait()
+    waiter.join(timeout=30)
+    assert taken == [True]
+    record = json.loads((locks / f"{key}.lock").read_text())
+    assert record["holder"] == "holder-2" and record["owner"]["pid"] == os.getpid()
+    manager.release_lock(key, "holder-2")
+    assert not list(locks.glob("*.lock")) and not list(locks.glob(".*.lock.*"))
+
+    # The sweep at the start of a run removes a killed holder's lock.
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(locks)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert holder.stdout.readline() == "held\n"
+    holder.kill()
+    holder.wait()
+    assert clear_stale_locks(str(tmp_path)) == [locks / f"{key}.lock"]
+
+
+@pytest.mark.slow
 def test_concurrent_runs_train_once_and_register_once(tmp_path):
     path = tiny_pipeline(tmp_path, train={"max_steps": 8, "checkpoint_every_steps": 2})
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -1,0 +1,94 @@
+"""Rerun after a crash, the way it happens: the whole `fulltune run` process group is killed with SIGKILL
+mid-training (a preempted node, `kill -9 -PGID`), then the same command runs again. It must not wait on
+the dead run's stage lock, must resume from the newest step checkpoint, and must end with weights bitwise
+equal to a run that was never interrupted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from pipelines_fixture import tiny_pipeline
+
+pytestmark = pytest.mark.slow
+
+# micro 2 × accumulation 2, a checkpoint every 2 steps: the 7th micro-batch is the first of step 4, so
+# when the first run stops there, step-2 is the newest checkpoint.
+TRAIN = {"effective_batch_size": 4, "micro_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 6,
+         "checkpoint_every_steps": 2, "keep_checkpoints": 3}
+
+
+def fulltune_run(pipelines: Path, log: Path, **env: str) -> subprocess.Popen:
+    """`fulltune run tiny` in its own process group, output into `log`."""
+    # The temporary Prefect server gets 20 s to start by default: too little on a busy 2-core machine.
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                   "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300", **env}
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "fulltune.cli", "run", "tiny", "-f", str(pipelines)],
+                                cwd=pipelines.parent, env=environment, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def finish(run: subprocess.Popen, log: Path) -> str:
+    assert run.wait(timeout=900) == 0, log.read_text()[-4000:]
+    return log.read_text()
+
+
+def trainers_of(pid: int) -> list:
+    import psutil
+
+    return [p for p in psutil.Process(pid).children(recursive=True) if "fulltune.train" in " ".join(p.cmdline())]
+
+
+def saved_model(workdir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    (model,) = workdir.glob("runs/*/model/model.safetensors")
+    return load_file(str(model))
+
+
+def test_killed_run_resumes_from_its_newest_checkpoint_and_matches_an_uninterrupted_run(tmp_path):
+    import psutil
+    import torch
+
+    killed, clean = tmp_path / "killed", tmp_path / "clean"
+    killed.mkdir(), clean.mkdir()
+    pipelines = tiny_pipeline(killed, train=TRAIN)
+    log = killed / "run.log"
+    run = fulltune_run(pipelines, log, FULLTUNE_TEST_FAULT="stall_micro_step:7")
+    deadline = time.monotonic() + 600
+    while not list((killed / "work" / "runs").glob("*/checkpoints/step-2")):
+        assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.2)
+    trainers = trainers_of(run.pid)
+    assert trainers, "training runs in a child process"
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait()
+    # The trainer has its own session, out of reach of the kill: it ends itself with its launcher.
+    _, alive = psutil.wait_procs(trainers, timeout=30)
+    assert not alive, alive
+    assert list((killed / "work" / "locks").glob("*.lock")), "the killed run left its stage lock behind"
+    assert not list((killed / "work" / "runs").glob("*/model"))
+
+    started = time.monotonic()
+    output = finish(fulltune_run(pipelines, log), log)
+    rerun_seconds = time.monotonic() - started
+    assert "removed the stale lock" in output
+    assert "resumed from step 2" in output, output[-4000:]
+    (result,) = (killed / "work" / "runs").glob("*/result.json")
+    assert json.loads(result.read_text())["resumed_from_step"] == 2
+    assert "registered tiny-model version 1" in output
+
+    finish(fulltune_run(tiny_pipeline(clean, train=TRAIN), clean / "run.log"), clean / "run.log")
+    got, want = saved_model(killed / "work"), saved_model(clean / "work")
+    assert got.keys() == want.keys()
+    assert [name for name in want if not torch.equal(got[name], want[name])] == []
+    print(f"rerun after the kill took {rerun_seconds:.0f} s")
