@@ -8,7 +8,8 @@ recipe):
     resume   the newest complete checkpoint: weights, optimizer, schedule, grad scaler, every process's
              RNG states (accelerate's save_state) and the data position and counters (trainer_state.json)
     loop     gather the step's micro-batches → forward/backward each, loss summed over tokens and divided
-             by the step's target tokens → clip → step if the loss is finite, else skip → log → checkpoint
+             by the step's target tokens → clip → step, or skip a non-finite step (OptimizerStep; under
+             fp16 the grad scaler skips and lowers its scale) → log → checkpoint
     finish   output_dir/model/ (weights + tokenizer), result.json, loss_curve.png
 
 Rerunning a killed job resumes from its newest checkpoint and ends with the same weights, bit for bit on
@@ -342,6 +343,75 @@ def save_loss_curve(history: list[list[float]], path: Path) -> None:
     plt.close(figure)
 
 
+class OptimizerStep:
+    """Clip the step's gradients, then take the optimizer step or skip it; `(stepped, grad_norm)`.
+
+    `step_loss` is the step's summed loss, the same on every process. Who decides on a skip:
+    - no grad scaler (fp32, bf16): a non-finite loss or gradient norm skips the step.
+    - fp16 (torch's GradScaler, through accelerate): the scaler. The optimizer step always goes through
+      it: it skips when the unscaled gradients hold an inf or NaN, and its update() lowers the scale.
+      That update must follow every unscale_ (done by clipping), or the next clip raises "unscale_() has
+      already been called". A non-finite loss whose gradients came out finite is made an overflow (one
+      gradient becomes NaN, without a host sync), so the scaler skips it too.
+    - DeepSpeed: the engine clipped and stepped already, inside accelerator.backward on the last
+      micro-batch; its fp16 loss scaler skips overflows itself (step_was_skipped). Any other non-finite
+      step has been applied and cannot be undone: TrainingError, and a rerun resumes from the newest
+      checkpoint, taken before it.
+    """
+
+    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+                 max_grad_norm: float) -> None:
+        from accelerate.utils import DistributedType
+
+        self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
+        self.max_grad_norm = max_grad_norm
+        self.deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+
+    def __call__(self, step_loss: torch.Tensor, step: int) -> tuple[bool, torch.Tensor]:
+        if self.deepspeed:
+            stepped = self._deepspeed(step_loss, step)
+        elif self.accelerator.scaler is not None:
+            self._overflow_unless(torch.isfinite(step_loss))
+            self._clip()
+            self.optimizer.step()  # GradScaler.step, then update(), in accelerate's AcceleratedOptimizer
+            stepped = not self.optimizer.step_was_skipped  # the scaler's own host sync
+        else:
+            self._clip()
+            # Sync point (every step): one boolean decides whether the optimizer steps (as torchtitan does).
+            stepped = bool(torch.isfinite(step_loss) & torch.isfinite(self.grad_norm))
+            if stepped:
+                self.optimizer.step()
+        if stepped:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return stepped, self.grad_norm
+
+    def _clip(self) -> None:
+        """Clip the (all-reduced) gradients; under fp16 this unscales them first."""
+        norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.grad_norm = torch.as_tensor(norm if norm is not None else 0.0, device=self.accelerator.device)
+
+    def _overflow_unless(self, finite: torch.Tensor) -> None:
+        """NaN-fill one local gradient when `finite` is false, so that the grad scaler sees an overflow."""
+        for parameter in self.model.parameters():
+            grad = parameter.grad
+            grad = grad.to_local() if hasattr(grad, "to_local") else grad  # FSDP2: this process's shard
+            if grad is not None and grad.numel() > 0:
+                grad.masked_fill_(~finite, float("nan"))
+                return
+
+    def _deepspeed(self, step_loss: torch.Tensor, step: int) -> bool:
+        self._clip()  # the norm DeepSpeed computed when it clipped
+        if self.optimizer.step_was_skipped:
+            return False
+        if not bool(torch.isfinite(step_loss)):  # Sync point (every step)
+            raise TrainingError(
+                f"training stopped: the loss of step {step} is not finite and DeepSpeed had already applied the "
+                "step (it skips fp16 overflows only); lower train.learning_rate and run again to resume from the "
+                "newest checkpoint")
+        return True
+
+
 # ---------------------------------------------------------------------------------------------------
 # The loop
 
@@ -414,6 +484,7 @@ def train(job: TrainJob) -> TrainResult:
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     model.train()
+    step_optimizer = OptimizerStep(accelerator, model, optimizer, scheduler, job.max_grad_norm)
 
     # Resume from the newest complete checkpoint; half-written ones (.tmp-*) are leftovers of a kill.
     state, resumed_from = TrainState(total_steps=total_steps), None
@@ -474,30 +545,24 @@ def train(job: TrainJob) -> TrainResult:
                 step_loss += loss_sum.detach()
                 faults.maybe_kill("micro_step", state.step * accumulation + index + 1)
 
-            # Clip the (all-reduced) gradient; under fp16 this unscales first.
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), job.max_grad_norm)
-            grad_norm = torch.as_tensor(grad_norm if grad_norm is not None else 0.0, device=device)
             if processes > 1:
                 step_loss = accelerator.reduce(step_loss, reduction="sum")  # the same decision on every process
-            finite = torch.isfinite(step_loss)
-            if accelerator.scaler is None:  # under fp16, overflowing gradients are the grad scaler's to skip
-                finite &= torch.isfinite(grad_norm)
-            # Sync point (every step): one boolean decides whether the optimizer steps (as torchtitan does).
-            if bool(finite):
-                optimizer.step()
-                scheduler.step()
+            stepped, grad_norm = step_optimizer(step_loss, state.step + 1)
+            if stepped:
                 interval_loss += step_loss
                 state.interval_targets += step_targets
                 state.nonfinite_in_a_row = 0
             else:
                 state.nonfinite_steps += 1
-                state.nonfinite_in_a_row += 1
+                # fp16's grad scaler skips overflowing steps while it lowers its scale; only a loss that is
+                # itself not finite (or any skip without a scaler) counts towards giving up.
+                if accelerator.scaler is None or not bool(torch.isfinite(step_loss)):  # Sync point (skips only)
+                    state.nonfinite_in_a_row += 1
                 if state.nonfinite_in_a_row >= job.max_nonfinite_steps:
                     raise TrainingError(
                         f"training stopped: {state.nonfinite_in_a_row} non-finite losses in a row at step "
                         f"{state.step + 1}; lower train.learning_rate, or use train.mixed_precision bf16 instead of "
                         "fp16")
-            optimizer.zero_grad(set_to_none=True)
             state.step += 1
             step_tokens = int(data.lengths[step_rows].sum())
             state.tokens += step_tokens

@@ -277,6 +277,20 @@ def test_a_nonfinite_step_is_skipped_and_logged_to_mlflow(assets: dict[str, Path
     assert "loss_curve.png" in [a.path for a in client.list_artifacts(run_id)]
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_fp16_on_cuda_skips_a_nan_step_and_finishes(assets: dict[str, Path], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    job = make_job(assets, tmp_path / "run", device="cuda", mixed_precision="fp16", max_steps=4,
+                   checkpoint_every_steps=0)
+    monkeypatch.setenv("FULLTUNE_TEST_FAULT", "nan_loss:2")
+    result = quiet(job)
+    assert result.steps == 4 and result.nonfinite_steps >= 1  # the NaN step, and any overflow of the first scale
+    assert all(torch.isfinite(t).all() for t in model_tensors(result.model_dir).values())
+
+
 @pytest.mark.slow
 def test_repeated_nonfinite_losses_stop_with_exit_code_2(assets: dict[str, Path], tmp_path: Path) -> None:
     # A learning rate of 1e30 blows the weights up after the first step; every later loss is NaN.
@@ -317,6 +331,56 @@ def test_a_finished_run_is_returned_without_training(uninterrupted: tuple[TrainJ
 
 # ---------------------------------------------------------------------------------------------------
 # Pieces, without training
+
+
+@pytest.fixture
+def fp16_accelerator():
+    """An Accelerator whose fp16 path runs on CPU: accelerate makes no grad scaler there, so a CPU
+    torch.amp.GradScaler stands in for CUDA's, and the step logic is the one CUDA fp16 runs."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1000)
+    accelerator.native_amp = True
+    yield accelerator
+    AcceleratorState._reset_state(reset_partial_state=True)  # the next Accelerator in this process starts clean
+
+
+def test_fp16_overflow_is_skipped_the_scale_drops_and_training_goes_on(fp16_accelerator) -> None:
+    import torch
+
+    from fulltune.train import OptimizerStep
+
+    accelerator = fp16_accelerator
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    step_optimizer = OptimizerStep(accelerator, model, optimizer, scheduler, max_grad_norm=1.0)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    faults = {2: float("nan"), 4: float("inf")}  # step 4: an infinite loss whose gradients are finite
+    stepped, scales, losses = [], [], []
+    for step in range(1, 7):
+        before = [p.detach().clone() for p in model.parameters()]
+        loss = (model(x).float() - y).pow(2).mean()
+        losses.append(loss.item())
+        if step in faults:
+            loss = loss * faults[step] if step == 2 else loss + faults[step]
+        accelerator.backward(loss)
+        outcome, norm = step_optimizer(loss.detach(), step)
+        stepped.append(outcome)
+        scales.append(accelerator.scaler.get_scale())
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert unchanged == (not outcome), step
+        assert all(p.grad is None for p in model.parameters())
+    assert stepped == [True, False, True, False, True, True]
+    assert scales == [2.0**12, 2.0**11, 2.0**11, 2.0**10, 2.0**10, 2.0**10]
+    assert scheduler.scheduler.last_epoch == 4  # the schedule advances with the optimizer steps only
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_step_schedule_is_deterministic_and_independent_of_the_split() -> None:
