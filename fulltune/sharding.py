@@ -15,7 +15,7 @@ process group, `backward`, `accumulate`, `reduce` and the RNG / scheduler state 
 same loop runs under `torchrun` on CPU and CUDA and gradients stay sharded while accumulating.
 
     model = load_model(...)                       # full model on every process, fp32, on the CPU
-    shard_model(model, device="cpu", mixed_precision="bf16")   # each decoder layer, then the root
+    shard_model(model, device="cpu", mixed_precision="bf16")   # embedding, layers, head, root
     optimizer = AdamW(model.parameters(), fused=True)          # built after sharding: DTensor states
     ...  forward / backward as usual  ...
     norm = clip_grad_norm_(model, 1.0)            # global norm over all shards, a plain tensor
@@ -95,8 +95,13 @@ def mixed_precision_policy(mixed_precision: str) -> Any:
 
 def shard_model(model: Any, device: str = "cpu", mixed_precision: str = "no", mesh: Any = None,
                 reshard_after_forward: bool = True) -> Any:
-    """Shard `model` in place with FSDP2: each decoder layer is its own unit, then the root (embeddings,
-    final norm and output head, tied or not). Returns the same module (its class becomes FSDP<cls>).
+    """Shard `model` in place with FSDP2 and return it (its class becomes FSDP<cls>).
+
+    Units, as torchtitan cuts them: the input embedding, each decoder layer, the output head (the two
+    only when untied: a tied matrix belongs to one unit, the root's), then the root (final norm and
+    whatever is left). A unit's full parameters exist only while it computes, so a large vocabulary's
+    embedding is not held through the layers. The head keeps its gathered weights from its forward to
+    its backward, which follows immediately (one all-gather instead of two).
 
     Call it after gradient checkpointing and the TargetHead hook are installed and before the optimizer
     is built: the parameters are replaced by DTensor shards (moved to the mesh's device). Every process
@@ -110,11 +115,16 @@ def shard_model(model: Any, device: str = "cpu", mixed_precision: str = "no", me
     from fulltune.memory.checkpointing import decoder_layers
 
     mesh = mesh if mesh is not None else device_mesh(device)
-    options = {"mesh": mesh, "mp_policy": mixed_precision_policy(mixed_precision),
-               "reshard_after_forward": reshard_after_forward}
+    options = {"mesh": mesh, "mp_policy": mixed_precision_policy(mixed_precision)}
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    if not tied:
+        fully_shard(embedding, reshard_after_forward=reshard_after_forward, **options)
     for layer in decoder_layers(model):
-        fully_shard(layer, **options)
-    fully_shard(model, **options)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **options)
+    if head is not None and not tied:
+        fully_shard(head, reshard_after_forward=False, **options)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
     return model
 
 

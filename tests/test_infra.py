@@ -310,6 +310,97 @@ def test_kubernetes_template_requests_gpus_shared_memory_and_servers() -> None:
     assert pinned.env["PREFECT_API_URL"] == "http://prefect.internal/api"
 
 
+def _kubernetes_env(entries: list[dict[str, Any]], downward: dict[str, str]) -> dict[str, str]:
+    """The environment Kubernetes gives the container: downward-API values filled in, `$(NAME)` expanded
+    from the entries before it (the kubelet's rule)."""
+    env: dict[str, str] = {}
+    for entry in entries:
+        if "valueFrom" in entry:
+            env[entry["name"]] = downward[entry["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            env[entry["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), entry["value"])
+    return env
+
+
+def test_kubernetes_template_runs_n_pods_that_meet_through_the_headless_service() -> None:
+    """num_nodes pods of one indexed Job; pod i resolves as <job>-i.<service>; every pod runs the flow-run
+    command through fulltune.rendezvous, which gives pod 0 the flow and the others its training."""
+    from fulltune.rendezvous import Rendezvous
+
+    template = json.loads(K8S_TEMPLATE.read_text())
+    service = yaml.safe_load((INFRA / "kubernetes" / "rendezvous-service.yaml").read_text())
+    fields = {"job_manifest": (dict, ...)}
+    config = render(template, {"num_nodes": 2, "gpu_count": 8}, **fields)
+    job = config.job_manifest["spec"]
+    assert (job["completionMode"], job["completions"], job["parallelism"]) == ("Indexed", 2, 2)
+    pod = job["template"]
+    container = pod["spec"]["containers"][0]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert pod["spec"]["subdomain"] == service["metadata"]["name"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert service["spec"]["ports"][0]["port"] == 29400
+    assert container["command"] == ["python", "-m", "fulltune.rendezvous", "pod", "--"]
+
+    downward = {"metadata.labels['batch.kubernetes.io/job-name']": "demo-x7k2p"}
+    for index in (0, 1):
+        env = _kubernetes_env(container["env"], downward)
+        env.update(JOB_COMPLETION_INDEX=str(index), PREFECT__FLOW_RUN_ID="4f0c")
+        rendezvous = Rendezvous.from_environment(env)
+        assert rendezvous.endpoint == "demo-x7k2p-0.fulltune-rdzv:29400"
+        assert rendezvous.node_rank == index and rendezvous.run_id == "4f0c"
+        assert str(rendezvous.directory).startswith("/opt/fulltune/.fulltune/")
+        args = rendezvous.torchrun_args(nnodes=2, nproc_per_node=8)
+        assert args[args.index("--rdzv-conf") + 1] == f"is_host={1 - index}"
+
+    # One node stays the default: a plain single-pod Job.
+    bare = render(template, {}, **fields).job_manifest["spec"]
+    assert (bare["completions"], bare["parallelism"]) == (1, 1)
+
+
+def test_rendezvous_environment_errors_name_the_variable() -> None:
+    from fulltune.errors import ConfigError
+    from fulltune.rendezvous import Rendezvous, launch_command
+
+    assert Rendezvous.from_environment({}) is None
+    assert launch_command("JOB.json", 8, 1, {"FULLTUNE_RDZV_ENDPOINT": "h"}) is None
+    assert Rendezvous.from_environment({"FULLTUNE_RDZV_ENDPOINT": "h"}).endpoint == "h:29400"
+    for env, name in [({"FULLTUNE_RDZV_ENDPOINT": "h:port"}, "FULLTUNE_RDZV_ENDPOINT"),
+                      ({"FULLTUNE_RDZV_ENDPOINT": "h", "FULLTUNE_NODE_RANK": "x"}, "FULLTUNE_NODE_RANK")]:
+        with pytest.raises(ConfigError, match=name):
+            Rendezvous.from_environment(env)
+    with pytest.raises(ConfigError, match="num_processes"):
+        launch_command("JOB.json", 3, 2, {"FULLTUNE_RDZV_ENDPOINT": "h", "FULLTUNE_RDZV_DIR": "/tmp"})
+    with pytest.raises(ConfigError, match="FULLTUNE_RDZV_DIR"):
+        launch_command("JOB.json", 4, 2, {"FULLTUNE_RDZV_ENDPOINT": "h"})
+
+
+def test_other_pods_run_each_launch_of_pod_0_and_leave_when_its_flow_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from fulltune import rendezvous as rdzv
+
+    calls: list[list[str]] = []
+    monkeypatch.setattr(rdzv.subprocess, "call", lambda command: calls.append(command) or 0)
+    base = {"FULLTUNE_RDZV_ENDPOINT": "job-0.svc:29400", "FULLTUNE_RDZV_DIR": str(tmp_path), "FULLTUNE_RDZV_ID": "r1"}
+    follower_env = {**base, "JOB_COMPLETION_INDEX": "1"}
+    follower = rdzv.Rendezvous.from_environment(follower_env)
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(follower.follow(poll_seconds=0.05)))
+    thread.start()
+    # Pod 0: the flow publishes its training launch, then the pod entrypoint reports the flow's end.
+    command = rdzv.launch_command(tmp_path / "runs" / "k" / "JOB.json", 16, 2, {**base, "JOB_COMPLETION_INDEX": "0"})
+    assert command[command.index("--nproc-per-node") + 1] == "8" and command[-1].endswith("JOB.json")
+    assert rdzv.pod_main(["prefect", "flow-run", "execute"], {**base, "JOB_COMPLETION_INDEX": "0"}) == 0
+    thread.join(timeout=30)
+    assert not thread.is_alive() and codes == [0]
+    follower_run = next(c for c in calls if "torch.distributed.run" in c)
+    assert follower_run[follower_run.index("--rdzv-conf") + 1] == "is_host=0"
+    assert follower_run[-1] == str((tmp_path / "runs" / "k" / "JOB.json").resolve())
+    assert ["prefect", "flow-run", "execute"] in calls
+
+
 def test_docker_template_hands_gpus_to_docker_and_joins_the_compose_network(compose: dict[str, Any]) -> None:
     from typing import Optional
 

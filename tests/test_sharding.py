@@ -128,10 +128,10 @@ def test_two_torchrun_machines_meet_through_a_c10d_rendezvous(runs: dict[str, Pa
     out = tmp_path / "nodes"
     agents = []
     for rank in (0, 1):
-        env = {"FULLTUNE_NNODES": "2", "FULLTUNE_NODE_RANK": str(rank), "FULLTUNE_RDZV_ENDPOINT": f"localhost:{port}",
+        env = {"FULLTUNE_NODE_RANK": str(rank), "FULLTUNE_RDZV_ENDPOINT": f"localhost:{port}",
                "PREFECT__FLOW_RUN_ID": "ci-two-nodes"}
         rendezvous = Rendezvous.from_environment(env)
-        command = _torchrun(*rendezvous.torchrun_args(1), str(WORKER), str(out), "--shard", "--steps", str(STEPS),
+        command = _torchrun(*rendezvous.torchrun_args(nnodes=2, nproc_per_node=1), str(WORKER), str(out), "--shard", "--steps", str(STEPS),
                             "--micro", "1")
         agents.append(subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        text=True))

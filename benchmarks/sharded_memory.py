@@ -1,0 +1,214 @@
+"""Per-rank peak memory of an FSDP2 training step: the planner's estimate against a measurement.
+
+For each configuration below, two processes (torchrun, gloo, CPU) shard a `from_config` model with
+`fulltune.sharding.shard_model` and run two optimizer steps the way the trainer does (TargetHead loss
+over the target positions, backward of Σ loss / targets, global-norm clip, fused AdamW, zero_grad). In
+every rank torch's FSDPMemTracker (MemTracker plus FSDP2's all-gather / reduce-scatter buffers, sharded
+and unsharded parameters and gradients) records the peak of tracked tensor storage. That is compared with
+`estimate_memory(config, Settings(strategy="fsdp", num_processes=2, ...)).peak_bytes`, the allocated-tensor
+peak the planner adds its runtime overhead to.
+
+Measured: every tensor torch allocates in the step on CPU. Not measured (they stay formulas in the
+planner): CUDA's context and caching-allocator slack, NCCL's internal buffers and streams, and the
+CPU process itself (interpreter, libraries).
+
+The per-category columns split both peaks into parameters (sharded + gathered), gradients (sharded +
+unsharded + reduce-scatter buffers), optimizer states and the rest (activations, logits, temporaries);
+the two peaks can fall in different phases of the step, so compare the totals first.
+
+Usage:
+    python benchmarks/sharded_memory.py            # table + JSON on stdout (~1 min per case on 2 cores)
+    python benchmarks/sharded_memory.py --case base --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PROCESSES = 2
+STEPS = 2
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    config: dict  # LlamaConfig keyword arguments
+    settings: dict = field(default_factory=dict)  # Settings fields besides strategy / num_processes
+
+
+BASE = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 8192, "max_position_embeddings": 512}
+CASES = [
+    Case("base", BASE, {"micro_batch_size": 2, "seq_len": 128}),
+    Case("bf16", BASE, {"micro_batch_size": 2, "seq_len": 128, "mixed_precision": "bf16"}),
+    Case("accumulate", BASE, {"micro_batch_size": 2, "seq_len": 128, "gradient_accumulation_steps": 2}),
+    Case("checkpointing", BASE, {"micro_batch_size": 2, "seq_len": 128, "gradient_checkpointing": 4}),
+    Case("tied-32k", {**BASE, "hidden_size": 128, "intermediate_size": 344, "vocab_size": 32000,
+                      "tie_word_embeddings": True}, {"micro_batch_size": 2, "seq_len": 128}),
+]
+
+
+def settings_of(case: Case, strategy: str = "fsdp", processes: int = PROCESSES):
+    from fulltune.memory import Settings
+
+    return Settings(strategy=strategy, num_processes=processes, device="cpu", **case.settings)
+
+
+def config_of(case: Case):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**case.config)
+
+
+# ----------------------------------------------------------------------------------------- one rank
+
+
+def _category(name: str) -> str:
+    key = name.lower()
+    if "param" in key or "buffer" in key or "all gather" in key:
+        return "parameters"
+    if "grad" in key or "reduce scatter" in key:
+        return "gradients"
+    if "optstate" in key:
+        return "optimizer_states"
+    return "activations_logits_temporary"
+
+
+def measure_rank(case: Case) -> dict:
+    """Run STEPS optimizer steps of `case` in this rank under FSDPMemTracker; its peak and breakdown."""
+    import torch
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from transformers import AutoModelForCausalLM
+
+    from fulltune import sharding
+    from fulltune.loss import TargetHead
+    from fulltune.memory.checkpointing import apply_gradient_checkpointing
+    from fulltune.memory.trace import _make_batch  # the batch the estimate assumes (padded row, all targets)
+
+    settings = settings_of(case)
+    sharding.init_process_group("cpu")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config_of(case), attn_implementation=settings.attn_implementation)
+    model.train()
+    apply_gradient_checkpointing(model, settings.gradient_checkpointing)
+    head = TargetHead(model)
+    sharding.shard_model(model, device="cpu", mixed_precision=settings.mixed_precision)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    vocab, accumulation = model.config.vocab_size, settings.gradient_accumulation_steps
+    tracker = FSDPMemTracker(model, optimizer)
+    with tracker:
+        for _ in range(STEPS):
+            for _ in range(accumulation):
+                tracker.reset_mod_stats()  # the tracker refuses a second root forward otherwise
+                inputs, targets = _make_batch(vocab, settings, "cpu")
+                loss = head.loss_sum(model, inputs, targets) / (len(targets) * accumulation)
+                loss.backward()
+                del loss, inputs, targets
+            sharding.clip_grad_norm_(model, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    parts: dict[str, int] = {}
+    for key, value in snapshot.items():
+        if key != "Total":
+            name = _category(getattr(key, "value", str(key)))
+            parts[name] = parts.get(name, 0) + int(value)
+    return {"peak_bytes": int(snapshot["Total"]), "breakdown": parts,
+            "raw": {getattr(k, "value", str(k)): int(v) for k, v in snapshot.items()}}
+
+
+def worker(case_name: str, out: Path) -> None:
+    import torch.distributed as dist
+
+    case = next(c for c in CASES if c.name == case_name)
+    measured = measure_rank(case)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, measured)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------- driver
+
+
+def estimate_parts(estimate) -> dict[str, int]:
+    b = estimate.breakdown
+    return {"parameters": b["parameters"], "gradients": b["gradients"], "optimizer_states": b["optimizer_states"],
+            "activations_logits_temporary": b["activations"] + b["logits"] + b["temporary"]}
+
+
+def run_case(case: Case) -> dict:
+    from fulltune.memory import estimate_memory
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ranks.json"
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={PROCESSES}",
+                   __file__, "--worker", case.name, "--out", str(out)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{case.name}: torchrun failed\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        ranks = json.loads(out.read_text())
+    estimate = estimate_memory(config_of(case), settings_of(case))
+    return {
+        "case": case.name,
+        "config": case.config,
+        "settings": settings_of(case).to_dict(),
+        "estimate_peak_bytes": estimate.peak_bytes,
+        "estimate_peak_phase": estimate.peak_phase,
+        "estimate_breakdown": estimate_parts(estimate),
+        "ranks": [
+            {"rank": rank, "measured_peak_bytes": r["peak_bytes"], "measured_breakdown": r["breakdown"],
+             "fsdp_categories": r["raw"], "error": estimate.peak_bytes / r["peak_bytes"] - 1}
+            for rank, r in enumerate(ranks)
+        ],
+    }
+
+
+def table(results: list[dict]) -> str:
+    mib = 2**20
+    lines = ["| case | rank | estimate MiB | measured MiB | error | params est/meas | grads est/meas | "
+             "optimizer est/meas | acts+logits+temp est/meas |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        est = r["estimate_breakdown"]
+        for rank in r["ranks"]:
+            meas = rank["measured_breakdown"]
+            cells = " | ".join(f"{est[k] / mib:.2f} / {meas.get(k, 0) / mib:.2f}" for k in est)
+            lines.append(f"| {r['case']} | {rank['rank']} | {r['estimate_peak_bytes'] / mib:.2f} | "
+                         f"{rank['measured_peak_bytes'] / mib:.2f} | {rank['error']:+.1%} | {cells} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", action="append", choices=[c.name for c in CASES], help="default: all")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.out)
+        return 0
+    results = [run_case(case) for case in CASES if not args.case or case.name in args.case]
+    text = json.dumps(results, indent=1)
+    if args.json:
+        args.json.write_text(text)
+    print(text)
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
