@@ -1,32 +1,72 @@
-"""Held-out evaluation: loss, perplexity and exact match of greedy generations.
+"""Held-out evaluation: loss, perplexity, bits per byte and exact match of greedy generations.
 
-Every candidate (base model, fine-tuned model, current champion) is measured the same way on the same
-tokenized eval rows, so the registry gate compares like with like. There is no fallback measurement:
-if a candidate cannot be evaluated, the stage fails.
+Every candidate (base model, fine-tuned model, current champion) is measured on the same held-out
+examples, each tokenized with the candidate's own tokenizer: a model is never fed ids from another
+vocabulary. The base and fine-tuned models share the run's tokenizer and its tokenized eval rows. The
+champion may have been trained with another tokenizer (a tokenizer trained on the data changes when the
+data does), which decides what can be compared:
+
+- `same_tokens`: the champion's tokenizer turns the eval examples into the same tokens; the eval loss
+  per token is compared directly.
+- `per_byte`: the tokens differ, so loss per token is not comparable (a tokenizer with longer tokens has
+  fewer, harder-to-predict tokens). The champion is measured on the same raw examples re-formatted and
+  tokenized with its own tokenizer (the tokenize stage's own formatting code), and compared on the
+  summed negative log-likelihood per UTF-8 byte of the target text, which does not depend on the
+  tokenization. Its gate metrics are that loss per byte expressed in the fine-tuned model's tokens
+  (`eval_loss` = nats per byte × the fine-tuned model's target bytes per token), so
+  `registration.promote_if` and its `min_delta` keep their meaning. Exact match compares decoded text
+  and needs no conversion.
+- `refused`: the champion cannot be measured on these examples (their raw text is not at hand, or none
+  fits `data.max_length` with its tokenizer); it keeps its alias and the new version stays challenger.
+- `not_compared`: `evaluate.compare_champion` is false; the champion is not evaluated and keeps its
+  alias (a new version only takes `champion` when there is none yet).
+
+The kind and its reason go into the report, the MLflow run and the registered version's tags.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow.parquet as pq
 
 from fulltune.data import IGNORE_INDEX
+from fulltune.errors import ConfigError, DataError, UserError
+from fulltune.spec import DataSpec
+
+NO_CHAMPION = "no_champion"
+SAME_TOKENS = "same_tokens"
+PER_BYTE = "per_byte"
+REFUSED = "refused"
+NOT_COMPARED = "not_compared"
 
 
 @dataclass(frozen=True)
 class ModelMetrics:
-    eval_loss: float
+    eval_loss: float  # nats per target token
     perplexity: float
-    eval_tokens: int
+    eval_tokens: int  # target tokens the loss is averaged over
     exact_match: float | None = None
     generated_examples: int = 0
     samples: tuple[tuple[str, str, str], ...] = ()  # (prompt, expected, generated) for the report
+    target_bytes: int = 0  # UTF-8 bytes of the text the target tokens decode to
+
+    @property
+    def bits_per_byte(self) -> float | None:
+        """Summed loss per byte of target text, in bits: comparable across tokenizers."""
+        if self.target_bytes <= 0:
+            return None
+        return self.eval_loss * self.eval_tokens / (self.target_bytes * math.log(2))
 
     def as_dict(self) -> dict[str, float]:
         values = {"eval_loss": self.eval_loss, "perplexity": self.perplexity}
+        if self.bits_per_byte is not None:
+            values["bits_per_byte"] = self.bits_per_byte
         if self.exact_match is not None:
             values["exact_match"] = self.exact_match
         return values
@@ -34,27 +74,53 @@ class ModelMetrics:
 
 @dataclass(frozen=True)
 class EvalReport:
-    """Metrics per candidate: `base`, `fine_tuned`, and `champion` when one was compared."""
+    """Metrics per candidate: `base`, `fine_tuned`, and `champion` when one was compared.
+
+    `candidates["champion"]` holds the values the gate compares, in the fine-tuned model's token units;
+    with a `per_byte` comparison the champion's measurement on its own tokens is `champion_own_tokens`.
+    """
 
     candidates: dict[str, ModelMetrics]
     num_examples: int
     champion_version: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    comparison: str = NO_CHAMPION  # one of the kinds in the module docstring
+    comparison_reason: str = "no champion yet"
+    champion_own_tokens: ModelMetrics | None = None
+
+    @property
+    def keeps_champion(self) -> bool:
+        """Whether the champion keeps its alias whatever the new version's metrics (nothing to compare)."""
+        return self.comparison in (REFUSED, NOT_COMPARED)
 
     def markdown(self) -> str:
-        names = list(self.candidates)
+        columns = dict(self.candidates)
+        if self.champion_own_tokens is not None:
+            columns["champion (own tokenizer)"] = self.champion_own_tokens
+        names = list(columns)
         lines = ["| metric | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-        for metric in ("eval_loss", "perplexity", "exact_match"):
+        for metric in ("eval_loss", "perplexity", "bits_per_byte", "exact_match"):
             cells = []
             for name in names:
-                value = self.candidates[name].as_dict().get(metric)
+                value = columns[name].as_dict().get(metric)
                 cells.append("—" if value is None else f"{value:.4f}")
             lines.append(f"| {metric} | " + " | ".join(cells) + " |")
+        if self.champion_version is not None:
+            title = COMPARISON_TITLES.get(self.comparison, self.comparison)
+            lines += ["", f"**Champion comparison: {title}.** {self.comparison_reason}"]
         tuned = self.candidates.get("fine_tuned")
         if tuned and tuned.samples:
             lines += ["", "| prompt | expected | fine-tuned output |", "|---|---|---|"]
             lines += [f"| `{p!r}` | `{e!r}` | `{g!r}` |" for p, e, g in tuned.samples[:5]]
         return "\n".join(lines)
+
+
+COMPARISON_TITLES = {
+    SAME_TOKENS: "same tokens, loss per token",
+    PER_BYTE: "different tokenizers, loss per byte of target text",
+    REFUSED: "refused, the champion keeps its alias",
+    NOT_COMPARED: "not compared, the champion keeps its alias",
+}
 
 
 def read_eval_rows(eval_file: str, max_examples: int | None) -> list[dict[str, Any]]:
@@ -66,7 +132,8 @@ def read_eval_rows(eval_file: str, max_examples: int | None) -> list[dict[str, A
 
 def evaluate_model(model_path: str, tokenizer_path: str, rows: list[dict[str, Any]], *, batch_size: int,
                    generate_examples: int, max_new_tokens: int, device: str, load_kwargs: dict[str, Any]) -> ModelMetrics:
-    """Token-weighted mean loss over every labelled token, perplexity = exp(loss), and exact match."""
+    """Token-weighted mean loss over every labelled token, perplexity = exp(loss), bits per byte of target
+    text, and exact match. `rows` must be tokenized with the tokenizer at `tokenizer_path`."""
     import torch
 
     from fulltune.data import collate
@@ -77,6 +144,7 @@ def evaluate_model(model_path: str, tokenizer_path: str, rows: list[dict[str, An
                                trust_remote_code=load_kwargs.get("trust_remote_code", False),
                                token=load_kwargs.get("token"))
     model = load_model(model_path, **load_kwargs).to(device).eval()
+    _check_ids_fit(model, rows, model_path, tokenizer_path)
     head = TargetHead(model)  # the loss as training computes it: logits only where there is a target
     total_loss = torch.zeros((), dtype=torch.float64)
     total_tokens = 0
@@ -89,13 +157,46 @@ def evaluate_model(model_path: str, tokenizer_path: str, rows: list[dict[str, An
             total_tokens += len(targets)
     head.remove()
     if total_tokens == 0:
-        raise ValueError("the eval set has no labelled tokens")
+        raise DataError("data.eval: the eval examples have no labelled tokens; check the eval data and data.max_length")
     eval_loss = float(total_loss) / total_tokens
     exact, samples, generated = None, (), 0
     if generate_examples > 0 and rows and rows[0].get("completion") is not None:
         exact, samples = _exact_match(model, tokenizer, rows[:generate_examples], max_new_tokens, device, batch_size)
         generated = min(generate_examples, len(rows))
-    return ModelMetrics(eval_loss, math.exp(min(eval_loss, 700.0)), total_tokens, exact, generated, samples)
+    return ModelMetrics(eval_loss, math.exp(min(eval_loss, 700.0)), total_tokens, exact, generated, samples,
+                        target_bytes(tokenizer, rows))
+
+
+def _check_ids_fit(model: Any, rows: list[dict[str, Any]], model_path: str, tokenizer_path: str) -> None:
+    """A token id beyond the embedding would crash deep inside the model (IndexError); say what is wrong."""
+    rows_in_embedding = model.get_input_embeddings().num_embeddings
+    largest = max((max(row["input_ids"], default=0) for row in rows), default=0)
+    if largest >= rows_in_embedding:
+        raise ConfigError(
+            f"model.tokenizer: the tokenizer {tokenizer_path!r} produces token id {largest}, but the model "
+            f"{model_path!r} has {rows_in_embedding} token embeddings; use the tokenizer the model was trained with"
+        )
+
+
+def target_bytes(tokenizer: Any, rows: list[dict[str, Any]]) -> int:
+    """UTF-8 bytes of the text the target tokens stand for (special tokens such as eos count 0).
+
+    Each run of consecutive targets is decoded as one piece, so a character split over several byte-level
+    tokens counts once.
+    """
+    pieces = []
+    for row in rows:
+        span: list[int] = []
+        for token, label in zip(row["input_ids"], row["labels"]):
+            if label != IGNORE_INDEX:
+                span.append(token)
+            elif span:
+                pieces.append(span)
+                span = []
+        if span:
+            pieces.append(span)
+    texts = tokenizer.batch_decode(pieces, skip_special_tokens=True) if pieces else []
+    return sum(len(text.encode("utf-8")) for text in texts)
 
 
 def _exact_match(model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_new_tokens: int, device: str,
@@ -127,3 +228,149 @@ def _prompt_ids(row: dict[str, Any]) -> list[int]:
     labels = row["labels"]
     first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
     return list(row["input_ids"][:first])
+
+
+# ---------------------------------------------------------------------------------------------------
+# The champion: its own tokens, and what can be compared
+
+
+@dataclass(frozen=True)
+class ChampionRows:
+    """The eval examples as the champion's tokenizer makes them, or None with the reason it cannot."""
+
+    rows: list[dict[str, Any]] | None
+    kind: str  # SAME_TOKENS, PER_BYTE or REFUSED
+    reason: str
+
+
+def tokenizer_signature(tokenizer: Any) -> str:
+    """sha256 of everything that decides how a tokenizer turns text into ids (not where it was saved)."""
+    from fulltune.data import adds_bos
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocabulary = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    parts = [type(tokenizer).__name__, vocabulary, str(tokenizer.chat_template),
+             json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str), str(adds_bos(tokenizer))]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def champion_rows(rows: list[dict[str, Any]], tuned_tokenizer: Any, champion_tokenizer: Any, data: DataSpec,
+                  max_examples: int | None, version: str) -> ChampionRows:
+    """Tokenize the eval examples for the champion with its own tokenizer, and say what is comparable."""
+    if tokenizer_signature(champion_tokenizer) == tokenizer_signature(tuned_tokenizer):
+        return ChampionRows(rows, SAME_TOKENS, f"the champion (version {version}) uses the same tokenizer, so the "
+                                                "eval loss per token is compared directly")
+    sizes = f"vocabulary of {len(champion_tokenizer)} tokens, this model's {len(tuned_tokenizer)}"
+    records = raw_eval_records(data, rows, max_examples)
+    if records is None:
+        return ChampionRows(None, REFUSED, (
+            f"the champion (version {version}) has another tokenizer ({sizes}) and the eval examples of format "
+            f"{data.format} held out of data.train are kept only as this model's tokens, so the champion cannot "
+            "be measured on them; set data.eval to compare across tokenizers"))
+    try:
+        own = tokenize_records(records, champion_tokenizer, data)
+    except UserError as exc:
+        return ChampionRows(None, REFUSED, f"the champion's tokenizer cannot format the eval examples: {exc}")
+    own = own[:max_examples] if max_examples is not None else own
+    if not own:
+        return ChampionRows(None, REFUSED, (
+            f"no eval example keeps a target token within data.max_length ({data.max_length}) with the "
+            f"champion's tokenizer ({sizes})"))
+    if _same_tokens(own, rows):
+        return ChampionRows(own, SAME_TOKENS, f"the champion (version {version}) has another tokenizer that turns "
+                                               "the eval examples into the same tokens; loss per token compared")
+    left_out = len(rows) - len(own)
+    note = (f" {left_out} example(s) keep no target within data.max_length with its tokenizer and were left out "
+            "of its measurement." if left_out > 0 else "")
+    return ChampionRows(own, PER_BYTE, (
+        f"the champion (version {version}) has another tokenizer ({sizes}), so loss per token is not comparable: "
+        "it was evaluated on the same eval examples tokenized with its own tokenizer and compared by loss per "
+        "byte of target text, shown in this model's tokens." + note))
+
+
+def _same_tokens(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    return len(a) == len(b) and all(list(x["input_ids"]) == list(y["input_ids"]) and list(x["labels"]) == list(y["labels"])
+                                     for x, y in zip(a, b))
+
+
+def raw_eval_records(data: DataSpec, rows: list[dict[str, Any]], max_examples: int | None) -> list[dict[str, Any]] | None:
+    """The eval examples as records of the training data (the columns `data.format` reads), or None.
+
+    prompt_completion rows carry their prompt and completion strings. For the other formats only
+    `data.eval` has the raw examples; examples held out of `data.train` are kept as tokens only.
+    """
+    if data.format == "prompt_completion":
+        return [{data.prompt_field: row["prompt"], data.completion_field: row["completion"]} for row in rows]
+    if data.eval is None:
+        return None
+    from fulltune.data import load_records
+
+    with tempfile.TemporaryDirectory(prefix="fulltune-eval-") as cache:
+        records = load_records(data.eval, what="data.eval", cache_dir=cache)
+        if max_examples is not None:
+            # Some examples may be dropped after tokenizing; a margin keeps max_examples usable ones.
+            records = records.select(range(min(len(records), 2 * max_examples)))
+        return records.to_list()
+
+
+def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, data: DataSpec) -> list[dict[str, Any]]:
+    """Format and tokenize raw records exactly as the tokenize stage builds eval.parquet (never packed)."""
+    import datasets
+
+    from fulltune.data import _Formatter, _tokenize_split
+
+    source = "the eval examples"
+    formatter = _Formatter(tokenizer, data, source, getattr(tokenizer, "name_or_path", "champion"))
+    table, _, _ = _tokenize_split(datasets.Dataset.from_list(records), formatter, source, "data.eval")
+    out = []
+    for row in table.select(["input_ids", "labels", "prompt", "completion"]).to_pylist():
+        row["position_ids"] = list(range(len(row["input_ids"])))
+        out.append(row)
+    return out
+
+
+@dataclass(frozen=True)
+class ChampionResult:
+    """What the gate compares (`gate`, in the fine-tuned model's token units), the champion's measurement
+    on its own tokens (`own`), and which comparison was made and why."""
+
+    gate: ModelMetrics | None
+    own: ModelMetrics | None
+    kind: str
+    reason: str
+
+
+def measure_champion(rows: list[dict[str, Any]], tuned: ModelMetrics, tuned_tokenizer: Any, champion_dir: str,
+                     data: DataSpec, version: str, *, max_examples: int | None, **evaluate_kwargs: Any) -> ChampionResult:
+    """Evaluate the champion on the eval examples tokenized with its own tokenizer (see the module docstring).
+
+    `rows` and `tuned` are the fine-tuned model's eval rows and metrics, `tuned_tokenizer` the tokenizer
+    that made the rows; `evaluate_kwargs` are `evaluate_model`'s keyword arguments.
+    """
+    from fulltune.models import load_tokenizer
+
+    plan = champion_rows(rows, tuned_tokenizer, load_tokenizer(champion_dir), data, max_examples, version)
+    if plan.rows is None:
+        return ChampionResult(None, None, plan.kind, plan.reason)
+    own = evaluate_model(champion_dir, champion_dir, plan.rows, **evaluate_kwargs)
+    if plan.kind == SAME_TOKENS:
+        return ChampionResult(own, None, plan.kind, plan.reason)
+    if not (tuned.target_bytes and own.target_bytes):
+        return ChampionResult(None, own, REFUSED, (
+            f"the champion (version {version}) has another tokenizer and the eval targets decode to no text, "
+            "so there is no per-byte loss to compare"))
+    return ChampionResult(comparable_champion(tuned, own), own, plan.kind, plan.reason)
+
+
+def comparable_champion(tuned: ModelMetrics, own: ModelMetrics) -> ModelMetrics:
+    """The champion's loss per byte of target text expressed in the fine-tuned model's tokens.
+
+    eval_loss = (champion nats / champion target bytes) × (fine-tuned target bytes / fine-tuned target
+    tokens): on identical target text this is the champion's summed loss over the fine-tuned model's
+    token count, so it compares with the fine-tuned model's eval_loss as the total code length of the
+    same text. bits_per_byte is unchanged by the conversion.
+    """
+    nats_per_byte = own.eval_loss * own.eval_tokens / own.target_bytes
+    eval_loss = nats_per_byte * tuned.target_bytes / tuned.eval_tokens
+    return ModelMetrics(eval_loss, math.exp(min(eval_loss, 700.0)), tuned.eval_tokens, own.exact_match,
+                        own.generated_examples, own.samples, tuned.target_bytes)

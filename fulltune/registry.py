@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fulltune.errors import ConfigError
 from fulltune.fingerprint import code_version
 
 CHALLENGER = "challenger"
@@ -23,6 +24,9 @@ TAG_CONFIG = "fulltune.config_hash"
 TAG_VERSION = "fulltune.version"
 TAG_TRAIN_KEY = "fulltune.train_key"
 TAG_FLOW_RUN = "fulltune.flow_run_id"
+# How the new version was compared with the champion (fulltune/evaluate.py), and why.
+TAG_COMPARISON = "fulltune.comparison"
+TAG_COMPARISON_REASON = "fulltune.comparison_reason"
 
 SECRET_KEY = re.compile(r"(token|password|secret|api[_-]?key|credential)", re.IGNORECASE)
 URI_PASSWORD = re.compile(r"(?<=://)([^:/@\s]+):([^@/\s]+)@")
@@ -167,7 +171,9 @@ def download_version(source: str, destination: str | Path) -> str:
     for candidate in (local / "model", local):
         if (candidate / "config.json").is_file():
             return str(candidate)
-    raise FileNotFoundError(f"{source}: no transformers checkpoint inside {local}")
+    # Retrying cannot help: the registered version itself holds no checkpoint.
+    raise ConfigError(f"register.model_name: {source} holds no transformers checkpoint (looked in {local}); "
+                      "move the champion alias to a version fulltune registered, or set evaluate.compare_champion: false")
 
 
 @dataclass(frozen=True)
@@ -177,10 +183,14 @@ class GateDecision:
 
 
 def decide_promotion(candidate: dict[str, float], champion: dict[str, float] | None, base: dict[str, float] | None,
-                     metric: str, mode: str, min_delta: float, require_better_than_base: bool) -> GateDecision:
+                     metric: str, mode: str, min_delta: float, require_better_than_base: bool, *,
+                     keep_champion: str | None = None) -> GateDecision:
     """The `champion` gate: promote when there is no champion, or when `metric` beats it by `min_delta`.
 
-    All values come from one evaluation on the same held-out data, so they are comparable.
+    All values come from one evaluation on the same held-out examples, the champion's in the candidate's
+    units (fulltune/evaluate.py), so they are comparable. `keep_champion` is the reason a champion exists
+    but was not compared (`evaluate.compare_champion: false`, or no comparable measurement): the candidate
+    is then never promoted over it.
     """
     value = candidate.get(metric)
     if value is None or not math.isfinite(value):
@@ -192,6 +202,8 @@ def decide_promotion(candidate: dict[str, float], champion: dict[str, float] | N
     if require_better_than_base and base and base.get(metric) is not None:
         if not better(value, base[metric], 0.0) or value == base[metric]:
             return GateDecision(False, f"{metric} {value:.4g} does not beat the base model ({base[metric]:.4g})")
+    if keep_champion:
+        return GateDecision(False, f"the champion keeps its alias: {keep_champion}")
     if champion is None:
         return GateDecision(True, "no champion yet")
     reference = champion.get(metric)

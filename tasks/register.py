@@ -19,8 +19,10 @@ def register_task(p: ResolvedPipeline, key: str, data: TokenizedData, trained: T
                   mlflow_run_id: str, flow_run_id: str) -> Registration:
     """Log the checkpoint from its directory, tag the version, set `challenger`, and gate `champion`."""
     from fulltune.fingerprint import code_version
-    from fulltune.registry import (TAG_CONFIG, TAG_DATA, TAG_FLOW_RUN, TAG_PIPELINE, TAG_TRAIN_KEY, TAG_VERSION,
-                                   aliases_of, decide_promotion, find_version, register_model)
+    from fulltune.evaluate import PER_BYTE
+    from fulltune.registry import (TAG_COMPARISON, TAG_COMPARISON_REASON, TAG_CONFIG, TAG_DATA, TAG_FLOW_RUN,
+                                   TAG_PIPELINE, TAG_TRAIN_KEY, TAG_VERSION, GateDecision, aliases_of,
+                                   decide_promotion, find_version, register_model)
 
     logger = get_run_logger()
     existing = find_version(p.model_name, trained.key)
@@ -38,9 +40,13 @@ def register_task(p: ResolvedPipeline, key: str, data: TokenizedData, trained: T
     champion = report.candidates.get("champion")
     decision = decide_promotion(
         tuned, champion.as_dict() if champion else None, report.candidates["base"].as_dict(),
-        gate.metric, gate.mode, gate.min_delta, p.spec.registration.require_better_than_base)
+        gate.metric, gate.mode, gate.min_delta, p.spec.registration.require_better_than_base,
+        keep_champion=report.comparison_reason if report.keeps_champion else None)
+    if champion is not None and report.comparison == PER_BYTE:
+        decision = GateDecision(decision.promote, f"{decision.reason}; {report.comparison_reason}")
     tags = {TAG_PIPELINE: p.name, TAG_DATA: data.fingerprint, TAG_CONFIG: p.spec.config_hash(),
-            TAG_VERSION: code_version(), TAG_TRAIN_KEY: trained.key, TAG_FLOW_RUN: flow_run_id}
+            TAG_VERSION: code_version(), TAG_TRAIN_KEY: trained.key, TAG_FLOW_RUN: flow_run_id,
+            TAG_COMPARISON: report.comparison, TAG_COMPARISON_REASON: report.comparison_reason}
     registration = register_model(trained.model_dir, p.model_name, mlflow_run_id, tags, tuned, decision)
     logger.info("registered %s version %s %s: %s", registration.name, registration.version,
                           list(registration.aliases), decision.reason)

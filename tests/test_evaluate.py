@@ -1,14 +1,20 @@
-"""Held-out evaluation: the eval loss is the token-weighted mean over every labelled token."""
+"""Held-out evaluation: the eval loss is the token-weighted mean over every labelled token, and a champion
+with another tokenizer is measured on its own tokens and compared per byte of target text."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from fulltune.evaluate import evaluate_model
+from fulltune.errors import ConfigError
+from fulltune.evaluate import (NOT_COMPARED, PER_BYTE, REFUSED, SAME_TOKENS, EvalReport, ModelMetrics, champion_rows,
+                               evaluate_model, measure_champion, tokenize_records)
+from fulltune.registry import decide_promotion
+from fulltune.spec import DataSpec
 from tests.tiny import make_model, make_tokenizer
 
 
@@ -45,3 +51,116 @@ def test_eval_loss_is_the_mean_over_labelled_tokens_and_generation_still_works(t
     plain = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
                            do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     assert metrics.samples[2][2] == tokenizer.decode(plain[0, prompt.shape[1]:], skip_special_tokens=True).strip()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The champion with another tokenizer (retraining on new data retrains a tokenizer trained on the data)
+
+
+DATA = DataSpec(train="unused.jsonl", format="prompt_completion", max_length=16)
+
+
+def additions(n: int, word: str, seed: int) -> list[dict[str, str]]:
+    import random
+
+    rng = random.Random(seed)
+    pairs = [(rng.randint(0, 2), rng.randint(0, 2)) for _ in range(n)]
+    return [{"prompt": f"{word} {a} {b}=", "completion": str(a + b)} for a, b in pairs]
+
+
+def trained_tokenizer(directory: Path, records: list[dict[str, str]]) -> str:
+    """The byte-level BPE the pipeline trains on its data (`model.tokenizer: {vocab_size: N}`)."""
+    from fulltune.spec import TrainTokenizer
+    from fulltune.tokenizer import build_tokenizer
+
+    texts = [text for record in records for text in (record["prompt"], record["completion"])]
+    build_tokenizer(texts, TrainTokenizer(vocab_size=300)).save_pretrained(directory)
+    return str(directory)
+
+
+def train_briefly(model_dir: str, records: list[dict[str, str]], steps: int) -> None:
+    """A few AdamW steps on the records, as the champion's pipeline trained it; saved in place."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fulltune.data import collate
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    rows = tokenize_records(records, tokenizer, DATA)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    for step in range(steps):
+        batch = collate([rows[i] for i in torch.randint(len(rows), (16,)).tolist()], tokenizer.pad_token_id)
+        model(**batch, use_cache=False).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(model_dir)
+
+
+def test_champion_with_another_tokenizer_is_measured_on_its_own_tokens_and_keeps_its_alias(tmp_path: Path) -> None:
+    from fulltune.models import load_tokenizer
+
+    old_data = additions(96, "add", seed=0)
+    # New data with a more frequent new word: the retrained tokenizer gives `add` another, larger id.
+    new_data = additions(96, "add", seed=2) + additions(192, "plus", seed=3)
+    champion = make_model(tmp_path / "champion", trained_tokenizer(tmp_path / "old-tok", old_data))
+    train_briefly(champion, old_data, steps=60)
+    challenger = make_model(tmp_path / "challenger", trained_tokenizer(tmp_path / "new-tok", new_data), seed=1)
+    new_tokenizer = load_tokenizer(challenger)
+    assert len(new_tokenizer) > len(load_tokenizer(champion))
+
+    rows = tokenize_records(additions(24, "add", seed=1), new_tokenizer, DATA)  # eval.parquet of the new run
+    options = {"batch_size": 8, "generate_examples": 4, "max_new_tokens": 3, "device": "cpu", "load_kwargs": {}}
+    with pytest.raises(ConfigError, match="token embeddings"):  # what used to be an IndexError
+        evaluate_model(champion, champion, rows, **options)
+
+    tuned = evaluate_model(challenger, challenger, rows, **options)
+    result = measure_champion(rows, tuned, new_tokenizer, champion, DATA, "1", max_examples=None, **options)
+    assert result.kind == PER_BYTE and "tokenizer" in result.reason
+    assert result.own.eval_tokens == tuned.eval_tokens == 48  # one digit + eos per example, in both tokenizers
+    assert result.own.target_bytes == tuned.target_bytes == 24
+    assert math.isclose(result.gate.bits_per_byte, result.own.bits_per_byte, rel_tol=1e-9)
+    assert result.gate.eval_loss < tuned.eval_loss
+
+    decision = decide_promotion(tuned.as_dict(), result.gate.as_dict(), None, "eval_loss", "min", 0.0, False)
+    assert not decision.promote
+    report = EvalReport({"fine_tuned": tuned, "champion": result.gate}, len(rows), "1", comparison=result.kind,
+                        comparison_reason=result.reason, champion_own_tokens=result.own)
+    assert "loss per byte" in report.markdown() and "champion (own tokenizer)" in report.markdown()
+
+
+def test_same_tokenizer_is_compared_per_token_on_the_same_rows(tmp_path: Path) -> None:
+    from fulltune.models import load_tokenizer
+
+    tokenizer = load_tokenizer(make_tokenizer(tmp_path / "tok"))
+    again = load_tokenizer(make_tokenizer(tmp_path / "tok-copy"))
+    rows = tokenize_records(additions(6, "add", seed=0), tokenizer, DATA)
+    plan = champion_rows(rows, tokenizer, again, DATA, None, "3")
+    assert plan.kind == SAME_TOKENS and plan.rows is rows
+
+
+def test_held_out_text_examples_with_another_tokenizer_refuse_the_comparison(tmp_path: Path) -> None:
+    from fulltune.models import load_tokenizer
+
+    ours = load_tokenizer(make_tokenizer(tmp_path / "ours", vocab_size=270))
+    theirs = load_tokenizer(make_tokenizer(tmp_path / "theirs", vocab_size=300))
+    text = DataSpec(train="unused.jsonl", format="text", max_length=16)
+    plan = champion_rows([{"input_ids": [1, 5], "labels": [-100, 5]}], ours, theirs, text, None, "2")
+    assert plan.kind == REFUSED and plan.rows is None and "data.eval" in plan.reason
+    report = EvalReport({}, 1, "2", comparison=plan.kind, comparison_reason=plan.reason)
+    assert report.keeps_champion and "refused" in report.markdown()
+
+
+def test_compare_champion_false_keeps_the_champion(tmp_path: Path) -> None:
+    from fulltune.pipeline import resolve_pipeline
+    from fulltune.registry import Champion
+    from pipelines_fixture import tiny_pipeline
+    from tasks.evaluate import _with_champion
+
+    p = resolve_pipeline(str(tiny_pipeline(tmp_path, evaluate={"compare_champion": False})), "tiny", None)
+    better = {"fine_tuned": ModelMetrics(0.1, math.exp(0.1), 10, target_bytes=20)}
+    report = _with_champion(p, [{}], None, Champion("tiny-model", "4", "models:/tiny-model/4", "k"), better, {})
+    assert report.comparison == NOT_COMPARED and report.keeps_champion and "compare_champion" in report.markdown()
+    decision = decide_promotion(better["fine_tuned"].as_dict(), None, None, "eval_loss", "min", 0.0, False,
+                                keep_champion=report.comparison_reason)
+    assert not decision.promote and "keeps its alias" in decision.reason

@@ -28,6 +28,14 @@ def test_gate_never_promotes_a_model_worse_than_its_base():
     assert "base model" in decision.reason
 
 
+def test_gate_keeps_a_champion_that_could_not_be_compared():
+    # evaluate.compare_champion: false, or no comparable measurement: a better-looking model stays challenger.
+    decision = decide_promotion({"eval_loss": 0.1}, None, {"eval_loss": 2.0}, "eval_loss", "min", 0.0, True,
+                                keep_champion="evaluate.compare_champion is false")
+    assert not decision.promote
+    assert decision.reason == "the champion keeps its alias: evaluate.compare_champion is false"
+
+
 def test_gate_refuses_non_finite_metric():
     assert not decide_promotion({"eval_loss": float("nan")}, None, None, "eval_loss", "min", 0.0, True).promote
 
