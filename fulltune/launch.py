@@ -143,6 +143,38 @@ class OutOfMemory(RuntimeError):
         super().__init__(message or f"training ran out of device memory (observed peak {peak})")
 
 
+# What an out-of-memory replan may change while the checkpoints stay valid: the data position is the
+# optimizer step, and which rows a step holds depends on the effective batch only (train.StepSchedule);
+# weights, optimizer and schedule state do not depend on how a step is split into micro-batches, which
+# layers recompute their activations, or whether bf16 autocast runs (the weights stay fp32).
+RESUMABLE_CHANGES = frozenset({"micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
+                               "mixed_precision", "output_dir"})
+
+
+def resume_conflict(checkpointed: TrainJob, job: TrainJob) -> str | None:
+    """Why `job` cannot resume from checkpoints that `checkpointed` wrote; None when it can.
+
+    It can when only RESUMABLE_CHANGES differ and the effective batch (micro × accumulation) is the same.
+    It cannot when the effective batch changed (another step schedule and step count), when fp16 was
+    switched on or off (only fp16 checkpoints hold the grad scaler's state), or when any other field
+    changed, e.g. the optimizer, whose state another optimizer cannot load: such a job starts at step 0.
+    """
+    before = checkpointed.micro_batch_size * checkpointed.gradient_accumulation_steps
+    after = job.micro_batch_size * job.gradient_accumulation_steps
+    if before != after:
+        return f"the effective batch per process changed from {before} to {after} rows"
+    if (checkpointed.mixed_precision == "fp16") != (job.mixed_precision == "fp16"):
+        return (f"mixed_precision changed from {checkpointed.mixed_precision} to {job.mixed_precision} "
+                "(the fp16 grad scaler's state is in fp16 checkpoints only)")
+    changed = [f.name for f in fields(TrainJob)
+               if f.name not in RESUMABLE_CHANGES and getattr(checkpointed, f.name) != getattr(job, f.name)]
+    if changed:
+        detail = (f"{checkpointed.optimizer} → {job.optimizer}: the optimizer state cannot be loaded"
+                  if "optimizer" in changed else "the checkpoints were written for other settings")
+        return f"{', '.join(changed)} changed ({detail})"
+    return None
+
+
 def _host() -> str:
     """This host, and its PID namespace where there is one: containers that share a hostname and a
     workdir volume do not see each other's processes, so their pids must not be compared."""

@@ -37,7 +37,8 @@ class TrainedModel:
 def finetune_task(p: ResolvedPipeline, key: str, data: TokenizedData, tokenizer: str, decision: BudgetDecision,
                   mlflow_uri: str, mlflow_run_id: str) -> TrainedModel:
     """Train with the planned settings; on an out-of-memory crash replan a smaller micro-batch (same
-    effective batch) and try again, at most twice."""
+    effective batch) and try again, at most twice, resuming from the newest checkpoint when the replanned
+    settings can (see _replan_output_dir)."""
     from fulltune.launch import OutOfMemory, run_training
     from fulltune.models import prepare_base_model
     from fulltune.registry import set_run_tags
@@ -58,12 +59,14 @@ def finetune_task(p: ResolvedPipeline, key: str, data: TokenizedData, tokenizer:
             if attempt == MAX_OOM_REPLANS:
                 raise
             settings = _replan(p, decision, settings, oom.observed_peak_bytes)
+            replanned = build_job(p, data, tokenizer, base_model, settings, Path(job.output_dir), mlflow_uri,
+                                  mlflow_run_id)
+            output_dir, where = _replan_output_dir(p, key, job, replanned, attempt + 1)
             why = (f"out of memory (peak {oom.observed_peak_bytes or 'unknown'} bytes); retrying with "
-                   f"{describe_settings(settings, decision.num_layers)}")
+                   f"{describe_settings(settings, decision.num_layers)}; {where}")
             logger.warning(why)
             replans.append(why)
             set_run_tags(mlflow_run_id, {f"fulltune.oom_replan.{attempt + 1}": why})
-            output_dir = Path(p.workdir) / "runs" / key / f"replan-{attempt + 1}"
     metrics = {
         "train_loss": result.train_loss, "steps": float(result.steps), "tokens": float(result.tokens),
         "tokens_per_second": result.tokens_per_second, "train_seconds": result.seconds,
@@ -100,6 +103,23 @@ def build_job(p: ResolvedPipeline, data: TokenizedData, tokenizer: str, base_mod
         num_machines=d.num_machines, device=settings["device"],
         mlflow_tracking_uri=mlflow_uri, mlflow_run_id=mlflow_run_id, progress_artifact_id=None,
     )
+
+
+def _replan_output_dir(p: ResolvedPipeline, key: str, failed: Any, replanned: Any, replan: int) -> tuple[Path, str]:
+    """Where the replanned run trains, and what that means for its progress.
+
+    A replan keeps the effective batch, so the failed run's checkpoints usually stay valid and the new run
+    continues in the same directory, from its newest checkpoint. When they are not (fulltune.launch.
+    resume_conflict: e.g. the replan chose another optimizer, whose state cannot be loaded), it starts from
+    step 0 in runs/<key>/replan-N, leaving the old checkpoints untouched.
+    """
+    from fulltune.launch import resume_conflict
+
+    conflict = resume_conflict(failed, replanned)
+    if conflict is None:
+        return Path(failed.output_dir), "resuming from the newest checkpoint, if any (the step schedule is unchanged)"
+    fresh = Path(p.workdir) / "runs" / key / f"replan-{replan}"
+    return fresh, f"starting from step 0 in {fresh.name}: the checkpoints cannot be resumed, {conflict}"
 
 
 def _replan(p: ResolvedPipeline, decision: BudgetDecision, settings: dict[str, Any], peak: int | None) -> dict[str, Any]:

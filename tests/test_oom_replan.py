@@ -1,9 +1,11 @@
 """Out-of-memory survival: the fine-tune task replans a smaller micro-batch with the same effective
-batch and tries again, at most twice, saying why in the log and in MLflow."""
+batch and tries again, at most twice, saying why in the log and in MLflow. The replanned run resumes
+from the newest checkpoint unless its settings make the checkpoints unusable."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,11 +19,9 @@ from fulltune.tokenizer import prepare_tokenizer
 from pipelines_fixture import tiny_pipeline
 
 
-@pytest.fixture
-def prepared(tmp_path, monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+def prepare(tmp_path, **train):
     path = tiny_pipeline(tmp_path, train={"effective_batch_size": 8, "micro_batch_size": "auto",
-                                          "gradient_accumulation_steps": "auto"})
+                                          "gradient_accumulation_steps": "auto", **train})
     p = resolve_pipeline(str(path), "tiny")
     tokenizer = prepare_tokenizer(p.spec.model, p.spec.data, p.workdir)
     data = tokenize_dataset(p.spec.data, tokenizer, p.workdir, 0)
@@ -32,6 +32,12 @@ def prepared(tmp_path, monkeypatch):
     registry.configure(p.workdir)
     run_id = registry.start_pipeline_run("tiny", {}, {}, p.workdir)
     return p, data, tokenizer, decision, run_id
+
+
+@pytest.fixture
+def prepared(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return prepare(tmp_path)
 
 
 def fake_training(ooms: int, jobs: list):
@@ -69,6 +75,8 @@ def test_oom_replans_smaller_micro_batch_with_same_effective_batch(prepared, mon
     trained = run_finetune(p, data, tokenizer, decision, run_id)
     first, second = jobs
     assert second.micro_batch_size < first.micro_batch_size
+    assert second.output_dir == first.output_dir  # the same checkpoints: the replanned run resumes from them
+    assert "resuming from the newest checkpoint" in trained.replans[0]
     assert second.micro_batch_size * second.gradient_accumulation_steps == 8
     assert first.micro_batch_size * first.gradient_accumulation_steps == 8
     assert len(trained.replans) == 1 and "out of memory" in trained.replans[0]
@@ -88,3 +96,40 @@ def test_oom_gives_up_after_two_replans(prepared, monkeypatch, prefect_server):
     assert len(jobs) == 3
     micro = [job.micro_batch_size for job in jobs]
     assert micro == sorted(micro, reverse=True) and len(set(micro)) == 3
+
+
+@pytest.mark.slow
+def test_a_replanned_run_resumes_from_the_newest_checkpoint(tmp_path, monkeypatch, prefect_server):
+    # 6 steps of 8 rows, a checkpoint every 3: out of memory at the start of step 5, after checkpoint 3.
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    p, data, tokenizer, decision, run_id = prepare(tmp_path, optimizer="adamw", max_steps=6, checkpoint_every_steps=3)
+    jobs: list = []
+
+    def first_attempt_runs_out_of_memory(job, on_output=None):
+        jobs.append(job)
+        with monkeypatch.context() as patch:
+            if len(jobs) == 1:
+                patch.setenv("FULLTUNE_TEST_FAULT", "oom:5")
+            return real_run_training(job, on_output)
+
+    real_run_training = launch.run_training
+    monkeypatch.setattr(launch, "run_training", first_attempt_runs_out_of_memory)
+    trained = run_finetune(p, data, tokenizer, decision, run_id)
+    first, second = jobs
+    assert second.micro_batch_size < first.micro_batch_size and second.output_dir == first.output_dir
+    result = json.loads((Path(trained.model_dir).parent / "result.json").read_text())
+    assert result["resumed_from_step"] == 3 and result["steps"] == 6
+    assert "resuming from the newest checkpoint" in trained.replans[0]
+
+
+def test_resume_conflict_allows_a_new_split_and_refuses_other_changes():
+    job = launch.TrainJob(model_path="m", tokenizer_path="m", train_file="t", output_dir="o", micro_batch_size=8,
+                          gradient_accumulation_steps=1, optimizer="adamw", mixed_precision="no")
+    split = replace(job, micro_batch_size=2, gradient_accumulation_steps=4, gradient_checkpointing=2,
+                    mixed_precision="bf16", output_dir="elsewhere")
+    assert launch.resume_conflict(job, split) is None
+    assert "effective batch" in launch.resume_conflict(job, replace(job, micro_batch_size=4))
+    assert "optimizer state cannot be loaded" in launch.resume_conflict(job, replace(job, optimizer="adamw_8bit"))
+    assert "grad scaler" in launch.resume_conflict(job, replace(job, mixed_precision="fp16"))
+    assert "learning_rate" in launch.resume_conflict(job, replace(job, learning_rate=1.0))
