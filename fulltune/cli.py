@@ -115,9 +115,10 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fulltune.pipeline import pin_hub_revisions, plan_budget, resolve_pipeline
+    from fulltune.pipeline import pin_hub_revisions, plan_budget, resolve_pipeline, resolved_budget
 
     p = pin_hub_revisions(resolve_pipeline(args.file, args.name, args.overrides))
+    resolved_budget(p)
     seq_len, vocab, target_fraction = _plan_inputs(p)
     decision = plan_budget(p, seq_len, vocab, target_fraction=target_fraction)
     extra: dict[str, Any] = {}

@@ -66,13 +66,14 @@ def _absolute_paths(spec: PipelineSpec, base: Path) -> PipelineSpec:
     stay as they are (fulltune/hub.py tells them apart: after this, a reference is local iff absolute)."""
     from fulltune.data import SUFFIX_BUILDERS
 
-    def local(value: str | None, data: bool = False) -> str | None:
+    def local(value: str | None, data: bool = False, always: bool = False) -> str | None:
         if value is None:
             return None
         candidate = Path(value).expanduser()
         if candidate.is_absolute():
             return str(candidate)
-        if (base / candidate).exists() or hub.looks_local(value, data_suffixes=tuple(SUFFIX_BUILDERS) if data else ()):
+        suffixes = tuple(SUFFIX_BUILDERS) if data else ()
+        if always or (base / candidate).exists() or hub.looks_local(value, data_suffixes=suffixes):
             return str(base / candidate)
         return value
 
@@ -81,7 +82,7 @@ def _absolute_paths(spec: PipelineSpec, base: Path) -> PipelineSpec:
     if spec.model.name_or_path is not None:
         model_updates["name_or_path"] = local(spec.model.name_or_path)
     if isinstance(spec.model.from_config, str):
-        model_updates["from_config"] = local(spec.model.from_config)
+        model_updates["from_config"] = local(spec.model.from_config, always=True)  # never a hub id
     if isinstance(spec.model.tokenizer, str):
         model_updates["tokenizer"] = local(spec.model.tokenizer)
     return spec.model_copy(update={"data": data, "model": spec.model.model_copy(update=model_updates)})
@@ -146,7 +147,7 @@ def cached_hash(path: str | Path, workdir: str | Path) -> str:
             cache[str(file)] = entry
         name = str(file.relative_to(root)) if root.is_dir() else ""
         digest.update(f"{name}\0{entry['sha256']}\0".encode())
-    if changed:
+    if changed and cache_file.parent.is_dir():  # `fulltune plan` on a fresh pipeline creates no workdir
         atomic_write_text(cache_file, json.dumps(cache))
     return digest.hexdigest()
 

@@ -94,15 +94,48 @@ def test_impossible_budget_with_fail_exits_2_with_breakdown(tmp_path):
     assert "parameters" in result.stderr
 
 
+def test_validate_lists_every_missing_local_file_with_its_yaml_path(tmp_path):
+    path = tiny_pipeline(tmp_path, data={"train": "missing.jsonl", "eval": "data/held-out.jsonl"},
+                         model={"from_config": "configs/nope.json"})
+    result = run_cli("validate", str(path), cwd=tmp_path)
+    assert_user_error(result, "3 problem(s)", "pipelines.tiny.data.train: file not found:", "missing.jsonl",
+                      "pipelines.tiny.data.eval: file not found:", "data/held-out.jsonl",
+                      "pipelines.tiny.model.from_config: file not found:", "configs/nope.json")
+    (tmp_path / "ckpt").mkdir()
+    path = tiny_pipeline(tmp_path, model={"from_config": None, "tokenizer": None, "name_or_path": "./ckpt"})
+    assert_user_error(run_cli("validate", str(path), cwd=tmp_path),
+                      "pipelines.tiny.model.name_or_path:", "ckpt holds no config.json")
+
+
+@pytest.mark.skipif("__import__('torch').cuda.is_available()", reason="needs a machine without a GPU")
+@pytest.mark.parametrize("command", ["plan", "run"])
+def test_cuda_auto_memory_without_a_gpu_exits_2_naming_budget_memory(tmp_path, command):
+    path = tiny_pipeline(tmp_path, budget={"device": "cuda", "memory": "auto"})
+    result = run_cli(command, "tiny", "-f", str(path), cwd=tmp_path)
+    assert_user_error(result, "pipelines.tiny.budget.memory:", "GPU")
+    assert not (tmp_path / "work").exists()
+
+
+def test_simulate_a_multi_process_plan_exits_2_naming_the_strategy(tmp_path, capsys):
+    path = tiny_pipeline(tmp_path, distributed={"strategy": "ddp", "num_processes": 2})
+    assert main(["plan", "tiny", "-f", str(path), "--simulate"]) == 2
+    assert "pipelines.tiny.distributed.strategy" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("content,needles", [
     ('{"prompt": "1+1=", "completion": "2"}\n{"prompt": "2+2=", "completion": \n', ["train.jsonl", "line 2"]),
     ("", ["train.jsonl", "empty"]),
     ('{"question": "1+1=", "completion": "2"}\n' * 8, ["train.jsonl", "prompt"]),
+    (b'{"prompt": "1+1=", "completion": "2"}\n{"prompt": "caf\xe9", "completion": "x"}\n',
+     ["data.train", "train.jsonl line 2 (byte 53): not UTF-8"]),
 ])
 def test_broken_data_exits_2_and_registers_nothing(tmp_path, content, needles):
     path = tiny_pipeline(tmp_path)
-    (tmp_path / "train.jsonl").write_text(content)
+    if isinstance(content, bytes):
+        (tmp_path / "train.jsonl").write_bytes(content)
+    else:
+        (tmp_path / "train.jsonl").write_text(content)
     result = run_cli("run", "tiny", "-f", str(path), cwd=tmp_path)
     assert_user_error(result, *needles)
     assert not list((tmp_path / "work").glob("tokenized/[!.]*"))

@@ -485,3 +485,20 @@ def test_tokenized_data_written_without_the_target_count_gets_it_on_load(tmp_pat
     train_file.write_bytes(b"\0" * train_file.stat().st_size)  # same size, not Parquet
     with pytest.raises(DataError, match="train.parquet: unreadable"):
         load_tokenized(result.path)
+
+
+@pytest.mark.parametrize("name,head", [("t.jsonl", b'{"text": "ok"}\n'), ("t.csv", b"text\nok\n"), ("t.txt", b"ok\n"),
+                                       ("t.json", b'[{"text": "ok"},\n')])
+def test_text_that_is_not_utf8_names_the_file_line_and_byte(tmp_path: Path, monkeypatch, name: str, head: bytes) -> None:
+    path = tmp_path / name
+    bad = b'{"text": "caf\xe9"}\n' if name.endswith("jsonl") else b"caf\xe9\n"
+    path.write_bytes(head + bad)
+    line, byte = head.count(b"\n") + 1, len(head) + bad.index(0xE9)
+    with pytest.raises(DataError, match=rf"data\.train: .*{name} line {line} \(byte {byte}\): not UTF-8"):
+        load_records(str(path), what="data.train", cache_dir=tmp_path / "cache")
+    # A character cut by the reader's chunk boundary is not an error; a truncated last character is.
+    monkeypatch.setattr(data_module, "_HASH_CHUNK", 5)
+    path.write_bytes(head + "naïve ☕\n".encode() * 3)
+    assert data_module._find_utf8_problem(path) is None
+    path.write_bytes(head + "☕".encode()[:2])
+    assert f"line {line} (byte {len(head)}): not UTF-8" in data_module._find_utf8_problem(path)
