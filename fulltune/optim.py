@@ -231,12 +231,15 @@ def build_optimizer(model_or_params: torch.nn.Module | Iterable[Any], name: str 
     compensation = check_levers(name, pure_bf16, compensation, step_in_backward, offload)
     if step_in_backward and offload:
         raise ValueError("step_in_backward and offload: pick one (offload already frees device gradients in backward)")
+    # The model's parameter order, which clipping over all gradients sums in (as the trainer's clip does).
+    order = list(model_or_params.parameters()) if isinstance(model_or_params, torch.nn.Module) else None
     groups = parameter_groups(model_or_params, weight_decay)
     if offload:
-        return HostOffloadOptimizer(groups, lambda g: _base_optimizer(name, g, lr, "none", fake))
+        return HostOffloadOptimizer(groups, lambda g: _base_optimizer(name, g, lr, "none", fake), order)
     if step_in_backward:
         return InBackwardOptimizer(groups, lambda g: _base_optimizer(name, g, lr, compensation, fake),
-                                   accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm)
+                                   accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm,
+                                   skip_nonfinite=not fake)
     return _base_optimizer(name, groups, lr, compensation, fake)
 
 
@@ -298,6 +301,7 @@ class FakeStatesOptimizer(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr})
         self.layout = layout
         self.compensation = compensation
+        self._qmaps: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _states(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         n = p.numel()
@@ -305,7 +309,10 @@ class FakeStatesOptimizer(torch.optim.Optimizer):
             if n < BNB_MIN_8BIT_SIZE:
                 return {"state1": torch.zeros_like(p, dtype=torch.float32), "state2": torch.zeros_like(p, dtype=torch.float32)}
             blocks = -(-n // BNB_BLOCKSIZE)
+            if self._qmaps is None:  # bitsandbytes' two maps, shared by every parameter's state
+                self._qmaps = tuple(p.new_zeros((BNB_BLOCKSIZE,), dtype=torch.float32) for _ in range(2))
             return {"state1": torch.zeros_like(p, dtype=torch.uint8), "state2": torch.zeros_like(p, dtype=torch.uint8),
+                    "qmap1": self._qmaps[0], "qmap2": self._qmaps[1],
                     "absmax1": p.new_zeros((blocks,), dtype=torch.float32),
                     "absmax2": p.new_zeros((blocks,), dtype=torch.float32)}
         bits = {"adamw_8bit": 8, "adamw_4bit": 4}.get(self.layout)
@@ -391,9 +398,10 @@ class InBackwardOptimizer(_GroupedWrapper):
     """
 
     def __init__(self, groups: list[dict[str, Any]], make: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
-                 accumulation_steps: int = 1, max_grad_norm: float | None = None) -> None:
+                 accumulation_steps: int = 1, max_grad_norm: float | None = None, skip_nonfinite: bool = True) -> None:
         super().__init__(groups, {})
         self.accumulation_steps = accumulation_steps
+        self.skip_nonfinite = skip_nonfinite  # off under FakeTensorMode, where no value can be read
         self.max_grad_norm = max_grad_norm
         self.last_micro_batch = True
         self.skipped = 0  # parameter updates skipped for a non-finite gradient
@@ -430,7 +438,7 @@ class InBackwardOptimizer(_GroupedWrapper):
             p.grad = buffer.to(p.device, non_blocking=True).add_(p.grad)
         norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
         self._norm_sq = norm.square() if self._norm_sq is None else self._norm_sq + norm.square()
-        if not bool(torch.isfinite(norm)):  # Sync point (per parameter): skip a non-finite update
+        if self.skip_nonfinite and not bool(torch.isfinite(norm)):  # Sync point (per parameter)
             self.skipped += 1
         else:
             if self.max_grad_norm is not None:
@@ -475,7 +483,8 @@ class HostOffloadOptimizer(_GroupedWrapper):
     2 × 4 B/param of host traffic per step plus the gradient copies per micro-batch.
     """
 
-    def __init__(self, groups: list[dict[str, Any]], make: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]) -> None:
+    def __init__(self, groups: list[dict[str, Any]], make: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+                 order: list[torch.Tensor] | None = None) -> None:
         super().__init__(groups, {})
         pin = torch.cuda.is_available()
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -493,6 +502,9 @@ class HostOffloadOptimizer(_GroupedWrapper):
             host_groups.append({**group, "params": host_params})
         self.host_optimizer = make(host_groups)
         self._adopt_inner_groups()
+        if order is not None:  # norms sum in the model's order, so clipping matches clip_grad_norm_ bit for bit
+            position = {id(p): i for i, p in enumerate(order)}
+            self._pairs.sort(key=lambda pair: position[id(pair[0])])
 
     def _inner(self) -> list[torch.optim.Optimizer]:
         return [self.host_optimizer]

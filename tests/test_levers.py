@@ -1,0 +1,342 @@
+"""Memory levers (fulltune/optim.py, fulltune/offload.py): what each changes in training, and what it costs in bytes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from fulltune.optim import (
+    FakeStatesOptimizer,
+    build_optimizer,
+    device_gradient_bytes,
+    host_bytes,
+    optimizer_state_bytes,
+    torchao_available,
+)
+
+
+def _llama(hidden: int = 32, layers: int = 2, tied: bool = True, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=97, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype).train()
+
+
+BATCHES = [torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(i)) for i in range(8)]
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, accumulation: int = 1,
+           max_grad_norm: float | None = None, start: int = 0) -> list[float]:
+    """The trainer's step: micro-batches, clipping, step, zero_grad; returns each step's gradient norm."""
+    norms = []
+    for step in range(start, start + steps):
+        for index in range(accumulation):
+            if hasattr(optimizer, "set_micro_batch"):
+                optimizer.set_micro_batch(index)
+            batch = BATCHES[(step * accumulation + index) % len(BATCHES)]
+            (model(input_ids=batch, labels=batch).loss / accumulation).backward()
+        if hasattr(optimizer, "clip_grad_norm_"):
+            norms.append(float(optimizer.clip_grad_norm_(max_grad_norm or float("inf"))))
+        else:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return norms
+
+
+def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, x), y in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pure bf16 weights with compensated updates
+
+
+@pytest.mark.parametrize("lever", ["kahan", "offload"])
+def test_pure_bf16_keeps_updates_smaller_than_a_bf16_step(lever: str) -> None:
+    # A weight of 1.0 in bf16 moves in steps of 2^-7; AdamW's first updates are ~lr = 1e-4 each.
+    weight = torch.nn.Parameter(torch.ones(8, 8, dtype=torch.bfloat16))
+    plain = torch.nn.Parameter(weight.detach().clone())
+    compensated = build_optimizer([weight], "adamw", lr=1e-4, pure_bf16=True, offload=lever == "offload")
+    uncompensated = build_optimizer([plain], "adamw", lr=1e-4, pure_bf16=True, compensation="none")
+    for _ in range(100):
+        (weight.sum() + plain.sum()).backward()  # a gradient of ones: updates of ~lr each
+        compensated.step()
+        uncompensated.step()
+        compensated.zero_grad()
+        uncompensated.zero_grad()
+    assert torch.equal(plain, torch.ones_like(plain))  # every update rounded away
+    # 100 updates of ~1e-4: the compensated weight has moved by ~0.01 (a step or two of bf16).
+    assert float((1 - weight.detach().float()).mean()) == pytest.approx(0.01, rel=0.25)
+
+
+@pytest.mark.slow
+def test_pure_bf16_with_kahan_tracks_the_fp32_loss_curve() -> None:
+    base = _llama(hidden=64)
+    batch = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(0))
+
+    def curve(pure_bf16: bool, compensation: str | None) -> list[float]:
+        model = copy.deepcopy(base).to(torch.bfloat16 if pure_bf16 else torch.float32)
+        optimizer = build_optimizer(model, "adamw", lr=3e-5, pure_bf16=pure_bf16, compensation=compensation)
+        losses = []
+        for _ in range(20):
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+        return losses
+
+    def progress(losses: list[float]) -> float:  # the last three against the first: bf16 forward noise averages out
+        return losses[0] - sum(losses[-3:]) / 3
+
+    reference, kahan, plain = curve(False, None), curve(True, "kahan"), curve(True, "none")
+    drop = progress(reference)
+    assert drop > 0.05
+    # Compensated: the same curve within bf16's forward noise; uncompensated: much of the progress lost.
+    assert max(abs(a - b) for a, b in zip(reference, kahan)) < 0.1 * drop
+    assert progress(kahan) == pytest.approx(drop, rel=0.1)
+    assert progress(plain) < 0.75 * drop
+
+
+# ---------------------------------------------------------------------------------------------------
+# Optimizer step inside backward
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw_8bit"])
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_step_in_backward_gives_the_weights_of_the_normal_step(name: str, accumulation: int) -> None:
+    base = _llama()
+    expected = copy.deepcopy(base)
+    _train(expected, build_optimizer(expected, name, lr=1e-2, weight_decay=0.1), 3, accumulation)
+    model = copy.deepcopy(base)
+    optimizer = build_optimizer(model, name, lr=1e-2, weight_decay=0.1, step_in_backward=True,
+                                accumulation_steps=accumulation)
+    _train(model, optimizer, 3, accumulation)
+    _assert_same_weights(model, expected)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_step_in_backward_resumes_from_its_state_dict() -> None:
+    base = _llama()
+    straight = copy.deepcopy(base)
+    _train(straight, build_optimizer(straight, "adamw", lr=1e-2, step_in_backward=True), 4)
+
+    first = copy.deepcopy(base)
+    optimizer = build_optimizer(first, "adamw", lr=1e-2, step_in_backward=True)
+    _train(first, optimizer, 2)
+    state = copy.deepcopy(optimizer.state_dict())
+    resumed = copy.deepcopy(first)
+    optimizer = build_optimizer(resumed, "adamw", lr=1e-2, step_in_backward=True)
+    optimizer.load_state_dict(state)
+    _train(resumed, optimizer, 2, start=2)
+    _assert_same_weights(resumed, straight)
+
+
+def test_step_in_backward_clips_each_parameter_and_reports_the_global_norm() -> None:
+    base = _llama()
+    # Reference: the normal step with each parameter's gradient clipped on its own.
+    reference = copy.deepcopy(base)
+    optimizer = build_optimizer(reference, "adamw", lr=1e-2)
+    expected_norms = []
+    for step in range(3):
+        batch = BATCHES[step]
+        reference(input_ids=batch, labels=batch).loss.backward()
+        expected_norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])))
+        for p in reference.parameters():
+            torch.nn.utils.clip_grad_norm_([p], 0.05)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    model = copy.deepcopy(base)
+    norms = _train(model, build_optimizer(model, "adamw", lr=1e-2, step_in_backward=True, max_grad_norm=0.05), 3)
+    _assert_same_weights(model, reference)
+    assert norms == pytest.approx(expected_norms, rel=1e-5)  # before clipping, as clip_grad_norm_ reports
+    unclipped = copy.deepcopy(base)
+    _train(unclipped, build_optimizer(unclipped, "adamw", lr=1e-2, step_in_backward=True), 3)
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), unclipped.parameters()))
+
+
+def test_an_lr_schedule_reaches_the_per_parameter_optimizers() -> None:
+    model = _llama()
+    optimizer = build_optimizer(model, "adamw", lr=1e-2, step_in_backward=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+    _train(model, optimizer, 1)
+    scheduler.step()
+    inner = next(iter(optimizer._optimizers.values()))
+    assert inner.param_groups[0]["lr"] == pytest.approx(5e-3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Optimizer states in host RAM
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_offloaded_states_give_the_weights_of_the_normal_step(accumulation: int) -> None:
+    base = _llama()
+    expected = copy.deepcopy(base)
+    expected_norms = _train(expected, build_optimizer(expected, "adamw", lr=1e-2, weight_decay=0.1), 3,
+                            accumulation, max_grad_norm=0.5)
+    model = copy.deepcopy(base)
+    optimizer = build_optimizer(model, "adamw", lr=1e-2, weight_decay=0.1, offload=True)
+    norms = _train(model, optimizer, 3, accumulation, max_grad_norm=0.5)
+    _assert_same_weights(model, expected)
+    assert norms == pytest.approx(expected_norms, rel=1e-6)  # global clipping, as without offload
+    assert all(p.grad is None for p in model.parameters())
+    assert all(not state or state["exp_avg"].device.type == "cpu" for state in optimizer.host_optimizer.state.values())
+
+
+def test_offload_with_bf16_weights_resumes_from_its_fp32_masters() -> None:
+    base = _llama().to(torch.bfloat16)
+    straight = copy.deepcopy(base)
+    _train(straight, build_optimizer(straight, "adamw", lr=1e-3, pure_bf16=True, offload=True), 4)
+
+    first = copy.deepcopy(base)
+    optimizer = build_optimizer(first, "adamw", lr=1e-3, pure_bf16=True, offload=True)
+    _train(first, optimizer, 2)
+    state = copy.deepcopy(optimizer.state_dict())
+    resumed = copy.deepcopy(first)
+    optimizer = build_optimizer(resumed, "adamw", lr=1e-3, pure_bf16=True, offload=True)
+    optimizer.load_state_dict(state)
+    _train(resumed, optimizer, 2, start=2)
+    _assert_same_weights(resumed, straight)
+    masters = optimizer.state_dict()["masters"]
+    assert all(m.dtype == torch.float32 for m in masters)
+    for p, m in zip(resumed.parameters(), masters):
+        assert torch.equal(p, m.to(torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpointed activations in host RAM
+
+
+def test_offloaded_checkpoint_inputs_give_the_same_gradients() -> None:
+    from fulltune.memory.checkpointing import apply_gradient_checkpointing
+    from fulltune.offload import ActivationOffload
+
+    model = _llama(layers=3)
+    apply_gradient_checkpointing(model, 2)
+    batch = BATCHES[0]
+    model(input_ids=batch, labels=batch).loss.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    offload = ActivationOffload()
+    assert offload.install(model) == 2
+    model(input_ids=batch, labels=batch).loss.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=0, atol=0, msg=name)
+    # What left the device: each checkpointed layer's input hidden states, (b, s, h) fp32.
+    assert offload.bytes_offloaded == 2 * batch.numel() * 32 * 4
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bytes the memory model counts == bytes the optimizers allocate
+
+
+def _state_nbytes(optimizer: torch.optim.Optimizer) -> int:
+    storages = {}  # bitsandbytes shares its quantisation maps between parameters: count each storage once
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _stepped(name: str, model: torch.nn.Module, **levers) -> torch.optim.Optimizer:
+    optimizer = build_optimizer(model, name, lr=1e-3, **levers)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer.step()
+    return optimizer
+
+
+@pytest.mark.parametrize(("name", "pure_bf16", "fake"), [
+    ("adamw", False, False), ("adamw", True, False), ("adamw", True, True), ("adamw_8bit", False, False),
+    ("adamw_8bit", False, True), ("adamw_4bit", False, True), ("adamw_4bit", True, True), ("adafactor", False, False),
+])
+def test_optimizer_state_bytes_are_what_the_optimizer_allocates(name: str, pure_bf16: bool, fake: bool) -> None:
+    model = _llama(hidden=64, tied=False)  # 64 × 97 and 128 × 64 matrices: both small and quantised tensors
+    if pure_bf16:
+        model = model.to(torch.bfloat16)
+    optimizer = _stepped(name, model, pure_bf16=pure_bf16, fake=fake)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    expected, _ = optimizer_state_bytes(name, shapes, 2 if pure_bf16 else 4, "kahan" if pure_bf16 and name == "adamw" else "none")
+    actual = _state_nbytes(optimizer)
+    if name == "adamw" and pure_bf16 and not fake:
+        actual += 4 * len(shapes)  # torch-optimi counts steps per group, the model counts a step per tensor
+    # torch AdamW's step, Adafactor's RMS/step: 0-d tensors whose storage rounds to one element.
+    assert actual == expected
+
+
+def test_gradient_and_host_bytes_follow_the_levers() -> None:
+    shapes = [(1000, 10), (10,)]
+    assert device_gradient_bytes(shapes) == 4 * 10010
+    assert device_gradient_bytes(shapes, pure_bf16=True) == 2 * 10010
+    assert device_gradient_bytes(shapes, pure_bf16=True, step_in_backward=True) == 2 * 10000
+    assert device_gradient_bytes(shapes, offload=True) == 4 * 10000
+    assert host_bytes("adamw", shapes) == 0
+    assert host_bytes("adamw", shapes, pure_bf16=True, step_in_backward=True, accumulation_steps=4) == 2 * 10010
+    assert host_bytes("adamw", shapes, offload=True) == 16 * 10010 + 4 * 2  # master, grad, 2 states, steps
+
+
+def test_levers_run_under_the_memory_trace() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = _llama(dtype=torch.bfloat16)  # a FakeTensor model cannot be cast in place
+        optimizer = build_optimizer(model, "adamw_8bit", pure_bf16=True, step_in_backward=True, fake=True)
+        batch = torch.randint(0, 97, (2, 12))
+        model(input_ids=batch, labels=batch).loss.backward()
+        assert all(p.grad is None for p in model.parameters())
+        assert all(isinstance(o, FakeStatesOptimizer) for o in optimizer._optimizers.values())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Settings that cannot work, and 4-bit states
+
+
+@pytest.mark.parametrize(("levers", "message"), [
+    ({"name": "adafactor", "pure_bf16": True, "compensation": "kahan"}, "compensation"),
+    ({"name": "adamw_8bit", "pure_bf16": True, "compensation": "kahan"}, "compensation"),
+    ({"name": "adamw", "step_in_backward": True, "offload": True}, "pick one"),
+    ({"name": "lion"}, "optimizer"),
+])
+def test_impossible_lever_combinations_are_refused(levers: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_optimizer(_llama(), **levers)
+
+
+@pytest.mark.skipif(torchao_available(), reason="torchao is installed")
+def test_4bit_states_without_torchao_say_what_to_install() -> None:
+    with pytest.raises(ValueError, match=r"fulltune\[lowbit\]"):
+        build_optimizer(_llama(), "adamw_4bit")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torchao_available(), reason="needs torchao (fulltune[lowbit])")
+def test_4bit_states_train_and_take_the_counted_bytes() -> None:
+    model = _llama(hidden=64, tied=False)
+    optimizer = build_optimizer(model, "adamw_4bit", lr=1e-3)
+    losses = []
+    for step in range(6):
+        batch = BATCHES[0]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 0.05
+    expected, _ = optimizer_state_bytes("adamw_4bit", [tuple(p.shape) for p in model.parameters()])
+    actual = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            tensors = [getattr(value, a) for a in ("codes", "scale", "qmap")] if hasattr(value, "codes") else [value]
+            actual += sum(t.untyped_storage().nbytes() for t in tensors)
+    assert actual == expected
