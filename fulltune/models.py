@@ -18,11 +18,18 @@ from fulltune.spec import ModelSpec
 
 
 def hub_token(token_env: str | None) -> str | None:
-    """Read a Hub token from the environment variable the user named (never from the YAML)."""
+    """Read a Hub token from the environment variable the user named (never from the YAML).
+
+    Offline (HF_HUB_OFFLINE=1) everything comes from the local cache, which needs no token: an unset
+    variable is then no error."""
     if token_env is None:
         return None
     token = os.environ.get(token_env)
     if not token:
+        from fulltune import hub
+
+        if hub.offline():
+            return None
         raise ConfigError(f"model.token_env: environment variable {token_env} is not set")
     return token
 

@@ -105,7 +105,11 @@ def pin_hub_revisions(p: ResolvedPipeline) -> ResolvedPipeline:
     if not is_hub(model.name_or_path):
         return p
     try:
-        commit = hub.commit_of(model.name_or_path, model.revision, "model", hub_token(model.token_env))
+        token = hub_token(model.token_env)
+    except ConfigError as exc:
+        raise ConfigError(f"pipelines.{p.name}.{exc}") from None
+    try:
+        commit = hub.commit_of(model.name_or_path, model.revision, "model", token)
     except hub.HubError as exc:
         raise ConfigError(f"pipelines.{p.name}.model.name_or_path: {_not_local(p, model.name_or_path)}, and as a "
                           f"hub model: {exc}") from None
@@ -422,6 +426,9 @@ def check_sources(p: ResolvedPipeline, check_hub: bool = True) -> tuple[list[str
     left to run time, which a note says.
     """
     problems, notes = [], []
+    token_env = p.spec.model.token_env
+    if check_hub and token_env and not os.environ.get(token_env) and not hub.offline():
+        problems.append(f"pipelines.{p.name}.model.token_env: environment variable {token_env} is not set")
     for field, reference, kind, revision in _references(p):
         where = f"pipelines.{p.name}.{field}"
         if is_hub(reference):

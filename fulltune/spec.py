@@ -21,6 +21,8 @@ from fulltune.errors import ConfigError
 
 SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 CRON_PATTERN = re.compile(r"^(\S+\s+){4}\S+$")
+# Words YAML 1.1 reads as booleans besides true/false; an override keeps them as typed.
+YAML11_BOOLEAN_WORDS = {"yes", "no", "on", "off", "y", "n"}
 
 
 class Strict(BaseModel):
@@ -131,6 +133,12 @@ class TrainSpec(Strict):
     log_every_steps: int = Field(10, ge=1, description="Read the loss and log metrics every N optimizer steps.")
     compile: bool = Field(False, description="torch.compile the model.")
     max_nonfinite_steps: int = Field(5, ge=1, description="Stop after this many non-finite losses in a row.")
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _unquoted_no(cls, value: Any) -> Any:
+        # YAML 1.1 reads an unquoted `no` as false; `mixed_precision: no` means the string.
+        return "no" if value is False else value
 
     @field_validator("micro_batch_size", "gradient_accumulation_steps")
     @classmethod
@@ -280,6 +288,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     parts = key.strip().split(".")
     if not all(parts):
         raise ConfigError(f"--set {item}: empty key part")
+    if raw.strip().lower() in YAML11_BOOLEAN_WORDS:
+        return parts, raw.strip()  # `--set train.mixed_precision=no` means the word; pydantic reads it for bools
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:

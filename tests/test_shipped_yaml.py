@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 
 import yaml
 
-from fulltune.spec import load_pipelines, validate_pipelines
+from fulltune.spec import load_pipelines, parse_size, validate_pipelines
 
 from conftest import ROOT
 
@@ -37,3 +41,69 @@ def test_readme_yaml_examples_validate():
     assert blocks, "README shows at least one pipelines.yaml example"
     for block in blocks:
         validate_pipelines(yaml.safe_load(block))
+
+
+def _examples() -> dict:
+    """Every pipeline the README and the commented block of pipelines.yaml show, with the file's defaults."""
+    text = (ROOT / "pipelines.yaml").read_text()
+    block = re.search(r"# BEGIN EXAMPLES\n(.*?)# END EXAMPLES", text, re.S).group(1)
+    uncommented = "\n".join(line[2:] if line.startswith("# ") else line.lstrip("#") for line in block.splitlines())
+    pipelines = dict(yaml.safe_load("pipelines:\n" + uncommented)["pipelines"])
+    for block in re.findall(r"```yaml\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
+        pipelines.update(yaml.safe_load(block)["pipelines"])
+    return {"workdir": "work", "defaults": yaml.safe_load(text).get("defaults", {}), "pipelines": pipelines}
+
+
+def _user_files(directory, pipelines: dict) -> None:
+    """The data files the examples name, a few rows each in the format they declare."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = {"chat": [{"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}] * 4,
+            "prompt_completion": [{"prompt": "1+1=", "completion": "2"}] * 4, "text": [{"text": "1+1=2"}] * 4}
+    for spec in pipelines.values():
+        data = spec["data"]
+        for name in ("train", "eval"):
+            if name not in data:
+                continue
+            path = directory / data[name]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            records = rows[data.get("format", "text")]
+            if path.suffix == ".parquet":
+                pq.write_table(pa.Table.from_pylist(records), path)
+            else:
+                path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_every_example_validates_and_plans_by_its_real_hub_id(tmp_path):
+    """As a user would: the examples' real hub ids (a tiny checkpoint under each id in an offline cache),
+    their data files in place, then `fulltune validate` and `fulltune plan NAME --json` for each."""
+    from tiny import fake_hub_model
+
+    examples = _examples()
+    path = tmp_path / "pipelines.yaml"
+    path.write_text(yaml.safe_dump(examples, sort_keys=False))
+    home = tmp_path / "hf"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_TOKEN", None)
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "fulltune.cli", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=600)
+
+    missing = cli("validate", str(path))
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    for name, spec in examples["pipelines"].items():
+        assert f"pipelines.{name}.model.name_or_path" in missing.stderr, "not in the cache yet"
+        assert f"pipelines.{name}.data.train: file not found" in missing.stderr
+    for n, repo in enumerate(sorted({spec["model"]["name_or_path"] for spec in examples["pipelines"].values()})):
+        fake_hub_model(home, repo, f"{n + 1:040d}")
+    _user_files(tmp_path, examples["pipelines"])
+    valid = cli("validate", str(path))
+    assert valid.returncode == 0, valid.stderr
+    for name, spec in examples["pipelines"].items():
+        planned = cli("plan", name, "-f", str(path), "--json")
+        assert planned.returncode == 0, (name, planned.stderr[-3000:])
+        plan = json.loads(planned.stdout)
+        assert plan["device"] == spec["budget"]["device"] and plan["fits"], name
+        assert plan["budget_bytes"] == parse_size(spec["budget"]["memory"])

@@ -71,6 +71,18 @@ def test_overrides_are_typed_yaml_scalars():
     assert spec.train.max_steps == 12
 
 
+def test_yaml_11_no_means_the_word_for_mixed_precision():
+    overridden = validate_pipelines(
+        {"pipelines": {"a": MINIMAL}},
+        {"a": ["train.mixed_precision=no", "data.packing=yes", "train.gradient_checkpointing=off"]},
+    ).pipelines["a"]
+    assert overridden.train.mixed_precision == "no"
+    assert overridden.data.packing is True
+    assert overridden.train.gradient_checkpointing is False
+    unquoted = validate_pipelines({"pipelines": {"a": {**MINIMAL, "train": {"mixed_precision": False}}}})
+    assert unquoted.pipelines["a"].train.mixed_precision == "no"
+
+
 def test_override_of_unknown_key_is_reported_with_its_path():
     with pytest.raises(ConfigError, match=r"pipelines.a.train.learnign_rate: unknown key"):
         validate_pipelines({"pipelines": {"a": MINIMAL}}, {"a": ["train.learnign_rate=1"]})
