@@ -14,7 +14,7 @@ commit, so a new upstream commit re-runs what depends on it and an unchanged one
 Hub datasets are read from their repository snapshot with `datasets.load_dataset(<snapshot dir>, split=…)`
 (data files and splits as `datasets` infers them from the repository layout or its README). `datasets`
 itself cannot open a hub id offline (it asks the Hub), so a dataset must be in the hub cache, e.g. from
-`huggingface-cli download --repo-type dataset ORG/NAME`; an earlier `datasets.load_dataset` does not count.
+`hf download --repo-type dataset ORG/NAME`; an earlier `datasets.load_dataset` does not count.
 """
 
 from __future__ import annotations

@@ -363,7 +363,11 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
     device, budget_bytes, bf16 = resolved_budget(p)
     config = read_model_config(p.spec.model, tokenizer_vocab)
     try:
-        plan = plan_memory(config, plan_request(p, seq_len, device, budget_bytes, bf16, target_fraction))
+        request = plan_request(p, seq_len, device, budget_bytes, bf16, target_fraction)
+    except ValueError as exc:  # the spec validates these fields; a message naming the setting, not a traceback
+        raise ConfigError(f"pipelines.{p.name}: {exc}") from None
+    try:
+        plan = plan_memory(config, request)
     except ValueError as exc:  # the config lacks what the memory model needs (not a decoder-only LM)
         field = "model.from_config" if p.spec.model.from_config is not None else "model.name_or_path"
         raise ConfigError(f"pipelines.{p.name}.{field}: cannot plan memory for this model: {exc}") from None

@@ -99,7 +99,11 @@ class BudgetSpec(Strict):
             if value <= 0:
                 raise ValueError("must be > 0")
             return value
-        if value == "auto" or SIZE_PATTERN.match(value):
+        if value == "auto":
+            return value
+        if SIZE_PATTERN.match(value):
+            if parse_size(value) <= 0:
+                raise ValueError("must be > 0")
             return value
         raise ValueError("must be 'auto', a number of bytes, or a size like '24GiB'")
 
