@@ -107,7 +107,8 @@ class EvalReport:
             lines.append(f"| {metric} | " + " | ".join(cells) + " |")
         if self.champion_version is not None:
             title = COMPARISON_TITLES.get(self.comparison, self.comparison)
-            lines += ["", f"**Champion comparison: {title}.** {self.comparison_reason}"]
+            reason = self.comparison_reason[:1].upper() + self.comparison_reason[1:]
+            lines += ["", f"**Champion comparison: {title}.** {reason}"]
         tuned = self.candidates.get("fine_tuned")
         if tuned and tuned.samples:
             lines += ["", "| prompt | expected | fine-tuned output |", "|---|---|---|"]
@@ -289,11 +290,12 @@ def champion_rows(rows: list[dict[str, Any]], tuned_tokenizer: Any, champion_tok
 
 
 def _same_tokens(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
-    return len(a) == len(b) and all(list(x["input_ids"]) == list(y["input_ids"]) and list(x["labels"]) == list(y["labels"])
-                                     for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        list(x["input_ids"]) == list(y["input_ids"]) and list(x["labels"]) == list(y["labels"]) for x, y in zip(a, b))
 
 
-def raw_eval_records(data: DataSpec, rows: list[dict[str, Any]], max_examples: int | None) -> list[dict[str, Any]] | None:
+def raw_eval_records(data: DataSpec, rows: list[dict[str, Any]],
+                     max_examples: int | None) -> list[dict[str, Any]] | None:
     """The eval examples as records of the training data (the columns `data.format` reads), or None.
 
     prompt_completion rows carry their prompt and completion strings. For the other formats only
@@ -308,7 +310,8 @@ def raw_eval_records(data: DataSpec, rows: list[dict[str, Any]], max_examples: i
     with tempfile.TemporaryDirectory(prefix="fulltune-eval-") as cache:
         records = load_records(data.eval, what="data.eval", cache_dir=cache)
         if max_examples is not None:
-            # Some examples may be dropped after tokenizing; a margin keeps max_examples usable ones.
+            # Only the first max_examples usable ones are measured; examples left with no target after
+            # truncation are dropped, so read a margin rather than every record of a large eval set.
             records = records.select(range(min(len(records), 2 * max_examples)))
         return records.to_list()
 
@@ -341,7 +344,8 @@ class ChampionResult:
 
 
 def measure_champion(rows: list[dict[str, Any]], tuned: ModelMetrics, tuned_tokenizer: Any, champion_dir: str,
-                     data: DataSpec, version: str, *, max_examples: int | None, **evaluate_kwargs: Any) -> ChampionResult:
+                     data: DataSpec, version: str, *, max_examples: int | None,
+                     **evaluate_kwargs: Any) -> ChampionResult:
     """Evaluate the champion on the eval examples tokenized with its own tokenizer (see the module docstring).
 
     `rows` and `tuned` are the fine-tuned model's eval rows and metrics, `tuned_tokenizer` the tokenizer

@@ -172,8 +172,8 @@ def download_version(source: str, destination: str | Path) -> str:
         if (candidate / "config.json").is_file():
             return str(candidate)
     # Retrying cannot help: the registered version itself holds no checkpoint.
-    raise ConfigError(f"register.model_name: {source} holds no transformers checkpoint (looked in {local}); "
-                      "move the champion alias to a version fulltune registered, or set evaluate.compare_champion: false")
+    raise ConfigError(f"register.model_name: {source} holds no transformers checkpoint (looked in {local}); move "
+                      "the champion alias to a version fulltune registered, or set evaluate.compare_champion: false")
 
 
 @dataclass(frozen=True)
