@@ -151,8 +151,9 @@ def cached_hash(path: str | Path, workdir: str | Path) -> str:
             cache[str(file)] = entry
         name = str(file.relative_to(root)) if root.is_dir() else ""
         digest.update(f"{name}\0{entry['sha256']}\0".encode())
-    if changed and cache_file.parent.is_dir():  # `fulltune plan` on a fresh pipeline creates no workdir
-        atomic_write_text(cache_file, json.dumps(cache))
+    kept = {name: entry for name, entry in cache.items() if os.path.exists(name)}  # forget deleted files
+    if (changed or len(kept) < len(cache)) and cache_file.parent.is_dir():  # `plan` creates no workdir
+        atomic_write_text(cache_file, json.dumps(kept))
     return digest.hexdigest()
 
 

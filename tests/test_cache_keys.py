@@ -12,8 +12,6 @@ import pytest
 from pipelines_fixture import tiny_pipeline, write_addition_data
 from tiny import fake_hub_model, make_tokenizer
 
-pytestmark = pytest.mark.slow
-
 STAGES = ("tokenize", "memory-budget", "fine-tune", "evaluate", "register")
 QUICK = {"train": {"max_steps": 2, "checkpoint_every_steps": 0},
          "evaluate": {"max_generate_examples": 1, "max_new_tokens": 1}}
@@ -39,6 +37,7 @@ def local(tmp_path_factory, prefect_server) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_memory_picture_is_embedded_in_the_artifact(local):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
@@ -51,6 +50,7 @@ def test_memory_picture_is_embedded_in_the_artifact(local):
     assert base64.b64decode(encoded).startswith(b"\x89PNG")
 
 
+@pytest.mark.slow
 def test_eval_data_change_reevaluates_without_retraining(local):
     write_addition_data(local.parent / "eval.jsonl", 10, seed=2)
     summary = run(local)
@@ -59,6 +59,7 @@ def test_eval_data_change_reevaluates_without_retraining(local):
     assert summary.version == "1", "the same weights are not registered again"
 
 
+@pytest.mark.slow
 def test_same_settings_on_another_machine_replan_but_keep_the_model(local, monkeypatch):
     from fulltune.memory import planner
 
@@ -66,6 +67,7 @@ def test_same_settings_on_another_machine_replan_but_keep_the_model(local, monke
     assert run(local).stages == ran("memory-budget")
 
 
+@pytest.mark.slow
 def test_smaller_machine_under_auto_replans_and_retrains(local, monkeypatch):
     from fulltune.memory import planner
     from fulltune.spec import load_pipelines
@@ -81,6 +83,7 @@ def test_smaller_machine_under_auto_replans_and_retrains(local, monkeypatch):
     assert run(local).stages == ran("memory-budget", "fine-tune", "evaluate", "register")
 
 
+@pytest.mark.slow
 def test_train_data_change_reruns_everything(local):
     write_addition_data(local.parent / "train.jsonl", 100, seed=3)
     assert run(local).stages == ran(*STAGES)
@@ -99,6 +102,7 @@ def _plan(path: Path) -> dict:
     return json.loads(out.getvalue())
 
 
+@pytest.mark.slow
 def test_new_hub_commit_reruns_the_stages_that_use_the_model(tmp_path, hf_home, prefect_server):
     repo = "Org/Keys-0.5B.v1"
     snapshot = fake_hub_model(hf_home, repo, "d" * 40)
@@ -110,3 +114,26 @@ def test_new_hub_commit_reruns_the_stages_that_use_the_model(tmp_path, hf_home, 
     fake_hub_model(hf_home, repo, "e" * 40, seed=1)
     assert run(path).stages == ran("memory-budget", "fine-tune", "evaluate", "register")
     shutil.rmtree(snapshot)
+
+
+def test_local_checkpoints_are_hashed_once_then_known_by_size_and_mtime(tmp_path, monkeypatch):
+    from fulltune import pipeline
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").write_bytes(b"w" * 1000)
+    (checkpoint / "config.json").write_text("{}")
+    work = tmp_path / "work"
+    work.mkdir()
+    reads = []
+    real = pipeline._file_sha256
+    monkeypatch.setattr(pipeline, "_file_sha256", lambda file: reads.append(file.name) or real(file))
+    first = pipeline.cached_hash(checkpoint, work)
+    assert sorted(reads) == ["config.json", "model.safetensors"]
+    assert pipeline.cached_hash(checkpoint, work) == first and len(reads) == 2, "nothing read the second time"
+    (checkpoint / "config.json").write_text('{"a": 1}')
+    assert pipeline.cached_hash(checkpoint, work) != first
+    assert reads[2:] == ["config.json"], "only the changed file is read again"
+    (checkpoint / "config.json").unlink()
+    pipeline.cached_hash(checkpoint, work)
+    assert str(checkpoint / "config.json") not in json.loads((work / pipeline.HASH_CACHE).read_text())
