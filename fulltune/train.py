@@ -366,6 +366,8 @@ class OptimizerStep:
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.max_grad_norm = max_grad_norm
         self.deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+        # A dynamic loss scale skips overflowing steps while it finds its value: fp16 only.
+        self.scales_loss = accelerator.scaler is not None or (self.deepspeed and accelerator.mixed_precision == "fp16")
 
     def __call__(self, step_loss: torch.Tensor, step: int) -> tuple[bool, torch.Tensor]:
         if self.deepspeed:
@@ -554,9 +556,9 @@ def train(job: TrainJob) -> TrainResult:
                 state.nonfinite_in_a_row = 0
             else:
                 state.nonfinite_steps += 1
-                # fp16's grad scaler skips overflowing steps while it lowers its scale; only a loss that is
-                # itself not finite (or any skip without a scaler) counts towards giving up.
-                if accelerator.scaler is None or not bool(torch.isfinite(step_loss)):  # Sync point (skips only)
+                # fp16's loss scaler skips overflowing steps while it lowers its scale; only a loss that is
+                # itself not finite (or any skip without a loss scaler) counts towards giving up.
+                if not step_optimizer.scales_loss or not bool(torch.isfinite(step_loss)):  # Sync point (skips only)
                     state.nonfinite_in_a_row += 1
                 if state.nonfinite_in_a_row >= job.max_nonfinite_steps:
                     raise TrainingError(

@@ -361,14 +361,16 @@ def test_fp16_overflow_is_skipped_the_scale_drops_and_training_goes_on(fp16_acce
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     step_optimizer = OptimizerStep(accelerator, model, optimizer, scheduler, max_grad_norm=1.0)
     x, y = torch.randn(16, 8), torch.randn(16, 1)
-    faults = {2: float("nan"), 4: float("inf")}  # step 4: an infinite loss whose gradients are finite
+    # step 2: a NaN loss; step 4: an infinite loss whose gradients are finite; step 5: a finite loss whose
+    # scaled gradients overflow (the usual fp16 case)
+    faults = {2: lambda loss: loss * float("nan"), 4: lambda loss: loss + float("inf"), 5: lambda loss: loss * 1e37}
+    assert step_optimizer.scales_loss
     stepped, scales, losses = [], [], []
-    for step in range(1, 7):
+    for step in range(1, 8):
         before = [p.detach().clone() for p in model.parameters()]
         loss = (model(x).float() - y).pow(2).mean()
         losses.append(loss.item())
-        if step in faults:
-            loss = loss * faults[step] if step == 2 else loss + faults[step]
+        loss = faults.get(step, lambda loss: loss)(loss)
         accelerator.backward(loss)
         outcome, norm = step_optimizer(loss.detach(), step)
         stepped.append(outcome)
@@ -376,8 +378,8 @@ def test_fp16_overflow_is_skipped_the_scale_drops_and_training_goes_on(fp16_acce
         unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
         assert unchanged == (not outcome), step
         assert all(p.grad is None for p in model.parameters())
-    assert stepped == [True, False, True, False, True, True]
-    assert scales == [2.0**12, 2.0**11, 2.0**11, 2.0**10, 2.0**10, 2.0**10]
+    assert stepped == [True, False, True, False, False, True, True]
+    assert scales == [2.0**12, 2.0**11, 2.0**11, 2.0**10, 2.0**9, 2.0**9, 2.0**9]
     assert scheduler.scheduler.last_epoch == 4  # the schedule advances with the optimizer steps only
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
     assert all(torch.isfinite(p).all() for p in model.parameters())
