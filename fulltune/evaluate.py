@@ -256,13 +256,15 @@ def tokenizer_signature(tokenizer: Any) -> str:
 
 
 def champion_rows(rows: list[dict[str, Any]], tuned_tokenizer: Any, champion_tokenizer: Any, data: DataSpec,
-                  max_examples: int | None, version: str) -> ChampionRows:
-    """Tokenize the eval examples for the champion with its own tokenizer, and say what is comparable."""
+                  max_examples: int | None, version: str, token: str | None = None) -> ChampionRows:
+    """Tokenize the eval examples for the champion with its own tokenizer, and say what is comparable.
+
+    `token` reads a private hub dataset in `data.eval`."""
     if tokenizer_signature(champion_tokenizer) == tokenizer_signature(tuned_tokenizer):
         return ChampionRows(rows, SAME_TOKENS, f"the champion (version {version}) uses the same tokenizer, so the "
                                                 "eval loss per token is compared directly")
     sizes = f"vocabulary of {len(champion_tokenizer)} tokens, this model's {len(tuned_tokenizer)}"
-    records = raw_eval_records(data, rows, max_examples)
+    records = raw_eval_records(data, rows, max_examples, token)
     if records is None:
         return ChampionRows(None, REFUSED, (
             f"the champion (version {version}) has another tokenizer ({sizes}) and the eval examples of format "
@@ -294,8 +296,8 @@ def _same_tokens(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
         list(x["input_ids"]) == list(y["input_ids"]) and list(x["labels"]) == list(y["labels"]) for x, y in zip(a, b))
 
 
-def raw_eval_records(data: DataSpec, rows: list[dict[str, Any]],
-                     max_examples: int | None) -> list[dict[str, Any]] | None:
+def raw_eval_records(data: DataSpec, rows: list[dict[str, Any]], max_examples: int | None,
+                     token: str | None = None) -> list[dict[str, Any]] | None:
     """The eval examples as records of the training data (the columns `data.format` reads), or None.
 
     prompt_completion rows carry their prompt and completion strings. For the other formats only
@@ -308,7 +310,7 @@ def raw_eval_records(data: DataSpec, rows: list[dict[str, Any]],
     from fulltune.data import load_records
 
     with tempfile.TemporaryDirectory(prefix="fulltune-eval-") as cache:
-        records = load_records(data.eval, what="data.eval", cache_dir=cache)
+        records = load_records(data.eval, what="data.eval", cache_dir=cache, token=token)
         if max_examples is not None:
             # Only the first max_examples usable ones are measured; examples left with no target after
             # truncation are dropped, so read a margin rather than every record of a large eval set.
@@ -344,16 +346,18 @@ class ChampionResult:
 
 
 def measure_champion(rows: list[dict[str, Any]], tuned: ModelMetrics, tuned_tokenizer: Any, champion_dir: str,
-                     data: DataSpec, version: str, *, max_examples: int | None,
+                     data: DataSpec, version: str, *, max_examples: int | None, data_token: str | None = None,
                      **evaluate_kwargs: Any) -> ChampionResult:
     """Evaluate the champion on the eval examples tokenized with its own tokenizer (see the module docstring).
 
     `rows` and `tuned` are the fine-tuned model's eval rows and metrics, `tuned_tokenizer` the tokenizer
-    that made the rows; `evaluate_kwargs` are `evaluate_model`'s keyword arguments.
+    that made the rows; `data_token` reads a private hub `data.eval`; `evaluate_kwargs` are
+    `evaluate_model`'s keyword arguments.
     """
     from fulltune.models import load_tokenizer
 
-    plan = champion_rows(rows, tuned_tokenizer, load_tokenizer(champion_dir), data, max_examples, version)
+    plan = champion_rows(rows, tuned_tokenizer, load_tokenizer(champion_dir), data, max_examples, version,
+                         data_token)
     if plan.rows is None:
         return ChampionResult(None, None, plan.kind, plan.reason)
     own = evaluate_model(champion_dir, champion_dir, plan.rows, **evaluate_kwargs)

@@ -58,7 +58,7 @@ def _with_champion(p: ResolvedPipeline, rows: list, trained: TrainedModel, champ
                    metrics: dict, options: dict) -> EvalReport:
     """The report, with the champion measured on its own tokens when there is one to compare."""
     from fulltune.evaluate import NOT_COMPARED, measure_champion
-    from fulltune.models import load_tokenizer
+    from fulltune.models import hub_token, load_tokenizer
     from fulltune.registry import download_version
 
     if champion is None:
@@ -71,7 +71,7 @@ def _with_champion(p: ResolvedPipeline, rows: list, trained: TrainedModel, champ
     tuned_tokenizer = load_tokenizer(trained.model_dir, trust_remote_code=p.spec.model.trust_remote_code)
     result = measure_champion(
         rows, metrics["fine_tuned"], tuned_tokenizer, local, p.spec.data, champion.version,
-        max_examples=p.spec.evaluate.max_examples,
+        max_examples=p.spec.evaluate.max_examples, data_token=hub_token(p.spec.model.token_env),
         load_kwargs={"revision": None, "trust_remote_code": False,
                      "allow_pickle_weights": p.spec.model.allow_pickle_weights,
                      "attn_implementation": p.spec.model.attn_implementation},
