@@ -128,17 +128,22 @@ def shard_model(model: Any, device: str = "cpu", mixed_precision: str = "no", me
     return model
 
 
+def _unwrap(model: Any) -> Any:
+    """The module under torch.compile's wrapper (its state dict keys would carry `_orig_mod.`)."""
+    return getattr(model, "_orig_mod", model)
+
+
 def is_sharded(model: Any) -> bool:
-    """Whether `model` was sharded with FSDP2."""
+    """Whether `model` (or the module torch.compile wrapped) was sharded with FSDP2."""
     from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(model, FSDPModule)
+    return isinstance(_unwrap(model), FSDPModule)
 
 
 def gradient_sync(model: Any, enabled: bool) -> None:
     """Reduce-scatter gradients after this backward (True, the default) or accumulate them unsharded
     on every process until a backward with sync on (False: saves communication, costs 4·P bytes)."""
-    model.set_requires_gradient_sync(enabled)
+    _unwrap(model).set_requires_gradient_sync(enabled)
 
 
 def clip_grad_norm_(model: Any, max_norm: float) -> Any:
@@ -160,7 +165,7 @@ def clip_grad_norm_(model: Any, max_norm: float) -> Any:
 def _state(model: Any, optimizer: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(_unwrap(model), optimizer)
     return {"model": model_state, "optimizer": optimizer_state}
 
 
@@ -185,7 +190,7 @@ def load_sharded_state(directory: str | Path, model: Any, optimizer: Any) -> Non
     # loader knows every tensor to fill.
     state = _state(model, optimizer)
     dcp.load(state, checkpoint_id=str(directory))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(_unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def _barrier() -> None:
@@ -241,6 +246,7 @@ def full_state_dict(model: Any) -> dict[str, Any]:
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    model = _unwrap(model)
     if not is_sharded(model):
         return {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -260,7 +266,7 @@ def save_pretrained(model: Any, directory: str | Path, tokenizer: Any = None) ->
     state_dict = full_state_dict(model)
     if _is_main():
         with atomic_dir(directory) as tmp:
-            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            _unwrap(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
     _barrier()
