@@ -430,6 +430,8 @@ def check_sources(p: ResolvedPipeline, check_hub: bool = True) -> tuple[list[str
     up in the local Hugging Face cache when HF_HUB_OFFLINE=1 (a run could not fetch it); online it is
     left to run time, which a note says.
     """
+    from fulltune.tokenizer import TOKENIZER_FILES
+
     problems, notes = [], []
     token_env = p.spec.model.token_env
     if check_hub and token_env and not os.environ.get(token_env) and not hub.offline():
@@ -455,4 +457,6 @@ def check_sources(p: ResolvedPipeline, check_hub: bool = True) -> tuple[list[str
             problems.append(f"{where}: {path} holds no config.json; point it at a checkpoint directory")
         elif kind == "config" and not path.is_file():
             problems.append(f"{where}: {path} is not a file; point it at a config.json")
+        elif kind == "tokenizer" and not any((path / name).is_file() for name in TOKENIZER_FILES):
+            problems.append(f"{where}: {path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)})")
     return problems, notes

@@ -57,7 +57,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 def prepare_tokenizer(model: ModelSpec, data: DataSpec, workdir: str | Path) -> str:
@@ -95,9 +95,9 @@ def _check_reference(reference: str, field: str, revision: str | None = None, to
     if path.exists():
         if not path.is_dir():
             raise ConfigError(f"{field}: {reference} is a file; point it at the directory holding the tokenizer files")
-        if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
             raise ConfigError(
-                f"{field}: {reference} holds no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
+                f"{field}: {reference} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
                 "point model.tokenizer at a tokenizer directory"
             )
         return reference

@@ -105,6 +105,9 @@ def test_validate_lists_every_missing_local_file_with_its_yaml_path(tmp_path):
     path = tiny_pipeline(tmp_path, model={"from_config": None, "tokenizer": None, "name_or_path": "./ckpt"})
     assert_user_error(run_cli("validate", str(path), cwd=tmp_path),
                       "pipelines.tiny.model.name_or_path:", "ckpt holds no config.json")
+    path = tiny_pipeline(tmp_path, model={"tokenizer": "ckpt"})
+    assert_user_error(run_cli("validate", str(path), cwd=tmp_path),
+                      "pipelines.tiny.model.tokenizer:", "ckpt holds no tokenizer files")
 
 
 @pytest.mark.skipif("__import__('torch').cuda.is_available()", reason="needs a machine without a GPU")
