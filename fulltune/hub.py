@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from fulltune.errors import ConfigError, UserError
+from fulltune.errors import UserError
 
 RepoType = Literal["model", "dataset"]
 
@@ -144,7 +144,3 @@ def snapshot(repo_id: str, revision: str | None = None, repo_type: RepoType = "m
         raise HubError(f"{_describe(repo_id, revision, repo_type)} could not be fetched: "
                        f"{type(exc).__name__}: {exc}") from None
 
-
-def named(error: HubError, field: str, cls: type[UserError] = ConfigError) -> UserError:
-    """The same message, prefixed with the YAML field it came from."""
-    return cls(f"{field}: {error}")
