@@ -244,8 +244,10 @@ def validate_job(job: TrainJob) -> None:
          "num_processes > 1 needs a strategy (ddp, fsdp, deepspeed_zero2, deepspeed_zero3)")
     if job.device == "cpu":
         need(job.mixed_precision != "fp16", "mixed_precision fp16 needs a CUDA device; use bf16 or no on CPU")
-        need(job.strategy in ("none", "ddp"), f"strategy {job.strategy} needs CUDA devices; use ddp on CPU")
+        need(job.strategy in ("none", "ddp", "fsdp"), f"strategy {job.strategy} needs CUDA devices; use ddp or fsdp on CPU")
         need(job.num_machines == 1, "training on CPU runs on one machine")
+    need(job.strategy != "fsdp" or job.mixed_precision != "fp16",
+         "strategy fsdp trains in bf16 or fp32: set mixed_precision to bf16 or no")
     if problems:
         raise ConfigError("train job: " + "; ".join(problems))
     if not Path(job.train_file).is_file():
@@ -323,7 +325,14 @@ def training_command(job: TrainJob, job_file: Path) -> list[str]:
     """The command line that runs the child (see the module docstring)."""
     if job.num_processes == 1 and job.strategy == "none":
         return [sys.executable, "-m", "fulltune.train", str(job_file)]
-    if job.device == "cpu":
+    if job.strategy in ("ddp", "fsdp"):
+        from fulltune.rendezvous import launch_command
+
+        command = launch_command(job_file, job.num_processes, job.num_machines)  # several machines: c10d
+        if command is not None:
+            return command
+    if job.device == "cpu" or job.strategy == "fsdp":
+        # FSDP shards the model itself (fulltune/sharding.py) on CPU and CUDA alike.
         # `accelerate launch --cpu --num_processes 2` ran a single process (accelerate 1.x);
         # torchrun gives Accelerate a MULTI_CPU (gloo) run.
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -355,7 +364,7 @@ def run_training(job: TrainJob, on_output: Callable[[str], None] | None = None) 
         (output_dir / stale).unlink(missing_ok=True)
     job_file = output_dir / JOB_FILE
     atomic_write_text(job_file, job.to_json())
-    if job.device == "cuda" and job.strategy != "none":
+    if job.device == "cuda" and job.strategy not in ("none", "fsdp"):
         atomic_write_text(output_dir / ACCELERATE_CONFIG_FILE, yaml.safe_dump(generate_accelerate_config(job)))
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")

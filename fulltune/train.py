@@ -46,6 +46,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
+from fulltune import sharding
 from fulltune.data import collate, iter_length_grouped_batches, pad_token_id_of, row_target_counts
 from fulltune.errors import ConfigError, DataError, TrainingError, UserError
 from fulltune.fingerprint import atomic_dir, atomic_write_text, fsync_dir, fsync_tree
@@ -177,7 +178,8 @@ def latest_checkpoint(root: Path) -> Path | None:
     return max(steps)[1] if steps else None
 
 
-def save_checkpoint(accelerator: Accelerator, root: Path, state: TrainState, keep: int, faults: FaultInjection) -> None:
+def save_checkpoint(accelerator: Accelerator, root: Path, state: TrainState, keep: int, faults: FaultInjection,
+                    model: torch.nn.Module, optimizer: Any) -> None:
     """Write checkpoints/.tmp-step-N, fsync, rename to checkpoints/step-N; keep the newest `keep`.
 
     accelerate's save_state writes the model, optimizer, scheduler and grad scaler states and each
@@ -190,6 +192,8 @@ def save_checkpoint(accelerator: Accelerator, root: Path, state: TrainState, kee
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    if sharding.is_sharded(model):  # FSDP2 outside prepare: each process writes its shards (fulltune/sharding.py)
+        sharding.save_sharded_state(tmp / sharding.SHARDED_STATE_DIR, model, optimizer)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / TRAINER_STATE_FILE).write_text(json.dumps(asdict(state)))
@@ -390,7 +394,10 @@ class OptimizerStep:
 
     def _clip(self) -> None:
         """Clip the (all-reduced) gradients; under fp16 this unscales them first."""
-        norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        if sharding.is_sharded(self.model):
+            norm = sharding.clip_grad_norm_(self.model, self.max_grad_norm)
+        else:
+            norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.grad_norm = torch.as_tensor(norm if norm is not None else 0.0, device=self.accelerator.device)
 
     def _overflow_unless(self, finite: torch.Tensor) -> None:
@@ -475,16 +482,23 @@ def train(job: TrainJob) -> TrainResult:
     model.config.use_cache = False
     num_layers = model.config.num_hidden_layers
     flops_per_token, flops_per_target, flops_per_pair = flop_coefficients(model)
+    head = TargetHead(model)
+    if job.strategy == "fsdp":
+        # FSDP2 driven directly (fulltune/sharding.py): Accelerate's CPU mode is DDP only, and a model kept
+        # out of prepare keeps its gradients sharded while accumulating. bf16 is FSDP's policy, not autocast.
+        sharding.shard_model(model, device=job.device, mixed_precision=job.mixed_precision)
     optimizer = build_optimizer(job, model)
     warmup_steps = math.ceil(job.warmup_ratio * total_steps)
     schedule_name = "constant_with_warmup" if job.lr_scheduler == "constant" else job.lr_scheduler
     scheduler = get_scheduler(schedule_name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
-    head = TargetHead(model)
     if job.compile:
         model = head.compile(model)
     if accelerator.state.deepspeed_plugin is not None:  # DeepSpeed reads it from a prepared dataloader otherwise
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if sharding.is_sharded(model):
+        scheduler = accelerator.prepare(scheduler)  # model and optimizer stay FSDP2's (see above)
+    else:
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     model.train()
     step_optimizer = OptimizerStep(accelerator, model, optimizer, scheduler, job.max_grad_norm)
 
@@ -501,6 +515,8 @@ def train(job: TrainJob) -> TrainResult:
     checkpoint = latest_checkpoint(checkpoints)
     if checkpoint is not None:
         accelerator.load_state(str(checkpoint))
+        if sharding.is_sharded(model):
+            sharding.load_sharded_state(checkpoint / sharding.SHARDED_STATE_DIR, model, optimizer)
         state = TrainState(**json.loads((checkpoint / TRAINER_STATE_FILE).read_text()))
         if state.total_steps != total_steps:
             raise ConfigError(f"{checkpoint}: written for {state.total_steps} steps, this job has {total_steps}; "
@@ -596,14 +612,17 @@ def train(job: TrainJob) -> TrainResult:
 
             if job.checkpoint_every_steps and state.step % job.checkpoint_every_steps == 0 and state.step < total_steps:
                 state.interval_loss_sum = interval_loss.item()  # Sync point (checkpoint)
-                save_checkpoint(accelerator, checkpoints, state, job.keep_checkpoints, faults)
+                save_checkpoint(accelerator, checkpoints, state, job.keep_checkpoints, faults, model, optimizer)
                 faults.maybe_kill("after_checkpoint", state.step)
     seconds = time.perf_counter() - started
 
     # The final model, whole or not at all: gathered on every process (FSDP/DeepSpeed shards), written by one.
     model_dir = output_dir / MODEL_DIR
-    state_dict = accelerator.get_state_dict(model)
-    if main_process:
+    if sharding.is_sharded(model):
+        model.config.use_cache = use_cache
+        sharding.save_pretrained(model, model_dir, tokenizer)  # gathered on rank 0, a normal HF checkpoint
+    state_dict = accelerator.get_state_dict(model) if not sharding.is_sharded(model) else None
+    if main_process and state_dict is not None:
         unwrapped = accelerator.unwrap_model(model)
         unwrapped.config.use_cache = use_cache
         with atomic_dir(model_dir) as tmp:
