@@ -208,7 +208,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     # Validate before starting Prefect, so a bad config costs nothing and leaves nothing behind.
     p = resolve_pipeline(args.file, args.name, args.overrides)
-    ensure_local_data(p)
+    ensure_local_data(p, check_hub=True)
     pin_hub_revisions(p)
     resolved_budget(p)
     _quiet_user_errors()

@@ -396,10 +396,11 @@ def describe_settings(settings: dict[str, Any], num_layers: int) -> str:
             f"optimizer={settings['optimizer']}, gradient checkpointing {ckpt_text}")
 
 
-def ensure_local_data(p: ResolvedPipeline) -> None:
+def ensure_local_data(p: ResolvedPipeline, check_hub: bool = False) -> None:
     """Fail fast, before any stage runs, on a local file the pipeline names that does not exist (every
-    one of them in one message, each with its YAML path)."""
-    problems, _ = check_sources(p, check_hub=False)
+    one of them in one message, each with its YAML path); with `check_hub`, also on a hub id that is
+    not in the cache while offline."""
+    problems, _ = check_sources(p, check_hub=check_hub)
     if problems:
         error = DataError if all(".data." in problem for problem in problems) else ConfigError
         raise error("\n".join(problems) if len(problems) == 1 else
