@@ -16,6 +16,8 @@ Usage:
     python benchmarks/memory_accuracy.py            # full grid (~10 min on 2 cores), updates BENCHMARKS.md
     python benchmarks/memory_accuracy.py --quick    # only the real-tensor rows
     python benchmarks/memory_accuracy.py --no-write # print only
+    python benchmarks/memory_accuracy.py --disagreement [--trace]  # estimate vs real step (vs trace), per
+                                                                   # kind: fulltune/memory/uncertainty.py
 """
 
 from __future__ import annotations
@@ -241,11 +243,54 @@ def section(rows: list[dict], command: str, seconds: float) -> str:
     )
 
 
+def disagreement_grid() -> list[tuple[str, object, Settings]]:
+    """Small models of each layout, every checkpointing kind, with and without accumulation and mask."""
+    configs = {
+        "llama": _llama(128, 352, 4, 8, 2, 500),
+        "gpt2": transformers.GPT2Config(n_embd=128, n_layer=4, n_head=4, vocab_size=500, n_positions=256,
+                                        resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0),
+        "gpt_neox": _neox(128, 4, 4, 512, 500),
+    }
+    out = []
+    for name, config in configs.items():
+        for k, kind in ((0, "none"), (1, "partial"), (4, "all")):
+            for ga, mask, precision in ((1, True, "no"), (4, False, "bf16")):
+                settings = S(micro_batch_size=2, seq_len=256, gradient_accumulation_steps=ga, gradient_checkpointing=k,
+                             mixed_precision=precision, optimizer="adafactor", attention_mask=mask)
+                out.append((f"{name}/{kind}", config, settings))
+    return out
+
+
+def disagreement(trace: bool) -> int:
+    """Estimate vs the real CPU step (and its trace); the largest |estimate/real − 1| per kind."""
+    worst: dict[str, float] = {}
+    for kind, config, settings in disagreement_grid():
+        real = measure_memory(config, settings)
+        est = estimate_memory(config, settings).peak_bytes
+        error = est / real - 1
+        worst[kind] = max(worst.get(kind, 0.0), abs(error))
+        traced = ""
+        if trace:
+            peak = simulate_memory(config, settings).peak_bytes
+            traced = f" trace {peak:>10d} ({peak / real - 1:+.2%})"
+        print(f"{kind:18s} {describe(settings):40s} real {real:>10d}{traced} estimate {est:>10d} ({error:+.2%})",
+              flush=True)
+    print("largest |estimate/real - 1| per kind:")
+    for kind, value in worst.items():
+        print(f"  {kind:18s} {value:.2%}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the real-tensor rows")
     parser.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
+    parser.add_argument("--disagreement", action="store_true",
+                        help="estimate vs the real step per configuration kind (small models, a few minutes)")
+    parser.add_argument("--trace", action="store_true", help="with --disagreement: also trace each step")
     args = parser.parse_args()
+    if args.disagreement:
+        return disagreement(args.trace)
     cases = grid()
     if args.quick:
         cases = [c for c in cases if c.method == "measured"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fulltune.memory.errors import MemoryConfigError
+
 
 def decoder_layers(model: Any) -> list[Any]:
     """The repeated decoder blocks of a causal LM, in forward order."""
@@ -22,7 +24,7 @@ def decoder_layers(model: Any) -> list[Any]:
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) > 0:
             return list(module)
-    raise ValueError(f"{type(model).__name__}: no decoder layers found to checkpoint")
+    raise MemoryConfigError(f"{type(model).__name__}: no decoder layers found to checkpoint")
 
 
 def apply_gradient_checkpointing(model: Any, num_layers: int | bool) -> int:
@@ -34,7 +36,7 @@ def apply_gradient_checkpointing(model: Any, num_layers: int | bool) -> int:
     or 0 none. Returns the number of layers checkpointed.
 
     Raises:
-        ValueError: `num_layers` is negative, or the model supports no gradient checkpointing.
+        MemoryConfigError: `num_layers` is negative, or the model supports no gradient checkpointing.
     """
     layers = decoder_layers(model)
     if num_layers is True:
@@ -44,12 +46,12 @@ def apply_gradient_checkpointing(model: Any, num_layers: int | bool) -> int:
     else:
         k = int(num_layers)
     if k < 0:
-        raise ValueError(f"gradient_checkpointing must be >= 0 layers; got {num_layers}")
+        raise MemoryConfigError(f"gradient_checkpointing must be >= 0 layers; got {num_layers}")
     k = min(k, len(layers))
     if k == 0:
         return 0
     if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
+        raise MemoryConfigError(f"{type(model).__name__} does not support gradient checkpointing")
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

@@ -252,7 +252,7 @@ def estimate_memory(config: Any, settings: Settings) -> MemoryEstimate:
     Pure arithmetic (no torch); per process. See the module docstring for what is counted.
 
     Raises:
-        ValueError: the config lacks the dimensions of a decoder-only causal LM.
+        MemoryConfigError: the config lacks the dimensions of a decoder-only causal LM.
     """
     shape = model_shape(config)
     return _estimate(shape, settings)

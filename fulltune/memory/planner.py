@@ -4,6 +4,10 @@ The planner only changes fields the user left on auto, keeps the effective batch
 (micro_batch_size × gradient_accumulation_steps × num_processes) fixed, and among the settings
 whose estimated device memory fits in budget × (1 − headroom) picks the fastest by a simple
 step-time model (below). Gradient checkpointing is turned on for as few layers as needed.
+
+A setting fits when its estimate plus the estimate's uncertainty for that kind of configuration
+(the largest disagreement measured, `uncertainty.py`) fits. Where the step has been traced under
+FakeTensorMode (`plan_memory(trace=True)`), it fits when the larger of estimate and trace does.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fulltune.memory.estimate import _estimate
+from fulltune.memory.errors import MemoryConfigError
+from fulltune.memory.estimate import _estimate, _runtime_overhead
 from fulltune.memory.shapes import ModelShape, model_shape
 from fulltune.memory.types import MemoryEstimate, MemoryPlan, PlanRequest, Settings
+from fulltune.memory.uncertainty import Uncertainty, estimate_uncertainty, traced_uncertainty
 from fulltune.memory.units import format_bytes, parse_bytes
 
 # --- step-time model --------------------------------------------------------------------------
@@ -86,13 +92,14 @@ def resolve_budget(device: str = "auto", memory: int | str = "auto") -> tuple[st
     memory (CPU: physical RAM, or the cgroup limit when lower).
 
     Raises:
-        ValueError: unknown device, an unreadable memory size, or `memory: auto` for cuda on a
-            machine without a GPU.
+        MemoryConfigError (a ConfigError: exit 2), naming `budget.device` or `budget.memory`: an
+            unknown device, an unreadable memory size, or `memory: auto` for cuda on a machine
+            without a GPU.
     """
     import torch
 
     if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"budget.device must be auto, cpu or cuda; got {device!r}")
+        raise MemoryConfigError(f"budget.device: must be auto, cpu or cuda; got {device!r}")
     has_cuda = torch.cuda.is_available()
     resolved = ("cuda" if has_cuda else "cpu") if device == "auto" else device
     if resolved == "cuda":
@@ -102,13 +109,16 @@ def resolve_budget(device: str = "auto", memory: int | str = "auto") -> tuple[st
     if memory == "auto":
         if resolved == "cuda":
             if not has_cuda:
-                raise ValueError(
-                    "budget.memory: auto needs a visible GPU to read its size; none is visible here. "
-                    "Give the per-GPU memory, e.g. budget.memory: 80GiB"
+                raise MemoryConfigError(
+                    "budget.memory: auto needs a visible GPU to read its size, and none is visible here "
+                    "(budget.device is cuda). Give the per-GPU memory, e.g. budget.memory: 80GiB"
                 )
             return resolved, int(torch.cuda.get_device_properties(0).total_memory), bf16
         return resolved, _cpu_memory(), bf16
-    return resolved, parse_bytes(memory), bf16
+    try:
+        return resolved, parse_bytes(memory), bf16
+    except MemoryConfigError as exc:
+        raise MemoryConfigError(f"budget.memory: {exc}") from None
 
 
 def _cpu_memory() -> int:
@@ -131,6 +141,21 @@ class _Candidate:
     settings: Settings
     estimate: MemoryEstimate
     seconds: float
+    uncertainty: Uncertainty
+
+    @property
+    def expected_bytes(self) -> int:
+        """Device bytes of the larger of estimate and trace (the estimate where not traced)."""
+        traced = self.uncertainty.traced_peak_bytes
+        if traced is None or traced <= self.estimate.peak_bytes:
+            return self.estimate.device_bytes
+        return traced + _runtime_overhead(self.settings, traced)
+
+    @property
+    def planned_bytes(self) -> int:
+        """What must fit: expected bytes plus the uncertainty, unless this very step was traced."""
+        margin = 0 if self.uncertainty.basis == "trace" else self.uncertainty.bytes
+        return self.expected_bytes + margin
 
 
 def _per_process(request: PlanRequest) -> int:
@@ -217,7 +242,13 @@ def _options(shape: ModelShape, request: PlanRequest) -> tuple[list[int], list[s
 
 
 def _candidate(shape: ModelShape, settings: Settings) -> _Candidate:
-    return _Candidate(settings, _estimate(shape, settings), step_seconds(shape, settings))
+    estimate = _estimate(shape, settings)
+    uncertainty = estimate_uncertainty(shape, settings, estimate.peak_bytes)
+    return _Candidate(settings, estimate, step_seconds(shape, settings), uncertainty)
+
+
+def _planned(shape: ModelShape, settings: Settings) -> int:
+    return _candidate(shape, settings).planned_bytes
 
 
 def _least_checkpointing(shape: ModelShape, base: Settings, usable: int, lowest: int = 0) -> _Candidate:
@@ -227,12 +258,14 @@ def _least_checkpointing(shape: ModelShape, base: Settings, usable: int, lowest:
     """
     L = shape.num_layers
     top = _candidate(shape, replace(base, gradient_checkpointing=L))
-    if top.estimate.device_bytes > usable:
-        return top
+    if top.planned_bytes > usable:
+        # All layers checkpointed has its own (larger) uncertainty: all but one may still fit.
+        below = _candidate(shape, replace(base, gradient_checkpointing=L - 1)) if L - 1 >= max(lowest, 1) else top
+        return below if below.planned_bytes <= usable else top
     lo, hi = lowest, L
     while lo < hi:
         mid = (lo + hi) // 2
-        if _estimate(shape, replace(base, gradient_checkpointing=mid)).device_bytes <= usable:
+        if _planned(shape, replace(base, gradient_checkpointing=mid)) <= usable:
             hi = mid
         else:
             lo = mid + 1
@@ -274,19 +307,26 @@ def _alternative(c: _Candidate, why: str) -> dict[str, Any]:
         **c.settings.choices(),
         "peak_bytes": c.estimate.peak_bytes,
         "device_bytes": c.estimate.device_bytes,
+        "uncertainty_bytes": c.uncertainty.bytes,
         "estimated_step_seconds": round(c.seconds, 6),
         "rejected_because": why,
     }
 
 
-def plan_memory(config: Any, request: PlanRequest) -> MemoryPlan:
+def plan_memory(config: Any, request: PlanRequest, trace: bool | None = False) -> MemoryPlan:
     """Plan the settings of a run so that one training step fits `request.budget_bytes`.
 
     With no budget, the configured settings run as they are (fits=True). Otherwise every
-    combination of the auto fields is estimated; the fastest one whose `device_bytes` fits in
-    budget × (1 − headroom) wins. When none fits, `fits` is False, `settings` is the candidate
-    with the smallest peak and `suggestions` say what would fit (more memory, more GPUs with
+    combination of the auto fields is estimated; the fastest one whose `device_bytes` plus the
+    estimate's uncertainty for its kind of configuration (`uncertainty.py`) fits in budget ×
+    (1 − headroom) wins. When none fits, `fits` is False, `settings` is the candidate with the
+    smallest footprint and `suggestions` say what would fit (more memory, more GPUs with
     FSDP/ZeRO-3, a shorter max_length).
+
+    `trace=True` also traces the chosen step under FakeTensorMode (`simulate_memory`; one process
+    only) and plans for the larger of estimate and trace; when the trace does not fit, the next
+    candidate is traced (at most `MAX_TRACES`). `trace=None` traces when that is cheap
+    (`trace_is_cheap`). The plan's `uncertainty` says which basis it rests on.
     """
     shape = model_shape(config)
     configured = _configured(shape, request)
@@ -305,10 +345,69 @@ def plan_memory(config: Any, request: PlanRequest) -> MemoryPlan:
             ),
             smallest_peak_bytes=configured_estimate.peak_bytes,
             estimated_step_seconds=step_seconds(shape, configured),
+            uncertainty=_candidate(shape, configured).uncertainty.to_dict(),
+            expected_bytes=configured_estimate.device_bytes,
         )
     usable = int(request.budget_bytes * (1.0 - request.headroom))
     candidates = _search(shape, request, usable)
-    return _finish(shape, request, usable, configured, configured_estimate, candidates)
+    reasons: tuple[str, ...] = ()
+    if trace or (trace is None and trace_is_cheap(shape, request)):
+        candidates, reasons = _traced(config, shape, candidates, usable)
+    return _finish(shape, request, usable, configured, configured_estimate, candidates, reasons)
+
+
+# --- tracing the chosen step ------------------------------------------------------------------
+
+
+def _widened(c: _Candidate, seen: Uncertainty) -> _Candidate:
+    """An untraced candidate's uncertainty, at least what a trace of this model just showed."""
+    if c.uncertainty.basis == "trace" or seen.fraction <= c.uncertainty.fraction:
+        return c
+    evidence = f"a trace of this model read {seen.fraction:.2%} off its estimate"
+    return replace(c, uncertainty=replace(c.uncertainty, bytes=int(seen.fraction * c.estimate.peak_bytes),
+                                          fraction=seen.fraction, basis="measured", evidence=evidence))
+
+MAX_TRACES = 3
+# A FakeTensor trace costs about this much per decoder layer and forward/backward pass on one core of
+# the development CPU (the short schedule runs 2 passes, 3 with accumulation: trace.py).
+TRACE_SECONDS_PER_LAYER_PASS = 0.35
+# `trace=None` (auto) traces when that costs less than this.
+CHEAP_TRACE_SECONDS = 10.0
+
+
+def trace_is_cheap(shape: ModelShape, request: PlanRequest) -> bool:
+    """Whether tracing a step of this model costs under `CHEAP_TRACE_SECONDS` (one process only)."""
+    if request.strategy != "none" or request.num_processes != 1:
+        return False
+    return shape.num_layers * 3 * TRACE_SECONDS_PER_LAYER_PASS <= CHEAP_TRACE_SECONDS
+
+
+def _traced(config: Any, shape: ModelShape, candidates: list[_Candidate], usable: int
+            ) -> tuple[list[_Candidate], tuple[str, ...]]:
+    """Trace the fastest fitting candidate; while the larger of estimate and trace does not fit, the next."""
+    from fulltune.memory.trace import simulate_memory
+
+    candidates = list(candidates)
+    reasons = []
+    for _ in range(MAX_TRACES):
+        fitting = sorted((c for c in candidates if c.planned_bytes <= usable),
+                         key=lambda c: (c.seconds, c.settings.gradient_checkpointing, -c.settings.micro_batch_size))
+        if not fitting or fitting[0].uncertainty.basis == "trace":
+            break
+        chosen = fitting[0]
+        if chosen.settings.strategy != "none" or chosen.settings.num_processes != 1:
+            reasons.append("not traced: the trace runs one process; the estimate's measured uncertainty applies")
+            break
+        traced_peak = simulate_memory(config, chosen.settings).peak_bytes
+        uncertainty = traced_uncertainty(shape, chosen.settings, chosen.estimate.peak_bytes, traced_peak)
+        traced = replace(chosen, uncertainty=uncertainty)
+        candidates = [traced if c is chosen else _widened(c, uncertainty) for c in candidates]
+        reasons.append(
+            f"traced {_describe(chosen.settings)}: peak {format_bytes(traced_peak)} against the estimate's "
+            f"{format_bytes(chosen.estimate.peak_bytes)}; planning for the larger"
+            + ("" if traced.planned_bytes <= usable else f" ({format_bytes(traced.planned_bytes)}: does not fit)")
+        )
+    return candidates, tuple(reasons)
 
 
 def _finish(
@@ -323,10 +422,10 @@ def _finish(
     budget = request.budget_bytes
     assert budget is not None
     fitting = sorted(
-        (c for c in candidates if c.estimate.device_bytes <= usable),
+        (c for c in candidates if c.planned_bytes <= usable),
         key=lambda c: (c.seconds, c.settings.gradient_checkpointing, -c.settings.micro_batch_size),
     )
-    smallest = min(candidates, key=lambda c: (c.estimate.device_bytes, c.seconds))
+    smallest = min(candidates, key=lambda c: (c.planned_bytes, c.seconds))
     fits = bool(fitting)
     chosen = fitting[0] if fits else smallest
     reasons = [
@@ -350,8 +449,8 @@ def _finish(
     if not fits:
         reasons.append(
             f"nothing fits: the smallest configuration ({_describe(chosen.settings)}) needs "
-            f"{format_bytes(chosen.estimate.device_bytes)}, {format_bytes(chosen.estimate.device_bytes - usable)} "
-            "over budget"
+            f"{format_bytes(chosen.expected_bytes)} ± {format_bytes(chosen.uncertainty.bytes)}, "
+            f"{format_bytes(chosen.planned_bytes - usable)} over budget with that uncertainty"
         )
         suggestions = _suggestions(shape, request, chosen)
     alternatives = []
@@ -360,12 +459,13 @@ def _finish(
             break
         alternatives.append(_alternative(c, f"slower: {c.seconds:.3g} s/step vs {chosen.seconds:.3g} s/step"))
     over_budget = sorted(
-        (c for c in candidates if c.estimate.device_bytes > usable and c is not chosen),
+        (c for c in candidates if c.planned_bytes > usable and c is not chosen),
         key=lambda c: c.seconds,
     )
     for c in over_budget[:3]:
         alternatives.append(
-            _alternative(c, f"does not fit: {format_bytes(c.estimate.device_bytes)} > {format_bytes(usable)} usable")
+            _alternative(c, f"does not fit: {format_bytes(c.expected_bytes)} ± {format_bytes(c.uncertainty.bytes)} > "
+                            f"{format_bytes(usable)} usable")
         )
     return MemoryPlan(
         device=request.device,
@@ -380,6 +480,8 @@ def _finish(
         suggestions=suggestions,
         usable_bytes=usable,
         estimated_step_seconds=chosen.seconds,
+        uncertainty=chosen.uncertainty.to_dict(),
+        expected_bytes=chosen.expected_bytes,
     )
 
 
@@ -417,7 +519,7 @@ def _change_reasons(shape: ModelShape, configured: Settings, chosen: _Candidate,
 
 def _suggestions(shape: ModelShape, request: PlanRequest, smallest: _Candidate) -> tuple[str, ...]:
     out = []
-    need = smallest.estimate.device_bytes / (1.0 - request.headroom)
+    need = smallest.planned_bytes / (1.0 - request.headroom)
     out.append(
         f"a budget of {format_bytes(need)} per device would fit {_describe(smallest.settings)} "
         f"(peak {format_bytes(smallest.estimate.peak_bytes)})"
@@ -430,7 +532,7 @@ def _suggestions(shape: ModelShape, request: PlanRequest, smallest: _Candidate) 
                 continue
             sharded = replace(request, strategy="fsdp", num_processes=n, micro_batch_size=None, gradient_accumulation_steps=None)
             usable = int(request.budget_bytes * (1.0 - request.headroom)) if request.budget_bytes else 0
-            candidates = [c for c in _search(shape, sharded, usable) if c.estimate.device_bytes <= usable]
+            candidates = [c for c in _search(shape, sharded, usable) if c.planned_bytes <= usable]
             if candidates:
                 best = min(candidates, key=lambda c: c.seconds)
                 out.append(
@@ -443,7 +545,7 @@ def _suggestions(shape: ModelShape, request: PlanRequest, smallest: _Candidate) 
     while seq > 64:
         seq //= 2
         shorter = replace(request, seq_len=seq)
-        candidates = [c for c in _search(shape, shorter, usable) if c.estimate.device_bytes <= usable]
+        candidates = [c for c in _search(shape, shorter, usable) if c.planned_bytes <= usable]
         if candidates:
             out.append(f"data.max_length {seq} (instead of {request.seq_len}) would fit on this budget")
             break

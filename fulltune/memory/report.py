@@ -17,6 +17,23 @@ def _settings_line(plan: MemoryPlan) -> str:
     )
 
 
+def margin_line(plan: MemoryPlan) -> str | None:
+    """'fits with 0.4 GiB to spare; the estimate's uncertainty here is ±1 GiB (…)' — None without a budget."""
+    u = plan.uncertainty or {}
+    spare = plan.spare_bytes
+    if spare is None or "bytes" not in u:
+        return None
+    basis = {
+        "trace": "estimate and trace of this step differ by that much; planned for the larger",
+        "measured": f"the largest disagreement measured for {u['kind']}",
+        "assumed": f"{u['kind']} is not measured; assumed",
+    }[u["basis"]]
+    uncertainty = f"±{format_bytes(u['bytes'])} ({basis})"
+    if spare >= 0:
+        return f"fits with {format_bytes(spare)} to spare; the estimate's uncertainty here is {uncertainty}"
+    return f"{format_bytes(-spare)} over the usable budget; the estimate's uncertainty here is {uncertainty}"
+
+
 def format_plan_table(plan: MemoryPlan) -> str:
     """A readable table: configured vs planned breakdown, totals, budget, reasons, alternatives."""
     budget = plan.budget_bytes
@@ -47,6 +64,9 @@ def format_plan_table(plan: MemoryPlan) -> str:
             lines.append(sep)
         lines.append(f"| {a:{w0}} | {b:>{w1}} | {c:>{w2}} |")
     lines.append(sep)
+    margin = margin_line(plan)
+    if margin:
+        lines.append(margin)
     lines.append(_settings_line(plan))
     share = plan.settings.target_fraction
     if share < 1.0:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from fulltune.memory.errors import MemoryConfigError
+
 LLAMA_LIKE = {
     "llama",
     "mistral",
@@ -105,7 +107,7 @@ def model_shape(config: Any) -> ModelShape:
     """Read a `transformers.PretrainedConfig` (or any object with the same attributes).
 
     Raises:
-        ValueError: the config lacks the dimensions a decoder-only causal LM needs.
+        MemoryConfigError: the config lacks the dimensions a decoder-only causal LM needs.
     """
     model_type = str(getattr(config, "model_type", "") or "")
     text_config = getattr(config, "text_config", None)
@@ -125,7 +127,7 @@ def _require(config: Any, model_type: str, *pairs: tuple[str, ...]) -> list[int]
     for names in pairs:
         value = _get(config, *names)
         if value is None:
-            raise ValueError(
+            raise MemoryConfigError(
                 f"model config ({model_type or 'unknown type'}) has no {names[0]}: the memory model needs "
                 "hidden_size, num_hidden_layers, num_attention_heads, intermediate_size and vocab_size"
             )

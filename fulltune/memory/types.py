@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fulltune.memory.errors import MemoryConfigError
+
 MIXED_PRECISIONS = ("no", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adamw_8bit", "adafactor")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -23,7 +25,7 @@ BREAKDOWN_KEYS = (
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+        raise MemoryConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -74,22 +76,22 @@ class Settings:
         for name in ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "num_processes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+                raise MemoryConfigError(f"{name} must be an integer >= 1; got {value!r}")
         if isinstance(self.gradient_checkpointing, bool) or not isinstance(self.gradient_checkpointing, int):
-            raise ValueError(
+            raise MemoryConfigError(
                 f"gradient_checkpointing must be a number of layers (int >= 0); got {self.gradient_checkpointing!r}"
             )
         if self.gradient_checkpointing < 0:
-            raise ValueError(f"gradient_checkpointing must be >= 0; got {self.gradient_checkpointing}")
+            raise MemoryConfigError(f"gradient_checkpointing must be >= 0; got {self.gradient_checkpointing}")
         if not 0.0 <= self.target_fraction <= 1.0:
-            raise ValueError(f"target_fraction must be between 0 and 1; got {self.target_fraction!r}")
+            raise MemoryConfigError(f"target_fraction must be between 0 and 1; got {self.target_fraction!r}")
         _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
         _check_choice("device", self.device, DEVICES)
         _check_choice("strategy", self.strategy, STRATEGIES)
         if self.strategy == "none" and self.num_processes != 1:
-            raise ValueError("num_processes > 1 needs a strategy (ddp, fsdp, deepspeed_zero2, deepspeed_zero3)")
+            raise MemoryConfigError("num_processes > 1 needs a strategy (ddp, fsdp, deepspeed_zero2, deepspeed_zero3)")
 
     @property
     def targets_per_row(self) -> int:
@@ -180,35 +182,35 @@ class PlanRequest:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.target_fraction <= 1.0:
-            raise ValueError(f"target_fraction must be between 0 and 1; got {self.target_fraction!r}")
+            raise MemoryConfigError(f"target_fraction must be between 0 and 1; got {self.target_fraction!r}")
         for name in ("effective_batch_size", "seq_len", "num_processes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+                raise MemoryConfigError(f"{name} must be an integer >= 1; got {value!r}")
         for name in ("micro_batch_size", "gradient_accumulation_steps"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1 or None (auto); got {value!r}")
+                raise MemoryConfigError(f"{name} must be an integer >= 1 or None (auto); got {value!r}")
         if self.effective_batch_size % self.num_processes:
-            raise ValueError(
+            raise MemoryConfigError(
                 f"effective_batch_size ({self.effective_batch_size}) must be a multiple of "
                 f"num_processes ({self.num_processes})"
             )
         per_process = self.effective_batch_size // self.num_processes
         micro, accum = self.micro_batch_size, self.gradient_accumulation_steps
         if micro is not None and accum is not None and micro * accum != per_process:
-            raise ValueError(
+            raise MemoryConfigError(
                 f"micro_batch_size ({micro}) × gradient_accumulation_steps ({accum}) × num_processes "
                 f"({self.num_processes}) must equal effective_batch_size ({self.effective_batch_size})"
             )
         for name, value in (("micro_batch_size", micro), ("gradient_accumulation_steps", accum)):
             if value is not None and per_process % value:
-                raise ValueError(
+                raise MemoryConfigError(
                     f"{name} ({value}) must divide effective_batch_size / num_processes ({per_process})"
                 )
         gc = self.gradient_checkpointing
         if gc is not None and not isinstance(gc, bool) and (not isinstance(gc, int) or gc < 0):
-            raise ValueError(f"gradient_checkpointing must be None, a bool or a layer count >= 0; got {gc!r}")
+            raise MemoryConfigError(f"gradient_checkpointing must be None, a bool or a layer count >= 0; got {gc!r}")
         if self.mixed_precision is not None:
             _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         if self.optimizer is not None:
@@ -217,9 +219,9 @@ class PlanRequest:
         _check_choice("device", self.device, DEVICES)
         _check_choice("strategy", self.strategy, STRATEGIES)
         if self.budget_bytes is not None and (isinstance(self.budget_bytes, bool) or self.budget_bytes <= 0):
-            raise ValueError(f"budget_bytes must be a positive number of bytes or None; got {self.budget_bytes!r}")
+            raise MemoryConfigError(f"budget_bytes must be a positive number of bytes or None; got {self.budget_bytes!r}")
         if not 0.0 <= self.headroom < 1.0:
-            raise ValueError(f"headroom must be in [0, 1); got {self.headroom}")
+            raise MemoryConfigError(f"headroom must be in [0, 1); got {self.headroom}")
 
 
 @dataclass(frozen=True)
@@ -227,7 +229,8 @@ class MemoryPlan:
     """The planner's answer: what runs, why, and what it will cost.
 
     `estimate` is for the settings as configured (auto fields at their naive defaults, see
-    `plan_memory`); `settings`/`plan_estimate` is what the run will use.
+    `plan_memory`); `settings`/`plan_estimate` is what the run will use. `uncertainty` is how far
+    the planned step's peak may be from `expected_bytes` (see `fulltune.memory.uncertainty`).
     """
 
     device: str
@@ -242,6 +245,15 @@ class MemoryPlan:
     suggestions: tuple[str, ...] = ()
     usable_bytes: int | None = None
     estimated_step_seconds: float | None = None
+    uncertainty: dict[str, Any] | None = None
+    expected_bytes: int | None = None
+
+    @property
+    def spare_bytes(self) -> int | None:
+        """Usable budget left beside the planned step's expected device bytes (negative: over)."""
+        if self.usable_bytes is None or self.expected_bytes is None:
+            return None
+        return self.usable_bytes - self.expected_bytes
 
     def to_dict(self) -> dict[str, Any]:
         s = self.settings
@@ -263,4 +275,11 @@ class MemoryPlan:
             "reasons": list(self.reasons),
             "smallest_peak_bytes": self.smallest_peak_bytes,
             "suggestions": list(self.suggestions),
+            # How sure the plan is: `bytes` either way around `expected_bytes` (the larger of estimate and
+            # trace, as device bytes), what it rests on, and what is left of the usable budget.
+            "uncertainty": {
+                **(self.uncertainty or {}),
+                "expected_bytes": self.expected_bytes,
+                "spare_bytes": self.spare_bytes,
+            },
         }

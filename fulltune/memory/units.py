@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from fulltune.memory.errors import MemoryConfigError
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -28,24 +30,24 @@ def parse_bytes(value: int | str) -> int:
     """Turn `24GiB`, `512MiB`, `1.5GB`, `1000000` or an int into a number of bytes.
 
     Raises:
-        ValueError: the value is negative, not a number, or has a unit other than B, KB/MB/GB/TB
+        MemoryConfigError: the value is negative, not a number, or has a unit other than B, KB/MB/GB/TB
             (powers of 1000) or KiB/MiB/GiB/TiB (powers of 1024).
     """
     if isinstance(value, bool):
-        raise ValueError(f"memory size must be a number of bytes or a string like '24GiB', not {value!r}")
+        raise MemoryConfigError(f"memory size must be a number of bytes or a string like '24GiB', not {value!r}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"memory size must not be negative, got {value}")
+            raise MemoryConfigError(f"memory size must not be negative, got {value}")
         return value
     if isinstance(value, float):
         if value < 0 or value != value:
-            raise ValueError(f"memory size must be a non-negative number of bytes, got {value}")
+            raise MemoryConfigError(f"memory size must be a non-negative number of bytes, got {value}")
         return int(value)
     if not isinstance(value, str):
-        raise ValueError(f"memory size must be a number of bytes or a string like '24GiB', not {type(value).__name__}")
+        raise MemoryConfigError(f"memory size must be a number of bytes or a string like '24GiB', not {type(value).__name__}")
     match = _PATTERN.match(value)
     if match is None or match.group(2).lower() not in _UNITS:
-        raise ValueError(
+        raise MemoryConfigError(
             f"cannot read memory size {value!r}: write a number of bytes or a number with a unit, "
             "e.g. '24GiB', '512MiB', '1.5GB' (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
         )

@@ -1,0 +1,318 @@
+"""One prepared check for the first session with a GPU: is the memory model right on CUDA, and how fast is a step?
+
+For a handful of configurations (the issue-13 step: TinyLlama-1.1B shape, seq 2048, micro 2 × accumulation 4,
+1 of 22 layers checkpointed, bf16, Adafactor, unpacked rows; bf16 steps with and without a mask and
+checkpointing; fp32) it runs two optimizer steps the way fulltune's trainer does (fulltune/memory/trace.py)
+and prints, per configuration:
+
+- the analytic estimate (`estimate_memory`: allocated peak and device total),
+- the CPU FakeTensor trace of the same step (`simulate_memory`) where the case asks for it,
+- `torch.cuda.max_memory_allocated` and `torch.cuda.max_memory_reserved` of the real step,
+
+so the estimate's error and the allocator's slack (`runtime_overhead` assumes 0.6 GiB + 8%) are measured,
+and which of estimate and trace is right on CUDA is settled. Then:
+
+- MFU of a short bf16 training loop (model FLOPs 6N + 12·L·h·s per token, `flops_per_token`, against the
+  device's dense bf16 peak from `PEAK_FLOPS` or --peak-tflops),
+- fp16 autocast with a `GradScaler`: a few steps with one injected overflow, checking the step is skipped,
+  the scale drops and training continues; with its memory peak against the estimate.
+
+Usage (a few minutes on one H100/H200; each case is independent and a failing one is reported, not fatal):
+    python benchmarks/device_check.py --out device_check.json
+    python benchmarks/device_check.py --dry-run --out /tmp/dry.json   # CPU, tiny shapes: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import transformers  # noqa: E402
+
+from fulltune.memory import Settings, estimate_memory, flops_per_token, measure_memory, simulate_memory  # noqa: E402
+from fulltune.memory.trace import _build_model, _quiet, _train_steps, build_optimizer  # noqa: E402
+from fulltune.memory.units import format_bytes  # noqa: E402
+
+# Dense bf16/fp16 tensor-core peaks (FLOP/s) by device name; --peak-tflops overrides.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12,
+              "4090": 165e12, "V100": 125e12, "T4": 65e12}
+# What --dry-run assumes for the CPU (only to exercise the arithmetic).
+CPU_NOMINAL_FLOPS = 1e11
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    config: Any
+    settings: Settings
+    trace: bool = False  # also trace on CPU (a 1.1B step takes ~20–30 s)
+    tags: tuple[str, ...] = field(default=())
+
+
+def _llama(h: int, I: int, L: int, a: int, kv: int, V: int, tied: bool = False) -> Any:  # noqa: E741,N803
+    return transformers.LlamaConfig(hidden_size=h, intermediate_size=I, num_hidden_layers=L, num_attention_heads=a,
+                                    num_key_value_heads=kv, vocab_size=V, tie_word_embeddings=tied)
+
+
+def cases(dry_run: bool) -> list[Case]:
+    device = "cpu" if dry_run else "cuda"
+    if dry_run:
+        tiny = _llama(64, 176, 3, 8, 2, 300)
+        S = dict(seq_len=64, device=device)  # noqa: N806
+        return [
+            Case("issue 13 (tiny)", tiny, Settings(micro_batch_size=2, gradient_accumulation_steps=4,
+                 gradient_checkpointing=1, mixed_precision="bf16", optimizer="adafactor", attention_mask=False, **S),
+                 trace=True, tags=("partial", "bf16")),
+            Case("bf16 mask (tiny)", tiny, Settings(micro_batch_size=2, mixed_precision="bf16", **S), tags=("bf16",)),
+            Case("fp32 all checkpointed (tiny)", tiny, Settings(micro_batch_size=2, gradient_accumulation_steps=2,
+                 gradient_checkpointing=3, attention_mask=False, **S), tags=("all",)),
+        ]
+    tinyllama = _llama(2048, 5632, 22, 32, 4, 32000)
+    qwen05 = transformers.Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                      num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                                      tie_word_embeddings=True)
+    smollm = _llama(576, 1536, 30, 9, 3, 49152, tied=True)
+    return [
+        Case("issue 13: TinyLlama-1.1B", tinyllama, Settings(micro_batch_size=2, seq_len=2048, gradient_accumulation_steps=4,
+             gradient_checkpointing=1, mixed_precision="bf16", optimizer="adafactor", device=device,
+             attention_mask=False), trace=True, tags=("partial", "bf16")),
+        Case("TinyLlama-1.1B bf16 mask", tinyllama, Settings(micro_batch_size=1, seq_len=2048, mixed_precision="bf16",
+             device=device), trace=True, tags=("bf16", "mask")),
+        Case("TinyLlama-1.1B bf16 no ckpt", tinyllama, Settings(micro_batch_size=2, seq_len=2048,
+             gradient_accumulation_steps=2, mixed_precision="bf16", device=device, attention_mask=False),
+             tags=("bf16",)),
+        Case("Qwen2-0.5B bf16 half ckpt", qwen05, Settings(micro_batch_size=4, seq_len=1024, mixed_precision="bf16",
+             gradient_checkpointing=12, device=device), tags=("partial", "bf16", "mask", "tied")),
+        Case("SmolLM-135M fp32 all ckpt", smollm, Settings(micro_batch_size=8, seq_len=1024, gradient_checkpointing=30,
+             gradient_accumulation_steps=2, device=device, attention_mask=False), tags=("all", "fp32")),
+    ]
+
+
+def _measure_cuda(config: Any, settings: Settings) -> dict[str, int]:
+    import torch
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    with _quiet():
+        model = _build_model(config, settings).to("cuda")
+        optimizer = build_optimizer(settings.optimizer, model.parameters())
+        _train_steps(model, optimizer, model.config.vocab_size, settings, 2, "cuda", None)
+    torch.cuda.synchronize()
+    out = {"allocated": int(torch.cuda.max_memory_allocated() - start), "reserved": int(torch.cuda.max_memory_reserved())}
+    del model, optimizer
+    torch.cuda.empty_cache()
+    return out
+
+
+def memory_case(case: Case, on_gpu: bool) -> dict[str, Any]:
+    est = estimate_memory(case.config, case.settings)
+    row: dict[str, Any] = {"name": case.name, "tags": list(case.tags), "settings": case.settings.to_dict(),
+                           "estimate_peak": est.peak_bytes, "estimate_device": est.device_bytes,
+                           "estimate_phase": est.peak_phase}
+    if case.trace:
+        started = time.perf_counter()
+        row["trace_peak"] = simulate_memory(case.config, case.settings).peak_bytes
+        row["trace_seconds"] = round(time.perf_counter() - started, 1)
+    if on_gpu:
+        measured = _measure_cuda(case.config, case.settings)
+        row["measured_allocated"], row["measured_reserved"] = measured["allocated"], measured["reserved"]
+    else:  # --dry-run: CPU tensors under MemTracker; no reserved figure
+        row["measured_allocated"], row["measured_reserved"] = measure_memory(case.config, case.settings), None
+    row["estimate_error"] = est.peak_bytes / row["measured_allocated"] - 1
+    if "trace_peak" in row:
+        row["trace_error"] = row["trace_peak"] / row["measured_allocated"] - 1
+    if row["measured_reserved"]:
+        row["device_error"] = est.device_bytes / row["measured_reserved"] - 1
+    return row
+
+
+def _peak_flops(device_name: str, override: float | None) -> float:
+    if override:
+        return override * 1e12
+    for key, value in PEAK_FLOPS.items():
+        if key in device_name:
+            return value
+    return CPU_NOMINAL_FLOPS
+
+
+def mfu_case(config: Any, settings: Settings, steps: int, peak: float) -> dict[str, Any]:
+    """Tokens/s and MFU of `steps` optimizer steps after one warm-up step."""
+    import torch
+
+    device = settings.device
+    with _quiet():
+        model = _build_model(config, settings).to(device)
+        optimizer = build_optimizer(settings.optimizer, model.parameters())
+        _train_steps(model, optimizer, config.vocab_size, settings, 1, device, None)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        _train_steps(model, optimizer, config.vocab_size, settings, steps, device, None)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+    tokens = steps * settings.micro_batch_size * settings.gradient_accumulation_steps * settings.seq_len
+    rate = tokens / seconds
+    achieved = rate * flops_per_token(config, settings.seq_len)
+    return {"settings": settings.to_dict(), "steps": steps, "seconds": round(seconds, 3), "tokens_per_second": rate,
+            "model_flops_per_second": achieved, "peak_flops": peak, "mfu": achieved / peak}
+
+
+def fp16_case(config: Any, settings: Settings, steps: int, overflow_at: int) -> dict[str, Any]:
+    """fp16 autocast with a GradScaler; the loss at step `overflow_at` is made inf: that step must be skipped,
+    the scale must drop, and the weights must keep changing afterwards."""
+    import torch
+
+    from fulltune.loss import TargetHead
+    from fulltune.memory.trace import _make_batch
+
+    device = settings.device
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+    with _quiet():
+        model = _build_model(config, settings).to(device)
+        optimizer = build_optimizer(settings.optimizer, model.parameters())
+        scaler = torch.amp.GradScaler(device)
+        head = TargetHead(model)
+        first = next(model.parameters())
+        log = []
+        for step in range(steps):
+            before = first.detach().clone()
+            inputs, targets = _make_batch(config.vocab_size, settings, device)
+            with torch.autocast(device_type=device, dtype=torch.float16):
+                loss = head.loss_sum(model, inputs, targets) / (settings.micro_batch_size * settings.seq_len)
+            if step == overflow_at:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scale = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            changed = not torch.equal(before, first.detach())
+            log.append({"step": step, "loss_finite": bool(torch.isfinite(loss).item()), "scale_before": scale,
+                        "scale_after": scaler.get_scale(), "weights_changed": changed})
+        head.remove()
+    skipped = log[overflow_at]
+    ok = (not skipped["weights_changed"] and skipped["scale_after"] < skipped["scale_before"]
+          and all(r["weights_changed"] for r in log[overflow_at + 1:]))
+    row: dict[str, Any] = {"settings": settings.to_dict(), "steps": log, "overflow_step_skipped_and_recovered": ok}
+    if device == "cuda":
+        torch.cuda.synchronize()
+        row["measured_allocated"] = int(torch.cuda.max_memory_allocated() - start)
+        row["estimate_peak"] = estimate_memory(config, replace(settings, gradient_accumulation_steps=1)).peak_bytes
+    return row
+
+
+def _safely(name: str, fn: Any, *args: Any) -> dict[str, Any]:
+    try:
+        return fn(*args)
+    except Exception as exc:  # one failing case (e.g. out of memory) must not lose the others
+        return {"name": name, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=3)}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.2%}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'case':32s} {'estimate':>10s} {'trace':>10s} {'allocated':>10s} {'est err':>8s} {'trace err':>9s} "
+            f"{'device est':>10s} {'reserved':>10s} {'dev err':>8s}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['name']:32s} FAILED: {r['error']}")
+            continue
+        lines.append(
+            f"{r['name']:32s} {format_bytes(r['estimate_peak']):>10s} {format_bytes(r.get('trace_peak')):>10s} "
+            f"{format_bytes(r['measured_allocated']):>10s} {_pct(r['estimate_error']):>8s} "
+            f"{_pct(r.get('trace_error')):>9s} {format_bytes(r['estimate_device']):>10s} "
+            f"{format_bytes(r['measured_reserved']):>10s} {_pct(r.get('device_error')):>8s}")
+    return "\n".join(lines)
+
+
+def run(dry_run: bool, peak_tflops: float | None, mfu_steps: int) -> dict[str, Any]:
+    import torch
+
+    on_gpu = torch.cuda.is_available() and not dry_run
+    if not on_gpu and not dry_run:
+        raise SystemExit("no CUDA GPU visible: run with --dry-run to check the script on CPU")
+    name = torch.cuda.get_device_name(0) if on_gpu else "cpu"
+    report: dict[str, Any] = {"device": name, "dry_run": dry_run, "torch": torch.__version__,
+                              "transformers": transformers.__version__, "memory": []}
+    for case in cases(dry_run):
+        report["memory"].append({"name": case.name, **_safely(case.name, memory_case, case, on_gpu)})
+        print(f"[memory] {case.name}: done", file=sys.stderr, flush=True)
+    device = "cuda" if on_gpu else "cpu"
+    if dry_run:
+        config, seq, micro = _llama(64, 176, 3, 8, 2, 300), 64, 2
+    else:
+        config, seq, micro = _llama(2048, 5632, 22, 32, 4, 32000), 2048, 4
+    mfu_settings = Settings(micro_batch_size=micro, seq_len=seq, mixed_precision="bf16", device=device,
+                            attention_mask=False)
+    report["mfu"] = _safely("mfu", mfu_case, config, mfu_settings, mfu_steps, _peak_flops(name, peak_tflops))
+    print("[mfu] done", file=sys.stderr, flush=True)
+    fp16_settings = Settings(micro_batch_size=micro, seq_len=seq, mixed_precision="fp16", device=device,
+                             attention_mask=False)
+    report["fp16_loss_scaling"] = _safely("fp16", fp16_case, config, fp16_settings, 4, 1)
+    print("[fp16] done", file=sys.stderr, flush=True)
+    return report
+
+
+def summary(report: dict[str, Any]) -> str:
+    lines = [f"device: {report['device']} (torch {report['torch']}, transformers {report['transformers']})",
+             table(report["memory"])]
+    mfu = report["mfu"]
+    if "error" in mfu:
+        lines.append(f"MFU: FAILED: {mfu['error']}")
+    else:
+        lines.append(f"MFU: {mfu['mfu']:.1%} ({mfu['tokens_per_second']:.0f} tokens/s, "
+                     f"{mfu['model_flops_per_second'] / 1e12:.3g} of {mfu['peak_flops'] / 1e12:.3g} TFLOP/s)")
+    fp16 = report["fp16_loss_scaling"]
+    if "error" in fp16:
+        lines.append(f"fp16 + GradScaler: FAILED: {fp16['error']}")
+    else:
+        scales = " → ".join(f"{r['scale_after']:g}" for r in fp16["steps"])
+        memory = ""
+        if "measured_allocated" in fp16:
+            memory = (f"; peak {format_bytes(fp16['measured_allocated'])} vs estimate "
+                      f"{format_bytes(fp16['estimate_peak'])}")
+        lines.append(f"fp16 + GradScaler: overflow skipped and recovered: {fp16['overflow_step_skipped_and_recovered']}"
+                     f" (scale {scales}){memory}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="where to write the JSON report")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: checks the script, measures nothing")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak, for MFU")
+    parser.add_argument("--mfu-steps", type=int, default=5)
+    args = parser.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    report = run(args.dry_run, args.peak_tflops, args.mfu_steps)
+    print(summary(report))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2, default=str))
+    tmp.replace(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""How far the analytic estimate can be from a step's real peak: measured, per kind of configuration.
+
+The planner keeps this much free beyond the estimate (`plan_memory`), unless the step has been
+traced, in which case it plans for the larger of estimate and trace and the uncertainty is their
+difference on that very step.
+
+Each entry is the largest |estimate / truth − 1| of the allocated peak measured for that kind,
+where truth is the real step on CPU tensors under MemTracker (`measure_memory`) or its FakeTensor
+trace (`simulate_memory`), which agree to the byte on CPU since the trace sees unpacked rows as the
+real step does (trace.py, `_rows_known_unpacked`). Measured with torch 2.13 / transformers 5.24 on
+CPU: `python benchmarks/memory_accuracy.py --disagreement` (a 4-layer Llama with grouped-query
+attention, GPT-2 and GPT-NeoX, micro-batch 2, seq 256, bf16/fp32, accumulation 1/4, with and without
+a mask), tests/test_memory_accuracy.py, the 17 configurations of BENCHMARKS.md's memory-accuracy
+table and the issue-13 step (TinyLlama-1.1B shape, seq 2048, micro 2 × accumulation 4, 1 of 22
+layers checkpointed, bf16, Adafactor: 20.2 GiB traced, 20.2 GiB estimated).
+
+`FLOOR` is kept even where less was measured: what autograd saves can change with a transformers
+release (tests/test_memory_accuracy.py fails beyond 2%), and CUDA kernels have not been measured
+here at all (benchmarks/device_check.py measures them on a GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fulltune.memory.shapes import ModelShape
+from fulltune.memory.types import Settings
+
+FLOOR = 0.005
+
+# (layout, checkpointing) → (largest measured |estimate/truth − 1|, where it was measured).
+MEASURED: dict[tuple[str, str], tuple[float, str]] = {
+    ("llama", "none"): (0.0004, "TinyLlama-1.1B shape b=1 s=2048 bf16 mask, traced (BENCHMARKS.md row 10)"),
+    ("llama", "partial"): (0.0002, "4-layer GQA Llama, 1 layer checkpointed, mask (--disagreement grid)"),
+    # The estimate counts one fp32 (b, s, h) tensor too many at the first layer's backward when every
+    # layer is checkpointed and gradients accumulate: high by 256 KiB on a 12 MiB step (h=128); the
+    # same tensor is <0.1% of a real-size step. High, so it never makes a plan that does not fit.
+    ("llama", "all"): (0.0219, "4-layer GQA Llama h=128, all checkpointed, accumulation 2, bf16 (--disagreement grid)"),
+    ("gpt2", "none"): (0.0003, "4-layer GPT-2, fp32/bf16 (--disagreement grid, tests/test_memory_accuracy.py)"),
+    ("gpt2", "partial"): (0.0003, "4-layer GPT-2, 1 layer checkpointed (--disagreement grid)"),
+    ("gpt2", "all"): (0.0220, "4-layer GPT-2, all checkpointed, accumulation 4 (--disagreement grid)"),
+    ("gpt_neox", "none"): (0.0003, "4-layer GPT-NeoX (--disagreement grid, BENCHMARKS.md row 8)"),
+    ("gpt_neox", "partial"): (0.0003, "4-layer GPT-NeoX, 1 layer checkpointed (--disagreement grid)"),
+    ("gpt_neox", "all"): (0.0220, "4-layer GPT-NeoX, all checkpointed, accumulation 4 (--disagreement grid)"),
+}
+# Kinds never measured against a real step: a model type modelled as a Llama-like decoder, and the
+# multi-process strategies (the trace and the CPU measurement run one process).
+UNMEASURED = 0.05
+
+
+@dataclass(frozen=True)
+class Uncertainty:
+    """The planner's uncertainty about one step's peak: `bytes` either way, and what it rests on."""
+
+    bytes: int
+    fraction: float
+    kind: str
+    basis: str  # "measured" (the table above), "assumed" (an unmeasured kind) or "trace" (this step traced)
+    evidence: str
+    traced_peak_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "bytes": int(self.bytes),
+            "fraction": round(self.fraction, 6),
+            "kind": self.kind,
+            "basis": self.basis,
+            "evidence": self.evidence,
+            "traced_peak_bytes": self.traced_peak_bytes,
+        }
+
+
+def configuration_kind(shape: ModelShape, settings: Settings) -> tuple[str, str]:
+    """(layout, checkpointing: none | partial | all) — the kinds the table above is measured for."""
+    k = min(settings.gradient_checkpointing, shape.num_layers)
+    checkpointing = "none" if k == 0 else "all" if k == shape.num_layers else "partial"
+    return shape.layout, checkpointing
+
+
+def _describe_kind(shape: ModelShape, settings: Settings) -> str:
+    layout, checkpointing = configuration_kind(shape, settings)
+    name = shape.model_type if shape.approximate else layout
+    text = f"{name}, checkpointing {checkpointing}"
+    if settings.strategy != "none":
+        text += f", {settings.strategy}"
+    return text
+
+
+def estimate_uncertainty(shape: ModelShape, settings: Settings, peak_bytes: int) -> Uncertainty:
+    """The headroom to keep for an untraced step: the largest disagreement measured for its kind."""
+    kind = _describe_kind(shape, settings)
+    if shape.approximate or settings.strategy != "none":
+        why = "model type modelled as Llama-like" if shape.approximate else f"{settings.strategy} not measured"
+        return Uncertainty(int(UNMEASURED * peak_bytes), UNMEASURED, kind, "assumed", f"not measured ({why})")
+    measured, where = MEASURED[configuration_kind(shape, settings)]
+    fraction = max(measured, FLOOR)
+    evidence = f"largest measured {measured:.2%}: {where}"
+    if fraction > measured:
+        evidence += f"; kept at least {FLOOR:.1%}"
+    return Uncertainty(int(fraction * peak_bytes), fraction, kind, "measured", evidence)
+
+
+def traced_uncertainty(shape: ModelShape, settings: Settings, peak_bytes: int, traced_peak: int) -> Uncertainty:
+    """A traced step: the estimate and the trace differ by this much; the plan takes the larger."""
+    gap = abs(traced_peak - peak_bytes)
+    return Uncertainty(
+        gap,
+        gap / max(peak_bytes, 1),
+        _describe_kind(shape, settings),
+        "trace",
+        "this step traced under FakeTensorMode (CPU kernels); planned for the larger of estimate and trace",
+        traced_peak,
+    )

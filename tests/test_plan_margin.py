@@ -1,0 +1,139 @@
+"""The plan's margin covers its own uncertainty (issue 13).
+
+A 1.1B Llama shape (TinyLlama: hidden 2048, 32 heads / 4 key-value heads, intermediate 5632, vocabulary
+32000) at seq 2048, effective batch 8, bf16 on a cuda budget, optimizer and checkpointing auto, unpacked
+rows (no attention mask): the planner picks micro-batch 2 × accumulation 4 with 1 layer checkpointed and
+Adafactor, close to the budget. These tests trace that step under FakeTensorMode (no memory spent) and
+fail when the plan leaves less room than estimate and trace disagree.
+
+The fast test keeps the per-layer shape and uses 6 layers with a 9 GiB budget, where the planner makes the
+same choice (a 22-layer trace takes minutes on 2 cores); the 22-layer, 24 GiB case is marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import transformers
+
+from fulltune.memory import PlanRequest, Settings, format_plan_table, measure_memory, plan_memory, simulate_memory
+from fulltune.memory import planner as planner_module
+from fulltune.memory.types import MemoryEstimate
+
+GiB = 2**30
+
+
+def tinyllama_shape(layers: int) -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False,
+    )
+
+
+def issue13_request(budget_gib: int) -> PlanRequest:
+    return PlanRequest(effective_batch_size=8, seq_len=2048, device="cuda", budget_bytes=budget_gib * GiB,
+                       bf16_supported=True, attention_mask=False)
+
+
+def assert_margin_covers_the_trace(config: transformers.LlamaConfig, budget_gib: int) -> None:
+    plan = plan_memory(config, issue13_request(budget_gib))
+    s = plan.settings
+    assert plan.fits
+    assert (s.micro_batch_size, s.gradient_accumulation_steps, s.mixed_precision) == (2, 4, "bf16")
+    assert 0 < s.gradient_checkpointing < config.num_hidden_layers  # partially checkpointed, as in the issue
+    traced = simulate_memory(config, s).peak_bytes
+    disagreement = abs(traced - plan.plan_estimate.peak_bytes)
+    assert plan.uncertainty["bytes"] >= disagreement, (
+        f"the plan keeps ±{plan.uncertainty['bytes']} B for uncertainty; estimate and trace differ by {disagreement} B"
+    )
+    assert plan.spare_bytes >= plan.uncertainty["bytes"]
+    # The traced peak, with the same runtime overhead, still fits the usable budget.
+    assert plan.expected_bytes - plan.plan_estimate.peak_bytes + traced <= plan.usable_bytes
+
+
+def test_partially_checkpointed_plan_keeps_a_margin_that_covers_the_trace():
+    assert_margin_covers_the_trace(tinyllama_shape(6), budget_gib=9)
+
+
+@pytest.mark.slow
+def test_issue13_shape_22_layers_at_24gib_keeps_a_margin_that_covers_the_trace():
+    assert_margin_covers_the_trace(tinyllama_shape(22), budget_gib=24)
+
+
+def test_plan_says_how_much_is_spare_and_how_sure_it_is():
+    plan = plan_memory(tinyllama_shape(22), issue13_request(24))
+    text = format_plan_table(plan)
+    assert "to spare; the estimate's uncertainty here is ±" in text
+    data = json.loads(json.dumps(plan.to_dict()))
+    for key in ("device", "budget_bytes", "usable_bytes", "fits", "estimate", "plan", "alternatives", "reasons"):
+        assert key in data  # the existing contract stays
+    u = data["uncertainty"]
+    assert u["basis"] == "measured" and u["kind"] == "llama, checkpointing partial"
+    assert u["bytes"] > 0 and u["spare_bytes"] >= u["bytes"]
+    assert u["expected_bytes"] + u["spare_bytes"] == data["usable_bytes"]
+
+
+def test_a_traced_plan_plans_for_the_larger_of_estimate_and_trace(monkeypatch):
+    """If the trace reads higher than the estimate and no longer fits, another setting is chosen."""
+    config = tinyllama_shape(22)
+    untraced = plan_memory(config, issue13_request(24))
+    calls = []
+
+    def fake_trace(model_source, settings, steps=2, short=True):
+        calls.append(settings)
+        from fulltune.memory import estimate_memory
+
+        peak = int(estimate_memory(model_source, settings).peak_bytes * 1.05)  # 1 GiB above the estimate
+        return MemoryEstimate(peak_bytes=peak, device_bytes=peak, breakdown={}, peak_phase="traced step")
+
+    monkeypatch.setattr("fulltune.memory.trace.simulate_memory", fake_trace)
+    traced = plan_memory(config, issue13_request(24), trace=True)
+    assert calls[0] == untraced.settings  # the first choice was traced ...
+    assert traced.settings != untraced.settings  # ... did not fit at its traced peak, so another was chosen
+    assert traced.fits and traced.expected_bytes <= traced.usable_bytes
+    u = traced.uncertainty
+    if u["basis"] == "trace":  # the chosen step was traced: planned at its traced peak
+        assert u["traced_peak_bytes"] > traced.plan_estimate.peak_bytes
+    else:  # out of traces: an untraced step keeps at least the disagreement the traces showed
+        assert u["fraction"] >= 0.049 and traced.spare_bytes >= u["bytes"]
+    assert any("traced" in r for r in traced.reasons)
+    assert "the estimate's uncertainty here is ±" in format_plan_table(traced)
+
+
+def test_trace_is_cheap_only_for_small_single_process_models():
+    shape = planner_module.model_shape(tinyllama_shape(22))
+    assert not planner_module.trace_is_cheap(shape, issue13_request(24))
+    small = planner_module.model_shape(tinyllama_shape(2))
+    assert planner_module.trace_is_cheap(small, issue13_request(24))
+
+
+def test_trace_of_unpacked_rows_agrees_with_the_real_step():
+    """Unpacked rows carry no mask: the trace used to add a mask and repeated k/v heads per layer (+7%)."""
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=8,
+                                      num_key_value_heads=2, vocab_size=300)
+    settings = Settings(micro_batch_size=2, seq_len=128, gradient_accumulation_steps=3, gradient_checkpointing=1,
+                        mixed_precision="bf16", optimizer="adafactor", attention_mask=False)
+    real = measure_memory(config, settings)
+    assert simulate_memory(config, settings).peak_bytes == real
+    assert simulate_memory(config, settings, short=False).peak_bytes == real  # the short schedule loses no peak
+
+
+@pytest.mark.slow
+def test_device_check_dry_run_writes_its_report(tmp_path):
+    """benchmarks/device_check.py is the one script a GPU session runs; --dry-run checks it on CPU."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "device_check.py"
+    out = tmp_path / "report.json"
+    result = subprocess.run([sys.executable, str(script), "--dry-run", "--out", str(out)], capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert [r.get("error") for r in report["memory"]] == [None] * len(report["memory"])
+    issue13 = report["memory"][0]
+    assert issue13["settings"]["gradient_checkpointing"] == 1 and issue13["trace_peak"] == issue13["measured_allocated"]
+    assert report["mfu"]["tokens_per_second"] > 0
+    assert report["fp16_loss_scaling"]["overflow_step_skipped_and_recovered"] is True
+    assert "est err" in result.stdout
