@@ -32,7 +32,10 @@ Levers (each composes with every optimizer above, except where `check_levers` sa
 
 The two wrappers are torch Optimizers (LR schedulers, Accelerate and checkpoints take them as any other)
 and add `clip_grad_norm_(max_norm)`, which the trainer must call instead of `clip_grad_norm_` over the
-model's parameters: their gradients are not on the parameters when the step comes.
+model's parameters: their gradients are not on the parameters when the step comes. Both run on one
+process (their hooks see a gradient before data parallelism averages it). Give the offloading one to
+Accelerate with `prepare_optimizer(optimizer, device_placement=False)`: device placement round-trips
+the state dict through the device, which would copy the fp32 masters there.
 """
 
 from __future__ import annotations
@@ -175,13 +178,19 @@ def _n(shape: tuple[int, ...]) -> int:
 
 
 def check_levers(name: str, pure_bf16: bool = False, compensation: str | None = None,
-                 step_in_backward: bool = False, offload: bool = False) -> str:
+                 step_in_backward: bool = False, offload: bool = False, processes: int = 1) -> str:
     """Validate a lever combination; returns the compensation that applies ("none" without pure_bf16).
 
     Raises:
-        ValueError: an unknown optimizer or compensation, or one the optimizer's library cannot do,
-            naming the setting (the trainer turns it into a ConfigError).
+        ValueError: an unknown optimizer or compensation, or one the optimizer's library cannot do, or
+            a gradient-hook lever with several processes, naming the setting (the trainer turns it into
+            a ConfigError).
     """
+    if processes > 1 and (step_in_backward or offload):
+        # The hooks fire when a gradient is complete on this process, before DDP averages it over
+        # processes; sharded training (FSDP2, which reduces per parameter) is where these will compose.
+        raise ValueError("step_in_backward / offload: one process only (the gradient hooks run before "
+                         "the gradients are averaged over processes)")
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer: unknown {name!r}; expected one of {', '.join(OPTIMIZERS)}")
     if compensation is None or compensation == "auto":
@@ -214,7 +223,8 @@ def parameter_groups(model_or_params: torch.nn.Module | Iterable[Any], weight_de
 def build_optimizer(model_or_params: torch.nn.Module | Iterable[Any], name: str = "adamw", *, lr: float = 1e-4,
                     weight_decay: float = 0.0, pure_bf16: bool = False, compensation: str | None = None,
                     step_in_backward: bool = False, offload: bool = False, accumulation_steps: int = 1,
-                    max_grad_norm: float | None = None, fake: bool = False) -> torch.optim.Optimizer:
+                    max_grad_norm: float | None = None, processes: int = 1,
+                    fake: bool = False) -> torch.optim.Optimizer:
     """The optimizer the trainer steps and the memory model counts, with the levers applied.
 
     `model_or_params`: a model (weight decay on matrices only) or parameters / parameter groups.
@@ -222,13 +232,14 @@ def build_optimizer(model_or_params: torch.nn.Module | Iterable[Any], name: str 
     `step_in_backward` / `offload`: see `InBackwardOptimizer` / `HostOffloadOptimizer`; they register
     gradient hooks on the parameters, so build them on the unwrapped model before accelerator.prepare.
     `max_grad_norm` is used by `step_in_backward` only (per-parameter clipping in the hook).
+    `processes`: the data-parallel processes; the hook levers need one.
     `fake=True` swaps kernels that cannot run on FakeTensors (bitsandbytes, torchao) for stand-ins that
     allocate the same states (for the memory trace).
 
     Raises:
         ValueError: an impossible combination (see `check_levers`).
     """
-    compensation = check_levers(name, pure_bf16, compensation, step_in_backward, offload)
+    compensation = check_levers(name, pure_bf16, compensation, step_in_backward, offload, processes)
     if step_in_backward and offload:
         raise ValueError("step_in_backward and offload: pick one (offload already frees device gradients in backward)")
     # The model's parameter order, which clipping over all gradients sums in (as the trainer's clip does).

@@ -307,6 +307,7 @@ def test_levers_run_under_the_memory_trace() -> None:
     ({"name": "adamw_8bit", "pure_bf16": True, "compensation": "kahan"}, "compensation"),
     ({"name": "adamw", "step_in_backward": True, "offload": True}, "pick one"),
     ({"name": "lion"}, "optimizer"),
+    ({"name": "adamw", "step_in_backward": True, "processes": 2}, "one process"),
 ])
 def test_impossible_lever_combinations_are_refused(levers: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
