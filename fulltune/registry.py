@@ -17,7 +17,7 @@ from fulltune.fingerprint import code_version
 CHALLENGER = "challenger"
 CHAMPION = "champion"
 
-# Tags on every registered version (DESIGN.md: pipeline, data fingerprint, config hash, code version).
+# Tags on every registered version: pipeline, data fingerprint, config hash, code version.
 TAG_PIPELINE = "fulltune.pipeline"
 TAG_DATA = "fulltune.data_fingerprint"
 TAG_CONFIG = "fulltune.config_hash"

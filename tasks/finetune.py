@@ -125,11 +125,11 @@ def _replan_output_dir(p: ResolvedPipeline, key: str, failed: Any, replanned: An
 def _replan(p: ResolvedPipeline, decision: BudgetDecision, settings: dict[str, Any], peak: int | None) -> dict[str, Any]:
     from dataclasses import asdict
 
-    from fulltune.memory import Settings, replan_after_oom, resolve_budget
+    from fulltune.memory import Settings, replan_after_oom
     from fulltune.models import read_model_config
-    from fulltune.pipeline import plan_request
+    from fulltune.pipeline import plan_request, resolved_budget
 
-    device, budget_bytes, bf16 = resolve_budget(p.spec.budget.device, p.spec.budget.memory)
+    device, budget_bytes, bf16 = resolved_budget(p)
     config = read_model_config(p.spec.model, decision.vocab_size)
     request = plan_request(p, decision.seq_len, device, budget_bytes, bf16, decision.target_fraction)
     plan = replan_after_oom(config, request, Settings(**settings), peak)
