@@ -364,6 +364,10 @@ class _GroupedWrapper(torch.optim.Optimizer):
     def _inner(self) -> list[torch.optim.Optimizer]:
         raise NotImplementedError
 
+    def inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers holding the states (what a memory tracker should label as optimizer states)."""
+        return self._inner()
+
     def _adopt_inner_groups(self) -> None:
         self.param_groups = [g for opt in self._inner() for g in opt.param_groups]
 
