@@ -365,8 +365,15 @@ def test_resolve_budget_cuda_auto_without_a_gpu_explains_what_to_do():
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    with pytest.raises(ValueError, match="budget.memory"):
+    from fulltune.errors import ConfigError
+
+    # A user error (exit 2 through the CLI), naming the YAML field.
+    with pytest.raises(ConfigError, match="^budget.memory: auto needs a visible GPU"):
         resolve_budget("cuda", "auto")
+    with pytest.raises(ConfigError, match="^budget.memory: cannot read memory size"):
+        resolve_budget("cpu", "plenty")
+    with pytest.raises(ConfigError, match="^budget.device: "):
+        resolve_budget("tpu", "auto")
     assert resolve_budget("cuda", "80GiB") == ("cuda", 80 * GiB, True)
 
 

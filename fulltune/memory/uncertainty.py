@@ -31,17 +31,19 @@ FLOOR = 0.005
 # (layout, checkpointing) → (largest measured |estimate/truth − 1|, where it was measured).
 MEASURED: dict[tuple[str, str], tuple[float, str]] = {
     ("llama", "none"): (0.0004, "TinyLlama-1.1B shape b=1 s=2048 bf16 mask, traced (BENCHMARKS.md row 10)"),
-    ("llama", "partial"): (0.0002, "4-layer GQA Llama, 1 layer checkpointed, mask (--disagreement grid)"),
-    # The estimate counts one fp32 (b, s, h) tensor too many at the first layer's backward when every
-    # layer is checkpointed and gradients accumulate: high by 256 KiB on a 12 MiB step (h=128); the
-    # same tensor is <0.1% of a real-size step. High, so it never makes a plan that does not fit.
-    ("llama", "all"): (0.0219, "4-layer GQA Llama h=128, all checkpointed, accumulation 2, bf16 (--disagreement grid)"),
-    ("gpt2", "none"): (0.0003, "4-layer GPT-2, fp32/bf16 (--disagreement grid, tests/test_memory_accuracy.py)"),
-    ("gpt2", "partial"): (0.0003, "4-layer GPT-2, 1 layer checkpointed (--disagreement grid)"),
-    ("gpt2", "all"): (0.0220, "4-layer GPT-2, all checkpointed, accumulation 4 (--disagreement grid)"),
-    ("gpt_neox", "none"): (0.0003, "4-layer GPT-NeoX (--disagreement grid, BENCHMARKS.md row 8)"),
+    ("llama", "partial"): (0.0002, "4-layer GQA Llama, 1 layer checkpointed, mask (--disagreement grid); the issue-13 "
+                                   "step traces 20.2 GiB against 20.2 GiB estimated"),
+    # With every layer checkpointed, accumulation 4 and bf16, the estimate is off at h=128 by a few
+    # hundred KiB on 12–14 MiB steps (not yet pinned down): Llama and GPT-2 read high, GPT-NeoX reads
+    # 3.6% LOW. At real sizes, all-checkpointed Llama/GPT-NeoX rows read 0.0–0.4% (BENCHMARKS.md rows
+    # 11, 12, 14, 16). The margin keeps the worst as measured.
+    ("llama", "all"): (0.0219, "4-layer GQA Llama h=128, all checkpointed, accumulation 4, bf16 (--disagreement grid)"),
+    ("gpt2", "none"): (0.0003, "4-layer GPT-2, bf16, accumulation 4 (--disagreement grid)"),
+    ("gpt2", "partial"): (0.0002, "4-layer GPT-2, 1 layer checkpointed (--disagreement grid)"),
+    ("gpt2", "all"): (0.0287, "4-layer GPT-2 h=128, all checkpointed, accumulation 4, bf16 (--disagreement grid)"),
+    ("gpt_neox", "none"): (0.0003, "4-layer GPT-NeoX (--disagreement grid)"),
     ("gpt_neox", "partial"): (0.0003, "4-layer GPT-NeoX, 1 layer checkpointed (--disagreement grid)"),
-    ("gpt_neox", "all"): (0.0220, "4-layer GPT-NeoX, all checkpointed, accumulation 4 (--disagreement grid)"),
+    ("gpt_neox", "all"): (0.0362, "4-layer GPT-NeoX h=128, all checkpointed, accumulation 4, bf16 (--disagreement grid)"),
 }
 # Kinds never measured against a real step: a model type modelled as a Llama-like decoder, and the
 # multi-process strategies (the trace and the CPU measurement run one process).
