@@ -264,6 +264,13 @@ def save_pretrained(model: Any, directory: str | Path, tokenizer: Any = None) ->
     from fulltune.fingerprint import atomic_dir
 
     state_dict = full_state_dict(model)
+    # A tied output embedding is the input embedding's parameter under another name; the gathered copy is
+    # a separate tensor, so transformers would write it twice. Keep the name a single process writes.
+    unwrapped = _unwrap(model)
+    kept = {name for name, _ in unwrapped.named_parameters()}
+    for name, _ in unwrapped.named_parameters(remove_duplicate=False):
+        if name not in kept:
+            state_dict.pop(name, None)
     if _is_main():
         with atomic_dir(directory) as tmp:
             _unwrap(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)

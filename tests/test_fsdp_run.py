@@ -1,0 +1,79 @@
+"""`distributed.strategy: fsdp` with two CPU processes, through `fulltune run` as a user runs it: the run
+trains like one process, survives a kill of its whole process tree bit-exactly, and registers a normal
+Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from pipelines_fixture import tiny_pipeline
+from test_rerun import finish, fulltune_run, saved_model
+
+pytestmark = pytest.mark.slow
+
+# 8 rows per optimizer step however they are split: 2 processes × micro 2 × accumulation 2, or one
+# process × micro 2 × accumulation 4. The step schedule (which rows make step N) is the same for both.
+ONE = {"effective_batch_size": 8, "micro_batch_size": 2, "gradient_accumulation_steps": 4, "max_steps": 6,
+       "checkpoint_every_steps": 2, "keep_checkpoints": 3}
+FSDP = {**ONE, "gradient_accumulation_steps": 2}
+SHARDED = {"strategy": "fsdp", "num_processes": 2}
+
+
+def loss_history(workdir: Path) -> list[float]:
+    (result,) = workdir.glob("runs/*/result.json")
+    return [loss for _, loss in json.loads(result.read_text())["loss_history"]]
+
+
+def test_two_fsdp_processes_train_like_one_and_resume_bit_exact_after_a_kill(tmp_path: Path) -> None:
+    import psutil
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    one, clean, killed = (tmp_path / name for name in ("one", "clean", "killed"))
+    for directory in (one, clean, killed):
+        directory.mkdir()
+    single = fulltune_run(tiny_pipeline(one, train=ONE), one / "run.log")
+    uninterrupted = fulltune_run(tiny_pipeline(clean, train=FSDP, distributed=SHARDED), clean / "run.log")
+    pipelines = tiny_pipeline(killed, train=FSDP, distributed=SHARDED)
+    log = killed / "run.log"
+    run = fulltune_run(pipelines, log, FULLTUNE_TEST_FAULT="stall_micro_step:7")
+    deadline = time.monotonic() + 600
+    while not list((killed / "work" / "runs").glob("*/checkpoints/step-2")):
+        assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.2)
+    workers = [p for p in psutil.Process(run.pid).children(recursive=True)]
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait()
+    _, alive = psutil.wait_procs(workers, timeout=60)
+    assert not [p for p in alive if "fulltune.train" in " ".join(p.cmdline())], alive
+
+    output = finish(fulltune_run(pipelines, log), log)
+    assert "resumed from step 2" in output, output[-4000:]
+    assert "registered tiny-model version 1" in output
+    finish(uninterrupted, clean / "run.log")
+    finish(single, one / "run.log")
+
+    # Killed and rerun equals uninterrupted, tensor for tensor.
+    got, want = saved_model(killed / "work"), saved_model(clean / "work")
+    assert got.keys() == want.keys()
+    assert [name for name in want if not torch.equal(got[name], want[name])] == []
+
+    # Two shards train like one process (fp32: only the order of the gradient sums differs).
+    sharded, single_losses = loss_history(clean / "work"), loss_history(one / "work")
+    assert len(sharded) == len(single_losses)
+    for a, b in zip(sharded, single_losses):
+        assert abs(a - b) <= 1e-4 * abs(b), (sharded, single_losses)
+    reference = saved_model(one / "work")
+    for name, tensor in want.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-3, atol=1e-4)
+
+    # The final model is a normal Hugging Face checkpoint.
+    (model_dir,) = (clean / "work").glob("runs/*/model")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert type(model).__name__ == "LlamaForCausalLM"
