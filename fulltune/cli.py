@@ -120,7 +120,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     p = pin_hub_revisions(resolve_pipeline(args.file, args.name, args.overrides))
     resolved_budget(p)
     seq_len, vocab, target_fraction = _plan_inputs(p)
-    decision = plan_budget(p, seq_len, vocab, target_fraction=target_fraction)
+    # --simulate plans for the larger of the estimate and the traced step; otherwise estimate + margin.
+    decision = plan_budget(p, seq_len, vocab, target_fraction=target_fraction, trace=bool(args.simulate))
     extra: dict[str, Any] = {}
     if args.simulate or args.measure:
         extra = _simulate_or_measure(p, decision, vocab, args.simulate, args.measure)

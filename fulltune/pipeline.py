@@ -352,8 +352,11 @@ def plan_request(p: ResolvedPipeline, seq_len: int, device: str, budget_bytes: i
 
 
 def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
-                picture: Path | None = None, target_fraction: float = 1.0) -> BudgetDecision:
+                picture: Path | None = None, target_fraction: float = 1.0, trace: bool | None = None) -> BudgetDecision:
     """Stage 2: estimate peak memory for the configured settings and plan settings that fit.
+
+    `trace`: True plans for the larger of the analytic estimate and a simulated (FakeTensor) step, False
+    keeps the estimate plus its measured margin, None traces only when that is cheap.
 
     Raises BudgetError (exit 2, with the breakdown) when nothing fits, or when the configured settings
     do not fit and `budget.on_overflow` is `fail`.
@@ -368,7 +371,7 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
     except ValueError as exc:  # the spec validates these fields; a message naming the setting, not a traceback
         raise ConfigError(f"pipelines.{p.name}: {exc}") from None
     try:
-        plan = plan_memory(config, request)
+        plan = plan_memory(config, request, trace=trace)
     except ValueError as exc:  # the config lacks what the memory model needs (not a decoder-only LM)
         field = "model.from_config" if p.spec.model.from_config is not None else "model.name_or_path"
         raise ConfigError(f"pipelines.{p.name}.{field}: cannot plan memory for this model: {exc}") from None
