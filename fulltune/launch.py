@@ -36,7 +36,7 @@ from fulltune.errors import ConfigError, DataError, TrainingError, UserError
 from fulltune.fingerprint import atomic_write_text
 
 MIXED_PRECISIONS = ("no", "bf16", "fp16")
-OPTIMIZERS = ("adamw", "adamw_8bit", "adafactor")
+OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adafactor")
 LR_SCHEDULERS = ("cosine", "linear", "constant")
 STRATEGIES = ("none", "ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
 DEVICES = ("cpu", "cuda")
@@ -87,6 +87,12 @@ class TrainJob:
     log_every_steps: int = 10
     compile: bool = False
     max_nonfinite_steps: int = 5
+    # Memory levers (fulltune/optim.py, fulltune/offload.py, fulltune/loss.py), as the plan chose them.
+    pure_bf16: bool = False
+    optimizer_in_backward: bool = False
+    offload_optimizer: bool = False
+    offload_activations: bool = False
+    chunked_loss: bool = False
     strategy: str = "none"
     num_processes: int = 1  # in total, over all machines
     num_machines: int = 1
@@ -248,6 +254,16 @@ def validate_job(job: TrainJob) -> None:
         need(job.num_machines == 1, "training on CPU runs on one machine")
     need(job.strategy != "fsdp" or job.mixed_precision != "fp16",
          "strategy fsdp trains in bf16 or fp32: set mixed_precision to bf16 or no")
+    # The gradient-hook levers see a gradient before data parallelism averages it (fulltune/optim.py).
+    hooks = [name for name in ("optimizer_in_backward", "offload_optimizer") if getattr(job, name)]
+    need(not hooks or job.num_processes == 1, f"{' and '.join(hooks)} train on one process; set "
+         f"distributed.num_processes 1 or turn {' and '.join(hooks)} off")
+    need(not (job.optimizer_in_backward and job.offload_optimizer),
+         "optimizer_in_backward and offload_optimizer: choose one (offloading already frees device gradients in backward)")
+    need(not job.pure_bf16 or job.mixed_precision != "fp16", "pure_bf16 keeps bf16 weights: use mixed_precision bf16 or no")
+    need(not (job.chunked_loss and job.strategy == "fsdp"),
+         "chunked_loss reads the output head's weight in backward, which FSDP has resharded by then: turn "
+         "chunked_loss off with strategy fsdp")
     if problems:
         raise ConfigError("train job: " + "; ".join(problems))
     if not Path(job.train_file).is_file():

@@ -91,8 +91,12 @@ class BudgetSpec(Strict):
         "plan", description="`plan`: change micro-batch/checkpointing/optimizer to fit; `fail`: exit with the breakdown."
     )
     headroom: float = Field(0.05, ge=0, lt=0.9, description="Fraction of the budget kept free.")
+    host_memory: int | str = Field(
+        "auto", description="Host RAM the run may use for offloaded optimizer states and activations: `auto` "
+                            "(this machine's RAM), bytes, or '256GiB'. The planner offloads no more than this."
+    )
 
-    @field_validator("memory")
+    @field_validator("memory", "host_memory")
     @classmethod
     def _memory(cls, value: int | str) -> int | str:
         if isinstance(value, int):
@@ -121,8 +125,9 @@ class TrainSpec(Strict):
         "auto", description="Recompute activations: auto, true (all layers), false, or a number of layers."
     )
     mixed_precision: Literal["auto", "bf16", "fp16", "no"] = Field("auto", description="Autocast dtype.")
-    optimizer: Literal["auto", "adamw", "adamw_8bit", "adafactor"] = Field(
-        "adamw", description="`auto` lets the planner pick a cheaper optimizer when memory requires it."
+    optimizer: Literal["auto", "adamw", "adamw_8bit", "adamw_4bit", "adafactor"] = Field(
+        "adamw", description="`auto` lets the planner pick a cheaper optimizer when memory requires it. "
+                             "adamw_8bit: bitsandbytes (~2 B/param of states); adamw_4bit: torchao (~1 B/param)."
     )
     learning_rate: float = Field(2e-5, gt=0, le=1, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
@@ -136,6 +141,28 @@ class TrainSpec(Strict):
     keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept on disk.")
     log_every_steps: int = Field(10, ge=1, description="Read the loss and log metrics every N optimizer steps.")
     compile: bool = Field(False, description="torch.compile the model.")
+    pure_bf16: Union[Auto, bool] = Field(
+        "auto", description="bf16 weights and gradients with no fp32 master copy (2 + 2 B/param instead of 4 + 4); "
+                           "updates are Kahan-compensated (adamw) or stochastically rounded (adamw_4bit) so small "
+                           "ones are not lost. `auto`: the planner turns it on when memory requires it."
+    )
+    optimizer_in_backward: Union[Auto, bool] = Field(
+        "auto", description="Step each parameter as soon as its gradient is complete in backward and free the "
+                           "gradient (at most one parameter's gradient alive). Needs gradient_accumulation_steps 1: "
+                           "the effective batch is kept with a larger (checkpointed) micro-batch. Clipping uses the "
+                           "norm of the previous step's gradients."
+    )
+    offload_optimizer: Union[Auto, bool] = Field(
+        "auto", description="Keep fp32 master weights, gradients and optimizer states in host RAM and update on the "
+                           "host; the device keeps only the weights. Costs host RAM (budget.host_memory) and step time."
+    )
+    offload_activations: Union[Auto, bool] = Field(
+        "auto", description="Move the saved inputs of checkpointed layers to host RAM until backward needs them."
+    )
+    chunked_loss: Union[Auto, bool] = Field(
+        "auto", description="Compute the output head and cross-entropy in chunks of target positions and vocabulary, "
+                           "recomputed in backward: no whole (targets × vocabulary) fp32 tensor."
+    )
     max_nonfinite_steps: int = Field(5, ge=1, description="Stop after this many non-finite losses in a row.")
 
     @field_validator("mixed_precision", mode="before")

@@ -16,6 +16,8 @@ from fulltune.pipeline import BudgetDecision, ResolvedPipeline, describe_setting
 from tasks.common import stage_policy, retry_unless_user_error
 
 MAX_OOM_REPLANS = 2
+# The memory levers the plan may turn on; each is a TrainJob field of the same name.
+LEVERS = ("pure_bf16", "optimizer_in_backward", "offload_optimizer", "offload_activations", "chunked_loss")
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ def build_job(p: ResolvedPipeline, data: TokenizedData, tokenizer: str, base_mod
         max_nonfinite_steps=t.max_nonfinite_steps, strategy=d.strategy, num_processes=d.num_processes,
         num_machines=d.num_machines, device=settings["device"],
         mlflow_tracking_uri=mlflow_uri, mlflow_run_id=mlflow_run_id, progress_artifact_id=None,
+        **{lever: bool(settings.get(lever, False)) for lever in LEVERS},
     )
 
 
