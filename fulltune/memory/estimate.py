@@ -30,6 +30,7 @@ Every byte count comes from the tensors autograd saves in the transformers 5 imp
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,13 +68,18 @@ class _Layer:
 
 
 def _compute_bytes(settings: Settings) -> int:
-    """Bytes per element of the activations autocast produces."""
-    if settings.mixed_precision == "bf16":
+    """Bytes per element of the activations autocast produces (bf16 weights compute in bf16)."""
+    if settings.mixed_precision == "bf16" or settings.pure_bf16:
         return 2
     if settings.mixed_precision == "fp16" and settings.device == "cuda":
         return 2
     # Accelerate leaves fp16 off on CPU (native_amp is False there): the step runs in fp32.
     return 4
+
+
+def _stream_bytes(settings: Settings) -> int:
+    """Bytes per element of the residual stream: the weights' dtype (autocast keeps it fp32)."""
+    return 2 if settings.pure_bf16 else 4
 
 
 def _attention_bytes(shape: ModelShape, settings: Settings, c: int) -> tuple[int, int, bool]:
@@ -119,16 +125,19 @@ def _layer(shape: ModelShape, settings: Settings) -> _Layer:
     a, kv, d = shape.heads, shape.kv_heads, shape.head_dim
     c = _compute_bytes(settings)
     mixed = c == 2
-    bsh4 = 4 * b * s * h  # one fp32 residual-stream tensor
+    pure = settings.pure_bf16
+    # One residual-stream tensor: fp32 with fp32 weights (autocast or not), bf16 with pure bf16 weights.
+    bsh4 = _stream_bytes(settings) * b * s * h
     bshc = b * s * h * c
     bsI = b * s * I * c
     attn_core, attn_work, fused = _attention_bytes(shape, settings, c)
     # FSDP / ZeRO-3 gather 16-bit parameters per layer and free them after use, so autocast
-    # copies are not kept (the gathered layers are counted with the communication buffers).
+    # copies are not kept (the gathered layers are counted with the communication buffers);
+    # bf16 weights need no copies.
     sharded_params = settings.strategy in ("fsdp", "deepspeed_zero3")
-    weight_copies = 2 * shape.layer_matmul_numel if mixed and not sharded_params else 0
+    weight_copies = 2 * shape.layer_matmul_numel if mixed and not sharded_params and not pure else 0
     mlp_params = 2 * h * I + (I * h if shape.gated_mlp else 0)
-    # The grad of the layer output (fp32 residual stream) is alive through the layer's backward.
+    # The grad of the layer output (residual stream) is alive through the layer's backward.
     grad_stream = bsh4
 
     if shape.layout == "llama":
@@ -139,6 +148,14 @@ def _layer(shape: ModelShape, settings: Settings) -> _Layer:
         # 16-bit cast per projection (q, k, v, gate, up each cast their input separately).
         attn_inputs = 3 * b * s * h * 2 if mixed else bsh4
         mlp_inputs = 2 * b * s * h * 2 if mixed else bsh4
+        mid_residual = bsh4  # the post-attention norm's input
+        if pure:
+            # bf16 weights: RMSNorm upcasts its bf16 input to fp32 (a new tensor, kept by pow and mul),
+            # keeps 1/rms and the normalised x cast back to bf16; its bf16 output feeds the
+            # projections as it is (no autocast casts). The bf16 input itself is not kept.
+            norm = 4 * b * s * h + 4 * b * s + bsh4
+            attn_inputs = mlp_inputs = bsh4
+            mid_residual = 0
         qk_norm = 0
         if shape.qk_norm:
             # Qwen3 RMSNorm on q and k per head: the fp32 (upcast) input, 1/rms, and the
@@ -146,10 +163,10 @@ def _layer(shape: ModelShape, settings: Settings) -> _Layer:
             qk_norm = (4 + c) * b * s * (a + kv) * d + 4 * b * s * (a + kv)
         attn_saved = norm + attn_inputs + attn_core + qk_norm
         # Gated MLP: gate output (act input), act output, up output, product (down input).
-        mlp_saved = bsh4 + norm + mlp_inputs + 4 * bsI
+        mlp_saved = mid_residual + norm + mlp_inputs + 4 * bsI
         # Backward of the gated product: grad of the product and of both factors at once.
         mlp_backward = 2 * bsI
-        forward_transient = 2 * bsh4
+        forward_transient = 8 * b * s * h  # RMSNorm's fp32 temporaries
     elif shape.layout == "gpt2":
         # LayerNorm: input (stream / mid residual), mean and rstd (b, s, 1).
         norm = 8 * b * s
@@ -264,17 +281,11 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
     h, V, L = shape.hidden, shape.vocab, shape.num_layers
     P = shape.num_params
     c = _compute_bytes(settings)
-    mixed = c == 2
+    mixed = c == 2 and not settings.pure_bf16  # autocast over fp32 weights
     k = min(settings.gradient_checkpointing, L)
     n = settings.num_processes
     strategy = settings.strategy
-    notes: list[str] = []
-    if shape.approximate:
-        notes.append(f"model_type {shape.model_type!r} is modelled as a Llama-like decoder; expect a few % error")
-    if settings.mixed_precision == "fp16" and settings.device == "cpu":
-        notes.append("Accelerate does not autocast fp16 on CPU: counted as fp32")
-    if settings.gradient_checkpointing > L:
-        notes.append(f"gradient_checkpointing={settings.gradient_checkpointing} capped at {L} layers")
+    notes = _notes(shape, settings)
 
     # --- what persists through the step (per process) ---
     param_shard = grad_shard = state_shard = 1.0
@@ -282,38 +293,47 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
         param_shard = grad_shard = state_shard = 1.0 / n
     elif strategy == "deepspeed_zero2":
         grad_shard = state_shard = 1.0 / n
-    params = int(4 * P * param_shard)
+    levers = _lever_bytes(shape, settings)
+    wb = levers.weight_bytes
+    params = int(wb * P * param_shard)
     buffers = 4 * (shape.rotary_dim // 2) if shape.rotary_dim else 0
-    states, opt_temp = _optimizer_state_bytes(shape, settings.optimizer, state_shard)
-    grads_total = int(4 * P * grad_shard)
+    states, opt_temp = int(levers.states * state_shard), levers.states_temp
+    grads_total = int(wb * P * grad_shard)  # every gradient, as without the gradient-hook levers
     gathered = buckets = 0  # communication buffers: gathered parameters, gradient buckets
     if strategy == "ddp":
         # DDP keeps flat gradient buckets besides .grad (gradient_as_bucket_view=False default).
-        buckets = 4 * P
+        buckets = wb * P
     elif strategy in ("fsdp", "deepspeed_zero3"):
         # Two layers' full parameters are gathered at a time (current + prefetch), the embedding
         # while it is used, plus one layer's unsharded gradients before reduce-scatter.
-        gathered = 2 * 4 * shape.layer_numel + (4 * shape.embedding_numel if n > 1 else 0)
-        buckets = 4 * shape.layer_numel
+        gathered = 2 * wb * shape.layer_numel + (wb * shape.embedding_numel if n > 1 else 0)
+        buckets = wb * shape.layer_numel
     elif strategy == "deepspeed_zero2":
         # Gradients are reduced in buckets about two layers large before being partitioned.
-        buckets = 2 * 4 * shape.layer_numel
+        buckets = 2 * wb * shape.layer_numel
     t = b * settings.targets_per_row  # positions with a target: the head's rows
     batch = 2 * 8 * b * s + 2 * 8 * t  # input_ids, position_ids; target index and tokens (int64)
     accumulating = settings.gradient_accumulation_steps > 1
     grads_before = grads_total if accumulating else 0
 
     layer = _layer(shape, settings)
-    bsh4 = 4 * b * s * h
+    sb = _stream_bytes(settings)
+    bsh4 = sb * b * s * h  # one residual-stream tensor
     # Model-level saved tensors: the embedding output, the final norm (input is the last layer's
     # output, normalised x, 1/rms or mean/rstd), the lm_head input, rotary cos/sin.
     # RMSNorm keeps the normalised x and 1/rms; LayerNorm only mean and rstd (its input, the last
-    # layer's output, is counted with that layer).
+    # layer's output, is counted with that layer). With bf16 weights RMSNorm keeps its fp32 upcast
+    # input instead of the bf16 one (see `_layer`).
     final_norm = bsh4 + 4 * b * s if shape.layout == "llama" else 8 * b * s
-    lm_head_input = t * h * c  # the gathered rows (a 16-bit copy under autocast)
+    if settings.pure_bf16 and shape.layout == "llama":
+        final_norm += 4 * b * s * h
+    # The gathered rows: a 16-bit copy under autocast; the chunked head casts tile by tile and
+    # keeps the rows as they come.
+    lm_head_input = t * h * (sb if settings.chunked_loss else c)
     rope = 2 * 4 * b * s * shape.rotary_dim if shape.rotary_dim else 0
-    head_copy = 2 * V * h if mixed and settings.strategy not in ("fsdp", "deepspeed_zero3") else 0
-    stream_in = bsh4  # embedding output (the input of layer 0)
+    head_copy = 2 * V * h if mixed and not settings.chunked_loss and strategy not in ("fsdp", "deepspeed_zero3") else 0
+    # The embedding output (the input of layer 0): with bf16 weights only a checkpointed layer 0 keeps it.
+    stream_in = 0 if settings.pure_bf16 and k == 0 and shape.layout == "llama" else bsh4
     if shape.layout == "gpt2" and shape.embedding_dropout > 0:
         stream_in += b * s * h * (4 if settings.device == "cpu" else 1)
     # Checkpointed layers keep their inputs alive until their backward, the attention mask among
@@ -324,108 +344,228 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
     model_saved = stream_in + final_norm + lm_head_input + rope + head_copy + kept_mask
     # Per layer: its saved tensors and its output (the next layer's input). A checkpointed layer
     # keeps only its output (checkpoint keeps the layer input, the previous layer's output).
-    full = layer.saved + bsh4
+    # With bf16 weights a layer's output is kept only as a checkpointed layer's input (the next
+    # RMSNorm keeps its own fp32 upcast).
+    pure_llama = settings.pure_bf16 and shape.layout == "llama"
+    full = layer.saved + (0 if pure_llama else bsh4)
     saved_by_layer = [layer.checkpoint_saved if i < k else full for i in range(L)]
+    if pure_llama and k > 0:
+        saved_by_layer[k - 1] = 0
     acts_total = model_saved + sum(saved_by_layer)
+    # Offloaded activations: the checkpointed layers' inputs wait in host RAM (fulltune/offload.py).
+    offloaded = k * bsh4 if settings.offload_activations else 0
     mask_bool = b * s * s if settings.attention_mask else 0
 
     logits_c = t * V * c  # lm_head output in the compute dtype
     logits32 = 4 * t * V
+    hooks = settings.optimizer_in_backward or settings.offload_optimizer
+    on_host = settings.device == "cpu"  # host RAM is the device's memory: count it in the peak
 
     phases: list[tuple[str, int, dict[str, int]]] = []
 
-    def add(phase: str, grads: int, acts: int, logits: int, temp: int) -> None:
+    def add(phase: str, grads: int, acts: int, logits: int, temp: int, now: int = 0, backward: bool = True) -> None:
+        """`grads`: the gradients alive without the hook levers; `now`: the one a hook is about to take."""
+        device_grads = now if hooks else grads
+        # Offloaded activations move to the host once the forward has passed their layer.
+        away = offloaded if backward else 0
+        # The hook has moved every gradient to the host but the one it is about to take (accumulating,
+        # the host holds the sums of the earlier micro-batches already).
+        host_parts = _host_parts(levers, grads if accumulating else max(grads - now, 0), wb, away)
         parts = {
-            "parameters": params + buffers + gathered,
-            "gradients": grads + buckets,
-            "optimizer_states": states,
-            "activations": acts + batch,
+            "parameters": params + buffers + gathered + (host_parts["parameters"] if on_host else 0),
+            "gradients": device_grads + buckets + (host_parts["gradients"] if on_host else 0),
+            "optimizer_states": states + (host_parts["optimizer_states"] if on_host else 0),
+            "activations": acts + batch - (0 if on_host else away),
             "logits": logits,
             "temporary": temp,
         }
-        phases.append((phase, sum(parts.values()), parts))
+        parts["host"] = sum(host_parts.values())
+        phases.append((phase, sum(v for key, v in parts.items() if key != "host"), parts))
 
     # Forward: the last layer's forward peak with everything below it saved.
     before_head = acts_total - final_norm - lm_head_input - head_copy
-    add("forward", grads_before, before_head, 0, layer.forward_transient + mask_bool)
-    # lm_head's forward: the final norm's (b, s, h) output is alive until the model returns, next to
-    # the gathered fp32 rows.
-    add("forward of the lm head / loss", grads_before, acts_total, logits_c, bsh4 + 4 * t * h)
-    # lm_head output, its fp32 upcast and log_softmax's fp32 output.
-    if mixed:
-        add("forward of the lm head / loss", grads_before, acts_total, logits_c + logits32, 0)
-    add("forward of the lm head / loss", grads_before, acts_total, 2 * logits32, 0)
-    # Backward of the loss: saved log_softmax output + grad of nll + grad of log_softmax.
-    add("backward of the lm head / loss", grads_before, acts_total, 3 * logits32, 0)
-    # Backward of lm_head: grad of logits (compute dtype) + weight gradient (fp32; under autocast
-    # first a 16-bit one). Tied: it waits in autograd's input buffer for the embedding's share.
-    head_grad = int(4 * V * h * grad_shard)
-    head_grad_tmp = 2 * V * h if mixed else 0
+    add("forward", grads_before, before_head, 0, layer.forward_transient + mask_bool, backward=False)
+    head_grad = int(wb * V * h * grad_shard)
     after_head = acts_total - lm_head_input - head_copy - final_norm
-    g = grads_before if accumulating else head_grad
-    add(
-        "backward of the lm head / loss",
-        g,
-        acts_total,
-        logits_c + (logits32 if mixed else 0),
-        head_grad_tmp + (head_grad if accumulating else 0) + t * h * c,
-    )
-    # Backward of the gather: the rows' fp32 gradient scattered into a zero (b, s, h) tensor.
-    add("backward of the lm head / loss", grads_before if accumulating else head_grad, after_head, 0,
-        bsh4 + 4 * t * h)
+    if settings.chunked_loss:
+        _chunked_head_phases(add, levers, grads_before, acts_total, after_head, head_grad, accumulating,
+                             t, h, V, c, sb, bsh4)
+    else:
+        _head_phases(add, grads_before, acts_total, after_head, head_grad, accumulating, mixed, t, h, V, c,
+                     bsh4, logits_c, logits32)
 
     # Backward through the layers, last to first. Each layer has two peaks: the MLP backward
     # (everything of the layer still saved, plus the grads of the (b, s, I) tensors) and the
     # attention backward (the MLP part freed, its weight gradients made, grads of q, k, v).
-    layer_grads = int(layer.grads * grad_shard)
-    grads_now = grads_before if accumulating else head_grad + 4 * h * (2 if shape.layout != "llama" else 1)
+    layer_grads = int(layer.grads * grad_shard * wb // 4)
+    grads_now = grads_before if accumulating else head_grad + wb * h * (2 if shape.layout != "llama" else 1)
     # Tied: the head's weight gradient waits in autograd's input buffer for the embedding's share
-    # (when accumulating it is not yet added into .grad, so it is extra).
-    waiting = head_grad if shape.tied and accumulating else 0
-    grads_now += waiting
+    # (when accumulating it is not yet added into .grad, so it is extra; with the gradient hooks it
+    # is not a .grad yet, so the hook has not taken it).
+    waiting = head_grad if shape.tied and (accumulating or hooks) else 0
+    grads_now += waiting if not hooks else 0
     acts_now = after_head
+    first = layer.mlp_first_grad * wb // 4
     for i in reversed(range(L)):
         below = acts_now - saved_by_layer[i]
         # A checkpointed layer first rebuilds the same activations (non-reentrant checkpoint
-        # with early stop: its output is not rebuilt).
-        grad_mlp = 0 if accumulating else int(layer.mlp_grads * grad_shard)
+        # with early stop: its output is not rebuilt); an offloaded input comes back first.
+        back = bsh4 if settings.offload_activations and i < k and not on_host else 0
+        grad_mlp = 0 if accumulating else int(layer.mlp_grads * grad_shard * wb // 4)
         # The down/output projection's weight gradient is made before the MLP backward peak;
         # when accumulating it is a new tensor added into the existing .grad.
-        first = layer.mlp_first_grad
         add(
             f"backward of layer {i}",
             grads_now + (0 if accumulating else int(first * grad_shard)),
-            below,
+            below + back,
             0,
             layer.saved + layer.mlp_backward + (first if accumulating else 0),
+            now=waiting + int(first * grad_shard),
         )
-        add(f"backward of layer {i}", grads_now + grad_mlp, below, 0, layer.attn_saved + layer.attn_backward)
+        add(f"backward of layer {i}", grads_now + grad_mlp, below + back, 0, layer.attn_saved + layer.attn_backward,
+            now=waiting)
         grads_now += 0 if accumulating else layer_grads
         acts_now = below
     # Embedding backward: a dense (V, h) gradient. Tied, autograd then sums it with the waiting head
     # gradient out of place (three (V, h) tensors at once, .grad not yet among them unless
     # accumulating); untied and accumulating, it is added into the existing .grad.
     # At the end of backward every gradient exists.
-    emb_grad = int(4 * V * h * grad_shard)
+    emb_grad = int(wb * V * h * grad_shard)
     emb_tmp = (3 if accumulating else 2) * emb_grad if shape.tied else (emb_grad if accumulating else 0)
-    add("backward of the embeddings", grads_total, max(acts_now, 0), 0, emb_tmp)
+    # With the hooks: the embedding's gradient (tied: the sum) is the one the hook takes; stepping
+    # inside backward adds the optimizer's own temporaries there.
+    hook_tmp = opt_temp if settings.optimizer_in_backward else 0
+    add("backward of the embeddings", grads_total, max(acts_now, 0), 0, emb_tmp if not hooks else
+        (emb_tmp if shape.tied else 0) + hook_tmp, now=0 if shape.tied else emb_grad)
 
-    # Optimizer step: all gradients, states, the optimizer's own temporaries.
-    add("optimizer step", grads_total, 0, 0, opt_temp)
+    # Optimizer step: all gradients, states, the optimizer's own temporaries (on the host when offloaded;
+    # nothing left to do when stepped in backward).
+    if not settings.optimizer_in_backward:
+        step_temp = levers.host_temp if settings.offload_optimizer else opt_temp
+        add("optimizer step", grads_total, 0, 0, step_temp if (on_host or not settings.offload_optimizer) else 0)
 
     if timeline is not None:
         timeline.extend(phases)
     phase, peak, parts = max(phases, key=lambda p: p[1])
     overhead = _runtime_overhead(settings, peak)
-    breakdown = {key: int(value) for key, value in parts.items()}
+    breakdown = {key: int(value) for key, value in parts.items() if key != "host"}
     breakdown["runtime_overhead"] = int(overhead)
+    host = max(p[2]["host"] for p in phases)
     return MemoryEstimate(
         peak_bytes=int(peak),
         device_bytes=int(peak + overhead),
         breakdown=breakdown,
         peak_phase=phase,
         notes=tuple(notes),
+        host_bytes=int(host),
     )
+
+
+def _notes(shape: ModelShape, settings: Settings) -> list[str]:
+    notes: list[str] = []
+    if shape.approximate:
+        notes.append(f"model_type {shape.model_type!r} is modelled as a Llama-like decoder; expect a few % error")
+    if settings.mixed_precision == "fp16" and settings.device == "cpu":
+        notes.append("Accelerate does not autocast fp16 on CPU: counted as fp32")
+    if settings.gradient_checkpointing > shape.num_layers:
+        notes.append(f"gradient_checkpointing={settings.gradient_checkpointing} capped at {shape.num_layers} layers")
+    if settings.device == "cpu" and (settings.offload_optimizer or settings.offload_activations):
+        notes.append("on a CPU device host RAM is the device memory: offloading moves bytes, it saves none")
+    return notes
+
+
+@dataclass(frozen=True)
+class _LeverBytes:
+    """Per-step byte counts the levers decide, as fulltune/optim.py counts them."""
+
+    weight_bytes: int  # per parameter element of the device weights and gradients
+    states: int  # optimizer states on the device (whole model, unsharded)
+    states_temp: int  # the optimizer's temporaries during its update (on the device)
+    host_masters: int  # fp32 master weights in host RAM (offload)
+    host_states: int  # optimizer states in host RAM (offload)
+    host_temp: int  # the host optimizer's temporaries
+    host_buffer: int  # step in backward with accumulation: the host gradient sums
+
+
+def _lever_bytes(shape: ModelShape, settings: Settings) -> _LeverBytes:
+    return _lever_bytes_cached(shape, settings.optimizer, settings.pure_bf16, settings.optimizer_in_backward,
+                              settings.offload_optimizer, settings.gradient_accumulation_steps)
+
+
+@functools.lru_cache(maxsize=256)
+def _lever_bytes_cached(shape: ModelShape, optimizer: str, pure_bf16: bool, in_backward: bool, offload: bool,
+                        accumulation: int) -> _LeverBytes:
+    # fulltune.optim imports torch: imported here so that importing the memory model does not.
+    from fulltune import optim
+
+    shapes = shape.param_shapes
+    states, temp = optim.device_state_bytes(optimizer, shapes, pure_bf16=pure_bf16, offload=offload)
+    host_masters = host_states = host_temp = host_buffer = 0
+    if offload:
+        host_states, host_temp = optim.optimizer_state_bytes(optimizer, shapes, 4, "none")
+        host_masters = 4 * shape.num_params
+        # optim.host_bytes = masters + gradients + states + temporaries (the gradients are counted per phase).
+        assert optim.host_bytes(optimizer, shapes, pure_bf16, in_backward, offload, accumulation) == (
+            host_masters + 4 * shape.num_params + host_states + host_temp)
+    elif in_backward:
+        host_buffer = optim.host_bytes(optimizer, shapes, pure_bf16, in_backward, offload, accumulation)
+    return _LeverBytes(optim.weight_bytes(pure_bf16), states, temp, host_masters, host_states, host_temp,
+                       host_buffer)
+
+
+def _host_parts(levers: _LeverBytes, grads: int, weight_bytes: int, offloaded: int) -> dict[str, int]:
+    """Host RAM the levers hold in a phase whose gradients (without the hooks) are `grads` bytes."""
+    host_grads = grads * 4 // weight_bytes if levers.host_masters else 0  # fp32 sums on the host
+    return {"parameters": levers.host_masters, "gradients": host_grads + levers.host_buffer,
+            "optimizer_states": levers.host_states, "activations": offloaded}
+
+
+def _head_phases(add: Any, grads_before: int, acts_total: int, after_head: int, head_grad: int, accumulating: bool,
+                 mixed: bool, t: int, h: int, V: int, c: int, bsh4: int, logits_c: int, logits32: int) -> None:
+    """The whole head: (t, V) logits, their fp32 upcast, log_softmax and its backward."""
+    # lm_head's forward: the final norm's (b, s, h) output is alive until the model returns, next to
+    # the gathered rows.
+    add("forward of the lm head / loss", grads_before, acts_total, logits_c, bsh4 + 4 * t * h, backward=False)
+    # lm_head output, its fp32 upcast and log_softmax's fp32 output.
+    if mixed or c == 2:
+        add("forward of the lm head / loss", grads_before, acts_total, logits_c + logits32, 0, backward=False)
+    add("forward of the lm head / loss", grads_before, acts_total, 2 * logits32, 0, backward=False)
+    # Backward of the loss: saved log_softmax output + grad of nll + grad of log_softmax.
+    add("backward of the lm head / loss", grads_before, acts_total, 3 * logits32, 0)
+    # Backward of lm_head: grad of logits (compute dtype) + weight gradient (under autocast first a
+    # 16-bit one). Tied: it waits in autograd's input buffer for the embedding's share.
+    head_grad_tmp = 2 * V * h if mixed else 0
+    g = grads_before if accumulating else head_grad
+    add("backward of the lm head / loss", g, acts_total, logits_c + (logits32 if c == 2 else 0),
+        head_grad_tmp + (head_grad if accumulating else 0) + t * h * c, now=head_grad)
+    # Backward of the gather: the rows' gradient scattered into a zero (b, s, h) tensor.
+    add("backward of the lm head / loss", grads_before if accumulating else head_grad, after_head, 0,
+        bsh4 + 4 * t * h, now=head_grad)
+
+
+def _chunked_head_phases(add: Any, levers: _LeverBytes, grads_before: int, acts_total: int, after_head: int,
+                         head_grad: int, accumulating: bool, t: int, h: int, V: int, c: int, sb: int,
+                         bsh4: int) -> None:
+    """The chunked head (fulltune/loss.py): a per-row logsumexp kept, one (rows × vocabulary) tile at a time."""
+    from fulltune.loss import ROW_CHUNK, VOCAB_CHUNK, chunked_head_bytes
+
+    tiles = chunked_head_bytes(t, h, V, c)
+    rows, cols = min(t, ROW_CHUNK), min(V, VOCAB_CHUNK)
+    # Forward: the logsumexp and target logit (fp32 per row), one tile's logits and their fp32 copy,
+    # the weight tile and row casts (when the weights are not in the compute dtype).
+    cast = (cols * h * c + rows * h * c) if levers.weight_bytes != c else 0
+    add("forward of the lm head / loss", grads_before, acts_total, 0,
+        bsh4 + 8 * t + rows * cols * (c + 4) + cast, backward=False)
+    # Backward: the weight gradient (the head's .grad-to-be), the tiles, and the fp32 input gradient
+    # (cast to the stream dtype at the end when that is 16-bit).
+    g = grads_before if accumulating else head_grad
+    add("backward of the lm head / loss", g, acts_total, 0,
+        tiles["saved"] + tiles["backward"] + (head_grad if accumulating else 0), now=head_grad)
+    if sb != 4:
+        add("backward of the lm head / loss", g, acts_total, 0,
+            tiles["saved"] + 4 * t * h + sb * t * h + (head_grad if accumulating else 0), now=head_grad)
+    add("backward of the lm head / loss", grads_before if accumulating else head_grad, after_head, 0,
+        bsh4 + sb * t * h, now=head_grad)
 
 
 def _runtime_overhead(settings: Settings, peak: int) -> int:

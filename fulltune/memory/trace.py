@@ -19,6 +19,7 @@ reproduced here.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 from typing import Any, Iterator
 
@@ -36,68 +37,32 @@ def _autocast(settings: Settings) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
-def build_optimizer(name: str, params: Any, lr: float = 1e-4, fake: bool = False) -> Any:
-    """The optimizer the memory model assumes for `name` (what fulltune's trainer builds).
+def build_optimizer(name: str, params: Any, lr: float = 1e-4, fake: bool = False, settings: Settings | None = None
+                    ) -> Any:
+    """The optimizer the trainer builds for `name` and the levers in `settings`: `fulltune.optim.build_optimizer`.
 
-    `fake=True` replaces bitsandbytes' AdamW8bit, whose native kernels cannot run on FakeTensors,
-    with a stand-in that allocates the same states.
+    `params` is the model (weight decay groups as the trainer's) or its parameters. `fake=True` swaps the
+    kernels a FakeTensor cannot run (bitsandbytes, torchao, torch-optimi) for stand-ins that allocate the
+    same states.
     """
-    import torch
+    from fulltune import optim
 
-    params = list(params)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, fused=True)
-    if name == "adamw_8bit":
-        if fake:
-            return _FakeAdamW8bit(params, lr=lr)
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(params, lr=lr)
-    if name == "adafactor":
-        from transformers.optimization import Adafactor
-
-        return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
-    raise MemoryConfigError(f"unknown optimizer {name!r}; expected adamw, adamw_8bit or adafactor")
+    if not hasattr(params, "parameters"):
+        params = list(params)
+    levers = {}
+    if settings is not None:
+        levers = {"pure_bf16": settings.pure_bf16, "step_in_backward": settings.optimizer_in_backward,
+                  "offload": settings.offload_optimizer, "accumulation_steps": settings.gradient_accumulation_steps,
+                  "max_grad_norm": 1.0}
+    try:
+        return optim.build_optimizer(params, name, lr=lr, fake=fake, **levers)
+    except ValueError as exc:
+        raise MemoryConfigError(str(exc)) from None
 
 
-def _fake_adamw8bit_class() -> type:
-    import torch
-
-    class FakeAdamW8bit(torch.optim.Optimizer):
-        """Allocates the states bitsandbytes' AdamW8bit allocates, without its C kernels.
-
-        bitsandbytes runs its update through native code that a FakeTensor cannot enter; the
-        update is in place and block-wise, so the states are all the memory it needs.
-        """
-
-        def __init__(self, params: Any, lr: float = 1e-4) -> None:
-            super().__init__(params, {"lr": lr})
-
-        @torch.no_grad()
-        def step(self, closure: Any = None) -> None:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
-                    state = self.state[p]
-                    if not state:
-                        n = p.numel()
-                        if n < 4096:
-                            state["state1"] = torch.zeros_like(p, dtype=torch.float32)
-                            state["state2"] = torch.zeros_like(p, dtype=torch.float32)
-                        else:
-                            blocks = -(-n // 256)
-                            state["state1"] = torch.zeros_like(p, dtype=torch.uint8)
-                            state["state2"] = torch.zeros_like(p, dtype=torch.uint8)
-                            state["absmax1"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
-                            state["absmax2"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
-                    p.add_(p.grad, alpha=-group["lr"])
-
-    return FakeAdamW8bit
-
-
-def _FakeAdamW8bit(params: Any, lr: float) -> Any:  # noqa: N802 - factory standing in for a class
-    return _fake_adamw8bit_class()(params, lr=lr)
+def _optimizers(optimizer: Any) -> list[Any]:
+    """The optimizer and, for the lever wrappers, the inner ones that hold the states (MemTracker labels)."""
+    return [optimizer, *getattr(optimizer, "inner_optimizers", lambda: [])()]
 
 
 def _make_batch(vocab: int, settings: Settings, device: str) -> tuple[dict[str, Any], Any]:
@@ -144,9 +109,12 @@ def _train_steps(model: Any, optimizer: Any, vocab: int, settings: Settings, ste
 
     from fulltune.loss import TargetHead
 
-    head = TargetHead(model)
+    head = TargetHead(model, chunked=settings.chunked_loss)
     for count in _micro_batches(settings, steps, short):
-        for _ in range(count):
+        for index in range(count):
+            if hasattr(optimizer, "set_micro_batch"):  # step in backward: the update runs in the last one
+                # The short schedule's micro-batches are the step's last ones.
+                optimizer.set_micro_batch(settings.gradient_accumulation_steps - count + index)
             if tracker is not None:
                 # MemTracker refuses a second forward of the root module without this; the global
                 # peak survives it.
@@ -158,7 +126,10 @@ def _train_steps(model: Any, optimizer: Any, vocab: int, settings: Settings, ste
                 loss = head.loss_sum(model, inputs, targets) / num_tokens
             loss.backward()
             del loss, inputs, targets
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if hasattr(optimizer, "clip_grad_norm_"):  # the lever wrappers hold the gradients themselves
+            optimizer.clip_grad_norm_(1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     head.remove()
@@ -177,9 +148,21 @@ def _build_model(config: Any, settings: Settings) -> Any:
 
     from fulltune.memory.checkpointing import apply_gradient_checkpointing
 
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=settings.attn_implementation)
+    import torch
+
+    from fulltune.offload import ActivationOffload
+
+    # bf16 weights are made bf16 from the start: `model.to` cannot swap FakeTensor parameters, and the
+    # trainer's cast of a fp32 model ends in the same tensors.
+    dtype = {"dtype": torch.bfloat16} if settings.pure_bf16 else {}
+    # from_config writes the dtype into the config it is given: a copy keeps the caller's intact.
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=settings.attn_implementation,
+                                             **dtype)
     model.train()
+    # In the trainer's order (fulltune/train.py): checkpointing, bf16 weights, activation offload.
     apply_gradient_checkpointing(model, settings.gradient_checkpointing)
+    if settings.offload_activations:
+        ActivationOffload().install(model)
     return model
 
 
@@ -256,6 +239,30 @@ def _rows_known_unpacked(settings: Settings) -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = original
 
 
+@contextlib.contextmanager
+def _static_nonzero() -> Iterator[None]:
+    """Under FakeTensorMode, `Tensor.nonzero` returns its largest possible result (one index per element).
+
+    A FakeTensor has no values, so an op whose output size depends on them cannot be traced; the chunked
+    head's backward (fulltune/loss.py) finds each tile's target columns with `nonzero` on a (rows,) mask.
+    The worst case (every row) is rows × 8 bytes: the same memory to within a few KiB.
+    """
+    import torch
+
+    original = torch.Tensor.nonzero
+
+    def static(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return original(self, *args, **kwargs)
+        return torch.nonzero_static(self, size=self.numel())
+
+    torch.Tensor.nonzero = static
+    try:
+        yield
+    finally:
+        torch.Tensor.nonzero = original
+
+
 def simulate_memory(model_source: Any, settings: Settings, steps: int = 2, short: bool = True) -> MemoryEstimate:
     """Trace `steps` optimizer steps of the real model under FakeTensorMode and MemTracker.
 
@@ -274,10 +281,12 @@ def simulate_memory(model_source: Any, settings: Settings, steps: int = 2, short
     traced = settings if settings.device == "cpu" else _on_cpu(settings)
     with _quiet(), FakeTensorMode(allow_non_fake_inputs=False):
         model = _build_model(model_source, traced)
-        optimizer = build_optimizer(traced.optimizer, model.parameters(), fake=True)
         tracker = MemTracker()
-        tracker.track_external(model, optimizer)
-        with tracker, _rows_known_unpacked(traced):
+        tracker.track_external(model)
+        with tracker, _rows_known_unpacked(traced), _static_nonzero():
+            # Built under the tracker: the offloaded fp32 masters it makes are counted.
+            optimizer = build_optimizer(traced.optimizer, model, fake=True, settings=traced)
+            tracker.track_external(*_optimizers(optimizer))
             _train_steps(model, optimizer, model.config.vocab_size, traced, steps, "cpu", tracker, short)
         result = _tracker_result(tracker, "traced (FakeTensorMode)")
     return result
@@ -311,9 +320,9 @@ def measure_memory(config: Any, settings: Settings, steps: int = 2) -> int:
     torch.manual_seed(0)
     with _quiet():
         model = _build_model(config, settings)
-        optimizer = build_optimizer(settings.optimizer, model.parameters())
+        optimizer = build_optimizer(settings.optimizer, model, settings=settings)
         tracker = MemTracker()
-        tracker.track_external(model, optimizer)
+        tracker.track_external(model, *_optimizers(optimizer))
         with tracker:
             _train_steps(model, optimizer, model.config.vocab_size, settings, steps, "cpu", tracker)
         peak = max(tracker._peak_mem.values())
@@ -330,7 +339,7 @@ def _measure_cuda(config: Any, settings: Settings, steps: int) -> int:
     start = torch.cuda.memory_allocated()
     with _quiet():
         model = _build_model(config, settings).to("cuda")
-        optimizer = build_optimizer(settings.optimizer, model.parameters())
+        optimizer = build_optimizer(settings.optimizer, model, settings=settings)
         _train_steps(model, optimizer, model.config.vocab_size, settings, steps, "cuda", None)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - start

@@ -8,10 +8,13 @@ from typing import Any
 from fulltune.memory.errors import MemoryConfigError
 
 MIXED_PRECISIONS = ("no", "bf16", "fp16")
-OPTIMIZERS = ("adamw", "adamw_8bit", "adafactor")
+OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adafactor")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 DEVICES = ("cpu", "cuda")
 STRATEGIES = ("none", "ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
+# The memory levers (fulltune/optim.py, fulltune/offload.py, fulltune/loss.py), in the order the planner
+# tries them: cheapest in step time first.
+LEVERS = ("chunked_loss", "pure_bf16", "optimizer_in_backward", "offload_activations", "offload_optimizer")
 BREAKDOWN_KEYS = (
     "parameters",
     "gradients",
@@ -57,6 +60,14 @@ class Settings:
             that do. The trainer runs the output head only at those positions (`fulltune.loss`),
             so the logits are (t, V) with t = micro_batch_size · round(target_fraction ·
             (seq_len - 1)). 1.0, the default, is the most any batch can have.
+        pure_bf16: bf16 weights and gradients, no fp32 master (`fulltune.optim`); the update is
+            compensated (Kahan buffer for adamw, stochastic rounding for adamw_4bit); activations are
+            bf16 whatever `mixed_precision` says.
+        optimizer_in_backward: each parameter is stepped and its gradient freed in backward; only with
+            gradient_accumulation_steps 1 (the planner keeps the effective batch with the micro-batch).
+        offload_optimizer: fp32 masters, gradients and optimizer states in host RAM, updated there.
+        offload_activations: the saved inputs of checkpointed layers wait in host RAM.
+        chunked_loss: the output head and cross-entropy run in tiles; no whole (t, V) tensor.
     """
 
     micro_batch_size: int
@@ -71,6 +82,11 @@ class Settings:
     num_processes: int = 1
     attention_mask: bool = True
     target_fraction: float = 1.0
+    pure_bf16: bool = False
+    optimizer_in_backward: bool = False
+    offload_optimizer: bool = False
+    offload_activations: bool = False
+    chunked_loss: bool = False
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "num_processes"):
@@ -92,6 +108,11 @@ class Settings:
         _check_choice("strategy", self.strategy, STRATEGIES)
         if self.strategy == "none" and self.num_processes != 1:
             raise MemoryConfigError("num_processes > 1 needs a strategy (ddp, fsdp, deepspeed_zero2, deepspeed_zero3)")
+        _check_levers(self.levers(), self.gradient_accumulation_steps, self.num_processes, self.mixed_precision)
+
+    def levers(self) -> dict[str, bool]:
+        """The memory levers, name → on."""
+        return {name: getattr(self, name) for name in LEVERS}
 
     @property
     def targets_per_row(self) -> int:
@@ -107,6 +128,7 @@ class Settings:
             "gradient_checkpointing": self.gradient_checkpointing,
             "mixed_precision": self.mixed_precision,
             "optimizer": self.optimizer,
+            **self.levers(),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -123,7 +145,28 @@ class Settings:
             "num_processes": self.num_processes,
             "attention_mask": self.attention_mask,
             "target_fraction": self.target_fraction,
+            **self.levers(),
         }
+
+
+def _check_levers(levers: dict[str, bool | None], accumulation: int | None, processes: int,
+                  precision: str | None) -> None:
+    """Lever combinations the trainer refuses (fulltune/optim.py `check_levers`, fulltune/launch.py)."""
+    for name, value in levers.items():
+        if value is not None and not isinstance(value, bool):
+            raise MemoryConfigError(f"{name} must be true, false or auto; got {value!r}")
+    if levers["optimizer_in_backward"] and accumulation is not None and accumulation > 1:
+        raise MemoryConfigError("optimizer_in_backward needs gradient_accumulation_steps 1 (the effective batch is "
+                                f"kept with a larger micro-batch); got {accumulation}")
+    if levers["optimizer_in_backward"] and levers["offload_optimizer"]:
+        raise MemoryConfigError("optimizer_in_backward and offload_optimizer: choose one (offloading already frees "
+                                "device gradients in backward)")
+    hooks = [n for n in ("optimizer_in_backward", "offload_optimizer") if levers[n]]
+    if hooks and processes > 1:
+        raise MemoryConfigError(f"{' and '.join(hooks)} train on one process (their gradient hooks run before "
+                                "gradients are averaged); num_processes must be 1")
+    if levers["pure_bf16"] and precision == "fp16":
+        raise MemoryConfigError("pure_bf16 keeps bf16 weights: mixed_precision must be bf16 or no")
 
 
 @dataclass(frozen=True)
@@ -133,7 +176,9 @@ class MemoryEstimate:
     `peak_bytes` is allocated tensor memory (what `torch.cuda.max_memory_allocated` or a storage
     tracker reports); `device_bytes` adds what the device needs beyond tensors (CUDA context,
     allocator slack). `breakdown` splits `device_bytes` as it stands at the peak: the first six
-    entries sum to `peak_bytes`, `runtime_overhead` is the rest.
+    entries sum to `peak_bytes`, `runtime_overhead` is the rest. `host_bytes` is the host RAM the
+    offload levers need beyond the process (fulltune/optim.py `host_bytes` plus offloaded
+    activations); on a CPU device host RAM is the device memory, so there it is inside `peak_bytes`.
     """
 
     peak_bytes: int
@@ -142,6 +187,7 @@ class MemoryEstimate:
     peak_phase: str
     notes: tuple[str, ...] = ()
     source: str = "estimate"
+    host_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -149,6 +195,7 @@ class MemoryEstimate:
             "device_bytes": int(self.device_bytes),
             "breakdown": {key: int(self.breakdown.get(key, 0)) for key in BREAKDOWN_KEYS},
             "peak_phase": self.peak_phase,
+            "host_bytes": int(self.host_bytes),
         }
 
 
@@ -161,6 +208,9 @@ class PlanRequest:
     run as they are). The planner keeps `headroom` of the budget free for what no estimate sees
     (fragmentation, other processes). `target_fraction` bounds the positions with a target in any
     row (see `Settings`); the data stage knows it (the most loss terms in one row ÷ (seq_len - 1)).
+    Each memory lever (`LEVERS`) is fixed (True/False) or auto (None): the planner turns auto levers on
+    only when nothing fits without them, cheapest first. `host_memory_bytes` bounds the host RAM the
+    offload levers may use (None: this machine's RAM).
     """
 
     effective_batch_size: int
@@ -179,8 +229,23 @@ class PlanRequest:
     bf16_supported: bool = False
     attention_mask: bool = True
     target_fraction: float = 1.0
+    pure_bf16: bool | None = None
+    optimizer_in_backward: bool | None = None
+    offload_optimizer: bool | None = None
+    offload_activations: bool | None = None
+    chunked_loss: bool | None = None
+    host_memory_bytes: int | None = None
+
+    def levers(self) -> dict[str, bool | None]:
+        """The memory levers, name → True / False / None (auto)."""
+        return {name: getattr(self, name) for name in LEVERS}
 
     def __post_init__(self) -> None:
+        _check_levers(self.levers(), self.gradient_accumulation_steps, self.num_processes, self.mixed_precision)
+        if self.host_memory_bytes is not None and (isinstance(self.host_memory_bytes, bool)
+                                                   or self.host_memory_bytes <= 0):
+            raise MemoryConfigError(f"host_memory_bytes must be a positive number of bytes or None; "
+                                    f"got {self.host_memory_bytes!r}")
         if not 0.0 <= self.target_fraction <= 1.0:
             raise MemoryConfigError(f"target_fraction must be between 0 and 1; got {self.target_fraction!r}")
         for name in ("effective_batch_size", "seq_len", "num_processes"):
