@@ -12,6 +12,7 @@ FakeTensorMode (`plan_memory(trace=True)`), it fits when the larger of estimate 
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import dataclass, replace
@@ -20,7 +21,7 @@ from typing import Any
 from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.estimate import _estimate, _runtime_overhead
 from fulltune.memory.shapes import ModelShape, model_shape
-from fulltune.memory.types import MemoryEstimate, MemoryPlan, PlanRequest, Settings
+from fulltune.memory.types import LEVERS, MemoryEstimate, MemoryPlan, PlanRequest, Settings
 from fulltune.memory.uncertainty import Uncertainty, estimate_uncertainty, traced_uncertainty
 from fulltune.memory.units import format_bytes, parse_bytes
 
@@ -50,13 +51,25 @@ _HALF_EFFICIENCY_TOKENS = {"cuda": 1024, "cpu": 16}
 _RECOMPUTE_OVERHEAD = 1.4
 _BANDWIDTH = {"cuda": 2.0e12, "cpu": 2.0e10}
 # Bytes the optimizer reads and writes per parameter in one step (weights, grads, states).
-_OPTIMIZER_TRAFFIC = {"adamw": 32, "adamw_8bit": 20, "adafactor": 20}
+_OPTIMIZER_TRAFFIC = {"adamw": 32, "adamw_8bit": 20, "adamw_4bit": 18, "adafactor": 20}
 # bitsandbytes' 8-bit AdamW on CPU runs a scalar fallback: ~20× fused AdamW's step time, i.e.
 # what ~450 bytes per parameter would cost at the CPU bandwidth above.
 _CPU_OPTIMIZER_TRAFFIC = {**_OPTIMIZER_TRAFFIC, "adamw_8bit": 450}
 # Penalties for choices that cost more than their FLOPs show: 8-bit AdamW ≈5% slower per step
 # (REFERENCE.md), Adafactor's factored second moment converges slower on fine-tuning tasks.
-_OPTIMIZER_PENALTY = {"adamw": 1.0, "adamw_8bit": 1.05, "adafactor": 1.12}
+_OPTIMIZER_PENALTY = {"adamw": 1.0, "adamw_8bit": 1.05, "adamw_4bit": 1.1, "adafactor": 1.12}
+# Memory levers (assumptions, to be replaced by measurements on a GPU: benchmarks/device_check.py):
+# - host↔device copies run at ~25 GB/s (PCIe 4.0 x16 pinned-memory copies reach 22–26 GB/s);
+_PCIE_BYTES_PER_S = 25e9
+# - the host optimizer of `offload_optimizer` moves ~1.5 GB/s of its fp32 masters, gradients and states
+#   (ZeRO-Offload's CPU Adam is 1–2 GB/s-class per socket without AVX-512 tuning; torch's fused CPU AdamW
+#   is in that range too), and bitsandbytes' 8-bit AdamW on a CPU is ~20× slower (its scalar fallback);
+_HOST_OPTIMIZER_BYTES_PER_S = 1.5e9
+_HOST_OPTIMIZER_SLOWDOWN = {"adamw": 1.0, "adamw_8bit": 20.0, "adamw_4bit": 1.0, "adafactor": 1.0}
+# - the Kahan-compensated update reads and writes one more bf16 buffer: 4 B/param of extra traffic;
+_KAHAN_TRAFFIC = 4
+# - the chunked loss recomputes the head's logits in backward: one more head forward (2·V·h per target);
+# - a step in backward costs nothing extra on the device (the same update, earlier).
 
 
 def step_seconds(shape: ModelShape, settings: Settings) -> float:
@@ -78,8 +91,41 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
     compute = settings.gradient_accumulation_steps * tokens * per_token / (flops * efficiency)
     shard = settings.num_processes if settings.strategy in ("fsdp", "deepspeed_zero2", "deepspeed_zero3") else 1
     traffic = (_CPU_OPTIMIZER_TRAFFIC if settings.device == "cpu" else _OPTIMIZER_TRAFFIC)[settings.optimizer]
+    if settings.pure_bf16:  # bf16 weights, gradients and (adamw) states: half the traffic, plus Kahan's buffer
+        traffic = traffic / 2 + (_KAHAN_TRAFFIC if settings.optimizer == "adamw" else 0)
     optimizer = shape.num_params / shard * traffic / _BANDWIDTH[settings.device]
-    return (compute + optimizer) * _OPTIMIZER_PENALTY[settings.optimizer]
+    if settings.offload_optimizer:
+        optimizer = 0.0
+    return (compute + optimizer) * _OPTIMIZER_PENALTY[settings.optimizer] + sum(lever_seconds(shape, settings).values())
+
+
+def lever_seconds(shape: ModelShape, settings: Settings) -> dict[str, float]:
+    """Step time the levers add beyond compute and the device optimizer (assumed constants above)."""
+    s, b, ga = settings.seq_len, settings.micro_batch_size, settings.gradient_accumulation_steps
+    h, P = shape.hidden, shape.num_params
+    out: dict[str, float] = {}
+    if settings.chunked_loss:
+        flops = _FLOPS[(settings.device, "bf16" if settings.pure_bf16 else settings.mixed_precision)]
+        out["chunked_loss"] = ga * b * settings.targets_per_row * 2.0 * shape.vocab * h / flops
+    if settings.offload_optimizer:
+        weight = 2 if settings.pure_bf16 else 4
+        # Each micro-batch's gradients go to the host; the fp32 masters come back once per step.
+        pcie = (ga * weight * P + 4 * P) / _PCIE_BYTES_PER_S
+        host = _lever_host_traffic(shape, settings) / _HOST_OPTIMIZER_BYTES_PER_S
+        out["offload_optimizer"] = pcie + host * _HOST_OPTIMIZER_SLOWDOWN[settings.optimizer]
+    if settings.offload_activations:
+        k = min(settings.gradient_checkpointing, shape.num_layers)
+        stream = 2 if settings.pure_bf16 else 4
+        out["offload_activations"] = ga * 2 * k * stream * b * s * h / _PCIE_BYTES_PER_S
+    return out
+
+
+def _lever_host_traffic(shape: ModelShape, settings: Settings) -> float:
+    """Bytes the host optimizer reads and writes per step: masters, gradients and states (fulltune.optim)."""
+    from fulltune.memory.estimate import _lever_bytes
+
+    levers = _lever_bytes(shape, settings)
+    return 2.0 * (levers.host_masters + levers.host_states) + 4.0 * shape.num_params
 
 
 # --- budget ---------------------------------------------------------------------------------
@@ -142,6 +188,14 @@ class _Candidate:
     estimate: MemoryEstimate
     seconds: float
     uncertainty: Uncertainty
+    host_budget: int | None = None  # host RAM the levers may use; None: no limit
+
+    @property
+    def host_fits(self) -> bool:
+        """The levers' host RAM fits `budget.host_memory` (on a CPU device it is inside the device bytes)."""
+        if self.host_budget is None or self.settings.device == "cpu":
+            return True
+        return self.estimate.host_bytes <= self.host_budget
 
     @property
     def expected_bytes(self) -> int:
@@ -156,6 +210,10 @@ class _Candidate:
         """What must fit: expected bytes plus the uncertainty, unless this very step was traced."""
         margin = 0 if self.uncertainty.basis == "trace" else self.uncertainty.bytes
         return self.expected_bytes + margin
+
+
+def _fits(c: _Candidate, usable: int) -> bool:
+    return c.planned_bytes <= usable and c.host_fits
 
 
 def _per_process(request: PlanRequest) -> int:
@@ -201,11 +259,13 @@ def _configured(shape: ModelShape, request: PlanRequest) -> Settings:
     else:
         micro = per
     checkpointing = _fixed_checkpointing(request.gradient_checkpointing, shape.num_layers) or 0
+    levers = {name: bool(value) for name, value in request.levers().items()}  # auto levers start off
     return _settings(request, micro, checkpointing, request.mixed_precision or _default_precision(request),
-                     request.optimizer or "adamw")
+                     request.optimizer or "adamw", levers)
 
 
-def _settings(request: PlanRequest, micro: int, checkpointing: int, precision: str, optimizer: str) -> Settings:
+def _settings(request: PlanRequest, micro: int, checkpointing: int, precision: str, optimizer: str,
+              levers: dict[str, bool] | None = None) -> Settings:
     """Settings with the planner's choices filled in and everything else as the request fixes it."""
     return Settings(
         micro_batch_size=micro,
@@ -220,6 +280,7 @@ def _settings(request: PlanRequest, micro: int, checkpointing: int, precision: s
         num_processes=request.num_processes,
         attention_mask=request.attention_mask,
         target_fraction=request.target_fraction,
+        **(levers or {}),
     )
 
 
@@ -241,10 +302,61 @@ def _options(shape: ModelShape, request: PlanRequest) -> tuple[list[int], list[s
     return micros, precisions, optimizers, _fixed_checkpointing(request.gradient_checkpointing, shape.num_layers)
 
 
-def _candidate(shape: ModelShape, settings: Settings) -> _Candidate:
+def _lever_sets(request: PlanRequest, stage: int) -> list[dict[str, bool]]:
+    """The lever combinations of search stage `stage`: the auto levers among the first `stage` of
+    `LEVERS` (cheapest first) on or off, the later auto ones off, the fixed ones as fixed."""
+    fixed = {name: bool(value) for name, value in request.levers().items()}
+    auto = [name for name in LEVERS[:stage] if request.levers()[name] is None and _may_choose(request, name)]
+    out = []
+    for values in itertools.product((False, True), repeat=len(auto)):
+        levers = {**fixed, **dict(zip(auto, values))}
+        if levers["optimizer_in_backward"] and levers["offload_optimizer"]:
+            continue
+        out.append(levers)
+    return out
+
+
+def _may_choose(request: PlanRequest, lever: str) -> bool:
+    """Whether the planner may turn an auto lever on for this request."""
+    if lever in ("offload_optimizer", "offload_activations"):
+        # On a CPU device host RAM is the device memory: offloading saves nothing and costs copies.
+        if request.device != "cuda":
+            return False
+    if lever in ("optimizer_in_backward", "offload_optimizer") and request.num_processes > 1:
+        return False  # their gradient hooks run before gradients are averaged (fulltune/optim.py)
+    if lever == "optimizer_in_backward" and request.gradient_accumulation_steps not in (None, 1):
+        return False
+    if lever == "pure_bf16":
+        return request.mixed_precision != "fp16" and (request.device == "cpu" or request.bf16_supported)
+    return True
+
+
+def _lever_options(shape: ModelShape, request: PlanRequest, levers: dict[str, bool], micros: list[int],
+                   precisions: list[str], optimizers: list[str], fixed_k: int | None, stage: int
+                   ) -> tuple[list[int], list[str], list[str]] | None:
+    """The micro-batches, precisions and optimizers that go with one lever combination (None: it makes no sense)."""
+    if levers["optimizer_in_backward"]:
+        # No accumulation across micro-batches: the effective batch is kept by one larger micro-batch.
+        micros = [m for m in micros if m == _per_process(request)]
+    if levers["pure_bf16"]:
+        precisions = ["bf16"] if request.mixed_precision is None else precisions
+    if levers["offload_activations"] and fixed_k == 0:
+        return None  # nothing is checkpointed, nothing to offload
+    if stage > 0 and request.optimizer is None and "adamw_4bit" not in optimizers and _torchao_available():
+        optimizers = [*optimizers, "adamw_4bit"]
+    return (micros, precisions, optimizers) if micros else None
+
+
+def _torchao_available() -> bool:
+    from fulltune.optim import torchao_available
+
+    return torchao_available()
+
+
+def _candidate(shape: ModelShape, settings: Settings, host_budget: int | None = None) -> _Candidate:
     estimate = _estimate(shape, settings)
     uncertainty = estimate_uncertainty(shape, settings, estimate.peak_bytes)
-    return _Candidate(settings, estimate, step_seconds(shape, settings), uncertainty)
+    return _Candidate(settings, estimate, step_seconds(shape, settings), uncertainty, host_budget)
 
 
 def _planned(shape: ModelShape, settings: Settings) -> int:
@@ -278,20 +390,48 @@ def _search(
     usable: int,
     micros: list[int] | None = None,
     min_checkpointing: int = 0,
+    stage: int = 0,
 ) -> list[_Candidate]:
-    """One candidate per (micro-batch, precision, optimizer): fewest checkpointed layers that fit."""
+    """One candidate per (micro-batch, precision, optimizer, lever combination of `stage`): fewest
+    checkpointed layers that fit."""
     default_micros, precisions, optimizers, fixed_k = _options(shape, request)
     micros = default_micros if micros is None else micros
+    host_budget = _host_budget(request)
     out = []
-    for micro in micros:
-        for precision in precisions:
-            for optimizer in optimizers:
-                base = _settings(request, micro, fixed_k or 0, precision, optimizer)
-                if fixed_k is not None:
-                    out.append(_candidate(shape, base))
-                else:
-                    out.append(_least_checkpointing(shape, base, usable, min_checkpointing))
+    for levers in _lever_sets(request, stage):
+        options = _lever_options(shape, request, levers, micros, precisions, optimizers, fixed_k, stage)
+        if options is None:
+            continue
+        for micro in options[0]:
+            for precision in options[1]:
+                for optimizer in options[2]:
+                    base = _settings(request, micro, fixed_k or 0, precision, optimizer, levers)
+                    if fixed_k is not None:
+                        out.append(_candidate(shape, base, host_budget))
+                    else:
+                        c = _least_checkpointing(shape, base, usable, min_checkpointing)
+                        if levers["offload_activations"] and c.settings.gradient_checkpointing == 0:
+                            continue
+                        out.append(replace(c, host_budget=host_budget))
     return out
+
+
+def _staged_search(shape: ModelShape, request: PlanRequest, usable: int, micros: list[int] | None = None,
+                   min_checkpointing: int = 0) -> list[_Candidate]:
+    """Search without the auto levers first (today's choices where they fit), then allow them one more at a
+    time, cheapest first (`LEVERS`), until something fits; every candidate seen is returned."""
+    out: list[_Candidate] = []
+    for stage in range(len(LEVERS) + 1):
+        if stage > 0 and request.levers()[LEVERS[stage - 1]] is not None:
+            continue  # a fixed lever opens no new stage
+        out.extend(_search(shape, request, usable, micros, min_checkpointing, stage))
+        if any(_fits(c, usable) for c in out):
+            break
+    return out
+
+
+def _host_budget(request: PlanRequest) -> int:
+    return request.host_memory_bytes if request.host_memory_bytes is not None else _cpu_memory()
 
 
 def _describe(settings: Settings) -> str:
@@ -299,6 +439,7 @@ def _describe(settings: Settings) -> str:
     parts.append(f"checkpointing {settings.gradient_checkpointing} layers")
     parts.append(f"precision {settings.mixed_precision}")
     parts.append(settings.optimizer)
+    parts.extend(name for name, on in settings.levers().items() if on)
     return ", ".join(parts)
 
 
@@ -349,7 +490,7 @@ def plan_memory(config: Any, request: PlanRequest, trace: bool | None = False) -
             expected_bytes=configured_estimate.device_bytes,
         )
     usable = int(request.budget_bytes * (1.0 - request.headroom))
-    candidates = _search(shape, request, usable)
+    candidates = _staged_search(shape, request, usable)
     reasons: tuple[str, ...] = ()
     if trace or (trace is None and trace_is_cheap(shape, request)):
         candidates, reasons = _traced(config, shape, candidates, usable)
@@ -390,7 +531,7 @@ def _traced(config: Any, shape: ModelShape, candidates: list[_Candidate], usable
     candidates = list(candidates)
     reasons = []
     for _ in range(MAX_TRACES):
-        fitting = sorted((c for c in candidates if c.planned_bytes <= usable),
+        fitting = sorted((c for c in candidates if _fits(c, usable)),
                          key=lambda c: (c.seconds, c.settings.gradient_checkpointing, -c.settings.micro_batch_size))
         if not fitting or fitting[0].uncertainty.basis == "trace":
             break
@@ -405,7 +546,7 @@ def _traced(config: Any, shape: ModelShape, candidates: list[_Candidate], usable
         reasons.append(
             f"traced {_describe(chosen.settings)}: peak {format_bytes(traced_peak)} against the estimate's "
             f"{format_bytes(chosen.estimate.peak_bytes)}; planning for the larger"
-            + ("" if traced.planned_bytes <= usable else f" ({format_bytes(traced.planned_bytes)}: does not fit)")
+            + ("" if _fits(traced, usable) else f" ({format_bytes(traced.planned_bytes)}: does not fit)")
         )
     return candidates, tuple(reasons)
 
@@ -422,10 +563,10 @@ def _finish(
     budget = request.budget_bytes
     assert budget is not None
     fitting = sorted(
-        (c for c in candidates if c.planned_bytes <= usable),
+        (c for c in candidates if _fits(c, usable)),
         key=lambda c: (c.seconds, c.settings.gradient_checkpointing, -c.settings.micro_batch_size),
     )
-    smallest = min(candidates, key=lambda c: (c.planned_bytes, c.seconds))
+    smallest = min(candidates, key=lambda c: (not c.host_fits, c.planned_bytes, c.seconds))
     fits = bool(fitting)
     chosen = fitting[0] if fits else smallest
     reasons = [
@@ -445,6 +586,7 @@ def _finish(
             f"{format_bytes(over)} over budget (peak in {configured_estimate.peak_phase})"
         )
     reasons.extend(_change_reasons(shape, configured, chosen, usable))
+    reasons.extend(_host_reasons(request, candidates, chosen, usable))
     suggestions: tuple[str, ...] = ()
     if not fits:
         reasons.append(
@@ -459,7 +601,7 @@ def _finish(
             break
         alternatives.append(_alternative(c, f"slower: {c.seconds:.3g} s/step vs {chosen.seconds:.3g} s/step"))
     over_budget = sorted(
-        (c for c in candidates if c.planned_bytes > usable and c is not chosen),
+        (c for c in candidates if not _fits(c, usable) and c is not chosen),
         key=lambda c: c.seconds,
     )
     for c in over_budget[:3]:
@@ -505,6 +647,7 @@ def _change_reasons(shape: ModelShape, configured: Settings, chosen: _Candidate,
             f"optimizer {configured.optimizer} → {s.optimizer}: optimizer states "
             f"{format_bytes(before)} → {format_bytes(after)}"
         )
+    out.extend(_lever_reasons(shape, configured, chosen))
     if s.gradient_checkpointing and s.gradient_checkpointing != configured.gradient_checkpointing:
         without = _estimate(shape, replace(s, gradient_checkpointing=configured.gradient_checkpointing))
         excess = without.device_bytes - usable
@@ -515,6 +658,57 @@ def _change_reasons(shape: ModelShape, configured: Settings, chosen: _Candidate,
         )
         out.append(f"gradient checkpointing on {s.gradient_checkpointing} of {shape.num_layers} layers: {tail}")
     return out
+
+
+_LEVER_TEXT = {
+    "chunked_loss": "chunked loss (no whole targets × vocabulary logits)",
+    "pure_bf16": "pure bf16 weights and gradients (no fp32 master; compensated updates)",
+    "optimizer_in_backward": "optimizer step in backward (one parameter's gradient at a time; each gradient "
+                             "clipped on its own)",
+    "offload_activations": "checkpointed layer inputs in host RAM",
+    "offload_optimizer": "fp32 masters, gradients and optimizer states in host RAM, updated on the host",
+}
+
+
+def lever_trade(shape: ModelShape, settings: Settings) -> dict[str, dict[str, float]]:
+    """For each lever on in `settings`: the device bytes it saves and the step time it adds, against the
+    same settings with that lever alone off (what `fulltune plan` explains)."""
+    out = {}
+    on = _estimate(shape, settings)
+    seconds = step_seconds(shape, settings)
+    for name, value in settings.levers().items():
+        if not value:
+            continue
+        off = replace(settings, **{name: False})
+        out[name] = {"saved_bytes": _estimate(shape, off).device_bytes - on.device_bytes,
+                     "seconds": seconds - step_seconds(shape, off)}
+    return out
+
+
+def _lever_reasons(shape: ModelShape, configured: Settings, chosen: _Candidate) -> list[str]:
+    out = []
+    trade = lever_trade(shape, chosen.settings)
+    for name, t in trade.items():
+        if getattr(configured, name):
+            continue
+        cost = f"+{t['seconds']:.3g} s/step" if t["seconds"] >= 0.0005 else "no measurable step time"
+        out.append(f"{name}: {_LEVER_TEXT[name]}: saves {format_bytes(t['saved_bytes'])} of device memory, {cost}")
+    if chosen.estimate.host_bytes and chosen.settings.device == "cuda":
+        budget = f" of {format_bytes(chosen.host_budget)} budget.host_memory" if chosen.host_budget else ""
+        out.append(f"host RAM: {format_bytes(chosen.estimate.host_bytes)}{budget} (offloaded "
+                   f"{'optimizer states and masters' if chosen.settings.offload_optimizer else 'tensors'})")
+    return out
+
+
+def _host_reasons(request: PlanRequest, candidates: list[_Candidate], chosen: _Candidate, usable: int) -> list[str]:
+    """Why offloading was not chosen when the host RAM budget refused it."""
+    refused = [c for c in candidates if c.planned_bytes <= usable and not c.host_fits]
+    if not refused or (chosen.seconds <= min(c.seconds for c in refused) and _fits(chosen, usable)):
+        return []
+    best = min(refused, key=lambda c: c.estimate.host_bytes)
+    return [f"offloading would fit the device ({_describe(best.settings)}) but needs "
+            f"{format_bytes(best.estimate.host_bytes)} of host RAM, over budget.host_memory "
+            f"({format_bytes(best.host_budget or 0)}): refused"]
 
 
 def _suggestions(shape: ModelShape, request: PlanRequest, smallest: _Candidate) -> tuple[str, ...]:
@@ -530,9 +724,10 @@ def _suggestions(shape: ModelShape, request: PlanRequest, smallest: _Candidate) 
         for n in counts:
             if n < 2 or request.effective_batch_size % n:
                 continue
-            sharded = replace(request, strategy="fsdp", num_processes=n, micro_batch_size=None, gradient_accumulation_steps=None)
+            sharded = replace(request, strategy="fsdp", num_processes=n, micro_batch_size=None,
+                              gradient_accumulation_steps=None, optimizer_in_backward=None, offload_optimizer=None)
             usable = int(request.budget_bytes * (1.0 - request.headroom)) if request.budget_bytes else 0
-            candidates = [c for c in _search(shape, sharded, usable) if c.planned_bytes <= usable]
+            candidates = [c for c in _staged_search(shape, sharded, usable) if _fits(c, usable)]
             if candidates:
                 best = min(candidates, key=lambda c: c.seconds)
                 out.append(
@@ -545,7 +740,7 @@ def _suggestions(shape: ModelShape, request: PlanRequest, smallest: _Candidate) 
     while seq > 64:
         seq //= 2
         shorter = replace(request, seq_len=seq)
-        candidates = [c for c in _search(shape, shorter, usable) if c.planned_bytes <= usable]
+        candidates = [c for c in _staged_search(shape, shorter, usable) if _fits(c, usable)]
         if candidates:
             out.append(f"data.max_length {seq} (instead of {request.seq_len}) would fit on this budget")
             break
@@ -580,11 +775,11 @@ def replan_after_oom(
         + f"; planning for {format_bytes(tightened)} (budget ÷ {ratio:.2f})"
     )
     if smaller:
-        candidates = _search(shape, relaxed, usable, micros=smaller)
+        candidates = _staged_search(shape, relaxed, usable, micros=smaller)
     else:
         fixed = replace(relaxed, gradient_checkpointing=None) if request.gradient_checkpointing is None else relaxed
         floor = min(previous.gradient_checkpointing + max(1, shape.num_layers // 4), shape.num_layers)
-        candidates = _search(shape, fixed, usable, micros=[1], min_checkpointing=floor)
+        candidates = _staged_search(shape, fixed, usable, micros=[1], min_checkpointing=floor)
         if request.gradient_checkpointing is not None:
             forced = replace(previous, gradient_checkpointing=floor)
             candidates.append(_candidate(shape, forced))

@@ -14,6 +14,7 @@ def _settings_line(plan: MemoryPlan) -> str:
         f"plan: micro_batch_size={s.micro_batch_size} gradient_accumulation_steps="
         f"{s.gradient_accumulation_steps} gradient_checkpointing={s.gradient_checkpointing} "
         f"mixed_precision={s.mixed_precision} optimizer={s.optimizer}"
+        + "".join(f" {name}=true" for name, on in s.levers().items() if on)
     )
 
 
@@ -74,6 +75,11 @@ def format_plan_table(plan: MemoryPlan) -> str:
                      f"head runs only there")
     if plan.estimated_step_seconds is not None:
         lines.append(f"estimated step time (ranking model): {plan.estimated_step_seconds:.3g} s")
+    host = plan.plan_estimate.host_bytes
+    if host:
+        where = "inside the device total (a CPU device's memory is the host's)" if plan.device == "cpu" else \
+            "besides the device memory"
+        lines.append(f"host RAM for the offloaded tensors: {format_bytes(host)}, {where}")
     if plan.reasons:
         lines.append("why:")
         lines.extend(f"  - {r}" for r in plan.reasons)

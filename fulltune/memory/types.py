@@ -334,6 +334,7 @@ class MemoryPlan:
                 "strategy": s.strategy,
                 "num_processes": s.num_processes,
                 "estimated_step_seconds": self.estimated_step_seconds,
+                "host_bytes": int(self.plan_estimate.host_bytes),
                 "estimate": self.plan_estimate.to_dict(),
             },
             "alternatives": [dict(a) for a in self.alternatives],
