@@ -35,10 +35,22 @@ class Overrides(BaseModel):
     extra: dict[str, Any] = Field(default_factory=dict, description="Any other field, as dotted.key: value")
 
     def dotted(self) -> dict[str, Any]:
-        fields = {name: info.description for name, info in type(self).model_fields.items() if name != "extra"}
-        typed = {fields[name].split(",")[0].split(" ")[0]: value
+        """The overrides as `dotted.key: value` (what `--set` takes); `extra` wins over a typed field."""
+        typed = {OVERRIDE_KEYS[name]: value
                  for name, value in self.model_dump(exclude={"extra"}).items() if value is not None}
         return {**typed, **self.extra}
+
+
+# The YAML key each typed field of Overrides sets.
+OVERRIDE_KEYS = {
+    "learning_rate": "train.learning_rate",
+    "max_steps": "train.max_steps",
+    "num_epochs": "train.num_epochs",
+    "effective_batch_size": "train.effective_batch_size",
+    "seed": "train.seed",
+    "max_length": "data.max_length",
+    "budget_memory": "budget.memory",
+}
 
 
 @dataclass(frozen=True)
@@ -111,15 +123,15 @@ def finetune_pipeline(pipeline: str = "demo", overrides: Overrides | None = None
     done: dict[str, str] = {}
 
     key = stages.tokenize_key(p)
-    state = _stage(tokenize_task, p, "tokenize", key)(p, key, return_state=True)
+    state = _stage(tokenize_task, p, stages.TOKENIZE, key)(p, key, return_state=True)
     data, tokenizer = state.result()
-    done["tokenize"] = _state_word(state)
+    done[stages.TOKENIZE] = _state_word(state)
 
     # Budget and training see the training data only; evaluation and registration the held-out data too.
     key = stages.budget_key(p, data.training_fingerprint)
-    state = _stage(memory_budget_task, p, "budget", key)(p, key, data, tokenizer, return_state=True)
+    state = _stage(memory_budget_task, p, stages.MEMORY_BUDGET, key)(p, key, data, tokenizer, return_state=True)
     decision = state.result()
-    done["memory-budget"] = _state_word(state)
+    done[stages.MEMORY_BUDGET] = _state_word(state)
 
     uri = registry.configure(p.workdir)
     run_id = registry.start_pipeline_run(
@@ -128,10 +140,10 @@ def finetune_pipeline(pipeline: str = "demo", overrides: Overrides | None = None
          registry.TAG_CONFIG: p.spec.config_hash()}, p.workdir)
     try:
         train_key = stages.train_key(p, data.training_fingerprint, decision.settings)
-        state = _stage(finetune_task, p, "fine-tune", train_key)(
+        state = _stage(finetune_task, p, stages.FINE_TUNE, train_key)(
             p, train_key, data, tokenizer, decision, uri, run_id, return_state=True)
         trained = state.result()
-        done["fine-tune"] = _state_word(state)
+        done[stages.FINE_TUNE] = _state_word(state)
 
         # The champion is compared only when it is another model: re-running an unchanged pipeline whose
         # own model is champion keeps the evaluation cached.
@@ -139,18 +151,18 @@ def finetune_pipeline(pipeline: str = "demo", overrides: Overrides | None = None
         if champion is not None and champion.train_key == trained.key:
             champion = None
         key = stages.evaluate_key(p, trained.key, data.fingerprint, champion.version if champion else None)
-        state = _stage(evaluate_task, p, "evaluate", key)(
+        state = _stage(evaluate_task, p, stages.EVALUATE, key)(
             p, key, data, trained, champion, decision.settings["device"], run_id, return_state=True)
         report = state.result()
-        done["evaluate"] = _state_word(state)
+        done[stages.EVALUATE] = _state_word(state)
 
         key = stages.register_key(p, trained.key, key, uri)
-        marker = stages.read_marker(p.workdir, "register", key)
+        marker = stages.read_marker(p.workdir, stages.REGISTER, key)
         present = bool(marker) and registry.version_exists(marker["name"], marker["version"], trained.key)
-        state = _stage(register_task, p, "register", key, present)(
+        state = _stage(register_task, p, stages.REGISTER, key, present)(
             p, key, data, trained, report, run_id, str(flow_run.id or "local"), return_state=True)
         registration = state.result()
-        done["register"] = _state_word(state)
+        done[stages.REGISTER] = _state_word(state)
     except BaseException:
         registry.end_pipeline_run(run_id, "FAILED")
         raise

@@ -115,11 +115,11 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fulltune.pipeline import pin_hub_revisions, plan_budget, resolve_pipeline, resolved_budget
+    from fulltune.pipeline import pin_hub_revisions, plan_budget, plan_inputs, resolve_pipeline, resolved_budget
 
     p = pin_hub_revisions(resolve_pipeline(args.file, args.name, args.overrides))
     resolved_budget(p)
-    seq_len, vocab, target_fraction = _plan_inputs(p)
+    seq_len, vocab, target_fraction = plan_inputs(p)
     # --simulate plans for the larger of the estimate and the traced step; otherwise estimate + margin.
     decision = plan_budget(p, seq_len, vocab, target_fraction=target_fraction, trace=bool(args.simulate))
     extra: dict[str, Any] = {}
@@ -150,34 +150,6 @@ def _comparison_table(analytic: dict[str, Any], extra: dict[str, Any]) -> str:
         error = (analytic["peak_bytes"] - measured) / measured * 100
         rows.append(f"measured peak {format_bytes(measured)}: the analytic estimate is {error:+.1f}% off")
     return "\n".join(rows)
-
-
-def _plan_inputs(p: Any) -> tuple[int, int | None, float]:
-    """Sequence length, vocabulary and target share to plan for: from the tokenized data when it is
-    cached, else the worst case (rows of `data.max_length` with a target everywhere, the configured
-    vocabulary)."""
-    from fulltune.pipeline import planned_rows, read_marker, tokenize_key
-
-    seq_len, vocab, target_fraction = p.spec.data.max_length, None, 1.0
-    marker = read_marker(p.workdir, "tokenize", tokenize_key(p))
-    tokenizer_spec = p.spec.model.tokenizer
-    if marker and all(Path(x).exists() for x in marker["paths"]):
-        from fulltune.data import load_tokenized
-
-        seq_len, target_fraction = planned_rows(p, load_tokenized(marker["paths"][0]))
-        if p.spec.model.from_config is not None and len(marker["paths"]) > 1:
-            from fulltune.models import load_tokenizer
-
-            vocab = len(load_tokenizer(marker["paths"][1]))
-    elif p.spec.model.from_config is not None:
-        vocab = getattr(tokenizer_spec, "vocab_size", None)
-        if vocab is None and isinstance(tokenizer_spec, str):
-            from fulltune.models import load_tokenizer
-            from fulltune.tokenizer import prepare_tokenizer
-
-            reference = prepare_tokenizer(p.spec.model, p.spec.data, p.workdir)
-            vocab = len(load_tokenizer(reference, trust_remote_code=p.spec.model.trust_remote_code))
-    return seq_len, vocab, target_fraction
 
 
 def _simulate_or_measure(p: Any, decision: Any, vocab: int | None, simulate: bool, measure: bool) -> dict[str, Any]:

@@ -320,13 +320,10 @@ def raw_eval_records(data: DataSpec, rows: list[dict[str, Any]], max_examples: i
 
 def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, data: DataSpec) -> list[dict[str, Any]]:
     """Format and tokenize raw records exactly as the tokenize stage builds eval.parquet (never packed)."""
-    import datasets
+    from fulltune.data import tokenize_split
 
-    from fulltune.data import _Formatter, _tokenize_split
-
-    source = "the eval examples"
-    formatter = _Formatter(tokenizer, data, source, getattr(tokenizer, "name_or_path", "champion"))
-    table, _, _ = _tokenize_split(datasets.Dataset.from_list(records), formatter, source, "data.eval")
+    table, _, _ = tokenize_split(records, tokenizer, data, source="the eval examples", what="data.eval",
+                                 reference=getattr(tokenizer, "name_or_path", "champion"))
     out = []
     for row in table.select(["input_ids", "labels", "prompt", "completion"]).to_pylist():
         row["position_ids"] = list(range(len(row["input_ids"])))

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fulltune.errors import ConfigError
-from fulltune.fingerprint import atomic_dir, hash_path
+from fulltune.storage import atomic_dir, tree_sha256
 from fulltune.spec import ModelSpec
 
 
@@ -80,15 +80,21 @@ def config_from_spec(from_config: str | dict[str, Any], tokenizer_vocab: int | N
 
 def load_tokenizer(path_or_id: str, *, revision: str | None = None, trust_remote_code: bool = False,
                    token: str | None = None) -> Any:
-    """AutoTokenizer with a pad token (the eos token when the checkpoint has none)."""
+    """AutoTokenizer with a pad token (the eos token when the checkpoint has none): the one way every stage
+    loads a tokenizer, so tokenization, planning, training and evaluation agree on the pad id.
+
+    Raises ConfigError naming the tokenizer when it cannot be loaded."""
     from transformers import AutoTokenizer
+
+    from fulltune.data.files import root_message
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             path_or_id, revision=revision, trust_remote_code=trust_remote_code, token=token
         )
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"model.tokenizer: cannot load a tokenizer from {path_or_id!r}: {exc}") from None
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"model.tokenizer: cannot load a tokenizer from {path_or_id!r} ({root_message(exc)}); "
+                          "check model.tokenizer (or model.name_or_path)") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -124,7 +130,7 @@ def base_model_key(model: ModelSpec, tokenizer: str, seed: int) -> str:
 
     parts = {"model": model.model_dump(mode="json"), "version": __version__}
     if model.from_config is not None:
-        parts["tokenizer"] = hash_path(tokenizer) if Path(tokenizer).exists() else tokenizer
+        parts["tokenizer"] = tree_sha256(tokenizer) if Path(tokenizer).exists() else tokenizer
         parts["seed"] = seed
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 

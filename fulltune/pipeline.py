@@ -5,7 +5,7 @@ and returns a small frozen record. Cache keys are content hashes of a stage's in
 code version, so changing data, config or engine code re-runs exactly the stages that depend on it:
 
 - local files count by their bytes (hashed once, then remembered by size and mtime in
-  `<workdir>/file-hashes.json`), hub models, tokenizers and datasets by the commit their revision names;
+  `<workdir>/file-hashes.json`, fulltune/storage.py), hub models, tokenizers and datasets by the commit their revision names;
 - the budget counts the device and memory `auto` resolves to on this machine, so a new machine replans;
 - training counts the training data only (`TokenizedData.train_fingerprint`), evaluation and
   registration the held-out data too, so new eval data re-evaluates without retraining.
@@ -21,16 +21,21 @@ from typing import Any
 
 from fulltune import hub
 from fulltune.errors import BudgetError, ConfigError, DataError, UserError
-from fulltune.fingerprint import atomic_write_text, code_version, hash_json
+from fulltune.storage import atomic_write_text, code_version, hash_json, tree_sha256
 from fulltune.spec import PipelineSpec, get_pipeline, load_pipelines
+
+# The stages in run order, each with one name: its Prefect task, cache key, marker directory
+# (`<workdir>/stages/<name>/`), line of the run summary and MLflow tag `fulltune.stage.<name>`.
+TOKENIZE, MEMORY_BUDGET, FINE_TUNE, EVALUATE, REGISTER = "tokenize", "memory-budget", "fine-tune", "evaluate", "register"
+STAGES = (TOKENIZE, MEMORY_BUDGET, FINE_TUNE, EVALUATE, REGISTER)
 
 # The engine modules each stage runs: their source is part of the stage's cache key.
 STAGE_CODE = {
-    "tokenize": ("data.py", "tokenizer.py", "fingerprint.py", "hub.py"),
-    "budget": ("memory", "loss.py", "models.py", "pipeline.py"),
-    "train": ("train.py", "launch.py", "loss.py", "models.py", "data.py", "memory"),
-    "evaluate": ("evaluate.py", "loss.py", "data.py", "models.py"),
-    "register": ("registry.py",),
+    TOKENIZE: ("data", "tokenizer.py", "storage.py", "hub.py"),
+    MEMORY_BUDGET: ("memory", "loss.py", "models.py", "pipeline.py"),
+    FINE_TUNE: ("train.py", "launch.py", "loss.py", "models.py", "data", "memory"),
+    EVALUATE: ("evaluate.py", "loss.py", "data", "models.py"),
+    REGISTER: ("registry.py",),
 }
 
 
@@ -124,48 +129,6 @@ def _not_local(p: ResolvedPipeline, reference: str) -> str:
 
 # ---------------------------------------------------------------- what a key sees of a file or a hub repo
 
-HASH_CACHE = "file-hashes.json"
-
-
-def cached_hash(path: str | Path, workdir: str | Path) -> str:
-    """sha256 of a file, or of a directory's files (relative names and bytes), like a full read but
-    remembering each file's digest under its path, size, mtime and ctime in `<workdir>/file-hashes.json`:
-    a multi-GB checkpoint is read once, not on every run. Any change to a file (its bytes rewritten,
-    even with the old mtime restored, changes its ctime) hashes it again."""
-    import hashlib
-
-    root = Path(path)
-    cache_file = Path(workdir) / HASH_CACHE
-    try:
-        cache = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.is_file())
-    digest, changed = hashlib.sha256(), False
-    for file in files:
-        stat = file.stat()
-        stamp = [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
-        entry = cache.get(str(file))
-        if not (isinstance(entry, dict) and entry.get("stamp") == stamp):
-            entry, changed = {"stamp": stamp, "sha256": _file_sha256(file)}, True
-            cache[str(file)] = entry
-        name = str(file.relative_to(root)) if root.is_dir() else ""
-        digest.update(f"{name}\0{entry['sha256']}\0".encode())
-    kept = {name: entry for name, entry in cache.items() if os.path.exists(name)}  # forget deleted files
-    if (changed or len(kept) < len(cache)) and cache_file.parent.is_dir():  # `plan` creates no workdir
-        atomic_write_text(cache_file, json.dumps(kept))
-    return digest.hexdigest()
-
-
-def _file_sha256(file: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(file, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def _source_key(p: ResolvedPipeline, reference: str | None, field: str, repo_type: hub.RepoType = "model",
                 revision: str | None = None) -> str | None:
@@ -174,7 +137,7 @@ def _source_key(p: ResolvedPipeline, reference: str | None, field: str, repo_typ
     if reference is None:
         return None
     if not is_hub(reference):
-        return cached_hash(reference, p.workdir) if Path(reference).exists() else reference
+        return tree_sha256(reference, p.workdir) if Path(reference).exists() else reference
     from fulltune.models import hub_token
 
     name, split = hub.split_dataset_id(reference) if repo_type == "dataset" else (reference, None)
@@ -200,7 +163,7 @@ def tokenize_key(p: ResolvedPipeline) -> str:
     tokenizer = spec.model.tokenizer if spec.model.tokenizer is not None else spec.model.name_or_path
     field = "model.tokenizer" if spec.model.tokenizer is not None else "model.name_or_path"
     return hash_json({
-        "stage": "tokenize", "code": code_version(*STAGE_CODE["tokenize"]), "workdir": p.workdir,
+        "stage": TOKENIZE, "code": code_version(*STAGE_CODE[TOKENIZE]), "workdir": p.workdir,
         "data": spec.data.model_dump(mode="json"),
         "train": _source_key(p, spec.data.train, "data.train", "dataset"),
         "eval": _source_key(p, spec.data.eval, "data.eval", "dataset"),
@@ -229,7 +192,7 @@ def budget_key(p: ResolvedPipeline, train_fingerprint: str) -> str:
     spec = p.spec
     device, budget_bytes, bf16 = resolved_budget(p)
     return hash_json({
-        "stage": "budget", "code": code_version(*STAGE_CODE["budget"]), "data": train_fingerprint,
+        "stage": MEMORY_BUDGET, "code": code_version(*STAGE_CODE[MEMORY_BUDGET]), "data": train_fingerprint,
         "model": spec.model.model_dump(mode="json"), "model_source": _model_source(p),
         "budget": spec.budget.model_dump(mode="json"), "train": spec.train.model_dump(mode="json"),
         "distributed": spec.distributed.model_dump(mode="json"),
@@ -242,7 +205,7 @@ def train_key(p: ResolvedPipeline, train_fingerprint: str, settings: dict[str, A
     (which hold the device the budget resolved to) and the optimisation."""
     spec = p.spec
     return hash_json({
-        "stage": "train", "code": code_version(*STAGE_CODE["train"]), "data": train_fingerprint,
+        "stage": FINE_TUNE, "code": code_version(*STAGE_CODE[FINE_TUNE]), "data": train_fingerprint,
         "settings": settings,
         "model": spec.model.model_dump(mode="json"), "model_source": _model_source(p),
         "train": spec.train.model_dump(mode="json", exclude={"log_every_steps", "keep_checkpoints"}),
@@ -253,7 +216,7 @@ def train_key(p: ResolvedPipeline, train_fingerprint: str, settings: dict[str, A
 def evaluate_key(p: ResolvedPipeline, trained_key: str, data_fingerprint: str, champion_version: str | None) -> str:
     """`data_fingerprint` is the whole one (TokenizedData.fingerprint): it covers the held-out data."""
     return hash_json({
-        "stage": "evaluate", "code": code_version(*STAGE_CODE["evaluate"]), "train": trained_key,
+        "stage": EVALUATE, "code": code_version(*STAGE_CODE[EVALUATE]), "train": trained_key,
         "data": data_fingerprint,
         "evaluate": p.spec.evaluate.model_dump(mode="json"), "champion": champion_version,
     })
@@ -261,7 +224,7 @@ def evaluate_key(p: ResolvedPipeline, trained_key: str, data_fingerprint: str, c
 
 def register_key(p: ResolvedPipeline, trained_key: str, eval_key: str, uri: str) -> str:
     return hash_json({
-        "stage": "register", "code": code_version(*STAGE_CODE["register"]), "train": trained_key,
+        "stage": REGISTER, "code": code_version(*STAGE_CODE[REGISTER]), "train": trained_key,
         "evaluate": eval_key,
         "register": p.spec.registration.model_dump(mode="json"), "name": p.model_name,
         "tracking_uri": uri,
@@ -321,6 +284,40 @@ def planned_rows(p: ResolvedPipeline, data: Any) -> tuple[int, float]:
     if not data.max_row_targets or seq_len < 2:
         return seq_len, 1.0
     return seq_len, min(1.0, data.max_row_targets / (seq_len - 1))
+
+
+def plan_inputs(p: ResolvedPipeline, data: Any = None, tokenizer: str | None = None) -> tuple[int, int | None, float]:
+    """(seq_len, vocabulary, target fraction) to plan for.
+
+    From `data` (a TokenizedData) and `tokenizer` when given (the budget stage), else from the tokenize
+    stage's outputs when they are cached, else the worst case: rows of `data.max_length` with a target
+    everywhere. The vocabulary matters only for a model built from a config (sized to its tokenizer;
+    None otherwise).
+    """
+    if data is None:
+        marker = read_marker(p.workdir, TOKENIZE, tokenize_key(p))
+        if marker and all(Path(x).exists() for x in marker["paths"]):
+            from fulltune.data import load_tokenized
+
+            data = load_tokenized(marker["paths"][0])
+            tokenizer = marker["paths"][1] if len(marker["paths"]) > 1 else None
+    seq_len, target_fraction = planned_rows(p, data) if data is not None else (p.spec.data.max_length, 1.0)
+    return seq_len, _planned_vocab(p, tokenizer), target_fraction
+
+
+def _planned_vocab(p: ResolvedPipeline, tokenizer: str | None) -> int | None:
+    from fulltune.models import load_tokenizer
+
+    model = p.spec.model
+    if model.from_config is None:
+        return None
+    if tokenizer is None:
+        if not isinstance(model.tokenizer, str):  # {vocab_size: N}, trained by the tokenize stage
+            return getattr(model.tokenizer, "vocab_size", None)
+        from fulltune.tokenizer import prepare_tokenizer
+
+        tokenizer = prepare_tokenizer(model, p.spec.data, p.workdir)
+    return len(load_tokenizer(tokenizer, trust_remote_code=model.trust_remote_code))
 
 
 def plan_request(p: ResolvedPipeline, seq_len: int, device: str, budget_bytes: int | None, bf16: bool,

@@ -28,19 +28,13 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from fulltune.data import (
-    local_data_files,
-    hash_parts,
-    load_records,
-    publish_dir,
-    remove_stale_temp_dirs,
-    require_columns,
-    temp_dir_name,
-    update_hash_with_source,
-)
+from fulltune.data.files import load_records, local_data_files
+from fulltune.data.formats import format_columns, require_columns
+from fulltune.data.store import update_hash_with_source
 from fulltune import hub
 from fulltune.errors import ConfigError
 from fulltune.spec import DataSpec, ModelSpec, TrainTokenizer
+from fulltune.storage import FileHashes, atomic_dir, hash_parts, remove_stale_temp_dirs
 
 # Bump when the trained tokenizer changes (pre-tokenizer, special tokens, template): retrains it.
 TOKENIZER_FORMAT_VERSION = 1
@@ -110,18 +104,16 @@ def _check_reference(reference: str, field: str, revision: str | None = None, to
                           f"and as a hub tokenizer: {exc}") from None
 
 
-def tokenizer_key(data: DataSpec, options: TrainTokenizer, token: str | None = None) -> str:
-    """sha256 of the training file bytes and every option that changes the trained tokenizer."""
+def tokenizer_key(data: DataSpec, options: TrainTokenizer, token: str | None = None,
+                  workdir: str | Path | None = None) -> str:
+    """sha256 of the training file bytes and every option that changes the trained tokenizer (file
+    digests remembered in `workdir` when given)."""
     h = hashlib.sha256()
     hash_parts(h, "fulltune-tokenizer", str(TOKENIZER_FORMAT_VERSION))
-    update_hash_with_source(h, data.train, what="data.train", token=token)
-    fields = {
-        "text": [data.text_field],
-        "prompt_completion": [data.prompt_field, data.completion_field],
-        "chat": [data.messages_field],
-    }[data.format]
-    settings = {"format": data.format, "fields": fields, "vocab_size": options.vocab_size,
-                "min_frequency": options.min_frequency}
+    with FileHashes(workdir) as hashes:
+        update_hash_with_source(h, data.train, what="data.train", token=token, hashes=hashes)
+    settings = {"format": data.format, "fields": list(format_columns(data).values()),
+                "vocab_size": options.vocab_size, "min_frequency": options.min_frequency}
     hash_parts(h, json.dumps(settings, sort_keys=True))
     return h.hexdigest()
 
@@ -130,13 +122,8 @@ def training_texts(data: DataSpec, cache_dir: str | Path | None = None, token: s
     """The strings the tokenizer is trained on, as tokenize_dataset will tokenize them: texts; prompts and
     completions separately; chat message contents (role markers are special tokens)."""
     records = load_records(data.train, what="data.train", cache_dir=cache_dir, token=token)
-    source = data.train
-    require_columns(records, data, source=source, what="data.train")
-    columns = {
-        "text": [data.text_field],
-        "prompt_completion": [data.prompt_field, data.completion_field],
-        "chat": [data.messages_field],
-    }[data.format]
+    require_columns(records, data, source=data.train, what="data.train")
+    columns = list(format_columns(data).values())
     for batch in records.select_columns(columns).iter(batch_size=1000):
         for column in columns:
             for value in batch[column]:
@@ -154,21 +141,16 @@ def train_tokenizer(data: DataSpec, options: TrainTokenizer, workdir: str | Path
     # Checks data.train exists before anything is created (DataError otherwise).
     local_data_files(data.train, "data.train")
     root = Path(workdir) / "tokenizers"
-    final = root / tokenizer_key(data, options, token)
+    final = root / tokenizer_key(data, options, token, workdir)
     if _is_intact(final):
         return final
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_dirs(root)
-    tmp = root / temp_dir_name(final.name)
-    tmp.mkdir()
-    try:
+    with atomic_dir(final, _is_intact) as tmp:
         texts = training_texts(data, cache_dir=tmp / "datasets-cache", token=token)
         tokenizer = build_tokenizer(texts, options)
         shutil.rmtree(tmp / "datasets-cache", ignore_errors=True)
         tokenizer.save_pretrained(str(tmp))
-        publish_dir(tmp, final, _is_intact)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

@@ -9,22 +9,18 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from fulltune.data import TokenizedData
-from fulltune.pipeline import BudgetDecision, ResolvedPipeline, plan_budget, planned_rows, record_outputs
+from fulltune.pipeline import MEMORY_BUDGET, BudgetDecision, ResolvedPipeline, plan_budget, plan_inputs, record_outputs
 from tasks.common import stage_policy
 
 
-@task(name="memory-budget", cache_policy=stage_policy("budget"), persist_result=True)
+@task(name=MEMORY_BUDGET, cache_policy=stage_policy(MEMORY_BUDGET), persist_result=True)
 def memory_budget_task(p: ResolvedPipeline, key: str, data: TokenizedData, tokenizer: str) -> BudgetDecision:
     """Estimate the peak for the configured settings; pick the fastest settings within the budget."""
-    from fulltune.models import load_tokenizer
-
-    from_config = p.spec.model.from_config is not None
-    vocab = len(load_tokenizer(tokenizer, trust_remote_code=p.spec.model.trust_remote_code)) if from_config else None
-    seq_len, target_fraction = planned_rows(p, data)
+    seq_len, vocab, target_fraction = plan_inputs(p, data, tokenizer)
     picture = Path(p.workdir) / "plans" / f"{key[:16]}.png"
     decision = plan_budget(p, seq_len, vocab, picture, target_fraction)
     get_run_logger().info("memory plan:\n%s", decision.table)
-    record_outputs(p.workdir, "budget", key, [str(picture)])
+    record_outputs(p.workdir, MEMORY_BUDGET, key, [str(picture)])
     create_markdown_artifact(key=f"{p.name}-memory-plan", markdown=plan_markdown(p.name, decision.table, picture),
                              description="Estimated peak memory against the budget")
     return decision

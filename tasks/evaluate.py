@@ -9,14 +9,14 @@ from prefect.artifacts import create_markdown_artifact
 
 from fulltune.data import TokenizedData
 from fulltune.evaluate import EvalReport
-from fulltune.fingerprint import atomic_write_text
-from fulltune.pipeline import ResolvedPipeline, record_outputs
+from fulltune.storage import atomic_write_text
+from fulltune.pipeline import EVALUATE, ResolvedPipeline, record_outputs
 from fulltune.registry import Champion
 from tasks.common import stage_policy, retry_unless_user_error
 from tasks.finetune import TrainedModel
 
 
-@task(name="evaluate", cache_policy=stage_policy("evaluate"), persist_result=True, retries=2,
+@task(name=EVALUATE, cache_policy=stage_policy(EVALUATE), persist_result=True, retries=2,
       retry_delay_seconds=[5, 20], retry_condition_fn=retry_unless_user_error)
 def evaluate_task(p: ResolvedPipeline, key: str, data: TokenizedData, trained: TrainedModel,
                   champion: Champion | None, device: str, mlflow_run_id: str) -> EvalReport:
@@ -48,7 +48,7 @@ def evaluate_task(p: ResolvedPipeline, key: str, data: TokenizedData, trained: T
         set_run_tags(mlflow_run_id, _comparison_tags(report))
     report_file = Path(p.workdir) / "evals" / key[:24] / "report.md"
     atomic_write_text(report_file, report.markdown())
-    record_outputs(p.workdir, "evaluate", key, [str(report_file), trained.model_dir])
+    record_outputs(p.workdir, EVALUATE, key, [str(report_file), trained.model_dir])
     create_markdown_artifact(key=f"{p.name}-evaluation", markdown=f"## Evaluation of `{p.name}`\n\n"
                              + report.markdown(), description="Base vs fine-tuned vs champion")
     return report

@@ -7,18 +7,18 @@ from prefect.artifacts import create_markdown_artifact
 
 from fulltune.data import TokenizedData
 from fulltune.evaluate import EvalReport
-from fulltune.pipeline import ResolvedPipeline, record_outputs
+from fulltune.pipeline import REGISTER, ResolvedPipeline, record_outputs
 from fulltune.registry import Registration
 from tasks.common import stage_policy, retry_unless_user_error
 from tasks.finetune import TrainedModel
 
 
-@task(name="register", cache_policy=stage_policy("register"), persist_result=True, retries=2,
+@task(name=REGISTER, cache_policy=stage_policy(REGISTER), persist_result=True, retries=2,
       retry_delay_seconds=[5, 20], retry_condition_fn=retry_unless_user_error)
 def register_task(p: ResolvedPipeline, key: str, data: TokenizedData, trained: TrainedModel, report: EvalReport,
                   mlflow_run_id: str, flow_run_id: str) -> Registration:
     """Log the checkpoint from its directory, tag the version, set `challenger`, and gate `champion`."""
-    from fulltune.fingerprint import code_version
+    from fulltune.storage import code_version
     from fulltune.evaluate import PER_BYTE
     from fulltune.registry import (TAG_COMPARISON, TAG_COMPARISON_REASON, TAG_CONFIG, TAG_DATA, TAG_FLOW_RUN,
                                    TAG_PIPELINE, TAG_TRAIN_KEY, TAG_VERSION, GateDecision, aliases_of,
@@ -30,7 +30,7 @@ def register_task(p: ResolvedPipeline, key: str, data: TokenizedData, trained: T
         # Same weights as a registered version (only evaluation settings changed): no new version.
         aliases = aliases_of(p.model_name, existing)
         logger.info("%s version %s already holds these weights; nothing new to register", p.model_name, existing)
-        record_outputs(p.workdir, "register", key, [], {"name": p.model_name, "version": existing,
+        record_outputs(p.workdir, REGISTER, key, [], {"name": p.model_name, "version": existing,
                                                          "train_key": trained.key})
         return Registration(p.model_name, existing, aliases, "champion" in aliases,
                             "same weights as an existing version", mlflow_run_id)
@@ -50,7 +50,7 @@ def register_task(p: ResolvedPipeline, key: str, data: TokenizedData, trained: T
     registration = register_model(trained.model_dir, p.model_name, mlflow_run_id, tags, tuned, decision)
     logger.info("registered %s version %s %s: %s", registration.name, registration.version,
                           list(registration.aliases), decision.reason)
-    record_outputs(p.workdir, "register", key, [], {"name": registration.name, "version": registration.version,
+    record_outputs(p.workdir, REGISTER, key, [], {"name": registration.name, "version": registration.version,
                                                      "train_key": trained.key})
     create_markdown_artifact(
         key=f"{p.name}-registration",

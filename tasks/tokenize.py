@@ -6,11 +6,11 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from fulltune.data import TokenizedData
-from fulltune.pipeline import ResolvedPipeline, record_outputs
+from fulltune.pipeline import TOKENIZE, ResolvedPipeline, record_outputs
 from tasks.common import stage_policy, retry_unless_user_error
 
 
-@task(name="tokenize", cache_policy=stage_policy("tokenize"), persist_result=True, retries=2,
+@task(name=TOKENIZE, cache_policy=stage_policy(TOKENIZE), persist_result=True, retries=2,
       retry_delay_seconds=[2, 10], retry_condition_fn=retry_unless_user_error)
 def tokenize_task(p: ResolvedPipeline, key: str) -> tuple[TokenizedData, str]:
     """Prepare the tokenizer (train a BPE one if asked) and tokenize the data; returns (data, tokenizer)."""
@@ -22,7 +22,7 @@ def tokenize_task(p: ResolvedPipeline, key: str) -> tuple[TokenizedData, str]:
     tokenizer = prepare_tokenizer(m, p.spec.data, p.workdir)
     data = tokenize_dataset(p.spec.data, tokenizer, p.workdir, p.spec.train.seed, token=hub_token(m.token_env),
                             trust_remote_code=m.trust_remote_code)
-    record_outputs(p.workdir, "tokenize", key, [data.path, tokenizer] if tokenizer.startswith("/") else [data.path])
+    record_outputs(p.workdir, TOKENIZE, key, [data.path, tokenizer] if tokenizer.startswith("/") else [data.path])
     create_table_artifact(
         key=f"{p.name}-tokenized",
         table=[{

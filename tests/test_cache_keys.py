@@ -117,7 +117,7 @@ def test_new_hub_commit_reruns_the_stages_that_use_the_model(tmp_path, hf_home, 
 
 
 def test_local_checkpoints_are_hashed_once_then_known_by_size_and_mtime(tmp_path, monkeypatch):
-    from fulltune import pipeline
+    from fulltune import storage
 
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
@@ -126,14 +126,14 @@ def test_local_checkpoints_are_hashed_once_then_known_by_size_and_mtime(tmp_path
     work = tmp_path / "work"
     work.mkdir()
     reads = []
-    real = pipeline._file_sha256
-    monkeypatch.setattr(pipeline, "_file_sha256", lambda file: reads.append(file.name) or real(file))
-    first = pipeline.cached_hash(checkpoint, work)
+    real = storage.file_sha256
+    monkeypatch.setattr(storage, "file_sha256", lambda file: reads.append(file.name) or real(file))
+    first = storage.tree_sha256(checkpoint, work)
     assert sorted(reads) == ["config.json", "model.safetensors"]
-    assert pipeline.cached_hash(checkpoint, work) == first and len(reads) == 2, "nothing read the second time"
+    assert storage.tree_sha256(checkpoint, work) == first and len(reads) == 2, "nothing read the second time"
     (checkpoint / "config.json").write_text('{"a": 1}')
-    assert pipeline.cached_hash(checkpoint, work) != first
+    assert storage.tree_sha256(checkpoint, work) != first
     assert reads[2:] == ["config.json"], "only the changed file is read again"
     (checkpoint / "config.json").unlink()
-    pipeline.cached_hash(checkpoint, work)
-    assert str(checkpoint / "config.json") not in json.loads((work / pipeline.HASH_CACHE).read_text())
+    storage.tree_sha256(checkpoint, work)
+    assert str(checkpoint / "config.json") not in json.loads((work / storage.HASH_CACHE).read_text())

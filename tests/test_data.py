@@ -13,7 +13,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from fulltune import data as data_module
+from fulltune.data import files as data_files
+from fulltune.data import store as data_store
 from fulltune.data import (
     IGNORE_INDEX,
     collate,
@@ -354,7 +355,7 @@ def test_tokenized_cache_is_reused_and_rebuilt_when_broken(tmp_path: Path, tok_d
         raise AssertionError("a cache hit must not rebuild")
 
     with monkeypatch.context() as patch:
-        patch.setattr(data_module, "_build", no_work)
+        patch.setattr(data_store, "_build", no_work)
         assert tokenize_dataset(spec, tok_dir, work, seed=0) == first
     assert {p.name: p.stat().st_mtime_ns for p in Path(first.path).iterdir()} == mtimes
     assert load_tokenized(first.path) == first
@@ -497,8 +498,8 @@ def test_text_that_is_not_utf8_names_the_file_line_and_byte(tmp_path: Path, monk
     with pytest.raises(DataError, match=rf"data\.train: .*{name} line {line} \(byte {byte}\): not UTF-8"):
         load_records(str(path), what="data.train", cache_dir=tmp_path / "cache")
     # A character cut by the reader's chunk boundary is not an error; a truncated last character is.
-    monkeypatch.setattr(data_module, "_HASH_CHUNK", 5)
+    monkeypatch.setattr(data_files, "_READ_CHUNK", 5)
     path.write_bytes(head + "naïve ☕\n".encode() * 3)
-    assert data_module._find_utf8_problem(path) is None
+    assert data_files._find_utf8_problem(path) is None
     path.write_bytes(head + "☕".encode()[:2])
-    assert f"line {line} (byte {len(head)}): not UTF-8" in data_module._find_utf8_problem(path)
+    assert f"line {line} (byte {len(head)}): not UTF-8" in data_files._find_utf8_problem(path)

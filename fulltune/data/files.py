@@ -1,0 +1,270 @@
+"""Load data files (local or a hub dataset) and, when `datasets` fails, say which file and line is wrong."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fulltune import hub
+from fulltune.errors import DataError
+
+if TYPE_CHECKING:
+    import datasets
+
+# File suffix → `datasets` builder.
+SUFFIX_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+_READ_CHUNK = 1 << 20
+
+def load_records(path: str, *, what: str, cache_dir: str | Path | None = None,
+                 token: str | None = None) -> datasets.Dataset:
+    """Load a dataset from a local file or directory, or a Hugging Face Hub dataset id.
+
+    Local files: `.jsonl`/`.json` (JSON lines, or one JSON list of objects), `.csv`, `.parquet`, `.txt`
+    (one example per line in column `text`; blank lines are skipped). A directory loads every such
+    file under it (name order, hidden files skipped; one file type per directory). Anything that does
+    not look like a local path is a hub id, optionally with a split: `org/name` or `org/name:validation`
+    (default split `train`), read from its repository snapshot (fulltune/hub.py; offline from the cache).
+
+    `what` is the YAML path used in messages (`data.train`). `cache_dir` is where `datasets` writes its
+    Arrow copy of the files (default: the `datasets` cache). `token` reads a private hub dataset.
+
+    Raises DataError: missing or empty file, text that is not UTF-8 or broken JSON (with the line), an
+    unreadable file, a dataset without examples, a hub dataset that cannot be loaded.
+    """
+    import datasets
+
+    files = local_data_files(path, what)
+    if files is None:
+        return _load_hub(path, what, cache_dir, token)
+    for file in files:
+        if file.stat().st_size == 0:
+            raise DataError(f"{what}: {file} is empty; add examples to it or point {what} at another file")
+        if SUFFIX_BUILDERS[file.suffix.lower()] != "parquet":
+            _require_utf8(file, what)
+    builder = SUFFIX_BUILDERS[files[0].suffix.lower()]
+    with quiet_datasets():
+        try:
+            dataset = datasets.load_dataset(
+                builder,
+                data_files=[str(f) for f in files],
+                split="train",
+                cache_dir=str(cache_dir) if cache_dir is not None else None,
+            )
+        except (datasets.exceptions.DatasetsError, ValueError, StopIteration, OSError) as exc:
+            raise _diagnose_load_error(files, builder, what, exc) from None
+        if builder == "text":
+            dataset = dataset.filter(lambda rows: [bool(t.strip()) for t in rows["text"]], batched=True,
+                                     keep_in_memory=True)
+    if len(dataset) == 0:
+        where = files[0] if len(files) == 1 else path
+        raise DataError(f"{what}: {where} has no examples; add examples or point {what} at another file")
+    return dataset
+
+
+def local_data_files(path: str, what: str) -> list[Path] | None:
+    """The data files `path` names, or None when it is a hub dataset id."""
+    p = Path(path).expanduser()
+    supported = ", ".join(SUFFIX_BUILDERS)
+    if p.is_dir():
+        files = sorted(
+            f for f in p.rglob("*")
+            if f.is_file() and f.suffix.lower() in SUFFIX_BUILDERS
+            and not any(part.startswith(".") for part in f.relative_to(p).parts)
+        )
+        if not files:
+            raise DataError(f"{what}: directory {path} holds no data files ({supported}); add some or fix the path")
+        kinds = sorted({SUFFIX_BUILDERS[f.suffix.lower()] for f in files})
+        if len(kinds) > 1:
+            raise DataError(
+                f"{what}: directory {path} mixes file types ({', '.join(kinds)}); keep one type per directory"
+            )
+        return files
+    if p.is_file():
+        if p.suffix.lower() not in SUFFIX_BUILDERS:
+            raise DataError(f"{what}: {path} has an unsupported file type; use one of {supported}")
+        return [p]
+    if looks_like_local_path(path):
+        raise DataError(f"{what}: {path} not found (resolved to {p.resolve()}); check the path")
+    return None
+
+
+def looks_like_local_path(path: str) -> bool:
+    """Whether a data reference that does not exist can only be meant as a local path: absolute, `./`,
+    `~`, a data file suffix (`data/train.jsonl`), or not spelled like a hub id `org/name[:split]`."""
+    return hub.looks_local(path, data_suffixes=tuple(SUFFIX_BUILDERS))
+
+
+def hub_dataset_key(spec: str, what: str, token: str | None = None) -> str:
+    """`hub:<org/name>@<commit>[:split]`: what a hub dataset contributes to a fingerprint."""
+    name, split = hub.split_dataset_id(spec)
+    try:
+        commit = hub.commit_of(name, None, "dataset", token)
+    except hub.HubError as exc:
+        raise _hub_data_error(spec, what, exc) from None
+    return f"hub:{name}@{commit}" + (f":{split}" if split else "")
+
+
+def _hub_data_error(spec: str, what: str, exc: BaseException) -> DataError:
+    local = Path(spec).expanduser().resolve()
+    return DataError(f"{what}: {spec!r} is not a local file or directory ({local} does not exist), and as a "
+                     f"Hugging Face Hub dataset: {exc}. Fix the path or the dataset id.")
+
+
+def _load_hub(spec: str, what: str, cache_dir: str | Path | None, token: str | None) -> datasets.Dataset:
+    import datasets
+
+    name, split = hub.split_dataset_id(spec)
+    try:
+        # `datasets` cannot open a hub id offline; its repository snapshot it can (fulltune/hub.py).
+        local = hub.snapshot(name, None, "dataset", token)
+        with quiet_datasets():
+            dataset = datasets.load_dataset(str(local), split=split or "train",
+                                            cache_dir=str(cache_dir) if cache_dir is not None else None)
+    except hub.HubError as exc:
+        raise _hub_data_error(spec, what, exc) from None
+    except (datasets.exceptions.DatasetsError, FileNotFoundError, ConnectionError, OSError, ValueError,
+            KeyError) as exc:
+        raise DataError(f"{what}: hub dataset {spec!r} could not be read: {root_message(exc)}. "
+                        "Name an existing split as org/name:<split>.") from None
+    if not isinstance(dataset, datasets.Dataset):
+        raise DataError(f"{what}: {spec!r} did not load as one split; name it as {name}:<split>")
+    if len(dataset) == 0:
+        raise DataError(f"{what}: hub dataset {spec!r} has no examples")
+    return dataset
+
+
+@contextmanager
+def quiet_datasets() -> Iterator[None]:
+    """Silence `datasets` progress bars and its own error logging (we raise a DataError instead)."""
+    import datasets
+
+    bars_were_disabled = datasets.are_progress_bars_disabled()
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    datasets.disable_progress_bars()
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if not bars_were_disabled:
+            datasets.enable_progress_bars()
+
+
+def _diagnose_load_error(files: list[Path], builder: str, what: str, exc: BaseException) -> DataError:
+    """Find the file (and line) behind a `datasets` loading error."""
+    for file in files:
+        with file.open("rb") as f:
+            if not any(line.strip() for line in f):
+                return DataError(f"{what}: {file} is empty; add examples to it or point {what} at another file")
+    if builder == "json":
+        for file in files:
+            problem = _find_json_problem(file)
+            if problem:
+                return DataError(f"{what}: {problem}")
+    if builder == "text":
+        for file in files:
+            problem = _find_utf8_problem(file)
+            if problem:
+                return DataError(f"{what}: {problem}")
+    where = files[0] if len(files) == 1 else f"{files[0].parent} ({len(files)} files)"
+    return DataError(f"{what}: could not read {where} as {builder}: {root_message(exc)}; fix the file")
+
+
+def root_message(exc: BaseException) -> str:
+    """The innermost cause of an exception chain: what a library's wrapped error actually says."""
+    seen = exc
+    while seen.__cause__ is not None or seen.__context__ is not None:
+        seen = seen.__cause__ or seen.__context__
+    return str(seen) or type(seen).__name__
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "list", dict: "object"}.get(type(value), "null")
+
+
+def _find_json_problem(path: Path) -> str | None:
+    """Name the first line of a JSON-lines file that is not a JSON object, or whose columns change type."""
+    kinds: dict[str, tuple[str, int]] = {}
+    first = True
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except UnicodeDecodeError:
+                return f"{path} line {lineno}: not UTF-8 text; re-encode the file as UTF-8"
+            except json.JSONDecodeError as exc:
+                if first and path.suffix.lower() == ".json":
+                    return _find_json_document_problem(path)
+                return f"{path} line {lineno}: broken JSON ({exc.msg}, column {exc.colno}); fix or remove that line"
+            first = False
+            if not isinstance(record, dict):
+                return (
+                    f"{path} line {lineno}: expected one JSON object {{...}} per line, got a {_json_kind(record)}; "
+                    "fix or remove that line"
+                )
+            for key, value in record.items():
+                kind = _json_kind(value)
+                if kind == "null":
+                    continue
+                seen = kinds.setdefault(key, (kind, lineno))
+                if seen[0] != kind:
+                    return (
+                        f"{path} line {lineno}: column '{key}' is a {kind} here but a {seen[0]} on line {seen[1]}; "
+                        "give it one type in every record"
+                    )
+    return None
+
+
+def _find_json_document_problem(path: Path) -> str | None:
+    try:
+        document = json.loads(path.read_bytes())
+    except UnicodeDecodeError:
+        return f"{path}: not UTF-8 text; re-encode the file as UTF-8"
+    except json.JSONDecodeError as exc:
+        return f"{path} line {exc.lineno}: broken JSON ({exc.msg}, column {exc.colno}); fix the file"
+    if not isinstance(document, list) or not all(isinstance(r, dict) for r in document):
+        return f"{path}: expected JSON lines or one JSON list of objects [{{...}}, ...]"
+    return None
+
+
+def _find_utf8_problem(path: Path) -> str | None:
+    """The line and byte offset of the first byte that is not UTF-8, streaming the file."""
+    carry, offset, lines = b"", 0, 0
+    with path.open("rb") as f:
+        while True:
+            chunk = f.read(_READ_CHUNK)
+            buffer = carry + chunk
+            if not buffer:
+                return None
+            try:
+                buffer.decode("utf-8")
+                used, carry = len(buffer), b""
+            except UnicodeDecodeError as exc:
+                if not (chunk and exc.reason == "unexpected end of data"):
+                    line = lines + buffer[: exc.start].count(b"\n") + 1
+                    return f"{path} line {line} (byte {offset + exc.start}): not UTF-8 text; re-encode the file as UTF-8"
+                # A character cut by the chunk boundary: decode it with the next chunk.
+                used, carry = exc.start, buffer[exc.start:]
+            lines += buffer[:used].count(b"\n")
+            offset += used
+            if not chunk:
+                return None
+
+
+def _require_utf8(path: Path, what: str) -> None:
+    # pyarrow's JSON reader keeps invalid UTF-8 in its strings and fails only when a row is read.
+    problem = _find_utf8_problem(path)
+    if problem:
+        raise DataError(f"{what}: {problem}")
+

@@ -1,0 +1,304 @@
+"""Formats: how a record becomes tokens and a label mask, one function per `data.format` (see FORMATS).
+
+Label convention (one rule for every format, packed or not): `labels[i] != -100` exactly when token i is
+a training target. transformers' `ForCausalLMLoss` shifts labels left (`labels[..., 1:]`), so token i is
+predicted from position i-1; the first token of every document therefore always gets -100 (it has no
+in-document predecessor: in a packed row it would be predicted from the previous document's last
+token). `train_label_tokens` is then exactly the number of loss terms.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fulltune.data.files import quiet_datasets
+from fulltune.errors import ConfigError, DataError
+from fulltune.spec import DataSpec
+
+if TYPE_CHECKING:
+    import datasets
+    import pyarrow as pa
+
+IGNORE_INDEX = -100
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+# The DataSpec options naming the columns each format reads.
+FORMAT_FIELDS = {
+    "text": ("text_field",),
+    "prompt_completion": ("prompt_field", "completion_field"),
+    "chat": ("messages_field",),
+}
+# What to check when no example of a split is left with a target.
+_NO_LABELS_HINTS = {
+    "text": "check that column '{data.text_field}' holds text",
+    "prompt_completion": "prompts may fill all of data.max_length ({data.max_length}) — raise it",
+    "chat": "conversations need an 'assistant' turn within data.max_length tokens",
+}
+
+
+def format_columns(data: DataSpec) -> dict[str, str]:
+    """{option: column} of the columns `data.format` reads, e.g. {"text_field": "text"}."""
+    return {option: getattr(data, option) for option in FORMAT_FIELDS[data.format]}
+
+
+def require_columns(dataset: datasets.Dataset, data: DataSpec, *, source: str, what: str) -> None:
+    """Raise DataError when the columns the format needs are missing."""
+    for option, column in format_columns(data).items():
+        if column not in dataset.column_names:
+            have = ", ".join(dataset.column_names) or "none"
+            raise DataError(
+                f"{what}: {source} has no column '{column}' (columns: {have}); format {data.format} reads "
+                f"data.{option} — set it to the column that holds the data"
+            )
+
+
+def no_labels_message(what: str, source: str, data: DataSpec) -> str:
+    """The DataError text for a split where no example has a token to train on."""
+    hint = _NO_LABELS_HINTS[data.format].format(data=data)
+    return f"{what}: no example in {source} has a token to train on after truncation; {hint}"
+
+
+def adds_bos(tokenizer: Any) -> bool:
+    """Whether the tokenizer puts a bos token in front of plain text (as the model saw in pretraining)."""
+    if tokenizer.bos_token_id is None:
+        return False
+    return tokenizer("a", add_special_tokens=True)["input_ids"][:1] == [tokenizer.bos_token_id]
+
+
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """Token ids of a prompt exactly as training saw it (`bos?` + prompt): what generation starts from."""
+    bos = [tokenizer.bos_token_id] if adds_bos(tokenizer) else []
+    return bos + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def pad_token_id_of(tokenizer: Any) -> int:
+    """The id collate pads with: the pad token, else eos (padding is never attended to or trained)."""
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return int(token_id)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# One function per format: (encoder, batch of records, their indices) → examples, prompts, completions.
+# An example is (token ids, targets): targets is the index where the trained part starts, or a
+# per-token 0/1 mask (chat).
+
+Example = tuple[list[int], Any]
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """What every format function needs: the tokenizer, its special tokens, and where records come from."""
+
+    tok: Any
+    data: DataSpec
+    source: str  # the file or hub dataset, for messages
+    reference: str  # the tokenizer reference, for messages
+    bos: list[int]
+    eos: list[int]
+    marks_assistant: bool  # the chat template wraps assistant turns in {% generation %}
+
+    def where(self, index: int) -> str:
+        return f"{self.source}: record {index + 1}"
+
+    def strings(self, batch: dict[str, list[Any]], column: str, indices: list[int]) -> list[str]:
+        """The column's values, which must all be strings."""
+        values = batch[column]
+        for value, index in zip(values, indices):
+            if not isinstance(value, str):
+                got = "missing (null)" if value is None else f"a {type(value).__name__}"
+                raise DataError(f"{self.where(index)}: column '{column}' must be a string, got {got}; fix the record")
+        return values
+
+
+def make_encoder(tokenizer: Any, data: DataSpec, source: str, reference: str) -> Encoder:
+    """An Encoder for `data.format`; ConfigError when the tokenizer lacks what the format needs."""
+    template = tokenizer.chat_template if data.format == "chat" else None
+    if data.format == "chat" and not template:
+        raise ConfigError(
+            f"tokenizer {reference!r} has no chat template; format chat needs one — use a chat "
+            "tokenizer, or model.tokenizer: {vocab_size: N} to train one with a template"
+        )
+    if data.format != "chat" and tokenizer.eos_token_id is None:
+        raise ConfigError(
+            f"tokenizer {reference!r} has no eos token; formats text and prompt_completion end every "
+            "example with it — use a tokenizer that has one"
+        )
+    return Encoder(
+        tok=tokenizer, data=data, source=source, reference=reference,
+        bos=[tokenizer.bos_token_id] if adds_bos(tokenizer) else [],
+        eos=[tokenizer.eos_token_id] if data.format != "chat" else [],
+        marks_assistant=bool(template and _GENERATION_TAG.search(str(template))),
+    )
+
+
+def _text(enc: Encoder, batch: dict[str, list[Any]], indices: list[int]) -> tuple[list[Example], list, list]:
+    """bos? + text + eos, every token a target."""
+    texts = enc.strings(batch, enc.data.text_field, indices)
+    encoded = enc.tok(texts, add_special_tokens=False)["input_ids"]
+    nothing = [None] * len(texts)
+    return [(enc.bos + ids + enc.eos, 0) for ids in encoded], nothing, nothing
+
+
+def _prompt_completion(enc: Encoder, batch: dict[str, list[Any]],
+                       indices: list[int]) -> tuple[list[Example], list, list]:
+    """bos? + prompt + completion + eos, the completion and eos the targets."""
+    prompts = enc.strings(batch, enc.data.prompt_field, indices)
+    completions = enc.strings(batch, enc.data.completion_field, indices)
+    # Separately tokenized, then concatenated: the prompt/completion boundary is exact and matches
+    # generation, which starts from the prompt's tokens.
+    p_ids = enc.tok(prompts, add_special_tokens=False)["input_ids"]
+    c_ids = enc.tok(completions, add_special_tokens=False)["input_ids"]
+    examples = [(enc.bos + p + c + enc.eos, len(enc.bos) + len(p)) for p, c in zip(p_ids, c_ids)]
+    return examples, prompts, completions
+
+
+def _chat(enc: Encoder, batch: dict[str, list[Any]], indices: list[int]) -> tuple[list[Example], list, list]:
+    """The conversation through the chat template, the assistant turns the targets."""
+    from jinja2.exceptions import TemplateError
+
+    conversations = [_messages(enc, m, i) for m, i in zip(batch[enc.data.messages_field], indices)]
+    nothing = [None] * len(conversations)
+    if enc.marks_assistant:
+        try:
+            out = enc.tok.apply_chat_template(
+                conversations, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            return list(zip(out["input_ids"], out["assistant_masks"])), nothing, nothing
+        except TemplateError:
+            pass  # find the record the template rejects, below
+    return [_chat_one(enc, messages, index) for messages, index in zip(conversations, indices)], nothing, nothing
+
+
+FORMATS: dict[str, Callable[[Encoder, dict[str, list[Any]], list[int]], tuple[list[Example], list, list]]] = {
+    "text": _text,
+    "prompt_completion": _prompt_completion,
+    "chat": _chat,
+}
+
+
+def _messages(enc: Encoder, value: Any, index: int) -> list[dict[str, str]]:
+    column = enc.data.messages_field
+    if not isinstance(value, list) or not value:
+        got = "missing (null)" if value is None else f"a {type(value).__name__}" if value != [] else "empty"
+        raise DataError(
+            f"{enc.where(index)}: column '{column}' must be a non-empty list of "
+            f"{{role, content}} messages, got {got}; fix the record"
+        )
+    messages = []
+    for n, message in enumerate(value, 1):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise DataError(
+                f"{enc.where(index)}: message {n} in '{column}' needs string 'role' and 'content' "
+                f"keys, got {message!r:.80}; fix the record"
+            )
+        messages.append({"role": message["role"], "content": message["content"]})
+    return messages
+
+
+def _chat_one(enc: Encoder, messages: list[dict[str, str]], index: int) -> tuple[list[int], list[int]]:
+    from jinja2.exceptions import TemplateError
+
+    try:
+        if enc.marks_assistant:
+            out = enc.tok.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            return out["input_ids"], out["assistant_masks"]
+        text, spans = _assistant_spans(enc, messages)
+    except TemplateError as exc:
+        raise DataError(f"{enc.where(index)}: the chat template rejects this conversation: {exc}") from None
+    encoded = enc.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [0] * len(encoded["input_ids"])
+    # A token is an assistant token when it overlaps an assistant span (as transformers does for
+    # `{% generation %}` templates).
+    for n, (start, end) in enumerate(encoded["offset_mapping"]):
+        if any(start < span_end and end > span_start for span_start, span_end in spans):
+            mask[n] = 1
+    return encoded["input_ids"], mask
+
+
+def _assistant_spans(enc: Encoder, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """Character spans of the assistant turns, by rendering the conversation's prefixes.
+
+    For templates without `{% generation %}`: turn i spans from the end of
+    render(messages[:i], add_generation_prompt=True) to the end of render(messages[:i+1]), so the
+    template's end-of-turn tokens are trained and the assistant header is not.
+    """
+    render = enc.tok.apply_chat_template
+    full = render(messages, tokenize=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prefix = render(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        upto = render(messages[: i + 1], tokenize=False)
+        if not (full.startswith(upto) and upto.startswith(prefix)):
+            raise ConfigError(
+                f"the chat template of tokenizer {enc.reference!r} does not render conversations "
+                "prefix by prefix, so the assistant turns cannot be located; use a template with "
+                "{% generation %} markers"
+            )
+        spans.append((len(prefix), len(upto)))
+    return full, spans
+
+
+# ---------------------------------------------------------------------------------------------------
+# Labels and truncation, the same for every format
+
+
+def _labelled(examples: list[Example], max_length: int) -> dict[str, list[Any]]:
+    """input_ids and labels cut to max_length, with the number of targets and whether it was cut."""
+    out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "num_labels": [], "truncated": []}
+    for ids, targets in examples:
+        if isinstance(targets, list):  # a per-token mask
+            labels = [t if m else IGNORE_INDEX for t, m in zip(ids, targets)]
+        else:
+            labels = [IGNORE_INDEX] * targets + ids[targets:]
+        if labels:
+            labels[0] = IGNORE_INDEX  # never predicted: see the module docstring
+        out["truncated"].append(len(ids) > max_length)
+        ids, labels = ids[:max_length], labels[:max_length]
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+        out["num_labels"].append(len(labels) - labels.count(IGNORE_INDEX))
+    return out
+
+
+def tokenize_split(records: datasets.Dataset | list[dict[str, Any]], tokenizer: Any, data: DataSpec, *,
+                     source: str, what: str, reference: str | None = None) -> tuple[pa.Table, int, int]:
+    """Format and tokenize records as `data.format` reads them (never packed).
+
+    Returns (table, truncated, dropped): an Arrow table with input_ids, labels, num_labels, truncated,
+    prompt and completion (null outside prompt_completion), without the examples left with no target.
+    `source` and `what` (the YAML field) name the data in errors; `reference` the tokenizer.
+
+    Raises DataError for missing columns or malformed records, ConfigError for a tokenizer that lacks
+    what the format needs.
+    """
+    import datasets
+    import pyarrow.compute as pc
+
+    if isinstance(records, list):
+        records = datasets.Dataset.from_list(records)
+    encoder = make_encoder(tokenizer, data, source, reference or getattr(tokenizer, "name_or_path", "tokenizer"))
+    require_columns(records, data, source=source, what=what)
+    format_batch = FORMATS[data.format]
+
+    def encode(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
+        examples, prompts, completions = format_batch(encoder, batch, indices)
+        return {**_labelled(examples, data.max_length), "prompt": list(prompts), "completion": list(completions)}
+
+    with quiet_datasets():
+        tokenized = records.map(encode, batched=True, with_indices=True, remove_columns=records.column_names,
+                                keep_in_memory=True, load_from_cache_file=False)
+    table = tokenized.with_format("arrow")[:]
+    truncated = int(pc.sum(table["truncated"]).as_py() or 0)
+    keep = pc.greater(table["num_labels"], 0)
+    dropped = len(table) - int(pc.sum(keep).as_py() or 0)
+    return table.filter(keep), truncated, dropped

@@ -1,0 +1,242 @@
+"""Content hashes and atomic outputs: how stages name what they write and never leave half of it.
+
+- Hashing: `file_sha256` is the one reader of file bytes; `tree_sha256` combines the digests of a file
+  or a directory's files, optionally remembered by size, mtime and ctime in `<workdir>/file-hashes.json`
+  so that a multi-GB checkpoint or data file is read once, not once per stage and run.
+- Publishing: `atomic_dir` builds a directory beside its final name and renames it into place;
+  `atomic_write_text` does the same for one file. A build killed half way leaves only a `.tmp-*`
+  directory, which `remove_stale_temp_dirs` deletes once its process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import tempfile
+from collections.abc import Callable, Iterator
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+CHUNK = 1 << 20
+HASH_CACHE = "file-hashes.json"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hashing
+
+
+def file_sha256(file: str | Path) -> str:
+    """sha256 of a file's bytes, streamed."""
+    h = hashlib.sha256()
+    with open(file, "rb") as handle:
+        while chunk := handle.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class FileHashes:
+    """File digests remembered under each file's path, size, mtime, ctime and inode.
+
+    Any change to a file (its bytes rewritten, even with the old mtime restored, changes its ctime)
+    hashes it again. Without a workdir nothing is remembered. Use as a context manager: the cache is
+    written back (atomically, without deleted files) on exit, and only into an existing workdir
+    (`fulltune plan` creates none).
+    """
+
+    def __init__(self, workdir: str | Path | None) -> None:
+        self.file = Path(workdir) / HASH_CACHE if workdir is not None else None
+        self.entries: dict[str, Any] = {}
+        self.changed = False
+        if self.file is not None:
+            try:
+                loaded = json.loads(self.file.read_text())
+            except (OSError, ValueError):
+                loaded = {}
+            self.entries = loaded if isinstance(loaded, dict) else {}
+
+    def sha256(self, file: Path) -> str:
+        """The digest of `file`, read only when it changed since it was last hashed."""
+        stat = file.stat()
+        stamp = [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
+        entry = self.entries.get(str(file))
+        if not (isinstance(entry, dict) and entry.get("stamp") == stamp):
+            entry, self.changed = {"stamp": stamp, "sha256": file_sha256(file)}, True
+            self.entries[str(file)] = entry
+        return entry["sha256"]
+
+    def __enter__(self) -> FileHashes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.file is None:
+            return
+        kept = {name: entry for name, entry in self.entries.items() if os.path.exists(name)}
+        if (self.changed or len(kept) < len(self.entries)) and self.file.parent.is_dir():
+            atomic_write_text(self.file, json.dumps(kept))
+
+
+def tree_sha256(path: str | Path, workdir: str | Path | None = None) -> str:
+    """sha256 of a file, or of a directory's files (relative names and digests); with a workdir each
+    file's digest is remembered there (see FileHashes)."""
+    root = Path(path)
+    files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.is_file())
+    digest = hashlib.sha256()
+    with FileHashes(workdir) as hashes:
+        for file in files:
+            name = str(file.relative_to(root)) if root.is_dir() else ""
+            digest.update(f"{name}\0{hashes.sha256(file)}\0".encode())
+    return digest.hexdigest()
+
+
+def hash_parts(h: Any, *parts: str | bytes) -> None:
+    """Add parts to a running hash, length-prefixed so that concatenations cannot collide
+    ("ab"+"c" vs "a"+"bc")."""
+    for part in parts:
+        raw = part.encode() if isinstance(part, str) else part
+        h.update(len(raw).to_bytes(8, "little"))
+        h.update(raw)
+
+
+def hash_json(value: Any) -> str:
+    """sha256 of a JSON-serialisable value, independent of key order."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@lru_cache(maxsize=None)
+def code_version(*modules: str) -> str:
+    """Version plus a hash of engine source: of the named modules (paths relative to the package, a
+    directory for a sub-package), or of the whole engine. Stage cache keys name the modules the stage
+    runs, so changing the trainer re-runs training but not tokenization."""
+    from fulltune import __version__
+
+    package = Path(__file__).parent
+    files: list[Path] = []
+    for module in modules or (".",):
+        target = package / module
+        files += sorted(target.rglob("*.py")) if target.is_dir() else [target]
+    digest = hashlib.sha256(__version__.encode())
+    for file in files:
+        digest.update(str(file.relative_to(package)).encode() + file.read_bytes())
+    return f"{__version__}+{digest.hexdigest()[:12]}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Durable, atomic outputs
+
+
+def fsync_dir(path: Path) -> None:
+    """Persist a directory entry (a rename into it) across a crash."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """Persist every file under `path`, then the directory itself."""
+    for file in (p for p in path.rglob("*") if p.is_file()):
+        with open(file, "rb+") as handle:
+            os.fsync(handle.fileno())
+    fsync_dir(path)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host still exists (a stale lock or temp dir names a dead one)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def temp_dir_name(key: str) -> str:
+    """A build directory name that says who is writing it: `.tmp-<key>-<host>-<pid>-<random>`."""
+    return f".tmp-{key[:16]}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def remove_stale_temp_dirs(root: Path) -> None:
+    """Delete build dirs left by dead processes on this host (a killed build leaves its temp dir)."""
+    if not root.is_dir():
+        return
+    host = socket.gethostname()
+    for entry in root.iterdir():
+        if entry.name.startswith(".trash-"):
+            shutil.rmtree(entry, ignore_errors=True)
+            continue
+        match = re.fullmatch(r"\.tmp-[0-9a-f]+-(.+)-(\d+)-[0-9a-f]+", entry.name)
+        if not match or match.group(1) != host:
+            continue
+        if not pid_alive(int(match.group(2))):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _exists(path: Path) -> bool:
+    return path.exists()
+
+
+def publish_dir(tmp: Path, final: Path, is_intact: Callable[[Path], bool] = _exists) -> None:
+    """Rename a finished build dir into place. If another process got there first with an intact
+    result, keep theirs (outputs are content-addressed: both are the same); a broken leftover at
+    `final` is moved aside and deleted."""
+    fsync_tree(tmp)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not final.exists():
+            raise
+        if is_intact(final):
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        trash = final.parent / f".trash-{final.name[:16]}-{secrets.token_hex(4)}"
+        os.rename(final, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(tmp, final)
+    fsync_dir(final.parent)
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | Path, is_intact: Callable[[Path], bool] = _exists) -> Iterator[Path]:
+    """Yield a temporary directory beside `target`; on success it is fsynced and renamed to `target`.
+
+    If `target` already exists and `is_intact` accepts it (another run finished first), the new copy is
+    dropped; a broken one is replaced (see publish_dir). On error the temporary directory is removed.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / temp_dir_name(target.name)
+    tmp.mkdir()
+    try:
+        yield tmp
+        publish_dir(tmp, target, is_intact)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write a file through a temporary file and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
