@@ -118,15 +118,20 @@ def end_pipeline_run(run_id: str, status: str = "FINISHED") -> None:
     MlflowClient().set_terminated(run_id, status=status)
 
 
-def log_metrics(run_id: str, metrics: dict[str, float], step: int | None = None) -> None:
+def log_metrics(run_id: str, metrics: dict[str, float | None], step: int | None = None, client: Any = None) -> None:
+    """Log the finite values of `metrics` into run `run_id` in one request (None and NaN are left out).
+
+    `client`: an MlflowClient bound to a tracking URI (default: the configured one); the trainer's child
+    process passes its own."""
+    import time
+
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
-    import time
 
     now = int(time.time() * 1000)
     batch = [Metric(k, float(v), now, step or 0) for k, v in metrics.items() if v is not None and math.isfinite(v)]
     if batch:
-        MlflowClient().log_batch(run_id, metrics=batch)
+        (client or MlflowClient()).log_batch(run_id, metrics=batch)
 
 
 def set_run_tags(run_id: str, tags: dict[str, str]) -> None:

@@ -24,6 +24,17 @@ CRON_PATTERN = re.compile(r"^(\S+\s+){4}\S+$")
 # Words YAML 1.1 reads as booleans besides true/false; an override keeps them as typed.
 YAML11_BOOLEAN_WORDS = {"yes", "no", "on", "off", "y", "n"}
 
+Auto = Literal["auto"]
+# The choices of each setting, defined once: the spec, the planner and the trainer's job read them
+# (`typing.get_args(Optimizer)` gives the tuple).
+DataFormat = Literal["text", "prompt_completion", "chat"]
+AttnImplementation = Literal["sdpa", "eager"]
+Device = Literal["cpu", "cuda"]
+MixedPrecision = Literal["bf16", "fp16", "no"]
+Optimizer = Literal["adamw", "adamw_8bit", "adamw_4bit", "adafactor"]
+LrScheduler = Literal["cosine", "linear", "constant"]
+Strategy = Literal["none", "ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3"]
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
@@ -53,7 +64,7 @@ class ModelSpec(Strict):
     allow_pickle_weights: bool = Field(
         False, description="Allow loading `.bin`/`.pt` weights (pickle). By default only safetensors load."
     )
-    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
+    attn_implementation: AttnImplementation = Field("sdpa", description="Attention kernel.")
     token_env: str | None = Field(
         None, description="Name of the environment variable holding a Hub token (the token itself never goes here)."
     )
@@ -73,7 +84,7 @@ class DataSpec(Strict):
     train: str = Field(description="Training data: a .jsonl/.json/.csv/.parquet/.txt file, a directory, or a hub id.")
     eval: str | None = Field(None, description="Held-out data; when absent, `eval_split` of train is held out.")
     eval_split: float = Field(0.1, gt=0, lt=1, description="Fraction of train held out when `eval` is absent.")
-    format: Literal["text", "prompt_completion", "chat"] = Field("text", description="How records become text.")
+    format: DataFormat = Field("text", description="How records become text.")
     text_field: str = Field("text", description="Column with the text (format `text`).")
     prompt_field: str = Field("prompt", description="Column with the prompt (format `prompt_completion`).")
     completion_field: str = Field("completion", description="Column with the completion (format `prompt_completion`).")
@@ -85,7 +96,7 @@ class DataSpec(Strict):
 class BudgetSpec(Strict):
     """The memory the run must fit in."""
 
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device to plan for; auto = cuda if present.")
+    device: Literal["auto", Device] = Field("auto", description="Device to plan for; auto = cuda if present.")
     memory: int | str = Field("auto", description="Budget per device: `auto` (device total), bytes, or '24GiB'.")
     on_overflow: Literal["plan", "fail"] = Field(
         "plan", description="`plan`: change micro-batch/checkpointing/optimizer to fit; `fail`: exit with the breakdown."
@@ -112,7 +123,6 @@ class BudgetSpec(Strict):
         raise ValueError("must be 'auto', a number of bytes, or a size like '24GiB'")
 
 
-Auto = Literal["auto"]
 
 
 class TrainSpec(Strict):
@@ -124,15 +134,15 @@ class TrainSpec(Strict):
     gradient_checkpointing: Union[Auto, bool, int] = Field(
         "auto", description="Recompute activations: auto, true (all layers), false, or a number of layers."
     )
-    mixed_precision: Literal["auto", "bf16", "fp16", "no"] = Field("auto", description="Autocast dtype.")
-    optimizer: Literal["auto", "adamw", "adamw_8bit", "adamw_4bit", "adafactor"] = Field(
+    mixed_precision: Literal["auto", MixedPrecision] = Field("auto", description="Autocast dtype.")
+    optimizer: Literal["auto", Optimizer] = Field(
         "adamw", description="`auto` lets the planner pick a cheaper optimizer when memory requires it. "
                              "adamw_8bit: bitsandbytes (~2 B/param of states); adamw_4bit: torchao (~1 B/param)."
     )
     learning_rate: float = Field(2e-5, gt=0, le=1, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of steps of linear warmup.")
-    lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
+    lr_scheduler: LrScheduler = Field("cosine", description="Decay after warmup.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     num_epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored when max_steps is set).")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides num_epochs.")
@@ -189,7 +199,7 @@ class TrainSpec(Strict):
 class DistributedSpec(Strict):
     """How many processes train, and how model state is shared between them."""
 
-    strategy: Literal["none", "ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3"] = Field(
+    strategy: Strategy = Field(
         "none", description="`none` trains in one process."
     )
     num_processes: int = Field(1, ge=1, le=4096, description="Processes (usually GPUs) in total.")
