@@ -359,6 +359,9 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
     logits_c = t * V * c  # lm_head output in the compute dtype
     logits32 = 4 * t * V
     hooks = settings.optimizer_in_backward or settings.offload_optimizer
+    # Accumulating into an existing .grad makes each new gradient a temporary beside it; with the hooks
+    # there is no device .grad to add into (the hook takes each one as it is made).
+    new_grad_added = accumulating and not hooks
     on_host = settings.device == "cpu"  # host RAM is the device's memory: count it in the peak
 
     phases: list[tuple[str, int, dict[str, int]]] = []
@@ -389,10 +392,10 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
     after_head = acts_total - lm_head_input - head_copy - final_norm
     if settings.chunked_loss:
         _chunked_head_phases(add, levers, grads_before, acts_total, after_head, head_grad, accumulating,
-                             t, h, V, c, sb, bsh4)
+                             t, h, V, c, sb, bsh4, new_grad_added)
     else:
         _head_phases(add, grads_before, acts_total, after_head, head_grad, accumulating, mixed, t, h, V, c,
-                     bsh4, logits_c, logits32)
+                     bsh4, logits_c, logits32, new_grad_added)
 
     # Backward through the layers, last to first. Each layer has two peaks: the MLP backward
     # (everything of the layer still saved, plus the grads of the (b, s, I) tensors) and the
@@ -419,7 +422,7 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
             grads_now + (0 if accumulating else int(first * grad_shard)),
             below + back,
             0,
-            layer.saved + layer.mlp_backward + (first if accumulating else 0),
+            layer.saved + layer.mlp_backward + (first if new_grad_added else 0),
             now=waiting + int(first * grad_shard),
         )
         add(f"backward of layer {i}", grads_now + grad_mlp, below + back, 0, layer.attn_saved + layer.attn_backward,
@@ -431,7 +434,7 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
     # accumulating); untied and accumulating, it is added into the existing .grad.
     # At the end of backward every gradient exists.
     emb_grad = int(wb * V * h * grad_shard)
-    emb_tmp = (3 if accumulating else 2) * emb_grad if shape.tied else (emb_grad if accumulating else 0)
+    emb_tmp = (3 if new_grad_added else 2) * emb_grad if shape.tied else (emb_grad if new_grad_added else 0)
     # With the hooks: the embedding's gradient (tied: the sum) is the one the hook takes; stepping
     # inside backward adds the optimizer's own temporaries there.
     hook_tmp = opt_temp if settings.optimizer_in_backward else 0
@@ -521,7 +524,8 @@ def _host_parts(levers: _LeverBytes, grads: int, weight_bytes: int, offloaded: i
 
 
 def _head_phases(add: Any, grads_before: int, acts_total: int, after_head: int, head_grad: int, accumulating: bool,
-                 mixed: bool, t: int, h: int, V: int, c: int, bsh4: int, logits_c: int, logits32: int) -> None:
+                 mixed: bool, t: int, h: int, V: int, c: int, bsh4: int, logits_c: int, logits32: int,
+                 new_grad_added: bool) -> None:
     """The whole head: (t, V) logits, their fp32 upcast, log_softmax and its backward."""
     # lm_head's forward: the final norm's (b, s, h) output is alive until the model returns, next to
     # the gathered rows.
@@ -537,7 +541,7 @@ def _head_phases(add: Any, grads_before: int, acts_total: int, after_head: int, 
     head_grad_tmp = 2 * V * h if mixed else 0
     g = grads_before if accumulating else head_grad
     add("backward of the lm head / loss", g, acts_total, logits_c + (logits32 if c == 2 else 0),
-        head_grad_tmp + (head_grad if accumulating else 0) + t * h * c, now=head_grad)
+        head_grad_tmp + (head_grad if new_grad_added else 0) + t * h * c, now=head_grad)
     # Backward of the gather: the rows' gradient scattered into a zero (b, s, h) tensor.
     add("backward of the lm head / loss", grads_before if accumulating else head_grad, after_head, 0,
         bsh4 + 4 * t * h, now=head_grad)
@@ -545,12 +549,16 @@ def _head_phases(add: Any, grads_before: int, acts_total: int, after_head: int, 
 
 def _chunked_head_phases(add: Any, levers: _LeverBytes, grads_before: int, acts_total: int, after_head: int,
                          head_grad: int, accumulating: bool, t: int, h: int, V: int, c: int, sb: int,
-                         bsh4: int) -> None:
+                         bsh4: int, new_grad_added: bool) -> None:
     """The chunked head (fulltune/loss.py): a per-row logsumexp kept, one (rows × vocabulary) tile at a time."""
     from fulltune.loss import ROW_CHUNK, VOCAB_CHUNK, chunked_head_bytes
 
     tiles = chunked_head_bytes(t, h, V, c)
     rows, cols = min(t, ROW_CHUNK), min(V, VOCAB_CHUNK)
+    if levers.weight_bytes == c:
+        # The weights are in the compute dtype: the weight tile's cast is a view, no copy (measured with
+        # MemTracker on real tensors: exactly cols·h·c less than `chunked_head_bytes`).
+        tiles = {**tiles, "backward": tiles["backward"] - cols * h * c}
     # Forward: the logsumexp and target logit (fp32 per row), one tile's logits and their fp32 copy,
     # the weight tile and row casts (when the weights are not in the compute dtype).
     cast = (cols * h * c + rows * h * c) if levers.weight_bytes != c else 0
@@ -560,10 +568,10 @@ def _chunked_head_phases(add: Any, levers: _LeverBytes, grads_before: int, acts_
     # (cast to the stream dtype at the end when that is 16-bit).
     g = grads_before if accumulating else head_grad
     add("backward of the lm head / loss", g, acts_total, 0,
-        tiles["saved"] + tiles["backward"] + (head_grad if accumulating else 0), now=head_grad)
+        tiles["saved"] + tiles["backward"] + (head_grad if new_grad_added else 0), now=head_grad)
     if sb != 4:
         add("backward of the lm head / loss", g, acts_total, 0,
-            tiles["saved"] + 4 * t * h + sb * t * h + (head_grad if accumulating else 0), now=head_grad)
+            tiles["saved"] + 4 * t * h + sb * t * h + (head_grad if new_grad_added else 0), now=head_grad)
     add("backward of the lm head / loss", grads_before if accumulating else head_grad, after_head, 0,
         bsh4 + sb * t * h, now=head_grad)
 
