@@ -1,0 +1,80 @@
+"""The largest Llama shape `fulltune plan` fits on one 24 / 48 / 80 GiB GPU, and Llama-3-70B on 8×80 GiB.
+
+Configs are built in code (no downloads): Llama-3 shapes with the 128k vocabulary, untied head, packed rows
+without padding (no attention mask), seq 2048, effective batch 8, optimizer auto, every memory lever auto,
+host RAM 256 GiB per machine. For each GPU size the table shows what the planner chose, the device bytes it
+expects, the host RAM the levers need and its predicted step time (ranking model: fulltune/memory/planner.py;
+its lever constants, PCIe ~25 GB/s and host AdamW ~1.5 GB/s, are assumptions until measured on a GPU).
+
+Usage:
+    python benchmarks/frontier_plan.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import transformers  # noqa: E402
+
+from fulltune.memory import PlanRequest, format_bytes, plan_memory  # noqa: E402
+
+GiB = 2**30
+# name: (hidden, intermediate, layers, heads, kv heads) — Llama-3.2 1B/3B, Llama-3.1 8B, a 13B-class and
+# a 34B-class Llama-3 shape (Llama 2's dimensions with the 128k vocabulary), Llama-3 70B.
+SHAPES = {
+    "1B": (2048, 8192, 16, 32, 8),
+    "3B": (3072, 8192, 28, 24, 8),
+    "8B": (4096, 14336, 32, 32, 8),
+    "13B": (5120, 13824, 40, 40, 8),
+    "34B": (8192, 22016, 48, 64, 8),
+    "70B": (8192, 28672, 80, 64, 8),
+}
+HOST = 256 * GiB
+
+
+def config(name: str) -> transformers.LlamaConfig:
+    h, i, layers, heads, kv = SHAPES[name]
+    return transformers.LlamaConfig(hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
+                                    num_attention_heads=heads, num_key_value_heads=kv, vocab_size=128256,
+                                    tie_word_embeddings=name in ("1B", "3B"))
+
+
+def describe(plan) -> str:
+    s = plan.settings
+    levers = [name for name, on in s.levers().items() if on]
+    return (f"micro {s.micro_batch_size}×{s.gradient_accumulation_steps}, ckpt {s.gradient_checkpointing}, "
+            f"{s.optimizer}, {'+'.join(levers) or 'no levers'}")
+
+
+def row(name: str, plan) -> str:
+    return (f"| {name} | {'fits' if plan.fits else 'no'} | {describe(plan)} | {format_bytes(plan.expected_bytes)} | "
+            f"{format_bytes(plan.plan_estimate.host_bytes)} | {plan.estimated_step_seconds:.3g} s |")
+
+
+def single_gpu(budget_gib: int) -> list[str]:
+    lines = []
+    for name in SHAPES:
+        request = PlanRequest(effective_batch_size=8, seq_len=2048, device="cuda", bf16_supported=True,
+                              budget_bytes=budget_gib * GiB, attention_mask=False, host_memory_bytes=HOST)
+        plan = plan_memory(config(name), request)
+        lines.append(row(f"{name} on 1×{budget_gib} GiB", plan))
+    return lines
+
+
+def main() -> None:
+    print("| model / GPU | plan fits | chosen | device (expected) | host RAM | step (predicted) |")
+    print("|---|---|---|---|---|---|")
+    for gib in (24, 48, 80):
+        for line in single_gpu(gib):
+            print(line, flush=True)
+    request = PlanRequest(effective_batch_size=64, seq_len=4096, device="cuda", bf16_supported=True,
+                          budget_bytes=80 * GiB, attention_mask=False, strategy="fsdp", num_processes=8,
+                          host_memory_bytes=HOST)
+    print(row("70B on 8×80 GiB FSDP (seq 4096, batch 64)", plan_memory(config("70B"), request)))
+
+
+if __name__ == "__main__":
+    main()
