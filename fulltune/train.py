@@ -1,16 +1,19 @@
 """The training loop: `python -m fulltune.train JOB.json`, alone, under torchrun or under accelerate launch.
 
-One explicit loop over `accelerate`, read top to bottom (nanoGPT's train.py, torchtune's full-finetune
-recipe):
+One explicit loop over `accelerate` (nanoGPT's train.py, torchtune's full-finetune recipe), in the
+stages torchtitan's trainer names:
 
-    set-up   seed; data order; model in fp32; gradient checkpointing on k of L layers; Accelerator;
-             optimizer; LR schedule; torch.compile
-    resume   the newest complete checkpoint: weights, optimizer, schedule, grad scaler, every process's
-             RNG states (accelerate's save_state) and the data position and counters (trainer_state.json)
-    loop     gather the step's micro-batches → forward/backward each, loss summed over tokens and divided
-             by the step's target tokens → clip → step, or skip a non-finite step (OptimizerStep; under
-             fp16 the grad scaler skips and lowers its scale) → log → checkpoint
-    finish   output_dir/model/ (weights + tokenizer), result.json, loss_curve.png
+    setup       seed; Accelerator; data order (fulltune/batching.py); model in fp32; memory levers
+                (gradient checkpointing on k of L layers, pure bf16, activation offload, chunked loss);
+                optimizer; LR schedule; torch.compile; accelerate's prepare
+    resume      the newest complete checkpoint: weights, optimizer, schedule, grad scaler, every process's
+                RNG states (accelerate's save_state) and the data position and counters (trainer_state.json)
+    train_step  one optimizer step: the step's micro-batches → forward/backward each, loss summed over
+                tokens and divided by the step's target tokens → clip → step, or skip a non-finite step
+                (OptimizerStep; under fp16 the grad scaler skips and lowers its scale)
+    metrics     TrainMetrics owns every counter the logs and the result report (tokens, the interval's
+                loss, targets, rows, FLOPs, time) and logs every `log_every_steps`
+    finish      output_dir/model/ (weights + tokenizer), result.json, loss_curve.png
 
 Rerunning a killed job resumes from its newest checkpoint and ends with the same weights, bit for bit on
 CPU, and the same loss history as a run that was never interrupted: the data order is a pure function of
@@ -18,6 +21,7 @@ CPU, and the same loss history as a run that was never interrupted: the data ord
 
 Exit codes: 0 done; 2 user error (one line on stderr, output_dir/error.json); 3 out of device memory
 (output_dir/oom.json). Only the main process writes checkpoints' metadata, the model and the results.
+Tests inject faults at named hook points (fulltune/faults.py); real runs' hooks do nothing.
 
 Host syncs are labelled `# Sync point`: one boolean per optimizer step (the finite check), the metrics
 every `log_every_steps`, and checkpoints.
@@ -36,9 +40,9 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -47,13 +51,18 @@ from accelerate.utils import set_seed
 from tqdm import tqdm
 
 from fulltune import sharding
-from fulltune.data import collate, iter_length_grouped_batches, pad_token_id_of, row_target_counts
+from fulltune.batching import StepSchedule, TokenizedRows, micro_batch_inputs
+from fulltune.data import pad_token_id_of
 from fulltune.errors import ConfigError, DataError, TrainingError, UserError
+from fulltune.faults import TrainHooks, hooks_from_env
 from fulltune.fingerprint import atomic_dir, atomic_write_text, fsync_dir, fsync_tree
-from fulltune.loss import TargetHead, Targets
+from fulltune.loss import TargetHead
 from fulltune.offload import ActivationOffload
 from fulltune.launch import (ERROR_FILE, LAUNCHER_ENV, MODEL_DIR, OOM_FILE, PROGRESS_FILE, RESULT_FILE, TrainJob,
                              TrainResult, completed_result, process_gone, validate_job)
+
+__all__ = ["StepSchedule", "TokenizedRows", "TrainingRun", "setup", "resume", "train_step", "TrainMetrics",
+           "finish", "train", "main"]
 
 EXIT_USER_ERROR = 2
 EXIT_OUT_OF_MEMORY = 3
@@ -67,179 +76,7 @@ GPU_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A
 
 
 # ---------------------------------------------------------------------------------------------------
-# Data: which rows each process trains on, as a pure function of (seed, epoch, step)
-
-
-class TokenizedRows:
-    """train.parquet held as flat numpy arrays and row offsets: a row is a slice, not a Python object.
-
-    Per row it precomputes what the loop needs without touching tensors: `lengths` (non-padding tokens),
-    `targets` (loss terms: labels[1:] != -100, the count the loss is divided by) and `attention_pairs`
-    (Σ over the row's documents of length², the attention term of the FLOP count).
-    """
-
-    COLUMNS = ("input_ids", "labels", "position_ids")
-
-    def __init__(self, path: str) -> None:
-        import pyarrow.compute as pc
-        import pyarrow.parquet as pq
-
-        try:
-            table = pq.read_table(path)
-        except (OSError, ValueError) as exc:
-            raise DataError(f"{path}: cannot read tokenized data ({exc}); re-run the tokenize stage") from None
-        missing = [name for name in self.COLUMNS if name not in table.column_names]
-        if missing:
-            raise DataError(f"{path}: missing column(s) {missing}; expected {list(self.COLUMNS)}")
-        if table.num_rows == 0:
-            raise DataError(f"{path}: no rows to train on")
-        lengths = {name: pc.list_value_length(table[name]).to_numpy(zero_copy_only=False) for name in self.COLUMNS}
-        if any(not np.array_equal(lengths["input_ids"], other) for other in lengths.values()):
-            raise DataError(f"{path}: input_ids, labels and position_ids differ in length in some rows")
-        # int32 as stored: 12 bytes per token for the three columns.
-        self.values = {name: pc.list_flatten(table[name]).to_numpy(zero_copy_only=False) for name in self.COLUMNS}
-        self.lengths = lengths["input_ids"].astype(np.int64)
-        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
-        starts = self.offsets[:-1]
-
-        self.targets = row_target_counts(self.values["labels"], self.offsets)
-        if self.targets.sum() == 0:
-            raise DataError(f"{path}: no token has a label (every label is -100); nothing to train on")
-
-        # Documents: a row start, or a position id of 0 (packed rows restart positions per document).
-        doc_start = self.values["position_ids"] == 0
-        doc_start[starts[self.lengths > 0]] = True
-        first = np.flatnonzero(doc_start)
-        doc_lengths = np.diff(np.append(first, len(doc_start)))
-        doc_row = np.searchsorted(self.offsets, first, side="right") - 1
-        self.attention_pairs = np.bincount(doc_row, weights=doc_lengths.astype(np.float64) ** 2,
-                                           minlength=len(self.lengths))
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def rows(self, indices: np.ndarray) -> list[dict[str, list[int]]]:
-        """The rows as `collate` takes them."""
-        spans = [(self.offsets[i], self.offsets[i + 1]) for i in indices]
-        return [{name: self.values[name][a:b].tolist() for name in self.COLUMNS} for a, b in spans]
-
-
-class StepSchedule:
-    """Rows of each optimizer step (all micro-batches, all processes): a pure function of (seed, epoch, step).
-
-    An epoch is a length-grouped shuffle seeded with seed + epoch (`data.iter_length_grouped_batches`
-    with one batch per optimizer step: rows of similar length share a step, and within it they are sorted
-    longest first, so micro-batches pad little; packed rows are all about max_length and it is a plain
-    shuffle). How a step is cut into micro-batches and processes does not change which rows it holds, so
-    micro 2 × accumulation 2, micro 4 × accumulation 1 and 2 processes × micro 2 train on the same data.
-    The last incomplete step of an epoch is dropped. The data position is just the step number.
-    """
-
-    def __init__(self, lengths: np.ndarray, rows_per_step: int, seed: int) -> None:
-        self.lengths, self.rows_per_step, self.seed = lengths, rows_per_step, seed
-        self.per_epoch = len(lengths) // rows_per_step
-        self._epoch, self._steps = -1, []
-
-    def step_rows(self, step: int) -> np.ndarray:
-        epoch, index = divmod(step, self.per_epoch)
-        if epoch != self._epoch:
-            self._steps = list(iter_length_grouped_batches(self.lengths, self.rows_per_step, self.seed + epoch,
-                                                           drop_last=True))
-            self._epoch = epoch
-        return np.asarray(self._steps[index])
-
-    @staticmethod
-    def micro_batch(rows: np.ndarray, index: int, process: int, micro_batch_size: int, processes: int) -> np.ndarray:
-        """Process `process`'s rows of micro-batch `index`: each micro-batch is `processes` disjoint slices."""
-        start = (index * processes + process) * micro_batch_size
-        return rows[start:start + micro_batch_size]
-
-
-# ---------------------------------------------------------------------------------------------------
-# State a checkpoint adds to accelerate's, and the checkpoints themselves
-
-
-@dataclass
-class TrainState:
-    """The data position and running counters; saved as trainer_state.json in every checkpoint."""
-
-    step: int = 0  # optimizer steps done; also the data position (StepSchedule.step_rows(step) is next)
-    total_steps: int = 0
-    tokens: int = 0  # non-padding tokens processed, all processes
-    nonfinite_steps: int = 0
-    nonfinite_in_a_row: int = 0
-    interval_loss_sum: float = 0.0  # Σ token losses of the finite steps since the last log (exact fp32 value)
-    interval_targets: int = 0  # their target tokens
-    loss_history: list[list[float]] = field(default_factory=list)  # [step, mean token loss of the interval]
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint: `step-N` directories appear only by an atomic rename."""
-    steps = [(int(m.group(1)), p) for p in root.glob("step-*") if (m := CHECKPOINT_NAME.match(p.name))]
-    return max(steps)[1] if steps else None
-
-
-def save_checkpoint(accelerator: Accelerator, root: Path, state: TrainState, keep: int, faults: FaultInjection,
-                    model: torch.nn.Module, optimizer: Any) -> None:
-    """Write checkpoints/.tmp-step-N, fsync, rename to checkpoints/step-N; keep the newest `keep`.
-
-    accelerate's save_state writes the model, optimizer, scheduler and grad scaler states and each
-    process's RNG states (python, numpy, torch CPU and CUDA) into the directory; it is not atomic by
-    itself, hence the temporary name. Every process takes part (each saves its RNG state; FSDP and
-    DeepSpeed save shards), so the directory must be on storage all processes share.
-    """
-    tmp, final = root / f".tmp-step-{state.step}", root / f"step-{state.step}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    if sharding.is_sharded(model):  # FSDP2 outside prepare: each process writes its shards (fulltune/sharding.py)
-        sharding.save_sharded_state(tmp / sharding.SHARDED_STATE_DIR, model, optimizer)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (tmp / TRAINER_STATE_FILE).write_text(json.dumps(asdict(state)))
-        faults.maybe_kill("checkpoint_write", state.step)
-        fsync_tree(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        fsync_dir(root)
-        steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := CHECKPOINT_NAME.match(p.name)))
-        for old in steps[:-keep]:
-            shutil.rmtree(root / f"step-{old}", ignore_errors=True)
-    accelerator.wait_for_everyone()
-
-
-class FaultInjection:
-    """Test-only fault injection, read from FULLTUNE_TEST_FAULT=<point>:<n>; unset in real runs.
-
-    micro_step:N        SIGKILL after the N-th micro-batch's backward (1-based, counted over the run)
-    checkpoint_write:S  SIGKILL while checkpoint S is half written (files in place, not yet renamed)
-    after_checkpoint:S  SIGKILL right after checkpoint S was renamed into place
-    stall_<point>:N     at any of the three points above, stop and wait to be killed from outside
-    oom:S               raise torch.OutOfMemoryError at the start of optimizer step S (1-based)
-    nan_loss:S          make the loss of optimizer step S NaN (the step must be skipped)
-    """
-
-    def __init__(self, spec: str | None) -> None:
-        point, _, value = (spec or "").partition(":")
-        self.point, self.value = point, int(value) if value else -1
-
-    def maybe_kill(self, point: str, value: int) -> None:
-        if (point, value) == (self.point, self.value):
-            os.kill(os.getpid(), signal.SIGKILL)
-        while (f"stall_{point}", value) == (self.point, self.value):
-            time.sleep(60)
-
-    def maybe_oom(self, step: int) -> None:
-        if ("oom", step) == (self.point, self.value):
-            raise torch.OutOfMemoryError(f"FULLTUNE_TEST_FAULT: simulated out of memory at step {step}")
-
-    def maybe_nan(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        return loss * float("nan") if ("nan_loss", step) == (self.point, self.value) else loss
-
-
-# ---------------------------------------------------------------------------------------------------
-# Set-up helpers
+# Optimizer, FLOPs, metric sinks and the optimizer step
 
 
 def build_optimizer(job: TrainJob, model: torch.nn.Module, processes: int = 1) -> torch.optim.Optimizer:
@@ -424,58 +261,124 @@ class OptimizerStep:
         return True
 
 
+
+
 # ---------------------------------------------------------------------------------------------------
-# The loop
+# Setup: everything a step needs, built once
 
 
-def train(job: TrainJob) -> TrainResult:
-    """Train `job` to the end, resuming from its newest checkpoint; returns what result.json holds.
+@dataclass
+class TrainingRun:
+    """What `setup` builds and every later stage reads."""
+
+    job: TrainJob
+    accelerator: Accelerator
+    data: TokenizedRows
+    schedule: StepSchedule
+    total_steps: int
+    tokenizer: Any
+    pad_token_id: int
+    model: torch.nn.Module  # as prepared (DDP/DeepSpeed/compiled wrapper), or FSDP2-sharded
+    head: TargetHead  # runs the output head at the target positions only (fulltune/loss.py)
+    optimizer: Any  # accelerate's AcceleratedOptimizer around the fulltune/optim.py optimizer
+    scheduler: Any
+    step_optimizer: OptimizerStep
+    hooks: TrainHooks
+    use_cache: bool | None  # the model's own setting, restored in the exported config
+    checkpointed_layers: int
+    num_layers: int
+    flops: tuple[float, float, float]  # flop_coefficients(model)
+
+    @property
+    def processes(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def main_process(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.job.output_dir)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.output_dir / CHECKPOINT_DIR
+
+
+def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
+    """Build the run: accelerator, data, model with its levers, optimizer, schedule, then prepare.
 
     Raises:
         ConfigError: the device or a setting cannot work (e.g. CUDA requested but absent).
         DataError: train_file is unreadable, empty, or has fewer rows than one optimizer step.
-        TrainingError: `max_nonfinite_steps` non-finite losses in a row.
-        torch.OutOfMemoryError: the device ran out of memory (main() turns it into exit code 3).
     """
-    from fulltune.memory.checkpointing import apply_gradient_checkpointing
-    from fulltune.models import hub_token, load_model, load_tokenizer
-    from transformers import get_scheduler
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()  # weight loading/saving bars would flood the flow's log
-    faults = FaultInjection(os.environ.get("FULLTUNE_TEST_FAULT"))
-    output_dir = Path(job.output_dir)
-    checkpoints = output_dir / CHECKPOINT_DIR
     if job.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("budget.device: cuda was planned but this machine has no usable CUDA device")
-
     # The scheduler steps once per optimizer step: total_steps already counts every process's
     # micro-batches (accelerate would otherwise step it num_processes times).
     accelerator = Accelerator(cpu=job.device == "cpu", mixed_precision=job.mixed_precision,
                               gradient_accumulation_steps=job.gradient_accumulation_steps,
                               step_scheduler_with_optimizer=False)
-    device, main_process = accelerator.device, accelerator.is_main_process
-    processes, rank = accelerator.num_processes, accelerator.process_index
-    micro, accumulation = job.micro_batch_size, job.gradient_accumulation_steps
     set_seed(job.seed)
+    data, schedule, total_steps = setup_data(job, accelerator.num_processes)
+    tokenizer, model = load_model_and_tokenizer(job)
+    use_cache = getattr(model.config, "use_cache", None)
+    checkpointed, head = apply_levers(job, model)
+    model_layers, flops = model.config.num_hidden_layers, flop_coefficients(model)
+    if job.strategy == "fsdp":
+        # FSDP2 driven directly (fulltune/sharding.py): Accelerate's CPU mode is DDP only, and a model kept
+        # out of prepare keeps its gradients sharded while accumulating. bf16 is FSDP's policy, not autocast.
+        sharding.shard_model(model, device=job.device, mixed_precision=job.mixed_precision)
+    optimizer = build_optimizer(job, model, accelerator.num_processes)
+    scheduler = build_scheduler(job, optimizer, total_steps)
+    if job.compile:
+        model = head.compile(model)
+    model, optimizer, scheduler = prepare(job, accelerator, model, optimizer, scheduler)
+    model.train()
+    return TrainingRun(job, accelerator, data, schedule, total_steps, tokenizer, pad_token_id_of(tokenizer), model,
+                       head, optimizer, scheduler, OptimizerStep(accelerator, model, optimizer, scheduler,
+                                                                 job.max_grad_norm),
+                       hooks or TrainHooks(), use_cache, checkpointed, model_layers, flops)
 
-    # Data: the rows of each optimizer step follow from (seed, epoch); this process trains on its slices.
-    # e.g. 2 micro × 4 accumulation × 2 processes = 16 rows (≤ 16 × max_length tokens) per optimizer step
+
+def setup_data(job: TrainJob, processes: int) -> tuple[TokenizedRows, StepSchedule, int]:
+    """The rows, the step schedule over them and the run's optimizer steps.
+
+    e.g. 2 micro × 4 accumulation × 2 processes = 16 rows (≤ 16 × max_length tokens) per optimizer step.
+    """
+    micro, accumulation = job.micro_batch_size, job.gradient_accumulation_steps
     data = TokenizedRows(job.train_file)
     schedule = StepSchedule(data.lengths, micro * accumulation * processes, job.seed)
     if schedule.per_epoch == 0:
         raise DataError(f"{job.train_file}: {len(data)} rows is less than one optimizer step (micro_batch_size "
                         f"{micro} × gradient_accumulation_steps {accumulation} × {processes} processes)")
     total_steps = job.max_steps or max(1, math.ceil(job.num_epochs * schedule.per_epoch))
+    return data, schedule, total_steps
 
+
+def load_model_and_tokenizer(job: TrainJob) -> tuple[Any, torch.nn.Module]:
+    """The tokenizer and the model (fp32 weights) the job names."""
+    from fulltune.models import hub_token, load_model, load_tokenizer
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # weight loading/saving bars would flood the flow's log
     token = hub_token(job.token_env)
     tokenizer = load_tokenizer(job.tokenizer_path, trust_remote_code=job.trust_remote_code, token=token,
                                revision=job.revision if job.tokenizer_path == job.model_path else None)
-    pad_token_id = pad_token_id_of(tokenizer)
     model = load_model(job.model_path, revision=job.revision, trust_remote_code=job.trust_remote_code,
                        allow_pickle_weights=job.allow_pickle_weights, attn_implementation=job.attn_implementation,
                        token=token)
-    use_cache = getattr(model.config, "use_cache", None)
+    return tokenizer, model
+
+
+def apply_levers(job: TrainJob, model: torch.nn.Module) -> tuple[int, TargetHead]:
+    """Apply the model-side memory levers; returns (checkpointed layers, the loss head).
+
+    The optimizer-side levers (pure bf16 updates, step in backward, optimizer offload) are build_optimizer's.
+    """
+    from fulltune.memory.checkpointing import apply_gradient_checkpointing
+
     try:
         # Recompute the first k layers' activations in backward: ~1/3 more compute for those layers,
         # their activations shrink to the layer input (Korthikanti et al. 2022).
@@ -488,39 +391,62 @@ def train(job: TrainJob) -> TrainResult:
         # The checkpointed layers' saved inputs wait in host RAM for their recompute (fulltune/offload.py).
         ActivationOffload().install(model)
     model.config.use_cache = False
-    num_layers = model.config.num_hidden_layers
-    flops_per_token, flops_per_target, flops_per_pair = flop_coefficients(model)
     # The output head runs at target positions only; chunked, no (targets × vocabulary) tensor is ever whole.
-    head = TargetHead(model, chunked=job.chunked_loss)
-    if job.strategy == "fsdp":
-        # FSDP2 driven directly (fulltune/sharding.py): Accelerate's CPU mode is DDP only, and a model kept
-        # out of prepare keeps its gradients sharded while accumulating. bf16 is FSDP's policy, not autocast.
-        sharding.shard_model(model, device=job.device, mixed_precision=job.mixed_precision)
-    optimizer = build_optimizer(job, model, processes)
-    in_backward = job.optimizer_in_backward
+    return checkpointed, TargetHead(model, chunked=job.chunked_loss)
+
+
+def build_scheduler(job: TrainJob, optimizer: Any, total_steps: int) -> Any:
+    """The learning-rate schedule: linear warmup over warmup_ratio of the steps, then the job's decay."""
+    from transformers import get_scheduler
+
     warmup_steps = math.ceil(job.warmup_ratio * total_steps)
-    schedule_name = "constant_with_warmup" if job.lr_scheduler == "constant" else job.lr_scheduler
-    scheduler = get_scheduler(schedule_name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
-    if job.compile:
-        model = head.compile(model)
+    name = "constant_with_warmup" if job.lr_scheduler == "constant" else job.lr_scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
+
+
+def prepare(job: TrainJob, accelerator: Accelerator, model: torch.nn.Module, optimizer: Any,
+            scheduler: Any) -> tuple[torch.nn.Module, Any, Any]:
+    """accelerate's prepare, minus what the levers and FSDP2 keep to themselves."""
     if accelerator.state.deepspeed_plugin is not None:  # DeepSpeed reads it from a prepared dataloader otherwise
-        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = job.micro_batch_size
     if sharding.is_sharded(model):
-        scheduler = accelerator.prepare(scheduler)  # model and optimizer stay FSDP2's (see above)
-    elif job.offload_optimizer:
+        return model, optimizer, accelerator.prepare(scheduler)  # model and optimizer stay FSDP2's (see setup)
+    if job.offload_optimizer:
         # Device placement would round-trip the state dict through the device, fp32 masters included.
         model, scheduler = accelerator.prepare(model, scheduler)
-        optimizer = accelerator.prepare_optimizer(optimizer, device_placement=False)
-    else:
-        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    model.train()
-    step_optimizer = OptimizerStep(accelerator, model, optimizer, scheduler, job.max_grad_norm)
-    raw_optimizer = getattr(optimizer, "optimizer", optimizer)  # the fulltune/optim.py wrapper, if any
+        return model, accelerator.prepare_optimizer(optimizer, device_placement=False), scheduler
+    return accelerator.prepare(model, optimizer, scheduler)
 
-    # Resume from the newest complete checkpoint; half-written ones (.tmp-*) are leftovers of a kill.
-    state, resumed_from = TrainState(total_steps=total_steps), None
-    if main_process:
-        for leftover in [*checkpoints.glob(".tmp-*"), *output_dir.glob(".tmp-*")]:
+
+# ---------------------------------------------------------------------------------------------------
+# Resume: the data position, the counters and the checkpoints
+
+
+@dataclass
+class TrainState:
+    """Where the run is; saved in every checkpoint's trainer_state.json beside TrainMetrics' counters."""
+
+    step: int = 0  # optimizer steps done; also the data position (StepSchedule.step_rows(step) is next)
+    total_steps: int = 0
+    nonfinite_steps: int = 0
+    nonfinite_in_a_row: int = 0
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint: `step-N` directories appear only by an atomic rename."""
+    steps = [(int(m.group(1)), p) for p in root.glob("step-*") if (m := CHECKPOINT_NAME.match(p.name))]
+    return max(steps)[1] if steps else None
+
+
+def resume(run: TrainingRun) -> tuple[TrainState, dict[str, Any], int | None]:
+    """(state, the saved metric counters, the step resumed from) from the newest complete checkpoint.
+
+    Half-written checkpoints (.tmp-*) are leftovers of a kill and are removed first. A fresh run gets
+    step 0, no counters and None.
+    """
+    accelerator, checkpoints = run.accelerator, run.checkpoints
+    if run.main_process:
+        for leftover in [*checkpoints.glob(".tmp-*"), *run.output_dir.glob(".tmp-*")]:
             if leftover.is_dir():
                 shutil.rmtree(leftover, ignore_errors=True)
             else:
@@ -528,150 +454,308 @@ def train(job: TrainJob) -> TrainResult:
         checkpoints.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
     checkpoint = latest_checkpoint(checkpoints)
-    if checkpoint is not None:
-        accelerator.load_state(str(checkpoint))
-        if sharding.is_sharded(model):
-            sharding.load_sharded_state(checkpoint / sharding.SHARDED_STATE_DIR, model, optimizer)
-        state = TrainState(**json.loads((checkpoint / TRAINER_STATE_FILE).read_text()))
-        if state.total_steps != total_steps:
-            raise ConfigError(f"{checkpoint}: written for {state.total_steps} steps, this job has {total_steps}; "
-                              f"delete {checkpoints} to start over")
-        resumed_from = state.step
-    interval_loss = torch.tensor(state.interval_loss_sum, dtype=torch.float32, device=device)
+    if checkpoint is None:
+        return TrainState(total_steps=run.total_steps), {}, None
+    accelerator.load_state(str(checkpoint))
+    if sharding.is_sharded(run.model):
+        sharding.load_sharded_state(checkpoint / sharding.SHARDED_STATE_DIR, run.model, run.optimizer)
+    saved = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
+    state = TrainState(**{f.name: saved.pop(f.name) for f in fields(TrainState)})
+    if state.total_steps != run.total_steps:
+        raise ConfigError(f"{checkpoint}: written for {state.total_steps} steps, this job has {run.total_steps}; "
+                          f"delete {checkpoints} to start over")
+    return state, saved, state.step
 
-    metrics = MlflowMetrics(job, main_process)
-    peak = peak_flops(job)
-    if main_process:
-        print(f"fulltune train: {len(data)} rows, {schedule.per_epoch} optimizer steps per epoch, {total_steps} "
-              f"steps of {micro} micro × {accumulation} accumulation × {processes} processes; gradient "
-              f"checkpointing {checkpointed}/{num_layers} layers; {job.optimizer}; precision {job.mixed_precision}; "
-              f"{f'resumed from step {resumed_from}' if checkpoint else 'from the start'}", file=sys.stderr, flush=True)
-    with tqdm(total=total_steps, initial=state.step, desc="train", unit="step", file=sys.stderr,
-              disable=not main_process, mininterval=1.0 if sys.stderr.isatty() else 30.0) as progress:
-        started = interval_started = time.perf_counter()
-        start_tokens, interval_tokens, interval_rows, interval_flops = state.tokens, 0, 0, 0.0
-        grad_norm = torch.zeros((), device=device)
 
-        while state.step < total_steps:
-            faults.maybe_oom(state.step + 1)
-            # The step's rows first: the loss is normalised by the target tokens of the whole optimizer step
-            # (all micro-batches, all processes), which every process knows from the data without communicating.
-            step_rows = schedule.step_rows(state.step)
-            step_targets = int(data.targets[step_rows].sum())
-            step_loss = torch.zeros((), device=device)  # Σ token losses of this process's micro-batches
-            step_finite = True
-            for index in range(accumulation):
-                rows = schedule.micro_batch(step_rows, index, rank, micro, processes)
-                batch = collate(data.rows(rows), pad_token_id)
-                # Padding is on the right, so in a causal LM no real token attends to it, and it has no
-                # labels: the padding mask changes nothing but keeps SDPA off its causal kernel (11% slower
-                # per micro-batch of 200 tokens on CPU here). Packed rows are separated by position_ids.
-                batch.pop("attention_mask", None)
-                targets = Targets.from_labels(batch.pop("labels")).to(device)
-                inputs = {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
-                # Forward and backward; accelerate accumulates, syncing DDP gradients on the last micro-batch only.
-                # The output head runs only at the positions with a target (fulltune/loss.py).
-                with accelerator.accumulate(model):
-                    loss_sum = faults.maybe_nan(state.step + 1, head.loss_sum(model, inputs, targets))
-                    if in_backward:
-                        # The update runs inside the last micro-batch's backward and cannot be skipped after
-                        # it: a non-finite loss stops the step's backward passes (sync point, per micro-batch).
-                        raw_optimizer.set_micro_batch(index)
-                        step_finite = step_finite and bool(torch.isfinite(loss_sum))
-                    if step_finite:
-                        # accelerator.backward divides by the accumulation steps and DDP averages over processes;
-                        # scaling back leaves gradients of Σ(all token losses of the step) / step_targets.
-                        accelerator.backward(loss_sum * (accumulation * processes / step_targets))
-                step_loss += loss_sum.detach()
-                faults.maybe_kill("micro_step", state.step * accumulation + index + 1)
+def save_checkpoint(run: TrainingRun, state: TrainState, counters: dict[str, Any]) -> None:
+    """Write checkpoints/.tmp-step-N, fsync, rename to checkpoints/step-N; keep the newest `keep_checkpoints`.
 
-            if processes > 1:
-                step_loss = accelerator.reduce(step_loss, reduction="sum")  # the same decision on every process
-            stepped, grad_norm = step_optimizer(step_loss, state.step + 1)
-            if stepped:
-                interval_loss += step_loss
-                state.interval_targets += step_targets
-                state.nonfinite_in_a_row = 0
-            else:
-                state.nonfinite_steps += 1
-                # fp16's loss scaler skips overflowing steps while it lowers its scale; only a loss that is
-                # itself not finite (or any skip without a loss scaler) counts towards giving up.
-                if not step_optimizer.scales_loss or not bool(torch.isfinite(step_loss)):  # Sync point (skips only)
-                    state.nonfinite_in_a_row += 1
-                if state.nonfinite_in_a_row >= job.max_nonfinite_steps:
-                    raise TrainingError(
-                        f"training stopped: {state.nonfinite_in_a_row} non-finite losses in a row at step "
-                        f"{state.step + 1}; lower train.learning_rate, or use train.mixed_precision bf16 instead of "
-                        "fp16")
-            state.step += 1
-            step_tokens = int(data.lengths[step_rows].sum())
-            state.tokens += step_tokens
-            interval_tokens += step_tokens
-            interval_rows += len(step_rows)
-            interval_flops += (flops_per_token * step_tokens + flops_per_target * step_targets
-                               + flops_per_pair * float(data.attention_pairs[step_rows].sum()))
-            progress.update(1)
+    accelerate's save_state writes the model, optimizer, scheduler and grad scaler states and each
+    process's RNG states (python, numpy, torch CPU and CUDA) into the directory; it is not atomic by
+    itself, hence the temporary name. Every process takes part (each saves its RNG state; FSDP and
+    DeepSpeed save shards), so the directory must be on storage all processes share.
+    """
+    accelerator, root = run.accelerator, run.checkpoints
+    tmp, final = root / f".tmp-step-{state.step}", root / f"step-{state.step}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    if sharding.is_sharded(run.model):  # FSDP2 outside prepare: each process writes its shards (fulltune/sharding.py)
+        sharding.save_sharded_state(tmp / sharding.SHARDED_STATE_DIR, run.model, run.optimizer)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / TRAINER_STATE_FILE).write_text(json.dumps({**asdict(state), **counters}))
+        run.hooks.checkpoint_written(state.step)
+        fsync_tree(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        fsync_dir(root)
+        steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := CHECKPOINT_NAME.match(p.name)))
+        for old in steps[:-run.job.keep_checkpoints]:
+            shutil.rmtree(root / f"step-{old}", ignore_errors=True)
+    accelerator.wait_for_everyone()
 
-            if state.step % job.log_every_steps == 0 or state.step == total_steps:
-                # Sync point (every log_every_steps): the interval's loss and the last gradient norm.
-                loss_sum, norm = torch.stack([interval_loss, grad_norm.float()]).tolist()
-                loss = loss_sum / state.interval_targets if state.interval_targets else float("nan")
-                seconds = time.perf_counter() - interval_started
-                state.loss_history.append([state.step, loss])
-                if main_process:
-                    values = {"train_loss": loss, "learning_rate": scheduler.get_last_lr()[0], "grad_norm": norm,
-                              "tokens_per_second": interval_tokens / seconds,
-                              "samples_per_second": interval_rows / seconds, **memory_metrics(job.device)}
-                    if peak:
-                        values["mfu"] = interval_flops / seconds / peak
-                    metrics.log(state.step, values)
-                    atomic_write_text(output_dir / PROGRESS_FILE,
-                                      json.dumps({"step": state.step, "total_steps": total_steps, "loss": loss}))
-                    progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
-                interval_loss.zero_()
-                state.interval_targets = 0
-                interval_started, interval_tokens, interval_rows, interval_flops = time.perf_counter(), 0, 0, 0.0
 
-            if job.checkpoint_every_steps and state.step % job.checkpoint_every_steps == 0 and state.step < total_steps:
-                state.interval_loss_sum = interval_loss.item()  # Sync point (checkpoint)
-                save_checkpoint(accelerator, checkpoints, state, job.keep_checkpoints, faults, model, optimizer)
-                faults.maybe_kill("after_checkpoint", state.step)
-    seconds = time.perf_counter() - started
+# ---------------------------------------------------------------------------------------------------
+# One optimizer step
 
-    # The final model, whole or not at all: gathered on every process (FSDP/DeepSpeed shards), written by one.
-    model_dir = output_dir / MODEL_DIR
+
+@dataclass
+class StepOutcome:
+    """What one optimizer step did."""
+
+    loss_sum: torch.Tensor  # Σ token losses of the step, all processes (on the device: no sync)
+    targets: int  # target tokens of the step, all processes: the loss is divided by these
+    stepped: bool  # False: skipped as non-finite (or by the fp16 grad scaler)
+    grad_norm: torch.Tensor
+
+
+def train_step(run: TrainingRun, step_rows: np.ndarray, step: int) -> StepOutcome:
+    """Optimizer step `step` (1-based) on `step_rows`: forward and backward each micro-batch, then
+    clip and step, or skip a non-finite step (OptimizerStep).
+
+    The loss is normalised by the target tokens of the whole optimizer step (all micro-batches, all
+    processes), which every process knows from the data without communicating.
+    """
+    job, accelerator, model = run.job, run.accelerator, run.model
+    accumulation, processes = job.gradient_accumulation_steps, run.processes
+    step_targets = int(run.data.targets[step_rows].sum())
+    step_loss = torch.zeros((), device=accelerator.device)  # Σ token losses of this process's micro-batches
+    # Step in backward: the fulltune/optim.py wrapper (inside accelerate's AcceleratedOptimizer) steps each parameter.
+    in_backward = getattr(run.optimizer, "optimizer", run.optimizer) if job.optimizer_in_backward else None
+    step_finite = True
+    for index in range(accumulation):
+        rows = StepSchedule.micro_batch(step_rows, index, accelerator.process_index, job.micro_batch_size, processes)
+        inputs, targets = micro_batch_inputs(run.data, rows, run.pad_token_id, accelerator.device)
+        # Forward and backward; accelerate accumulates, syncing DDP gradients on the last micro-batch only.
+        with accelerator.accumulate(model):
+            # The micro-batch's loss: Σ of its token losses, the output head at the target positions only.
+            loss_sum = run.hooks.on_loss(step, run.head.loss_sum(model, inputs, targets))
+            if in_backward is not None:
+                # The update runs inside the last micro-batch's backward and cannot be skipped after it:
+                # a non-finite loss stops the step's backward passes (sync point, per micro-batch).
+                in_backward.set_micro_batch(index)
+                step_finite = step_finite and bool(torch.isfinite(loss_sum))
+            if step_finite:
+                # accelerator.backward divides by the accumulation steps and DDP averages over processes;
+                # scaling back leaves gradients of Σ(all token losses of the step) / step_targets.
+                accelerator.backward(loss_sum * (accumulation * processes / step_targets))
+        step_loss += loss_sum.detach()
+        run.hooks.after_micro_batch((step - 1) * accumulation + index + 1)
+    if processes > 1:
+        step_loss = accelerator.reduce(step_loss, reduction="sum")  # the same decision on every process
+    stepped, grad_norm = run.step_optimizer(step_loss, step)
+    return StepOutcome(step_loss, step_targets, stepped, grad_norm)
+
+
+def count_skipped_step(run: TrainingRun, state: TrainState, outcome: StepOutcome) -> None:
+    """Count a skipped step; TrainingError after `max_nonfinite_steps` non-finite losses in a row."""
+    if outcome.stepped:
+        state.nonfinite_in_a_row = 0
+        return
+    state.nonfinite_steps += 1
+    # fp16's loss scaler skips overflowing steps while it lowers its scale; only a loss that is itself
+    # not finite (or any skip without a loss scaler) counts towards giving up.
+    if not run.step_optimizer.scales_loss or not bool(torch.isfinite(outcome.loss_sum)):  # Sync point (skips only)
+        state.nonfinite_in_a_row += 1
+    if state.nonfinite_in_a_row >= run.job.max_nonfinite_steps:
+        raise TrainingError(
+            f"training stopped: {state.nonfinite_in_a_row} non-finite losses in a row at step {state.step + 1}; "
+            "lower train.learning_rate, or use train.mixed_precision bf16 instead of fp16")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Metrics: every counter the logs and the result report
+
+
+class TrainMetrics:
+    """Owns every counter the logs and the result report, and logs them every `log_every_steps`.
+
+    Run totals: `tokens` (non-padding, all processes) and `loss_history` ([step, mean token loss of the
+    interval]). Interval counters, reset at each log: the loss sum of the finite steps (on the device:
+    read only when logging or checkpointing), their target tokens, tokens, rows, FLOPs and wall time.
+    A checkpoint saves `state_dict()` (tokens, loss sum, targets, history), so a resumed run logs the
+    same losses as an uninterrupted one.
+    """
+
+    def __init__(self, run: TrainingRun, saved: dict[str, Any]) -> None:
+        self.run, self.job = run, run.job
+        self.tokens: int = saved.get("tokens", 0)
+        self.loss_history: list[list[float]] = saved.get("loss_history", [])
+        self.interval_loss = torch.tensor(saved.get("interval_loss_sum", 0.0), dtype=torch.float32,
+                                          device=run.accelerator.device)
+        self.interval_targets: int = saved.get("interval_targets", 0)
+        self.grad_norm = torch.zeros((), device=run.accelerator.device)
+        self.sink = MlflowMetrics(run.job, run.main_process)
+        self.peak = peak_flops(run.job)
+        self.interval_tokens, self.interval_rows, self.interval_flops = 0, 0, 0.0
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def running(self, step: int) -> Iterator[None]:
+        """Around the loop: the progress bar from `step`, and the loop's timing (this process's part of the run).
+
+        The bar is closed on the way out, also when a step raises, so that an error is the last line.
+        """
+        self.progress = tqdm(total=self.run.total_steps, initial=step, desc="train", unit="step", file=sys.stderr,
+                             disable=not self.run.main_process, mininterval=1.0 if sys.stderr.isatty() else 30.0)
+        self.started = self.interval_started = time.perf_counter()
+        self.start_tokens = self.tokens
+        with self.progress:
+            yield
+        self.seconds = time.perf_counter() - self.started
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters a checkpoint keeps."""
+        return {"tokens": self.tokens, "interval_loss_sum": self.interval_loss.item(),  # Sync point (checkpoint)
+                "interval_targets": self.interval_targets, "loss_history": self.loss_history}
+
+    def record_step(self, step_rows: np.ndarray, outcome: StepOutcome) -> None:
+        """Count a finished optimizer step (taken or skipped)."""
+        data = self.run.data
+        if outcome.stepped:
+            self.interval_loss += outcome.loss_sum
+            self.interval_targets += outcome.targets
+        self.grad_norm = outcome.grad_norm
+        step_tokens = int(data.lengths[step_rows].sum())
+        self.tokens += step_tokens
+        self.interval_tokens += step_tokens
+        self.interval_rows += len(step_rows)
+        per_token, per_target, per_pair = self.run.flops
+        self.interval_flops += (per_token * step_tokens + per_target * outcome.targets
+                                + per_pair * float(data.attention_pairs[step_rows].sum()))
+        self.progress.update(1)
+
+    def log_interval(self, step: int) -> None:
+        """Close the interval ending at `step`: loss history, MLflow, progress.json; then reset it."""
+        # Sync point (every log_every_steps): the interval's loss and the last gradient norm.
+        loss_sum, norm = torch.stack([self.interval_loss, self.grad_norm.float()]).tolist()
+        loss = loss_sum / self.interval_targets if self.interval_targets else float("nan")
+        seconds = time.perf_counter() - self.interval_started
+        self.loss_history.append([step, loss])
+        if self.run.main_process:
+            values = {"train_loss": loss, "learning_rate": self.run.scheduler.get_last_lr()[0], "grad_norm": norm,
+                      "tokens_per_second": self.interval_tokens / seconds,
+                      "samples_per_second": self.interval_rows / seconds, **memory_metrics(self.job.device)}
+            if self.peak:
+                values["mfu"] = self.interval_flops / seconds / self.peak
+            self.sink.log(step, values)
+            atomic_write_text(self.run.output_dir / PROGRESS_FILE,
+                              json.dumps({"step": step, "total_steps": self.run.total_steps, "loss": loss}))
+            self.progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        self.interval_loss.zero_()
+        self.interval_targets = 0
+        self.interval_started, self.interval_tokens, self.interval_rows, self.interval_flops = (
+            time.perf_counter(), 0, 0, 0.0)
+
+    @property
+    def train_loss(self) -> float:
+        return self.loss_history[-1][1] if self.loss_history else float("nan")
+
+    @property
+    def tokens_per_second(self) -> float:
+        return (self.tokens - self.start_tokens) / self.seconds if self.seconds > 0 else 0.0
+
+    def close(self, curve: Path) -> None:
+        """Save the loss curve, attach it to the MLflow run and stop the system-metrics monitor."""
+        save_loss_curve(self.loss_history, curve)
+        self.sink.log_artifact(curve)
+        self.sink.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Finish: the model and the result
+
+
+def export_model(run: TrainingRun) -> Path:
+    """output_dir/model/, whole or not at all: gathered on every process (FSDP/DeepSpeed shards), written by one."""
+    accelerator, model, model_dir = run.accelerator, run.model, run.output_dir / MODEL_DIR
     if sharding.is_sharded(model):
-        model.config.use_cache = use_cache
-        sharding.save_pretrained(model, model_dir, tokenizer)  # gathered on rank 0, a normal HF checkpoint
-    state_dict = accelerator.get_state_dict(model) if not sharding.is_sharded(model) else None
-    if main_process and state_dict is not None:
+        model.config.use_cache = run.use_cache
+        sharding.save_pretrained(model, model_dir, run.tokenizer)  # gathered on rank 0, a normal HF checkpoint
+        return model_dir
+    state_dict = accelerator.get_state_dict(model)
+    if run.main_process:
         unwrapped = accelerator.unwrap_model(model)
-        unwrapped.config.use_cache = use_cache
+        unwrapped.config.use_cache = run.use_cache
         with atomic_dir(model_dir) as tmp:
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
+            run.tokenizer.save_pretrained(tmp)
+    return model_dir
+
+
+def finish(run: TrainingRun, state: TrainState, metrics: TrainMetrics, resumed_from: int | None) -> TrainResult:
+    """Export the model, write result.json and the loss curve; returns the result."""
+    model_dir = export_model(run)
     result = TrainResult(
         model_dir=str(model_dir),
         steps=state.step,
-        epochs=state.step / schedule.per_epoch,
-        train_loss=state.loss_history[-1][1] if state.loss_history else float("nan"),
-        tokens=state.tokens,
-        tokens_per_second=(state.tokens - start_tokens) / seconds if seconds > 0 else 0.0,
-        seconds=seconds,
-        peak_memory_bytes=torch.cuda.max_memory_allocated() if job.device == "cuda" else None,
+        epochs=state.step / run.schedule.per_epoch,
+        train_loss=metrics.train_loss,
+        tokens=metrics.tokens,
+        tokens_per_second=metrics.tokens_per_second,
+        seconds=metrics.seconds,
+        peak_memory_bytes=torch.cuda.max_memory_allocated() if run.job.device == "cuda" else None,
         nonfinite_steps=state.nonfinite_steps,
         resumed_from_step=resumed_from,
-        loss_history=state.loss_history,
+        loss_history=metrics.loss_history,
     )
-    if main_process:
-        curve = output_dir / "loss_curve.png"
-        save_loss_curve(state.loss_history, curve)
-        metrics.log_artifact(curve)
-        metrics.close()
-        atomic_write_text(output_dir / RESULT_FILE, result.to_json())
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    if run.main_process:
+        metrics.close(run.output_dir / "loss_curve.png")
+        atomic_write_text(run.output_dir / RESULT_FILE, result.to_json())
+    run.accelerator.wait_for_everyone()
+    run.accelerator.end_training()
     return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# The loop
+
+
+def train(job: TrainJob, hooks: TrainHooks | None = None) -> TrainResult:
+    """Train `job` to the end, resuming from its newest checkpoint; returns what result.json holds.
+
+    `hooks` default to FULLTUNE_TEST_FAULT's (fulltune/faults.py), which do nothing in real runs.
+
+    Raises:
+        ConfigError: the device or a setting cannot work (e.g. CUDA requested but absent).
+        DataError: train_file is unreadable, empty, or has fewer rows than one optimizer step.
+        TrainingError: `max_nonfinite_steps` non-finite losses in a row.
+        torch.OutOfMemoryError: the device ran out of memory (main() turns it into exit code 3).
+    """
+    run = setup(job, hooks or hooks_from_env())
+    state, saved_counters, resumed_from = resume(run)
+    metrics = TrainMetrics(run, saved_counters)
+    announce(run, resumed_from)
+    with metrics.running(state.step):
+        while state.step < run.total_steps:
+            run.hooks.before_step(state.step + 1)
+            step_rows = run.schedule.step_rows(state.step)
+            outcome = train_step(run, step_rows, state.step + 1)
+            count_skipped_step(run, state, outcome)
+            state.step += 1
+            metrics.record_step(step_rows, outcome)
+            if state.step % job.log_every_steps == 0 or state.step == run.total_steps:
+                metrics.log_interval(state.step)
+            every = job.checkpoint_every_steps  # 0: never; none at the last step (the model is exported)
+            if every and state.step % every == 0 and state.step < run.total_steps:
+                save_checkpoint(run, state, metrics.state_dict())
+                run.hooks.checkpoint_published(state.step)
+    return finish(run, state, metrics, resumed_from)
+
+
+def announce(run: TrainingRun, resumed_from: int | None) -> None:
+    """One line on stderr before the first step: the data, the split of a step and the levers."""
+    if not run.main_process:
+        return
+    job = run.job
+    print(f"fulltune train: {len(run.data)} rows, {run.schedule.per_epoch} optimizer steps per epoch, "
+          f"{run.total_steps} steps of {job.micro_batch_size} micro × {job.gradient_accumulation_steps} "
+          f"accumulation × {run.processes} processes; gradient checkpointing {run.checkpointed_layers}/"
+          f"{run.num_layers} layers; {job.optimizer}; precision {job.mixed_precision}; "
+          f"{f'resumed from step {resumed_from}' if resumed_from is not None else 'from the start'}",
+          file=sys.stderr, flush=True)
 
 
 def end_with_launcher() -> None:

@@ -385,6 +385,52 @@ def test_fp16_overflow_is_skipped_the_scale_drops_and_training_goes_on(fp16_acce
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_train_step_computes_the_token_mean_loss_and_takes_the_adamw_step(assets: dict[str, Path],
+                                                                          tmp_path: Path) -> None:
+    # One optimizer step of the real trainer, in this process: micro 2 × accumulation 2 against a plain
+    # Hugging Face forward over the same micro-batches and a hand-written AdamW step.
+    import torch
+    import torch.nn.functional as F
+    from accelerate.state import AcceleratorState
+    from transformers import AutoModelForCausalLM
+
+    from fulltune.batching import StepSchedule
+    from fulltune.data import collate
+    from fulltune.train import setup, train_step
+
+    job = make_job(assets, tmp_path / "run", learning_rate=1e-2, warmup_ratio=0.0, lr_scheduler="constant",
+                   max_grad_norm=0.5)
+    run = setup(job)
+    try:
+        rows = run.schedule.step_rows(0)
+        outcome = train_step(run, rows, step=1)
+        trained = {name: p.detach().clone() for name, p in run.accelerator.unwrap_model(run.model).named_parameters()}
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+    reference = AutoModelForCausalLM.from_pretrained(assets["plain"], attn_implementation="sdpa")
+    targets = int(run.data.targets[rows].sum())
+    total = torch.zeros(())
+    for index in range(2):
+        batch = collate(run.data.rows(StepSchedule.micro_batch(rows, index, 0, 2, 1)), run.pad_token_id)
+        # use_cache=False: with a cache transformers would not see the packed documents in position_ids.
+        logits = reference(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        logits = logits.float()
+        total = total + F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                        batch["labels"][:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+    (total / targets).backward()
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0).step()
+
+    assert outcome.stepped and outcome.targets == targets
+    torch.testing.assert_close(outcome.loss_sum, total.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outcome.grad_norm, norm, rtol=1e-4, atol=1e-6)
+    initial = model_tensors(assets["plain"])
+    for name, parameter in reference.named_parameters():
+        assert not torch.equal(trained[name], initial[name]), name
+        torch.testing.assert_close(trained[name], parameter.detach(), rtol=0, atol=1e-5, msg=name)
+
+
 def test_step_schedule_is_deterministic_and_independent_of_the_split() -> None:
     from fulltune.train import StepSchedule
 
@@ -466,7 +512,9 @@ def test_generated_accelerate_config_is_read_by_accelerate(strategy: str, tmp_pa
         assert loaded.deepspeed_config["gradient_accumulation_steps"] == 3
         assert loaded.deepspeed_config["zero_stage"] == (3 if strategy.endswith("3") else 2)
     command = training_command(job, tmp_path / "JOB.json")
-    assert command[1:3] == ["-m", "accelerate.commands.launch"] and "fulltune.train" in command
+    # FSDP2 is driven by fulltune itself (fulltune/sharding.py), so torchrun starts it, not accelerate launch.
+    launcher = "torch.distributed.run" if strategy == "fsdp" else "accelerate.commands.launch"
+    assert command[1:3] == ["-m", launcher] and "fulltune.train" in command
 
 
 def test_multi_machine_config_needs_the_rendezvous_address(monkeypatch: pytest.MonkeyPatch) -> None:
