@@ -26,7 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -102,15 +102,59 @@ class TrainJob:
     progress_artifact_id: str | None = None  # the flow's Prefect artifact; the child only writes progress.json
 
     def to_json(self) -> str:
+        """JOB.json: one key per field, indented and sorted, for a person to read."""
         return json.dumps(asdict(self), indent=1, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> TrainJob:
+        """The job `to_json` wrote; ConfigError on keys this version does not know."""
         data = json.loads(text)
         unknown = sorted(set(data) - {f.name for f in fields(cls)})
         if unknown:
             raise ConfigError(f"{JOB_FILE}: unknown keys {unknown} (written by a different fulltune version?)")
         return cls(**data)
+
+
+# Where each TrainJob field comes from, each field listed once; `job_from_pipeline` applies the table.
+# The resolved pipeline's sections (fulltune/spec.py), by section:
+JOB_FIELDS_FROM_SPEC = {
+    "model": ("trust_remote_code", "allow_pickle_weights", "attn_implementation", "revision", "token_env"),
+    "train": ("learning_rate", "weight_decay", "warmup_ratio", "lr_scheduler", "max_grad_norm", "num_epochs",
+              "max_steps", "seed", "checkpoint_every_steps", "keep_checkpoints", "log_every_steps", "compile",
+              "max_nonfinite_steps"),
+    "distributed": ("strategy", "num_processes", "num_machines"),
+}
+# The memory levers the plan may turn on (fulltune/optim.py, fulltune/offload.py, fulltune/loss.py).
+LEVERS = ("pure_bf16", "optimizer_in_backward", "offload_optimizer", "offload_activations", "chunked_loss")
+# The planner's settings (BudgetDecision.settings, fulltune.memory.Settings as a dict) the job takes.
+JOB_FIELDS_FROM_SETTINGS = ("micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
+                            "mixed_precision", "optimizer", "device", *LEVERS)
+# Planner settings the job ignores on purpose: they describe what the plan assumed (seq_len, attention_mask,
+# target_fraction) or echo a spec field the job reads from the spec (attn_implementation, strategy,
+# num_processes). Any other key is ignored too; tests/test_job.py fails when Settings grows one that is in
+# neither list, so that a new planner setting is wired into the job rather than lost.
+PLAN_ONLY_SETTINGS = ("seq_len", "attention_mask", "target_fraction", "attn_implementation", "strategy",
+                      "num_processes")
+# Set by whoever runs the job, per run.
+JOB_FIELDS_PER_RUN = ("model_path", "tokenizer_path", "train_file", "output_dir", "mlflow_tracking_uri",
+                      "mlflow_run_id", "progress_artifact_id")
+
+
+def job_from_pipeline(spec: Any, settings: Mapping[str, Any], *, model_path: str, tokenizer_path: str,
+                      train_file: str, output_dir: str, mlflow_tracking_uri: str | None = None,
+                      mlflow_run_id: str | None = None) -> TrainJob:
+    """The TrainJob for a resolved pipeline spec (`spec.model`, `spec.train`, `spec.distributed`) and the
+    settings its memory plan chose; see JOB_FIELDS_FROM_SPEC and JOB_FIELDS_FROM_SETTINGS.
+
+    Levers missing from `settings` (a plan made before they existed) are off.
+    """
+    values: dict[str, Any] = {name: getattr(getattr(spec, section), name)
+                              for section, names in JOB_FIELDS_FROM_SPEC.items() for name in names}
+    values.update({name: bool(settings.get(name, False)) if name in LEVERS else settings[name]
+                   for name in JOB_FIELDS_FROM_SETTINGS})
+    return TrainJob(model_path=model_path, tokenizer_path=tokenizer_path, train_file=train_file,
+                    output_dir=output_dir, mlflow_tracking_uri=mlflow_tracking_uri, mlflow_run_id=mlflow_run_id,
+                    **values)
 
 
 @dataclass(frozen=True)
@@ -150,7 +194,7 @@ class OutOfMemory(RuntimeError):
 
 
 # What an out-of-memory replan may change while the checkpoints stay valid: the data position is the
-# optimizer step, and which rows a step holds depends on the effective batch only (train.StepSchedule);
+# optimizer step, and which rows a step holds depends on the effective batch only (batching.StepSchedule);
 # weights, optimizer and schedule state do not depend on how a step is split into micro-batches, which
 # layers recompute their activations, or whether bf16 autocast runs (the weights stay fp32).
 RESUMABLE_CHANGES = frozenset({"micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",

@@ -1,6 +1,6 @@
-"""Out-of-memory survival: the fine-tune task replans a smaller micro-batch with the same effective
-batch and tries again, at most twice, saying why in the log and in MLflow. The replanned run resumes
-from the newest checkpoint unless its settings make the checkpoints unusable."""
+"""Out-of-memory survival: training replans a smaller micro-batch with the same effective batch and tries
+again, at most twice (fulltune/replan.py), and the fine-tune task says why in the log and in MLflow. The
+replanned run resumes from the newest checkpoint unless its settings make the checkpoints unusable."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from fulltune import launch, registry
 from fulltune.data import tokenize_dataset
 from fulltune.launch import OutOfMemory, TrainResult
 from fulltune.pipeline import plan_budget, resolve_pipeline
+from fulltune.replan import train_with_oom_replans
 from fulltune.tokenizer import prepare_tokenizer
 
 from pipelines_fixture import tiny_pipeline
@@ -87,13 +88,21 @@ def test_oom_replans_smaller_micro_batch_with_same_effective_batch(prepared, mon
     assert "out of memory" in tags["fulltune.oom_replan.1"]
 
 
-def test_oom_gives_up_after_two_replans(prepared, monkeypatch, prefect_server):
-    p, data, tokenizer, decision, run_id = prepared
+def test_oom_gives_up_after_two_replans(prepared) -> None:
+    # The engine's loop alone, without Prefect: each replan is announced, then the third OOM is raised.
+    p, data, tokenizer, decision, _ = prepared
     jobs: list = []
-    monkeypatch.setattr(launch, "run_training", fake_training(ooms=10, jobs=jobs))
+    heard: list = []
+
+    def make_job(settings, output_dir):
+        return launch.job_from_pipeline(p.spec, settings, model_path="base", tokenizer_path=tokenizer,
+                                        train_file=data.train_file, output_dir=str(output_dir))
+
     with pytest.raises(OutOfMemory):
-        run_finetune(p, data, tokenizer, decision, run_id)
+        train_with_oom_replans(p, decision, "oom-test", make_job, run=fake_training(ooms=10, jobs=jobs),
+                               on_replan=lambda replan, why: heard.append((replan, why)))
     assert len(jobs) == 3
+    assert [replan for replan, _ in heard] == [1, 2] and all("out of memory" in why for _, why in heard)
     micro = [job.micro_batch_size for job in jobs]
     assert micro == sorted(micro, reverse=True) and len(set(micro)) == 3
 
