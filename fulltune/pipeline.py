@@ -323,6 +323,8 @@ def _planned_vocab(p: ResolvedPipeline, tokenizer: str | None) -> int | None:
 def plan_request(p: ResolvedPipeline, seq_len: int, device: str, budget_bytes: int | None, bf16: bool,
                  target_fraction: float = 1.0) -> Any:
     from fulltune.memory import PlanRequest
+    from fulltune.memory.types import LEVERS
+    from fulltune.spec import parse_size
 
     t, d = p.spec.train, p.spec.distributed
     checkpointing = None if t.gradient_checkpointing == "auto" else t.gradient_checkpointing
@@ -345,6 +347,8 @@ def plan_request(p: ResolvedPipeline, seq_len: int, device: str, budget_bytes: i
         # are right-padded and the trainer passes no mask at all (see fulltune/train.py).
         attention_mask=p.spec.data.packing,
         target_fraction=target_fraction,
+        **{lever: None if getattr(t, lever) == "auto" else bool(getattr(t, lever)) for lever in LEVERS},
+        host_memory_bytes=None if p.spec.budget.host_memory == "auto" else parse_size(p.spec.budget.host_memory),
     )
 
 

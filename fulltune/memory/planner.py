@@ -326,6 +326,9 @@ def _may_choose(request: PlanRequest, lever: str) -> bool:
         return False  # their gradient hooks run before gradients are averaged (fulltune/optim.py)
     if lever == "optimizer_in_backward" and request.gradient_accumulation_steps not in (None, 1):
         return False
+    if lever == "chunked_loss" and request.strategy == "fsdp":
+        # The chunked head reads the head's weight in backward, after FSDP has resharded it (fulltune/loss.py).
+        return False
     if lever == "pure_bf16":
         return request.mixed_precision != "fp16" and (request.device == "cpu" or request.bf16_supported)
     return True
