@@ -29,17 +29,18 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
-from fulltune import errors
+from fulltune import errors, spec
 from fulltune.errors import ConfigError, DataError, TrainingError, UserError
-from fulltune.fingerprint import atomic_write_text
+from fulltune.storage import atomic_write_text
 
-MIXED_PRECISIONS = ("no", "bf16", "fp16")
-OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adafactor")
-LR_SCHEDULERS = ("cosine", "linear", "constant")
-STRATEGIES = ("none", "ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
-DEVICES = ("cpu", "cuda")
+# The choices are the spec's, defined once there.
+MIXED_PRECISIONS = get_args(spec.MixedPrecision)
+OPTIMIZERS = get_args(spec.Optimizer)
+LR_SCHEDULERS = get_args(spec.LrScheduler)
+STRATEGIES = get_args(spec.Strategy)
+DEVICES = get_args(spec.Device)
 
 # Files the child leaves in output_dir.
 JOB_FILE = "JOB.json"

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fulltune.errors import ConfigError
-from fulltune.fingerprint import code_version
+from fulltune.storage import code_version
 
 CHALLENGER = "challenger"
 CHAMPION = "champion"

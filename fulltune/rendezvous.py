@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fulltune.errors import ConfigError
-from fulltune.fingerprint import atomic_write_text
+from fulltune.storage import atomic_write_text
 
 DEFAULT_PORT = 29400
 FINISHED_FILE = "finished.json"

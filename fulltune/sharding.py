@@ -43,7 +43,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from fulltune.fingerprint import fsync_dir, fsync_tree
+from fulltune.storage import fsync_dir, fsync_tree
 
 # Where a trainer checkpoint keeps the model and optimizer shards (torch.distributed.checkpoint files).
 SHARDED_STATE_DIR = "sharded"
@@ -261,7 +261,7 @@ def save_pretrained(model: Any, directory: str | Path, tokenizer: Any = None) ->
     directory renamed into place: `AutoModelForCausalLM.from_pretrained(directory)` loads it in one
     process like any single-process result. Rank 0 needs CPU memory for the whole model.
     """
-    from fulltune.fingerprint import atomic_dir
+    from fulltune.storage import atomic_dir
 
     state_dict = full_state_dict(model)
     # A tied output embedding is the input embedding's parameter under another name; the gathered copy is

@@ -55,7 +55,7 @@ from fulltune.batching import StepSchedule, TokenizedRows, micro_batch_inputs
 from fulltune.data import pad_token_id_of
 from fulltune.errors import ConfigError, DataError, TrainingError, UserError
 from fulltune.faults import TrainHooks, hooks_from_env
-from fulltune.fingerprint import atomic_dir, atomic_write_text, fsync_dir, fsync_tree
+from fulltune.storage import atomic_dir, atomic_write_text, fsync_dir, fsync_tree
 from fulltune.loss import TargetHead
 from fulltune.offload import ActivationOffload
 from fulltune.launch import (ERROR_FILE, LAUNCHER_ENV, MODEL_DIR, OOM_FILE, PROGRESS_FILE, RESULT_FILE, TrainJob,

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
+from fulltune import spec
 from fulltune.memory.errors import MemoryConfigError
 
-MIXED_PRECISIONS = ("no", "bf16", "fp16")
-OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adafactor")
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
-DEVICES = ("cpu", "cuda")
-STRATEGIES = ("none", "ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
+# The choices are the spec's (fulltune/spec.py), defined once there.
+MIXED_PRECISIONS = get_args(spec.MixedPrecision)
+OPTIMIZERS = get_args(spec.Optimizer)
+ATTN_IMPLEMENTATIONS = get_args(spec.AttnImplementation)
+DEVICES = get_args(spec.Device)
+STRATEGIES = get_args(spec.Strategy)
 # The memory levers (fulltune/optim.py, fulltune/offload.py, fulltune/loss.py), in the order the planner
 # tries them: cheapest in step time first.
 LEVERS = ("chunked_loss", "pure_bf16", "optimizer_in_backward", "offload_activations", "offload_optimizer")
