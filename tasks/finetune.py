@@ -12,7 +12,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from fulltune.data import TokenizedData
-from fulltune.pipeline import BudgetDecision, ResolvedPipeline, describe_settings, record_outputs
+from fulltune.pipeline import FINE_TUNE, BudgetDecision, ResolvedPipeline, describe_settings, record_outputs
 from tasks.common import stage_policy, retry_unless_user_error
 
 
@@ -30,7 +30,7 @@ class TrainedModel:
     replans: tuple[str, ...] = ()
 
 
-@task(name="fine-tune", cache_policy=stage_policy("fine-tune"), persist_result=True, retries=2,
+@task(name=FINE_TUNE, cache_policy=stage_policy(FINE_TUNE), persist_result=True, retries=2,
       retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error)
 def finetune_task(p: ResolvedPipeline, key: str, data: TokenizedData, tokenizer: str, decision: BudgetDecision,
                   mlflow_uri: str, mlflow_run_id: str) -> TrainedModel:
@@ -68,7 +68,7 @@ def finetune_task(p: ResolvedPipeline, key: str, data: TokenizedData, tokenizer:
     if result.peak_memory_bytes is not None:
         metrics["peak_memory_bytes"] = float(result.peak_memory_bytes)
     curve = Path(result.model_dir).parent / "loss_curve.png"
-    record_outputs(p.workdir, "fine-tune", key, [result.model_dir, base_model] if base_model.startswith("/")
+    record_outputs(p.workdir, FINE_TUNE, key, [result.model_dir, base_model] if base_model.startswith("/")
                    else [result.model_dir])
     return TrainedModel(key, result.model_dir, base_model, tokenizer, trained.settings, metrics,
                         str(curve) if curve.exists() else None, trained.replans)
