@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo test test-all test-fast clean
 
 install: $(STAMP)
 
@@ -25,6 +25,9 @@ demo: install
 	$(BIN)/fulltune run demo
 
 test: install
+	$(BIN)/python -m pytest -q -m "not heavy"
+
+test-all: install
 	$(BIN)/python -m pytest -q
 
 test-fast: install

@@ -60,6 +60,7 @@ def test_partially_checkpointed_plan_keeps_a_margin_that_covers_the_trace():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # minutes of tracing a 1.1B step: `make test-all`; the 6-layer case above runs in `make test`
 def test_issue13_shape_22_layers_at_24gib_keeps_a_margin_that_covers_the_trace():
     assert_margin_covers_the_trace(tinyllama_shape(22), budget_gib=24)
 
