@@ -673,6 +673,20 @@ _LEVER_TEXT = {
 }
 
 
+def _pure_bf16_text(settings: Settings) -> str:
+    """What pure bf16 means for the chosen optimizer: whether small updates survive the rounding."""
+    from fulltune.optim import default_compensation
+
+    if settings.offload_optimizer:
+        return "pure bf16 weights and gradients on the device; the fp32 masters on the host keep small updates"
+    compensation = default_compensation(settings.optimizer)
+    if compensation == "none":
+        return (f"pure bf16 weights and gradients; {settings.optimizer} offers no compensated update, so updates "
+                "below 1/256 of a weight are rounded away (as in torchtune's pure-bf16 recipes); set "
+                "train.pure_bf16: false to keep fp32 weights")
+    return f"pure bf16 weights and gradients (no fp32 master; {compensation.replace('_', ' ')} keeps small updates)"
+
+
 def lever_trade(shape: ModelShape, settings: Settings) -> dict[str, dict[str, float]]:
     """For each lever on in `settings`: the device bytes it saves and the step time it adds, against the
     same settings with that lever alone off (what `fulltune plan` explains)."""
@@ -695,7 +709,8 @@ def _lever_reasons(shape: ModelShape, configured: Settings, chosen: _Candidate) 
         if getattr(configured, name):
             continue
         cost = f"+{t['seconds']:.3g} s/step" if t["seconds"] >= 0.0005 else "no measurable step time"
-        out.append(f"{name}: {_LEVER_TEXT[name]}: saves {format_bytes(t['saved_bytes'])} of device memory, {cost}")
+        text = _pure_bf16_text(chosen.settings) if name == "pure_bf16" else _LEVER_TEXT[name]
+        out.append(f"{name}: {text}: saves {format_bytes(t['saved_bytes'])} of device memory, {cost}")
     if chosen.estimate.host_bytes and chosen.settings.device == "cuda":
         budget = f" of {format_bytes(chosen.host_budget)} budget.host_memory" if chosen.host_budget else ""
         out.append(f"host RAM: {format_bytes(chosen.estimate.host_bytes)}{budget} (offloaded "

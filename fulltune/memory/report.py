@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fulltune.memory.types import BREAKDOWN_KEYS, MemoryPlan
+from fulltune.memory.types import BREAKDOWN_KEYS, LEVERS, MemoryPlan
 from fulltune.memory.units import format_bytes
 
 
@@ -91,7 +91,8 @@ def format_plan_table(plan: MemoryPlan) -> str:
         for alt in plan.alternatives[:5]:
             lines.append(
                 f"  - micro {alt['micro_batch_size']} × accum {alt['gradient_accumulation_steps']}, "
-                f"ckpt {alt['gradient_checkpointing']}, {alt['mixed_precision']}, {alt['optimizer']}: "
+                f"ckpt {alt['gradient_checkpointing']}, {alt['mixed_precision']}, {alt['optimizer']}"
+                f"{''.join(f', {name}' for name in LEVERS if alt.get(name))}: "
                 f"{format_bytes(alt['device_bytes'])} — {alt['rejected_because']}"
             )
     for note in dict.fromkeys(plan.estimate.notes + plan.plan_estimate.notes):
