@@ -18,14 +18,18 @@ def write_addition_data(path: Path, n: int, seed: int = 0) -> Path:
     return path
 
 
+# The 2-layer Llama every end-to-end test trains.
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+              "tie_word_embeddings": True}
+
+
 def tiny_pipeline(tmp_path: Path, **sections) -> Path:
     """Write `pipelines.yaml` with one pipeline `tiny`; keyword sections override the defaults."""
     write_addition_data(tmp_path / "train.jsonl", 96)
     body = {
         "model": {
-            "from_config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-                            "tie_word_embeddings": True},
+            "from_config": dict(TINY_LLAMA),
             "tokenizer": {"vocab_size": 96},
         },
         "data": {"train": "train.jsonl", "format": "prompt_completion", "max_length": 16, "eval_split": 0.25},

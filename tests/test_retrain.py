@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipelines_fixture import TINY_LLAMA
+
 pytestmark = pytest.mark.slow
 
 
@@ -38,9 +40,7 @@ def retrain_pipeline(root: Path) -> Path:
     write_data(root / "train_more.jsonl", 192, word="plus", seed=3)
     body = {
         "model": {
-            "from_config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-                            "tie_word_embeddings": True},
+            "from_config": dict(TINY_LLAMA),
             "tokenizer": {"vocab_size": 300},
         },
         "data": {"train": "train.jsonl", "eval": "eval.jsonl", "format": "prompt_completion", "max_length": 16},
