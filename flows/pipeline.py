@@ -9,7 +9,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field
 
-from fulltune import pipeline as stages
+from fulltune import stages
 from fulltune import registry
 from tasks.budget import memory_budget_task
 from tasks.common import clear_stale_locks, results_dir, stage_policy

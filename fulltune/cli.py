@@ -83,7 +83,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     """The schema, then every file the pipelines read: each missing local file (and, offline, each hub
     id missing from the cache) is listed with its YAML path; hub ids online are left to run time."""
     from fulltune.errors import ConfigError
-    from fulltune.pipeline import check_sources, resolve_pipeline
+    from fulltune.stages import check_sources, resolve_pipeline
     from fulltune.spec import load_pipelines
 
     path = args.path or args.file
@@ -115,7 +115,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fulltune.pipeline import pin_hub_revisions, plan_budget, plan_inputs, resolve_pipeline, resolved_budget
+    from fulltune.stages import pin_hub_revisions, plan_budget, plan_inputs, resolve_pipeline, resolved_budget
 
     p = pin_hub_revisions(resolve_pipeline(args.file, args.name, args.overrides))
     resolved_budget(p)
@@ -177,7 +177,7 @@ def _simulate_or_measure(p: Any, decision: Any, vocab: int | None, simulate: boo
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fulltune.pipeline import ensure_local_data, pin_hub_revisions, resolve_pipeline, resolved_budget
+    from fulltune.stages import ensure_local_data, pin_hub_revisions, resolve_pipeline, resolved_budget
 
     # Validate before starting Prefect, so a bad config costs nothing and leaves nothing behind.
     p = resolve_pipeline(args.file, args.name, args.overrides)

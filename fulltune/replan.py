@@ -57,7 +57,7 @@ def train_with_oom_replans(p: Any, decision: Any, key: str,
                 raise
             settings = replan_settings(p, decision, settings, oom.observed_peak_bytes)
             output_dir, where = replan_output_dir(p, key, job, make_job(settings, Path(job.output_dir)), attempt + 1)
-            from fulltune.pipeline import describe_settings
+            from fulltune.stages import describe_settings
 
             why = (f"out of memory (peak {oom.observed_peak_bytes or 'unknown'} bytes); retrying with "
                    f"{describe_settings(settings, decision.num_layers)}; {where}")
@@ -85,7 +85,7 @@ def replan_settings(p: Any, decision: Any, settings: dict[str, Any], peak: int |
     """The planner's next settings after `settings` ran out of memory at `peak` bytes (None: unknown)."""
     from fulltune.memory import Settings, replan_after_oom
     from fulltune.models import read_model_config
-    from fulltune.pipeline import plan_request, resolved_budget
+    from fulltune.stages import plan_request, resolved_budget
 
     device, budget_bytes, bf16 = resolved_budget(p)
     config = read_model_config(p.spec.model, decision.vocab_size)

@@ -9,7 +9,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from fulltune.data import TokenizedData
-from fulltune.pipeline import MEMORY_BUDGET, BudgetDecision, ResolvedPipeline, plan_budget, plan_inputs, record_outputs
+from fulltune.stages import MEMORY_BUDGET, BudgetDecision, ResolvedPipeline, plan_budget, plan_inputs, record_outputs
 from tasks.common import stage_policy
 
 

@@ -10,7 +10,7 @@ from prefect.artifacts import create_markdown_artifact
 from fulltune.data import TokenizedData
 from fulltune.evaluate import EvalReport
 from fulltune.storage import atomic_write_text
-from fulltune.pipeline import EVALUATE, ResolvedPipeline, record_outputs
+from fulltune.stages import EVALUATE, ResolvedPipeline, record_outputs
 from fulltune.registry import Champion
 from tasks.common import stage_policy, retry_unless_user_error
 from tasks.finetune import TrainedModel

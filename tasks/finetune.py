@@ -12,7 +12,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from fulltune.data import TokenizedData
-from fulltune.pipeline import FINE_TUNE, BudgetDecision, ResolvedPipeline, describe_settings, record_outputs
+from fulltune.stages import FINE_TUNE, BudgetDecision, ResolvedPipeline, describe_settings, record_outputs
 from tasks.common import stage_policy, retry_unless_user_error
 
 

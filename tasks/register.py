@@ -7,7 +7,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from fulltune.data import TokenizedData
 from fulltune.evaluate import EvalReport
-from fulltune.pipeline import REGISTER, ResolvedPipeline, record_outputs
+from fulltune.stages import REGISTER, ResolvedPipeline, record_outputs
 from fulltune.registry import Registration
 from tasks.common import stage_policy, retry_unless_user_error
 from tasks.finetune import TrainedModel

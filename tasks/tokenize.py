@@ -6,7 +6,7 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from fulltune.data import TokenizedData
-from fulltune.pipeline import TOKENIZE, ResolvedPipeline, record_outputs
+from fulltune.stages import TOKENIZE, ResolvedPipeline, record_outputs
 from tasks.common import stage_policy, retry_unless_user_error
 
 

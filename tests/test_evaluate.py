@@ -152,7 +152,7 @@ def test_held_out_text_examples_with_another_tokenizer_refuse_the_comparison(tmp
 
 
 def test_compare_champion_false_keeps_the_champion(tmp_path: Path) -> None:
-    from fulltune.pipeline import resolve_pipeline
+    from fulltune.stages import resolve_pipeline
     from fulltune.registry import Champion
     from pipelines_fixture import tiny_pipeline
     from tasks.evaluate import _with_champion

@@ -86,7 +86,7 @@ def test_plan_by_dotted_id_and_revision(tmp_path, hf_cache):
 
 def test_a_run_pins_the_commit_its_revision_names(tmp_path, hf_cache):
     path = write_pipeline(tmp_path)
-    script = ("import sys; from fulltune.pipeline import pin_hub_revisions, resolve_pipeline as r; "
+    script = ("import sys; from fulltune.stages import pin_hub_revisions, resolve_pipeline as r; "
               "print(pin_hub_revisions(r(sys.argv[1], 'hub', sys.argv[2:])).spec.model.revision)")
     environment = {**os.environ, "HF_HOME": str(hf_cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     for overrides, commit in (([], MAIN), (["model.revision=v2"], V2), ([f"model.revision={V2}"], V2)):

@@ -11,7 +11,7 @@ import pytest
 from fulltune import launch
 from fulltune.errors import ConfigError
 from fulltune.launch import TrainJob, job_from_pipeline
-from fulltune.pipeline import resolve_pipeline
+from fulltune.stages import resolve_pipeline
 
 from pipelines_fixture import tiny_pipeline
 

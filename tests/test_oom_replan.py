@@ -13,7 +13,7 @@ import pytest
 from fulltune import launch, registry
 from fulltune.data import tokenize_dataset
 from fulltune.launch import OutOfMemory, TrainResult
-from fulltune.pipeline import plan_budget, resolve_pipeline
+from fulltune.stages import plan_budget, resolve_pipeline
 from fulltune.replan import train_with_oom_replans
 from fulltune.tokenizer import prepare_tokenizer
 
