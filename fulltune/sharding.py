@@ -41,7 +41,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fulltune.storage import fsync_dir, fsync_tree
 
@@ -126,6 +126,154 @@ def shard_model(model: Any, device: str = "cpu", mixed_precision: str = "no", me
         fully_shard(head, reshard_after_forward=False, **options)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
     return model
+
+
+def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision: str = "no", dtype: Any = None,
+                       before_shard: Callable[[Any], None] | None = None, mesh: Any = None,
+                       reshard_after_forward: bool = True, revision: str | None = None,
+                       trust_remote_code: bool = False, allow_pickle_weights: bool = False,
+                       attn_implementation: str = "sdpa", token: str | None = None) -> Any:
+    """Load a Hugging Face causal LM straight into FSDP2 shards: no process ever holds the full model
+    (except rank 0 in the fallback below). Collective: every process calls it with the same arguments.
+
+    1. The model is built from its config with its parameters on the meta device (no memory); buffers
+       are built for real, so non-persistent ones (rotary `inv_freq`) keep their computed values.
+    2. `before_shard(model)` applies what must precede sharding: gradient checkpointing, the TargetHead
+       hook, a pure-bf16 cast (`model.to(torch.bfloat16)` on meta parameters is free).
+    3. `shard_model` (the same units as for a loaded model), then `to_empty` on the mesh's device: each
+       process allocates its 1/N shards only, and the buffers get their values back.
+    4. Each process reads only its shards' slices from the checkpoint's safetensors files
+       (`torch.distributed.checkpoint.HuggingFaceStorageReader`), converting to the parameters' dtype
+       (a bf16 checkpoint becomes fp32 masters; fp32 becomes bf16 under pure bf16, rounded as `.to()` does).
+       Checkpoints that reader cannot serve — `pytorch_model.bin`, or tensor names transformers renames or
+       fuses while loading — are loaded whole by rank 0 (`fulltune.models.load_model`, in the parameters'
+       dtype) and broadcast shard by shard (`set_model_state_dict(broadcast_from_rank0=True)`).
+
+    The result equals `load_model` + `before_shard` + `shard_model` bit for bit. Tied embeddings stay one
+    parameter. `path` is a local directory or a hub id (`revision` and `token` resolve its snapshot, from
+    the cache when offline). `dtype` is the weights' dtype before `before_shard` (default fp32). Peak host
+    memory per process: its shards plus one checkpoint tensor's slice being read.
+
+    Raises ConfigError (a user error naming model.name_or_path) when the checkpoint cannot be read.
+    """
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from fulltune.errors import ConfigError
+
+    directory = _checkpoint_dir(str(path), revision, token)
+    try:
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.name_or_path: cannot read a model config from {str(path)!r}: {exc}") from None
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32, trust_remote_code=trust_remote_code,
+                                                 attn_implementation=attn_implementation)
+    model.tie_weights()  # transformers ties only materialised parameters when it builds a model
+    if (Path(directory) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(directory)
+    if before_shard is not None:
+        before_shard(model)
+    shard_model(model, device=device, mixed_precision=mixed_precision, mesh=mesh,
+                reshard_after_forward=reshard_after_forward)
+    _materialize(model, device)
+    names = _checkpoint_names(model, directory)
+    if names is not None:
+        _read_own_shards(model, directory, names)
+    else:
+        _broadcast_from_rank0(model, str(path), revision=revision, trust_remote_code=trust_remote_code,
+                              allow_pickle_weights=allow_pickle_weights, attn_implementation=attn_implementation,
+                              token=token)
+    return model
+
+
+def _checkpoint_dir(path: str, revision: str | None, token: str | None) -> str:
+    """The local directory of a checkpoint: `path` itself, or the hub snapshot of `revision` (config, code
+    and safetensors files; downloaded when online and not cached)."""
+    if Path(path).is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    from fulltune.errors import ConfigError
+
+    try:
+        return snapshot_download(path, revision=revision, token=token,
+                                 allow_patterns=["*.json", "*.py", "*.safetensors"])
+    except Exception as exc:  # noqa: BLE001 - hub errors have no common base; the message says which
+        raise ConfigError(f"model.name_or_path: cannot resolve {path!r} at revision {revision or 'main'}: {exc}") from None
+
+
+def _device(device: str) -> Any:
+    import torch
+
+    if device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device)
+
+
+def _materialize(model: Any, device: str) -> None:
+    """Allocate the (sharded) meta parameters on `device`, uninitialised; buffers keep their values."""
+    import torch
+
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    model.to_empty(device=_device(device))
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+
+
+def _aliases(model: Any) -> list[list[str]]:
+    """Names that share one parameter (tied embeddings), each group in the model's order."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _checkpoint_names(model: Any, directory: str) -> list[str] | None:
+    """The state-dict names to read from the safetensors files of `directory`, one per tensor (one name of
+    a tied group); None when those files cannot serve the model as it is: no safetensors, a name missing
+    (renamed or fused by transformers on load), or a name in two files."""
+    from safetensors import safe_open
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    owner: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                if key in owner:
+                    return None
+                owner[key] = file
+    if not files:
+        return None
+    names = set(model.state_dict())
+    for group in _aliases(model):
+        present = [name for name in group if name in owner] or group[:1]
+        names -= set(group) - set(present[:1])
+    return sorted(names) if names <= owner.keys() else None
+
+
+def _read_own_shards(model: Any, directory: str, names: list[str]) -> None:
+    """Each process reads its shards' slices of `names` from the safetensors files (collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {name: tensor for name, tensor in model.state_dict().items() if name in set(names)}
+    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(directory))
+
+
+def _broadcast_from_rank0(model: Any, path: str, **load_kwargs: Any) -> None:
+    """Rank 0 loads the whole checkpoint with transformers and sends each process its shards (collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from fulltune.models import load_model
+
+    full: dict[str, Any] = {}
+    if _is_main():
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        full = load_model(path, dtype=dtype, **load_kwargs).state_dict()
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
 
 
 def _unwrap(model: Any) -> Any:

@@ -1,4 +1,5 @@
-"""A tiny training run the way fulltune's trainer drives FSDP2, for tests/test_sharding.py.
+"""A tiny training run the way fulltune's trainer drives FSDP2, for tests/test_sharding.py and
+tests/test_sharded_load.py.
 
     python tests/sharding_worker.py OUT [options]                               # one process, unsharded
     torchrun --standalone --nproc_per_node 2 tests/sharding_worker.py OUT --shard   # two processes, FSDP2
@@ -7,10 +8,14 @@ A 2-layer Llama (hidden 64, `from_config`, seed 0) trains on fixed rows: every o
 next `ROWS_PER_STEP` rows whatever the split into processes and micro-batches (the trainer's
 StepSchedule.micro_batch slicing), with the trainer's loss (TargetHead, Σ token losses / the step's target
 tokens) through Accelerate's `backward` / `accumulate` / `reduce` on a model Accelerate does not prepare.
-With --checkpoint-every it writes atomic sharded checkpoints and resumes from the newest one on start.
+With --load DIR it starts from a saved checkpoint instead: under --shard loaded whole and then sharded
+(`load_model` + `shard_model`), or with --sharded-load straight into shards (`load_sharded_model`).
+--pure-bf16 and --optimizer train with fulltune's optimizer builder (fulltune/optim.py) as the trainer does.
 
-OUT/result.json (rank 0): {"losses": [mean token loss per step], "grad_norms": [...], "resumed_from": step}
+OUT/result.json (rank 0): {"losses": [mean token loss per step], "grad_norms": [...],
+                           "weights": {"parameter": dtype, "sharded": DTensor?, "optimizer": its module}}
 OUT/model/: the final weights as a normal Hugging Face checkpoint (`fulltune.sharding.save_pretrained`).
+OUT/loaded/: with --export-loaded, the weights as loaded, before any step.
 """
 
 from __future__ import annotations
@@ -18,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import signal
 import sys
 from pathlib import Path
 
@@ -31,7 +34,6 @@ import torch  # noqa: E402
 ROWS_PER_STEP = 4
 SEQ_LEN = 16
 VOCAB = 128
-CHECKPOINT = re.compile(r"^step-(\d+)$")
 
 
 def tiny_config():
@@ -61,22 +63,57 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--micro", type=int, default=1, help="rows per micro-batch per process")
     parser.add_argument("--shard", action="store_true", help="FSDP2 via fulltune.sharding")
     parser.add_argument("--mixed-precision", default="no", choices=("no", "bf16"))
-    parser.add_argument("--checkpoint-every", type=int, default=0)
-    parser.add_argument("--kill-at-micro-step", type=int, default=0, help="SIGKILL rank 0 after this micro-step")
+    parser.add_argument("--load", type=Path, help="start from this Hugging Face checkpoint instead of from_config")
+    parser.add_argument("--sharded-load", action="store_true",
+                        help="with --shard --load: sharding.load_sharded_model (else load_model, then shard_model)")
+    parser.add_argument("--export-loaded", action="store_true", help="also write the weights as loaded to OUT/loaded/")
+    parser.add_argument("--pure-bf16", action="store_true", help="bf16 weights and gradients, no fp32 master")
+    parser.add_argument("--optimizer", choices=("adamw", "adafactor"),
+                        help="fulltune.optim.build_optimizer (pure bf16 adamw: Kahan); default torch AdamW")
     return parser.parse_args(argv)
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    steps = [(int(m.group(1)), p) for p in root.glob("step-*") if (m := CHECKPOINT.match(p.name))]
-    return max(steps)[1] if steps else None
+def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, object]:
+    """The model (sharded under --shard) and its TargetHead, as the trainer builds them: levers first
+    (here: no cache, pure bf16 cast, the head's hook), then shards."""
+    from transformers import AutoModelForCausalLM
+
+    from fulltune import sharding
+    from fulltune.loss import TargetHead
+    from fulltune.models import load_model
+
+    heads = []
+
+    def levers(model: torch.nn.Module) -> None:
+        model.config.use_cache = False
+        if args.pure_bf16:
+            model.to(torch.bfloat16)
+        heads.append(TargetHead(model))
+
+    if args.shard and args.sharded_load:
+        model = sharding.load_sharded_model(args.load, device="cpu", mixed_precision=args.mixed_precision,
+                                            before_shard=levers, allow_pickle_weights=True)
+        return model, heads[0]
+    torch.manual_seed(0)
+    model = load_model(str(args.load), allow_pickle_weights=True) if args.load else AutoModelForCausalLM.from_config(tiny_config())
+    levers(model)
+    if args.shard:
+        sharding.shard_model(model, device="cpu", mixed_precision=args.mixed_precision)
+    return model, heads[0]
+
+
+def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if args.optimizer is None:
+        return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, fused=True)
+    from fulltune.optim import build_optimizer as fulltune_optimizer
+
+    return fulltune_optimizer(model, args.optimizer, lr=3e-3, weight_decay=0.01, pure_bf16=args.pure_bf16)
 
 
 def main(argv: list[str] | None = None) -> None:
     from accelerate import Accelerator
-    from transformers import AutoModelForCausalLM
 
     from fulltune import sharding
-    from fulltune.loss import TargetHead, Targets
 
     args = parse(argv)
     processes = int(os.environ.get("WORLD_SIZE", "1"))
@@ -87,28 +124,35 @@ def main(argv: list[str] | None = None) -> None:
     # MixedPrecisionPolicy instead of autocast.
     accelerator = Accelerator(cpu=True, mixed_precision=args.mixed_precision,
                               gradient_accumulation_steps=accumulation, step_scheduler_with_optimizer=False)
-    rank = accelerator.process_index
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config())
-    model.config.use_cache = False
-    head = TargetHead(model)
-    if args.shard:
-        sharding.shard_model(model, device="cpu", mixed_precision=args.mixed_precision)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, fused=True)
+    model, head = build_model(args)
+    if args.export_loaded:
+        sharding.save_pretrained(model, args.out / "loaded")
+    optimizer = build_optimizer(args, model)
     if not args.shard:
         model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
+    losses, norms = train(args, accelerator, model, head, optimizer, accumulation)
+    parameter = next(p for p in model.parameters() if p.ndim == 2)
+    dtypes = {"parameter": str(parameter.dtype), "sharded": type(parameter).__name__ == "DTensor",
+              "optimizer": type(optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer).__module__}
+    head.remove()
+    sharding.save_pretrained(accelerator.unwrap_model(model), args.out / "model")
+    if accelerator.is_main_process:
+        result = {"losses": losses, "grad_norms": norms, "weights": dtypes}
+        (args.out / "result.json").write_text(json.dumps(result))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
 
-    checkpoints = args.out / "checkpoints"
-    step, losses, norms, resumed_from = 0, [], [], None
-    checkpoint = latest_checkpoint(checkpoints) if args.checkpoint_every else None
-    if checkpoint is not None:
-        extra = sharding.load_sharded_checkpoint(checkpoint, model, optimizer)
-        step, losses, norms, resumed_from = extra["step"], extra["losses"], extra["grad_norms"], extra["step"]
 
+def train(args: argparse.Namespace, accelerator, model, head, optimizer, accumulation: int) -> tuple[list, list]:
+    """`args.steps` optimizer steps; returns (mean token loss, gradient norm) of each."""
+    from fulltune import sharding
+    from fulltune.loss import Targets
+
+    processes, rank = accelerator.num_processes, accelerator.process_index
     input_ids, labels = fixed_rows(args.steps)
-    micro_steps = step * accumulation
-    while step < args.steps:
+    losses, norms = [], []
+    for step in range(args.steps):
         rows = torch.arange(step * ROWS_PER_STEP, (step + 1) * ROWS_PER_STEP)
         step_targets = int((labels[rows, 1:] != -100).sum())
         step_loss = torch.zeros(())
@@ -119,10 +163,7 @@ def main(argv: list[str] | None = None) -> None:
             with accelerator.accumulate(model):
                 loss_sum = head.loss_sum(model, {"input_ids": input_ids[mine]}, targets)
                 accelerator.backward(loss_sum * (accumulation * processes / step_targets))
-            step_loss += loss_sum.detach()
-            micro_steps += 1
-            if micro_steps == args.kill_at_micro_step and rank == 0:
-                os.kill(os.getpid(), signal.SIGKILL)
+            step_loss += loss_sum.detach().float()
         if args.shard:
             norm = sharding.clip_grad_norm_(model, 1.0)
         else:
@@ -131,20 +172,9 @@ def main(argv: list[str] | None = None) -> None:
             step_loss = accelerator.reduce(step_loss, reduction="sum")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        step += 1
         losses.append(step_loss.item() / step_targets)
         norms.append(float(norm))
-        if args.checkpoint_every and step % args.checkpoint_every == 0 and step < args.steps:
-            sharding.save_sharded_checkpoint(checkpoints / f"step-{step}", model, optimizer,
-                                             {"step": step, "losses": losses, "grad_norms": norms})
-
-    head.remove()
-    sharding.save_pretrained(accelerator.unwrap_model(model), args.out / "model")
-    if rank == 0:
-        result = {"losses": losses, "grad_norms": norms, "resumed_from": resumed_from}
-        (args.out / "result.json").write_text(json.dumps(result))
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    return losses, norms
 
 
 if __name__ == "__main__":

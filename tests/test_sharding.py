@@ -1,5 +1,8 @@
-"""FSDP2 (fulltune.sharding) trains like one process, resumes bit for bit, exports a normal checkpoint,
-and runs across two torchrun "machines" that meet through a c10d rendezvous.
+"""FSDP2 (fulltune.sharding) below the trainer: two torchrun "machines" that meet through a c10d
+rendezvous train like one process, their exported checkpoint loads in one process like the unsharded
+one, and bf16 FSDP stays near one autocast process. `fulltune run` with `strategy: fsdp` (1 vs 2
+processes, a killed run resumed bit for bit, registration) is tests/test_fsdp_run.py; sharded loading is
+tests/test_sharded_load.py.
 
 Every run is tests/sharding_worker.py: a 2-layer Llama (hidden 64) on fixed rows, 4 rows per optimizer
 step in the same order whatever the split: one process does 2 micro-batches of 2 rows, two FSDP processes
@@ -7,9 +10,9 @@ do 2 micro-batches of 1 row each. Gloo on CPU; each torchrun costs ~20 s on 2 co
 
 Tolerances: fp32 runs differ only in the order of floating-point sums (the gradient reduce-scatter
 adds two halves that one process adds row by row): measured 8e-8 relative on the losses and 6e-7
-absolute on the weights after 6 steps; asserted at 1e-5 and 1e-4 (AdamW can turn a last-bit difference
-in a gradient near zero into up to ~lr per step). bf16 FSDP computes in bf16 with fp32 master weights
-where one process autocasts: measured 0.12% apart on the losses, asserted within 2% (target: 5%).
+absolute on the weights after 6 steps; asserted at 1e-5 on the losses and 1e-3 on the logits of the
+exported model. bf16 FSDP computes in bf16 with fp32 master weights where one process autocasts:
+measured 0.12% apart on the losses, asserted within 2% (target: 5%).
 """
 
 from __future__ import annotations
@@ -49,13 +52,19 @@ def run(command: list[str], expect_ok: bool = True) -> subprocess.CompletedProce
 
 def one_process(out: Path, *options: str) -> dict:
     run([sys.executable, str(WORKER), str(out), "--steps", str(STEPS), "--micro", "2", *options])
-    return json.loads((out / "result.json").read_text())
+    return result(out)
 
 
-def two_sharded(out: Path, *options: str, expect_ok: bool = True) -> dict | None:
-    done = run(_torchrun("--standalone", "--nproc_per_node", "2", str(WORKER), str(out), "--shard",
-                         "--steps", str(STEPS), "--micro", "1", *options), expect_ok=expect_ok)
-    return json.loads((out / "result.json").read_text()) if done.returncode == 0 else None
+def two_sharded(out: Path, *options: str, steps: int = STEPS) -> dict:
+    run(_torchrun("--standalone", "--nproc_per_node", "2", str(WORKER), str(out), "--shard",
+                  "--steps", str(steps), "--micro", "1", *options))
+    return result(out)
+
+
+def two_sharded_from(out: Path, checkpoint: Path, *options: str, steps: int = STEPS) -> Path:
+    """Two FSDP processes starting from a saved checkpoint; returns OUT (result.json, model/, loaded/)."""
+    two_sharded(out, "--load", str(checkpoint), *options, steps=steps)
+    return out
 
 
 def weights(model_dir: Path) -> dict:
@@ -64,80 +73,55 @@ def weights(model_dir: Path) -> dict:
     return load_file(model_dir / "model.safetensors")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("sharding")
-    one_process(root / "one")
-    two_sharded(root / "fsdp", "--checkpoint-every", "2")
-    return {"one": root / "one", "fsdp": root / "fsdp"}
-
-
 def result(out: Path) -> dict:
     return json.loads((out / "result.json").read_text())
 
 
-def test_two_fsdp_processes_train_like_one_process(runs: dict[str, Path]) -> None:
-    import torch
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        return probe.getsockname()[1]
 
-    one, fsdp = result(runs["one"]), result(runs["fsdp"])
-    assert len(fsdp["losses"]) == STEPS and fsdp["losses"][-1] < fsdp["losses"][0]
-    assert fsdp["losses"] == pytest.approx(one["losses"], rel=1e-5)
-    assert fsdp["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
-    expected, got = weights(runs["one"] / "model"), weights(runs["fsdp"] / "model")
-    assert expected.keys() == got.keys()
-    for name, tensor in expected.items():
-        assert got[name].dtype == torch.float32
-        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-4, msg=name)
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One process, and two torchrun agents with one process each, as two Kubernetes pods would start
+    them (fulltune.rendezvous), meeting through a c10d rendezvous on localhost."""
+    from fulltune.rendezvous import Rendezvous
+
+    root = tmp_path_factory.mktemp("sharding")
+    one_process(root / "one")
+    port, agents = _free_port(), []
+    for rank in (0, 1):
+        env = {"FULLTUNE_NODE_RANK": str(rank), "FULLTUNE_RDZV_ENDPOINT": f"localhost:{port}",
+               "PREFECT__FLOW_RUN_ID": "ci-two-nodes"}
+        rendezvous = Rendezvous.from_environment(env)
+        command = _torchrun(*rendezvous.torchrun_args(nnodes=2, nproc_per_node=1), str(WORKER), str(root / "nodes"),
+                            "--shard", "--steps", str(STEPS), "--micro", "1")
+        agents.append(subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True))
+    outputs = [agent.communicate(timeout=600)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    return {"one": root / "one", "nodes": root / "nodes"}
+
+
+def test_two_torchrun_machines_meet_through_a_c10d_rendezvous_and_train_like_one_process(runs: dict[str, Path]) -> None:
+    one, nodes = result(runs["one"]), result(runs["nodes"])
+    assert len(nodes["losses"]) == STEPS and nodes["losses"][-1] < nodes["losses"][0]
+    assert nodes["losses"] == pytest.approx(one["losses"], rel=1e-5)
 
 
 def test_the_exported_checkpoint_loads_in_one_process_like_the_unsharded_one(runs: dict[str, Path]) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    sharded = AutoModelForCausalLM.from_pretrained(runs["fsdp"] / "model")
+    sharded = AutoModelForCausalLM.from_pretrained(runs["nodes"] / "model")
     plain = AutoModelForCausalLM.from_pretrained(runs["one"] / "model")
     assert sharded.config.architectures == ["LlamaForCausalLM"]
+    assert all(tensor.dtype == torch.float32 for tensor in weights(runs["nodes"] / "model").values())
     tokens = torch.arange(16).view(1, 16)
     with torch.no_grad():
         torch.testing.assert_close(sharded(tokens).logits, plain(tokens).logits, rtol=0, atol=1e-3)
-
-
-def test_killed_fsdp_run_resumes_bit_exact(runs: dict[str, Path], tmp_path: Path) -> None:
-    import torch
-
-    out = tmp_path / "killed"
-    # Micro-step 7 is the first of optimizer step 4: step-2 is the newest checkpoint, step 3 is lost.
-    assert two_sharded(out, "--checkpoint-every", "2", "--kill-at-micro-step", "7", expect_ok=False) is None
-    assert not (out / "model").exists()
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
-    resumed = two_sharded(out, "--checkpoint-every", "2")
-    uninterrupted = result(runs["fsdp"])
-    assert resumed["resumed_from"] == 2
-    assert resumed["losses"] == uninterrupted["losses"]
-    expected, got = weights(runs["fsdp"] / "model"), weights(out / "model")
-    assert all(torch.equal(got[name], tensor) for name, tensor in expected.items())
-
-
-def test_two_torchrun_machines_meet_through_a_c10d_rendezvous(runs: dict[str, Path], tmp_path: Path) -> None:
-    """Two torchrun agents, one process each, as two Kubernetes pods would start them (fulltune.rendezvous)."""
-    from fulltune.rendezvous import Rendezvous
-
-    with socket.socket() as probe:
-        probe.bind(("localhost", 0))
-        port = probe.getsockname()[1]
-    out = tmp_path / "nodes"
-    agents = []
-    for rank in (0, 1):
-        env = {"FULLTUNE_NODE_RANK": str(rank), "FULLTUNE_RDZV_ENDPOINT": f"localhost:{port}",
-               "PREFECT__FLOW_RUN_ID": "ci-two-nodes"}
-        rendezvous = Rendezvous.from_environment(env)
-        command = _torchrun(*rendezvous.torchrun_args(nnodes=2, nproc_per_node=1), str(WORKER), str(out), "--shard", "--steps", str(STEPS),
-                            "--micro", "1")
-        agents.append(subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True))
-    outputs = [agent.communicate(timeout=600)[0] for agent in agents]
-    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(o[-3000:] for o in outputs)
-    assert result(out)["losses"] == pytest.approx(result(runs["fsdp"])["losses"], rel=1e-6)
 
 
 def test_bf16_fsdp_loss_is_within_two_percent_of_one_autocast_process(tmp_path: Path) -> None:
