@@ -26,21 +26,19 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
+
+from pydantic import Field, ValidationError, create_model, model_validator
 
 from fulltune import errors, spec
 from fulltune.errors import ConfigError, DataError, TrainingError, UserError
+from fulltune.memory.types import LEVERS, Settings
+from fulltune.spec import Strict
 from fulltune.storage import atomic_write_text
-
-# The choices are the spec's, defined once there.
-MIXED_PRECISIONS = get_args(spec.MixedPrecision)
-OPTIMIZERS = get_args(spec.Optimizer)
-LR_SCHEDULERS = get_args(spec.LrScheduler)
-STRATEGIES = get_args(spec.Strategy)
-DEVICES = get_args(spec.Device)
 
 # Files the child leaves in output_dir.
 JOB_FILE = "JOB.json"
@@ -54,108 +52,143 @@ PROGRESS_FILE = "progress.json"  # {"step", "total_steps", "loss"}: rewritten ev
 LAUNCHER_ENV = "FULLTUNE_LAUNCHER"
 
 
-@dataclass(frozen=True)
-class TrainJob:
-    """Everything the child needs, written as JSON by the flow: `python -m fulltune.train JOB.json`.
+# ---------------------------------------------------------------------------------------------------
+# The job: the resolved spec sections and the plan, typed, written to JOB.json by one function
 
-    The settings are the ones the memory plan chose (no `auto` left). Paths are absolute.
-    """
 
-    model_path: str
+class JobPaths(Strict):
+    """Where the child reads and writes; absolute paths (a hub id for a hub model or tokenizer)."""
+
+    model_path: str  # the checkpoint the child loads: the prepared base model, not model.name_or_path
     tokenizer_path: str
     train_file: str  # train.parquet: input_ids, labels (-100 = no loss), position_ids (restart per document)
     output_dir: str  # runs/<train-key>/: checkpoints/step-N/, model/, result.json
-    trust_remote_code: bool = False
-    allow_pickle_weights: bool = False
-    attn_implementation: str = "sdpa"
-    revision: str | None = None
-    token_env: str | None = None  # name of the environment variable holding a Hub token, never the token
-    micro_batch_size: int = 1
-    gradient_accumulation_steps: int = 1
-    gradient_checkpointing: int = 0  # transformer layers recomputed in backward, 0..L (more than L means all)
-    mixed_precision: str = "no"
-    optimizer: str = "adamw"
-    learning_rate: float = 2e-5
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.0
-    lr_scheduler: str = "cosine"
-    max_grad_norm: float = 1.0
-    num_epochs: float = 1.0
-    max_steps: int | None = None  # overrides num_epochs
-    seed: int = 0
-    checkpoint_every_steps: int = 50  # 0: never
-    keep_checkpoints: int = 2
-    log_every_steps: int = 10
-    compile: bool = False
-    max_nonfinite_steps: int = 5
-    # Memory levers (fulltune/optim.py, fulltune/offload.py, fulltune/loss.py), as the plan chose them.
-    pure_bf16: bool = False
-    optimizer_in_backward: bool = False
-    offload_optimizer: bool = False
-    offload_activations: bool = False
-    chunked_loss: bool = False
-    strategy: str = "none"
-    num_processes: int = 1  # in total, over all machines
-    num_machines: int = 1
-    device: str = "cpu"
+
+
+class Tracking(Strict):
+    """Where the child reports beside output_dir."""
+
     mlflow_tracking_uri: str | None = None
     mlflow_run_id: str | None = None  # metrics are logged into this existing run
     progress_artifact_id: str | None = None  # the flow's Prefect artifact; the child only writes progress.json
 
+
+# The train.* keys the memory plan resolves: the plan (fulltune.memory.Settings) holds what it chose for
+# each, and effective_batch_size is its micro_batch_size × gradient_accumulation_steps × processes. The job's
+# train section leaves them out, so the child cannot read an `auto` where the plan's choice belongs.
+PLANNED_TRAIN_KEYS = ("effective_batch_size", "micro_batch_size", "gradient_accumulation_steps",
+                      "gradient_checkpointing", "mixed_precision", "optimizer", *LEVERS)
+TrainOptions = create_model(
+    "TrainOptions", __base__=Strict, __module__=__name__,
+    __doc__="The pipeline's `train:` section without PLANNED_TRAIN_KEYS: the optimisation the plan does not decide.",
+    **{name: (info.annotation, info) for name, info in spec.TrainSpec.model_fields.items()
+       if name not in PLANNED_TRAIN_KEYS})
+# Settings the plan echoes from the spec (it planned for them): the spec sections are their source, and a job
+# whose plan disagrees is refused.
+PLAN_ECHOES = {"attn_implementation": "model", "strategy": "distributed", "num_processes": "distributed"}
+# Settings that describe what the plan assumed about the data; the child does not read them.
+PLAN_ONLY_SETTINGS = ("seq_len", "attention_mask", "target_fraction")
+
+
+class TrainJob(Strict):
+    """Everything the child needs: `python -m fulltune.train JOB.json`.
+
+    Where the child reads each thing, one place each:
+    - `plan` (fulltune.memory.Settings, what the memory plan chose): micro_batch_size,
+      gradient_accumulation_steps, gradient_checkpointing (layers), mixed_precision, optimizer, device and the
+      memory levers. It is the only source of these: the train section does not have them (PLANNED_TRAIN_KEYS).
+    - `train` (TrainOptions, the rest of the pipeline's `train:`): learning rate, schedule, clipping, steps,
+      seed, checkpoints, logging, compile, non-finite tolerance.
+    - `model` (the pipeline's `model:`): trust_remote_code, allow_pickle_weights, attn_implementation,
+      revision, token_env; the weights come from `paths.model_path`.
+    - `distributed` (the pipeline's `distributed:`): strategy, num_processes, num_machines.
+    - `paths`, `tracking`: set per run by whoever runs the job.
+    The plan echoes attn_implementation, strategy and num_processes (PLAN_ECHOES); they must agree with the
+    spec sections. JOB.json is `to_json()`, read back by `from_json()`.
+    """
+
+    paths: JobPaths
+    model: spec.ModelSpec
+    train: TrainOptions  # type: ignore[valid-type]
+    distributed: spec.DistributedSpec
+    plan: Settings
+    tracking: Tracking = Field(default_factory=Tracking)
+
+    @model_validator(mode="after")
+    def _plan_echoes_the_spec(self) -> TrainJob:
+        for name, section in PLAN_ECHOES.items():
+            planned, declared = getattr(self.plan, name), getattr(getattr(self, section), name)
+            if planned != declared:
+                raise ValueError(f"plan.{name} is {planned!r} but {section}.{name} is {declared!r}: the plan was "
+                                 "made for other settings")
+        return self
+
     def to_json(self) -> str:
-        """JOB.json: one key per field, indented and sorted, for a person to read."""
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
+        """JOB.json: one object per section, indented for a person to read."""
+        return self.model_dump_json(indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> TrainJob:
-        """The job `to_json` wrote; ConfigError on keys this version does not know."""
-        data = json.loads(text)
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ConfigError(f"{JOB_FILE}: unknown keys {unknown} (written by a different fulltune version?)")
-        return cls(**data)
+        """The job `to_json` wrote. ConfigError naming JOB.json on anything else: unknown or missing keys
+        (a JOB.json of another fulltune version), invalid values."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{JOB_FILE}: not JSON ({exc})") from None
+        return _validated(data, f"{JOB_FILE} (written by a different fulltune version?)")
+
+    def replace(self, **changes: Any) -> TrainJob:
+        """This job with fields changed by name, each in the section that declares it (the plan and the spec
+        section alike for PLAN_ECHOES), validated again. For tests and benchmarks; TypeError on unknown names."""
+        data = self.model_dump()
+        for name, value in changes.items():
+            owners = [section for section in JOB_SECTIONS if name in _section_fields(section)]
+            if not owners:
+                raise TypeError(f"TrainJob has no field {name!r}")
+            for section in owners:
+                data[section][name] = value
+        return _validated(data, "train job")
 
 
-# Where each TrainJob field comes from, each field listed once; `job_from_pipeline` applies the table.
-# The resolved pipeline's sections (fulltune/spec.py), by section:
-JOB_FIELDS_FROM_SPEC = {
-    "model": ("trust_remote_code", "allow_pickle_weights", "attn_implementation", "revision", "token_env"),
-    "train": ("learning_rate", "weight_decay", "warmup_ratio", "lr_scheduler", "max_grad_norm", "num_epochs",
-              "max_steps", "seed", "checkpoint_every_steps", "keep_checkpoints", "log_every_steps", "compile",
-              "max_nonfinite_steps"),
-    "distributed": ("strategy", "num_processes", "num_machines"),
-}
-# The memory levers the plan may turn on (fulltune/optim.py, fulltune/offload.py, fulltune/loss.py).
-LEVERS = ("pure_bf16", "optimizer_in_backward", "offload_optimizer", "offload_activations", "chunked_loss")
-# The planner's settings (BudgetDecision.settings, fulltune.memory.Settings as a dict) the job takes.
-JOB_FIELDS_FROM_SETTINGS = ("micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
-                            "mixed_precision", "optimizer", "device", *LEVERS)
-# Planner settings the job ignores on purpose: they describe what the plan assumed (seq_len, attention_mask,
-# target_fraction) or echo a spec field the job reads from the spec (attn_implementation, strategy,
-# num_processes). Any other key is ignored too; tests/test_job.py fails when Settings grows one that is in
-# neither list, so that a new planner setting is wired into the job rather than lost.
-PLAN_ONLY_SETTINGS = ("seq_len", "attention_mask", "target_fraction", "attn_implementation", "strategy",
-                      "num_processes")
-# Set by whoever runs the job, per run.
-JOB_FIELDS_PER_RUN = ("model_path", "tokenizer_path", "train_file", "output_dir", "mlflow_tracking_uri",
-                      "mlflow_run_id", "progress_artifact_id")
+JOB_SECTIONS = ("paths", "model", "train", "distributed", "plan", "tracking")
 
 
-def job_from_pipeline(spec: Any, settings: Mapping[str, Any], *, model_path: str, tokenizer_path: str,
+def _section_fields(section: str) -> tuple[str, ...]:
+    kind = TrainJob.model_fields[section].annotation
+    return tuple(f.name for f in dataclass_fields(kind)) if kind is Settings else tuple(kind.model_fields)
+
+
+def _validated(data: Any, where: str) -> TrainJob:
+    try:
+        return TrainJob.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{where}: " + "; ".join(spec._format_errors(exc, ""))) from None
+
+
+def job_from_pipeline(pipeline: spec.PipelineSpec, plan: Settings, *, model_path: str, tokenizer_path: str,
                       train_file: str, output_dir: str, mlflow_tracking_uri: str | None = None,
                       mlflow_run_id: str | None = None) -> TrainJob:
-    """The TrainJob for a resolved pipeline spec (`spec.model`, `spec.train`, `spec.distributed`) and the
-    settings its memory plan chose; see JOB_FIELDS_FROM_SPEC and JOB_FIELDS_FROM_SETTINGS.
+    """The TrainJob for a resolved pipeline spec (`model`, `train`, `distributed`) and the settings its memory
+    plan chose; ConfigError when the plan was made for another strategy, process count or attention."""
+    return _validated({
+        "paths": JobPaths(model_path=model_path, tokenizer_path=tokenizer_path, train_file=train_file,
+                          output_dir=output_dir),
+        "model": pipeline.model, "train": pipeline.train.model_dump(exclude=set(PLANNED_TRAIN_KEYS)),
+        "distributed": pipeline.distributed, "plan": plan,
+        "tracking": Tracking(mlflow_tracking_uri=mlflow_tracking_uri, mlflow_run_id=mlflow_run_id),
+    }, "train job")
 
-    Levers missing from `settings` (a plan made before they existed) are off.
-    """
-    values: dict[str, Any] = {name: getattr(getattr(spec, section), name)
-                              for section, names in JOB_FIELDS_FROM_SPEC.items() for name in names}
-    values.update({name: bool(settings.get(name, False)) if name in LEVERS else settings[name]
-                   for name in JOB_FIELDS_FROM_SETTINGS})
-    return TrainJob(model_path=model_path, tokenizer_path=tokenizer_path, train_file=train_file,
-                    output_dir=output_dir, mlflow_tracking_uri=mlflow_tracking_uri, mlflow_run_id=mlflow_run_id,
-                    **values)
+
+def job_with(model_path: str, train_file: str, output_dir: str, tokenizer_path: str | None = None,
+             **fields: Any) -> TrainJob:
+    """A job for a local checkpoint with the spec's defaults, a plan of micro-batch 1 on one CPU process,
+    and `fields` changed as TrainJob.replace does. For tests and benchmarks; pipelines use job_from_pipeline."""
+    paths = JobPaths(model_path=model_path, tokenizer_path=tokenizer_path or model_path, train_file=train_file,
+                     output_dir=output_dir)
+    # seq_len is what the plan assumed about the rows; the child does not read it (PLAN_ONLY_SETTINGS).
+    job = TrainJob(paths=paths, model=spec.ModelSpec(name_or_path=model_path), train=TrainOptions(),
+                   distributed=spec.DistributedSpec(), plan=Settings(micro_batch_size=1, seq_len=1))
+    return job.replace(**fields)
 
 
 @dataclass(frozen=True)
@@ -197,9 +230,17 @@ class OutOfMemory(RuntimeError):
 # What an out-of-memory replan may change while the checkpoints stay valid: the data position is the
 # optimizer step, and which rows a step holds depends on the effective batch only (batching.StepSchedule);
 # weights, optimizer and schedule state do not depend on how a step is split into micro-batches, which
-# layers recompute their activations, or whether bf16 autocast runs (the weights stay fp32).
-RESUMABLE_CHANGES = frozenset({"micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
-                               "mixed_precision", "output_dir"})
+# layers recompute their activations, or whether bf16 autocast runs (the weights stay fp32). The plan's
+# assumptions about the data (PLAN_ONLY_SETTINGS) are not read by the child.
+RESUMABLE_CHANGES = frozenset({"plan.micro_batch_size", "plan.gradient_accumulation_steps",
+                               "plan.gradient_checkpointing", "plan.mixed_precision", "paths.output_dir",
+                               *(f"plan.{name}" for name in PLAN_ONLY_SETTINGS)})
+
+
+def _fields_by_path(job: TrainJob) -> dict[str, Any]:
+    """`section.field` → value, e.g. "plan.optimizer" → "adamw"."""
+    return {f"{section}.{name}": value for section, values in job.model_dump(mode="json").items()
+            for name, value in values.items()}
 
 
 def resume_conflict(checkpointed: TrainJob, job: TrainJob) -> str | None:
@@ -210,18 +251,19 @@ def resume_conflict(checkpointed: TrainJob, job: TrainJob) -> str | None:
     switched on or off (only fp16 checkpoints hold the grad scaler's state), or when any other field
     changed, e.g. the optimizer, whose state another optimizer cannot load: such a job starts at step 0.
     """
-    before = checkpointed.micro_batch_size * checkpointed.gradient_accumulation_steps
-    after = job.micro_batch_size * job.gradient_accumulation_steps
-    if before != after:
-        return f"the effective batch per process changed from {before} to {after} rows"
-    if (checkpointed.mixed_precision == "fp16") != (job.mixed_precision == "fp16"):
-        return (f"mixed_precision changed from {checkpointed.mixed_precision} to {job.mixed_precision} "
+    before, after = checkpointed.plan, job.plan
+    rows_before = before.micro_batch_size * before.gradient_accumulation_steps
+    rows_after = after.micro_batch_size * after.gradient_accumulation_steps
+    if rows_before != rows_after:
+        return f"the effective batch per process changed from {rows_before} to {rows_after} rows"
+    if (before.mixed_precision == "fp16") != (after.mixed_precision == "fp16"):
+        return (f"mixed_precision changed from {before.mixed_precision} to {after.mixed_precision} "
                 "(the fp16 grad scaler's state is in fp16 checkpoints only)")
-    changed = [f.name for f in fields(TrainJob)
-               if f.name not in RESUMABLE_CHANGES and getattr(checkpointed, f.name) != getattr(job, f.name)]
+    old, new = _fields_by_path(checkpointed), _fields_by_path(job)
+    changed = [name for name in new if name not in RESUMABLE_CHANGES and old.get(name) != new[name]]
     if changed:
-        detail = (f"{checkpointed.optimizer} → {job.optimizer}: the optimizer state cannot be loaded"
-                  if "optimizer" in changed else "the checkpoints were written for other settings")
+        detail = (f"{before.optimizer} → {after.optimizer}: the optimizer state cannot be loaded"
+                  if "plan.optimizer" in changed else "the checkpoints were written for other settings")
         return f"{', '.join(changed)} changed ({detail})"
     return None
 
@@ -263,56 +305,30 @@ def process_gone(identity: Any) -> bool:
 
 
 def validate_job(job: TrainJob) -> None:
-    """Check the settings before any process starts; raises ConfigError listing every problem at once."""
+    """Check what the sections cannot check alone, before any process starts; ConfigError listing every
+    problem at once. Each section's own values (ranges, choices, lever combinations) were checked when
+    the job was built or read."""
+    plan, distributed = job.plan, job.distributed
     problems = []
 
     def need(ok: bool, message: str) -> None:
         if not ok:
             problems.append(message)
 
-    need(job.micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {job.micro_batch_size}")
-    need(job.gradient_accumulation_steps >= 1,
-         f"gradient_accumulation_steps must be >= 1, got {job.gradient_accumulation_steps}")
-    need(job.gradient_checkpointing >= 0, f"gradient_checkpointing must be >= 0 layers, got {job.gradient_checkpointing}")
-    need(job.mixed_precision in MIXED_PRECISIONS,
-         f"mixed_precision must be one of {MIXED_PRECISIONS}, got {job.mixed_precision!r}")
-    need(job.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}, got {job.optimizer!r}")
-    need(job.lr_scheduler in LR_SCHEDULERS,
-         f"lr_scheduler must be one of {LR_SCHEDULERS}, got {job.lr_scheduler!r}")
-    need(job.learning_rate > 0, f"learning_rate must be > 0, got {job.learning_rate}")
-    need(0 <= job.warmup_ratio < 1, f"warmup_ratio must be in [0, 1), got {job.warmup_ratio}")
-    need(job.max_grad_norm > 0, f"max_grad_norm must be > 0, got {job.max_grad_norm}")
-    need(job.max_steps is not None or job.num_epochs > 0, "set num_epochs > 0 or max_steps")
-    need(job.max_steps is None or job.max_steps >= 1, f"max_steps must be >= 1, got {job.max_steps}")
-    need(job.checkpoint_every_steps >= 0, f"checkpoint_every_steps must be >= 0, got {job.checkpoint_every_steps}")
-    need(job.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {job.keep_checkpoints}")
-    need(job.log_every_steps >= 1, f"log_every_steps must be >= 1, got {job.log_every_steps}")
-    need(job.max_nonfinite_steps >= 1, f"max_nonfinite_steps must be >= 1, got {job.max_nonfinite_steps}")
-    need(job.device in DEVICES, f"device must be one of {DEVICES}, got {job.device!r}")
-    need(job.strategy in STRATEGIES, f"strategy must be one of {STRATEGIES}, got {job.strategy!r}")
-    need(job.num_processes >= 1 and job.num_machines >= 1, "num_processes and num_machines must be >= 1")
-    need(job.strategy != "none" or job.num_processes == 1,
-         "num_processes > 1 needs a strategy (ddp, fsdp, deepspeed_zero2, deepspeed_zero3)")
-    if job.device == "cpu":
-        need(job.mixed_precision != "fp16", "mixed_precision fp16 needs a CUDA device; use bf16 or no on CPU")
-        need(job.strategy in ("none", "ddp", "fsdp"), f"strategy {job.strategy} needs CUDA devices; use ddp or fsdp on CPU")
-        need(job.num_machines == 1, "training on CPU runs on one machine")
-    need(job.strategy != "fsdp" or job.mixed_precision != "fp16",
+    if plan.device == "cpu":
+        need(plan.mixed_precision != "fp16", "mixed_precision fp16 needs a CUDA device; use bf16 or no on CPU")
+        need(distributed.strategy in ("none", "ddp", "fsdp"),
+             f"strategy {distributed.strategy} needs CUDA devices; use ddp or fsdp on CPU")
+        need(distributed.num_machines == 1, "training on CPU runs on one machine")
+    need(distributed.strategy != "fsdp" or plan.mixed_precision != "fp16",
          "strategy fsdp trains in bf16 or fp32: set mixed_precision to bf16 or no")
-    # The gradient-hook levers see a gradient before data parallelism averages it (fulltune/optim.py).
-    hooks = [name for name in ("optimizer_in_backward", "offload_optimizer") if getattr(job, name)]
-    need(not hooks or job.num_processes == 1, f"{' and '.join(hooks)} train on one process; set "
-         f"distributed.num_processes 1 or turn {' and '.join(hooks)} off")
-    need(not (job.optimizer_in_backward and job.offload_optimizer),
-         "optimizer_in_backward and offload_optimizer: choose one (offloading already frees device gradients in backward)")
-    need(not job.pure_bf16 or job.mixed_precision != "fp16", "pure_bf16 keeps bf16 weights: use mixed_precision bf16 or no")
-    need(not (job.chunked_loss and job.strategy == "fsdp"),
+    need(not (plan.chunked_loss and distributed.strategy == "fsdp"),
          "chunked_loss reads the output head's weight in backward, which FSDP has resharded by then: turn "
          "chunked_loss off with strategy fsdp")
     if problems:
         raise ConfigError("train job: " + "; ".join(problems))
-    if not Path(job.train_file).is_file():
-        raise DataError(f"{job.train_file}: tokenized training data not found (re-run the tokenize stage)")
+    if not Path(job.paths.train_file).is_file():
+        raise DataError(f"{job.paths.train_file}: tokenized training data not found (re-run the tokenize stage)")
 
 
 def completed_result(output_dir: str | Path) -> TrainResult | None:
@@ -333,30 +349,31 @@ def generate_accelerate_config(job: TrainJob) -> dict[str, Any]:
     Several machines read the rendezvous address from MASTER_ADDR / MASTER_PORT and this machine's rank
     from MACHINE_RANK (each machine runs its own `accelerate launch`).
     """
+    plan, distributed = job.plan, job.distributed
     distributed_type = {"ddp": "MULTI_GPU", "fsdp": "FSDP", "deepspeed_zero2": "DEEPSPEED",
-                        "deepspeed_zero3": "DEEPSPEED"}.get(job.strategy, "NO")
+                        "deepspeed_zero3": "DEEPSPEED"}.get(distributed.strategy, "NO")
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": distributed_type,
-        "mixed_precision": job.mixed_precision,
-        "num_processes": job.num_processes,
-        "num_machines": job.num_machines,
+        "mixed_precision": plan.mixed_precision,
+        "num_processes": distributed.num_processes,
+        "num_machines": distributed.num_machines,
         "machine_rank": int(os.environ.get("MACHINE_RANK", "0")),
         "main_training_function": "main",
-        "use_cpu": job.device == "cpu",
+        "use_cpu": plan.device == "cpu",
         "gpu_ids": "all",
         "rdzv_backend": "static",
         "same_network": True,
         "downcast_bf16": "no",
         "debug": False,
     }
-    if job.num_machines > 1:
+    if distributed.num_machines > 1:
         missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
         if missing:
             raise ConfigError(f"distributed.num_machines > 1: set {' and '.join(missing)} on every machine")
         config["main_process_ip"] = os.environ["MASTER_ADDR"]
         config["main_process_port"] = int(os.environ["MASTER_PORT"])
-    if job.strategy == "fsdp":
+    if distributed.strategy == "fsdp":
         # FSDP2, one unit per transformer block (accelerate falls back to the model's `_no_split_modules`);
         # sharded checkpoints keep save_state cheap; activation recompute stays with fulltune (k of L layers).
         config["fsdp_config"] = {
@@ -368,12 +385,12 @@ def generate_accelerate_config(job: TrainJob) -> dict[str, Any]:
             "fsdp_offload_params": False,
             "fsdp_activation_checkpointing": False,
         }
-    elif job.strategy.startswith("deepspeed"):
-        stage = 3 if job.strategy == "deepspeed_zero3" else 2
+    elif distributed.strategy.startswith("deepspeed"):
+        stage = 3 if distributed.strategy == "deepspeed_zero3" else 2
         config["deepspeed_config"] = {
             "zero_stage": stage,
-            "gradient_accumulation_steps": job.gradient_accumulation_steps,
-            "gradient_clipping": job.max_grad_norm,
+            "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+            "gradient_clipping": job.train.max_grad_norm,
             "offload_optimizer_device": "none",
             "offload_param_device": "none",
             "zero3_init_flag": stage == 3,
@@ -384,20 +401,22 @@ def generate_accelerate_config(job: TrainJob) -> dict[str, Any]:
 
 def training_command(job: TrainJob, job_file: Path) -> list[str]:
     """The command line that runs the child (see the module docstring)."""
-    if job.num_processes == 1 and job.strategy == "none":
+    distributed = job.distributed
+    if distributed.num_processes == 1 and distributed.strategy == "none":
         return [sys.executable, "-m", "fulltune.train", str(job_file)]
-    if job.strategy in ("ddp", "fsdp"):
+    if distributed.strategy in ("ddp", "fsdp"):
         from fulltune.rendezvous import launch_command
 
-        command = launch_command(job_file, job.num_processes, job.num_machines)  # several machines: c10d
+        # several machines: c10d
+        command = launch_command(job_file, distributed.num_processes, distributed.num_machines)
         if command is not None:
             return command
-    if job.device == "cpu" or job.strategy == "fsdp":
+    if job.plan.device == "cpu" or distributed.strategy == "fsdp":
         # FSDP shards the model itself (fulltune/sharding.py) on CPU and CUDA alike.
         # `accelerate launch --cpu --num_processes 2` ran a single process (accelerate 1.x);
         # torchrun gives Accelerate a MULTI_CPU (gloo) run.
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={job.num_processes}", "--module", "fulltune.train", str(job_file)]
+                f"--nproc_per_node={distributed.num_processes}", "--module", "fulltune.train", str(job_file)]
     config_file = job_file.parent / ACCELERATE_CONFIG_FILE
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
             "--module", "fulltune.train", str(job_file)]
@@ -415,7 +434,7 @@ def run_training(job: TrainJob, on_output: Callable[[str], None] | None = None) 
     """
     import yaml
 
-    output_dir = Path(job.output_dir)
+    output_dir = Path(job.paths.output_dir)
     done = completed_result(output_dir)
     if done is not None:  # even if the tokenized data it came from was cleaned up since
         return done
@@ -425,7 +444,7 @@ def run_training(job: TrainJob, on_output: Callable[[str], None] | None = None) 
         (output_dir / stale).unlink(missing_ok=True)
     job_file = output_dir / JOB_FILE
     atomic_write_text(job_file, job.to_json())
-    if job.device == "cuda" and job.strategy not in ("none", "fsdp"):
+    if job.plan.device == "cuda" and job.distributed.strategy not in ("none", "fsdp"):
         atomic_write_text(output_dir / ACCELERATE_CONFIG_FILE, yaml.safe_dump(generate_accelerate_config(job)))
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -17,6 +17,7 @@ from typing import Any
 
 from fulltune import launch
 from fulltune.launch import OutOfMemory, TrainJob, TrainResult, resume_conflict
+from fulltune.memory.types import Settings
 
 MAX_OOM_REPLANS = 2
 
@@ -26,16 +27,16 @@ class ReplannedTraining:
     """The finished run, the settings it finished with and why each replan happened."""
 
     result: TrainResult
-    settings: dict[str, Any]
+    settings: Settings
     replans: tuple[str, ...]
 
 
 def train_with_oom_replans(p: Any, decision: Any, key: str,
-                           make_job: Callable[[dict[str, Any], Path], TrainJob], *,
+                           make_job: Callable[[Settings, Path], TrainJob], *,
                            run: Callable[[TrainJob], TrainResult] | None = None,
                            on_replan: Callable[[int, str], None] = lambda replan, why: None,
                            max_replans: int = MAX_OOM_REPLANS) -> ReplannedTraining:
-    """Train `make_job(decision.settings, <workdir>/runs/<key>)`; on OutOfMemory replan and try again.
+    """Train `make_job(<the plan's settings>, <workdir>/runs/<key>)`; on OutOfMemory replan and try again.
 
     `p` is the ResolvedPipeline and `decision` its BudgetDecision. `run` trains a job (default
     launch.run_training); `on_replan(n, why)` hears about the n-th replan before it runs.
@@ -44,7 +45,7 @@ def train_with_oom_replans(p: Any, decision: Any, key: str,
         OutOfMemory: still out of memory after `max_replans` replans.
         UserError, RuntimeError: as launch.run_training.
     """
-    settings = dict(decision.settings)
+    settings = Settings(**decision.settings)
     output_dir = Path(p.workdir) / "runs" / key
     replans: list[str] = []
     for attempt in range(max_replans + 1):
@@ -56,11 +57,12 @@ def train_with_oom_replans(p: Any, decision: Any, key: str,
             if attempt == max_replans:
                 raise
             settings = replan_settings(p, decision, settings, oom.observed_peak_bytes)
-            output_dir, where = replan_output_dir(p, key, job, make_job(settings, Path(job.output_dir)), attempt + 1)
+            replanned = make_job(settings, Path(job.paths.output_dir))
+            output_dir, where = replan_output_dir(p, key, job, replanned, attempt + 1)
             from fulltune.stages import describe_settings
 
             why = (f"out of memory (peak {oom.observed_peak_bytes or 'unknown'} bytes); retrying with "
-                   f"{describe_settings(settings, decision.num_layers)}; {where}")
+                   f"{describe_settings(asdict(settings), decision.num_layers)}; {where}")
             replans.append(why)
             on_replan(attempt + 1, why)
     raise AssertionError("unreachable: the last attempt returns or raises")
@@ -76,19 +78,18 @@ def replan_output_dir(p: Any, key: str, failed: TrainJob, replanned: TrainJob, r
     """
     conflict = resume_conflict(failed, replanned)
     if conflict is None:
-        return Path(failed.output_dir), "resuming from the newest checkpoint, if any (the step schedule is unchanged)"
+        return Path(failed.paths.output_dir), "resuming from the newest checkpoint, if any (the step schedule is unchanged)"
     fresh = Path(p.workdir) / "runs" / key / f"replan-{replan}"
     return fresh, f"starting from step 0 in {fresh.name}: the checkpoints cannot be resumed, {conflict}"
 
 
-def replan_settings(p: Any, decision: Any, settings: dict[str, Any], peak: int | None) -> dict[str, Any]:
+def replan_settings(p: Any, decision: Any, settings: Settings, peak: int | None) -> Settings:
     """The planner's next settings after `settings` ran out of memory at `peak` bytes (None: unknown)."""
-    from fulltune.memory import Settings, replan_after_oom
+    from fulltune.memory import replan_after_oom
     from fulltune.models import read_model_config
     from fulltune.stages import plan_request, resolved_budget
 
     device, budget_bytes, bf16 = resolved_budget(p)
     config = read_model_config(p.spec.model, decision.vocab_size)
     request = plan_request(p, decision.seq_len, device, budget_bytes, bf16, decision.target_fraction)
-    plan = replan_after_oom(config, request, Settings(**settings), peak)
-    return asdict(plan.settings)
+    return replan_after_oom(config, request, settings, peak).settings

@@ -50,7 +50,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
-from fulltune import sharding
+from fulltune import flops, sharding
 from fulltune.batching import StepSchedule, TokenizedRows, micro_batch_inputs
 from fulltune.data import pad_token_id_of
 from fulltune.errors import ConfigError, DataError, TrainingError, UserError
@@ -70,13 +70,9 @@ CHECKPOINT_DIR = "checkpoints"
 TRAINER_STATE_FILE = "trainer_state.json"
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 
-# Dense 16-bit tensor-core peak per GPU (NVIDIA datasheets), for MFU. Checked in order,
-# by substring of torch.cuda.get_device_name(). Other GPUs, fp32 runs and CPUs report no MFU.
-GPU_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
-
 
 # ---------------------------------------------------------------------------------------------------
-# Optimizer, FLOPs, metric sinks and the optimizer step
+# Optimizer, peak FLOPs, metric sinks and the optimizer step
 
 
 def build_optimizer(job: TrainJob, model: torch.nn.Module, processes: int = 1) -> torch.optim.Optimizer:
@@ -89,38 +85,21 @@ def build_optimizer(job: TrainJob, model: torch.nn.Module, processes: int = 1) -
     """
     from fulltune import optim
 
+    plan, train = job.plan, job.train
     try:
         return optim.build_optimizer(
-            model, job.optimizer, lr=job.learning_rate, weight_decay=job.weight_decay, pure_bf16=job.pure_bf16,
-            step_in_backward=job.optimizer_in_backward, offload=job.offload_optimizer,
-            accumulation_steps=job.gradient_accumulation_steps, max_grad_norm=job.max_grad_norm, processes=processes)
+            model, plan.optimizer, lr=train.learning_rate, weight_decay=train.weight_decay, pure_bf16=plan.pure_bf16,
+            step_in_backward=plan.optimizer_in_backward, offload=plan.offload_optimizer,
+            accumulation_steps=plan.gradient_accumulation_steps, max_grad_norm=train.max_grad_norm, processes=processes)
     except ValueError as exc:
         raise ConfigError(f"train.optimizer: {exc}") from None
 
 
-def flop_coefficients(model: torch.nn.Module) -> tuple[float, float, float]:
-    """Training FLOPs per token, per target and per (query, key) pair:
-    FLOPs = 6·(N - N_head)·tokens + 6·N_head·targets + 12·L·h·Σ_documents length².
-
-    PaLM appendix B's `6N + 12·L·h·s` per token, with s summed per document (packed documents do not
-    attend to each other) and the output head counted where it runs, at the positions with a target
-    (fulltune/loss.py); recomputation is not counted. N excludes the input embedding, a lookup (unless it
-    is tied to the output projection, which multiplies).
-    """
-    config = model.config
-    n = sum(p.numel() for p in model.parameters())
-    embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
-    if output is None or output.weight is not embedding.weight:
-        n -= embedding.weight.numel()
-    head = sum(p.numel() for p in output.parameters()) if output is not None else 0
-    return 6.0 * (n - head), 6.0 * head, 12.0 * config.num_hidden_layers * config.hidden_size
-
-
 def peak_flops(job: TrainJob) -> float | None:
-    if job.device != "cuda" or job.mixed_precision == "no":
+    """The GPU's dense 16-bit peak for MFU (fulltune/flops.py); None for fp32 runs, CPUs and unknown GPUs."""
+    if job.plan.device != "cuda" or job.plan.mixed_precision == "no":
         return None
-    name = torch.cuda.get_device_name()
-    return next((peak for key, peak in GPU_PEAK_FLOPS if key in name), None)
+    return flops.peak_flops(torch.cuda.get_device_name())
 
 
 def memory_metrics(device: str) -> dict[str, float]:
@@ -134,7 +113,7 @@ class MlflowMetrics:
     """Metrics into the flow's existing MLflow run (main process only); a no-op without a run id."""
 
     def __init__(self, job: TrainJob, enabled: bool) -> None:
-        self.run_id = job.mlflow_run_id if enabled else None
+        self.run_id = job.tracking.mlflow_run_id if enabled else None
         self.client = None
         self.system = None
         if self.run_id:
@@ -142,8 +121,8 @@ class MlflowMetrics:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
             from mlflow.tracking import MlflowClient
 
-            mlflow.set_tracking_uri(job.mlflow_tracking_uri)
-            self.client = MlflowClient(tracking_uri=job.mlflow_tracking_uri)
+            mlflow.set_tracking_uri(job.tracking.mlflow_tracking_uri)
+            self.client = MlflowClient(tracking_uri=job.tracking.mlflow_tracking_uri)
             # CPU, memory and (with nvidia-ml-py) GPU utilisation, sampled beside the training metrics.
             self.system = SystemMetricsMonitor(self.run_id, sampling_interval=10, samples_before_logging=1)
             self.system.start()
@@ -287,7 +266,7 @@ class TrainingRun:
     use_cache: bool | None  # the model's own setting, restored in the exported config
     checkpointed_layers: int
     num_layers: int
-    flops: tuple[float, float, float]  # flop_coefficients(model)
+    flops: flops.FlopCoefficients  # of the model, for MFU (fulltune/flops.py)
 
     @property
     def processes(self) -> int:
@@ -299,7 +278,7 @@ class TrainingRun:
 
     @property
     def output_dir(self) -> Path:
-        return Path(self.job.output_dir)
+        return Path(self.job.paths.output_dir)
 
     @property
     def checkpoints(self) -> Path:
@@ -313,33 +292,33 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
         ConfigError: the device or a setting cannot work (e.g. CUDA requested but absent).
         DataError: train_file is unreadable, empty, or has fewer rows than one optimizer step.
     """
-    if job.device == "cuda" and not torch.cuda.is_available():
+    if job.plan.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("budget.device: cuda was planned but this machine has no usable CUDA device")
     # The scheduler steps once per optimizer step: total_steps already counts every process's
     # micro-batches (accelerate would otherwise step it num_processes times).
-    accelerator = Accelerator(cpu=job.device == "cpu", mixed_precision=job.mixed_precision,
-                              gradient_accumulation_steps=job.gradient_accumulation_steps,
+    accelerator = Accelerator(cpu=job.plan.device == "cpu", mixed_precision=job.plan.mixed_precision,
+                              gradient_accumulation_steps=job.plan.gradient_accumulation_steps,
                               step_scheduler_with_optimizer=False)
-    set_seed(job.seed)
+    set_seed(job.train.seed)
     data, schedule, total_steps = setup_data(job, accelerator.num_processes)
     tokenizer, model = load_model_and_tokenizer(job)
     use_cache = getattr(model.config, "use_cache", None)
     checkpointed, head = apply_levers(job, model)
-    model_layers, flops = model.config.num_hidden_layers, flop_coefficients(model)
-    if job.strategy == "fsdp":
+    model_layers, coefficients = model.config.num_hidden_layers, flops.from_model(model)
+    if job.distributed.strategy == "fsdp":
         # FSDP2 driven directly (fulltune/sharding.py): Accelerate's CPU mode is DDP only, and a model kept
         # out of prepare keeps its gradients sharded while accumulating. bf16 is FSDP's policy, not autocast.
-        sharding.shard_model(model, device=job.device, mixed_precision=job.mixed_precision)
+        sharding.shard_model(model, device=job.plan.device, mixed_precision=job.plan.mixed_precision)
     optimizer = build_optimizer(job, model, accelerator.num_processes)
     scheduler = build_scheduler(job, optimizer, total_steps)
-    if job.compile:
+    if job.train.compile:
         model = head.compile(model)
     model, optimizer, scheduler = prepare(job, accelerator, model, optimizer, scheduler)
     model.train()
     return TrainingRun(job, accelerator, data, schedule, total_steps, tokenizer, pad_token_id_of(tokenizer), model,
                        head, optimizer, scheduler, OptimizerStep(accelerator, model, optimizer, scheduler,
-                                                                 job.max_grad_norm),
-                       hooks or TrainHooks(), use_cache, checkpointed, model_layers, flops)
+                                                                 job.train.max_grad_norm),
+                       hooks or TrainHooks(), use_cache, checkpointed, model_layers, coefficients)
 
 
 def setup_data(job: TrainJob, processes: int) -> tuple[TokenizedRows, StepSchedule, int]:
@@ -347,13 +326,13 @@ def setup_data(job: TrainJob, processes: int) -> tuple[TokenizedRows, StepSchedu
 
     e.g. 2 micro × 4 accumulation × 2 processes = 16 rows (≤ 16 × max_length tokens) per optimizer step.
     """
-    micro, accumulation = job.micro_batch_size, job.gradient_accumulation_steps
-    data = TokenizedRows(job.train_file)
-    schedule = StepSchedule(data.lengths, micro * accumulation * processes, job.seed)
+    micro, accumulation = job.plan.micro_batch_size, job.plan.gradient_accumulation_steps
+    data = TokenizedRows(job.paths.train_file)
+    schedule = StepSchedule(data.lengths, micro * accumulation * processes, job.train.seed)
     if schedule.per_epoch == 0:
-        raise DataError(f"{job.train_file}: {len(data)} rows is less than one optimizer step (micro_batch_size "
+        raise DataError(f"{job.paths.train_file}: {len(data)} rows is less than one optimizer step (micro_batch_size "
                         f"{micro} × gradient_accumulation_steps {accumulation} × {processes} processes)")
-    total_steps = job.max_steps or max(1, math.ceil(job.num_epochs * schedule.per_epoch))
+    total_steps = job.train.max_steps or max(1, math.ceil(job.train.num_epochs * schedule.per_epoch))
     return data, schedule, total_steps
 
 
@@ -363,13 +342,14 @@ def load_model_and_tokenizer(job: TrainJob) -> tuple[Any, torch.nn.Module]:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # weight loading/saving bars would flood the flow's log
-    token = hub_token(job.token_env)
-    tokenizer = load_tokenizer(job.tokenizer_path, trust_remote_code=job.trust_remote_code, token=token,
-                               revision=job.revision if job.tokenizer_path == job.model_path else None)
-    model = load_model(job.model_path, revision=job.revision, trust_remote_code=job.trust_remote_code,
-                       allow_pickle_weights=job.allow_pickle_weights, attn_implementation=job.attn_implementation,
-                       token=token)
-    return tokenizer, model
+    model, paths = job.model, job.paths  # the weights are paths.model_path (the prepared base model)
+    token = hub_token(model.token_env)
+    tokenizer = load_tokenizer(paths.tokenizer_path, trust_remote_code=model.trust_remote_code, token=token,
+                               revision=model.revision if paths.tokenizer_path == paths.model_path else None)
+    weights = load_model(paths.model_path, revision=model.revision, trust_remote_code=model.trust_remote_code,
+                         allow_pickle_weights=model.allow_pickle_weights, attn_implementation=model.attn_implementation,
+                         token=token)
+    return tokenizer, weights
 
 
 def apply_levers(job: TrainJob, model: torch.nn.Module) -> tuple[int, TargetHead]:
@@ -382,25 +362,25 @@ def apply_levers(job: TrainJob, model: torch.nn.Module) -> tuple[int, TargetHead
     try:
         # Recompute the first k layers' activations in backward: ~1/3 more compute for those layers,
         # their activations shrink to the layer input (Korthikanti et al. 2022).
-        checkpointed = apply_gradient_checkpointing(model, job.gradient_checkpointing)
+        checkpointed = apply_gradient_checkpointing(model, job.plan.gradient_checkpointing)
     except ValueError as exc:
         raise ConfigError(f"train.gradient_checkpointing: {exc}") from None
-    if job.pure_bf16:
+    if job.plan.pure_bf16:
         model.to(torch.bfloat16)  # no fp32 master copy: the optimizer compensates its updates (fulltune/optim.py)
-    if job.offload_activations:
+    if job.plan.offload_activations:
         # The checkpointed layers' saved inputs wait in host RAM for their recompute (fulltune/offload.py).
         ActivationOffload().install(model)
     model.config.use_cache = False
     # The output head runs at target positions only; chunked, no (targets × vocabulary) tensor is ever whole.
-    return checkpointed, TargetHead(model, chunked=job.chunked_loss)
+    return checkpointed, TargetHead(model, chunked=job.plan.chunked_loss)
 
 
 def build_scheduler(job: TrainJob, optimizer: Any, total_steps: int) -> Any:
     """The learning-rate schedule: linear warmup over warmup_ratio of the steps, then the job's decay."""
     from transformers import get_scheduler
 
-    warmup_steps = math.ceil(job.warmup_ratio * total_steps)
-    name = "constant_with_warmup" if job.lr_scheduler == "constant" else job.lr_scheduler
+    warmup_steps = math.ceil(job.train.warmup_ratio * total_steps)
+    name = "constant_with_warmup" if job.train.lr_scheduler == "constant" else job.train.lr_scheduler
     return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
 
 
@@ -408,10 +388,11 @@ def prepare(job: TrainJob, accelerator: Accelerator, model: torch.nn.Module, opt
             scheduler: Any) -> tuple[torch.nn.Module, Any, Any]:
     """accelerate's prepare, minus what the levers and FSDP2 keep to themselves."""
     if accelerator.state.deepspeed_plugin is not None:  # DeepSpeed reads it from a prepared dataloader otherwise
-        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = job.micro_batch_size
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = job.plan.micro_batch_size
     if sharding.is_sharded(model):
         return model, optimizer, accelerator.prepare(scheduler)  # model and optimizer stay FSDP2's (see setup)
-    if job.offload_optimizer:
+    if job.plan.offload_optimizer:
         # Device placement would round-trip the state dict through the device, fp32 masters included.
         model, scheduler = accelerator.prepare(model, scheduler)
         return model, accelerator.prepare_optimizer(optimizer, device_placement=False), scheduler
@@ -492,7 +473,7 @@ def save_checkpoint(run: TrainingRun, state: TrainState, counters: dict[str, Any
         os.rename(tmp, final)
         fsync_dir(root)
         steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := CHECKPOINT_NAME.match(p.name)))
-        for old in steps[:-run.job.keep_checkpoints]:
+        for old in steps[:-run.job.train.keep_checkpoints]:
             shutil.rmtree(root / f"step-{old}", ignore_errors=True)
     accelerator.wait_for_everyone()
 
@@ -518,15 +499,15 @@ def train_step(run: TrainingRun, step_rows: np.ndarray, step: int) -> StepOutcom
     The loss is normalised by the target tokens of the whole optimizer step (all micro-batches, all
     processes), which every process knows from the data without communicating.
     """
-    job, accelerator, model = run.job, run.accelerator, run.model
-    accumulation, processes = job.gradient_accumulation_steps, run.processes
+    plan, accelerator, model = run.job.plan, run.accelerator, run.model
+    micro, accumulation, processes = plan.micro_batch_size, plan.gradient_accumulation_steps, run.processes
     step_targets = int(run.data.targets[step_rows].sum())
     step_loss = torch.zeros((), device=accelerator.device)  # Σ token losses of this process's micro-batches
     # Step in backward: the fulltune/optim.py wrapper (inside accelerate's AcceleratedOptimizer) steps each parameter.
-    in_backward = getattr(run.optimizer, "optimizer", run.optimizer) if job.optimizer_in_backward else None
+    in_backward = getattr(run.optimizer, "optimizer", run.optimizer) if plan.optimizer_in_backward else None
     step_finite = True
     for index in range(accumulation):
-        rows = StepSchedule.micro_batch(step_rows, index, accelerator.process_index, job.micro_batch_size, processes)
+        rows = StepSchedule.micro_batch(step_rows, index, accelerator.process_index, micro, processes)
         inputs, targets = micro_batch_inputs(run.data, rows, run.pad_token_id, accelerator.device)
         # Forward and backward; accelerate accumulates, syncing DDP gradients on the last micro-batch only.
         with accelerator.accumulate(model):
@@ -559,7 +540,7 @@ def count_skipped_step(run: TrainingRun, state: TrainState, outcome: StepOutcome
     # not finite (or any skip without a loss scaler) counts towards giving up.
     if not run.step_optimizer.scales_loss or not bool(torch.isfinite(outcome.loss_sum)):  # Sync point (skips only)
         state.nonfinite_in_a_row += 1
-    if state.nonfinite_in_a_row >= run.job.max_nonfinite_steps:
+    if state.nonfinite_in_a_row >= run.job.train.max_nonfinite_steps:
         raise TrainingError(
             f"training stopped: {state.nonfinite_in_a_row} non-finite losses in a row at step {state.step + 1}; "
             "lower train.learning_rate, or use train.mixed_precision bf16 instead of fp16")
@@ -622,9 +603,8 @@ class TrainMetrics:
         self.tokens += step_tokens
         self.interval_tokens += step_tokens
         self.interval_rows += len(step_rows)
-        per_token, per_target, per_pair = self.run.flops
-        self.interval_flops += (per_token * step_tokens + per_target * outcome.targets
-                                + per_pair * float(data.attention_pairs[step_rows].sum()))
+        self.interval_flops += self.run.flops.training_flops(step_tokens, outcome.targets,
+                                                             float(data.attention_pairs[step_rows].sum()))
         self.progress.update(1)
 
     def log_interval(self, step: int) -> None:
@@ -637,7 +617,7 @@ class TrainMetrics:
         if self.run.main_process:
             values = {"train_loss": loss, "learning_rate": self.run.scheduler.get_last_lr()[0], "grad_norm": norm,
                       "tokens_per_second": self.interval_tokens / seconds,
-                      "samples_per_second": self.interval_rows / seconds, **memory_metrics(self.job.device)}
+                      "samples_per_second": self.interval_rows / seconds, **memory_metrics(self.job.plan.device)}
             if self.peak:
                 values["mfu"] = self.interval_flops / seconds / self.peak
             self.sink.log(step, values)
@@ -696,7 +676,7 @@ def finish(run: TrainingRun, state: TrainState, metrics: TrainMetrics, resumed_f
         tokens=metrics.tokens,
         tokens_per_second=metrics.tokens_per_second,
         seconds=metrics.seconds,
-        peak_memory_bytes=torch.cuda.max_memory_allocated() if run.job.device == "cuda" else None,
+        peak_memory_bytes=torch.cuda.max_memory_allocated() if run.job.plan.device == "cuda" else None,
         nonfinite_steps=state.nonfinite_steps,
         resumed_from_step=resumed_from,
         loss_history=metrics.loss_history,
@@ -736,9 +716,9 @@ def train(job: TrainJob, hooks: TrainHooks | None = None) -> TrainResult:
             count_skipped_step(run, state, outcome)
             state.step += 1
             metrics.record_step(step_rows, outcome)
-            if state.step % job.log_every_steps == 0 or state.step == run.total_steps:
+            if state.step % job.train.log_every_steps == 0 or state.step == run.total_steps:
                 metrics.log_interval(state.step)
-            every = job.checkpoint_every_steps  # 0: never; none at the last step (the model is exported)
+            every = job.train.checkpoint_every_steps  # 0: never; none at the last step (the model is exported)
             if every and state.step % every == 0 and state.step < run.total_steps:
                 save_checkpoint(run, state, metrics.state_dict())
                 run.hooks.checkpoint_published(state.step)
@@ -751,9 +731,9 @@ def announce(run: TrainingRun, resumed_from: int | None) -> None:
         return
     job = run.job
     print(f"fulltune train: {len(run.data)} rows, {run.schedule.per_epoch} optimizer steps per epoch, "
-          f"{run.total_steps} steps of {job.micro_batch_size} micro × {job.gradient_accumulation_steps} "
+          f"{run.total_steps} steps of {job.plan.micro_batch_size} micro × {job.plan.gradient_accumulation_steps} "
           f"accumulation × {run.processes} processes; gradient checkpointing {run.checkpointed_layers}/"
-          f"{run.num_layers} layers; {job.optimizer}; precision {job.mixed_precision}; "
+          f"{run.num_layers} layers; {job.plan.optimizer}; precision {job.plan.mixed_precision}; "
           f"{f'resumed from step {resumed_from}' if resumed_from is not None else 'from the start'}",
           file=sys.stderr, flush=True)
 
@@ -798,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
     end_with_launcher()
     try:
         job = TrainJob.from_json(job_file.read_text())
-        output_dir = Path(job.output_dir)
+        output_dir = Path(job.paths.output_dir)
         validate_job(job)
         if completed_result(output_dir) is not None:
             print(f"fulltune train: {output_dir / MODEL_DIR} is already complete", file=sys.stderr)

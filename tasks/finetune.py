@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ def finetune_task(p: ResolvedPipeline, key: str, data: TokenizedData, tokenizer:
     """Train with the planned settings; on an out-of-memory crash replan and try again, at most twice,
     resuming from the newest checkpoint when the replanned settings can (fulltune/replan.py)."""
     from fulltune import launch
+    from fulltune.memory import Settings
     from fulltune.models import prepare_base_model
     from fulltune.registry import set_run_tags
     from fulltune.replan import train_with_oom_replans
@@ -44,13 +45,13 @@ def finetune_task(p: ResolvedPipeline, key: str, data: TokenizedData, tokenizer:
     logger = get_run_logger()
     base_model = prepare_base_model(p.spec.model, tokenizer, p.workdir, p.spec.train.seed)
 
-    def make_job(settings: dict[str, Any], output_dir: Path) -> Any:
-        return launch.job_from_pipeline(p.spec, settings, model_path=base_model, tokenizer_path=tokenizer,
+    def make_job(plan: Settings, output_dir: Path) -> Any:
+        return launch.job_from_pipeline(p.spec, plan, model_path=base_model, tokenizer_path=tokenizer,
                                         train_file=data.train_file, output_dir=str(output_dir),
                                         mlflow_tracking_uri=mlflow_uri, mlflow_run_id=mlflow_run_id)
 
     def run(job: Any) -> Any:
-        with _progress(p, Path(job.output_dir)):
+        with _progress(p, Path(job.paths.output_dir)):
             return launch.run_training(job)
 
     def on_replan(replan: int, why: str) -> None:
@@ -70,7 +71,7 @@ def finetune_task(p: ResolvedPipeline, key: str, data: TokenizedData, tokenizer:
     curve = Path(result.model_dir).parent / "loss_curve.png"
     record_outputs(p.workdir, FINE_TUNE, key, [result.model_dir, base_model] if base_model.startswith("/")
                    else [result.model_dir])
-    return TrainedModel(key, result.model_dir, base_model, tokenizer, trained.settings, metrics,
+    return TrainedModel(key, result.model_dir, base_model, tokenizer, asdict(trained.settings), metrics,
                         str(curve) if curve.exists() else None, trained.replans)
 
 

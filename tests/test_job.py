@@ -1,77 +1,125 @@
-"""The job the trainer runs: built from the resolved pipeline and the plan's settings by one table, written
-to JOB.json and read back by the child unchanged."""
+"""The job the trainer runs: the resolved pipeline's sections and the plan's Settings, typed, written to
+JOB.json by one function and read back by the child unchanged; the child reads each planned setting from
+the plan only."""
 
 from __future__ import annotations
 
+import ast
 import json
-from dataclasses import asdict, fields
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
-from fulltune import launch
+from fulltune import launch, spec
 from fulltune.errors import ConfigError
 from fulltune.launch import TrainJob, job_from_pipeline
+from fulltune.memory import Settings
 from fulltune.stages import resolve_pipeline
 
 from pipelines_fixture import tiny_pipeline
 
+ROOT = Path(__file__).resolve().parents[1]
+# The modules that read a job: the child, and the launcher that builds its command line.
+CHILD_MODULES = ("fulltune/train.py", "fulltune/launch.py")
 
-def planned_settings(**changes):
-    from fulltune.memory import Settings
 
-    return asdict(Settings(micro_batch_size=2, seq_len=16, gradient_accumulation_steps=3, gradient_checkpointing=1,
-                           mixed_precision="bf16", optimizer="adamw_8bit", pure_bf16=True, chunked_loss=True,
-                           **changes))
+def planned(**changes) -> Settings:
+    return Settings(**{**dict(micro_batch_size=2, seq_len=16, gradient_accumulation_steps=3, gradient_checkpointing=1,
+                              mixed_precision="bf16", optimizer="adamw_8bit", pure_bf16=True, chunked_loss=True,
+                              strategy="ddp", num_processes=2), **changes})
 
 
 @pytest.fixture
-def spec(tmp_path):
+def pipeline(tmp_path) -> spec.PipelineSpec:
     path = tiny_pipeline(tmp_path, train={"optimizer": "auto", "learning_rate": 1e-3, "seed": 7, "compile": True},
                          distributed={"strategy": "ddp", "num_processes": 2})
     return resolve_pipeline(str(path), "tiny").spec
 
 
-def build(spec, settings):
-    return job_from_pipeline(spec, settings, model_path="/base", tokenizer_path="/tok", train_file="/t.parquet",
+def build(pipeline, plan) -> TrainJob:
+    return job_from_pipeline(pipeline, plan, model_path="/base", tokenizer_path="/tok", train_file="/t.parquet",
                              output_dir="/runs/k", mlflow_tracking_uri="sqlite:///m.db", mlflow_run_id="r1")
 
 
-def test_job_takes_the_plan_settings_and_the_spec_fields(spec) -> None:
-    job = build(spec, planned_settings())
-    # From the plan: the split of a step, the precision, the optimizer chosen for `auto`, the levers.
-    assert (job.micro_batch_size, job.gradient_accumulation_steps, job.gradient_checkpointing) == (2, 3, 1)
-    assert (job.mixed_precision, job.optimizer, job.device) == ("bf16", "adamw_8bit", "cpu")
-    assert job.pure_bf16 and job.chunked_loss and not job.offload_optimizer
-    # From the spec: the optimisation and the processes.
-    assert (job.learning_rate, job.seed, job.compile, job.max_steps) == (1e-3, 7, True, 6)
-    assert (job.strategy, job.num_processes, job.attn_implementation) == ("ddp", 2, "sdpa")
-    assert (job.model_path, job.output_dir, job.mlflow_run_id) == ("/base", "/runs/k", "r1")
+def test_the_job_holds_the_plan_and_the_spec_sections(pipeline) -> None:
+    job = build(pipeline, planned())
+    assert job.plan == planned()
+    assert (job.train.learning_rate, job.train.seed, job.train.compile, job.train.max_steps) == (1e-3, 7, True, 6)
+    assert job.model == pipeline.model and job.distributed == pipeline.distributed
+    assert (job.paths.model_path, job.paths.output_dir, job.tracking.mlflow_run_id) == ("/base", "/runs/k", "r1")
+    # The spec says `optimizer: auto`; the job's train section has no such key, so only the plan can answer.
+    assert pipeline.train.optimizer == "auto" and not hasattr(job.train, "optimizer")
 
 
-def test_job_json_round_trips_and_reads_as_one_key_per_line(spec) -> None:
-    job = build(spec, planned_settings())
+def test_job_json_round_trips(pipeline) -> None:
+    job = build(pipeline, planned())
     text = job.to_json()
     assert TrainJob.from_json(text) == job
-    lines = text.splitlines()
-    assert len(lines) == len(fields(TrainJob)) + 2 and '"micro_batch_size": 2,' in [line.strip() for line in lines]
-    with pytest.raises(ConfigError, match=r"unknown keys \['learning_rat'\]"):
-        TrainJob.from_json(json.dumps({**json.loads(text), "learning_rat": 1}))
+    assert set(json.loads(text)) == set(launch.JOB_SECTIONS)
 
 
-def test_plan_only_settings_are_ignored_and_old_plans_have_the_levers_off(spec) -> None:
-    settings = planned_settings(strategy="fsdp", attn_implementation="eager", target_fraction=0.5)
-    job = build(spec, {**settings, "a_future_setting": 1})
-    assert (job.strategy, job.attn_implementation) == ("ddp", "sdpa")  # the spec's, not the plan's echo
-    without_levers = {name: value for name, value in settings.items() if name not in launch.LEVERS}
-    assert not any(getattr(build(spec, without_levers), lever) for lever in launch.LEVERS)
+def test_a_plan_made_for_other_processes_is_refused(pipeline) -> None:
+    with pytest.raises(ConfigError, match=r"plan.strategy is 'fsdp' but distributed.strategy is 'ddp'"):
+        build(pipeline, planned(strategy="fsdp"))
 
 
-def test_every_job_field_and_planner_setting_has_one_place() -> None:
-    from fulltune.memory import Settings
+def test_an_old_or_foreign_job_file_is_a_config_error_naming_it(pipeline) -> None:
+    text = build(pipeline, planned()).to_json()
+    flat_old_version = {"model_path": "/base", "tokenizer_path": "/tok", "train_file": "/t.parquet",
+                        "output_dir": "/runs/k", "micro_batch_size": 2, "learning_rate": 1e-3}
+    for foreign, expected in [
+        (json.dumps(flat_old_version), r"JOB.json .*plan: Field required.*micro_batch_size: unknown key"),
+        (json.dumps({**json.loads(text), "extra": {}}), r"JOB.json .*extra: unknown key"),
+        (json.dumps({**json.loads(text), "train": {**json.loads(text)["train"], "learning_rat": 1}}),
+         r"JOB.json .*train.learning_rat: unknown key"),
+        (json.dumps({**json.loads(text), "plan": {**json.loads(text)["plan"], "micro_batch_size": 0}}),
+         r"JOB.json .*micro_batch_size must be an integer >= 1"),
+        ("not json", r"JOB.json: not JSON"),
+    ]:
+        with pytest.raises(ConfigError, match=expected):
+            TrainJob.from_json(foreign)
 
-    listed = [*launch.JOB_FIELDS_PER_RUN, *launch.JOB_FIELDS_FROM_SETTINGS,
-              *(name for names in launch.JOB_FIELDS_FROM_SPEC.values() for name in names)]
-    assert sorted(listed) == sorted(f.name for f in fields(TrainJob))  # each field once, none forgotten
-    # A new planner setting must be wired into the job or declared plan-only here, not silently dropped.
-    known = set(launch.JOB_FIELDS_FROM_SETTINGS) | set(launch.PLAN_ONLY_SETTINGS)
-    assert {f.name for f in fields(Settings)} <= known
+
+def test_the_child_refuses_an_old_job_file_with_exit_2(tmp_path) -> None:
+    job_file = tmp_path / "JOB.json"
+    job_file.write_text(json.dumps({"model_path": "m", "tokenizer_path": "m", "train_file": "t", "output_dir": "o"}))
+    done = subprocess.run([sys.executable, "-m", "fulltune.train", str(job_file)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("fulltune train: error: JOB.json")
+    assert "JOB.json" in json.loads((tmp_path / "error.json").read_text())["message"]
+
+
+def attributes_read(section: str) -> set[str]:
+    """Names read as `<...>.section.NAME` or `section.NAME` in the modules that read a job."""
+    names = set()
+    for module in CHILD_MODULES:
+        for node in ast.walk(ast.parse((ROOT / module).read_text())):
+            if isinstance(node, ast.Attribute):
+                owner = node.value
+                if (isinstance(owner, ast.Attribute) and owner.attr == section) or (
+                        isinstance(owner, ast.Name) and owner.id == section):
+                    names.add(node.attr)
+    return names
+
+
+def test_every_planner_setting_is_read_from_the_plan_or_declared_plan_only() -> None:
+    settings = {f.name for f in fields(Settings)}
+    read = attributes_read("plan")
+    echoes = set(launch.PLAN_ECHOES)
+    # A new planner setting must be read by the child or declared plan-only, not silently dropped.
+    assert settings - read - echoes == set(launch.PLAN_ONLY_SETTINGS)
+    assert not read & set(launch.PLAN_ONLY_SETTINGS)
+    # The settings the plan echoes are read from the spec section they echo.
+    for name, section in launch.PLAN_ECHOES.items():
+        assert name in attributes_read(section), f"{section}.{name}"
+
+
+def test_the_train_section_is_the_spec_without_what_the_plan_decides() -> None:
+    options, planned_keys = set(launch.TrainOptions.model_fields), set(launch.PLANNED_TRAIN_KEYS)
+    assert options | planned_keys == set(spec.TrainSpec.model_fields) and not options & planned_keys
+    assert planned_keys - {"effective_batch_size"} <= {f.name for f in fields(Settings)}
+    assert options <= attributes_read("train")  # every optimisation key reaches the child

@@ -5,7 +5,6 @@ replanned run resumes from the newest checkpoint unless its settings make the ch
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -48,7 +47,7 @@ def fake_training(ooms: int, jobs: list):
         jobs.append(job)
         if len(jobs) <= ooms:
             raise OutOfMemory(observed_peak_bytes=None)
-        model_dir = Path(job.output_dir) / "model"
+        model_dir = Path(job.paths.output_dir) / "model"
         model_dir.mkdir(parents=True)
         return TrainResult(str(model_dir), steps=6, epochs=1.0, train_loss=1.0, tokens=100, tokens_per_second=1.0,
                            seconds=1.0, peak_memory_bytes=None, nonfinite_steps=0, resumed_from_step=None)
@@ -75,13 +74,13 @@ def test_oom_replans_smaller_micro_batch_with_same_effective_batch(prepared, mon
     monkeypatch.setattr(launch, "run_training", fake_training(ooms=1, jobs=jobs))
     trained = run_finetune(p, data, tokenizer, decision, run_id)
     first, second = jobs
-    assert second.micro_batch_size < first.micro_batch_size
-    assert second.output_dir == first.output_dir  # the same checkpoints: the replanned run resumes from them
+    assert second.plan.micro_batch_size < first.plan.micro_batch_size
+    assert second.paths.output_dir == first.paths.output_dir  # the same checkpoints: the replanned run resumes
     assert "resuming from the newest checkpoint" in trained.replans[0]
-    assert second.micro_batch_size * second.gradient_accumulation_steps == 8
-    assert first.micro_batch_size * first.gradient_accumulation_steps == 8
+    assert second.plan.micro_batch_size * second.plan.gradient_accumulation_steps == 8
+    assert first.plan.micro_batch_size * first.plan.gradient_accumulation_steps == 8
     assert len(trained.replans) == 1 and "out of memory" in trained.replans[0]
-    assert trained.settings["micro_batch_size"] == second.micro_batch_size
+    assert trained.settings["micro_batch_size"] == second.plan.micro_batch_size
     from mlflow.tracking import MlflowClient
 
     tags = MlflowClient().get_run(run_id).data.tags
@@ -94,8 +93,8 @@ def test_oom_gives_up_after_two_replans(prepared) -> None:
     jobs: list = []
     heard: list = []
 
-    def make_job(settings, output_dir):
-        return launch.job_from_pipeline(p.spec, settings, model_path="base", tokenizer_path=tokenizer,
+    def make_job(plan, output_dir):
+        return launch.job_from_pipeline(p.spec, plan, model_path="base", tokenizer_path=tokenizer,
                                         train_file=data.train_file, output_dir=str(output_dir))
 
     with pytest.raises(OutOfMemory):
@@ -103,7 +102,7 @@ def test_oom_gives_up_after_two_replans(prepared) -> None:
                                on_replan=lambda replan, why: heard.append((replan, why)))
     assert len(jobs) == 3
     assert [replan for replan, _ in heard] == [1, 2] and all("out of memory" in why for _, why in heard)
-    micro = [job.micro_batch_size for job in jobs]
+    micro = [job.plan.micro_batch_size for job in jobs]
     assert micro == sorted(micro, reverse=True) and len(set(micro)) == 3
 
 
@@ -126,19 +125,20 @@ def test_a_replanned_run_resumes_from_the_newest_checkpoint(tmp_path, monkeypatc
     monkeypatch.setattr(launch, "run_training", first_attempt_runs_out_of_memory)
     trained = run_finetune(p, data, tokenizer, decision, run_id)
     first, second = jobs
-    assert second.micro_batch_size < first.micro_batch_size and second.output_dir == first.output_dir
+    assert second.plan.micro_batch_size < first.plan.micro_batch_size
+    assert second.paths.output_dir == first.paths.output_dir
     result = json.loads((Path(trained.model_dir).parent / "result.json").read_text())
     assert result["resumed_from_step"] == 3 and result["steps"] == 6
     assert "resuming from the newest checkpoint" in trained.replans[0]
 
 
 def test_resume_conflict_allows_a_new_split_and_refuses_other_changes():
-    job = launch.TrainJob(model_path="m", tokenizer_path="m", train_file="t", output_dir="o", micro_batch_size=8,
-                          gradient_accumulation_steps=1, optimizer="adamw", mixed_precision="no")
-    split = replace(job, micro_batch_size=2, gradient_accumulation_steps=4, gradient_checkpointing=2,
-                    mixed_precision="bf16", output_dir="elsewhere")
+    job = launch.job_with("m", "t", "o", micro_batch_size=8, gradient_accumulation_steps=1, optimizer="adamw",
+                          mixed_precision="no")
+    split = job.replace(micro_batch_size=2, gradient_accumulation_steps=4, gradient_checkpointing=2,
+                        mixed_precision="bf16", output_dir="elsewhere")
     assert launch.resume_conflict(job, split) is None
-    assert "effective batch" in launch.resume_conflict(job, replace(job, micro_batch_size=4))
-    assert "optimizer state cannot be loaded" in launch.resume_conflict(job, replace(job, optimizer="adamw_8bit"))
-    assert "grad scaler" in launch.resume_conflict(job, replace(job, mixed_precision="fp16"))
-    assert "learning_rate" in launch.resume_conflict(job, replace(job, learning_rate=1.0))
+    assert "effective batch" in launch.resume_conflict(job, job.replace(micro_batch_size=4))
+    assert "optimizer state cannot be loaded" in launch.resume_conflict(job, job.replace(optimizer="adamw_8bit"))
+    assert "grad scaler" in launch.resume_conflict(job, job.replace(mixed_precision="fp16"))
+    assert "train.learning_rate" in launch.resume_conflict(job, job.replace(learning_rate=1.0))

@@ -3,7 +3,6 @@ goes, not what is learned — checked against a run without them — and a run w
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -73,4 +72,4 @@ def test_impossible_lever_combinations_are_config_errors(assets: dict[str, Path]
                 dict(offload_optimizer=True, strategy="ddp", num_processes=2),
                 dict(chunked_loss=True, strategy="fsdp", num_processes=2)):
         with pytest.raises(ConfigError):
-            validate_job(replace(job, **bad))
+            validate_job(job.replace(**bad))

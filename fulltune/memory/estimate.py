@@ -31,7 +31,7 @@ Every byte count comes from the tensors autograd saves in the transformers 5 imp
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fulltune.memory.shapes import ModelShape, model_shape
@@ -277,13 +277,32 @@ def estimate_memory(config: Any, settings: Settings) -> MemoryEstimate:
     return _estimate(shape, settings)
 
 
+def _fsdp_walk(settings: Settings) -> bool:
+    """Whether the step is walked as FSDP2 runs it (per unit gathers, reduce-scatters; `_fsdp_phases`).
+
+    fulltune's FSDP does not combine with the chunked head (the planner refuses it); that pair, and
+    DeepSpeed ZeRO-3, keep the per-step formula (two layers gathered, one layer's gradient bucket)."""
+    return settings.strategy == "fsdp" and not settings.chunked_loss
+
+
+def _activation_settings(settings: Settings) -> Settings:
+    """The settings whose activations the step makes: FSDP's bf16 policy (fulltune/sharding.py) gathers
+    bf16 weights and runs the model on them without autocast, so its activations, residual stream and
+    logits are those of bf16 weights (`pure_bf16`), while the sharded masters, gradients and optimizer
+    states stay fp32 (measured per rank on CPU: benchmarks/sharded_memory.py)."""
+    if _fsdp_walk(settings) and settings.mixed_precision == "bf16" and not settings.pure_bf16:
+        return replace(settings, pure_bf16=True)
+    return settings
+
+
 def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = None) -> MemoryEstimate:
     """`estimate_memory` on a parsed shape; `timeline` (if given) receives every (phase, bytes, parts)."""
     b, s = settings.micro_batch_size, settings.seq_len
     h, V, L = shape.hidden, shape.vocab, shape.num_layers
     P = shape.num_params
-    c = _compute_bytes(settings)
-    mixed = c == 2 and not settings.pure_bf16  # autocast over fp32 weights
+    act = _activation_settings(settings)
+    c = _compute_bytes(act)
+    mixed = c == 2 and not act.pure_bf16  # autocast over fp32 weights
     k = min(settings.gradient_checkpointing, L)
     n = settings.num_processes
     strategy = settings.strategy
@@ -305,7 +324,7 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
     if strategy == "ddp":
         # DDP keeps flat gradient buckets besides .grad (gradient_as_bucket_view=False default).
         buckets = wb * P
-    elif strategy in ("fsdp", "deepspeed_zero3"):
+    elif strategy in ("fsdp", "deepspeed_zero3") and not _fsdp_walk(settings):
         # Two layers' full parameters are gathered at a time (current + prefetch), the embedding
         # while it is used, plus one layer's unsharded gradients before reduce-scatter.
         gathered = 2 * wb * shape.layer_numel + (wb * shape.embedding_numel if n > 1 else 0)
@@ -318,8 +337,8 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
     accumulating = settings.gradient_accumulation_steps > 1
     grads_before = grads_total if accumulating else 0
 
-    layer = _layer(shape, settings)
-    sb = _stream_bytes(settings)
+    layer = _layer(shape, act)
+    sb = _stream_bytes(act)
     bsh4 = sb * b * s * h  # one residual-stream tensor
     # Model-level saved tensors: the embedding output, the final norm (input is the last layer's
     # output, normalised x, 1/rms or mean/rstd), the lm_head input, rotary cos/sin.
@@ -327,7 +346,7 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
     # layer's output, is counted with that layer). With bf16 weights RMSNorm keeps its fp32 upcast
     # input instead of the bf16 one (see `_layer`).
     final_norm = bsh4 + 4 * b * s if shape.layout == "llama" else 8 * b * s
-    if settings.pure_bf16 and shape.layout == "llama":
+    if act.pure_bf16 and shape.layout == "llama":
         final_norm += 4 * b * s * h
     # The gathered rows: a 16-bit copy under autocast; the chunked head casts tile by tile and
     # keeps the rows as they come.
@@ -335,7 +354,7 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
     rope = 2 * 4 * b * s * shape.rotary_dim if shape.rotary_dim else 0
     head_copy = 2 * V * h if mixed and not settings.chunked_loss and strategy not in ("fsdp", "deepspeed_zero3") else 0
     # The embedding output (the input of layer 0): with bf16 weights only a checkpointed layer 0 keeps it.
-    stream_in = 0 if settings.pure_bf16 and k == 0 and shape.layout == "llama" else bsh4
+    stream_in = 0 if act.pure_bf16 and k == 0 and shape.layout == "llama" else bsh4
     if shape.layout == "gpt2" and shape.embedding_dropout > 0:
         stream_in += b * s * h * (4 if settings.device == "cpu" else 1)
     # Checkpointed layers keep their inputs alive until their backward, the attention mask among
@@ -348,7 +367,7 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
     # keeps only its output (checkpoint keeps the layer input, the previous layer's output).
     # With bf16 weights a layer's output is kept only as a checkpointed layer's input (the next
     # RMSNorm keeps its own fp32 upcast).
-    pure_llama = settings.pure_bf16 and shape.layout == "llama"
+    pure_llama = act.pure_bf16 and shape.layout == "llama"
     full = layer.saved + (0 if pure_llama else bsh4)
     saved_by_layer = [layer.checkpoint_saved if i < k else full for i in range(L)]
     if pure_llama and k > 0:
@@ -368,8 +387,10 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
 
     phases: list[tuple[str, int, dict[str, int]]] = []
 
-    def add(phase: str, grads: int, acts: int, logits: int, temp: int, now: int = 0, backward: bool = True) -> None:
-        """`grads`: the gradients alive without the hook levers; `now`: the one a hook is about to take."""
+    def add(phase: str, grads: int, acts: int, logits: int, temp: int, now: int = 0, backward: bool = True,
+            unsharded: tuple[int, int] = (0, 0)) -> None:
+        """`grads`: the gradients alive without the hook levers; `now`: the one a hook is about to take;
+        `unsharded`: FSDP's gathered parameters and (unsharded gradients + reduce-scatter buffers) now."""
         device_grads = now if hooks else grads
         # Offloaded activations move to the host once the forward has passed their layer.
         away = offloaded if backward else 0
@@ -377,8 +398,8 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
         # the host holds the sums of the earlier micro-batches already).
         host_parts = _host_parts(levers, grads if accumulating else max(grads - now, 0), wb, away)
         parts = {
-            "parameters": params + buffers + gathered + (host_parts["parameters"] if on_host else 0),
-            "gradients": device_grads + buckets + (host_parts["gradients"] if on_host else 0),
+            "parameters": params + buffers + gathered + unsharded[0] + (host_parts["parameters"] if on_host else 0),
+            "gradients": device_grads + buckets + unsharded[1] + (host_parts["gradients"] if on_host else 0),
             "optimizer_states": states + (host_parts["optimizer_states"] if on_host else 0),
             "activations": acts + batch - (0 if on_host else away),
             "logits": logits,
@@ -389,6 +410,10 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
 
     # Forward: the last layer's forward peak with everything below it saved.
     before_head = acts_total - final_norm - lm_head_input - head_copy
+    if _fsdp_walk(settings):
+        _fsdp_phases(add, shape, settings, layer, saved_by_layer, grads_total, acts_total, before_head,
+                     lm_head_input + final_norm, mask_bool, t, c, bsh4, logits_c, logits32)
+        return _result(phases, timeline, settings, notes)
     add("forward", grads_before, before_head, 0, layer.forward_transient + mask_bool, backward=False)
     head_grad = int(wb * V * h * grad_shard)
     after_head = acts_total - lm_head_input - head_copy - final_norm
@@ -449,6 +474,11 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
         step_temp = levers.host_temp if settings.offload_optimizer else opt_temp
         add("optimizer step", grads_total, 0, 0, step_temp if (on_host or not settings.offload_optimizer) else 0)
 
+    return _result(phases, timeline, settings, notes)
+
+
+def _result(phases: list, timeline: list | None, settings: Settings, notes: list[str]) -> MemoryEstimate:
+    """The estimate at the largest of `phases` (and the timeline, if asked for)."""
     if timeline is not None:
         timeline.extend(phases)
     phase, peak, parts = max(phases, key=lambda p: p[1])
@@ -464,6 +494,108 @@ def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = Non
         notes=tuple(notes),
         host_bytes=int(host),
     )
+
+
+def _fsdp_phases(add: Any, shape: ModelShape, settings: Settings, layer: _Layer, saved_by_layer: list[int],
+                 grads_total: int, acts_total: int, before_head: int, head_inputs: int, mask_bool: int, t: int,
+                 c: int, bsh4: int, logits_c: int, logits32: int) -> None:
+    """The step as FSDP2 runs it in every rank (fulltune/sharding.py), phase by phase.
+
+    Units: each decoder layer; the input embedding and the output head when untied (the head keeps its
+    gathered weight from its forward to its backward); the root (final norm, and a tied embedding).
+    What is unsharded depends on the phase: a unit's full weight exists while it computes (plus the
+    all-gather buffer FSDP2 keeps until the next unit's gather, and in backward the next unit's
+    prefetched gather); the root frees its gathered weights after the forward (a tied embedding is not
+    gathered in the loss) and gathers them again for the backward. A unit's gradient is unsharded (weight
+    dtype) until its post-backward copies it into a fp32 reduce-scatter buffer, which FSDP2 keeps until
+    the next unit's reduce-scatter; only the sharded result stays. A tied head's unsharded gradient waits
+    in autograd for the embedding's share. Checked per phase against FSDPMemTracker in each rank
+    (benchmarks/sharded_memory.py).
+    """
+    h, V, I, L = shape.hidden, shape.vocab, shape.intermediate, shape.num_layers
+    n = settings.num_processes
+    policy_bf16 = settings.mixed_precision == "bf16"
+    wb = 2 if settings.pure_bf16 else 4  # the sharded weights and gradients
+    pb = 2 if policy_bf16 else wb  # gathered weights and unsharded gradients
+    rb = 4 if policy_bf16 else wb  # reduce-scatter buffers (the policy reduces in fp32)
+    lay, vh = shape.layer_numel, V * h
+    tied = shape.tied
+    root = shape.num_params - L * lay - (0 if tied else 2 * vh)  # final norm (+ tied embedding, positions)
+    accumulating = settings.gradient_accumulation_steps > 1
+
+    def shard(numel: int) -> int:
+        return int(wb * numel / n)
+
+    # Sharded gradients as the backward finishes units (all of them when accumulating).
+    done = grads_total if accumulating else 0
+    root_g = pb * root  # the root's gathered weights (forward, and backward from the head on)
+
+    # Forward of the input embedding: its gathered weight and all-gather buffer (tied: the root's).
+    embedding = 2 * pb * vh + root_g if not tied else 2 * root_g
+    add("forward", done, 0, 0, bsh4, backward=False, unsharded=(embedding, 0))
+    # The last layer gathered, the previous gather's buffer kept, the root gathered.
+    add("forward", done, before_head, 0, layer.forward_transient + mask_bool, backward=False,
+        unsharded=(2 * pb * lay + root_g, 0))
+    # The head's forward: untied, its weight and its all-gather buffer; tied, the root's weights.
+    in_head = 2 * pb * vh + root_g if not tied else root_g + pb * lay
+    add("forward of the lm head / loss", done, acts_total, logits_c, bsh4 + 4 * t * h, backward=False,
+        unsharded=(in_head, 0))
+    # The loss, after the root's forward: only an untied head stays gathered.
+    kept_head = 0 if tied else pb * vh
+    if c == 2:
+        add("forward of the lm head / loss", done, acts_total, logits_c + logits32, 0, backward=False,
+            unsharded=(kept_head, 0))
+    add("forward of the lm head / loss", done, acts_total, 2 * logits32, 0, backward=False, unsharded=(kept_head, 0))
+    add("backward of the lm head / loss", done, acts_total, 3 * logits32, 0, unsharded=(kept_head, 0))
+    # The head's backward: its unsharded weight gradient beside the gathered weight (tied: the root
+    # gathered again), the last layer's gather prefetched.
+    gathered_head = (pb * vh if not tied else root_g) + pb * lay
+    add("backward of the lm head / loss", done, acts_total, logits_c + (logits32 if c == 2 else 0), t * h * c,
+        unsharded=(gathered_head, pb * vh))
+    after_head = acts_total - head_inputs
+    if not tied:
+        # Its post-backward: the gradient copied into the reduce-scatter buffer, the weight resharded.
+        add("backward of the lm head / loss", done, acts_total, 0, t * h * c, unsharded=(pb * lay, pb * vh + rb * vh))
+        done = done if accumulating else done + shard(vh)
+    # Tied: the head's gradient waits unsharded for the embedding's; untied: the head's reduce-scatter
+    # buffer is kept until the next one.
+    waiting = pb * vh if tied else 0
+    kept_rs = 0 if tied else rb * vh
+    add("backward of the lm head / loss", done, after_head, 0, bsh4 + 4 * t * h,
+        unsharded=(pb * lay + (root_g if tied else 0), waiting + kept_rs))
+
+    mlp_params = 2 * h * I + (I * h if shape.gated_mlp else 0)
+    acts_now = after_head
+    for i in reversed(range(L)):
+        below = acts_now - saved_by_layer[i]
+        # This layer gathered, the next one (below it) prefetched: layer 0 prefetches an untied embedding.
+        prefetch = pb * lay if i > 0 else (0 if tied else pb * vh)
+        gathered = pb * lay + prefetch + (root_g if tied else 0)
+        # The output projection's gradient first, then the MLP's, unsharded.
+        add(f"backward of layer {i}", done, below, 0, layer.saved + layer.mlp_backward,
+            unsharded=(gathered, waiting + kept_rs + pb * h * I))
+        add(f"backward of layer {i}", done, below, 0, layer.attn_saved + layer.attn_backward,
+            unsharded=(gathered, waiting + kept_rs + pb * mlp_params))
+        # Its post-backward: the whole unsharded gradient and its reduce-scatter buffer.
+        add(f"backward of layer {i}", done, below, 0, 0,
+            unsharded=(prefetch + (root_g if tied else 0), waiting + pb * lay + rb * lay))
+        done = done if accumulating else done + shard(lay)
+        kept_rs = rb * lay
+        acts_now = below
+    acts_now = max(acts_now, 0)
+    if tied:
+        # The embedding's dense gradient, then its sum with the waiting head gradient (three at once);
+        # the root's post-backward reduce-scatters that sum.
+        add("backward of the embeddings", done, acts_now, 0, 3 * pb * vh, unsharded=(root_g, kept_rs))
+        add("backward of the embeddings", done, acts_now, 0, 0, unsharded=(0, pb * root + rb * root))
+    else:
+        add("backward of the embeddings", done, acts_now, 0, 0, unsharded=(pb * vh, kept_rs + pb * vh))
+        # Its post-backward: besides the gradient and its reduce-scatter buffer, one more (V, h) tensor of
+        # the weight's size stays alive until the reduce-scatter's sharded output exists (measured with
+        # FSDPMemTracker; the same at every micro-batch and precision).
+        add("backward of the embeddings", done, acts_now, 0, pb * vh + shard(vh),
+            unsharded=(0, pb * vh + rb * vh))
+    add("optimizer step", grads_total, 0, 0, 0)
 
 
 def _notes(shape: ModelShape, settings: Settings) -> list[str]:
@@ -590,6 +722,8 @@ def num_parameters(config: Any) -> int:
 
 
 def flops_per_token(config: Any, seq_len: int) -> float:
-    """Training FLOPs per token, 6N + 12·L·h·s (PaLM appendix B; no recompute)."""
-    shape = model_shape(config)
-    return 6.0 * shape.num_params + 12.0 * shape.num_layers * shape.hidden * seq_len
+    """Training FLOPs per token of rows of one `seq_len`-token document with a target at every position
+    (fulltune/flops.py; no recompute)."""
+    from fulltune import flops
+
+    return flops.from_shape(model_shape(config)).per_token_of_rows(seq_len)

@@ -68,23 +68,26 @@ _HOST_OPTIMIZER_BYTES_PER_S = 1.5e9
 _HOST_OPTIMIZER_SLOWDOWN = {"adamw": 1.0, "adamw_8bit": 20.0, "adamw_4bit": 1.0, "adafactor": 1.0}
 # - the Kahan-compensated update reads and writes one more bf16 buffer: 4 B/param of extra traffic;
 _KAHAN_TRAFFIC = 4
-# - the chunked loss recomputes the head's logits in backward: one more head forward (2·V·h per target);
+# - the chunked loss recomputes the head's logits in backward: one more head forward per target;
 # - a step in backward costs nothing extra on the device (the same update, earlier).
 
 
 def step_seconds(shape: ModelShape, settings: Settings) -> float:
     """Estimated wall time of one optimizer step (ranking only, not a promise).
 
-    FLOPs per token 6N + 12·L·h·s (PaLM appendix B), less the output head's 6·V·h at positions
-    without a target, plus one extra forward (2·N_layer + 4·h·s per token) for each checkpointed
-    layer; throughput grows with tokens per micro-batch.
+    Model FLOPs per token from fulltune/flops.py (rows of one document, the output head at the
+    `target_fraction` of positions with a target), plus one more forward of each checkpointed layer
+    (a third of that layer's training FLOPs) at `_RECOMPUTE_OVERHEAD`; throughput grows with tokens
+    per micro-batch.
     """
+    from fulltune.flops import from_shape
+
     s, b = settings.seq_len, settings.micro_batch_size
-    L, h = shape.num_layers, shape.hidden
-    k = min(settings.gradient_checkpointing, L)
-    per_token = 6.0 * shape.num_params + 12.0 * L * h * s
-    per_token -= 6.0 * (1.0 - settings.target_fraction) * shape.vocab * h  # the head runs at targets only
-    per_token += k * _RECOMPUTE_OVERHEAD * (2.0 * shape.layer_numel + 4.0 * h * s)
+    k = min(settings.gradient_checkpointing, shape.num_layers)
+    c = from_shape(shape)
+    per_token = c.per_token_of_rows(s, settings.target_fraction)
+    # The layers' share of the per-token FLOPs (all but the final norm), a third of it per forward.
+    per_token += _RECOMPUTE_OVERHEAD * (k / shape.num_layers) * (c.per_token + c.per_pair * s) / 3.0
     tokens = b * s
     efficiency = tokens / (tokens + _HALF_EFFICIENCY_TOKENS[settings.device])
     flops = _FLOPS[(settings.device, settings.mixed_precision)]
@@ -101,12 +104,15 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
 
 def lever_seconds(shape: ModelShape, settings: Settings) -> dict[str, float]:
     """Step time the levers add beyond compute and the device optimizer (assumed constants above)."""
+    from fulltune.flops import from_shape
+
     s, b, ga = settings.seq_len, settings.micro_batch_size, settings.gradient_accumulation_steps
     h, P = shape.hidden, shape.num_params
     out: dict[str, float] = {}
     if settings.chunked_loss:
         flops = _FLOPS[(settings.device, "bf16" if settings.pure_bf16 else settings.mixed_precision)]
-        out["chunked_loss"] = ga * b * settings.targets_per_row * 2.0 * shape.vocab * h / flops
+        head_forward = from_shape(shape).per_target / 3.0  # the head's logits once more, per target
+        out["chunked_loss"] = ga * b * settings.targets_per_row * head_forward / flops
     if settings.offload_optimizer:
         weight = 2 if settings.pure_bf16 else 4
         # Each micro-batch's gradients go to the host; the fp32 masters come back once per step.
