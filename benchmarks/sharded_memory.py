@@ -1,6 +1,6 @@
 """Per-rank peak memory of an FSDP2 training step: the planner's estimate against a measurement.
 
-For each configuration below, two processes (torchrun, gloo, CPU) shard a `from_config` model with
+For each configuration below, two (or four) processes (torchrun, gloo, CPU) shard a `from_config` model with
 `fulltune.sharding.shard_model` and run two optimizer steps the way the trainer does (TargetHead loss
 over the target positions, backward of Σ loss / targets, global-norm clip, fused AdamW, zero_grad). In
 every rank torch's FSDPMemTracker (MemTracker plus FSDP2's all-gather / reduce-scatter buffers, sharded
@@ -12,13 +12,15 @@ Measured: every tensor torch allocates in the step on CPU. Not measured (they st
 planner): CUDA's context and caching-allocator slack, NCCL's internal buffers and streams, and the
 CPU process itself (interpreter, libraries).
 
-The per-category columns split both peaks into parameters (sharded + gathered), gradients (sharded +
-unsharded + reduce-scatter buffers), optimizer states and the rest (activations, logits, temporaries);
-the two peaks can fall in different phases of the step, so compare the totals first.
+The grid (`_grid`): fp32 and bf16 policy, tied and untied embeddings, no / half / every layer checkpointed,
+micro-batch 1 and 2, then accumulation, a 32k tied vocabulary and four processes. Each row is the
+estimate against the rank furthest from it (the ranks measure the same to the byte here). The JSON keeps
+FSDPMemTracker's categories per rank; they are for reading only (the tracker files a buffer under the
+category of the hook that first sees it), the totals are what is compared.
 
 Usage:
-    python benchmarks/sharded_memory.py            # table + JSON on stdout (~1 min per case on 2 cores)
-    python benchmarks/sharded_memory.py --case base --json out.json
+    python benchmarks/sharded_memory.py            # JSON, table and summary on stdout (~15 s per case on 2 cores)
+    python benchmarks/sharded_memory.py --case fp32-untied-ckpt0-b2 --json out.json
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PROCESSES = 2
 STEPS = 2
 
 
@@ -44,24 +45,48 @@ class Case:
     name: str
     config: dict  # LlamaConfig keyword arguments
     settings: dict = field(default_factory=dict)  # Settings fields besides strategy / num_processes
+    processes: int = 2
 
 
 BASE = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 8192, "max_position_embeddings": 512}
-CASES = [
-    Case("base", BASE, {"micro_batch_size": 2, "seq_len": 128}),
-    Case("bf16", BASE, {"micro_batch_size": 2, "seq_len": 128, "mixed_precision": "bf16"}),
-    Case("accumulate", BASE, {"micro_batch_size": 2, "seq_len": 128, "gradient_accumulation_steps": 2}),
-    Case("checkpointing", BASE, {"micro_batch_size": 2, "seq_len": 128, "gradient_checkpointing": 4}),
-    Case("tied-32k", {**BASE, "hidden_size": 128, "intermediate_size": 344, "vocab_size": 32000,
-                      "tie_word_embeddings": True}, {"micro_batch_size": 2, "seq_len": 128}),
-]
+        "num_key_value_heads": 2, "vocab_size": 8192, "max_position_embeddings": 512,
+        "tie_word_embeddings": False}
+TIED = {**BASE, "tie_word_embeddings": True}
 
 
-def settings_of(case: Case, strategy: str = "fsdp", processes: int = PROCESSES):
+def _grid() -> list[Case]:
+    """fp32 / bf16 policy × untied / tied × checkpointing none / 2 / all 4 layers × micro-batch 1 / 2 on 2
+    processes, then accumulation, a 32k tied vocabulary and 4 processes."""
+    cases = []
+    for precision in ("no", "bf16"):
+        for tied, config in (("untied", BASE), ("tied", TIED)):
+            for checkpointing in (0, 2, 4):
+                for micro in (1, 2):
+                    name = f"{'fp32' if precision == 'no' else 'bf16'}-{tied}-ckpt{checkpointing}-b{micro}"
+                    cases.append(Case(name, config, {"micro_batch_size": micro, "seq_len": 128,
+                                                     "mixed_precision": precision,
+                                                     "gradient_checkpointing": checkpointing}))
+    two = {"micro_batch_size": 2, "seq_len": 128}
+    cases += [
+        Case("fp32-untied-accumulate2", BASE, {**two, "gradient_accumulation_steps": 2}),
+        Case("bf16-tied-ckpt2-accumulate2", TIED, {**two, "gradient_accumulation_steps": 2, "mixed_precision": "bf16",
+                                                   "gradient_checkpointing": 2}),
+        Case("fp32-tied-32k", {**BASE, "hidden_size": 128, "intermediate_size": 344, "vocab_size": 32000,
+                               "tie_word_embeddings": True}, two),
+        Case("fp32-untied-4proc", BASE, two, processes=4),
+        Case("bf16-tied-ckpt2-4proc", TIED, {**two, "mixed_precision": "bf16", "gradient_checkpointing": 2},
+             processes=4),
+    ]
+    return cases
+
+
+CASES = _grid()
+
+
+def settings_of(case: Case, strategy: str = "fsdp", processes: int | None = None):
     from fulltune.memory import Settings
 
-    return Settings(strategy=strategy, num_processes=processes, device="cpu", **case.settings)
+    return Settings(strategy=strategy, num_processes=processes or case.processes, device="cpu", **case.settings)
 
 
 def config_of(case: Case):
@@ -155,7 +180,7 @@ def run_case(case: Case) -> dict:
         out = Path(tmp) / "ranks.json"
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={PROCESSES}",
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.processes}",
                    __file__, "--worker", case.name, "--out", str(out)]
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0:
@@ -164,6 +189,7 @@ def run_case(case: Case) -> dict:
     estimate = estimate_memory(config_of(case), settings_of(case))
     return {
         "case": case.name,
+        "processes": case.processes,
         "config": case.config,
         "settings": settings_of(case).to_dict(),
         "estimate_peak_bytes": estimate.peak_bytes,
@@ -177,17 +203,30 @@ def run_case(case: Case) -> dict:
     }
 
 
+def _worst_rank(result: dict) -> dict:
+    return max(result["ranks"], key=lambda rank: abs(rank["error"]))
+
+
+def summary(results: list[dict]) -> str:
+    """Median and worst |error| over the cases (each case at its worst rank)."""
+    errors = sorted(abs(_worst_rank(r)["error"]) for r in results)
+    median = errors[len(errors) // 2] if len(errors) % 2 else sum(errors[len(errors) // 2 - 1:][:2]) / 2
+    worst = max(results, key=lambda r: abs(_worst_rank(r)["error"]))
+    return (f"median |error| {median:.2%}, worst {abs(_worst_rank(worst)['error']):.2%} ({worst['case']}) "
+            f"over {len(results)} configurations")
+
+
 def table(results: list[dict]) -> str:
+    """One row per case: the estimate against the rank whose measured peak is furthest from it."""
     mib = 2**20
-    lines = ["| case | rank | estimate MiB | measured MiB | error | params est/meas | grads est/meas | "
-             "optimizer est/meas | acts+logits+temp est/meas |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | processes | estimate MiB | measured MiB (ranks) | error | peak during (estimate) |",
+             "|---|---|---|---|---|---|"]
     for r in results:
-        est = r["estimate_breakdown"]
-        for rank in r["ranks"]:
-            meas = rank["measured_breakdown"]
-            cells = " | ".join(f"{est[k] / mib:.2f} / {meas.get(k, 0) / mib:.2f}" for k in est)
-            lines.append(f"| {r['case']} | {rank['rank']} | {r['estimate_peak_bytes'] / mib:.2f} | "
-                         f"{rank['measured_peak_bytes'] / mib:.2f} | {rank['error']:+.1%} | {cells} |")
+        measured = "/".join(f"{rank['measured_peak_bytes'] / mib:.2f}" for rank in r["ranks"])
+        if len({rank["measured_peak_bytes"] for rank in r["ranks"]}) == 1:
+            measured = f"{r['ranks'][0]['measured_peak_bytes'] / mib:.2f} (all)"
+        lines.append(f"| {r['case']} | {r['processes']} | {r['estimate_peak_bytes'] / mib:.2f} | {measured} | "
+                     f"{_worst_rank(r)['error']:+.2%} | {r['estimate_peak_phase']} |")
     return "\n".join(lines)
 
 
@@ -207,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(text)
     print(text)
     print(table(results))
+    print(summary(results))
     return 0
 
 
