@@ -44,7 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fulltune.launch import TrainJob, run_training  # noqa: E402  (imports neither torch nor transformers)
+from fulltune.launch import TrainJob, job_with, run_training  # noqa: E402  (imports neither torch nor transformers)
 
 MIB = 2**20
 # The requirement the fit is held to: the estimate's device_bytes within this of the measured peak RSS.
@@ -183,12 +183,11 @@ def settings_of(case: Case, target_fraction: float) -> Any:
 def make_job(case: Case, model_dir: Path, data: Path, output_dir: Path, mlflow_run: tuple[str, str] | None,
              steps: int = STEPS) -> TrainJob:
     uri, run_id = mlflow_run if mlflow_run else (None, None)
-    return TrainJob(model_path=str(model_dir), tokenizer_path=str(model_dir), train_file=str(data),
-                    output_dir=str(output_dir), micro_batch_size=case.micro_batch_size,
+    return job_with(str(model_dir), str(data), str(output_dir), micro_batch_size=case.micro_batch_size,
                     gradient_accumulation_steps=case.gradient_accumulation_steps,
                     gradient_checkpointing=case.gradient_checkpointing, mixed_precision=case.mixed_precision,
-                    optimizer=case.optimizer, learning_rate=1e-4, max_steps=steps,
-                    checkpoint_every_steps=CHECKPOINT_EVERY, keep_checkpoints=1, log_every_steps=1,
+                    optimizer=case.optimizer, seq_len=case.seq_len, learning_rate=1e-4, warmup_ratio=0.0,
+                    max_steps=steps, checkpoint_every_steps=CHECKPOINT_EVERY, keep_checkpoints=1, log_every_steps=1,
                     mlflow_tracking_uri=uri, mlflow_run_id=run_id)
 
 
@@ -214,7 +213,7 @@ def measure_peak_rss(job: TrainJob, omp_threads: int | None = 1) -> dict[str, An
     Returns {"peak_rss_bytes", "setup_rss_bytes" (sampled peak before the training loop: imports and
     model loading), "seconds"}. Raises RuntimeError with the wrapper's output when training failed.
     """
-    job_file = Path(job.output_dir).with_suffix(".job.json")
+    job_file = Path(job.paths.output_dir).with_suffix(".job.json")
     job_file.parent.mkdir(parents=True, exist_ok=True)
     job_file.write_text(job.to_json())
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
@@ -224,7 +223,7 @@ def measure_peak_rss(job: TrainJob, omp_threads: int | None = 1) -> dict[str, An
     done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(job_file)],
                           capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        raise RuntimeError(f"training {job.output_dir} failed (exit {done.returncode}):\n{done.stdout[-3000:]}"
+        raise RuntimeError(f"training {job.paths.output_dir} failed (exit {done.returncode}):\n{done.stdout[-3000:]}"
                            f"\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["seconds"] = round(time.perf_counter() - started, 1)
@@ -236,7 +235,7 @@ def _child(job_file: str) -> int:
     import psutil
 
     job = TrainJob.from_json(Path(job_file).read_text())
-    out = Path(job.output_dir)
+    out = Path(job.paths.output_dir)
     samples: list[tuple[str, int]] = []
     loop_started = threading.Event()
     stop = threading.Event()

@@ -12,8 +12,8 @@ and prints, per configuration:
 so the estimate's error and the allocator's slack (`runtime_overhead` assumes 0.6 GiB + 8%) are measured,
 and which of estimate and trace is right on CUDA is settled. Then:
 
-- MFU of a short bf16 training loop (model FLOPs 6N + 12·L·h·s per token, `flops_per_token`, against the
-  device's dense bf16 peak from `PEAK_FLOPS` or --peak-tflops),
+- MFU of a short bf16 training loop (model FLOPs per token of fulltune/flops.py, via `flops_per_token`,
+  against the device's dense bf16 peak from `fulltune.flops.GPU_PEAK_FLOPS` or --peak-tflops),
 - fp16 autocast with a `GradScaler`: a few steps with one injected overflow, checking the step is skipped,
   the scale drops and training continues; with its memory peak against the estimate.
 
@@ -39,13 +39,11 @@ sys.path.insert(0, str(ROOT))
 
 import transformers  # noqa: E402
 
+from fulltune.flops import peak_flops  # noqa: E402
 from fulltune.memory import Settings, estimate_memory, flops_per_token, measure_memory, simulate_memory  # noqa: E402
 from fulltune.memory.trace import _build_model, _quiet, _train_steps, build_optimizer  # noqa: E402
 from fulltune.memory.units import format_bytes  # noqa: E402
 
-# Dense bf16/fp16 tensor-core peaks (FLOP/s) by device name; --peak-tflops overrides.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12,
-              "4090": 165e12, "V100": 125e12, "T4": 65e12}
 # What --dry-run assumes for the CPU (only to exercise the arithmetic).
 CPU_NOMINAL_FLOPS = 1e11
 
@@ -140,10 +138,7 @@ def memory_case(case: Case, on_gpu: bool) -> dict[str, Any]:
 def _peak_flops(device_name: str, override: float | None) -> float:
     if override:
         return override * 1e12
-    for key, value in PEAK_FLOPS.items():
-        if key in device_name:
-            return value
-    return CPU_NOMINAL_FLOPS
+    return peak_flops(device_name) or CPU_NOMINAL_FLOPS
 
 
 def mfu_case(config: Any, settings: Settings, steps: int, peak: float) -> dict[str, Any]:

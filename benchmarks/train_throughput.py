@@ -17,9 +17,9 @@ the same model weights, micro-batch, gradient accumulation, optimizer steps, pre
 
 Metric: non-padding tokens per second of the training loop (model loading and saving excluded; the
 Trainer's time runs from on_train_begin to on_train_end), median over runs; and MFU = model FLOPs
-(6·N per token + 12·L·h per attended (query, key) pair, PaLM appendix B) per second ÷ peak. On CPU the
-peak is this machine's measured fp32 GEMM rate (a practical ceiling, not a datasheet number); on GPU
-the datasheet dense bf16 peak.
+(fulltune/flops.py: 6 per multiplying parameter and token + 12·L·h per attended (query, key) pair, PaLM
+appendix B) per second ÷ peak. On CPU the peak is this machine's measured fp32 GEMM rate (a practical
+ceiling, not a datasheet number); on GPU the datasheet dense bf16 peak (fulltune.flops.GPU_PEAK_FLOPS).
 
 On CPU every process runs one thread (`--threads`), and the loop's process CPU time is measured next to
 its wall time: on a shared machine, other processes' load changes wall time from run to run, while
@@ -132,18 +132,18 @@ def prepare_inputs(size: Size, workdir: Path) -> dict[str, Any]:
 
 
 def flop_coefficients(model_dir: str) -> tuple[float, float]:
-    """(FLOPs per token, FLOPs per attended pair), counted like fulltune.train.flop_coefficients but with the
-    output head at every position, as a full-logits loss runs it: both loops are credited the same work."""
+    """(FLOPs per token, FLOPs per attended pair) of fulltune/flops.py, with the output head at every position,
+    as a full-logits loss runs it: both loops are credited the same work."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fulltune import flops
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    from fulltune.train import flop_coefficients as coefficients
-
-    per_token, per_target, per_pair = coefficients(model)
-    return per_token + per_target, per_pair
+    coefficients = flops.from_model(model)
+    return coefficients.per_token + coefficients.per_target, coefficients.per_pair
 
 
 def measured_gemm_peak(seconds: float = 3.0) -> float:
@@ -186,8 +186,9 @@ def fulltune_worker(args: argparse.Namespace) -> None:
     clock = LoopClock()
     train.time = clock  # measurement only: the loop's code is unchanged
     result = train.train(job)
-    rows = train.TokenizedRows(job.train_file)
-    schedule = train.StepSchedule(rows.lengths, job.micro_batch_size * job.gradient_accumulation_steps, job.seed)
+    rows = train.TokenizedRows(job.paths.train_file)
+    schedule = train.StepSchedule(rows.lengths, job.plan.micro_batch_size * job.plan.gradient_accumulation_steps,
+                                  job.train.seed)
     pairs = sum(float(rows.attention_pairs[schedule.step_rows(s)].sum()) for s in range(result.steps))
     print(json.dumps({"tokens": result.tokens, "seconds": result.seconds, "cpu_seconds": clock.cpu[-1] - clock.cpu[0],
                       "pairs": pairs}))
@@ -239,7 +240,7 @@ def trainer_worker(args: argparse.Namespace) -> None:
 
 def run_contender(name: str, inputs: dict[str, Any], size: Size, args: argparse.Namespace, out: Path) -> dict[str, float]:
     """One run of one contender in a fresh process; returns its JSON line."""
-    from fulltune.launch import TrainJob
+    from fulltune.launch import job_with
 
     env = dict(os.environ)
     if not args.gpu:
@@ -250,8 +251,7 @@ def run_contender(name: str, inputs: dict[str, Any], size: Size, args: argparse.
                    "--steps", str(size.steps)]
     else:
         data = inputs["packed" if name == "fulltune_packed" else "unpacked"]
-        job = TrainJob(model_path=inputs["model"], tokenizer_path=inputs["model"], train_file=data.train_file,
-                       output_dir=str(out), micro_batch_size=size.micro_batch_size,
+        job = job_with(inputs["model"], data.train_file, str(out), micro_batch_size=size.micro_batch_size,
                        gradient_accumulation_steps=size.gradient_accumulation_steps, max_steps=size.steps,
                        learning_rate=1e-4, warmup_ratio=0.0, mixed_precision=size.precision,
                        checkpoint_every_steps=0, log_every_steps=10, device="cuda" if args.gpu else "cpu")
@@ -303,10 +303,10 @@ def main() -> None:
     if args.gpu:
         import torch
 
-        from fulltune.train import GPU_PEAK_FLOPS
+        from fulltune.flops import peak_flops
 
         name = torch.cuda.get_device_name()
-        peak, peak_label = next((p for key, p in GPU_PEAK_FLOPS if key in name), None), f"{name} dense bf16 datasheet"
+        peak, peak_label = peak_flops(name), f"{name} dense bf16 datasheet"
     else:
         import torch
 

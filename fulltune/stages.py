@@ -32,9 +32,9 @@ STAGES = (TOKENIZE, MEMORY_BUDGET, FINE_TUNE, EVALUATE, REGISTER)
 # The engine modules each stage runs: their source is part of the stage's cache key.
 STAGE_CODE = {
     TOKENIZE: ("data", "tokenizer.py", "storage.py", "hub.py"),
-    MEMORY_BUDGET: ("memory", "loss.py", "optim.py", "offload.py", "models.py", "stages.py"),
+    MEMORY_BUDGET: ("memory", "flops.py", "loss.py", "optim.py", "offload.py", "models.py", "stages.py"),
     FINE_TUNE: ("train.py", "launch.py", "batching.py", "faults.py", "replan.py", "loss.py", "optim.py",
-                "offload.py", "sharding.py", "rendezvous.py", "storage.py", "models.py", "data", "memory"),
+                "offload.py", "sharding.py", "rendezvous.py", "storage.py", "models.py", "flops.py", "data", "memory"),
     EVALUATE: ("evaluate.py", "loss.py", "data", "models.py"),
     REGISTER: ("registry.py",),
 }
