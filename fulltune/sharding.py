@@ -14,14 +14,20 @@ micro-batches. Here the model and optimizer are left out of `prepare` (Accelerat
 process group, `backward`, `accumulate`, `reduce` and the RNG / scheduler state of checkpoints), so the
 same loop runs under `torchrun` on CPU and CUDA and gradients stay sharded while accumulating.
 
-    model = load_model(...)                       # full model on every process, fp32, on the CPU
-    shard_model(model, device="cpu", mixed_precision="bf16")   # embedding, layers, head, root
+    model = load_sharded_model(path, device="cpu", mixed_precision="bf16", before_shard=levers)
+                                                  # meta model, levers, shards, each process reads its own
+    # or, for a model already in memory (built from a config): shard_model(model, device=..., ...)
     optimizer = AdamW(model.parameters(), fused=True)          # built after sharding: DTensor states
     ...  forward / backward as usual  ...
     norm = clip_grad_norm_(model, 1.0)            # global norm over all shards, a plain tensor
     save_sharded_state(ckpt / SHARDED_STATE_DIR, model, optimizer)    # collective, each rank its shard
     load_sharded_state(ckpt / SHARDED_STATE_DIR, model, optimizer)    # collective
     save_pretrained(model, out_dir, tokenizer)    # collective; rank 0 writes a normal HF checkpoint
+
+Loading: `load_sharded_model` never materialises the whole model in a process (a 70B model is 280 GB
+of fp32 weights: loading it whole in each of 8 processes on one host needs 2.2 TB of host RAM). Every
+process builds it on the meta device, the levers that must precede sharding are applied, it is sharded,
+and each process reads its shards' slices from the safetensors files; see its docstring for the fallback.
 
 Precision: with `mixed_precision="bf16"` the sharded (master) parameters, gradients and optimizer
 states stay fp32; FSDP all-gathers the parameters in bf16 and runs the forward and backward in bf16
