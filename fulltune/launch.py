@@ -150,7 +150,7 @@ class TrainJob(Strict):
         return _validated(data, "train job")
 
 
-JOB_SECTIONS = ("paths", "model", "train", "distributed", "plan", "tracking")
+JOB_SECTIONS = tuple(TrainJob.model_fields)  # paths, model, train, distributed, plan, tracking
 
 
 def _section_fields(section: str) -> tuple[str, ...]:
