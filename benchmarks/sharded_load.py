@@ -5,9 +5,9 @@ then shard it (`shard_model`): N processes on one host held N full copies at onc
 builds the model on the meta device, shards it and reads each process's shards from the safetensors
 files, so a process holds its 1/N of the weights (plus one tensor's slice being read).
 
-A ~100M-parameter Llama (hidden 768, 8 layers, vocabulary 32000, untied head: 106M parameters) is built
-from a config, saved in bf16 as hub checkpoints are (safetensors, 212 MB) into a temporary directory and
-loaded by 2 processes under torchrun (gloo, CPU) both ways, into fp32 masters (424 MB in all). Each
+A ~100M-parameter Llama (hidden 768, 8 layers, vocabulary 32000, untied head: 99M parameters) is built
+from a config, saved in bf16 as hub checkpoints are (safetensors, 190 MiB) into a temporary directory and
+loaded by 2 processes under torchrun (gloo, CPU) both ways, into fp32 masters (380 MiB in all). Each
 process reports its resident set size before loading (interpreter, torch, transformers, accelerate and
 the Llama modeling code imported, process group up) and its peak (`getrusage(RUSAGE_SELF).ru_maxrss`) once the sharded model is ready; the
 difference is what loading cost it. Each way runs in fresh processes, so one cannot lower the other's peak.
