@@ -27,8 +27,10 @@ def test_step_in_backward_offloaded_activations_and_chunked_loss_train_like_the_
         assets: dict[str, Path], tmp_path: Path, plain) -> None:  # noqa: F811
     import torch
 
+    # A plan steps in backward with accumulation 1 (fulltune.memory.Settings): the same 4 rows per step in one
+    # micro-batch.
     job = make_job(assets, tmp_path / "run", optimizer_in_backward=True, offload_activations=True,
-                   chunked_loss=True, **NO_CLIP)
+                   chunked_loss=True, micro_batch_size=4, gradient_accumulation_steps=1, **NO_CLIP)
     result = quiet(job)
     np.testing.assert_allclose([loss for _, loss in result.loss_history],
                                [loss for _, loss in plain.loss_history], rtol=1e-5)
