@@ -26,6 +26,9 @@ Every byte count comes from the tensors autograd saves in the transformers 5 imp
 - Keeping a reference to the logits through backward would add 4·t·V bytes at the peak; the
   trainer drops it (measured with Accelerate on CPU: +17.8% for a 3k vocabulary otherwise).
 - The gather's backward scatters the head input's gradient into a zero (b, s, h) fp32 tensor.
+- FSDP (fulltune/sharding.py) is walked unit by unit (`_fsdp_phases`): what is gathered, and which
+  unsharded gradients and reduce-scatter buffers exist, depends on the phase; checked per rank on CPU
+  (benchmarks/sharded_memory.py). NCCL's own buffers are not tensors and are not counted.
 """
 
 from __future__ import annotations
@@ -526,6 +529,11 @@ def _fsdp_phases(add: Any, shape: ModelShape, settings: Settings, layer: _Layer,
     def shard(numel: int) -> int:
         return int(wb * numel / n)
 
+    def post_backward(numel: int) -> int:
+        # A unit's post-backward: besides its unsharded gradient and the reduce-scatter buffer, one more
+        # unit-sized tensor in the reduce dtype and the sharded output (FSDPMemTracker, every rank).
+        return rb * numel + int(rb * numel / n)
+
     # Sharded gradients as the backward finishes units (all of them when accumulating).
     done = grads_total if accumulating else 0
     root_g = pb * root  # the root's gathered weights (forward, and backward from the head on)
@@ -555,7 +563,8 @@ def _fsdp_phases(add: Any, shape: ModelShape, settings: Settings, layer: _Layer,
     after_head = acts_total - head_inputs
     if not tied:
         # Its post-backward: the gradient copied into the reduce-scatter buffer, the weight resharded.
-        add("backward of the lm head / loss", done, acts_total, 0, t * h * c, unsharded=(pb * lay, pb * vh + rb * vh))
+        add("backward of the lm head / loss", done, acts_total, 0, t * h * c + post_backward(vh),
+            unsharded=(pb * lay, pb * vh + rb * vh))
         done = done if accumulating else done + shard(vh)
     # Tied: the head's gradient waits unsharded for the embedding's; untied: the head's reduce-scatter
     # buffer is kept until the next one.
@@ -577,7 +586,7 @@ def _fsdp_phases(add: Any, shape: ModelShape, settings: Settings, layer: _Layer,
         add(f"backward of layer {i}", done, below, 0, layer.attn_saved + layer.attn_backward,
             unsharded=(gathered, waiting + kept_rs + pb * mlp_params))
         # Its post-backward: the whole unsharded gradient and its reduce-scatter buffer.
-        add(f"backward of layer {i}", done, below, 0, 0,
+        add(f"backward of layer {i}", done, below, 0, post_backward(lay),
             unsharded=(prefetch + (root_g if tied else 0), waiting + pb * lay + rb * lay))
         done = done if accumulating else done + shard(lay)
         kept_rs = rb * lay
@@ -587,13 +596,10 @@ def _fsdp_phases(add: Any, shape: ModelShape, settings: Settings, layer: _Layer,
         # The embedding's dense gradient, then its sum with the waiting head gradient (three at once);
         # the root's post-backward reduce-scatters that sum.
         add("backward of the embeddings", done, acts_now, 0, 3 * pb * vh, unsharded=(root_g, kept_rs))
-        add("backward of the embeddings", done, acts_now, 0, 0, unsharded=(0, pb * root + rb * root))
+        add("backward of the embeddings", done, acts_now, 0, post_backward(root), unsharded=(0, pb * root + rb * root))
     else:
         add("backward of the embeddings", done, acts_now, 0, 0, unsharded=(pb * vh, kept_rs + pb * vh))
-        # Its post-backward: besides the gradient and its reduce-scatter buffer, one more (V, h) tensor of
-        # the weight's size stays alive until the reduce-scatter's sharded output exists (measured with
-        # FSDPMemTracker; the same at every micro-batch and precision).
-        add("backward of the embeddings", done, acts_now, 0, pb * vh + shard(vh),
+        add("backward of the embeddings", done, acts_now, 0, post_backward(vh),
             unsharded=(0, pb * vh + rb * vh))
     add("optimizer step", grads_total, 0, 0, 0)
 
