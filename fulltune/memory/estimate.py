@@ -596,7 +596,9 @@ def _fsdp_phases(add: Any, shape: ModelShape, settings: Settings, layer: _Layer,
         # The embedding's dense gradient, then its sum with the waiting head gradient (three at once);
         # the root's post-backward reduce-scatters that sum.
         add("backward of the embeddings", done, acts_now, 0, 3 * pb * vh, unsharded=(root_g, kept_rs))
-        add("backward of the embeddings", done, acts_now, 0, post_backward(root), unsharded=(0, pb * root + rb * root))
+        # Under the bf16 policy the summed bf16 gradient is gone once copied into the fp32 buffer (measured).
+        summed = 0 if pb != rb else pb * root
+        add("backward of the embeddings", done, acts_now, 0, post_backward(root), unsharded=(0, summed + rb * root))
     else:
         add("backward of the embeddings", done, acts_now, 0, 0, unsharded=(pb * vh, kept_rs + pb * vh))
         add("backward of the embeddings", done, acts_now, 0, post_backward(vh),

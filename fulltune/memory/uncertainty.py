@@ -50,8 +50,13 @@ MEASURED: dict[tuple[str, str], tuple[float, str]] = {
 # h=256 with 4 layers): all within 0.2% but one combination, which reads low.
 LEVERS_MEASURED = (0.0396, "pure bf16 + optimizer offload + chunked loss, all 4 layers checkpointed, h=256, traced "
                            "(the trace keeps one more bf16 embedding gradient at the optimizer step)")
+# FSDP2's per-rank peak (the sharding terms of `estimate._fsdp_phases`), measured in every rank with
+# FSDPMemTracker on CPU (benchmarks/sharded_memory.py, BENCHMARKS.md): the largest |estimate/measured − 1|
+# over the grid. An FSDP step keeps the larger of this and its single-process kind's entry.
+FSDP_MEASURED = (0.0059, "FSDP2 per rank on CPU, fp32, tied embeddings, every layer checkpointed, micro-batch 2 "
+                          "(worst of 29 configurations, benchmarks/sharded_memory.py)")
 # Kinds never measured against a real step: a model type modelled as a Llama-like decoder, and the
-# multi-process strategies (the trace and the CPU measurement run one process).
+# other multi-process strategies (DDP, DeepSpeed ZeRO).
 UNMEASURED = 0.05
 
 
@@ -96,12 +101,17 @@ def _describe_kind(shape: ModelShape, settings: Settings) -> str:
 def estimate_uncertainty(shape: ModelShape, settings: Settings, peak_bytes: int) -> Uncertainty:
     """The headroom to keep for an untraced step: the largest disagreement measured for its kind."""
     kind = _describe_kind(shape, settings)
-    if shape.approximate or settings.strategy != "none":
-        why = "model type modelled as Llama-like" if shape.approximate else f"{settings.strategy} not measured"
+    levers = any(settings.levers().values())
+    if shape.approximate or settings.strategy not in ("none", "fsdp") or (settings.strategy == "fsdp" and levers):
+        why = ("model type modelled as Llama-like" if shape.approximate
+               else "fsdp with memory levers not measured" if settings.strategy == "fsdp"
+               else f"{settings.strategy} not measured")
         return Uncertainty(int(UNMEASURED * peak_bytes), UNMEASURED, kind, "assumed", f"not measured ({why})")
     measured, where = MEASURED[configuration_kind(shape, settings)]
-    if any(settings.levers().values()) and LEVERS_MEASURED[0] > measured:
+    if levers and LEVERS_MEASURED[0] > measured:
         measured, where = LEVERS_MEASURED
+    if settings.strategy == "fsdp" and FSDP_MEASURED[0] > measured:
+        measured, where = FSDP_MEASURED
     fraction = max(measured, FLOOR)
     evidence = f"largest measured {measured:.2%}: {where}"
     if fraction > measured:
