@@ -264,7 +264,12 @@ def _base_optimizer(name: str, groups: list[dict[str, Any]], lr: float, compensa
 
             # torch AdamW's betas and eps (optimi defaults to 0.99 / 1e-6); decoupled weight decay
             # scaled by lr, as torch AdamW.
-            return optimi.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, kahan_sum=True, foreach=True)
+            # Sharded (DTensor) parameters: optimi's foreach path calls `_foreach_copy_`, which has no
+            # DTensor sharding strategy (torch 2.13), so they take its per-parameter loop (elementwise
+            # ops on local shards) and never its Triton kernel.
+            sharded = _has_dtensor(groups)
+            return optimi.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, kahan_sum=True,
+                                foreach=not sharded, **({"triton": False} if sharded else {}))
         if compensation == "stochastic_rounding":
             return _torchao_optim()._AdamW(groups, lr=lr, bf16_stochastic_round=True)
         return torch.optim.AdamW(groups, lr=lr, fused=True)
@@ -278,9 +283,21 @@ def _base_optimizer(name: str, groups: list[dict[str, Any]], lr: float, compensa
         # torchao's 4-bit AdamW: the only maintained 4-bit optimizer that runs on CPU and CUDA; its
         # per-parameter update is torch.compile'd (one compile per parameter shape, seconds each on CPU).
         return _torchao_optim().AdamW4bit(groups, lr=lr, bf16_stochastic_round=compensation == "stochastic_rounding")
+    if _has_dtensor(groups):
+        return GatheredAdafactor(groups, lr=lr)
+    return _adafactor(groups, lr)
+
+
+def _adafactor(groups: list[dict[str, Any]], lr: float) -> torch.optim.Optimizer:
     from transformers.optimization import Adafactor
 
     return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
+
+
+def _has_dtensor(groups: list[dict[str, Any]]) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for group in groups for p in group["params"])
 
 
 def torchao_available() -> bool:
@@ -348,6 +365,76 @@ class FakeStatesOptimizer(torch.optim.Optimizer):
                 if not self.state[p]:
                     self.state[p].update(self._states(p))
                 p.add_(p.grad, alpha=-float(group["lr"]))
+
+
+class GatheredAdafactor(torch.optim.Optimizer):
+    """transformers Adafactor over sharded parameters (FSDP2 DTensors), with the update one process makes.
+
+    Adafactor's factored second moment takes row and column means of the whole gradient and clips by the
+    RMS of the whole update, and its states are plain tensors, which DTensor ops refuse to mix with shards.
+    So `step` takes one parameter at a time: it gathers the weight and the gradient (`full_tensor()`, two
+    all-gathers), runs the unchanged inner Adafactor on a plain proxy tensor holding the whole weight,
+    copies this process's rows back into its shard, and empties the proxy. Every process computes the same
+    update from the same whole tensors, so the states are the same on every process and the weights are
+    what one unsharded process gets.
+
+    Memory: the states `_adafactor_bytes` counts, whole on every process (row and column means of
+    matrices are small; a vector's second moment is whole, not sharded), plus, during `step`, ONE
+    parameter's whole weight and whole gradient at a time beside Adafactor's own temporaries.
+    `step` is collective: every process must call it.
+
+    `param_groups` are this optimizer's own (an LR scheduler's writes reach the inner one at each step)
+    and `state` holds the inner states keyed by the sharded parameters, so torch.distributed.checkpoint's
+    get_state_dict / set_state_dict (`fulltune.sharding.save_sharded_state`) save and restore them as
+    replicated plain tensors.
+    """
+
+    def __init__(self, groups: list[dict[str, Any]], lr: float = 1e-4) -> None:
+        self._proxies: dict[torch.Tensor, torch.Tensor] = {}
+        inner_groups = []
+        for group in groups:
+            proxies = []
+            for p in group["params"]:
+                # A plain leaf on the shard's device and dtype, empty except while its parameter updates.
+                self._proxies[p] = torch.empty(0, dtype=p.dtype, device=p.device)
+                proxies.append(self._proxies[p])
+            inner_groups.append({**group, "params": proxies})
+        self.inner = _adafactor(inner_groups, lr)
+        super().__init__(groups, self.inner.defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """Update every parameter with a gradient, one gathered parameter at a time (collective)."""
+        from torch.distributed.tensor import distribute_tensor
+
+        for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
+            inner_group.update({k: v for k, v in group.items() if k != "params"})
+            for p in group["params"]:
+                if p.grad is None:  # None on every process alike (FSDP reduces every gradient)
+                    continue
+                proxy = self._proxies[p]
+                proxy.set_(p.full_tensor())
+                proxy.grad = p.grad.full_tensor()
+                self.inner.step()  # only this proxy has a gradient: the others are skipped
+                # Every process holds the same updated weight: take this one's rows, no communication.
+                p.to_local().copy_(distribute_tensor(proxy, p.device_mesh, p.placements, src_data_rank=None).to_local())
+                proxy.grad = None
+                proxy.set_()
+                self.state[p] = self.inner.state[proxy]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load as torch does, but keep the states' saved dtype (torch casts them to the parameter's,
+        which would round Adafactor's fp32 means to bf16 under pure bf16), and hand them to the inner one."""
+        super().load_state_dict(state_dict)
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in zip(saved_ids, params, strict=True):
+            if i not in state_dict["state"]:
+                continue
+            state = {k: v.detach().to(p.device, copy=True) if isinstance(v, torch.Tensor) else v
+                     for k, v in state_dict["state"][i].items()}
+            self.state[p] = state
+            self.inner.state[self._proxies[p]] = state
 
 
 # ---------------------------------------------------------------------------------------------------

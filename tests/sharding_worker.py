@@ -11,6 +11,9 @@ tokens) through Accelerate's `backward` / `accumulate` / `reduce` on a model Acc
 With --load DIR it starts from a saved checkpoint instead: under --shard loaded whole and then sharded
 (`load_model` + `shard_model`), or with --sharded-load straight into shards (`load_sharded_model`).
 --pure-bf16 and --optimizer train with fulltune's optimizer builder (fulltune/optim.py) as the trainer does.
+With --shard --rewind-at K the run saves model and optimizer (`sharding.save_sharded_state`) before step K,
+takes step K, loads the saved state back (`load_sharded_state`) and takes step K again: a checkpoint
+round trip that restores everything gives the losses of a run without it.
 
 OUT/result.json (rank 0): {"losses": [mean token loss per step], "grad_norms": [...],
                            "weights": {"parameter": dtype, "sharded": DTensor?, "optimizer": its module}}
@@ -70,6 +73,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pure-bf16", action="store_true", help="bf16 weights and gradients, no fp32 master")
     parser.add_argument("--optimizer", choices=("adamw", "adafactor"),
                         help="fulltune.optim.build_optimizer (pure bf16 adamw: Kahan); default torch AdamW")
+    parser.add_argument("--rewind-at", type=int, help="with --shard: save before this step, take it, load, take it again")
     return parser.parse_args(argv)
 
 
@@ -152,7 +156,15 @@ def train(args: argparse.Namespace, accelerator, model, head, optimizer, accumul
     processes, rank = accelerator.num_processes, accelerator.process_index
     input_ids, labels = fixed_rows(args.steps)
     losses, norms = [], []
-    for step in range(args.steps):
+    # Step `rewind_at` runs twice; the first run is undone by loading what was saved before it.
+    schedule = list(range(args.steps))
+    rewind = args.shard and args.rewind_at is not None
+    if rewind:
+        schedule.insert(args.rewind_at, args.rewind_at)
+    for index_in_schedule, step in enumerate(schedule):
+        first_of_rewound = rewind and index_in_schedule == args.rewind_at
+        if first_of_rewound:
+            sharding.save_sharded_state(args.out / "rewind", model, optimizer)
         rows = torch.arange(step * ROWS_PER_STEP, (step + 1) * ROWS_PER_STEP)
         step_targets = int((labels[rows, 1:] != -100).sum())
         step_loss = torch.zeros(())
@@ -172,6 +184,9 @@ def train(args: argparse.Namespace, accelerator, model, head, optimizer, accumul
             step_loss = accelerator.reduce(step_loss, reduction="sum")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if first_of_rewound:
+            sharding.load_sharded_state(args.out / "rewind", model, optimizer)
+            continue
         losses.append(step_loss.item() / step_targets)
         norms.append(float(norm))
     return losses, norms
