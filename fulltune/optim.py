@@ -30,6 +30,10 @@ Levers (each composes with every optimizer above, except where `check_levers` sa
 - `offload`: fp32 master weights, gradients and optimizer states live in host RAM and the update runs on
   the host (ZeRO-Offload's split); the device keeps only its weights. See `HostOffloadOptimizer`.
 
+Sharded parameters (FSDP2 DTensors, `distributed.strategy: fsdp`): adamw (torch fused, or torch-optimi
+Kahan in its per-parameter loop) updates each shard where it is; adafactor needs whole rows and columns
+and runs as `GatheredAdafactor` (one gathered parameter at a time, exact to one process).
+
 The two wrappers are torch Optimizers (LR schedulers, Accelerate and checkpoints take them as any other)
 and add `clip_grad_norm_(max_norm)`, which the trainer must call instead of `clip_grad_norm_` over the
 model's parameters: their gradients are not on the parameters when the step comes. Both run on one
