@@ -301,14 +301,9 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
                               step_scheduler_with_optimizer=False)
     set_seed(job.train.seed)
     data, schedule, total_steps = setup_data(job, accelerator.num_processes)
-    tokenizer, model = load_model_and_tokenizer(job)
-    use_cache = getattr(model.config, "use_cache", None)
-    checkpointed, head = apply_levers(job, model)
-    model_layers, coefficients = model.config.num_hidden_layers, flops.from_model(model)
-    if job.distributed.strategy == "fsdp":
-        # FSDP2 driven directly (fulltune/sharding.py): Accelerate's CPU mode is DDP only, and a model kept
-        # out of prepare keeps its gradients sharded while accumulating. bf16 is FSDP's policy, not autocast.
-        sharding.shard_model(model, device=job.plan.device, mixed_precision=job.plan.mixed_precision)
+    tokenizer = load_job_tokenizer(job)
+    model, use_cache, (checkpointed, head), coefficients = load_model_with_levers(job)
+    model_layers = model.config.num_hidden_layers
     optimizer = build_optimizer(job, model, accelerator.num_processes)
     scheduler = build_scheduler(job, optimizer, total_steps)
     if job.train.compile:
@@ -336,20 +331,48 @@ def setup_data(job: TrainJob, processes: int) -> tuple[TokenizedRows, StepSchedu
     return data, schedule, total_steps
 
 
-def load_model_and_tokenizer(job: TrainJob) -> tuple[Any, torch.nn.Module]:
-    """The tokenizer and the model (fp32 weights) the job names."""
-    from fulltune.models import hub_token, load_model, load_tokenizer
+def load_job_tokenizer(job: TrainJob) -> Any:
+    """The tokenizer the job names."""
+    from fulltune.models import hub_token, load_tokenizer
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # weight loading/saving bars would flood the flow's log
-    model, paths = job.model, job.paths  # the weights are paths.model_path (the prepared base model)
-    token = hub_token(model.token_env)
-    tokenizer = load_tokenizer(paths.tokenizer_path, trust_remote_code=model.trust_remote_code, token=token,
-                               revision=model.revision if paths.tokenizer_path == paths.model_path else None)
-    weights = load_model(paths.model_path, revision=model.revision, trust_remote_code=model.trust_remote_code,
-                         allow_pickle_weights=model.allow_pickle_weights, attn_implementation=model.attn_implementation,
-                         token=token)
-    return tokenizer, weights
+    model, paths = job.model, job.paths
+    return load_tokenizer(paths.tokenizer_path, trust_remote_code=model.trust_remote_code,
+                          token=hub_token(model.token_env),
+                          revision=model.revision if paths.tokenizer_path == paths.model_path else None)
+
+
+def load_model_with_levers(job: TrainJob) -> tuple[torch.nn.Module, Any, tuple[int, TargetHead], tuple]:
+    """The model (fp32 weights, or bf16 under pure bf16) with its model-side levers applied, and sharded
+    under FSDP; returns (model, the config's use_cache, (checkpointed layers, loss head), FLOP coefficients).
+
+    Under FSDP every process builds the model empty, applies the levers, shards it and reads only its own
+    shards from the checkpoint (fulltune/sharding.py `load_sharded_model`), so no process holds the whole
+    model. FSDP2 is driven directly: Accelerate's CPU mode is DDP only, and a model kept out of prepare keeps
+    its gradients sharded while accumulating; bf16 is FSDP's policy, not autocast.
+    """
+    from fulltune.models import hub_token, load_model
+
+    spec, token = job.model, hub_token(job.model.token_env)
+    options = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code,
+               "allow_pickle_weights": spec.allow_pickle_weights, "attn_implementation": spec.attn_implementation,
+               "token": token}
+    built: dict[str, Any] = {}
+
+    def before_shard(model: torch.nn.Module) -> None:
+        built["use_cache"] = getattr(model.config, "use_cache", None)
+        built["levers"] = apply_levers(job, model)
+        built["flops"] = flops.from_model(model)  # counts parameters: works on an empty model too
+
+    if job.distributed.strategy == "fsdp":
+        model = sharding.load_sharded_model(job.paths.model_path, device=job.plan.device,
+                                            mixed_precision=job.plan.mixed_precision, before_shard=before_shard,
+                                            **options)
+    else:
+        model = load_model(job.paths.model_path, **options)
+        before_shard(model)
+    return model, built["use_cache"], built["levers"], built["flops"]
 
 
 def apply_levers(job: TrainJob, model: torch.nn.Module) -> tuple[int, TargetHead]:
