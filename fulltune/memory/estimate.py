@@ -603,7 +603,14 @@ def _fsdp_phases(add: Any, shape: ModelShape, settings: Settings, layer: _Layer,
         add("backward of the embeddings", done, acts_now, 0, 0, unsharded=(pb * vh, kept_rs + pb * vh))
         add("backward of the embeddings", done, acts_now, 0, post_backward(vh),
             unsharded=(0, pb * vh + rb * vh))
-    add("optimizer step", grads_total, 0, 0, 0)
+    # The step runs on the shards (AdamW: in place). Adafactor's factored statistics need whole rows and
+    # columns, so fulltune/optim.py's GatheredAdafactor gathers one parameter's weight and gradient at a
+    # time and runs the unsharded update on them: the largest parameter's pair plus its temporaries.
+    step_temp = 0
+    if settings.optimizer == "adafactor":
+        largest = max(_n(sh) for sh in shape.param_shapes)
+        step_temp = 2 * wb * largest + _lever_bytes(shape, settings).states_temp
+    add("optimizer step", grads_total, 0, 0, step_temp)
 
 
 def _notes(shape: ModelShape, settings: Settings) -> list[str]:
