@@ -394,11 +394,14 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
 
 
 def describe_settings(settings: dict[str, Any], num_layers: int) -> str:
+    from fulltune.memory.types import LEVERS
+
     ckpt = settings["gradient_checkpointing"]
     ckpt_text = "off" if ckpt == 0 else ("all layers" if ckpt >= num_layers else f"{ckpt} of {num_layers} layers")
     return (f"micro_batch_size={settings['micro_batch_size']} × gradient_accumulation_steps="
             f"{settings['gradient_accumulation_steps']}, mixed_precision={settings['mixed_precision']}, "
-            f"optimizer={settings['optimizer']}, gradient checkpointing {ckpt_text}")
+            f"optimizer={settings['optimizer']}, gradient checkpointing {ckpt_text}"
+            + "".join(f", {lever}" for lever in LEVERS if settings.get(lever)))
 
 
 def ensure_local_data(p: ResolvedPipeline, check_hub: bool = False) -> None:
