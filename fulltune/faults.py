@@ -10,6 +10,7 @@ stalls it, raises an out-of-memory error or poisons a loss at that point:
     stall_<point>:N     at any of the three points above, stop and wait to be killed from outside
     oom:S               raise torch.OutOfMemoryError at the start of optimizer step S (1-based)
     nan_loss:S          make the loss of optimizer step S NaN (the step must be skipped)
+    nan_losses_from:S   make every loss from optimizer step S on NaN (training must stop)
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ class FaultInjection(TrainHooks):
             raise torch.OutOfMemoryError(f"{FAULT_ENV}: simulated out of memory at step {step}")
 
     def on_loss(self, step: int, loss: Any) -> Any:
-        return loss * float("nan") if ("nan_loss", step) == (self.point, self.value) else loss
+        poisoned = ("nan_loss", step) == (self.point, self.value) or (
+            self.point == "nan_losses_from" and step >= self.value)
+        return loss * float("nan") if poisoned else loss
 
     def after_micro_batch(self, micro_step: int) -> None:
         self._kill_at("micro_step", micro_step)

@@ -354,10 +354,9 @@ def load_model_with_levers(job: TrainJob) -> tuple[torch.nn.Module, Any, tuple[i
     """
     from fulltune.models import hub_token, load_model
 
-    spec, token = job.model, hub_token(job.model.token_env)
-    options = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code,
-               "allow_pickle_weights": spec.allow_pickle_weights, "attn_implementation": spec.attn_implementation,
-               "token": token}
+    options = {"revision": job.model.revision, "trust_remote_code": job.model.trust_remote_code,
+               "allow_pickle_weights": job.model.allow_pickle_weights,
+               "attn_implementation": job.model.attn_implementation, "token": hub_token(job.model.token_env)}
     built: dict[str, Any] = {}
 
     def before_shard(model: torch.nn.Module) -> None:

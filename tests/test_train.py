@@ -291,10 +291,11 @@ def test_fp16_on_cuda_skips_a_nan_step_and_finishes(assets: dict[str, Path], tmp
 
 
 @pytest.mark.slow
-def test_repeated_nonfinite_losses_stop_with_exit_code_2(assets: dict[str, Path], tmp_path: Path) -> None:
-    # A learning rate of 1e30 blows the weights up after the first step; every later loss is NaN.
-    job = make_job(assets, tmp_path / "run", learning_rate=1e30, warmup_ratio=0.0, max_nonfinite_steps=3,
-                   checkpoint_every_steps=0)
+def test_repeated_nonfinite_losses_stop_with_exit_code_2(assets: dict[str, Path], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every loss from step 2 on is NaN, as when the weights have blown up.
+    monkeypatch.setenv("FULLTUNE_TEST_FAULT", "nan_losses_from:2")
+    job = make_job(assets, tmp_path / "run", max_nonfinite_steps=3, checkpoint_every_steps=0)
     lines: list[str] = []
     with pytest.raises(TrainingError, match=r"3 non-finite losses in a row at step \d+; lower train.learning_rate"):
         run_training(job, on_output=lines.append)
