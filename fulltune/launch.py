@@ -422,10 +422,12 @@ def training_command(job: TrainJob, job_file: Path) -> list[str]:
             "--module", "fulltune.train", str(job_file)]
 
 
-def run_training(job: TrainJob, on_output: Callable[[str], None] | None = None) -> TrainResult:
+def run_training(job: TrainJob, on_output: Callable[[str], None] | None = None,
+                 env: dict[str, str] | None = None) -> TrainResult:
     """Train in a child process; resume from the newest checkpoint when an earlier attempt was killed.
 
-    `on_output` receives each line the child prints (default: this process's stderr).
+    `on_output` receives each line the child prints (default: this process's stderr); `env` adds
+    variables to the child's environment (autotune's step probe).
 
     Raises:
         UserError: the child stopped for a reason the user must fix (exit code 2), e.g. TrainingError.
@@ -447,7 +449,7 @@ def run_training(job: TrainJob, on_output: Callable[[str], None] | None = None) 
     if job.plan.device == "cuda" and job.distributed.strategy not in ("none", "fsdp"):
         atomic_write_text(output_dir / ACCELERATE_CONFIG_FILE, yaml.safe_dump(generate_accelerate_config(job)))
 
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
     # The child has its own session (below), so killing this process's group does not reach it; it
     # watches this process instead and ends with it, leaving no orphan to write checkpoints a rerun uses.
     env[LAUNCHER_ENV] = json.dumps(process_identity())

@@ -14,9 +14,9 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Union
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fulltune import yamlio
 from fulltune.errors import ConfigError
 
 SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([KMGT]i?B|[KMGT]|B)?\s*$", re.IGNORECASE)
@@ -92,7 +92,24 @@ class DataSpec(Strict):
     completion_field: str = Field("completion", description="Column with the completion (format `prompt_completion`).")
     messages_field: str = Field("messages", description="Column with the chat messages (format `chat`).")
     max_length: int = Field(512, ge=8, le=1_048_576, description="Sequences are truncated to this many tokens.")
-    packing: bool = Field(False, description="Pack several examples into each max_length row (positions restart).")
+    packing: Union[bool, Auto] = Field(
+        "auto", description="Pack several examples into each max_length row (positions restart). `auto`: pack "
+                            "when that trains faster (predicted per epoch, or measured under budget.autotune: "
+                            "true); examples longer than half of max_length are never packed."
+    )
+
+
+class AutotuneSpec(Strict):
+    """How autotune measures the planner's top candidates before the run (fulltune/autotune.py)."""
+
+    enabled: Union[Auto, bool] = Field(
+        True, description="`auto`: tune only where the predicted training time is at least 20× the predicted "
+                          "tuning time; true: always; false: never."
+    )
+    candidates: int = Field(3, ge=1, le=5, description="The plan and its next-fastest alternatives that fit, measured.")
+    steps: int = Field(3, ge=1, le=100, description="Timed optimizer steps per candidate (their median counts).")
+    warmup_steps: int = Field(1, ge=0, le=20, description="Untimed optimizer steps first (state allocation, warm-up).")
+    max_seconds: float = Field(600.0, gt=0, description="Wall-time cap of the whole tuning; candidates past it are skipped.")
 
 
 class BudgetSpec(Strict):
@@ -107,6 +124,13 @@ class BudgetSpec(Strict):
     host_memory: int | str = Field(
         "auto", description="Host RAM the run may use for offloaded optimizer states and activations: `auto` "
                             "(this machine's RAM), bytes, or '256GiB'. The planner offloads no more than this."
+    )
+    autotune: Union[bool, Auto, AutotuneSpec] = Field(
+        "auto", description="Measure the planner's top candidates for a few steps on this machine and run the "
+                            "fastest that fits: true, false, or a mapping (candidates, steps, warmup_steps, "
+                            "max_seconds, enabled). `auto` tunes only where the predicted training time is at "
+                            "least 20× the tuning time, so short runs never pay for it. Measurements are kept in "
+                            "the workdir per hardware, model shape and settings."
     )
 
     @field_validator("memory", "host_memory")
@@ -334,8 +358,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if raw.strip().lower() in YAML11_BOOLEAN_WORDS:
         return parts, raw.strip()  # `--set train.mixed_precision=no` means the word; pydantic reads it for bools
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+        value = yamlio.load(raw) if raw.strip() else ""
+    except yamlio.YamlError as exc:
+        if "alias" in str(exc):  # a bounded expansion is refused, not read as a plain string
+            raise ConfigError(f"--set {key.strip()}: {exc}") from None
         value = raw
     return parts, value
 
@@ -388,12 +414,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{path}: pipelines file not found")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{path}:{where}: malformed YAML: {problem}") from None
+        data = yamlio.load(path.read_text())  # safe_load, aliases bounded, `1e-6` a float (fulltune/yamlio.py)
+    except yamlio.YamlError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping with a `pipelines` key")
     return data

@@ -412,13 +412,13 @@ def test_load_records_reads_every_supported_file_type(tmp_path: Path) -> None:
         ('{"prompt": "a", "completion": "b"}\n\n["not", "an", "object"]\n',
          r"train\.jsonl line 3: expected one JSON object"),
         ('{"prompt": "a", "completion": "b"}\n{"prompt": {"x": 1}, "completion": "d"}\n',
-         r"train\.jsonl: record 2: column 'prompt' must be a string, got a dict"),
+         r"data\.train: .*train\.jsonl line 2: column 'prompt' is a object here but a string on line 1"),
         ('{"question": "a", "completion": "b"}\n',
          r"train\.jsonl has no column 'prompt' \(columns: question, completion\)"),
         ('{"prompt": "a", "completion": "b"}\n{"prompt": 7, "completion": "d"}\n',
-         r"train\.jsonl: record 2: column 'prompt' must be a string, got a int"),
+         r"data\.train: .*train\.jsonl line 2: column 'prompt' is a number here but a string on line 1"),
         ('{"prompt": "a", "completion": "b"}\n{"prompt": "c"}\n',
-         r"train\.jsonl: record 2: column 'completion' must be a string, got missing"),
+         r"data\.train: .*train\.jsonl line 2: column 'completion' must be a string, got missing"),
         ('{"prompt": "a", "completion": "b"}\n', r"only 1 usable example; .* set data\.eval"),
     ],
     ids=["missing", "empty", "broken-line", "not-an-object", "type-change", "no-column", "wrong-type", "null", "one"],
@@ -462,10 +462,10 @@ def test_more_data_errors(tmp_path: Path, tok_dir: str) -> None:
         load_records("data/no-such-file.jsonl", what="data.train")
 
     chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"from": "human", "value": "hi"}]}])
-    with pytest.raises(DataError, match=r"chat\.jsonl: record 1: message 1 in 'messages' needs string 'role'"):
+    with pytest.raises(DataError, match=r"chat\.jsonl line 1: message 1 in 'messages' needs string 'role'"):
         tokenize_dataset(DataSpec(train=chat, eval=chat, format="chat"), tok_dir, tmp_path / "w", 0)
     no_answer = write_jsonl(tmp_path / "q.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}] * 3)
-    with pytest.raises(DataError, match=r"no example .* has a token to train on"):
+    with pytest.raises(DataError, match=r"no example .* has a target to train on: no 'assistant' message"):
         tokenize_dataset(DataSpec(train=no_answer, format="chat"), tok_dir, tmp_path / "w", 0)
     long_prompts = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "hello world " * 10, "completion": "x"}] * 3)
     with pytest.raises(DataError, match=r"raise it"):

@@ -92,6 +92,92 @@ def local_data_files(path: str, what: str) -> list[Path] | None:
     return None
 
 
+class RecordLocator:
+    """Where record `index` of a loaded dataset is in its files: `train.jsonl line 1001`.
+
+    `datasets` numbers records over all files and skips blank lines, so a record's index is neither its
+    line nor its file. Found only when a message needs it (a rescan of the files up to the record);
+    for a JSON-lines file whose column changes type the first such line is named instead, since the
+    loader may have converted that column for every record (pandas reads `"2"` and `2` as numbers).
+    """
+
+    def __init__(self, files: list[Path] | None, source: str) -> None:
+        self.files, self.source = files, source
+
+    def __call__(self, index: int) -> str:
+        """`<file> line N` (`row N` of a Parquet file), else `<source>: record N` (a hub dataset)."""
+        remaining = index
+        for file in self.files or []:
+            count, where = _locate_in_file(file, remaining)
+            if where is not None:
+                return f"{file} {where}"
+            remaining -= count
+        return f"{self.source}: record {index + 1}"
+
+    def type_problem(self) -> str | None:
+        """The first JSON line whose column changes type (`<file> line N: column ...`), if any."""
+        for file in self.files or []:
+            if SUFFIX_BUILDERS[file.suffix.lower()] == "json":
+                problem = _find_json_problem(file)
+                if problem:
+                    return problem
+        return None
+
+
+def record_locator(path: str, what: str) -> RecordLocator:
+    """A RecordLocator for the records `load_records(path)` returns."""
+    return RecordLocator(local_data_files(path, what), path)
+
+
+def _locate_in_file(file: Path, index: int) -> tuple[int, str | None]:
+    """(records in `file`, where record `index` of the file is, or None when the file holds fewer)."""
+    builder = SUFFIX_BUILDERS[file.suffix.lower()]
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.ParquetFile(file).metadata.num_rows
+        return rows, f"row {index + 1}" if index < rows else None
+    if builder == "csv":
+        import csv
+
+        with file.open(newline="", errors="replace") as handle:
+            reader = csv.reader(handle)
+            next(reader, None)  # the header
+            count = 0
+            for row in reader:
+                if not any(cell.strip() for cell in row):
+                    continue  # pandas skips blank lines
+                if count == index:
+                    return count, f"line {reader.line_num}"
+                count += 1
+            return count, None
+    if builder == "json" and _starts_with_list(file):  # one JSON list of objects
+        try:
+            count = len(json.loads(file.read_bytes()))
+        except (ValueError, TypeError):
+            return 0, None
+        return count, f"element {index + 1}" if index < count else None
+    count = 0
+    with file.open("rb") as handle:  # JSON lines and text: one record per non-blank line
+        for lineno, raw in enumerate(handle, 1):
+            if not raw.strip():
+                continue
+            if count == index:
+                return count, f"line {lineno}"
+            count += 1
+    return count, None
+
+
+def _starts_with_list(file: Path) -> bool:
+    """Whether a .json file is one JSON list of objects rather than JSON lines."""
+    with file.open("rb") as handle:
+        while chunk := handle.read(4096):
+            stripped = chunk.lstrip()
+            if stripped:
+                return stripped[:1] == b"["
+    return False
+
+
 def looks_like_local_path(path: str) -> bool:
     """Whether a data reference that does not exist can only be meant as a local path: absolute, `./`,
     `~`, a data file suffix (`data/train.jsonl`), or not spelled like a hub id `org/name[:split]`."""

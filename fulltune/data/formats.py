@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fulltune.data.files import quiet_datasets
+from fulltune.data.files import RecordLocator, quiet_datasets
 from fulltune.errors import ConfigError, DataError
 from fulltune.spec import DataSpec
 
@@ -39,6 +39,18 @@ _NO_LABELS_HINTS = {
 }
 
 
+# What a split whose every target is empty holds: nothing but the end-of-sequence (or end-of-turn) tokens
+# to learn or score, and an exact match of 1.0 for any model that stops at once.
+_NO_TARGET_TEXT = {
+    "text": "every '{data.text_field}' is empty",
+    "prompt_completion": "every '{data.completion_field}' is empty",
+    "chat": "no 'assistant' message has any content",
+}
+# The roles a chat message may have; a conversation is an optional system message, then user and
+# assistant turns taking turns, tool results answering the assistant message before them.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
 def format_columns(data: DataSpec) -> dict[str, str]:
     """{option: column} of the columns `data.format` reads, e.g. {"text_field": "text"}."""
     return {option: getattr(data, option) for option in FORMAT_FIELDS[data.format]}
@@ -59,6 +71,13 @@ def no_labels_message(what: str, source: str, data: DataSpec) -> str:
     """The DataError text for a split where no example has a token to train on."""
     hint = _NO_LABELS_HINTS[data.format].format(data=data)
     return f"{what}: no example in {source} has a token to train on after truncation; {hint}"
+
+
+def no_target_text_message(what: str, source: str, data: DataSpec) -> str:
+    """The DataError text for a split where no example has any text in its target."""
+    verb = "score" if what == "data.eval" else "train on"
+    return (f"{what}: no example in {source} has a target to {verb}: {_NO_TARGET_TEXT[data.format].format(data=data)}; "
+            f"fix the data or point {what} at another file")
 
 
 def adds_bos(tokenizer: Any) -> bool:
@@ -101,21 +120,31 @@ class Encoder:
     bos: list[int]
     eos: list[int]
     marks_assistant: bool  # the chat template wraps assistant turns in {% generation %}
+    what: str = ""  # the YAML field the records come from (data.train), for messages
+    locate: RecordLocator | None = None  # record index → file and line, for messages
 
     def where(self, index: int) -> str:
-        return f"{self.source}: record {index + 1}"
+        """`data.train: train.jsonl line 1001` (or `<source>: record N` where no file is known)."""
+        place = self.locate(index) if self.locate is not None else f"{self.source}: record {index + 1}"
+        return f"{self.what}: {place}" if self.what else place
 
     def strings(self, batch: dict[str, list[Any]], column: str, indices: list[int]) -> list[str]:
         """The column's values, which must all be strings."""
         values = batch[column]
         for value, index in zip(values, indices):
             if not isinstance(value, str):
+                # A JSON column whose type changes may have been converted for every record by the
+                # loader: then the line where it changes is the one to fix, not this record.
+                problem = self.locate.type_problem() if self.locate is not None and value is not None else None
+                if problem:
+                    raise DataError(f"{self.what}: {problem}" if self.what else problem)
                 got = "missing (null)" if value is None else f"a {type(value).__name__}"
                 raise DataError(f"{self.where(index)}: column '{column}' must be a string, got {got}; fix the record")
         return values
 
 
-def make_encoder(tokenizer: Any, data: DataSpec, source: str, reference: str) -> Encoder:
+def make_encoder(tokenizer: Any, data: DataSpec, source: str, reference: str, what: str = "",
+                 locate: RecordLocator | None = None) -> Encoder:
     """An Encoder for `data.format`; ConfigError when the tokenizer lacks what the format needs."""
     template = tokenizer.chat_template if data.format == "chat" else None
     if data.format == "chat" and not template:
@@ -133,6 +162,7 @@ def make_encoder(tokenizer: Any, data: DataSpec, source: str, reference: str) ->
         bos=[tokenizer.bos_token_id] if adds_bos(tokenizer) else [],
         eos=[tokenizer.eos_token_id] if data.format != "chat" else [],
         marks_assistant=bool(template and _GENERATION_TAG.search(str(template))),
+        what=what, locate=locate,
     )
 
 
@@ -198,7 +228,32 @@ def _messages(enc: Encoder, value: Any, index: int) -> list[dict[str, str]]:
                 f"keys, got {message!r:.80}; fix the record"
             )
         messages.append({"role": message["role"], "content": message["content"]})
+    problem = _conversation_problem([m["role"] for m in messages])
+    if problem:
+        raise DataError(f"{enc.where(index)}: column '{column}': {problem}; fix the record")
     return messages
+
+
+def _conversation_problem(roles: list[str]) -> str | None:
+    """What is wrong with a conversation's order of roles (see CHAT_ROLES), or None.
+
+    Templates render whatever they are given: an unknown role (`asistant`) or a reply without its
+    question would train the model on a conversation no user will ever have.
+    """
+    previous = None
+    for n, role in enumerate(roles, 1):
+        if role not in CHAT_ROLES:
+            return f"message {n} has role {role!r}; roles are {', '.join(CHAT_ROLES)}"
+        if role == "system" and n > 1:
+            return f"message {n} (system) is not the first; only the first message may be a system message"
+        if role != "system" and previous in (None, "system") and role != "user":
+            return f"message {n} ({role}) comes before any user message; a conversation starts with one"
+        if role == previous and role in ("user", "assistant"):
+            return f"messages {n - 1} and {n} are both {role} messages; user and assistant take turns"
+        if role == "tool" and previous not in ("assistant", "tool"):
+            return f"message {n} (tool) follows a {previous} message; a tool result answers an assistant message"
+        previous = role
+    return None
 
 
 def _chat_one(enc: Encoder, messages: list[dict[str, str]], index: int) -> tuple[list[int], list[int]]:
@@ -270,34 +325,52 @@ def _labelled(examples: list[Example], max_length: int) -> dict[str, list[Any]]:
     return out
 
 
+def has_target_text(data: DataSpec, batch: dict[str, list[Any]]) -> list[bool]:
+    """Whether each (validated) record's target holds text: a non-blank text or completion, an assistant
+    message with content. Without it the only targets are the end-of-sequence or end-of-turn tokens."""
+    if data.format == "text":
+        return [bool(text.strip()) for text in batch[data.text_field]]
+    if data.format == "prompt_completion":
+        return [bool(completion.strip()) for completion in batch[data.completion_field]]
+    return [any(m["role"] == "assistant" and m["content"].strip() for m in messages)
+            for messages in batch[data.messages_field]]
+
+
 def tokenize_split(records: datasets.Dataset | list[dict[str, Any]], tokenizer: Any, data: DataSpec, *,
-                     source: str, what: str, reference: str | None = None) -> tuple[pa.Table, int, int]:
+                     source: str, what: str, reference: str | None = None,
+                     locate: RecordLocator | None = None) -> tuple[pa.Table, int, int]:
     """Format and tokenize records as `data.format` reads them (never packed).
 
     Returns (table, truncated, dropped): an Arrow table with input_ids, labels, num_labels, truncated,
-    prompt and completion (null outside prompt_completion), without the examples left with no target.
-    `source` and `what` (the YAML field) name the data in errors; `reference` the tokenizer.
+    has_target_text (see `has_target_text`), prompt and completion (null outside prompt_completion),
+    without the examples left with no target. `source` and `what` (the YAML field) name the data in
+    errors, `locate` the file and line of a record; `reference` the tokenizer.
 
-    Raises DataError for missing columns or malformed records, ConfigError for a tokenizer that lacks
-    what the format needs.
+    Raises DataError for missing columns, malformed records, or records none of which has any text in its
+    target (an eval set of empty completions would score every model 1.0); ConfigError for a tokenizer
+    that lacks what the format needs.
     """
     import datasets
     import pyarrow.compute as pc
 
     if isinstance(records, list):
         records = datasets.Dataset.from_list(records)
-    encoder = make_encoder(tokenizer, data, source, reference or getattr(tokenizer, "name_or_path", "tokenizer"))
+    encoder = make_encoder(tokenizer, data, source, reference or getattr(tokenizer, "name_or_path", "tokenizer"),
+                           what=what, locate=locate)
     require_columns(records, data, source=source, what=what)
     format_batch = FORMATS[data.format]
 
     def encode(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
         examples, prompts, completions = format_batch(encoder, batch, indices)
-        return {**_labelled(examples, data.max_length), "prompt": list(prompts), "completion": list(completions)}
+        return {**_labelled(examples, data.max_length), "has_target_text": has_target_text(data, batch),
+                "prompt": list(prompts), "completion": list(completions)}
 
     with quiet_datasets():
         tokenized = records.map(encode, batched=True, with_indices=True, remove_columns=records.column_names,
                                 keep_in_memory=True, load_from_cache_file=False)
     table = tokenized.with_format("arrow")[:]
+    if not pc.any(table["has_target_text"]).as_py():
+        raise DataError(no_target_text_message(what, source, data))
     truncated = int(pc.sum(table["truncated"]).as_py() or 0)
     keep = pc.greater(table["num_labels"], 0)
     dropped = len(table) - int(pc.sum(keep).as_py() or 0)

@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fulltune import hub
-from fulltune.data.files import hub_dataset_key, load_records, local_data_files
-from fulltune.data.formats import IGNORE_INDEX, format_columns, no_labels_message, pad_token_id_of, tokenize_split
+from fulltune.data.files import hub_dataset_key, load_records, local_data_files, record_locator
+from fulltune.data.formats import (IGNORE_INDEX, format_columns, no_labels_message, no_target_text_message,
+                                   pad_token_id_of, tokenize_split)
 from fulltune.errors import DataError
 from fulltune.spec import DataSpec
 from fulltune.storage import FileHashes, atomic_dir, hash_parts, remove_stale_temp_dirs
@@ -314,9 +315,12 @@ def _build(data: DataSpec, tokenizer_ref: str, seed: int, fingerprint: str, out:
 def _tokenize_source(spec: str, what: str, tokenizer: Any, data: DataSpec, reference: str, arrow_cache: Path,
                      token: str | None) -> tuple[pa.Table, int, int, str]:
     """Load and tokenize one of data.train / data.eval: (table, truncated, dropped, source name)."""
-    source = spec if Path(spec).expanduser().exists() else f"hub dataset {spec}"
+    local = Path(spec).expanduser().exists()
+    source = spec if local else f"hub dataset {spec}"
     records = load_records(spec, what=what, cache_dir=arrow_cache, token=token)
-    return (*tokenize_split(records, tokenizer, data, source=source, what=what, reference=reference), source)
+    locate = record_locator(spec, what) if local else None
+    return (*tokenize_split(records, tokenizer, data, source=source, what=what, reference=reference, locate=locate),
+            source)
 
 
 def _split_tables(data: DataSpec, tokenizer: Any, reference: str, seed: int, arrow_cache: Path,
@@ -324,6 +328,7 @@ def _split_tables(data: DataSpec, tokenizer: Any, reference: str, seed: int, arr
     """(train table, eval table, truncated, dropped): data.eval, or data.eval_split of data.train held
     out; the train table shuffled before packing so a sorted file does not pack similar examples together."""
     import numpy as np
+    import pyarrow.compute as pc
 
     train_table, truncated, dropped, train_source = _tokenize_source(data.train, "data.train", tokenizer, data,
                                                                      reference, arrow_cache, token)
@@ -349,6 +354,10 @@ def _split_tables(data: DataSpec, tokenizer: Any, reference: str, seed: int, arr
         order = rng.permutation(n)
         eval_table = train_table.take(np.sort(order[:num_eval]))
         train_table = train_table.take(np.sort(order[num_eval:]))
+        if not pc.any(eval_table["has_target_text"]).as_py():
+            raise DataError(no_target_text_message("data.eval", f"the {num_eval} example(s) data.eval_split held out "
+                                                   f"of {train_source}", data).replace(
+                "point data.eval at another file", "set data.eval"))
     if len(train_table) == 0:
         raise DataError(no_labels_message("data.train", train_source, data))
     if data.packing:

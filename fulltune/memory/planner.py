@@ -12,10 +12,12 @@ FakeTensorMode (`plan_memory(trace=True)`), it fits when the larger of estimate 
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import math
 import os
 from dataclasses import dataclass, replace
+from collections.abc import Callable
 from typing import Any
 
 from fulltune.memory.errors import MemoryConfigError
@@ -99,7 +101,16 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
     optimizer = shape.num_params / shard * traffic / _BANDWIDTH[settings.device]
     if settings.offload_optimizer:
         optimizer = 0.0
-    return (compute + optimizer) * _OPTIMIZER_PENALTY[settings.optimizer] + sum(lever_seconds(shape, settings).values())
+    seconds = (compute + optimizer) * _OPTIMIZER_PENALTY[settings.optimizer] + sum(lever_seconds(shape, settings).values())
+    correction = STEP_TIME_CORRECTION.get()
+    return seconds * correction(settings) if correction is not None else seconds
+
+
+# Measured corrections of this model for the machine at hand: a factor per kind of step, set by
+# fulltune/autotune.py (`calibrated`) from the step times it measured on this kind of device. Unset,
+# the constants above stand.
+STEP_TIME_CORRECTION: contextvars.ContextVar[Callable[[Settings], float] | None] = contextvars.ContextVar(
+    "step_time_correction", default=None)
 
 
 def lever_seconds(shape: ModelShape, settings: Settings) -> dict[str, float]:
