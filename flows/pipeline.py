@@ -9,7 +9,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field
 
-from fulltune import stages
+from fulltune import autotune, stages
 from fulltune import registry
 from tasks.budget import memory_budget_task
 from tasks.common import clear_stale_locks, results_dir, stage_policy
@@ -139,6 +139,7 @@ def finetune_pipeline(pipeline: str = "demo", overrides: Overrides | None = None
         {registry.TAG_FLOW_RUN: str(flow_run.id or "local"), registry.TAG_DATA: data.fingerprint,
          registry.TAG_CONFIG: p.spec.config_hash()}, p.workdir)
     try:
+        autotune.log_to_mlflow(run_id, decision.plan)  # the measured candidates' table and picture, when tuned
         train_key = stages.train_key(p, data.training_fingerprint, decision.settings)
         state = _stage(finetune_task, p, stages.FINE_TUNE, train_key)(
             p, train_key, data, tokenizer, decision, uri, run_id, return_state=True)

@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.add_argument("--simulate", action="store_true", help="also trace one step under FakeTensorMode")
     plan.add_argument("--measure", action="store_true", help="also run two real steps and report the peak")
+    plan.add_argument("--autotune", action="store_true",
+                      help="run the top candidates for a few steps on this machine and choose the fastest that fits")
     run = sub.add_parser("run", parents=[common], help="run a pipeline end to end")
     run.add_argument("name")
     serve = sub.add_parser("serve", parents=[common], help="serve one Prefect deployment per pipeline")
@@ -115,20 +117,23 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fulltune.stages import pin_hub_revisions, plan_budget, plan_inputs, resolve_pipeline, resolved_budget
+    from fulltune.autotune import plan_and_tune
+    from fulltune.stages import pin_hub_revisions, resolve_pipeline, resolved_budget
 
     p = pin_hub_revisions(resolve_pipeline(args.file, args.name, args.overrides))
     resolved_budget(p)
-    seq_len, vocab, target_fraction = plan_inputs(p)
     # --simulate plans for the larger of the estimate and the traced step; otherwise estimate + margin.
-    decision = plan_budget(p, seq_len, vocab, target_fraction=target_fraction, trace=bool(args.simulate))
+    # --autotune (or budget.autotune: true) measures the top candidates on this machine (fulltune/autotune.py).
+    decision = plan_and_tune(p, trace=bool(args.simulate), force=True if args.autotune else None, auto_tunes=False)
     extra: dict[str, Any] = {}
     if args.simulate or args.measure:
-        extra = _simulate_or_measure(p, decision, vocab, args.simulate, args.measure)
+        extra = _simulate_or_measure(p, decision, decision.vocab_size, args.simulate, args.measure)
     if args.json:
         print(json.dumps({**decision.plan, **extra}, indent=2))
     else:
         print(decision.table)
+        if not decision.plan["autotune"]["ran"]:
+            print(f"autotune: {decision.plan['autotune']['reason']}")
         if extra:
             print(_comparison_table(decision.plan["plan"]["estimate"], extra))
     return 0

@@ -32,7 +32,8 @@ STAGES = (TOKENIZE, MEMORY_BUDGET, FINE_TUNE, EVALUATE, REGISTER)
 # The engine modules each stage runs: their source is part of the stage's cache key.
 STAGE_CODE = {
     TOKENIZE: ("data", "tokenizer.py", "storage.py", "hub.py"),
-    MEMORY_BUDGET: ("memory", "flops.py", "loss.py", "optim.py", "offload.py", "models.py", "stages.py"),
+    # autotune.py: the budget stage measures candidates with it (and through the trainer's own code).
+    MEMORY_BUDGET: ("memory", "flops.py", "loss.py", "optim.py", "offload.py", "models.py", "stages.py", "autotune.py"),
     FINE_TUNE: ("train.py", "launch.py", "batching.py", "faults.py", "replan.py", "loss.py", "optim.py",
                 "offload.py", "sharding.py", "rendezvous.py", "storage.py", "models.py", "flops.py", "data", "memory"),
     EVALUATE: ("evaluate.py", "loss.py", "data", "models.py"),
@@ -171,7 +172,20 @@ def tokenize_key(p: ResolvedPipeline) -> str:
         "tokenizer": tokenizer if not isinstance(tokenizer, str)
         else _source_key(p, tokenizer, field, revision=tokenizer_revision(spec.model)),
         "seed": spec.train.seed,
+        "packing_choice": _packing_choice_key(p) if spec.data.packing == "auto" else None,
     })
+
+
+def _packing_choice_key(p: ResolvedPipeline) -> dict[str, Any]:
+    """What `data.packing: auto` decides by (fulltune/autotune.py `choose_packing`): the plans of both layouts."""
+    device, budget_bytes, bf16 = resolved_budget(p)
+    spec = p.spec
+    return {"code": code_version("autotune.py", *STAGE_CODE[MEMORY_BUDGET]),
+            "model": spec.model.model_dump(mode="json"), "model_source": _model_source(p),
+            "budget": spec.budget.model_dump(mode="json"), "train": spec.train.model_dump(mode="json"),
+            "distributed": spec.distributed.model_dump(mode="json"),
+            "resolved": {"device": device, "bytes": budget_bytes, "bf16": bf16},
+            "step_time_calibration": _calibration_key(p, device)}
 
 
 def resolved_budget(p: ResolvedPipeline) -> tuple[str, int | None, bool]:
@@ -198,7 +212,15 @@ def budget_key(p: ResolvedPipeline, train_fingerprint: str) -> str:
         "budget": spec.budget.model_dump(mode="json"), "train": spec.train.model_dump(mode="json"),
         "distributed": spec.distributed.model_dump(mode="json"),
         "resolved": {"device": device, "bytes": budget_bytes, "bf16": bf16},
+        # Step times measured on this kind of device rerank the candidates (fulltune/autotune.py).
+        "step_time_calibration": _calibration_key(p, device),
     })
+
+
+def _calibration_key(p: ResolvedPipeline, device: str) -> dict[str, float]:
+    from fulltune.autotune import calibration_key
+
+    return calibration_key(p.workdir, device)
 
 
 def train_key(p: ResolvedPipeline, train_fingerprint: str, settings: dict[str, Any]) -> str:
@@ -346,7 +368,7 @@ def plan_request(p: ResolvedPipeline, seq_len: int, device: str, budget_bytes: i
         bf16_supported=bf16,
         # Packed rows restart position_ids, so transformers builds a block mask per layer; unpacked rows
         # are right-padded and the trainer passes no mask at all (see fulltune/train.py).
-        attention_mask=p.spec.data.packing,
+        attention_mask=p.spec.data.packing is not False,  # `auto` not yet resolved: plan for the mask
         target_fraction=target_fraction,
         **{lever: None if getattr(t, lever) == "auto" else bool(getattr(t, lever)) for lever in LEVERS},
         host_memory_bytes=None if p.spec.budget.host_memory == "auto" else parse_size(p.spec.budget.host_memory),

@@ -9,19 +9,27 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from fulltune.data import TokenizedData
-from fulltune.stages import MEMORY_BUDGET, BudgetDecision, ResolvedPipeline, plan_budget, plan_inputs, record_outputs
+from fulltune.stages import MEMORY_BUDGET, BudgetDecision, ResolvedPipeline, record_outputs
 from tasks.common import stage_policy
 
 
 @task(name=MEMORY_BUDGET, cache_policy=stage_policy(MEMORY_BUDGET), persist_result=True)
 def memory_budget_task(p: ResolvedPipeline, key: str, data: TokenizedData, tokenizer: str) -> BudgetDecision:
-    """Estimate the peak for the configured settings; pick the fastest settings within the budget."""
-    seq_len, vocab, target_fraction = plan_inputs(p, data, tokenizer)
+    """Estimate the peak for the configured settings; pick the fastest settings within the budget, measured
+    on this machine when `budget.autotune` says so (fulltune/autotune.py)."""
+    from fulltune.autotune import plan_and_tune
+
     picture = Path(p.workdir) / "plans" / f"{key[:16]}.png"
-    decision = plan_budget(p, seq_len, vocab, picture, target_fraction)
-    get_run_logger().info("memory plan:\n%s", decision.table)
-    record_outputs(p.workdir, MEMORY_BUDGET, key, [str(picture)])
-    create_markdown_artifact(key=f"{p.name}-memory-plan", markdown=plan_markdown(p.name, decision.table, picture),
+    logger = get_run_logger()
+    decision = plan_and_tune(p, data, tokenizer, picture=picture, on_progress=logger.info)
+    logger.info("memory plan:\n%s", decision.table)
+    tuned = decision.plan["autotune"].get("picture")
+    record_outputs(p.workdir, MEMORY_BUDGET, key, [str(picture)] + ([tuned] if tuned else []))
+    markdown = plan_markdown(p.name, decision.table, picture)
+    if tuned:  # measured step time against measured peak memory, the budget as a line
+        encoded = base64.b64encode(Path(tuned).read_bytes()).decode("ascii")
+        markdown += f"\n\n![autotune](data:image/png;base64,{encoded})"
+    create_markdown_artifact(key=f"{p.name}-memory-plan", markdown=markdown,
                              description="Estimated peak memory against the budget")
     return decision
 

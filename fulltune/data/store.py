@@ -256,6 +256,8 @@ def tokenize_dataset(data: DataSpec, tokenizer: str, workdir: str | Path, seed: 
     cannot be loaded or lacks what the format needs (eos token, chat template).
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if data.packing == "auto":  # the tokenize stage resolves `auto` first (fulltune/autotune.py resolve_packing)
+        data = data.model_copy(update={"packing": False})
     fingerprint = fingerprint_data(data, tokenizer, seed, token=token, workdir=workdir)
     root = Path(workdir) / "tokenized"
     final = root / fingerprint

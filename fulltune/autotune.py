@@ -1,0 +1,882 @@
+"""Autotune: run the planner's top candidates for a few steps on the real device before the run commits.
+
+The planner ranks the settings that fit by an analytic step-time model (`memory.planner.step_seconds`),
+whose constants no device at hand has checked. Autotune measures instead:
+
+    candidates  the planned settings and the planner's next-fastest alternatives that fit
+                (`budget.autotune.candidates`; levers included where the planner chose them)
+    measure     each in its own child process through the real launch path (`launch.run_training` of a
+                `TrainJob` built by `launch.job_from_pipeline`, the trainer's own `train_step`), on the real
+                tokenized data, into a scratch output directory: `warmup_steps` untimed optimizer steps,
+                then `steps` timed ones; a probe in the child (`StepProbe`, through the trainer's hook
+                points) records when each step starts and the peak memory (CUDA: `max_memory_reserved`;
+                CPU: the process's resident high-water mark), and ends the child before any export
+    choose      the fastest candidate whose measured peak fits the usable budget; one that runs out of
+                memory, exceeds the budget, fails or times out is recorded and skipped, never fatal;
+                when none fits the analytic plan stands
+    remember    every measurement under `<workdir>/autotune/measurements/`, keyed by the hardware (device
+                name and count, driver and torch versions), the model's shape and the settings (which hold
+                the sequence shape), so a scheduled retraining on the same machine does not tune again
+    calibrate   the measured / analytic step-time ratios of a device kind, per kind of step (precision,
+                optimizer, levers), scale the planner's `step_seconds` for later plans on that kind of
+                device (`calibrated`), with or without tuning
+
+`budget.autotune` is `auto` by default: the run tunes only where the predicted training time is at
+least `AUTO_RATIO` times the predicted tuning time (tuning then costs at most 5% of the run) and more
+than one candidate fits. The whole tuning is capped at `max_seconds` of wall time.
+
+The same measurements choose `data.packing: auto` where the data allow both layouts (`choose_packing`).
+
+This module never imports Prefect; the trainer's child imports it only for `StepProbe`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from fulltune.faults import TrainHooks
+
+if TYPE_CHECKING:
+    from fulltune.launch import TrainJob
+    from fulltune.memory.shapes import ModelShape
+    from fulltune.memory.types import Settings
+    from fulltune.stages import BudgetDecision, ResolvedPipeline
+
+# The child's probe: JSON {"dir", "stop_at", "deadline"} (see StepProbe).
+PROBE_ENV = "FULLTUNE_AUTOTUNE_PROBE"
+AUTOTUNE_DIR = "autotune"  # under the workdir: measurements/, scratch/, pictures
+CACHE_VERSION = 1  # bump when what a measurement means changes: older ones are ignored
+
+# Defaults of `budget.autotune` (fulltune/spec.py `AutotuneSpec` holds the same numbers):
+# 3 candidates: the plan and its two nearest alternatives, where the analytic ranking is least sure;
+# 1 warm-up step: the first step allocates the optimizer states and warms the allocator and kernels;
+# 3 timed steps: their median survives one step disturbed by another job on shared cores;
+# 600 s: tuning a model with 3–16 s steps finishes within ten minutes.
+DEFAULT_CANDIDATES, DEFAULT_STEPS, DEFAULT_WARMUP_STEPS, DEFAULT_MAX_SECONDS = 3, 3, 1, 600.0
+# `auto` tunes when the predicted training time is at least this many times the predicted tuning time.
+AUTO_RATIO = 20.0
+# What one child costs before its first step (interpreter, torch, transformers, accelerate, the model):
+# measured ~8 s on the 2-core development CPU for a tiny model; assumed more on a GPU (CUDA context).
+CHILD_START_SECONDS = {"cpu": 10.0, "cuda": 30.0}
+# A candidate is not started with less than this left of max_seconds.
+MIN_CANDIDATE_SECONDS = 5.0
+# Measured ratios kept per kind of step (the newest), so the factor follows the machine as it changes.
+CALIBRATION_WINDOW = 20
+
+Outcome = Literal["fits", "over budget", "oom", "failed", "timeout"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Options: `budget.autotune` as the engine reads it
+
+
+@dataclass(frozen=True)
+class Options:
+    """`budget.autotune` resolved: whether to tune (`on`, `off`, `auto`) and how much."""
+
+    mode: Literal["on", "off", "auto"] = "auto"
+    candidates: int = DEFAULT_CANDIDATES
+    steps: int = DEFAULT_STEPS
+    warmup_steps: int = DEFAULT_WARMUP_STEPS
+    max_seconds: float = DEFAULT_MAX_SECONDS
+
+
+def options(value: Any) -> Options:
+    """`budget.autotune` (`true`, `false`, `auto` or an `AutotuneSpec` mapping) as Options."""
+    if value is True:
+        return Options(mode="on")
+    if value is False:
+        return Options(mode="off")
+    if value == "auto" or value is None:
+        return Options()
+    enabled = getattr(value, "enabled", True)
+    mode = "auto" if enabled == "auto" else ("on" if enabled else "off")
+    return Options(mode=mode, candidates=value.candidates, steps=value.steps, warmup_steps=value.warmup_steps,
+                   max_seconds=float(value.max_seconds))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The child's side: a probe at the trainer's hook points
+
+
+class StepProbe(TrainHooks):
+    """Times the trainer's optimizer steps and reads the peak memory, in the training child.
+
+    `hooks_from_env` (fulltune/faults.py) returns it when PROBE_ENV is set. At the start of every step it
+    records `time.perf_counter()` and the peak so far into `<dir>/probe-<rank>.json`; at the start of step
+    `stop_at` the steps before it are complete, and it ends the process (exit 0) before the trainer exports
+    anything. Past `deadline` (Unix time) it records the timeout and kills the process. Other hooks (a test's
+    fault injection) run as they would without it.
+    """
+
+    def __init__(self, config: str, inner: TrainHooks | None = None) -> None:
+        probe = json.loads(config)
+        self.inner = inner or TrainHooks()
+        self.stop_at = int(probe["stop_at"])
+        rank = int(os.environ.get("RANK", "0"))
+        self.file = Path(probe["dir"]) / f"probe-{rank}.json"
+        self.record: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "step_starts": [], "peak_bytes": None,
+                                       "done": False, "timed_out": False}
+        self._write()
+        deadline = probe.get("deadline")
+        if deadline is not None:
+            timer = threading.Timer(max(0.0, float(deadline) - time.time()), self._time_out)
+            timer.daemon = True
+            timer.start()
+
+    def _write(self) -> None:
+        # Scratch bookkeeping read after the child ends: a rename keeps it whole, no fsync needed.
+        tmp = self.file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.record))
+        os.replace(tmp, self.file)
+
+    def _time_out(self) -> None:
+        self.record["timed_out"] = True
+        self._write()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def before_step(self, step: int) -> None:
+        self.record["step_starts"].append(time.perf_counter())
+        self.record["peak_bytes"] = peak_bytes()
+        if step >= self.stop_at:
+            self.record["done"] = True
+            self._write()
+            os._exit(0)  # the measured steps are done; exporting a model nobody keeps would only cost time
+        self._write()
+        self.inner.before_step(step)
+
+    def on_loss(self, step: int, loss: Any) -> Any:
+        return self.inner.on_loss(step, loss)
+
+    def after_micro_batch(self, micro_step: int) -> None:
+        self.inner.after_micro_batch(micro_step)
+
+    def checkpoint_written(self, step: int) -> None:
+        self.inner.checkpoint_written(step)
+
+    def checkpoint_published(self, step: int) -> None:
+        self.inner.checkpoint_published(step)
+
+
+def peak_bytes() -> int:
+    """This process's peak memory so far: CUDA's reserved peak (what the caching allocator held from the
+    device) where CUDA is in use, else the resident high-water mark (ru_maxrss, KiB on Linux)."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_reserved())
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hardware, cache keys and calibration
+
+
+def hardware(device: str) -> dict[str, Any]:
+    """What a measurement's speed depends on besides the step: device name and count, driver and torch."""
+    import platform
+
+    import torch
+
+    info: dict[str, Any] = {"device": device, "torch": torch.__version__}
+    if device == "cuda" and torch.cuda.is_available():
+        info.update(name=torch.cuda.get_device_name(0), count=torch.cuda.device_count(), cuda=torch.version.cuda,
+                    driver=_nvidia_driver())
+    else:
+        info.update(name=_cpu_name(), count=len(os.sched_getaffinity(0)), machine=platform.machine())
+    return info
+
+
+def device_kind(info: dict[str, Any]) -> str:
+    """The calibration's unit: one kind of device in one count, e.g. `cuda NVIDIA H200 ×1`."""
+    return f"{info['device']} {info['name']} ×{info['count']}"
+
+
+def _cpu_name() -> str:
+    import platform
+
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _nvidia_driver() -> str | None:
+    with contextlib.suppress(OSError, IndexError):
+        # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  ..."
+        words = Path("/proc/driver/nvidia/version").read_text().split()
+        return next(w for w in words if w[:1].isdigit() and "." in w)
+    return None
+
+
+def step_kind(settings: Settings) -> str:
+    """The kind of step a calibration factor is kept for: precision, optimizer and the levers on.
+
+    These change the step's speed in ways the analytic model guesses at (bf16 without bf16 units, 8-bit
+    optimizers' kernels, the levers' copies); micro-batch and checkpointing it counts in FLOPs.
+    """
+    levers = "+".join(name for name, on in settings.levers().items() if on) or "no levers"
+    return f"{settings.mixed_precision}, {settings.optimizer}, {levers}"
+
+
+def _shape_dict(shape: ModelShape) -> dict[str, Any]:
+    return asdict(shape)
+
+
+def _shape_from(data: dict[str, Any]) -> ModelShape:
+    from fulltune.memory.shapes import ModelShape
+
+    tuples = {"layer_params", "other_params"}
+    return ModelShape(**{k: tuple(tuple(s) for s in v) if k in tuples else v for k, v in data.items()})
+
+
+def measurement_key(info: dict[str, Any], shape: ModelShape, settings: Settings, opts: Options) -> str:
+    from fulltune.storage import hash_json
+
+    return hash_json({"version": CACHE_VERSION, "hardware": info, "shape": _shape_dict(shape),
+                      "settings": settings.to_dict(), "steps": opts.steps, "warmup_steps": opts.warmup_steps})[:32]
+
+
+def _measurements_dir(workdir: str | Path) -> Path:
+    return Path(workdir) / AUTOTUNE_DIR / "measurements"
+
+
+def _read_measurement(workdir: str | Path, key: str) -> dict[str, Any] | None:
+    try:
+        entry = json.loads((_measurements_dir(workdir) / f"{key}.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return entry if isinstance(entry, dict) and entry.get("version") == CACHE_VERSION else None
+
+
+def _write_measurement(workdir: str | Path, key: str, entry: dict[str, Any]) -> None:
+    from fulltune.storage import atomic_write_text
+
+    atomic_write_text(_measurements_dir(workdir) / f"{key}.json", json.dumps(entry, indent=1))
+
+
+def analytic_step_seconds(shape: ModelShape, settings: Settings) -> float:
+    """The planner's step time without any calibration."""
+    from fulltune.memory import planner
+
+    token = planner.STEP_TIME_CORRECTION.set(None)
+    try:
+        return planner.step_seconds(shape, settings)
+    finally:
+        planner.STEP_TIME_CORRECTION.reset(token)
+
+
+def calibration(workdir: str | Path, kind: str) -> dict[str, float]:
+    """Step-time correction factors for device kind `kind`: step kind → median of measured / analytic
+    seconds over its newest CALIBRATION_WINDOW measurements, and "*" → the median over all of them
+    (used for step kinds not measured yet). Empty when nothing was measured on this kind of device.
+
+    The analytic seconds are recomputed from each measurement's model shape and settings, so the factors
+    always correct the step-time model as it is now.
+    """
+    from fulltune.memory.types import Settings
+
+    by_kind: dict[str, list[tuple[str, float]]] = {}
+    directory = _measurements_dir(workdir)
+    for file in sorted(directory.glob("*.json")) if directory.is_dir() else []:
+        try:
+            entry = json.loads(file.read_text())
+            if entry.get("version") != CACHE_VERSION or entry.get("device_kind") != kind:
+                continue
+            if entry.get("status") != "measured" or not entry.get("step_seconds"):
+                continue
+            settings = Settings(**entry["settings"])
+            analytic = analytic_step_seconds(_shape_from(entry["shape"]), settings)
+        except (OSError, ValueError, TypeError, KeyError):
+            continue  # a damaged or foreign file calibrates nothing
+        if analytic > 0:
+            by_kind.setdefault(step_kind(settings), []).append((entry.get("measured_at", ""),
+                                                                entry["step_seconds"] / analytic))
+    factors = {}
+    every = []
+    for name, ratios in by_kind.items():
+        newest = [r for _, r in sorted(ratios)[-CALIBRATION_WINDOW:]]
+        factors[name] = statistics.median(newest)
+        every += newest
+    if every:
+        factors["*"] = statistics.median(every)
+    return factors
+
+
+@contextlib.contextmanager
+def calibrated(workdir: str | Path, device: str) -> Iterator[dict[str, float]]:
+    """Within the block the planner's `step_seconds` reads this device kind's measured corrections
+    (`calibration`); yields the factors (empty: the analytic model as it is)."""
+    from fulltune.memory import planner
+
+    factors = calibration(workdir, device_kind(hardware(device)))
+    correction = None
+    if factors:
+        def correction(settings: Settings) -> float:
+            return factors.get(step_kind(settings), factors["*"])
+    token = planner.STEP_TIME_CORRECTION.set(correction)
+    try:
+        yield factors
+    finally:
+        planner.STEP_TIME_CORRECTION.reset(token)
+
+
+def calibration_key(workdir: str | Path, device: str) -> dict[str, float]:
+    """What the budget stage's cache key sees of the calibration: the factors, rounded (a new measurement
+    that moves a factor by under 1% does not replan)."""
+    return {k: round(v, 2) for k, v in calibration(workdir, device_kind(hardware(device))).items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Candidates and one measurement
+
+
+@dataclass
+class Trial:
+    """One candidate: what the planner predicted and what the device measured."""
+
+    settings: Settings
+    predicted_step_seconds: float | None  # the planner's ranking (calibrated where measurements exist)
+    analytic_step_seconds: float  # the step-time model without calibration
+    outcome: Outcome = "failed"
+    measured_step_seconds: float | None = None
+    measured_peak_bytes: int | None = None
+    tokens_per_second: float | None = None
+    detail: str = ""
+    cached: bool = False
+    seconds: float = 0.0  # wall time this candidate cost now (0 when cached)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"settings": self.settings.choices(), "predicted_step_seconds": _rounded(self.predicted_step_seconds),
+                "analytic_step_seconds": _rounded(self.analytic_step_seconds),
+                "measured_step_seconds": _rounded(self.measured_step_seconds),
+                "measured_peak_bytes": self.measured_peak_bytes,
+                "tokens_per_second": _rounded(self.tokens_per_second), "outcome": self.outcome,
+                "detail": self.detail, "cached": self.cached, "seconds": round(self.seconds, 2)}
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else float(f"{value:.4g}")
+
+
+def candidates(decision: BudgetDecision, count: int) -> list[tuple[Settings, float | None]]:
+    """The planned settings and the planner's next-fastest alternatives that fit, fastest first: at most
+    `count` (the plan keeps four alternatives that fit)."""
+    from fulltune.memory.types import Settings
+
+    chosen = Settings(**decision.settings)
+    out = [(chosen, decision.plan["plan"].get("estimated_step_seconds"))]
+    for alternative in decision.plan.get("alternatives", []):
+        if len(out) >= count:
+            break
+        # The planner lists fitting alternatives as "slower: …" and the rest as "does not fit: …".
+        if not str(alternative.get("rejected_because", "")).startswith("slower"):
+            continue
+        settings = replace(chosen, **{name: alternative[name] for name in chosen.choices()})
+        if all(settings != s for s, _ in out):
+            out.append((settings, alternative.get("estimated_step_seconds")))
+    return out
+
+
+@dataclass(frozen=True)
+class _Measured:
+    status: Literal["measured", "oom", "failed", "timeout"]
+    step_seconds: float | None = None
+    peak_bytes: int | None = None
+    tokens_per_second: float | None = None
+    detail: str = ""
+
+
+def measure(job: TrainJob, opts: Options, timeout: float, step_tokens: list[int]) -> _Measured:
+    """Run `job` in a child through `launch.run_training` for `opts.warmup_steps` + `opts.steps` optimizer
+    steps into its (scratch) output directory, which is removed afterwards; `step_tokens` are the
+    non-padding tokens of the timed steps."""
+    import shutil
+
+    from fulltune import launch
+    from fulltune.errors import UserError
+
+    stop_at = opts.warmup_steps + opts.steps + 1
+    output_dir = Path(job.paths.output_dir)
+    job = job.replace(max_steps=stop_at, checkpoint_every_steps=0, log_every_steps=stop_at)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    probe = {"dir": str(output_dir), "stop_at": stop_at, "deadline": time.time() + timeout}
+    tail: deque[str] = deque(maxlen=12)
+    try:
+        try:
+            launch.run_training(job, on_output=tail.append, env={PROBE_ENV: json.dumps(probe)})
+        except launch.OutOfMemory as exc:
+            return _Measured("oom", peak_bytes=exc.observed_peak_bytes, detail=str(exc))
+        except UserError as exc:
+            return _Measured("failed", detail=" ".join(str(exc).split())[:300])
+        except RuntimeError as exc:
+            records = _probe_records(output_dir)
+            if not (records and all(r["done"] for r in records)):
+                if any(r["timed_out"] for r in records):
+                    return _Measured("timeout", detail=f"stopped after {timeout:.0f} s")
+                if "code -9" in str(exc):  # SIGKILL not sent by the probe: the kernel's out-of-memory killer
+                    return _Measured("oom", peak_bytes=max((r["peak_bytes"] or 0 for r in records), default=None),
+                                     detail="killed (SIGKILL: out of memory)")
+                return _Measured("failed", detail=(tail[-1] if tail else str(exc))[:300])
+        records = _probe_records(output_dir)
+        main = next((r for r in records if r["rank"] == 0), None)
+        starts = main["step_starts"] if main else []
+        durations = [b - a for a, b in zip(starts, starts[1:])][opts.warmup_steps:]
+        if len(durations) < opts.steps:
+            return _Measured("failed", detail=f"the child ran {len(durations)} of {opts.steps} timed steps")
+        peak = max(r["peak_bytes"] or 0 for r in records)
+        tokens_per_second = sum(step_tokens) / sum(durations) if step_tokens and sum(durations) > 0 else None
+        return _Measured("measured", statistics.median(durations), peak, tokens_per_second)
+    finally:
+        shutil.rmtree(output_dir, ignore_errors=True)
+
+
+def _probe_records(output_dir: Path) -> list[dict[str, Any]]:
+    records = []
+    for file in sorted(output_dir.glob("probe-*.json")):
+        with contextlib.suppress(OSError, json.JSONDecodeError):
+            records.append(json.loads(file.read_text()))
+    return records
+
+
+def _step_tokens(train_file: str, rows_per_step: int, seed: int, first: int, count: int) -> list[int]:
+    """Non-padding tokens of optimizer steps first … first + count − 1 (0-based), as the trainer orders them."""
+    from fulltune.batching import StepSchedule, TokenizedRows
+
+    rows = TokenizedRows(train_file)
+    schedule = StepSchedule(rows.lengths, rows_per_step, seed)
+    if schedule.per_epoch == 0:
+        return []
+    return [int(rows.lengths[schedule.step_rows(step)].sum()) for step in range(first, first + count)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tuning
+
+
+@dataclass
+class Tuning:
+    """The outcome of one tuning: every candidate, the choice (index into `trials`, None: none fits) and
+    the wall time it took."""
+
+    trials: list[Trial]
+    chosen: int | None
+    seconds: float
+    opts: Options
+    device_kind: str
+    budget_bytes: int | None
+    usable_bytes: int | None
+    reason: str
+    picture: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ran": True, "candidates": [t.to_dict() for t in self.trials], "chosen": self.chosen,
+                "seconds": round(self.seconds, 2), "max_seconds": self.opts.max_seconds, "steps": self.opts.steps,
+                "warmup_steps": self.opts.warmup_steps, "device_kind": self.device_kind,
+                "budget_bytes": self.budget_bytes, "usable_bytes": self.usable_bytes, "reason": self.reason,
+                "picture": self.picture}
+
+
+def tune(p: ResolvedPipeline, decision: BudgetDecision, data: Any, tokenizer: str, opts: Options,
+         on_progress: Any = None) -> Tuning:
+    """Measure the candidates of `decision` on this machine and choose the fastest that fits.
+
+    Cached measurements (same hardware, model shape and settings) are reused; the others run one at a
+    time, each with an equal share of what is left of `opts.max_seconds`. Never raises for a candidate:
+    an out-of-memory, a failure or a timeout is recorded in its Trial.
+    """
+    from fulltune import launch
+    from fulltune.memory.shapes import model_shape
+    from fulltune.models import prepare_base_model, read_model_config
+
+    started = time.monotonic()
+    device = decision.settings["device"]
+    info = hardware(device)
+    kind = device_kind(info)
+    shape = model_shape(read_model_config(p.spec.model, decision.vocab_size))
+    usable, budget = decision.plan.get("usable_bytes"), decision.plan.get("budget_bytes")
+    trials = [Trial(s, predicted, analytic_step_seconds(shape, s))
+              for s, predicted in candidates(decision, opts.candidates)]
+    first = trials[0].settings
+    rows_per_step = first.micro_batch_size * first.gradient_accumulation_steps * first.num_processes
+    step_tokens = _step_tokens(data.train_file, rows_per_step, p.spec.train.seed, opts.warmup_steps, opts.steps)
+    base_model: str | None = None
+    scratch = Path(p.workdir) / AUTOTUNE_DIR / "scratch"
+    pending = []
+    for trial in trials:
+        cached = _read_measurement(p.workdir, measurement_key(info, shape, trial.settings, opts))
+        if cached is not None:
+            _fill(trial, cached, usable, cached_entry=True)
+        else:
+            pending.append(trial)
+    for n, trial in enumerate(pending):
+        left = opts.max_seconds - (time.monotonic() - started)
+        if left < MIN_CANDIDATE_SECONDS:
+            trial.outcome, trial.detail = "timeout", f"not run: the tuning's {opts.max_seconds:.0f} s were spent"
+            continue
+        if base_model is None:
+            base_model = prepare_base_model(p.spec.model, tokenizer, p.workdir, p.spec.train.seed)
+        job = launch.job_from_pipeline(p.spec, trial.settings, model_path=base_model, tokenizer_path=tokenizer,
+                                       train_file=data.train_file,
+                                       output_dir=str(scratch / f"{os.getpid()}-{time.time_ns()}"))
+        if on_progress is not None:
+            on_progress(f"autotune: measuring {describe(trial.settings)}")
+        t0 = time.monotonic()
+        result = measure(job, opts, left / (len(pending) - n), step_tokens)
+        trial.seconds = time.monotonic() - t0
+        entry = {"version": CACHE_VERSION, "hardware": info, "device_kind": kind, "shape": _shape_dict(shape),
+                 "settings": trial.settings.to_dict(), "steps": opts.steps, "warmup_steps": opts.warmup_steps,
+                 "status": result.status, "step_seconds": result.step_seconds, "peak_bytes": result.peak_bytes,
+                 "tokens_per_second": result.tokens_per_second, "detail": result.detail,
+                 "analytic_step_seconds": trial.analytic_step_seconds,
+                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        _fill(trial, entry, usable)
+        if result.status in ("measured", "oom"):  # a failure or a timeout may not repeat: measure again next time
+            _write_measurement(p.workdir, measurement_key(info, shape, trial.settings, opts), entry)
+    fitting = [i for i, t in enumerate(trials) if t.outcome == "fits"]
+    chosen = min(fitting, key=lambda i: trials[i].measured_step_seconds) if fitting else None
+    if chosen is None:
+        reason = "no candidate was measured to fit: the analytic plan stands"
+    elif chosen == 0:
+        reason = "the planned settings measured fastest among those that fit"
+    else:
+        t0, tc = trials[0], trials[chosen]
+        planned = f"{t0.measured_step_seconds:.3g} s" if t0.measured_step_seconds else t0.outcome
+        reason = (f"candidate {chosen} measured fastest among those that fit: {tc.measured_step_seconds:.3g} s/step "
+                  f"against the planned settings' {planned}")
+    return Tuning(trials, chosen, time.monotonic() - started, opts, kind, budget, usable, reason)
+
+
+def _fill(trial: Trial, entry: dict[str, Any], usable: int | None, cached_entry: bool = False) -> None:
+    status = entry["status"]
+    trial.measured_step_seconds = entry.get("step_seconds")
+    trial.measured_peak_bytes = entry.get("peak_bytes")
+    trial.tokens_per_second = entry.get("tokens_per_second")
+    trial.detail = entry.get("detail", "")
+    trial.cached = cached_entry
+    if status == "measured":
+        over = usable is not None and (trial.measured_peak_bytes or 0) > usable
+        trial.outcome = "over budget" if over else "fits"
+        if over:
+            from fulltune.memory.units import format_bytes
+
+            trial.detail = f"peak {format_bytes(trial.measured_peak_bytes)} > {format_bytes(usable)} usable"
+    else:
+        trial.outcome = status
+
+
+# ---------------------------------------------------------------------------------------------------
+# The budget stage with autotune
+
+
+def should_tune(opts: Options, decision: BudgetDecision, data: Any, p: ResolvedPipeline,
+                force: bool | None = None, auto_tunes: bool = True) -> tuple[bool, str]:
+    """(tune?, why). `force` True/False overrides `budget.autotune`; with `auto_tunes` False (`fulltune
+    plan` without --autotune) the `auto` mode only says what the run would do."""
+    import torch
+
+    device = decision.settings["device"]
+    if force is False or (force is None and opts.mode == "off"):
+        return False, "off (budget.autotune: false)"
+    if device == "cuda" and not torch.cuda.is_available():
+        return False, "not run: the plan is for cuda and no GPU is visible here"
+    if force or opts.mode == "on":
+        return True, "on"
+    count = len(candidates(decision, opts.candidates))
+    step = decision.plan["plan"].get("estimated_step_seconds") or 0.0
+    if data is None:
+        return False, "auto: the data is not tokenized yet, so the training time is not known"
+    rows_per_step = int(decision.settings["micro_batch_size"]) * int(decision.settings["gradient_accumulation_steps"]) \
+        * int(decision.settings["num_processes"])
+    t = p.spec.train
+    steps = t.max_steps or max(1, math.ceil(t.num_epochs * (data.num_train_rows // max(rows_per_step, 1))))
+    training = steps * step
+    tuning = count * (CHILD_START_SECONDS.get(device, 30.0) + (opts.warmup_steps + opts.steps) * step)
+    if count < 2:
+        return False, "auto: only one candidate fits, nothing to choose"
+    verdict = training >= AUTO_RATIO * tuning
+    why = (f"auto: predicted training {training:.0f} s {'≥' if verdict else '<'} {AUTO_RATIO:.0f} × predicted "
+           f"tuning {tuning:.0f} s")
+    if verdict and not auto_tunes:
+        return False, why + " (the run tunes; `fulltune plan --autotune` measures now)"
+    return verdict, why
+
+
+def plan_and_tune(p: ResolvedPipeline, data: Any = None, tokenizer: str | None = None, *,
+                  picture: Path | None = None, trace: bool | None = None, force: bool | None = None,
+                  auto_tunes: bool = True, on_progress: Any = None) -> BudgetDecision:
+    """The memory budget stage: plan with this machine's step-time calibration, then tune when
+    `budget.autotune` (or `force`) says so; returns the decision the run uses.
+
+    Its `plan` holds an `autotune` object (`Tuning.to_dict`, or `{"ran": false, "reason"}`), its `table`
+    the measured table, and its settings are the tuned choice when one fits. `data`/`tokenizer` default
+    to the tokenize stage's cached outputs; tuning without them tokenizes first (the same cached dataset
+    the tokenize stage builds).
+    """
+    from fulltune.stages import plan_budget, plan_inputs, resolved_budget
+
+    opts = options(p.spec.budget.autotune)
+    if data is None:
+        if force or (force is None and opts.mode == "on"):
+            data, tokenizer = tokenized(p)
+        else:
+            data, tokenizer = _cached_data(p, with_tokenizer=True) or (None, None)
+    p = with_packing(p, data)
+    seq_len, vocab, target_fraction = plan_inputs(p, data, tokenizer)
+    device = resolved_budget(p)[0]
+    with calibrated(p.workdir, device) as factors:
+        decision = plan_budget(p, seq_len, vocab, picture, target_fraction, trace=trace)
+    run, why = should_tune(opts, decision, data, p, force, auto_tunes)
+    calibration_note = {"calibration": {k: round(v, 3) for k, v in factors.items()}} if factors else {}
+    if not run:
+        return replace(decision, plan={**decision.plan, "autotune": {"ran": False, "reason": why,
+                                                                      **calibration_note}})
+    if tokenizer is None:
+        data, tokenizer = tokenized(p)
+    result = tune(p, decision, data, tokenizer, opts, on_progress)
+    result.reason = f"{why}; {result.reason}"
+    if result.trials:
+        where = picture.with_name(picture.stem + "-autotune.png") if picture is not None else \
+            Path(p.workdir) / AUTOTUNE_DIR / f"{p.name}-autotune.png"
+        result.picture = str(render_png(result, where))
+    table = format_table(result)
+    settings = decision.settings if result.chosen is None else asdict(result.trials[result.chosen].settings)
+    return replace(decision, settings=settings, table=f"{decision.table}\n\n{table}",
+                   plan={**decision.plan, "autotune": {**result.to_dict(), **calibration_note}})
+
+
+def with_packing(p: ResolvedPipeline, data: Any) -> ResolvedPipeline:
+    """`p` with `data.packing: auto` replaced by the layout the tokenized `data` has (unchanged without data)."""
+    from fulltune.stages import ResolvedPipeline as Resolved
+
+    if data is None or p.spec.data.packing != "auto":
+        return p
+    spec = p.spec.model_copy(update={"data": p.spec.data.model_copy(update={"packing": bool(data.packing)})})
+    return Resolved(p.name, spec, p.workdir, p.pipelines_file)
+
+
+def tokenized(p: ResolvedPipeline) -> tuple[Any, str]:
+    """(TokenizedData, tokenizer directory): the tokenize stage's cached outputs, else built the way the
+    stage builds them (same fingerprinted directory, so the stage finds them done)."""
+    from fulltune.data import tokenize_dataset
+    from fulltune.models import hub_token
+    from fulltune.tokenizer import prepare_tokenizer
+
+    cached = _cached_data(p, with_tokenizer=True)
+    if cached is not None:
+        return cached
+    m = p.spec.model
+    tokenizer = prepare_tokenizer(m, p.spec.data, p.workdir)
+    data_spec = resolve_packing(p, tokenizer)
+    data = tokenize_dataset(data_spec, tokenizer, p.workdir, p.spec.train.seed, token=hub_token(m.token_env),
+                            trust_remote_code=m.trust_remote_code)
+    return data, tokenizer
+
+
+def _cached_data(p: ResolvedPipeline, with_tokenizer: bool = False) -> Any:
+    from fulltune.data import load_tokenized
+    from fulltune.errors import DataError
+    from fulltune.stages import TOKENIZE, read_marker, tokenize_key
+
+    marker = read_marker(p.workdir, TOKENIZE, tokenize_key(p))
+    if not marker or not all(Path(x).exists() for x in marker["paths"]):
+        return None
+    try:
+        data = load_tokenized(marker["paths"][0])
+    except DataError:
+        return None
+    if not with_tokenizer:
+        return data
+    tokenizer = marker["paths"][1] if len(marker["paths"]) > 1 else p.spec.model.name_or_path
+    return data, tokenizer
+
+
+# ---------------------------------------------------------------------------------------------------
+# Packing: one example per row or packed rows, whichever trains faster
+
+
+def resolve_packing(p: ResolvedPipeline, tokenizer: str) -> Any:
+    """The DataSpec to tokenize with: `data.packing` as given when true/false; for `auto`, the layout
+    `choose_packing` picks (packing only pays where examples are shorter than max_length)."""
+    data = p.spec.data
+    if data.packing != "auto":
+        return data
+    return data.model_copy(update={"packing": choose_packing(p, tokenizer)[0]})
+
+
+def choose_packing(p: ResolvedPipeline, tokenizer: str) -> tuple[bool, str]:
+    """(pack?, why) for `data.packing: auto`: tokenize one example per row (a cached dataset), then
+    compare the predicted time of an epoch of each layout under its own plan: the planner's step time
+    (calibrated for this device) × optimizer steps per epoch, with unpacked micro-batches padded to their
+    longest row (the trainer groups rows by length) and packed rows to max_length. Where autotune is on
+    (`budget.autotune: true`) both plans' choices are measured and tokens per second decide.
+    """
+    import numpy as np
+
+    from fulltune.batching import TokenizedRows
+    from fulltune.data import tokenize_dataset
+    from fulltune.data.store import _pack
+    from fulltune.models import hub_token
+
+    m, spec = p.spec.model, p.spec.data
+    unpacked_spec = spec.model_copy(update={"packing": False})
+    unpacked = tokenize_dataset(unpacked_spec, tokenizer, p.workdir, p.spec.train.seed,
+                                token=hub_token(m.token_env), trust_remote_code=m.trust_remote_code)
+    lengths = TokenizedRows(unpacked.train_file).lengths
+    if len(lengths) < 2 or int(lengths.max()) * 2 > spec.max_length:
+        # No two examples fit one row (the longest takes more than half of it): packing changes little.
+        return False, "one example per row: the longest examples fill more than half of data.max_length"
+    rows = len(_pack(np.random.default_rng(p.spec.train.seed).permutation(lengths), spec.max_length)) - 1
+    estimates = {}
+    for packing, (row_count, seq_len) in {False: (len(lengths), _padded_length(lengths, p)),
+                                          True: (rows, spec.max_length)}.items():
+        seconds = _epoch_seconds(p, tokenizer, unpacked, packing, row_count, seq_len)
+        if seconds is None:
+            return False, "one example per row: packed rows do not fit the budget"
+        estimates[packing] = seconds
+    pack = estimates[True] < estimates[False]
+    why = (f"{'packed rows' if pack else 'one example per row'}: predicted epoch {estimates[True]:.3g} s packed, "
+           f"{estimates[False]:.3g} s one example per row")
+    return pack, why
+
+
+def _padded_length(lengths: Any, p: ResolvedPipeline) -> int:
+    """Mean padded row length of length-grouped micro-batches of the per-process batch (an approximation of
+    the trainer's `iter_length_grouped_batches`: sorted rows, padded to each group's longest)."""
+    import numpy as np
+
+    group = max(1, p.spec.train.effective_batch_size // p.spec.distributed.num_processes)
+    ordered = np.sort(lengths)
+    maxima = [int(ordered[i:i + group].max()) for i in range(0, len(ordered), group)]
+    return max(2, int(round(float(np.mean(maxima)))))
+
+
+def _epoch_seconds(p: ResolvedPipeline, tokenizer: str, unpacked: Any, packing: bool, rows: int,
+                   seq_len: int) -> float | None:
+    """Predicted seconds of one epoch of `rows` rows of `seq_len` tokens under the plan for that layout."""
+    from fulltune.errors import BudgetError
+    from fulltune.memory.planner import step_seconds
+    from fulltune.memory.shapes import model_shape
+    from fulltune.memory.types import Settings
+    from fulltune.models import read_model_config
+    from fulltune.stages import ResolvedPipeline as Resolved, planned_rows, plan_budget, _planned_vocab, resolved_budget
+
+    spec = p.spec.model_copy(update={"data": p.spec.data.model_copy(update={"packing": packing})})
+    layout = Resolved(p.name, spec, p.workdir, p.pipelines_file)
+    plan_len, target_fraction = planned_rows(layout, unpacked) if not packing else (spec.data.max_length, 1.0)
+    vocab = _planned_vocab(layout, tokenizer)
+    try:
+        with calibrated(p.workdir, resolved_budget(p)[0]):
+            decision = plan_budget(layout, plan_len, vocab, None, target_fraction, trace=False)
+            settings = replace(Settings(**decision.settings), seq_len=seq_len)
+            shape = model_shape(read_model_config(p.spec.model, vocab))
+            step = step_seconds(shape, settings)
+    except BudgetError:
+        return None
+    return step * max(1, rows // p.spec.train.effective_batch_size)  # optimizer steps per epoch
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reporting: the table, the picture, MLflow
+
+
+def describe(settings: Settings) -> str:
+    """`micro 2×4, ckpt 1, bf16, adafactor, pure_bf16`: a candidate in one short line."""
+    parts = [f"micro {settings.micro_batch_size}×{settings.gradient_accumulation_steps}",
+             f"ckpt {settings.gradient_checkpointing}",
+             "fp32" if settings.mixed_precision == "no" else settings.mixed_precision, settings.optimizer]
+    parts += [name for name, on in settings.levers().items() if on]
+    return ", ".join(parts)
+
+
+def format_table(result: Tuning | dict[str, Any]) -> str:
+    """The candidates with predicted beside measured step time, tokens/s, peak and outcome."""
+    from fulltune.memory.types import Settings
+    from fulltune.memory.units import format_bytes
+
+    data = result.to_dict() if isinstance(result, Tuning) else result
+    rows = [("#", "settings", "predicted", "measured", "tokens/s", "peak", "outcome")]
+    for i, c in enumerate(data["candidates"]):
+        settings = Settings(micro_batch_size=1, seq_len=2, **c["settings"])
+        mark = "  ← chosen" if i == data["chosen"] else ""
+        rows.append((str(i), describe(settings), _seconds(c["predicted_step_seconds"]),
+                     _seconds(c["measured_step_seconds"]),
+                     f"{c['tokens_per_second']:,.0f}" if c["tokens_per_second"] else "-",
+                     format_bytes(c["measured_peak_bytes"]) if c["measured_peak_bytes"] else "-",
+                     c["outcome"] + (" (cached)" if c["cached"] else "") + mark))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    usable = f", usable {format_bytes(data['usable_bytes'])}" if data.get("usable_bytes") else ""
+    head = (f"autotune on {data['device_kind']}: {len(data['candidates'])} candidate(s), {data['warmup_steps']} "
+            f"warm-up + {data['steps']} timed step(s) each, {data['seconds']:.0f} s of at most "
+            f"{data['max_seconds']:.0f} s{usable}")
+    lines = [head] + ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += [f"  {i}: {c['detail']}" for i, c in enumerate(data["candidates"]) if c["detail"]]
+    lines.append(data["reason"])
+    return "\n".join(lines)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g} s"
+
+
+def render_png(result: Tuning, path: str | Path) -> Path:
+    """Measured step time against measured peak memory, one point per candidate, the budget as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    gib = float(2**30)
+    fig, ax = plt.subplots(figsize=(6.5, 4.5), dpi=110)
+    colors = {"fits": "tab:green", "over budget": "tab:red", "oom": "tab:red"}
+    for i, t in enumerate(result.trials):
+        if t.measured_step_seconds is None or t.measured_peak_bytes is None:
+            continue
+        x, y = t.measured_peak_bytes / gib, t.measured_step_seconds
+        ax.scatter([x], [y], s=90 if i == result.chosen else 40, color=colors.get(t.outcome, "tab:gray"),
+                   edgecolors="black" if i == result.chosen else "none", zorder=3)
+        ax.annotate(f"{i}: {describe(t.settings)}", (x, y), textcoords="offset points", xytext=(6, 4), fontsize=7)
+    if result.budget_bytes is not None:
+        ax.axvline(result.budget_bytes / gib, color="black", linewidth=1.2, label="budget")
+    if result.usable_bytes is not None:
+        ax.axvline(result.usable_bytes / gib, color="black", linestyle="--", linewidth=1.0, label="budget − headroom")
+    ax.set_xlabel("measured peak memory (GiB per device)")
+    ax.set_ylabel("measured step time (s)")
+    ax.set_title(f"autotune on {result.device_kind}")
+    if result.budget_bytes is not None or result.usable_bytes is not None:
+        ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def log_to_mlflow(run_id: str, plan: dict[str, Any]) -> None:
+    """The autotune table, its JSON and its picture as artifacts of MLflow run `run_id` (when it ran)."""
+    autotune = plan.get("autotune") or {}
+    if not autotune.get("ran"):
+        return
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    client.log_text(run_id, format_table(autotune), "autotune/autotune.txt")
+    client.log_dict(run_id, autotune, "autotune/autotune.json")
+    if autotune.get("picture") and Path(autotune["picture"]).is_file():
+        client.log_artifact(run_id, autotune["picture"], "autotune")
