@@ -36,6 +36,7 @@ from pydantic import Field, ValidationError, create_model, model_validator
 
 from fulltune import errors, spec
 from fulltune.errors import ConfigError, DataError, TrainingError, UserError
+from fulltune import levers
 from fulltune.memory.types import LEVERS, Settings
 from fulltune.spec import Strict
 from fulltune.storage import atomic_write_text
@@ -315,16 +316,8 @@ def validate_job(job: TrainJob) -> None:
         if not ok:
             problems.append(message)
 
-    if plan.device == "cpu":
-        need(plan.mixed_precision != "fp16", "mixed_precision fp16 needs a CUDA device; use bf16 or no on CPU")
-        need(distributed.strategy in ("none", "ddp", "fsdp"),
-             f"strategy {distributed.strategy} needs CUDA devices; use ddp or fsdp on CPU")
-        need(distributed.num_machines == 1, "training on CPU runs on one machine")
-    need(distributed.strategy != "fsdp" or plan.mixed_precision != "fp16",
-         "strategy fsdp trains in bf16 or fp32: set mixed_precision to bf16 or no")
-    need(not (plan.chunked_loss and distributed.strategy == "fsdp"),
-         "chunked_loss reads the output head's weight in backward, which FSDP has resharded by then: turn "
-         "chunked_loss off with strategy fsdp")
+    problems += levers.problems(levers.from_settings(plan))  # the lever table (fulltune/levers.py)
+    need(plan.device != "cpu" or distributed.num_machines == 1, "training on CPU runs on one machine")
     if problems:
         raise ConfigError("train job: " + "; ".join(problems))
     if not Path(job.paths.train_file).is_file():

@@ -35,7 +35,7 @@ Device = Literal["cpu", "cuda"]
 MixedPrecision = Literal["bf16", "fp16", "no"]
 Optimizer = Literal["adamw", "adamw_8bit", "adamw_4bit", "adafactor"]
 LrScheduler = Literal["cosine", "linear", "constant"]
-Strategy = Literal["none", "ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3"]
+Strategy = Literal["none", "ddp", "fsdp"]
 
 
 class Strict(BaseModel):
@@ -226,15 +226,75 @@ class DistributedSpec(Strict):
     """How many processes train, and how model state is shared between them."""
 
     strategy: Strategy = Field(
-        "none", description="`none` trains in one process."
+        "none", description="`none` trains in one process; `ddp` replicates the model in every process; `fsdp` "
+                            "shards weights, gradients and optimizer states over the data-parallel processes (FSDP2)."
     )
     num_processes: int = Field(1, ge=1, le=4096, description="Processes (usually GPUs) in total.")
     num_machines: int = Field(1, ge=1, description="Machines taking part.")
+    tensor_parallel: int = Field(
+        1, ge=1, le=64, description="Processes each layer's matmuls are split over (tensor parallel, with sequence "
+                                    "parallel norms); num_processes / tensor_parallel groups train on different "
+                                    "data with FSDP between them. Needs strategy fsdp; 1 = no tensor parallel."
+    )
+
+    @field_validator("strategy", mode="before")
+    @classmethod
+    def _offered(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.startswith("deepspeed"):
+            raise ValueError(f"{value} is not offered: fulltune's trainer is not verified under DeepSpeed; use fsdp "
+                             "(FSDP2 shards weights, gradients and optimizer states as ZeRO-3 does)")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> DistributedSpec:
         if self.strategy == "none" and self.num_processes != 1:
-            raise ValueError("num_processes > 1 needs a strategy (ddp, fsdp, deepspeed_zero2, deepspeed_zero3)")
+            raise ValueError("num_processes > 1 needs a strategy (ddp or fsdp)")
+        if self.tensor_parallel > 1 and self.strategy != "fsdp":
+            raise ValueError("tensor_parallel > 1 needs strategy fsdp (FSDP over the data-parallel processes)")
+        if self.num_processes % self.tensor_parallel:
+            raise ValueError(f"num_processes ({self.num_processes}) must be a multiple of tensor_parallel "
+                             f"({self.tensor_parallel})")
+        return self
+
+    @property
+    def data_parallel(self) -> int:
+        """Processes that train on different rows: num_processes / tensor_parallel."""
+        return self.num_processes // self.tensor_parallel
+
+
+# Metrics every evaluation computes, with the direction in which they improve. A gate may also name an
+# lm-evaluation-harness metric (`<task>/<metric>`) or a metric of `evaluate.metrics`.
+BUILTIN_METRICS: dict[str, Literal["min", "max"]] = {
+    "eval_loss": "min", "perplexity": "min", "bits_per_byte": "min", "exact_match": "max",
+}
+CALLABLE_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+METRIC_NAME_PATTERN = re.compile(r"^[A-Za-z_][\w.-]*$")
+
+
+def lm_eval_installed() -> bool:
+    """Whether lm-evaluation-harness can be imported (the `eval` extra); importing its top level is cheap."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class LmEvalSpec(Strict):
+    """lm-evaluation-harness tasks, run with the same settings for the base model, the fine-tuned model
+    and the champion, each with its own tokenizer. Needs `pip install fulltune[eval]`."""
+
+    tasks: list[str] = Field(
+        min_length=1, description="Registered task names, or paths of task YAML files (relative to the pipelines "
+                                  "file) whose `dataset_kwargs.data_files` are local files; nothing is downloaded.")
+    limit: int | None = Field(None, ge=1, description="At most this many examples of each task.")
+    num_fewshot: int | None = Field(None, ge=0, description="Few-shot examples per prompt (default: the task's own, else 0).")
+    batch_size: int | None = Field(None, ge=1, description="Requests per forward pass (default: evaluate.batch_size).")
+
+    @model_validator(mode="after")
+    def _installed(self) -> LmEvalSpec:
+        if not lm_eval_installed():
+            raise ValueError("lm-evaluation-harness is not installed; install it with: pip install 'fulltune[eval]'")
         return self
 
 
@@ -246,29 +306,99 @@ class EvaluateSpec(Strict):
     max_generate_examples: int = Field(32, ge=0, description="Greedy generations for exact match (prompt_completion).")
     max_new_tokens: int = Field(32, ge=1, description="Tokens generated per example.")
     compare_champion: bool = Field(True, description="Also evaluate the current champion on the same data.")
+    lm_eval: LmEvalSpec | None = Field(None, description="lm-evaluation-harness tasks; metrics `<task>/<metric>`.")
+    metrics: dict[str, str] = Field(
+        default_factory=dict,
+        description="The team's own metrics: name → `module:function` (a list of `module:function` names each "
+                    "metric after its function). The function gets the generated completions and the references "
+                    "(two lists of str) and returns a number, or a mapping of numbers named `<name>/<key>`. The "
+                    "module is imported with the pipelines file's directory on the path (examples/metrics.py).")
+
+    @field_validator("metrics", mode="before")
+    @classmethod
+    def _named(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            named = {}
+            for item in value:
+                if not isinstance(item, str) or not CALLABLE_PATTERN.match(item):
+                    raise ValueError(f"{item!r} is not a `module:function` name")
+                named[item.rpartition(":")[2]] = item
+            return named
+        return value
+
+    @field_validator("metrics")
+    @classmethod
+    def _callables(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, target in value.items():
+            if not METRIC_NAME_PATTERN.match(name) or name in BUILTIN_METRICS:
+                raise ValueError(f"{name!r}: a metric name uses letters, digits, '_', '-', '.' and is not one of "
+                                 f"the built-in metrics ({', '.join(BUILTIN_METRICS)})")
+            if not CALLABLE_PATTERN.match(target):
+                raise ValueError(f"{name}: {target!r} is not a `module:function` name")
+        return value
 
 
 class PromoteIf(Strict):
-    """The gate a new version must pass against the current champion."""
+    """One condition the new version must meet against the current champion.
 
-    metric: Literal["eval_loss", "perplexity", "exact_match"] = Field("eval_loss", description="Metric compared.")
-    mode: Literal["min", "max"] = Field("min", description="Whether lower or higher is better.")
+    With `min_delta` it must beat the champion by that much; with `max_regression` (a guard) it may not be
+    worse than the champion by more than that — against the base model while there is no champion.
+    """
+
+    metric: str = Field("eval_loss", description="A built-in metric, `<task>/<metric>` of evaluate.lm_eval, or a "
+                                                 "metric of evaluate.metrics.")
+    mode: Literal["min", "max"] | None = Field(
+        None, description="Whether lower or higher is better (built-in metrics know theirs; required for others).")
     min_delta: float = Field(0.0, ge=0, description="Required improvement over the champion.")
+    max_regression: float | None = Field(
+        None, ge=0, description="Guard: the most the metric may get worse than the champion's (then no improvement "
+                                "is required).")
 
     @model_validator(mode="after")
     def _direction(self) -> PromoteIf:
-        expected = "max" if self.metric == "exact_match" else "min"
-        if self.mode != expected:
+        expected = BUILTIN_METRICS.get(self.metric)
+        if self.mode is None:
+            if expected is None:
+                raise ValueError(f"set mode (min or max) for {self.metric}: only built-in metrics know their direction")
+            object.__setattr__(self, "mode", expected)
+        elif expected is not None and self.mode != expected:
             raise ValueError(f"{self.metric} improves in mode '{expected}'")
+        if self.max_regression is not None and self.min_delta:
+            raise ValueError("set min_delta (must improve) or max_regression (must not regress), not both")
         return self
+
+    @property
+    def is_guard(self) -> bool:
+        return self.max_regression is not None
 
 
 class RegisterSpec(Strict):
     """The MLflow registered model the result lands in."""
 
     model_name: str | None = Field(None, description="Registered model name (default: fulltune-<pipeline>).")
-    promote_if: PromoteIf = Field(default_factory=PromoteIf, description="Gate for the `champion` alias.")
-    require_better_than_base: bool = Field(True, description="Never promote a model worse than its base model.")
+    promote_if: list[PromoteIf] = Field(
+        default_factory=lambda: [PromoteIf()],
+        description="Gate for the `champion` alias: one condition, or a list of conditions that must all hold.")
+    require_better_than_base: bool = Field(True, description="Never promote a model worse than its base model on a "
+                                                             "metric it must improve (guards excepted).")
+
+    @field_validator("promote_if", mode="before")
+    @classmethod
+    def _one_or_all(cls, value: Any) -> Any:
+        # The single-condition form `promote_if: {metric, mode, min_delta}` is a list of one.
+        return [value] if isinstance(value, (dict, PromoteIf)) else value
+
+    @field_validator("promote_if")
+    @classmethod
+    def _some(cls, value: list[PromoteIf]) -> list[PromoteIf]:
+        if not value:
+            raise ValueError("list at least one condition")
+        return value
+
+    @property
+    def gates(self) -> tuple[PromoteIf, ...]:
+        """The conditions of `promote_if`, all of which must hold."""
+        return tuple(self.promote_if)
 
 
 class PipelineSpec(Strict):
@@ -294,20 +424,34 @@ class PipelineSpec(Strict):
 
     @model_validator(mode="after")
     def _batch(self) -> PipelineSpec:
-        t, processes = self.train, self.distributed.num_processes
+        # Tensor-parallel processes share their rows: only the data-parallel ones multiply the batch.
+        t, processes = self.train, self.distributed.data_parallel
+        who = ("distributed.num_processes" if self.distributed.tensor_parallel == 1
+               else "distributed.num_processes / distributed.tensor_parallel")
         micro, accum = t.micro_batch_size, t.gradient_accumulation_steps
         if isinstance(micro, int) and isinstance(accum, int) and micro * accum * processes != t.effective_batch_size:
             raise ValueError(
                 f"train.micro_batch_size ({micro}) × train.gradient_accumulation_steps ({accum}) × "
-                f"distributed.num_processes ({processes}) must equal train.effective_batch_size "
+                f"{who} ({processes}) must equal train.effective_batch_size "
                 f"({t.effective_batch_size})"
             )
         per_process = t.effective_batch_size / processes
         if per_process != int(per_process):
-            raise ValueError("train.effective_batch_size must be a multiple of distributed.num_processes")
+            raise ValueError(f"train.effective_batch_size must be a multiple of {who} ({processes})")
         for name, value in (("micro_batch_size", micro), ("gradient_accumulation_steps", accum)):
             if isinstance(value, int) and int(per_process) % value:
                 raise ValueError(f"train.{name} ({value}) must divide the per-process batch ({int(per_process)})")
+        return self
+
+    @model_validator(mode="after")
+    def _lever_table(self) -> PipelineSpec:
+        # Every combination of levers, optimizer, strategy, accumulation, precision and device that the
+        # trainer cannot run is refused here, naming its fields (fulltune/levers.py is the one table).
+        from fulltune import levers
+
+        found = levers.problems(levers.from_spec(self))
+        if found:
+            raise ValueError("; ".join(found))
         return self
 
     def model_name(self, pipeline: str) -> str:

@@ -1,0 +1,166 @@
+"""The memory levers and the one table of rules for combining them: `fulltune validate`, `fulltune plan`,
+the planner's search, the train job and the trainer all read it.
+
+A lever is a key of the pipeline's `train:` section (true, false or `auto`). Each rule below names the
+YAML fields it reads and says why the combination cannot train; a combination that breaks no rule trains
+(`tests/test_lever_table.py` enumerates levers × optimizer × strategy and proves it both ways). A rule
+sees a field as `None` while it is still `auto`: it then holds only if no choice the planner could make
+would satisfy it — the planner, which fills the `auto` fields, keeps only candidates that break no rule.
+
+    lever                  what it does                                           what it needs
+    chunked_loss           head + cross-entropy in tiles, recomputed in backward  not FSDP (the head's weight
+                                                                                  is resharded by backward)
+    pure_bf16              bf16 weights and gradients, compensated updates        bf16 (or fp32) autocast; a
+                                                                                  GPU with bf16 on CUDA
+    optimizer_in_backward  each parameter steps as its gradient completes        accumulation 1, one process,
+                                                                                  not with offload_optimizer
+    offload_activations    checkpointed layers' saved inputs wait in host RAM    checkpointed layers
+    offload_optimizer      masters, gradients and states in host RAM              one process
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from fulltune.errors import ConfigError
+
+# In the order the planner tries them: cheapest in step time first.
+LEVERS = ("chunked_loss", "pure_bf16", "optimizer_in_backward", "offload_activations", "offload_optimizer")
+# Strategies that run several processes with their own handling of weights, gradients and states.
+DEEPSPEED = ("deepspeed_zero2", "deepspeed_zero3")
+
+
+@dataclass(frozen=True)
+class Combination:
+    """What the rules read, from a pipeline spec, a plan request, planned settings or a train job.
+
+    `None` means "auto": not decided yet (a lever, the optimizer, accumulation, precision, checkpointing,
+    the device). `bf16_supported` is None unless the device is a known GPU.
+    """
+
+    levers: Mapping[str, bool | None]
+    strategy: str = "none"
+    num_processes: int = 1
+    optimizer: str | None = "adamw"
+    gradient_accumulation_steps: int | None = None
+    mixed_precision: str | None = None
+    gradient_checkpointing: bool | int | None = None
+    device: str | None = None
+    bf16_supported: bool | None = None
+
+    def on(self, lever: str) -> bool:
+        """The lever is turned on (not auto, not off)."""
+        return self.levers.get(lever) is True
+
+    def with_lever(self, lever: str, value: bool | None) -> Combination:
+        from dataclasses import replace
+
+        return replace(self, levers={**self.levers, lever: value})
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A combination that cannot train: `broken(c)` is true for it; `fields` are the YAML keys it names."""
+
+    fields: tuple[str, ...]
+    broken: Callable[[Combination], bool]
+    why: str
+
+    def message(self) -> str:
+        return f"{' with '.join(self.fields)}: {self.why}"
+
+
+def _no_checkpointing(c: Combination) -> bool:
+    return c.gradient_checkpointing is False or c.gradient_checkpointing == 0
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(("train.optimizer_in_backward", "train.gradient_accumulation_steps"),
+         lambda c: c.on("optimizer_in_backward") and c.gradient_accumulation_steps not in (None, 1),
+         "stepping in backward updates each parameter during the backward pass of the step's only micro-batch; "
+         "set gradient_accumulation_steps to 1 (or auto: the effective batch is kept with a larger micro-batch)"),
+    Rule(("train.optimizer_in_backward", "train.offload_optimizer"),
+         lambda c: c.on("optimizer_in_backward") and c.on("offload_optimizer"),
+         "choose one: offloading already frees the device's gradients in backward"),
+    Rule(("train.optimizer_in_backward", "distributed.num_processes"),
+         lambda c: c.on("optimizer_in_backward") and c.num_processes > 1,
+         "its gradient hooks run before the gradients are averaged over processes; train on one process"),
+    Rule(("train.offload_optimizer", "distributed.num_processes"),
+         lambda c: c.on("offload_optimizer") and c.num_processes > 1,
+         "its gradient hooks run before the gradients are averaged over processes; train on one process"),
+    Rule(("train.chunked_loss", "distributed.strategy"),
+         lambda c: c.on("chunked_loss") and c.strategy == "fsdp",
+         "the chunked head reads the output head's weight in backward, after FSDP has resharded it; turn "
+         "chunked_loss off (or auto) with strategy fsdp"),
+    Rule(("train.pure_bf16", "train.mixed_precision"),
+         lambda c: c.on("pure_bf16") and c.mixed_precision == "fp16",
+         "pure bf16 keeps bf16 weights; set mixed_precision to bf16, no or auto"),
+    Rule(("train.pure_bf16", "budget.device"),
+         lambda c: c.on("pure_bf16") and c.bf16_supported is False,
+         "this GPU has no bf16 support; turn pure_bf16 off"),
+    Rule(("train.offload_activations", "train.gradient_checkpointing"),
+         lambda c: c.on("offload_activations") and _no_checkpointing(c),
+         "it moves the saved inputs of checkpointed layers to host RAM, and no layer is checkpointed; set "
+         "gradient_checkpointing to auto, true or a number of layers"),
+    Rule(("train.<memory levers>", "distributed.strategy"),
+         lambda c: c.strategy in DEEPSPEED and any(c.on(name) for name in LEVERS),
+         "DeepSpeed manages weights, gradients and optimizer states itself; turn the levers off (or auto)"),
+    Rule(("train.mixed_precision", "distributed.strategy"),
+         lambda c: c.strategy == "fsdp" and c.mixed_precision == "fp16",
+         "FSDP trains in bf16 or fp32; set mixed_precision to bf16, no or auto"),
+    Rule(("train.mixed_precision", "budget.device"),
+         lambda c: c.device == "cpu" and c.mixed_precision == "fp16",
+         "fp16 needs a CUDA device; use bf16, no or auto on CPU"),
+    Rule(("distributed.strategy", "budget.device"),
+         lambda c: c.device == "cpu" and c.strategy in DEEPSPEED,
+         "DeepSpeed needs CUDA devices; use ddp or fsdp on CPU"),
+    Rule(("train.optimizer", "distributed.strategy"),
+         lambda c: c.strategy == "fsdp" and c.optimizer in ("adamw_8bit", "adamw_4bit"),
+         "low-bit optimizer states are not sharded by fulltune's FSDP yet; use adamw or adafactor with fsdp"),
+)
+
+
+def problems(c: Combination) -> list[str]:
+    """Every rule the combination breaks, each naming its fields and saying why."""
+    return [rule.message() for rule in RULES if rule.broken(c)]
+
+
+def check(c: Combination, where: str = "", error: type[ConfigError] = ConfigError) -> None:
+    """Raise `error` (a ConfigError) listing every broken rule, each prefixed with `where` (`pipelines.demo.`)."""
+    found = problems(c)
+    if found:
+        raise error("; ".join(f"{where}{problem}" for problem in found))
+
+
+def may_turn_on(lever: str, c: Combination) -> bool:
+    """Whether the planner may turn an auto `lever` on: no rule breaks once it is on (the other auto
+    fields stay auto, to be chosen to fit)."""
+    return not problems(c.with_lever(lever, True))
+
+
+def from_spec(pipeline: object) -> Combination:
+    """The combination a `spec.PipelineSpec` asks for: `auto` fields are None; the device only when the
+    budget names it."""
+    train, distributed, budget = pipeline.train, pipeline.distributed, pipeline.budget  # type: ignore[attr-defined]
+
+    def auto(value: object) -> object:
+        return None if value == "auto" else value
+
+    return Combination(
+        levers={name: auto(getattr(train, name)) for name in LEVERS},
+        strategy=distributed.strategy, num_processes=distributed.num_processes,
+        optimizer=auto(train.optimizer), gradient_accumulation_steps=auto(train.gradient_accumulation_steps),
+        mixed_precision=auto(train.mixed_precision), gradient_checkpointing=auto(train.gradient_checkpointing),
+        device=auto(budget.device))
+
+
+def from_settings(settings: object, bf16_supported: bool | None = None) -> Combination:
+    """The combination of planned (or requested) settings: a `memory.Settings` or `memory.PlanRequest`,
+    whose levers map name → True / False (None: auto, in a request)."""
+    s = settings
+    return Combination(
+        levers=s.levers(), strategy=s.strategy, num_processes=s.num_processes,  # type: ignore[attr-defined]
+        optimizer=s.optimizer, gradient_accumulation_steps=s.gradient_accumulation_steps,  # type: ignore[attr-defined]
+        mixed_precision=s.mixed_precision, gradient_checkpointing=s.gradient_checkpointing,  # type: ignore[attr-defined]
+        device=s.device, bf16_supported=bf16_supported)  # type: ignore[attr-defined]
