@@ -80,7 +80,8 @@ class PipelineSummary:
                        f"{int(self.train_metrics.get('steps', 0))} steps "
                        f"({self.train_metrics.get('tokens_per_second', 0):.0f} tokens/s)")
         names = list(self.evaluation)
-        for metric in ("eval_loss", "perplexity", "exact_match"):
+        benchmarks = sorted({m for values in self.evaluation.values() for m in values} - {"bits_per_byte"})
+        for metric in dict.fromkeys(("eval_loss", "perplexity", "exact_match", *benchmarks)):
             values = [self.evaluation[n].get(metric) for n in names]
             if any(v is not None for v in values):
                 cells = ", ".join(f"{n} {v:.4f}" for n, v in zip(names, values) if v is not None)

@@ -31,13 +31,21 @@ import json
 import math
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import pyarrow.parquet as pq
 
 from fulltune.data import IGNORE_INDEX
 from fulltune.errors import ConfigError, DataError, UserError
 from fulltune.spec import DataSpec
+
+if TYPE_CHECKING:
+    from fulltune.harness import Benchmarks
+    from fulltune.registry import Champion
+    from fulltune.spec import PipelineSpec
+
+Progress = Callable[[str], None]
 
 NO_CHAMPION = "no_champion"
 SAME_TOKENS = "same_tokens"
@@ -55,6 +63,8 @@ class ModelMetrics:
     generated_examples: int = 0
     samples: tuple[tuple[str, str, str], ...] = ()  # (prompt, expected, generated) for the report
     target_bytes: int = 0  # UTF-8 bytes of the text the target tokens decode to
+    # lm-evaluation-harness (`<task>/<metric>`) and evaluate.metrics values (fulltune/harness.py)
+    extra: dict[str, float] = field(default_factory=dict)
 
     @property
     def bits_per_byte(self) -> float | None:
@@ -69,7 +79,7 @@ class ModelMetrics:
             values["bits_per_byte"] = self.bits_per_byte
         if self.exact_match is not None:
             values["exact_match"] = self.exact_match
-        return values
+        return {**values, **self.extra}
 
 
 @dataclass(frozen=True)
@@ -99,7 +109,7 @@ class EvalReport:
             columns["champion (own tokenizer)"] = self.champion_own_tokens
         names = list(columns)
         lines = ["| metric | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-        for metric in ("eval_loss", "perplexity", "bits_per_byte", "exact_match"):
+        for metric in metric_names(columns.values()):
             cells = []
             for name in names:
                 value = columns[name].as_dict().get(metric)
@@ -114,6 +124,12 @@ class EvalReport:
             lines += ["", "| prompt | expected | fine-tuned output |", "|---|---|---|"]
             lines += [f"| `{p!r}` | `{e!r}` | `{g!r}` |" for p, e, g in tuned.samples[:5]]
         return "\n".join(lines)
+
+
+def metric_names(candidates: Iterable[ModelMetrics]) -> list[str]:
+    """The built-in metrics in their fixed order, then every benchmark metric any candidate has, sorted."""
+    extra = sorted({name for metrics in candidates for name in metrics.extra})
+    return ["eval_loss", "perplexity", "bits_per_byte", "exact_match", *extra]
 
 
 COMPARISON_TITLES = {
@@ -132,9 +148,13 @@ def read_eval_rows(eval_file: str, max_examples: int | None) -> list[dict[str, A
 
 
 def evaluate_model(model_path: str, tokenizer_path: str, rows: list[dict[str, Any]], *, batch_size: int,
-                   generate_examples: int, max_new_tokens: int, device: str, load_kwargs: dict[str, Any]) -> ModelMetrics:
+                   generate_examples: int, max_new_tokens: int, device: str, load_kwargs: dict[str, Any],
+                   benchmarks: Benchmarks | None = None, progress: Progress | None = None,
+                   name: str = "model") -> ModelMetrics:
     """Token-weighted mean loss over every labelled token, perplexity = exp(loss), bits per byte of target
-    text, and exact match. `rows` must be tokenized with the tokenizer at `tokenizer_path`."""
+    text, exact match, and the benchmarks (lm-evaluation-harness tasks, metric functions) with the same
+    loaded model. `rows` must be tokenized with the tokenizer at `tokenizer_path`, which the harness also
+    uses. `progress` gets a line at most every PROGRESS_SECONDS while a phase runs; `name` labels it."""
     import torch
 
     from fulltune.data import collate
@@ -146,6 +166,7 @@ def evaluate_model(model_path: str, tokenizer_path: str, rows: list[dict[str, An
                                token=load_kwargs.get("token"))
     model = load_model(model_path, **load_kwargs).to(device).eval()
     _check_ids_fit(model, rows, model_path, tokenizer_path)
+    report = _Reporter(progress, name)
     head = TargetHead(model)  # the loss as training computes it: logits only where there is a target
     total_loss = torch.zeros((), dtype=torch.float64)
     total_tokens = 0
@@ -153,19 +174,48 @@ def evaluate_model(model_path: str, tokenizer_path: str, rows: list[dict[str, An
         for start in range(0, len(rows), batch_size):
             batch = collate(rows[start:start + batch_size], tokenizer.pad_token_id)
             targets = Targets.from_labels(batch.pop("labels"))
-            inputs = {name: tensor.to(device) for name, tensor in batch.items()}
+            inputs = {key: tensor.to(device) for key, tensor in batch.items()}
             total_loss += head.loss_sum(model, inputs, targets.to(device)).double().cpu()
             total_tokens += len(targets)
+            report("loss", min(start + batch_size, len(rows)), len(rows))
     head.remove()
     if total_tokens == 0:
         raise DataError("data.eval: the eval examples have no labelled tokens; check the eval data and data.max_length")
     eval_loss = float(total_loss) / total_tokens
     exact, samples, generated = None, (), 0
+    extra: dict[str, float] = {}
     if generate_examples > 0 and rows and rows[0].get("completion") is not None:
-        exact, samples = _exact_match(model, tokenizer, rows[:generate_examples], max_new_tokens, device, batch_size)
+        exact, samples = _exact_match(model, tokenizer, rows[:generate_examples], max_new_tokens, device, batch_size,
+                                      report)
         generated = min(generate_examples, len(rows))
+        if benchmarks is not None:
+            extra.update(benchmarks.on_generations([s[2] for s in samples], [s[1] for s in samples]))
+    if benchmarks is not None and benchmarks.tasks:
+        if progress is not None:
+            progress(f"{name}: lm-evaluation-harness tasks {', '.join(t.name for t in benchmarks.tasks)}")
+        extra.update(benchmarks.on_model(model, tokenizer, device))
     return ModelMetrics(eval_loss, math.exp(min(eval_loss, 700.0)), total_tokens, exact, generated, samples,
-                        target_bytes(tokenizer, rows))
+                        target_bytes(tokenizer, rows), extra)
+
+
+# A phase of evaluation that runs longer than this logs how far it got, so a long one is visibly alive.
+PROGRESS_SECONDS = 10.0
+
+
+class _Reporter:
+    """Calls `progress` with `<name>: <phase> <done>/<total>` at most every PROGRESS_SECONDS."""
+
+    def __init__(self, progress: Progress | None, name: str) -> None:
+        import time
+
+        self.progress, self.name, self.clock = progress, name, time.monotonic
+        self.last = self.clock()
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if self.progress is None or done >= total or self.clock() - self.last < PROGRESS_SECONDS:
+            return
+        self.last = self.clock()
+        self.progress(f"{self.name}: {phase} {done}/{total} examples")
 
 
 def _check_ids_fit(model: Any, rows: list[dict[str, Any]], model_path: str, tokenizer_path: str) -> None:
@@ -201,7 +251,8 @@ def target_bytes(tokenizer: Any, rows: list[dict[str, Any]]) -> int:
 
 
 def _exact_match(model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_new_tokens: int, device: str,
-                 batch_size: int) -> tuple[float, tuple[tuple[str, str, str], ...]]:
+                 batch_size: int, report: Callable[[str, int, int], None] | None = None,
+                 ) -> tuple[float, tuple[tuple[str, str, str], ...]]:
     """Greedy generation from the prompt tokens (the unlabelled prefix of each row)."""
     import torch
 
@@ -222,6 +273,8 @@ def _exact_match(model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_new
             expected = str(row["completion"]).strip()
             hits += int(text == expected)
             samples.append((str(row.get("prompt", "")), expected, text))
+        if report is not None:
+            report("generation", len(samples), len(rows))
     return hits / len(rows), tuple(samples)
 
 
@@ -377,5 +430,69 @@ def comparable_champion(tuned: ModelMetrics, own: ModelMetrics) -> ModelMetrics:
     """
     nats_per_byte = own.eval_loss * own.eval_tokens / own.target_bytes
     eval_loss = nats_per_byte * tuned.target_bytes / tuned.eval_tokens
+    # Exact match and the benchmarks compare text or run on the champion's own tokens: no conversion.
     return ModelMetrics(eval_loss, math.exp(min(eval_loss, 700.0)), tuned.eval_tokens, own.exact_match,
-                        own.generated_examples, own.samples, tuned.target_bytes)
+                        own.generated_examples, own.samples, tuned.target_bytes, dict(own.extra))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The stage: every candidate on the same examples, the champion compared fairly
+
+
+def evaluate_candidates(spec: PipelineSpec, *, eval_file: str, base_model: str, model_dir: str, tokenizer: str,
+                        champion: Champion | None, workdir: str, base_dir: str, device: str,
+                        progress: Progress | None = None) -> EvalReport:
+    """Stage 4: the base model (with the run's tokenizer), the fine-tuned model and the current champion
+    (each with its own tokenizer) on the same held-out examples and the same benchmarks.
+
+    `base_dir` is the pipelines file's directory (task YAMLs and metric modules are found from there);
+    the champion's checkpoint is downloaded under `<workdir>/champions/`.
+    """
+    from fulltune.harness import Benchmarks
+    from fulltune.models import hub_token
+
+    e, m = spec.evaluate, spec.model
+    rows = read_eval_rows(eval_file, e.max_examples)
+    benchmarks = Benchmarks.from_spec(spec, base_dir)
+    load = {"revision": m.revision, "trust_remote_code": m.trust_remote_code,
+            "allow_pickle_weights": m.allow_pickle_weights, "attn_implementation": m.attn_implementation,
+            "token": hub_token(m.token_env)}
+    options = {"batch_size": e.batch_size, "generate_examples": e.max_generate_examples,
+               "max_new_tokens": e.max_new_tokens, "device": device, "benchmarks": benchmarks, "progress": progress}
+    candidates = {"base": (base_model, tokenizer, load),
+                  "fine_tuned": (model_dir, model_dir, {**load, "revision": None})}
+    metrics = {name: evaluate_model(path, tokenizer_path, rows, load_kwargs=kwargs, name=name, **options)
+               for name, (path, tokenizer_path, kwargs) in candidates.items()}
+    return compare_with_champion(spec, rows, metrics, champion, model_dir=model_dir, workdir=workdir,
+                                 options=options)
+
+
+def compare_with_champion(spec: PipelineSpec, rows: list[dict[str, Any]], metrics: dict[str, ModelMetrics],
+                          champion: Champion | None, *, model_dir: str, workdir: str,
+                          options: dict[str, Any]) -> EvalReport:
+    """The report of `metrics` (base and fine-tuned), with the champion measured on its own tokens when
+    there is one to compare; `options` are evaluate_model's keyword arguments."""
+    from pathlib import Path
+
+    from fulltune.models import hub_token, load_tokenizer
+    from fulltune.registry import download_version
+
+    if champion is None:
+        return EvalReport(metrics, len(rows))
+    if not spec.evaluate.compare_champion:
+        return EvalReport(metrics, len(rows), champion.version, comparison=NOT_COMPARED, comparison_reason=(
+            f"evaluate.compare_champion is false: the champion (version {champion.version}) was not evaluated, so "
+            "it keeps its alias; move the alias by hand to promote this version"))
+    local = download_version(champion.source, Path(workdir) / "champions" / f"{champion.name}-v{champion.version}")
+    tuned_tokenizer = load_tokenizer(model_dir, trust_remote_code=spec.model.trust_remote_code)
+    result = measure_champion(
+        rows, metrics["fine_tuned"], tuned_tokenizer, local, spec.data, champion.version,
+        max_examples=spec.evaluate.max_examples, data_token=hub_token(spec.model.token_env),
+        load_kwargs={"revision": None, "trust_remote_code": False,
+                     "allow_pickle_weights": spec.model.allow_pickle_weights,
+                     "attn_implementation": spec.model.attn_implementation},
+        name=f"champion v{champion.version}", **options)
+    if result.gate is not None:
+        metrics = {**metrics, "champion": result.gate}
+    return EvalReport(metrics, len(rows), champion.version, comparison=result.kind, comparison_reason=result.reason,
+                      champion_own_tokens=result.own)

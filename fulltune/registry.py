@@ -6,13 +6,18 @@ import contextlib
 import math
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fulltune.errors import ConfigError
 from fulltune.storage import code_version
+
+if TYPE_CHECKING:
+    from fulltune.data import TokenizedData
+    from fulltune.evaluate import EvalReport
+    from fulltune.spec import PipelineSpec, PromoteIf, RegisterSpec
 
 CHALLENGER = "challenger"
 CHAMPION = "champion"
@@ -27,6 +32,8 @@ TAG_FLOW_RUN = "fulltune.flow_run_id"
 # How the new version was compared with the champion (fulltune/evaluate.py), and why.
 TAG_COMPARISON = "fulltune.comparison"
 TAG_COMPARISON_REASON = "fulltune.comparison_reason"
+# Why the version was or was not promoted; `fulltune.gate.<metric>` per condition of register.promote_if.
+TAG_GATE = "fulltune.gate"
 
 SECRET_KEY = re.compile(r"(token|password|secret|api[_-]?key|credential)", re.IGNORECASE)
 URI_PASSWORD = re.compile(r"(?<=://)([^:/@\s]+):([^@/\s]+)@")
@@ -182,41 +189,120 @@ def download_version(source: str, destination: str | Path) -> str:
 
 
 @dataclass(frozen=True)
+class GateCheck:
+    """One condition of `register.promote_if` and how the new version fared on it."""
+
+    metric: str
+    passed: bool
+    reason: str
+
+
+@dataclass(frozen=True)
 class GateDecision:
     promote: bool
     reason: str
+    checks: tuple[GateCheck, ...] = ()
 
 
 def decide_promotion(candidate: dict[str, float], champion: dict[str, float] | None, base: dict[str, float] | None,
                      metric: str, mode: str, min_delta: float, require_better_than_base: bool, *,
                      keep_champion: str | None = None) -> GateDecision:
-    """The `champion` gate: promote when there is no champion, or when `metric` beats it by `min_delta`.
+    """The single-condition gate (`promote_if: {metric, mode, min_delta}`); see `decide_gates`."""
+    from fulltune.spec import PromoteIf
 
-    All values come from one evaluation on the same held-out examples, the champion's in the candidate's
-    units (fulltune/evaluate.py), so they are comparable. `keep_champion` is the reason a champion exists
-    but was not compared (`evaluate.compare_champion: false`, or no comparable measurement): the candidate
-    is then never promoted over it.
+    return decide_gates(candidate, champion, base, [PromoteIf(metric=metric, mode=mode, min_delta=min_delta)],
+                        require_better_than_base, keep_champion=keep_champion)
+
+
+def decide_gates(candidate: dict[str, float], champion: dict[str, float] | None, base: dict[str, float] | None,
+                 gates: Sequence[PromoteIf], require_better_than_base: bool, *,
+                 keep_champion: str | None = None) -> GateDecision:
+    """The `champion` gate: promote when every condition of `register.promote_if` holds.
+
+    A condition with `min_delta` must beat the champion by that much (there is nothing to beat while
+    there is no champion); a guard (`max_regression`) may be worse than the champion by at most that
+    much, and is held against the base model while there is no champion. With `require_better_than_base`
+    every non-guard metric must also beat the base model.
+
+    All values come from one evaluation on the same held-out examples and benchmarks, the champion's in
+    the candidate's units (fulltune/evaluate.py), so they are comparable. `keep_champion` is the reason a
+    champion exists but was not compared (`evaluate.compare_champion: false`, or no comparable
+    measurement): the candidate is then never promoted over it.
     """
+    checks = [_check(gate, candidate, champion, base, require_better_than_base) for gate in gates]
+    failed = [c for c in checks if not c.passed]
+    if failed:
+        return GateDecision(False, _joined(c.reason for c in failed), tuple(checks))
+    if keep_champion:
+        return GateDecision(False, f"the champion keeps its alias: {keep_champion}", tuple(checks))
+    return GateDecision(True, _joined(c.reason for c in checks), tuple(checks))
+
+
+def _joined(reasons: Iterable[str]) -> str:
+    return "; ".join(dict.fromkeys(reasons))
+
+
+def _check(gate: PromoteIf, candidate: dict[str, float], champion: dict[str, float] | None,
+           base: dict[str, float] | None, require_better_than_base: bool) -> GateCheck:
+    metric, mode = gate.metric, gate.mode
     value = candidate.get(metric)
     if value is None or not math.isfinite(value):
-        return GateDecision(False, f"{metric} of the new model is missing or not finite")
+        return GateCheck(metric, False, f"{metric} of the new model is missing or not finite")
 
     def better(a: float, b: float, delta: float) -> bool:
-        return a <= b - delta if mode == "min" else a >= b + delta
+        return (a <= b - delta if mode == "min" else a >= b + delta) and a != b
 
+    if gate.max_regression is not None:
+        against, reference = ("the champion's", (champion or {}).get(metric)) if champion is not None else \
+            ("the base model's", (base or {}).get(metric))
+        if reference is None:
+            return GateCheck(metric, True, f"{metric} {value:.4g}: nothing to hold it against")
+        regression = (value - reference) if mode == "min" else (reference - value)
+        if regression > gate.max_regression:
+            return GateCheck(metric, False, f"{metric} {value:.4g} regresses from {against} {reference:.4g} by "
+                                            f"{regression:.4g}, more than max_regression {gate.max_regression}")
+        return GateCheck(metric, True, f"{metric} {value:.4g} within max_regression {gate.max_regression} of "
+                                       f"{against} {reference:.4g}")
     if require_better_than_base and base and base.get(metric) is not None:
-        if not better(value, base[metric], 0.0) or value == base[metric]:
-            return GateDecision(False, f"{metric} {value:.4g} does not beat the base model ({base[metric]:.4g})")
-    if keep_champion:
-        return GateDecision(False, f"the champion keeps its alias: {keep_champion}")
+        if not better(value, base[metric], 0.0):
+            return GateCheck(metric, False, f"{metric} {value:.4g} does not beat the base model ({base[metric]:.4g})")
     if champion is None:
-        return GateDecision(True, "no champion yet")
+        return GateCheck(metric, True, "no champion yet")
     reference = champion.get(metric)
     if reference is None:
-        return GateDecision(True, f"the champion has no {metric} on this data")
-    if better(value, reference, min_delta) and value != reference:
-        return GateDecision(True, f"{metric} {value:.4g} beats the champion's {reference:.4g} (min_delta {min_delta})")
-    return GateDecision(False, f"{metric} {value:.4g} does not beat the champion's {reference:.4g} by {min_delta}")
+        return GateCheck(metric, True, f"the champion has no {metric} on this data")
+    if better(value, reference, gate.min_delta):
+        return GateCheck(metric, True, f"{metric} {value:.4g} beats the champion's {reference:.4g} "
+                                       f"(min_delta {gate.min_delta})")
+    return GateCheck(metric, False, f"{metric} {value:.4g} does not beat the champion's {reference:.4g} by "
+                                    f"{gate.min_delta}")
+
+
+def promotion_decision(register: RegisterSpec, report: EvalReport) -> GateDecision:
+    """The gate of `register.promote_if` applied to an evaluation report."""
+    from fulltune.evaluate import PER_BYTE
+
+    champion = report.candidates.get("champion")
+    decision = decide_gates(
+        report.candidates["fine_tuned"].as_dict(), champion.as_dict() if champion else None,
+        report.candidates["base"].as_dict() if "base" in report.candidates else None, register.gates,
+        register.require_better_than_base, keep_champion=report.comparison_reason if report.keeps_champion else None)
+    if champion is not None and report.comparison == PER_BYTE:
+        decision = GateDecision(decision.promote, f"{decision.reason}; {report.comparison_reason}", decision.checks)
+    return decision
+
+
+def comparison_tags(report: EvalReport) -> dict[str, str]:
+    """How the new version was compared with the champion, and why (run and version tags)."""
+    return {TAG_COMPARISON: report.comparison, TAG_COMPARISON_REASON: report.comparison_reason}
+
+
+def gate_tags(decision: GateDecision) -> dict[str, str]:
+    """The decision and each condition's outcome: `fulltune.gate` and `fulltune.gate.<metric>`."""
+    tags = {TAG_GATE: decision.reason}
+    for check in decision.checks:
+        tags[f"{TAG_GATE}.{check.metric}"] = f"{'passed' if check.passed else 'failed'}: {check.reason}"
+    return tags
 
 
 @dataclass(frozen=True)
@@ -232,8 +318,8 @@ class Registration:
 
 
 def register_model(model_dir: str, name: str, run_id: str, tags: dict[str, str], metrics: dict[str, float],
-                   decision: GateDecision) -> Registration:
-    """Log the saved checkpoint into the run, register it, tag it and move the aliases."""
+                   decision: GateDecision, description: str | None = None) -> Registration:
+    """Log the saved checkpoint into the run, register it, tag it, describe it and move the aliases."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -254,7 +340,10 @@ def register_model(model_dir: str, name: str, run_id: str, tags: dict[str, str],
     version = str(info.registered_model_version)
     for key, value in {**tags, **{f"metric.{k}": f"{v:.6g}" for k, v in metrics.items()}}.items():
         client.set_model_version_tag(name, version, key, redact(str(value)))
-    client.set_model_version_tag(name, version, "fulltune.gate", decision.reason)
+    for key, value in gate_tags(decision).items():
+        client.set_model_version_tag(name, version, key, redact(value))
+    if description:
+        client.update_model_version(name, version, description=redact(description))
     client.set_registered_model_alias(name, CHALLENGER, version)
     aliases = [CHALLENGER]
     if decision.promote:
@@ -328,3 +417,86 @@ def _version(package: str) -> str:
     from importlib.metadata import version
 
     return version(package)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The stage: register the new version, gate the champion, say what it is
+
+
+def register_version(spec: PipelineSpec, pipeline: str, *, model_dir: str, base_model: str, train_key: str,
+                     settings: dict[str, Any], train_metrics: dict[str, float], data: TokenizedData,
+                     report: EvalReport, mlflow_run_id: str, flow_run_id: str) -> Registration:
+    """Stage 5: the fine-tuned checkpoint as a new version of `register.model_name` with `challenger`,
+    and `champion` when `register.promote_if` holds; the version's tags hold the reason for the decision
+    and its description says what was trained on what, with which plan, and how it compared.
+
+    Weights already registered (only the evaluation changed) make no new version.
+    """
+    name = spec.model_name(pipeline)
+    existing = find_version(name, train_key)
+    if existing is not None:
+        aliases = aliases_of(name, existing)
+        return Registration(name, existing, aliases, CHAMPION in aliases, "same weights as an existing version",
+                            mlflow_run_id)
+    decision = promotion_decision(spec.registration, report)
+    tags = {TAG_PIPELINE: pipeline, TAG_DATA: data.fingerprint, TAG_CONFIG: spec.config_hash(),
+            TAG_VERSION: code_version(), TAG_TRAIN_KEY: train_key, TAG_FLOW_RUN: flow_run_id, **comparison_tags(report)}
+    description = describe_version(spec, pipeline, base_model=base_model, model_dir=model_dir, settings=settings,
+                                   train_metrics=train_metrics, data=data, report=report, decision=decision)
+    return register_model(model_dir, name, mlflow_run_id, tags, report.candidates["fine_tuned"].as_dict(), decision,
+                          description)
+
+
+def describe_version(spec: PipelineSpec, pipeline: str, *, base_model: str, model_dir: str, settings: dict[str, Any],
+                     train_metrics: dict[str, float], data: TokenizedData, report: EvalReport,
+                     decision: GateDecision) -> str:
+    """The registered version's description (markdown): the model and data it was trained from, the plan,
+    the evaluation of base, fine-tuned and champion side by side, and the gate's decision."""
+    import json as json_module
+
+    from fulltune.stages import describe_settings
+
+    source = spec.model.name_or_path or "a model built from model.from_config"
+    if spec.model.revision and spec.model.name_or_path:
+        source += f" @ {spec.model.revision[:12]}"
+    held_out = (f"`{spec.data.eval}`" if spec.data.eval else
+                f"{spec.data.eval_split:.0%} of the training examples held out (seed {spec.train.seed})")
+    try:
+        layers = int(json_module.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, KeyError, ValueError):  # a checkpoint without a readable config: "all layers" or "off"
+        layers = int(settings.get("gradient_checkpointing") or 0)
+    steps = int(train_metrics.get("steps", 0))
+    trained = f"{steps} optimizer steps" + (f", final train loss {train_metrics['train_loss']:.4f}"
+                                            if "train_loss" in train_metrics else "")
+    lines = [
+        f"Pipeline `{pipeline}`: {source} fully fine-tuned on `{spec.data.train}` (format {data.format}, "
+        f"{data.num_train_examples} examples, {data.train_label_tokens} target tokens per epoch"
+        f"{', packed' if data.packing else ''}; data fingerprint {data.fingerprint[:12]}).",
+        "",
+        f"Plan: {describe_settings(settings, layers)}, effective batch {spec.train.effective_batch_size}, "
+        f"learning rate {spec.train.learning_rate:g}; {trained}.",
+        "",
+        f"Evaluated on {held_out}: {report.num_examples} examples, base and fine-tuned"
+        + (f" and the champion (version {report.champion_version}, {report.comparison.replace('_', ' ')})"
+           if report.champion_version is not None else "") + ".",
+        "",
+        _metrics_table(report),
+        "",
+        f"Gate (`register.promote_if`): {'promoted to champion' if decision.promote else 'stays challenger'}: "
+        f"{decision.reason}.",
+    ]
+    return "\n".join(lines)
+
+
+def _metrics_table(report: EvalReport) -> str:
+    from fulltune.evaluate import metric_names
+
+    columns = dict(report.candidates)
+    if "champion" in columns and report.champion_version is not None:
+        columns[f"champion v{report.champion_version}"] = columns.pop("champion")
+    lines = ["| metric | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for metric in metric_names(columns.values()):
+        values = [c.as_dict().get(metric) for c in columns.values()]
+        if any(v is not None for v in values):
+            lines.append(f"| {metric} | " + " | ".join("—" if v is None else f"{v:.4f}" for v in values) + " |")
+    return "\n".join(lines)

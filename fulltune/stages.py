@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from fulltune import hub
+from fulltune import harness, hub
 from fulltune.errors import BudgetError, ConfigError, DataError, UserError
 from fulltune.storage import atomic_write_text, code_version, hash_json, tree_sha256
 from fulltune.spec import PipelineSpec, get_pipeline, load_pipelines
@@ -36,7 +36,7 @@ STAGE_CODE = {
     MEMORY_BUDGET: ("memory", "flops.py", "loss.py", "optim.py", "offload.py", "models.py", "stages.py", "autotune.py"),
     FINE_TUNE: ("train.py", "launch.py", "batching.py", "faults.py", "replan.py", "loss.py", "optim.py",
                 "offload.py", "sharding.py", "rendezvous.py", "storage.py", "models.py", "flops.py", "data", "memory"),
-    EVALUATE: ("evaluate.py", "loss.py", "data", "models.py"),
+    EVALUATE: ("evaluate.py", "harness.py", "loss.py", "data", "models.py"),
     REGISTER: ("registry.py",),
 }
 
@@ -242,6 +242,8 @@ def evaluate_key(p: ResolvedPipeline, trained_key: str, data_fingerprint: str, c
         "stage": EVALUATE, "code": code_version(*STAGE_CODE[EVALUATE]), "train": trained_key,
         "data": data_fingerprint,
         "evaluate": p.spec.evaluate.model_dump(mode="json"), "champion": champion_version,
+        # the content of the lm_eval task files, their data and the metric functions' modules
+        "benchmarks": harness.sources_key(p.spec, Path(p.pipelines_file).parent),
     })
 
 
@@ -490,4 +492,6 @@ def check_sources(p: ResolvedPipeline, check_hub: bool = True) -> tuple[list[str
             problems.append(f"{where}: {path} is not a file; point it at a config.json")
         elif kind == "tokenizer" and not any((path / name).is_file() for name in TOKENIZER_FILES):
             problems.append(f"{where}: {path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    # lm_eval task files, metric functions, and the metrics register.promote_if names
+    problems += harness.check_benchmarks(p.spec, Path(p.pipelines_file).parent, f"pipelines.{p.name}")
     return problems, notes

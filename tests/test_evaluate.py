@@ -155,11 +155,12 @@ def test_compare_champion_false_keeps_the_champion(tmp_path: Path) -> None:
     from fulltune.stages import resolve_pipeline
     from fulltune.registry import Champion
     from pipelines_fixture import tiny_pipeline
-    from tasks.evaluate import _with_champion
+    from fulltune.evaluate import compare_with_champion
 
     p = resolve_pipeline(str(tiny_pipeline(tmp_path, evaluate={"compare_champion": False})), "tiny", None)
     better = {"fine_tuned": ModelMetrics(0.1, math.exp(0.1), 10, target_bytes=20)}
-    report = _with_champion(p, [{}], None, Champion("tiny-model", "4", "models:/tiny-model/4", "k"), better, {})
+    report = compare_with_champion(p.spec, [{}], better, Champion("tiny-model", "4", "models:/tiny-model/4", "k"),
+                                   model_dir="unused", workdir=p.workdir, options={})
     assert report.comparison == NOT_COMPARED and report.keeps_champion and "compare_champion" in report.markdown()
     decision = decide_promotion(better["fine_tuned"].as_dict(), None, None, "eval_loss", "min", 0.0, False,
                                 keep_champion=report.comparison_reason)
