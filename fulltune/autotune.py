@@ -379,7 +379,7 @@ def candidates(decision: BudgetDecision, count: int) -> list[tuple[Settings, flo
     `count` (the plan keeps four alternatives that fit)."""
     from fulltune.memory.types import Settings
 
-    chosen = Settings(**decision.settings)
+    chosen = decision.settings
     out = [(chosen, decision.plan["plan"].get("estimated_step_seconds"))]
     for alternative in decision.plan.get("alternatives", []):
         if len(out) >= count:
@@ -505,7 +505,7 @@ def tune(p: ResolvedPipeline, decision: BudgetDecision, data: Any, tokenizer: st
     from fulltune.models import prepare_base_model, read_model_config
 
     started = time.monotonic()
-    device = decision.settings["device"]
+    device = decision.settings.device
     info = hardware(device)
     kind = device_kind(info)
     shape = model_shape(read_model_config(p.spec.model, decision.vocab_size))
@@ -590,7 +590,7 @@ def should_tune(opts: Options, decision: BudgetDecision, data: Any, p: ResolvedP
     plan` without --autotune) the `auto` mode only says what the run would do."""
     import torch
 
-    device = decision.settings["device"]
+    device = decision.settings.device
     if force is False or (force is None and opts.mode == "off"):
         return False, "off (budget.autotune: false)"
     if device == "cuda" and not torch.cuda.is_available():
@@ -601,8 +601,8 @@ def should_tune(opts: Options, decision: BudgetDecision, data: Any, p: ResolvedP
     step = decision.plan["plan"].get("estimated_step_seconds") or 0.0
     if data is None:
         return False, "auto: the data is not tokenized yet, so the training time is not known"
-    rows_per_step = int(decision.settings["micro_batch_size"]) * int(decision.settings["gradient_accumulation_steps"]) \
-        * int(decision.settings["num_processes"])
+    s = decision.settings
+    rows_per_step = s.micro_batch_size * s.gradient_accumulation_steps * s.num_processes
     t = p.spec.train
     steps = t.max_steps or max(1, math.ceil(t.num_epochs * (data.num_train_rows // max(rows_per_step, 1))))
     training = steps * step
@@ -628,7 +628,7 @@ def plan_and_tune(p: ResolvedPipeline, data: Any = None, tokenizer: str | None =
     to the tokenize stage's cached outputs; tuning without them tokenizes first (the same cached dataset
     the tokenize stage builds).
     """
-    from fulltune.stages import plan_budget, plan_inputs, resolved_budget
+    from fulltune.stages import plan_budget, plan_inputs
 
     opts = options(p.spec.budget.autotune)
     if data is None:
@@ -638,7 +638,7 @@ def plan_and_tune(p: ResolvedPipeline, data: Any = None, tokenizer: str | None =
             data, tokenizer = _cached_data(p, with_tokenizer=True) or (None, None)
     p = with_packing(p, data)
     seq_len, vocab, target_fraction = plan_inputs(p, data, tokenizer)
-    device = resolved_budget(p)[0]
+    device = resolved_device(p)
     with calibrated(p.workdir, device) as factors:
         decision = plan_budget(p, seq_len, vocab, picture, target_fraction, trace=trace)
     run, why = should_tune(opts, decision, data, p, force, auto_tunes)
@@ -655,19 +655,30 @@ def plan_and_tune(p: ResolvedPipeline, data: Any = None, tokenizer: str | None =
             Path(p.workdir) / AUTOTUNE_DIR / f"{p.name}-autotune.png"
         result.picture = str(render_png(result, where))
     table = format_table(result)
-    settings = decision.settings if result.chosen is None else asdict(result.trials[result.chosen].settings)
+    settings = decision.settings if result.chosen is None else result.trials[result.chosen].settings
     return replace(decision, settings=settings, table=f"{decision.table}\n\n{table}",
                    plan={**decision.plan, "autotune": {**result.to_dict(), **calibration_note}})
 
 
+def resolved_device(p: ResolvedPipeline) -> str:
+    """The device `budget.device` means on this machine (`cpu` or `cuda`)."""
+    from fulltune.stages import resolved_budget
+
+    resolved = resolved_budget(p)
+    return resolved.device if hasattr(resolved, "device") else resolved[0]
+
+
 def with_packing(p: ResolvedPipeline, data: Any) -> ResolvedPipeline:
     """`p` with `data.packing: auto` replaced by the layout the tokenized `data` has (unchanged without data)."""
-    from fulltune.stages import ResolvedPipeline as Resolved
-
     if data is None or p.spec.data.packing != "auto":
         return p
-    spec = p.spec.model_copy(update={"data": p.spec.data.model_copy(update={"packing": bool(data.packing)})})
-    return Resolved(p.name, spec, p.workdir, p.pipelines_file)
+    return _layout(p, bool(data.packing))
+
+
+def _layout(p: ResolvedPipeline, packing: bool) -> ResolvedPipeline:
+    """`p` with `data.packing` set to `packing`."""
+    spec = p.spec.model_copy(update={"data": p.spec.data.model_copy(update={"packing": packing})})
+    return replace(p, spec=spec)
 
 
 def tokenized(p: ResolvedPipeline) -> tuple[Any, str]:
@@ -712,52 +723,107 @@ def _cached_data(p: ResolvedPipeline, with_tokenizer: bool = False) -> Any:
 
 def resolve_packing(p: ResolvedPipeline, tokenizer: str) -> Any:
     """The DataSpec to tokenize with: `data.packing` as given when true/false; for `auto`, the layout
-    `choose_packing` picks (packing only pays where examples are shorter than max_length)."""
+    `choose_packing` picks."""
     data = p.spec.data
     if data.packing != "auto":
         return data
     return data.model_copy(update={"packing": choose_packing(p, tokenizer)[0]})
 
 
+def packing_choice_key(p: ResolvedPipeline) -> dict[str, Any]:
+    """What `data.packing: auto` is decided by, for the tokenize stage's cache key: the model, the batch,
+    precision, optimizer and device (the predicted comparison needs no budget); where autotune measures
+    the layouts (`budget.autotune: true`), also the budget and this machine."""
+    from fulltune.stages import _model_source
+    from fulltune.storage import code_version
+
+    t, device = p.spec.train, resolved_device(p)
+    key: dict[str, Any] = {
+        "code": code_version("autotune.py", "memory", "flops.py"), "model": p.spec.model.model_dump(mode="json"),
+        "model_source": _model_source(p), "device": device,
+        "train": t.model_dump(mode="json", include={"effective_batch_size", "mixed_precision", "optimizer", "seed"}),
+        "distributed": p.spec.distributed.model_dump(mode="json"),
+        "autotune": p.spec.budget.model_dump(mode="json")["autotune"]}
+    if options(p.spec.budget.autotune).mode == "on":
+        key.update(budget=p.spec.budget.model_dump(mode="json"), train_all=t.model_dump(mode="json"),
+                   hardware=hardware(device))
+    return key
+
+
 def choose_packing(p: ResolvedPipeline, tokenizer: str) -> tuple[bool, str]:
-    """(pack?, why) for `data.packing: auto`: tokenize one example per row (a cached dataset), then
-    compare the predicted time of an epoch of each layout under its own plan: the planner's step time
-    (calibrated for this device) × optimizer steps per epoch, with unpacked micro-batches padded to their
-    longest row (the trainer groups rows by length) and packed rows to max_length. Where autotune is on
-    (`budget.autotune: true`) both plans' choices are measured and tokens per second decide.
+    """(pack?, why) for `data.packing: auto`.
+
+    Examples are tokenized one per row first (a cached dataset). Where the longest takes more than half
+    of `data.max_length`, no two examples share a row and rows stay one example each. Otherwise the two
+    layouts are compared by the time of an epoch: with `budget.autotune: true`, each layout's planned
+    settings run on this machine (as `tune` runs a candidate) and the higher measured tokens per second
+    wins; else the planner's step time predicts it, for the same settings on both layouts (so a
+    calibration factor cancels), × optimizer steps per epoch, with unpacked micro-batches padded to
+    their longest row (the trainer groups rows by length) and packed rows to max_length.
     """
     import numpy as np
 
     from fulltune.batching import TokenizedRows
-    from fulltune.data import tokenize_dataset
     from fulltune.data.store import _pack
-    from fulltune.models import hub_token
 
-    m, spec = p.spec.model, p.spec.data
-    unpacked_spec = spec.model_copy(update={"packing": False})
-    unpacked = tokenize_dataset(unpacked_spec, tokenizer, p.workdir, p.spec.train.seed,
-                                token=hub_token(m.token_env), trust_remote_code=m.trust_remote_code)
+    spec = p.spec.data
+    unpacked = _tokenize_layout(p, tokenizer, False)
     lengths = TokenizedRows(unpacked.train_file).lengths
     if len(lengths) < 2 or int(lengths.max()) * 2 > spec.max_length:
-        # No two examples fit one row (the longest takes more than half of it): packing changes little.
-        return False, "one example per row: the longest examples fill more than half of data.max_length"
+        return False, "one example per row: the longest examples take more than half of data.max_length"
+    opts = options(p.spec.budget.autotune)
+    if opts.mode == "on" and _device_present(resolved_device(p)):
+        measured = {packing: _measured_tokens_per_second(p, tokenizer, packing, opts) for packing in (False, True)}
+        if all(measured.values()):
+            pack = measured[True] > measured[False]
+            return pack, (f"{'packed rows' if pack else 'one example per row'}: measured {measured[True]:,.0f} "
+                          f"tokens/s packed, {measured[False]:,.0f} one example per row")
     rows = len(_pack(np.random.default_rng(p.spec.train.seed).permutation(lengths), spec.max_length)) - 1
-    estimates = {}
-    for packing, (row_count, seq_len) in {False: (len(lengths), _padded_length(lengths, p)),
-                                          True: (rows, spec.max_length)}.items():
-        seconds = _epoch_seconds(p, tokenizer, unpacked, packing, row_count, seq_len)
-        if seconds is None:
-            return False, "one example per row: packed rows do not fit the budget"
-        estimates[packing] = seconds
-    pack = estimates[True] < estimates[False]
-    why = (f"{'packed rows' if pack else 'one example per row'}: predicted epoch {estimates[True]:.3g} s packed, "
-           f"{estimates[False]:.3g} s one example per row")
-    return pack, why
+    labels = unpacked.train_label_tokens
+    epochs = {False: _epoch_seconds(p, tokenizer, False, len(lengths), _padded_length(lengths, p), labels),
+              True: _epoch_seconds(p, tokenizer, True, rows, spec.max_length, labels)}
+    pack = epochs[True] < epochs[False]
+    return pack, (f"{'packed rows' if pack else 'one example per row'}: predicted epoch {epochs[True]:.3g} s "
+                  f"packed, {epochs[False]:.3g} s one example per row")
+
+
+def _device_present(device: str) -> bool:
+    import torch
+
+    return device != "cuda" or torch.cuda.is_available()
+
+
+def _tokenize_layout(p: ResolvedPipeline, tokenizer: str, packing: bool) -> Any:
+    from fulltune.data import tokenize_dataset
+    from fulltune.models import hub_token
+
+    m = p.spec.model
+    return tokenize_dataset(p.spec.data.model_copy(update={"packing": packing}), tokenizer, p.workdir,
+                            p.spec.train.seed, token=hub_token(m.token_env), trust_remote_code=m.trust_remote_code)
+
+
+def _measured_tokens_per_second(p: ResolvedPipeline, tokenizer: str, packing: bool, opts: Options) -> float | None:
+    """Tokens per second of the planned settings for one layout, run as `tune` runs a candidate (cached
+    alike); None when they do not fit or do not run."""
+    from fulltune.errors import BudgetError
+    from fulltune.stages import plan_budget, plan_inputs
+
+    layout = _layout(p, packing)
+    data = _tokenize_layout(p, tokenizer, packing)
+    seq_len, vocab, target_fraction = plan_inputs(layout, data, tokenizer)
+    try:
+        with calibrated(p.workdir, resolved_device(p)):
+            decision = plan_budget(layout, seq_len, vocab, None, target_fraction, trace=False)
+    except BudgetError:
+        return None
+    result = tune(layout, decision, data, tokenizer, replace(opts, candidates=1, max_seconds=opts.max_seconds / 2))
+    trial = result.trials[0]
+    return trial.tokens_per_second if trial.outcome == "fits" else None
 
 
 def _padded_length(lengths: Any, p: ResolvedPipeline) -> int:
-    """Mean padded row length of length-grouped micro-batches of the per-process batch (an approximation of
-    the trainer's `iter_length_grouped_batches`: sorted rows, padded to each group's longest)."""
+    """Mean padded row length of length-grouped micro-batches of the per-process batch (the trainer's
+    `iter_length_grouped_batches`, approximately: sorted rows, each group padded to its longest)."""
     import numpy as np
 
     group = max(1, p.spec.train.effective_batch_size // p.spec.distributed.num_processes)
@@ -766,29 +832,25 @@ def _padded_length(lengths: Any, p: ResolvedPipeline) -> int:
     return max(2, int(round(float(np.mean(maxima)))))
 
 
-def _epoch_seconds(p: ResolvedPipeline, tokenizer: str, unpacked: Any, packing: bool, rows: int,
-                   seq_len: int) -> float | None:
-    """Predicted seconds of one epoch of `rows` rows of `seq_len` tokens under the plan for that layout."""
-    from fulltune.errors import BudgetError
-    from fulltune.memory.planner import step_seconds
+def _epoch_seconds(p: ResolvedPipeline, tokenizer: str, packing: bool, rows: int, seq_len: int,
+                   label_tokens: int) -> float:
+    """Predicted seconds of an epoch of `rows` rows padded to `seq_len`, the whole per-process batch in one
+    micro-batch, the configured precision and optimizer (fp32 / bf16 and AdamW where auto)."""
     from fulltune.memory.shapes import model_shape
     from fulltune.memory.types import Settings
     from fulltune.models import read_model_config
-    from fulltune.stages import ResolvedPipeline as Resolved, planned_rows, plan_budget, _planned_vocab, resolved_budget
+    from fulltune.stages import _planned_vocab
 
-    spec = p.spec.model_copy(update={"data": p.spec.data.model_copy(update={"packing": packing})})
-    layout = Resolved(p.name, spec, p.workdir, p.pipelines_file)
-    plan_len, target_fraction = planned_rows(layout, unpacked) if not packing else (spec.data.max_length, 1.0)
-    vocab = _planned_vocab(layout, tokenizer)
-    try:
-        with calibrated(p.workdir, resolved_budget(p)[0]):
-            decision = plan_budget(layout, plan_len, vocab, None, target_fraction, trace=False)
-            settings = replace(Settings(**decision.settings), seq_len=seq_len)
-            shape = model_shape(read_model_config(p.spec.model, vocab))
-            step = step_seconds(shape, settings)
-    except BudgetError:
-        return None
-    return step * max(1, rows // p.spec.train.effective_batch_size)  # optimizer steps per epoch
+    t, d, device = p.spec.train, p.spec.distributed, resolved_device(p)
+    shape = model_shape(read_model_config(p.spec.model, _planned_vocab(p, tokenizer)))
+    precision = t.mixed_precision if t.mixed_precision != "auto" else ("bf16" if device == "cuda" else "no")
+    settings = Settings(
+        micro_batch_size=t.effective_batch_size // d.num_processes, seq_len=seq_len, mixed_precision=precision,
+        optimizer=t.optimizer if t.optimizer != "auto" else "adamw", attn_implementation=p.spec.model.attn_implementation,
+        device=device, strategy=d.strategy, num_processes=d.num_processes, attention_mask=packing,
+        # the output head runs at the positions with a target: the same tokens in either layout
+        target_fraction=min(1.0, label_tokens / max(1, rows * (seq_len - 1))))
+    return analytic_step_seconds(shape, settings) * max(1, rows // t.effective_batch_size)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -812,7 +874,7 @@ def format_table(result: Tuning | dict[str, Any]) -> str:
     data = result.to_dict() if isinstance(result, Tuning) else result
     rows = [("#", "settings", "predicted", "measured", "tokens/s", "peak", "outcome")]
     for i, c in enumerate(data["candidates"]):
-        settings = Settings(micro_batch_size=1, seq_len=2, **c["settings"])
+        settings = Settings(**{"seq_len": 2, **c["settings"]})
         mark = "  ← chosen" if i == data["chosen"] else ""
         rows.append((str(i), describe(settings), _seconds(c["predicted_step_seconds"]),
                      _seconds(c["measured_step_seconds"]),

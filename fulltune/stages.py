@@ -177,15 +177,10 @@ def tokenize_key(p: ResolvedPipeline) -> str:
 
 
 def _packing_choice_key(p: ResolvedPipeline) -> dict[str, Any]:
-    """What `data.packing: auto` decides by (fulltune/autotune.py `choose_packing`): the plans of both layouts."""
-    device, budget_bytes, bf16 = resolved_budget(p)
-    spec = p.spec
-    return {"code": code_version("autotune.py", *STAGE_CODE[MEMORY_BUDGET]),
-            "model": spec.model.model_dump(mode="json"), "model_source": _model_source(p),
-            "budget": spec.budget.model_dump(mode="json"), "train": spec.train.model_dump(mode="json"),
-            "distributed": spec.distributed.model_dump(mode="json"),
-            "resolved": {"device": device, "bytes": budget_bytes, "bf16": bf16},
-            "step_time_calibration": _calibration_key(p, device)}
+    """What `data.packing: auto` is decided by (fulltune/autotune.py `choose_packing`)."""
+    from fulltune.autotune import packing_choice_key
+
+    return packing_choice_key(p)
 
 
 def resolved_budget(p: ResolvedPipeline) -> tuple[str, int | None, bool]:
