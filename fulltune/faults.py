@@ -11,6 +11,7 @@ stalls it, raises an out-of-memory error or poisons a loss at that point:
     oom:S               raise torch.OutOfMemoryError at the start of optimizer step S (1-based)
     nan_loss:S          make the loss of optimizer step S NaN (the step must be skipped)
     nan_losses_from:S   make every loss from optimizer step S on NaN (training must stop)
+    disk_full:S         fail writing checkpoint S with ENOSPC, as a full disk does (files half in place)
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ class FaultInjection(TrainHooks):
         self._kill_at("micro_step", micro_step)
 
     def checkpoint_written(self, step: int) -> None:
+        if ("disk_full", step) == (self.point, self.value):
+            import errno
+
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self._kill_at("checkpoint_write", step)
 
     def checkpoint_published(self, step: int) -> None:

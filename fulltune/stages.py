@@ -14,6 +14,7 @@ code version, so changing data, config or engine code re-runs exactly the stages
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 
 from fulltune import harness, hub
 from fulltune.errors import BudgetError, ConfigError, DataError, UserError
-from fulltune.storage import atomic_write_text, code_version, hash_json, tree_sha256
+from fulltune.storage import FileHashes, atomic_write_text, code_version, hash_json, tree_sha256
 from fulltune.spec import PipelineSpec, get_pipeline, load_pipelines
 
 # The stages in run order, each with one name: its Prefect task, cache key, marker directory
@@ -259,17 +260,100 @@ def marker_path(workdir: str, stage: str, key: str) -> Path:
 
 
 def record_outputs(workdir: str, stage: str, key: str, paths: list[str], extra: dict[str, Any] | None = None) -> None:
-    atomic_write_text(marker_path(workdir, stage, key), json.dumps({"paths": paths, **(extra or {})}, indent=1))
+    """Write the marker of a finished stage: the outputs its cached result points to and, for those under
+    the workdir (what the stage wrote; inputs outside it are covered by the cache key), every file's size
+    and sha256. Digests come from the workdir's hash cache (fulltune/storage.py), so a file is read once
+    here and never again while its size, mtime and ctime stand."""
+    files: dict[str, list[Any]] = {}
+    with FileHashes(workdir) as hashes:
+        for path in paths:
+            if _inside(path, workdir):
+                for file in _files_of(Path(path)):
+                    files[str(file)] = [file.stat().st_size, hashes.sha256(file)]
+    atomic_write_text(marker_path(workdir, stage, key),
+                      json.dumps({"paths": paths, "files": files, **(extra or {})}, indent=1))
+
+
+def output_problems(workdir: str, stage: str, key: str) -> list[str]:
+    """What keeps a cached result of `stage` from being used: a missing marker, a missing output, or a
+    file that is not the size or the bytes it was written with ([] when everything is whole)."""
+    return [f"{path} {reason}" for path, reason in _damage(workdir, stage, key)[1]]
 
 
 def outputs_present(workdir: str, stage: str, key: str) -> bool:
-    """Whether the outputs a cached result points to are all still on disk."""
-    marker = marker_path(workdir, stage, key)
+    """Whether the outputs a cached result of `stage` points to are all on disk and whole.
+
+    When one is damaged (truncated, deleted, rewritten), the stage must run again: its outputs under the
+    workdir are moved to `<workdir>/damaged/` first, so that nothing downstream takes the damaged copy
+    for a finished one (the trainer treats an existing model/ as done), and a warning says what was
+    wrong and where the copy went.
+    """
+    recorded, damaged = _damage(workdir, stage, key)
+    if not damaged or recorded is None:
+        return not damaged
+    moved = [_set_aside(workdir, stage, output) for output in recorded.get("paths", [])
+             if _inside(output, workdir) and Path(output).exists()
+             and any(Path(path).is_relative_to(output) for path, _ in damaged)]
+    problems = [f"{path} {reason}" for path, reason in damaged]
+    logging.getLogger("fulltune").warning(
+        "%s: its cached outputs are damaged (%s); running the stage again%s", stage,
+        "; ".join(problems[:3]) + (" …" if len(problems) > 3 else ""),
+        f"; set aside: {', '.join(moved)}" if moved else "")
+    return False
+
+
+def _damage(workdir: str, stage: str, key: str) -> tuple[dict[str, Any] | None, list[tuple[str, str]]]:
+    """(the marker, [(path, what is wrong with it)]) of a stage's recorded outputs."""
+    recorded = read_marker(workdir, stage, key)
+    if recorded is None:
+        return None, [(str(marker_path(workdir, stage, key)), "is missing: no record of the stage's outputs")]
+    damaged = [(path, "is missing") for path in recorded.get("paths", []) if not Path(path).exists()]
+    with FileHashes(workdir) as hashes:
+        for name, (size, digest) in (recorded.get("files") or {}).items():
+            file = Path(name)
+            if not file.is_file():
+                damaged.append((name, "is missing"))
+            elif file.stat().st_size != size:
+                damaged.append((name, f"is {file.stat().st_size} bytes, written as {size}"))
+            elif hashes.sha256(file) != digest:
+                damaged.append((name, "changed since it was written (its sha256 differs)"))
+    return recorded, list(dict.fromkeys(damaged))
+
+
+def _files_of(path: Path) -> list[Path]:
+    return [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
+
+
+def _inside(path: str, workdir: str) -> bool:
+    return Path(path).resolve().is_relative_to(Path(workdir).resolve())
+
+
+def _set_aside(workdir: str, stage: str, path: str) -> str:
+    """Move a damaged output to `<workdir>/damaged/<stage>-<name>-<time>`; returns where it went."""
+    import time
+
+    target = Path(workdir) / "damaged" / f"{stage}-{Path(path).name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.rename(path, target)
+    return str(target)
+
+
+def ensure_workdir(p: ResolvedPipeline) -> None:
+    """Create the workdir if needed and check that files can be written there, before anything runs.
+
+    Raises ConfigError naming where the workdir came from (FULLTUNE_WORKDIR or the pipelines file's
+    `workdir`), so that an unusable one fails in one line rather than in every stage.
+    """
+    import tempfile
+
+    where = "FULLTUNE_WORKDIR" if os.environ.get("FULLTUNE_WORKDIR") else f"{p.pipelines_file}: workdir"
     try:
-        recorded = json.loads(marker.read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return all(Path(path).exists() for path in recorded.get("paths", []))
+        Path(p.workdir).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=p.workdir, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot create or write the workdir {p.workdir} ({exc.strerror or exc}); "
+                          "point it at a directory this user can write") from None
 
 
 def read_marker(workdir: str, stage: str, key: str) -> dict[str, Any] | None:

@@ -538,3 +538,44 @@ def test_child_exit_maps_to_result_or_exception(tmp_path: Path) -> None:
     with pytest.raises(OutOfMemory) as raised:
         _outcome(tmp_path, 1, [])
     assert raised.value.observed_peak_bytes == 123
+
+
+# ---------------------------------------------------------------------------------------------------
+# Damaged checkpoints and a full disk
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_gives_way_to_the_newest_intact_one(
+        tmp_path: Path, uninterrupted: tuple[TrainJob, TrainResult], monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    base_job, expected = uninterrupted
+    job = base_job.replace(output_dir=str(tmp_path / "run"))
+    run_with_fault(job, "after_checkpoint:9", monkeypatch)  # step-6 and step-9 on disk
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert json.loads((checkpoints / "step-9" / "manifest.json").read_text())["files"]
+    (weights,) = (checkpoints / "step-9").glob("*.safetensors")
+    with open(weights, "r+b") as handle:  # a copy cut short, a disk error: what a rerun meets
+        handle.truncate(weights.stat().st_size // 2)
+
+    lines: list[str] = []
+    result = run_training(job, on_output=lines.append)
+    damaged = [line for line in lines if "damaged" in line]
+    assert len(damaged) == 1 and "step-9" in damaged[0] and "resuming from step-6" in damaged[0], lines[-5:]
+    assert result.resumed_from_step == 6
+    assert (checkpoints / "damaged-step-9").is_dir()
+    assert result.loss_history == expected.loss_history
+    got, want = model_tensors(result.model_dir), model_tensors(expected.model_dir)
+    assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_checkpoint_is_a_user_error_that_keeps_the_older_checkpoints(
+        assets: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    job = make_job(assets, tmp_path / "run", max_steps=7)
+    monkeypatch.setenv("FULLTUNE_TEST_FAULT", "disk_full:6")
+    with pytest.raises(TrainingError, match=r"disk filled up while writing checkpoint step-6.*resumes from step-3"):
+        run_training(job, on_output=lambda line: None)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-3"]  # nothing half-written is left
+    assert not (tmp_path / "run" / "model").exists()

@@ -37,7 +37,7 @@ from fulltune.data.formats import (IGNORE_INDEX, format_columns, no_labels_messa
                                    pad_token_id_of, tokenize_split)
 from fulltune.errors import DataError
 from fulltune.spec import DataSpec
-from fulltune.storage import FileHashes, atomic_dir, hash_parts, remove_stale_temp_dirs
+from fulltune.storage import FileHashes, atomic_dir, file_sha256, hash_parts, remove_stale_temp_dirs
 
 if TYPE_CHECKING:
     import numpy as np
@@ -261,12 +261,12 @@ def tokenize_dataset(data: DataSpec, tokenizer: str, workdir: str | Path, seed: 
     fingerprint = fingerprint_data(data, tokenizer, seed, token=token, workdir=workdir)
     root = Path(workdir) / "tokenized"
     final = root / fingerprint
-    cached = _read_intact(final)
+    cached = _read_intact(final, workdir)
     if cached is not None:
         return cached
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_dirs(root)
-    with atomic_dir(final, lambda p: _read_intact(p) is not None) as tmp:
+    with atomic_dir(final, lambda p: _read_intact(p, workdir) is not None) as tmp:
         _build(data, tokenizer, seed, fingerprint, tmp, token, trust_remote_code, workdir)
     return load_tokenized(str(final))
 
@@ -311,6 +311,7 @@ def _build(data: DataSpec, tokenizer_ref: str, seed: int, fingerprint: str, out:
     meta["data_format_version"] = DATA_FORMAT_VERSION
     meta["num_eval_rows"] = evaluation["rows"]
     meta["files"] = {name: (out / name).stat().st_size for name in TOKENIZED_FILES}
+    meta["sha256"] = {name: file_sha256(out / name) for name in TOKENIZED_FILES}
     (out / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
@@ -416,13 +417,19 @@ def _max_row_targets(train_file: str) -> int:
     return int(counts.max()) if len(counts) else 0
 
 
-def _read_intact(path: Path) -> TokenizedData | None:
+def _read_intact(path: Path, workdir: str | Path | None = None) -> TokenizedData | None:
+    """The dataset at `path` when it is whole: loadable, of its fingerprint, and (when meta.json records
+    them) every Parquet file with the sha256 it was written with, remembered in `workdir`'s hash cache."""
     if not path.is_dir():
         return None
     try:
         record = load_tokenized(str(path))
     except DataError:
         return None
+    digests = _read_meta(path).get("sha256") or {}
+    with FileHashes(workdir) as hashes:
+        if any(hashes.sha256(path / name) != digest for name, digest in digests.items()):
+            return None
     return record if record.fingerprint == path.name else None
 
 
