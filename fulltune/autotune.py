@@ -374,12 +374,17 @@ def _rounded(value: float | None) -> float | None:
     return None if value is None else float(f"{value:.4g}")
 
 
+def planned_settings(decision: BudgetDecision) -> Settings:
+    """The settings a budget decision planned, as `Settings`."""
+    from fulltune.memory.types import Settings
+
+    return decision.settings if isinstance(decision.settings, Settings) else Settings(**decision.settings)
+
+
 def candidates(decision: BudgetDecision, count: int) -> list[tuple[Settings, float | None]]:
     """The planned settings and the planner's next-fastest alternatives that fit, fastest first: at most
     `count` (the plan keeps four alternatives that fit)."""
-    from fulltune.memory.types import Settings
-
-    chosen = decision.settings
+    chosen = planned_settings(decision)
     out = [(chosen, decision.plan["plan"].get("estimated_step_seconds"))]
     for alternative in decision.plan.get("alternatives", []):
         if len(out) >= count:
@@ -505,7 +510,7 @@ def tune(p: ResolvedPipeline, decision: BudgetDecision, data: Any, tokenizer: st
     from fulltune.models import prepare_base_model, read_model_config
 
     started = time.monotonic()
-    device = decision.settings.device
+    device = planned_settings(decision).device
     info = hardware(device)
     kind = device_kind(info)
     shape = model_shape(read_model_config(p.spec.model, decision.vocab_size))
@@ -590,7 +595,7 @@ def should_tune(opts: Options, decision: BudgetDecision, data: Any, p: ResolvedP
     plan` without --autotune) the `auto` mode only says what the run would do."""
     import torch
 
-    device = decision.settings.device
+    device = planned_settings(decision).device
     if force is False or (force is None and opts.mode == "off"):
         return False, "off (budget.autotune: false)"
     if device == "cuda" and not torch.cuda.is_available():
@@ -601,7 +606,7 @@ def should_tune(opts: Options, decision: BudgetDecision, data: Any, p: ResolvedP
     step = decision.plan["plan"].get("estimated_step_seconds") or 0.0
     if data is None:
         return False, "auto: the data is not tokenized yet, so the training time is not known"
-    s = decision.settings
+    s = planned_settings(decision)
     rows_per_step = s.micro_batch_size * s.gradient_accumulation_steps * s.num_processes
     t = p.spec.train
     steps = t.max_steps or max(1, math.ceil(t.num_epochs * (data.num_train_rows // max(rows_per_step, 1))))
@@ -655,7 +660,10 @@ def plan_and_tune(p: ResolvedPipeline, data: Any = None, tokenizer: str | None =
             Path(p.workdir) / AUTOTUNE_DIR / f"{p.name}-autotune.png"
         result.picture = str(render_png(result, where))
     table = format_table(result)
-    settings = decision.settings if result.chosen is None else result.trials[result.chosen].settings
+    settings = decision.settings
+    if result.chosen is not None:
+        chosen = result.trials[result.chosen].settings
+        settings = chosen if not isinstance(decision.settings, dict) else asdict(chosen)
     return replace(decision, settings=settings, table=f"{decision.table}\n\n{table}",
                    plan={**decision.plan, "autotune": {**result.to_dict(), **calibration_note}})
 

@@ -549,8 +549,10 @@ def _format_errors(error: ValidationError, prefix: str) -> list[str]:
 
 
 def _is_union_tag(part: Any) -> bool:
-    # pydantic adds the member type of a union to the location ("int", "literal['auto']").
-    return isinstance(part, str) and (part in {"int", "str", "bool", "float"} or part.startswith(("literal[", "function-")))
+    # pydantic adds the member type of a union to the location ("int", "literal['auto']", "AutotuneSpec":
+    # a section's class name, never a YAML key, which are lower case).
+    return isinstance(part, str) and (part in {"int", "str", "bool", "float"} or part.startswith(("literal[", "function-"))
+                                      or (part[:1].isupper() and part.isidentifier()))
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
