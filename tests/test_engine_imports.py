@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+
+import pytest
+
+from pipelines_fixture import tiny_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fulltune"
@@ -27,10 +32,14 @@ ORCHESTRATION = ("prefect", "flows", "tasks")  # Prefect, and the repository's f
 NOT_HASHED = {
     "fulltune": "the package's version, which every key already holds (storage.code_version)",
     "fulltune.errors": "exception types: which message a failure prints, not what a stage computes",
+    "fulltune.memory.errors": "exception types: which message a failure prints, not what a stage computes",
+    "fulltune.spec": "the pipelines file's schema: a stage reads the validated values, which its key hashes",
 }
-# Engine names a task uses that report on a stage without deciding what it computes: log lines, MLflow tags
-# and metrics, and the cache's own record of a stage's outputs.
-REPORTING = {"describe_settings", "log_metrics", "set_run_tags", "record_outputs", "code_version"}
+# Engine functions a stage calls beside computing its result: they word it for people (log lines, MLflow tags,
+# metrics and version descriptions), record it for the cache (the stage's marker), write a file atomically or
+# time steps for autotune (the trainer's probe, which a pipeline's own training run does not turn on).
+BESIDE_THE_RESULT = {"describe_settings", "describe_version", "comparison_tags", "log_metrics", "set_run_tags",
+                     "record_outputs", "code_version", "atomic_write_text", "StepProbe"}
 
 
 def module_name(path: Path) -> str:
@@ -46,6 +55,8 @@ def engine_modules() -> list[str]:
 
 def module_path(name: str) -> Path | None:
     """The source file of module `name` in this repository, or None if it is not one of its modules."""
+    if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name):
+        return None
     base = ROOT.joinpath(*name.split("."))
     for candidate in (base / "__init__.py", base.with_suffix(".py")):
         if candidate.is_file():
@@ -78,10 +89,11 @@ def test_no_engine_module_imports_prefect_even_inside_a_function() -> None:
 
 def test_validate_imports_neither_prefect_nor_mlflow() -> None:
     # `fulltune validate` is the pre-commit check of a pipelines file: it must not pay for the servers' clients.
+    heavy = {*ORCHESTRATION, "mlflow"}
     probe = ("import json, sys\n"
              "from fulltune.cli import main\n"
              f"code = main(['validate', '-f', {str(ROOT / 'pipelines.yaml')!r}])\n"
-             f"print(json.dumps([code, sorted({{m.split('.')[0] for m in sys.modules}} & {{*{ORCHESTRATION!r}, 'mlflow'}})]))")
+             f"print(json.dumps([code, sorted({{m.split('.')[0] for m in sys.modules}} & {heavy!r})]))")
     ran = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert json.loads(ran.stdout.splitlines()[-1]) == [0, []]
 
@@ -105,3 +117,230 @@ def absolute(node: ast.ImportFrom, package: str) -> str:
         return node.module or ""
     anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
     return ".".join(anchor + ([node.module] if node.module else []))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Every engine module a stage runs is hashed into its cache key
+
+
+@dataclass
+class Source:
+    """One module's top level: what each of its names is bound to, and what it imports under which name."""
+
+    name: str
+    tree: ast.Module
+    bindings: dict[str, list[ast.AST]] = field(default_factory=dict)  # name → the def, class or assignment
+    imports: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # name → (module, attribute)
+
+
+@cache
+def source(name: str) -> Source | None:
+    """Module `name` parsed, or None when it is not one of this repository's modules."""
+    path = module_path(name)
+    if path is None:
+        return None
+    parsed = Source(name, ast.parse(path.read_text(), str(path)))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in parsed.tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            parsed.bindings.setdefault(node.name, []).append(node)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for bound in ast.walk(target):
+                    if isinstance(bound, ast.Name):
+                        parsed.bindings.setdefault(bound.id, []).append(node)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            parsed.imports.update(bound_imports(node, package))
+    return parsed
+
+
+def bound_imports(node: ast.Import | ast.ImportFrom, package: str) -> dict[str, tuple[str, str | None]]:
+    """What an import statement binds: name → (module, None) for a module, (module, attribute) otherwise."""
+    if isinstance(node, ast.Import):
+        # `import a.b` binds `a`; `import a.b as c` binds `c` to a.b.
+        return {alias.asname or alias.name.split(".")[0]: (alias.name if alias.asname else alias.name.split(".")[0],
+                                                           None) for alias in node.names}
+    module = absolute(node, package)
+    return {alias.asname or alias.name: (f"{module}.{alias.name}", None) if module_path(f"{module}.{alias.name}")
+            else (module, alias.name) for alias in node.names}
+
+
+Unit = tuple[str, str | None]  # (module, top-level name), or (module, None) for the whole module
+
+
+def references(module: Source, node: ast.AST) -> set[Unit]:
+    """The engine units `node` (a top-level statement of `module`) uses when it runs.
+
+    Annotations are skipped: under `from __future__ import annotations` they never run.
+    """
+    imports = dict(module.imports)
+    for inner in ast.walk(node):  # imports inside functions, approximately scoped to the whole statement
+        if isinstance(inner, (ast.Import, ast.ImportFrom)):
+            path = module_path(module.name)
+            imports.update(bound_imports(inner, module.name if path and path.name == "__init__.py"
+                                         else module.name.rpartition(".")[0]))
+    used: set[Unit] = set()
+    for inner in walk_runtime(node):
+        if (isinstance(inner, ast.Constant) and isinstance(inner.value, str) and inner.value.startswith("fulltune.")
+                and module_path(inner.value)):
+            used.add((inner.value, None))  # a module run by name: `python -m fulltune.train`
+        elif isinstance(inner, (ast.Name, ast.Attribute)):
+            chain = dotted(inner)
+            if not chain:
+                continue
+            head, *rest = chain
+            if head in imports:
+                used.add(resolve(imports[head], rest))
+            elif head in module.bindings:
+                used.add((module.name, head))
+    return {unit for unit in used if unit[0].split(".")[0] == "fulltune" and module_path(unit[0])}
+
+
+def walk_runtime(node: ast.AST):
+    """ast.walk, minus annotations, and without the parts of a name chain (`a.b.c` is one reference, not three)."""
+    todo = [node]
+    while todo:
+        current = todo.pop()
+        yield current
+        if isinstance(current, ast.Attribute) and dotted(current):
+            continue
+        for name, value in ast.iter_fields(current):
+            if name in ("annotation", "returns"):
+                continue
+            todo += [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, ast.AST)]
+
+
+def dotted(node: ast.AST) -> list[str]:
+    """`a.b.c` as ["a", "b", "c"]; [] for an attribute of anything but a name."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else []
+
+
+def resolve(target: tuple[str, str | None], attributes: list[str]) -> Unit:
+    """The unit an imported name followed by `.attributes` denotes."""
+    module, name = target
+    if name is not None:
+        return module, name
+    for attribute in attributes:  # descend through submodules: `fulltune.memory.planner.plan`
+        if not module_path(f"{module}.{attribute}"):
+            return module, attribute
+        module = f"{module}.{attribute}"
+    return module, None
+
+
+def reachable(entries: set[Unit]) -> dict[str, list[Unit]]:
+    """The engine modules whose code runs when `entries` run, each with a chain of units that reaches it."""
+    modules: dict[str, list[Unit]] = {}
+    came_from: dict[Unit, Unit | None] = {unit: None for unit in entries}
+    todo = list(entries)
+    while todo:
+        unit = todo.pop()
+        module_name_, name = unit
+        module = source(module_name_)
+        if module is None or name in BESIDE_THE_RESULT:
+            continue
+        if name is not None and name not in module.bindings and name in module.imports:
+            # A re-export (`from fulltune.memory import Settings`): the unit is where the name comes from.
+            follow = [resolve(module.imports[name], [])]
+        else:
+            modules.setdefault(module_name_, chain(came_from, unit))
+            statements = module.tree.body if name is None else module.bindings.get(name, [])
+            follow = [used for statement in statements for used in references(module, statement)]
+        for used in follow:
+            if used not in came_from:
+                came_from[used] = unit
+                todo.append(used)
+    return modules
+
+
+def chain(came_from: dict[Unit, Unit | None], unit: Unit) -> list[Unit]:
+    """The units from an entry to `unit`."""
+    path = [unit]
+    while came_from[path[-1]] is not None:
+        path.append(came_from[path[-1]])
+    return path[::-1]
+
+
+def stage_tasks() -> dict[str, Source]:
+    """Stage name → the tasks/ module whose `@task(name=STAGE)` runs it."""
+    from fulltune import stages
+
+    found: dict[str, Source] = {}
+    for path in sorted((ROOT / "tasks").glob("*.py")):
+        module = source(module_name(path))
+        for node in module.tree.body:
+            for decorator in getattr(node, "decorator_list", []):
+                if isinstance(decorator, ast.Call) and dotted(decorator.func)[-1:] == ["task"]:
+                    for keyword in decorator.keywords:
+                        if keyword.arg == "name" and isinstance(keyword.value, ast.Name):
+                            found[getattr(stages, keyword.value.id)] = module
+    return found
+
+
+def stage_entries(task: Source) -> set[Unit]:
+    """The engine units a stage's task module runs, less the stage-name constants (every key holds its stage)."""
+    from fulltune import stages
+
+    names = {name for name, value in vars(stages).items() if isinstance(value, str) and value in stages.STAGES}
+    used = set()
+    for node in task.tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            node = ast.Module(body=node.body, type_ignores=[])  # the body runs; `@task(...)` only names it
+        used |= references(task, node)
+    return {unit for unit in used if unit[1] not in names}
+
+
+@pytest.fixture(scope="module")
+def hashed_by_key(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
+    """Stage → the engine modules its cache key hashes: every `code_version` call of its key function, as the
+    flow calls it, on a pipeline with `data.packing: auto` (the tokenize key then also hashes what the choice
+    runs; a pipeline that packs or does not runs none of it)."""
+    from fulltune import stages, storage
+
+    p = stages.resolve_pipeline(str(tiny_pipeline(tmp_path_factory.mktemp("keys"), data={"packing": "auto"})), "tiny")
+    keys = {stages.TOKENIZE: lambda: stages.tokenize_key(p),
+            stages.MEMORY_BUDGET: lambda: stages.budget_key(p, "data"),
+            stages.FINE_TUNE: lambda: stages.train_key(p, "data", {}),
+            stages.EVALUATE: lambda: stages.evaluate_key(p, "trained", "data", None),
+            stages.REGISTER: lambda: stages.register_key(p, "trained", "evaluated", "sqlite:///mlflow.db")}
+    hashed: dict[str, set[str]] = {}
+    real = storage.code_version
+    with pytest.MonkeyPatch.context() as patch:
+        for stage, key in keys.items():
+            calls: list[tuple[str, ...]] = []
+
+            def spy(*modules: str) -> str:
+                calls.append(modules or (".",))  # no modules: the whole engine
+                return real(*modules)
+
+            patch.setattr(stages, "code_version", spy)
+            patch.setattr(storage, "code_version", spy)
+            key()
+            hashed[stage] = {name for modules in calls for name in hashed_modules(modules)}
+    return hashed
+
+
+def hashed_modules(entries: tuple[str, ...]) -> set[str]:
+    """The modules `code_version(*entries)` hashes: each entry a `.py` path or a sub-package directory."""
+    modules = set()
+    for entry in entries:
+        target = PACKAGE / entry
+        paths = sorted(target.rglob("*.py")) if target.is_dir() else [target]
+        modules |= {module_name(path) for path in paths}
+    return modules
+
+
+@pytest.mark.parametrize("stage", ["tokenize", "memory-budget", "fine-tune", "evaluate", "register"])
+def test_a_stages_key_hashes_every_engine_module_it_runs(stage: str, hashed_by_key: dict[str, set[str]]) -> None:
+    tasks = stage_tasks()
+    assert set(tasks) == set(hashed_by_key), "every stage has one task and one key"
+    runs = reachable(stage_entries(tasks[stage]))
+    missing = sorted(set(runs) - hashed_by_key[stage] - set(NOT_HASHED))
+    how = "\n".join(f"  {name}: " + " -> ".join(f"{m}.{n}" if n else m for m, n in runs[name]) for name in missing)
+    assert not missing, (f"stage {stage!r} runs {', '.join(missing)}, which its cache key does not hash (list them "
+                         f"in fulltune.stages.STAGE_CODE[{stage!r}]): a change there would not re-run the stage. "
+                         f"Reached by\n{how}")
