@@ -496,3 +496,75 @@ def compare_with_champion(spec: PipelineSpec, rows: list[dict[str, Any]], metric
         metrics = {**metrics, "champion": result.gate}
     return EvalReport(metrics, len(rows), champion.version, comparison=result.kind, comparison_reason=result.reason,
                       champion_own_tokens=result.own)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Peak memory of evaluation, for the plan
+
+
+@dataclass(frozen=True)
+class EvalMemory:
+    """Device bytes of the evaluate stage for one candidate, by phase; only one phase runs at a time, so
+    the peak is the weights plus the largest phase. The champion is evaluated after the fine-tuned model
+    is freed, so the stage's peak is the larger of the two candidates' (the same shape: the same peak)."""
+
+    weights: int
+    loss: int  # one batch of the held-out loss: transient activations + the target-position head
+    generation: int  # the KV cache of one generation batch + the prefill transient + last-position logits
+    harness: int  # one lm-evaluation-harness log-likelihood batch: full-vocabulary logits and their log-softmax
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.weights + max(self.loss, self.generation, self.harness)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"weights": self.weights, "loss": self.loss, "generation": self.generation, "harness": self.harness,
+                "peak_bytes": self.peak_bytes}
+
+
+def eval_peak_bytes(config: Any, *, batch_size: int, seq_len: int, max_new_tokens: int = 0, generate: bool = True,
+                    harness_batch_size: int | None = None, harness_seq_len: int | None = None,
+                    weight_bytes: int = 4, activation_bytes: int | None = None,
+                    attn_implementation: str = "sdpa") -> EvalMemory:
+    """Analytic device peak of evaluating one model of `config` (a transformers config) with these settings.
+
+    `seq_len` is the longest eval row (data.max_length at most); `batch_size` evaluate.batch_size, which the
+    generation batches use too, each holding a KV cache of prompt + max_new_tokens positions;
+    `harness_batch_size` / `harness_seq_len` the lm-evaluation-harness batch and its longest request
+    (None: no harness tasks). Weights load in fp32 (`weight_bytes` 4) unless the caller loads them in
+    16 bit; activations have the weights' width unless `activation_bytes` says otherwise. Logits are fp32.
+
+    Inference keeps no activations for backward, so a forward pass's transient is one layer's: the
+    residual stream and its normed copy, q/k/v and the attention output, the MLP's intermediate
+    tensors, and with eager attention the (heads × s × s) scores and their softmax.
+    """
+    from fulltune.memory.shapes import model_shape
+
+    shape = model_shape(config)
+    act = activation_bytes or weight_bytes
+    weights = shape.num_params * weight_bytes
+
+    def layer_transient(batch: int, positions: int, attended: int) -> int:
+        kv = 2 * shape.kv_heads * shape.head_dim
+        per_position = 4 * shape.hidden + shape.heads * shape.head_dim + kv + 3 * shape.intermediate
+        scores = 2 * batch * shape.heads * positions * attended if attn_implementation == "eager" else 0
+        return (batch * positions * per_position + scores) * act
+
+    def kv_cache(batch: int, positions: int) -> int:
+        return 2 * shape.num_layers * batch * positions * shape.kv_heads * shape.head_dim * act
+
+    # Held-out loss: every position may be a target (logits fp32, then their log-softmax in cross-entropy).
+    loss = layer_transient(batch_size, seq_len, seq_len) + 2 * batch_size * seq_len * shape.vocab * 4
+    generation = 0
+    if generate and max_new_tokens > 0:
+        total = seq_len + max_new_tokens
+        # the cache of every layer, one layer's prefill transient, the last position's logits and the
+        # logits processors' fp32 copies of them
+        generation = (kv_cache(batch_size, total) + layer_transient(batch_size, seq_len, seq_len)
+                      + 3 * batch_size * shape.vocab * 4)
+    harness = 0
+    if harness_batch_size and harness_seq_len:
+        # HFLM scores a padded batch with the model's full logits and a log-softmax over them (both fp32)
+        harness = (layer_transient(harness_batch_size, harness_seq_len, harness_seq_len)
+                   + 2 * harness_batch_size * harness_seq_len * shape.vocab * 4)
+    return EvalMemory(weights, loss, generation, harness)

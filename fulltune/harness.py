@@ -135,9 +135,19 @@ class HarnessTask:
 
 def resolve_tasks(spec: PipelineSpec, base_dir: str | Path, field: str = "evaluate.lm_eval.tasks") -> list[HarnessTask]:
     """The configured tasks; raises ConfigError naming `field` for a missing file or an unknown name."""
+    tasks, problems = _resolve_tasks(spec, base_dir, field)
+    if problems:
+        raise ConfigError("\n".join(problems) if len(problems) == 1 else
+                          f"{len(problems)} problem(s)\n  " + "\n  ".join(problems))
+    return tasks
+
+
+def _resolve_tasks(spec: PipelineSpec, base_dir: str | Path, field: str) -> tuple[list[HarnessTask], list[str]]:
+    """(the tasks that resolve, the problems of those that do not)."""
     if spec.evaluate.lm_eval is None:
-        return []
-    problems, tasks = [], []
+        return [], []
+    problems: list[str] = []
+    tasks: list[HarnessTask] = []
     registered = [entry for entry in spec.evaluate.lm_eval.tasks if not is_task_file(entry)]
     index = _registered_index() if registered else {}
     for i, entry in enumerate(spec.evaluate.lm_eval.tasks):
@@ -180,10 +190,7 @@ def resolve_tasks(spec: PipelineSpec, base_dir: str | Path, field: str = "evalua
                 with contextlib.suppress(ConfigError):
                     declared = _declared_metrics(read_task_yaml(Path(found)))
             tasks.append(HarnessTask(entry, entry, None, frozenset(declared) if declared is not None else None))
-    if problems:
-        raise ConfigError("\n".join(problems) if len(problems) == 1 else
-                          f"{len(problems)} problem(s)\n  " + "\n  ".join(problems))
-    return tasks
+    return tasks, problems
 
 
 @functools.lru_cache(maxsize=1)
@@ -199,12 +206,7 @@ def _registered_index() -> dict[str, str | bool]:
 def check_benchmarks(spec: PipelineSpec, base_dir: str | Path, prefix: str) -> list[str]:
     """Problems with `evaluate.lm_eval`, `evaluate.metrics` and the metrics `register.promote_if` names,
     each with its YAML path under `prefix` (`pipelines.<name>`)."""
-    problems: list[str] = []
-    try:
-        tasks = resolve_tasks(spec, base_dir, f"{prefix}.evaluate.lm_eval.tasks")
-    except ConfigError as exc:
-        problems += str(exc).split("\n  ")[1:] if "problem(s)\n" in str(exc) else [str(exc)]
-        tasks = []
+    tasks, problems = _resolve_tasks(spec, base_dir, f"{prefix}.evaluate.lm_eval.tasks")
     custom = spec.evaluate.metrics
     for name, target in custom.items():
         try:
@@ -214,10 +216,10 @@ def check_benchmarks(spec: PipelineSpec, base_dir: str | Path, prefix: str) -> l
     if custom and (spec.data.format != "prompt_completion" or spec.evaluate.max_generate_examples == 0):
         problems.append(f"{prefix}.evaluate.metrics: the metrics score generated completions, which need "
                         "data.format prompt_completion and evaluate.max_generate_examples > 0")
-    lm_eval_failed = spec.evaluate.lm_eval is not None and not tasks
+    some_tasks_failed = bool(problems) and spec.evaluate.lm_eval is not None
     for i, gate in enumerate(spec.registration.gates):
-        if lm_eval_failed and "/" in gate.metric:
-            continue  # the task problem is already listed
+        if some_tasks_failed and "/" in gate.metric and gate.metric.partition("/")[0] not in {t.name for t in tasks}:
+            continue  # the metric may be one of a task whose problem is listed already
         problem = unknown_metric(gate.metric, tasks, custom)
         if problem:
             problems.append(f"{prefix}.register.promote_if.{i}.metric: {problem}")
