@@ -694,6 +694,7 @@ def tokenized(p: ResolvedPipeline) -> tuple[Any, str]:
     stage builds them (same fingerprinted directory, so the stage finds them done)."""
     from fulltune.data import tokenize_dataset
     from fulltune.models import hub_token
+    from fulltune.stages import TOKENIZE, record_outputs, tokenize_key
     from fulltune.tokenizer import prepare_tokenizer
 
     cached = _cached_data(p, with_tokenizer=True)
@@ -704,6 +705,9 @@ def tokenized(p: ResolvedPipeline) -> tuple[Any, str]:
     data_spec = resolve_packing(p, tokenizer)
     data = tokenize_dataset(data_spec, tokenizer, p.workdir, p.spec.train.seed, token=hub_token(m.token_env),
                             trust_remote_code=m.trust_remote_code)
+    # The stage's own record, so that a later `fulltune plan` plans for these rows as the stage would.
+    record_outputs(p.workdir, TOKENIZE, tokenize_key(p), [data.path, tokenizer] if tokenizer.startswith("/")
+                   else [data.path])
     return data, tokenizer
 
 

@@ -7,8 +7,8 @@ the flow process, and one process, several processes and several GPUs are the sa
       ├─ output_dir/model/ + result.json present → return the saved TrainResult (nothing runs)
       ├─ write output_dir/JOB.json (and output_dir/accelerate.yaml for accelerate launch)
       ├─ one process:          python -m fulltune.train JOB.json
-      │  several on CPU:       torchrun --standalone --nproc_per_node N -m fulltune.train JOB.json
-      │  ddp/fsdp/deepspeed:   accelerate launch --config_file accelerate.yaml -m fulltune.train JOB.json
+      │  several on CPU, fsdp: torchrun --standalone --nproc_per_node N -m fulltune.train JOB.json
+      │  ddp on CUDA:          accelerate launch --config_file accelerate.yaml -m fulltune.train JOB.json
       └─ exit 0 → TrainResult; 2 → UserError (the child's message); 3 → OutOfMemory; else RuntimeError
 
 The child runs in its own session and ends itself when this process is gone (LAUNCHER_ENV), so a
@@ -86,7 +86,8 @@ TrainOptions = create_model(
        if name not in PLANNED_TRAIN_KEYS})
 # Settings the plan echoes from the spec (it planned for them): the spec sections are their source, and a job
 # whose plan disagrees is refused.
-PLAN_ECHOES = {"attn_implementation": "model", "strategy": "distributed", "num_processes": "distributed"}
+PLAN_ECHOES = {"attn_implementation": "model", "strategy": "distributed", "num_processes": "distributed",
+               "tensor_parallel": "distributed"}
 # Settings that describe what the plan assumed about the data; the child does not read them.
 PLAN_ONLY_SETTINGS = ("seq_len", "attention_mask", "target_fraction")
 
@@ -343,8 +344,7 @@ def generate_accelerate_config(job: TrainJob) -> dict[str, Any]:
     from MACHINE_RANK (each machine runs its own `accelerate launch`).
     """
     plan, distributed = job.plan, job.distributed
-    distributed_type = {"ddp": "MULTI_GPU", "fsdp": "FSDP", "deepspeed_zero2": "DEEPSPEED",
-                        "deepspeed_zero3": "DEEPSPEED"}.get(distributed.strategy, "NO")
+    distributed_type = {"ddp": "MULTI_GPU", "fsdp": "FSDP"}.get(distributed.strategy, "NO")
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": distributed_type,
@@ -377,17 +377,6 @@ def generate_accelerate_config(job: TrainJob) -> dict[str, Any]:
             "fsdp_cpu_ram_efficient_loading": False,
             "fsdp_offload_params": False,
             "fsdp_activation_checkpointing": False,
-        }
-    elif distributed.strategy.startswith("deepspeed"):
-        stage = 3 if distributed.strategy == "deepspeed_zero3" else 2
-        config["deepspeed_config"] = {
-            "zero_stage": stage,
-            "gradient_accumulation_steps": plan.gradient_accumulation_steps,
-            "gradient_clipping": job.train.max_grad_norm,
-            "offload_optimizer_device": "none",
-            "offload_param_device": "none",
-            "zero3_init_flag": stage == 3,
-            "zero3_save_16bit_model": stage == 3,
         }
     return config
 

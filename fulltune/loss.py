@@ -11,7 +11,7 @@ the head, so neither the (positions × V) logits nor the head's matmuls are comp
 
 The loss and every gradient are the same as with full logits (the ignored positions contribute zero);
 only the floating-point summation order of the head's matmuls differs. The hook sits on the output
-embedding of the unwrapped model, so it runs inside DDP/FSDP/DeepSpeed wrappers and torch.compile, and
+embedding of the unwrapped model, so it runs inside DDP/FSDP wrappers and torch.compile, and
 anything the model applies to the logits afterwards (Gemma's soft-capping, Cohere's scale) is elementwise
 and unchanged. For a Llama-3.2-1B-shaped model (vocabulary 128k, hidden 2048) the head is ~40% of the
 FLOPs and its fp32 logits 512 KiB per position, so a half-prompt batch saves a fifth of the compute and

@@ -136,7 +136,7 @@ def shard_model(model: Any, device: str = "cpu", mixed_precision: str = "no", me
 
 def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision: str = "no", dtype: Any = None,
                        before_shard: Callable[[Any], None] | None = None, mesh: Any = None,
-                       reshard_after_forward: bool = True, revision: str | None = None,
+                       reshard_after_forward: bool = True, parallel: Any = None, revision: str | None = None,
                        trust_remote_code: bool = False, allow_pickle_weights: bool = False,
                        attn_implementation: str = "sdpa", token: str | None = None) -> Any:
     """Load a Hugging Face causal LM straight into FSDP2 shards: no process ever holds the full model
@@ -146,8 +146,10 @@ def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision
        are built for real, so non-persistent ones (rotary `inv_freq`) keep their computed values.
     2. `before_shard(model)` applies what must precede sharding: gradient checkpointing, the TargetHead
        hook, a pure-bf16 cast (`model.to(torch.bfloat16)` on meta parameters is free).
-    3. `shard_model` (the same units as for a loaded model), then `to_empty` on the mesh's device: each
-       process allocates its 1/N shards only, and the buffers get their values back.
+    3. `shard_model` (the same units as for a loaded model), or with `parallel` (a
+       `fulltune.parallel.ParallelPlan` with tensor parallel) its TP plan and FSDP over its "dp" mesh;
+       then `to_empty` on the mesh's device: each process allocates its own shards only, and the buffers
+       get their values back.
     4. Each process reads only its shards' slices from the checkpoint's safetensors files
        (`torch.distributed.checkpoint.HuggingFaceStorageReader`), converting to the parameters' dtype
        (a bf16 checkpoint becomes fp32 masters; fp32 becomes bf16 under pure bf16, rounded as `.to()` does).
@@ -181,8 +183,11 @@ def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision
         model.generation_config = GenerationConfig.from_pretrained(directory)
     if before_shard is not None:
         before_shard(model)
-    shard_model(model, device=device, mixed_precision=mixed_precision, mesh=mesh,
-                reshard_after_forward=reshard_after_forward)
+    if parallel is not None and parallel.enabled:
+        parallel.apply(model, device, mixed_precision, mesh=mesh)
+    else:
+        shard_model(model, device=device, mixed_precision=mixed_precision, mesh=mesh,
+                    reshard_after_forward=reshard_after_forward)
     _materialize(model, device)
     names = _checkpoint_names(model, directory)
     if names is not None:
@@ -306,14 +311,37 @@ def clip_grad_norm_(model: Any, max_norm: float) -> Any:
 
     `torch.nn.utils.clip_grad_norm_` handles DTensor gradients (the norm's reduction over shards is a
     DTensor collective; torch 2.13); its result is a replicated DTensor, which the trainer cannot mix
-    with plain tensors, hence `full_tensor()`.
+    with plain tensors, hence `full_tensor()`. Under tensor parallel (fulltune/parallel.py) the gradients
+    have several layouts (split by rows, by columns, replicated), whose norms DTensor cannot stack: each
+    layout's norm is taken apart, made a plain number, and the total formed from those.
     """
     import torch
     from torch.distributed.tensor import DTensor
 
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    layouts = {(g.device_mesh, g.placements) if isinstance(g, DTensor) else None for g in (p.grad for p in params)}
+    if len(layouts) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    from torch.distributed.tensor import Replicate
+
+    groups: dict[Any, list[Any]] = {}
+    for p in params:
+        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+        groups.setdefault(key, []).append(p.grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    # The factor torch's clip_grads_with_norm_ applies, as a replicated DTensor on each layout's mesh.
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for key, grads in groups.items():
+        factor = coef if key is None else DTensor.from_local(coef, key[0], [Replicate()] * key[0].ndim,
+                                                             run_check=False)
+        for grad in grads:
+            grad.mul_(factor)
+    return total
 
 
 def _state(model: Any, optimizer: Any) -> dict[str, Any]:

@@ -59,6 +59,7 @@ from fulltune.faults import TrainHooks, hooks_from_env
 from fulltune.storage import atomic_dir, atomic_write_text, fsync_dir, fsync_tree
 from fulltune.loss import TargetHead
 from fulltune.offload import ActivationOffload
+from fulltune.parallel import ParallelPlan
 from fulltune.launch import (ERROR_FILE, LAUNCHER_ENV, MODEL_DIR, OOM_FILE, PROGRESS_FILE, RESULT_FILE, TrainJob,
                              TrainResult, completed_result, process_gone, validate_job)
 
@@ -174,26 +175,17 @@ class OptimizerStep:
       That update must follow every unscale_ (done by clipping), or the next clip raises "unscale_() has
       already been called". A non-finite loss whose gradients came out finite is made an overflow (one
       gradient becomes NaN, without a host sync), so the scaler skips it too.
-    - DeepSpeed: the engine clipped and stepped already, inside accelerator.backward on the last
-      micro-batch; its fp16 loss scaler skips overflows itself (step_was_skipped). Any other non-finite
-      step has been applied and cannot be undone: TrainingError, and a rerun resumes from the newest
-      checkpoint, taken before it.
     """
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, scheduler: Any,
                  max_grad_norm: float) -> None:
-        from accelerate.utils import DistributedType
-
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.max_grad_norm = max_grad_norm
-        self.deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
         # A dynamic loss scale skips overflowing steps while it finds its value: fp16 only.
-        self.scales_loss = accelerator.scaler is not None or (self.deepspeed and accelerator.mixed_precision == "fp16")
+        self.scales_loss = accelerator.scaler is not None
 
     def __call__(self, step_loss: torch.Tensor, step: int) -> tuple[bool, torch.Tensor]:
-        if self.deepspeed:
-            stepped = self._deepspeed(step_loss, step)
-        elif self.accelerator.scaler is not None:
+        if self.accelerator.scaler is not None:
             self._overflow_unless(torch.isfinite(step_loss))
             self._clip()
             self.optimizer.step()  # GradScaler.step, then update(), in accelerate's AcceleratedOptimizer
@@ -230,17 +222,6 @@ class OptimizerStep:
                 grad.masked_fill_(~finite, float("nan"))
                 return
 
-    def _deepspeed(self, step_loss: torch.Tensor, step: int) -> bool:
-        self._clip()  # the norm DeepSpeed computed when it clipped
-        if self.optimizer.step_was_skipped:
-            return False
-        if not bool(torch.isfinite(step_loss)):  # Sync point (every step)
-            raise TrainingError(
-                f"training stopped: the loss of step {step} is not finite and DeepSpeed had already applied the "
-                "step (it skips fp16 overflows only); lower train.learning_rate and run again to resume from the "
-                "newest checkpoint")
-        return True
-
 
 
 
@@ -259,7 +240,7 @@ class TrainingRun:
     total_steps: int
     tokenizer: Any
     pad_token_id: int
-    model: torch.nn.Module  # as prepared (DDP/DeepSpeed/compiled wrapper), or FSDP2-sharded
+    model: torch.nn.Module  # as prepared (DDP/compiled wrapper), or FSDP2-sharded / tensor parallel
     head: TargetHead  # runs the output head at the target positions only (fulltune/loss.py)
     optimizer: Any  # accelerate's AcceleratedOptimizer around the fulltune/optim.py optimizer
     scheduler: Any
@@ -272,7 +253,18 @@ class TrainingRun:
 
     @property
     def processes(self) -> int:
-        return self.accelerator.num_processes
+        """Processes that train on different rows: all of them, except that the tensor-parallel processes
+        of a group (fulltune/parallel.py) share theirs."""
+        return self.parallel.data_parallel
+
+    @property
+    def data_rank(self) -> int:
+        """Which of the `processes` row shares of a micro-batch this process trains on."""
+        return self.parallel.data_rank(self.accelerator.process_index)
+
+    @property
+    def parallel(self) -> ParallelPlan:
+        return ParallelPlan.from_job(self.job)
 
     @property
     def main_process(self) -> bool:
@@ -302,11 +294,11 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
                               gradient_accumulation_steps=job.plan.gradient_accumulation_steps,
                               step_scheduler_with_optimizer=False)
     set_seed(job.train.seed)
-    data, schedule, total_steps = setup_data(job, accelerator.num_processes)
+    data, schedule, total_steps = setup_data(job, ParallelPlan.from_job(job).data_parallel)
     tokenizer = load_job_tokenizer(job)
     model, use_cache, (checkpointed, head), coefficients = load_model_with_levers(job)
     model_layers = model.config.num_hidden_layers
-    optimizer = build_optimizer(job, model, accelerator.num_processes)
+    optimizer = build_optimizer(job, model, ParallelPlan.from_job(job).data_parallel)
     scheduler = build_scheduler(job, optimizer, total_steps)
     if job.train.compile:
         model = head.compile(model)
@@ -367,9 +359,11 @@ def load_model_with_levers(job: TrainJob) -> tuple[torch.nn.Module, Any, tuple[i
         built["flops"] = flops.from_model(model)  # counts parameters: works on an empty model too
 
     if job.distributed.strategy == "fsdp":
+        # With distributed.tensor_parallel > 1: the TP plan on each block, then FSDP over the data-parallel
+        # processes (fulltune/parallel.py).
         model = sharding.load_sharded_model(job.paths.model_path, device=job.plan.device,
                                             mixed_precision=job.plan.mixed_precision, before_shard=before_shard,
-                                            **options)
+                                            parallel=ParallelPlan.from_job(job), **options)
     else:
         model = load_model(job.paths.model_path, **options)
         before_shard(model)
@@ -411,9 +405,6 @@ def build_scheduler(job: TrainJob, optimizer: Any, total_steps: int) -> Any:
 def prepare(job: TrainJob, accelerator: Accelerator, model: torch.nn.Module, optimizer: Any,
             scheduler: Any) -> tuple[torch.nn.Module, Any, Any]:
     """accelerate's prepare, minus what the levers and FSDP2 keep to themselves."""
-    if accelerator.state.deepspeed_plugin is not None:  # DeepSpeed reads it from a prepared dataloader otherwise
-        config = accelerator.state.deepspeed_plugin.deepspeed_config
-        config["train_micro_batch_size_per_gpu"] = job.plan.micro_batch_size
     if sharding.is_sharded(model):
         return model, optimizer, accelerator.prepare(scheduler)  # model and optimizer stay FSDP2's (see setup)
     if job.plan.offload_optimizer:
@@ -658,7 +649,7 @@ def train_step(run: TrainingRun, step_rows: np.ndarray, step: int) -> StepOutcom
     in_backward = getattr(run.optimizer, "optimizer", run.optimizer) if plan.optimizer_in_backward else None
     step_finite = True
     for index in range(accumulation):
-        rows = StepSchedule.micro_batch(step_rows, index, accelerator.process_index, micro, processes)
+        rows = StepSchedule.micro_batch(step_rows, index, run.data_rank, micro, processes)
         inputs, targets = micro_batch_inputs(run.data, rows, run.pad_token_id, accelerator.device)
         # Forward and backward; accelerate accumulates, syncing DDP gradients on the last micro-batch only.
         with accelerator.accumulate(model):
@@ -670,13 +661,16 @@ def train_step(run: TrainingRun, step_rows: np.ndarray, step: int) -> StepOutcom
                 in_backward.set_micro_batch(index)
                 step_finite = step_finite and bool(torch.isfinite(loss_sum))
             if step_finite:
-                # accelerator.backward divides by the accumulation steps and DDP averages over processes;
-                # scaling back leaves gradients of Σ(all token losses of the step) / step_targets.
-                accelerator.backward(loss_sum * (accumulation * processes / step_targets))
+                # accelerator.backward divides by the accumulation steps and DDP averages over processes (FSDP
+                # under tensor parallel divides by all of them, fulltune/parallel.py); scaling back leaves
+                # gradients of Σ(all token losses of the step) / step_targets.
+                accelerator.backward(loss_sum * (accumulation * accelerator.num_processes / step_targets))
         step_loss += loss_sum.detach()
         run.hooks.after_micro_batch((step - 1) * accumulation + index + 1)
     if processes > 1:
         step_loss = accelerator.reduce(step_loss, reduction="sum")  # the same decision on every process
+        if run.parallel.tensor_parallel > 1:  # each process of a tp group computed the same loss
+            step_loss = step_loss / run.parallel.tensor_parallel
     stepped, grad_norm = run.step_optimizer(step_loss, step)
     return StepOutcome(step_loss, step_targets, stepped, grad_norm)
 
@@ -800,7 +794,7 @@ class TrainMetrics:
 
 
 def export_model(run: TrainingRun) -> Path:
-    """output_dir/model/, whole or not at all: gathered on every process (FSDP/DeepSpeed shards), written by one."""
+    """output_dir/model/, whole or not at all: gathered on every process (FSDP / tensor-parallel shards), written by one."""
     accelerator, model, model_dir = run.accelerator, run.model, run.output_dir / MODEL_DIR
     if sharding.is_sharded(model):
         model.config.use_cache = run.use_cache

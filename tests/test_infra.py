@@ -428,8 +428,6 @@ def test_docker_template_hands_gpus_to_docker_and_joins_the_compose_network(comp
 ACCELERATE_CONFIGS = {
     "ddp.yaml": ("MULTI_GPU", 8, 1),
     "fsdp.yaml": ("FSDP", 8, 1),
-    "deepspeed_zero2.yaml": ("DEEPSPEED", 8, 1),
-    "deepspeed_zero3.yaml": ("DEEPSPEED", 8, 1),
     "multi_node.yaml": ("MULTI_GPU", 16, 2),
     "cpu_ddp.yaml": ("MULTI_CPU", 2, 1),
 }
@@ -469,14 +467,7 @@ def test_accelerate_config_loads_and_launches(name: str, monkeypatch: pytest.Mon
     args = parser.parse_args(["--config_file", path, "-m", "fulltune.train", "JOB.json"])
     args, defaults, _ = _validate_launch_command(args)
     monkeypatch.setattr(launch_utils, "is_port_in_use", lambda port: False)
-    if args.use_deepspeed:
-        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
-        _, env = launch_utils.prepare_deepspeed_cmd_env(args)
-        stage = config.deepspeed_config["zero_stage"]
-        assert env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == str(stage) == name[-6]
-        # Left to the script (fulltune's memory plan): DeepSpeed's value would override Accelerator's.
-        assert "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" not in env
-    elif args.use_fsdp or args.multi_gpu:
+    if args.use_fsdp or args.multi_gpu:
         env = launch_utils.prepare_multi_gpu_env(args)
         assert int(args.nproc_per_node) * num_machines == num_processes
     else:

@@ -169,11 +169,9 @@ def test_sharding_strategies_divide_per_process_states():
     cfg = small_llama()
     one = estimate_memory(cfg, Settings(micro_batch_size=1, seq_len=256))
     fsdp = estimate_memory(cfg, Settings(micro_batch_size=1, seq_len=256, strategy="fsdp", num_processes=4))
-    zero2 = estimate_memory(cfg, Settings(micro_batch_size=1, seq_len=256, strategy="deepspeed_zero2", num_processes=4))
     ddp = estimate_memory(cfg, Settings(micro_batch_size=1, seq_len=256, strategy="ddp", num_processes=4))
     assert fsdp.breakdown["optimizer_states"] == pytest.approx(one.breakdown["optimizer_states"] / 4, rel=1e-3)
-    assert zero2.breakdown["optimizer_states"] == fsdp.breakdown["optimizer_states"]
-    assert fsdp.peak_bytes < zero2.peak_bytes < one.peak_bytes < ddp.peak_bytes
+    assert fsdp.peak_bytes < one.peak_bytes < ddp.peak_bytes
 
 
 def test_estimate_to_dict_has_the_contract_keys():

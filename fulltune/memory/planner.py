@@ -234,7 +234,7 @@ def _fits(c: _Candidate, usable: int) -> bool:
 
 
 def _per_process(request: PlanRequest) -> int:
-    return request.effective_batch_size // request.num_processes
+    return request.effective_batch_size // (request.num_processes // request.tensor_parallel)
 
 
 def _divisors(n: int) -> list[int]:
@@ -295,6 +295,7 @@ def _settings(request: PlanRequest, micro: int, checkpointing: int, precision: s
         device=request.device,
         strategy=request.strategy,
         num_processes=request.num_processes,
+        tensor_parallel=request.tensor_parallel,
         attention_mask=request.attention_mask,
         target_fraction=request.target_fraction,
         **(levers or {}),

@@ -139,11 +139,11 @@ def _check_single_process(settings: Settings) -> None:
     if settings.strategy != "none" or settings.num_processes != 1:
         raise MemoryConfigError(
             "simulate_memory/measure_memory run one process; use strategy='none' and num_processes=1 "
-            "(the analytic estimate covers ddp/fsdp/deepspeed)"
+            "(the analytic estimate covers ddp and fsdp)"
         )
 
 
-def _build_model(config: Any, settings: Settings) -> Any:
+def build_model(config: Any, settings: Settings) -> Any:
     from transformers import AutoModelForCausalLM
 
     from fulltune.memory.checkpointing import apply_gradient_checkpointing

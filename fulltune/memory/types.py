@@ -54,6 +54,8 @@ class Settings:
         device: `cpu` or `cuda`; decides the attention kernel and the runtime overhead.
         strategy: how parameters, gradients and optimizer states are split over processes.
         num_processes: processes (GPUs) taking part; the estimate is per process.
+        tensor_parallel: processes each layer's matmuls are split over (fulltune/parallel.py); the
+            data-parallel degree is num_processes / tensor_parallel.
         attention_mask: True when the model receives an explicit attention mask — padded batches,
             or packed rows whose position_ids restart (transformers then builds a block-diagonal
             mask). A mask makes SDPA keep a (b, 1, s, s) mask per layer and repeat grouped
@@ -82,6 +84,7 @@ class Settings:
     device: str = "cpu"
     strategy: str = "none"
     num_processes: int = 1
+    tensor_parallel: int = 1
     attention_mask: bool = True
     target_fraction: float = 1.0
     pure_bf16: bool = False
@@ -109,7 +112,11 @@ class Settings:
         _check_choice("device", self.device, DEVICES)
         _check_choice("strategy", self.strategy, STRATEGIES)
         if self.strategy == "none" and self.num_processes != 1:
-            raise MemoryConfigError("num_processes > 1 needs a strategy (ddp, fsdp, deepspeed_zero2, deepspeed_zero3)")
+            raise MemoryConfigError("num_processes > 1 needs a strategy (ddp or fsdp)")
+        if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) \
+                or self.tensor_parallel < 1 or self.num_processes % self.tensor_parallel:
+            raise MemoryConfigError(f"tensor_parallel must divide num_processes ({self.num_processes}); "
+                                    f"got {self.tensor_parallel!r}")
         _check_levers(self.levers(), self.gradient_accumulation_steps, self.num_processes, self.mixed_precision)
 
     def levers(self) -> dict[str, bool]:
@@ -145,6 +152,7 @@ class Settings:
             "device": self.device,
             "strategy": self.strategy,
             "num_processes": self.num_processes,
+            "tensor_parallel": self.tensor_parallel,
             "attention_mask": self.attention_mask,
             "target_fraction": self.target_fraction,
             **self.levers(),
@@ -228,6 +236,7 @@ class PlanRequest:
     headroom: float = 0.05
     strategy: str = "none"
     num_processes: int = 1
+    tensor_parallel: int = 1
     bf16_supported: bool = False
     attention_mask: bool = True
     target_fraction: float = 1.0
@@ -335,6 +344,7 @@ class MemoryPlan:
                 "seq_len": s.seq_len,
                 "strategy": s.strategy,
                 "num_processes": s.num_processes,
+                "tensor_parallel": s.tensor_parallel,
                 "estimated_step_seconds": self.estimated_step_seconds,
                 "host_bytes": int(self.plan_estimate.host_bytes),
                 "estimate": self.plan_estimate.to_dict(),
