@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fulltune.errors import UserError
+from fulltune.errors import Interrupted, UserError
 
 DEFAULT_FILE = "pipelines.yaml"
 
@@ -28,12 +28,17 @@ def _environment() -> None:
 
 
 class _HideUserErrorTracebacks(logging.Filter):
-    """Prefect logs a failed task's traceback; for a user error the CLI's one message is enough."""
+    """Prefect logs a failed task's traceback; for a user error the CLI's one message is enough. For
+    Ctrl-C it logs "Crash detected!" per task and flow; the CLI's one line says what stopped instead."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and isinstance(record.exc_info[1], UserError):
             return False
-        return True
+        return not record.getMessage().startswith(INTERRUPT_CRASH)
+
+
+# What Prefect logs for a task or flow that KeyboardInterrupt stopped.
+INTERRUPT_CRASH = "Crash detected! Execution was aborted by an interrupt signal"
 
 
 def _quiet_user_errors() -> None:
@@ -69,12 +74,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fulltune.logs import quiet_known_noise
+
     _environment()
+    quiet_known_noise()
     args = _parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except Interrupted as exc:
+        print(f"interrupted: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -182,27 +193,56 @@ def _simulate_or_measure(p: Any, decision: Any, vocab: int | None, simulate: boo
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fulltune.stages import ensure_local_data, pin_hub_revisions, resolve_pipeline, resolved_budget
+    from flows.server import start_temporary_server
+    from fulltune.stages import ensure_local_data, ensure_workdir, pin_hub_revisions, resolve_pipeline, resolved_budget
 
     # Validate before starting Prefect, so a bad config costs nothing and leaves nothing behind.
     p = resolve_pipeline(args.file, args.name, args.overrides)
     ensure_local_data(p, check_hub=True)
     pin_hub_revisions(p)
     resolved_budget(p)
-    _quiet_user_errors()
-    from flows.pipeline import Overrides, finetune_pipeline
+    temporary_server = _check_servers(p.workdir)
+    ensure_workdir(p)
+    server = start_temporary_server() if temporary_server else None  # boots while the flow's imports run
+    try:
+        _quiet_user_errors()
+        from flows.pipeline import Overrides, finetune_pipeline
+        from flows.server import connect
 
-    from fulltune.spec import parse_override
+        from fulltune.spec import parse_override
 
-    overrides = {".".join(parts): value for parts, value in map(parse_override, args.overrides)}
-    summary = finetune_pipeline(pipeline=args.name, overrides=Overrides(extra=overrides) if overrides else None,
-                                pipelines_file=str(Path(args.file).resolve()))
+        connect(server)
+        overrides = {".".join(parts): value for parts, value in map(parse_override, args.overrides)}
+        summary = finetune_pipeline(pipeline=args.name, overrides=Overrides(extra=overrides) if overrides else None,
+                                    pipelines_file=str(Path(args.file).resolve()))
+    except Interrupted:
+        raise
+    except KeyboardInterrupt:
+        raise Interrupted(f"pipeline {p.name} stopped; rerunning continues after the stages that finished "
+                          "(they are cached)") from None
     print()
     print("\n".join(summary.lines()))
     return 0
 
 
+def _check_servers(workdir: str) -> bool:
+    """Check that the Prefect API and the MLflow server the run will use answer, before any stage runs
+    (their clients would otherwise retry for minutes); whether a temporary Prefect server is needed."""
+    from flows.server import check_api_url
+    from fulltune.tracking import check_tracking_server
+
+    api = os.environ.get("PREFECT_API_URL")
+    if api:
+        check_api_url(api)
+    check_tracking_server(workdir)
+    return not api
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    from flows.server import check_api_url
+
+    if os.environ.get("PREFECT_API_URL"):
+        check_api_url(os.environ["PREFECT_API_URL"])
     from flows.deployments import serve_pipelines
 
     serve_pipelines(str(Path(args.file).resolve()), limit=args.limit)

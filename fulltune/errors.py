@@ -28,3 +28,12 @@ class BudgetError(UserError):
 
 class TrainingError(UserError):
     """Training stopped for a reason the user must act on (for example repeated non-finite losses)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped a run; the message says what was stopped and where a rerun continues.
+
+    A KeyboardInterrupt, so that Prefect treats it as a crash (no retry) and passes it on unchanged.
+    """
+
+    exit_code = 130

@@ -1,4 +1,4 @@
-"""Stage 1: data files → tokenized (and packed) Parquet under `<workdir>/tokenized/<fingerprint>/`."""
+"""Stage 1: tokenize (fulltune/tokenize.py) as a Prefect task, with a table artifact of what it made."""
 
 from __future__ import annotations
 
@@ -6,35 +6,16 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from fulltune.data import TokenizedData
-from fulltune.stages import TOKENIZE, ResolvedPipeline, record_outputs
-from tasks.common import stage_policy, retry_unless_user_error
+from fulltune.stages import TOKENIZE, ResolvedPipeline
+from fulltune.tokenize import summary_row, tokenize
+from tasks.common import retry_unless_user_error, stage_policy
 
 
 @task(name=TOKENIZE, cache_policy=stage_policy(TOKENIZE), persist_result=True, retries=2,
       retry_delay_seconds=[2, 10], retry_condition_fn=retry_unless_user_error)
 def tokenize_task(p: ResolvedPipeline, key: str) -> tuple[TokenizedData, str]:
     """Prepare the tokenizer (train a BPE one if asked) and tokenize the data; returns (data, tokenizer)."""
-    from fulltune.data import tokenize_dataset
-    from fulltune.models import hub_token
-    from fulltune.tokenizer import prepare_tokenizer
-
-    m = p.spec.model
-    tokenizer = prepare_tokenizer(m, p.spec.data, p.workdir)
-    from fulltune.autotune import resolve_packing
-
-    # `data.packing: auto` becomes true or false here, whichever layout trains faster.
-    data = tokenize_dataset(resolve_packing(p, tokenizer), tokenizer, p.workdir, p.spec.train.seed,
-                            token=hub_token(m.token_env), trust_remote_code=m.trust_remote_code)
-    record_outputs(p.workdir, TOKENIZE, key, [data.path, tokenizer] if tokenizer.startswith("/") else [data.path])
-    create_table_artifact(
-        key=f"{p.name}-tokenized",
-        table=[{
-            "fingerprint": data.fingerprint[:16], "format": data.format, "packing": data.packing,
-            "train examples": data.num_train_examples, "eval examples": data.num_eval_examples,
-            "train rows": data.num_train_rows, "train tokens": data.train_tokens,
-            "trained tokens": data.train_label_tokens, "longest row": data.max_row_length,
-            "truncated": data.truncated_examples,
-        }],
-        description=f"Tokenized data of pipeline {p.name}",
-    )
+    data, tokenizer = tokenize(p, key)
+    create_table_artifact(key=f"{p.name}-tokenized", table=[summary_row(data)],
+                          description=f"Tokenized data of pipeline {p.name}")
     return data, tokenizer

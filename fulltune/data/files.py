@@ -58,7 +58,7 @@ def load_records(path: str, *, what: str, cache_dir: str | Path | None = None,
             raise _diagnose_load_error(files, builder, what, exc) from None
         if builder == "text":
             dataset = dataset.filter(lambda rows: [bool(t.strip()) for t in rows["text"]], batched=True,
-                                     keep_in_memory=True)
+                                     keep_in_memory=True, new_fingerprint=transient_fingerprint())
     if len(dataset) == 0:
         where = files[0] if len(files) == 1 else path
         raise DataError(f"{what}: {where} has no examples; add examples or point {what} at another file")
@@ -221,6 +221,18 @@ def _load_hub(spec: str, what: str, cache_dir: str | Path | None, token: str | N
     if len(dataset) == 0:
         raise DataError(f"{what}: hub dataset {spec!r} has no examples")
     return dataset
+
+
+def transient_fingerprint() -> str:
+    """A `new_fingerprint` for an in-memory `datasets` transform whose result is never cached.
+
+    Without one, `datasets` fingerprints the transform by pickling the function with dill, which
+    disassembles it with `dis.dis` onto stdout (hundreds of lines in a Prefect task's log) to find the
+    globals it reads. fulltune's own fingerprints (fulltune/data/store.py) name what a transform made.
+    """
+    import uuid
+
+    return uuid.uuid4().hex
 
 
 @contextmanager

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fulltune.data.files import RecordLocator, quiet_datasets
+from fulltune.data.files import RecordLocator, quiet_datasets, transient_fingerprint
 from fulltune.errors import ConfigError, DataError
 from fulltune.spec import DataSpec
 
@@ -122,6 +122,7 @@ class Encoder:
     marks_assistant: bool  # the chat template wraps assistant turns in {% generation %}
     what: str = ""  # the YAML field the records come from (data.train), for messages
     locate: RecordLocator | None = None  # record index → file and line, for messages
+    max_chars: int | None = None  # texts are cut to this many characters before tokenizing (see _max_chars)
 
     def where(self, index: int) -> str:
         """`data.train: train.jsonl line 1001` (or `<source>: record N` where no file is known)."""
@@ -140,7 +141,11 @@ class Encoder:
                     raise DataError(f"{self.what}: {problem}" if self.what else problem)
                 got = "missing (null)" if value is None else f"a {type(value).__name__}"
                 raise DataError(f"{self.where(index)}: column '{column}' must be a string, got {got}; fix the record")
-        return values
+        return [self.cut(value) for value in values]
+
+    def cut(self, text: str) -> str:
+        """`text`, or its first `max_chars` characters: all that max_length tokens can be cut from."""
+        return text if self.max_chars is None or len(text) <= self.max_chars else text[: self.max_chars]
 
 
 def make_encoder(tokenizer: Any, data: DataSpec, source: str, reference: str, what: str = "",
@@ -162,8 +167,20 @@ def make_encoder(tokenizer: Any, data: DataSpec, source: str, reference: str, wh
         bos=[tokenizer.bos_token_id] if adds_bos(tokenizer) else [],
         eos=[tokenizer.eos_token_id] if data.format != "chat" else [],
         marks_assistant=bool(template and _GENERATION_TAG.search(str(template))),
-        what=what, locate=locate,
+        what=what, locate=locate, max_chars=_max_chars(tokenizer, data.max_length),
     )
+
+
+def _max_chars(tokenizer: Any, max_length: int) -> int | None:
+    """How many characters of a text can end up in its first max_length tokens: max_length + 1 tokens of
+    the vocabulary's longest entry (an entry never covers more characters than it is long), and a margin
+    for merges across the cut. Tokenizing only that much keeps a 200 MB record from taking minutes and
+    gigabytes for the few thousand tokens kept; the example is counted as truncated all the same."""
+    try:
+        longest = max((len(token) for token in tokenizer.get_vocab()), default=0)
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    return (max_length + 1) * max(longest, 1) + 4096
 
 
 def _text(enc: Encoder, batch: dict[str, list[Any]], indices: list[int]) -> tuple[list[Example], list, list]:
@@ -227,7 +244,7 @@ def _messages(enc: Encoder, value: Any, index: int) -> list[dict[str, str]]:
                 f"{enc.where(index)}: message {n} in '{column}' needs string 'role' and 'content' "
                 f"keys, got {message!r:.80}; fix the record"
             )
-        messages.append({"role": message["role"], "content": message["content"]})
+        messages.append({"role": message["role"], "content": enc.cut(message["content"])})
     problem = _conversation_problem([m["role"] for m in messages])
     if problem:
         raise DataError(f"{enc.where(index)}: column '{column}': {problem}; fix the record")
@@ -367,7 +384,8 @@ def tokenize_split(records: datasets.Dataset | list[dict[str, Any]], tokenizer: 
 
     with quiet_datasets():
         tokenized = records.map(encode, batched=True, with_indices=True, remove_columns=records.column_names,
-                                keep_in_memory=True, load_from_cache_file=False)
+                                keep_in_memory=True, load_from_cache_file=False,
+                                new_fingerprint=transient_fingerprint())
     table = tokenized.with_format("arrow")[:]
     if not pc.any(table["has_target_text"]).as_py():
         raise DataError(no_target_text_message(what, source, data))

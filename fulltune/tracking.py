@@ -1,0 +1,100 @@
+"""The MLflow side of one pipeline run: the server check, the run's lifecycle, what to compare against.
+
+The flow only orders the stages; what a run does in MLflow around them lives here:
+
+- `check_tracking_server` — before any stage runs, an `http(s)` tracking URI must answer: MLflow's
+  client would otherwise retry for minutes before the first stage that logs anything fails;
+- `pipeline_run` — one MLflow run per pipeline run, ended FINISHED, KILLED (Ctrl-C) or FAILED, with each
+  stage's outcome (`ran` / `cached`) as a tag;
+- `champion_to_compare` and `registration_present` — the two registry questions whose answers are part
+  of the evaluate and register stages' cache decisions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fulltune import registry
+from fulltune.errors import ConfigError
+from fulltune.stages import REGISTER, ResolvedPipeline, read_marker
+
+# MLflow's tracking server answers GET /health with 200 "OK".
+HEALTH_PATH = "/health"
+
+
+def check_tracking_server(workdir: str, timeout: float = 5.0) -> str:
+    """The tracking URI the run will use (registry.tracking_uri); ConfigError naming MLFLOW_TRACKING_URI
+    when it is an http(s) URI where no server answers within `timeout` seconds.
+
+    Any HTTP answer counts, also an error status (a server behind authentication answers 401): only a
+    refused connection, an unknown host or silence is "unreachable". Local stores (sqlite, file) and
+    other schemes are left to MLflow.
+    """
+    uri = registry.tracking_uri(workdir)
+    if not uri.lower().startswith(("http://", "https://")):
+        return uri
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + HEALTH_PATH, timeout=timeout):
+            return uri
+    except urllib.error.HTTPError:
+        return uri
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ConfigError(f"MLFLOW_TRACKING_URI={registry.redact(uri)}: no MLflow server answers there ({reason}); "
+                          "start it, or unset MLFLOW_TRACKING_URI to track in the workdir's SQLite database") from None
+
+
+@dataclass
+class PipelineRun:
+    """The open MLflow run of a pipeline run; `stages` collects each stage's outcome for its tags."""
+
+    tracking_uri: str
+    run_id: str
+    stages: dict[str, str] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def pipeline_run(p: ResolvedPipeline, data_fingerprint: str, flow_run_id: str,
+                 stages: dict[str, str] | None = None) -> Iterator[PipelineRun]:
+    """Open the MLflow run of pipeline run `flow_run_id`; on exit tag each stage's outcome and end it:
+    FINISHED, KILLED when interrupted (Ctrl-C), FAILED on any other exception (which is re-raised).
+
+    `stages` (stage → "ran" / "cached") is the caller's record, read when the run ends, so stages that
+    finished before the run opened are tagged too."""
+    uri = registry.configure(p.workdir)
+    run_id = registry.start_pipeline_run(
+        p.name, p.spec.model_dump(mode="json", by_alias=True),
+        {registry.TAG_FLOW_RUN: flow_run_id, registry.TAG_DATA: data_fingerprint,
+         registry.TAG_CONFIG: p.spec.config_hash()}, p.workdir)
+    run = PipelineRun(uri, run_id, stages if stages is not None else {})
+    try:
+        yield run
+    except KeyboardInterrupt:
+        registry.end_pipeline_run(run_id, "KILLED")
+        raise
+    except BaseException:
+        registry.end_pipeline_run(run_id, "FAILED")
+        raise
+    registry.set_run_tags(run_id, {f"fulltune.stage.{stage}": outcome for stage, outcome in run.stages.items()})
+    registry.end_pipeline_run(run_id)
+
+
+def champion_to_compare(model_name: str, train_key: str) -> registry.Champion | None:
+    """The current champion when it is another model than the one just trained, else None: re-running
+    an unchanged pipeline whose own model is champion keeps the evaluation cached."""
+    champion = registry.current_champion(model_name)
+    if champion is None or champion.train_key == train_key:
+        return None
+    return champion
+
+
+def registration_present(workdir: str, key: str, train_key: str) -> bool:
+    """Whether the register stage's cached result still matches the registry: its marker names a version
+    that exists and holds these weights (a deleted or replaced database re-runs the stage)."""
+    marker: dict[str, Any] | None = read_marker(workdir, REGISTER, key)
+    return bool(marker) and registry.version_exists(marker["name"], marker["version"], train_key)

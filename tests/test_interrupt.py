@@ -1,0 +1,101 @@
+"""Ctrl-C, the way a terminal sends it: SIGINT to the whole foreground process group of `fulltune run`
+while it trains. The run must be out within seconds with exit code 130 and one line saying what stopped
+and which step a rerun resumes from; the rerun must resume there. The two runs' output is also what a
+person reads, so it must show the stages, the plan, the progress bar and the summary, and none of the
+lines nobody can act on (bytecode disassembly from fingerprinting, tied-weight and model-card notices).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from pipelines_fixture import tiny_pipeline
+
+pytestmark = pytest.mark.slow
+
+# micro 2 × accumulation 2, a checkpoint every 2 steps; the run stalls in the first micro-batch of step 3,
+# so step-2 is the newest checkpoint when Ctrl-C arrives.
+TRAIN = {"effective_batch_size": 4, "micro_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 4,
+         "checkpoint_every_steps": 2, "keep_checkpoints": 3}
+STALL = "stall_micro_step:5"
+# Ctrl-C must end the run in seconds; before, it took minutes of "Error logging to API".
+EXIT_WITHIN_S = 45
+NOISE = ("Disassembly of", "LOAD_FAST", "RETURN_VALUE", "Removed shared tensor", "model card could not be retrieved",
+         "Unable to find license information", "Skip logging GPU metrics", "Error logging to API", "Traceback")
+
+
+def fulltune_run(pipelines: Path, log: Path, **env: str) -> subprocess.Popen:
+    """`fulltune run tiny` as a terminal starts it: a process group of its own, output into `log`."""
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                   "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300", **env}
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "fulltune.cli", "run", "tiny", "-f", str(pipelines)],
+                                cwd=pipelines.parent, env=environment, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Start a run, Ctrl-C it once step-2 is written, then rerun it: what each did."""
+    import psutil
+
+    root = tmp_path_factory.mktemp("interrupt")
+    pipelines = tiny_pipeline(root, train=TRAIN)
+    first_log, rerun_log = root / "first.log", root / "rerun.log"
+    run = fulltune_run(pipelines, first_log, FULLTUNE_TEST_FAULT=STALL)
+    deadline = time.monotonic() + 600
+    while not list((root / "work" / "runs").glob("*/checkpoints/step-2")):
+        assert run.poll() is None and time.monotonic() < deadline, first_log.read_text()[-4000:]
+        time.sleep(0.2)
+    processes = psutil.Process(run.pid).children(recursive=True)  # the trainer, the temporary Prefect server
+    os.killpg(run.pid, signal.SIGINT)
+    try:
+        code = run.wait(timeout=EXIT_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        pytest.fail(f"still running {EXIT_WITHIN_S} s after Ctrl-C:\n{first_log.read_text()[-4000:]}")
+    _, alive = psutil.wait_procs(processes, timeout=30)
+    rerun = fulltune_run(pipelines, rerun_log)
+    rerun_code = rerun.wait(timeout=900)
+    return {"code": code, "output": first_log.read_text(), "left_running": alive, "rerun_code": rerun_code,
+            "rerun_output": rerun_log.read_text(), "workdir": root / "work"}
+
+
+def test_ctrl_c_exits_130_saying_which_step_a_rerun_resumes_from(interrupted):
+    output = interrupted["output"]
+    assert interrupted["code"] == 130, output[-4000:]
+    lines = [line for line in output.splitlines() if line.startswith("interrupted")]
+    assert len(lines) == 1, output[-4000:]
+    assert re.fullmatch(r"interrupted: fine-tune of pipeline tiny stopped( at step \d of 4)?; rerunning resumes from "
+                        r"step 2 \(the newest checkpoint\)", lines[0]), lines[0]
+    assert "Traceback" not in output and "Error logging to API" not in output, output[-4000:]
+    assert not interrupted["left_running"], "the trainer and the temporary Prefect server end with the run"
+
+
+def test_the_rerun_resumes_from_the_newest_checkpoint(interrupted):
+    import json
+
+    output = interrupted["rerun_output"]
+    assert interrupted["rerun_code"] == 0, output[-4000:]
+    assert "resumed from step 2" in output, output[-4000:]
+    (result,) = (interrupted["workdir"] / "runs").glob("*/result.json")
+    assert json.loads(result.read_text())["resumed_from_step"] == 2
+    assert "registered tiny-model version 1" in output
+
+
+def test_the_log_shows_stages_plan_progress_and_summary_without_noise(interrupted):
+    output = interrupted["output"] + interrupted["rerun_output"]
+    for needed in ("Task run 'tokenize", "memory plan", "train: ", "step/s",
+                   "pipeline tiny: tokenize cached, memory-budget cached, fine-tune ran, evaluate ran, register ran"):
+        assert needed in output, needed
+    found = [line for line in output.splitlines() if any(noise in line for noise in NOISE)]
+    assert not found, "\n".join(found[:20])
