@@ -445,13 +445,13 @@ def plan_request(p: ResolvedPipeline, seq_len: int, device: str, budget_bytes: i
         mixed_precision=None if t.mixed_precision == "auto" else t.mixed_precision,
         optimizer=None if t.optimizer == "auto" else t.optimizer,
         attn_implementation=p.spec.model.attn_implementation,
-        device=budget.device,
-        budget_bytes=budget.bytes,
-        headroom=budget.headroom,
+        device=device,
+        budget_bytes=budget_bytes,
+        headroom=p.spec.budget.headroom,
         strategy=d.strategy,
         num_processes=d.num_processes,
         tensor_parallel=d.tensor_parallel,
-        bf16_supported=budget.bf16_supported,
+        bf16_supported=bf16,
         # Packed rows restart position_ids, so transformers builds a block mask per layer; unpacked rows
         # are right-padded and the trainer passes no mask at all (see fulltune/train.py).
         attention_mask=p.spec.data.packing is not False,  # `auto` not yet resolved: plan for the mask
