@@ -143,7 +143,7 @@ def _check_single_process(settings: Settings) -> None:
         )
 
 
-def build_model(config: Any, settings: Settings) -> Any:
+def _build_model(config: Any, settings: Settings) -> Any:
     from transformers import AutoModelForCausalLM
 
     from fulltune.memory.checkpointing import apply_gradient_checkpointing
