@@ -23,7 +23,6 @@ import collections
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -39,7 +38,8 @@ from fulltune.errors import ConfigError, DataError, TrainingError, UserError
 from fulltune import levers
 from fulltune.memory.types import LEVERS, Settings
 from fulltune.spec import Strict
-from fulltune.storage import atomic_write_text
+# One test of "has that process ended" for locks, temp dirs and the launcher; re-exported for the trainer.
+from fulltune.storage import atomic_write_text, process_gone, process_identity  # noqa: F401
 
 # Files the child leaves in output_dir.
 JOB_FILE = "JOB.json"
@@ -268,42 +268,6 @@ def resume_conflict(checkpointed: TrainJob, job: TrainJob) -> str | None:
                   if "plan.optimizer" in changed else "the checkpoints were written for other settings")
         return f"{', '.join(changed)} changed ({detail})"
     return None
-
-
-def _host() -> str:
-    """This host, and its PID namespace where there is one: containers that share a hostname and a
-    workdir volume do not see each other's processes, so their pids must not be compared."""
-    try:
-        return f"{socket.gethostname()}/pidns-{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        return socket.gethostname()
-
-
-def process_identity(pid: int | None = None) -> dict[str, Any]:
-    """This process (or `pid`) as {"host", "pid", "started"}: enough to tell later whether it still runs.
-    The start time tells a reused pid from the original."""
-    import psutil
-
-    process = psutil.Process(pid)
-    return {"host": _host(), "pid": process.pid, "started": process.create_time()}
-
-
-def process_gone(identity: Any) -> bool:
-    """Whether the process `identity` (from process_identity) has ended: no such pid, a zombie, or a
-    pid reused by a later process. False when it cannot be told (another host, a malformed record), so
-    only a provably dead process is ever treated as gone."""
-    import psutil
-
-    try:
-        if identity["host"] != _host():
-            return False
-        process = psutil.Process(int(identity["pid"]))
-        # psutil derives the start time from the boot time, which may drift by under a second.
-        return process.status() == psutil.STATUS_ZOMBIE or abs(process.create_time() - float(identity["started"])) > 1.0
-    except psutil.NoSuchProcess:
-        return True
-    except (psutil.Error, KeyError, TypeError, ValueError):
-        return False
 
 
 def validate_job(job: TrainJob) -> None:

@@ -6,6 +6,8 @@
 - Publishing: `atomic_dir` builds a directory beside its final name and renames it into place;
   `atomic_write_text` does the same for one file. A build killed half way leaves only a `.tmp-*`
   directory, which `remove_stale_temp_dirs` deletes once its process is gone.
+- Processes: `process_identity` / `process_gone` (host, PID namespace, pid and start time) are the one
+  test of "has the process that wrote this ended", for stage locks, temp dirs and the trainer's launcher.
 """
 
 from __future__ import annotations
@@ -149,37 +151,75 @@ def fsync_tree(path: Path) -> None:
     fsync_dir(path)
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process of this host still exists (a stale lock or temp dir names a dead one)."""
-    if pid == os.getpid():
-        return True
+def _pid_namespace() -> int | None:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _host() -> str:
+    """This host, and its PID namespace where there is one: containers that share a hostname and a
+    workdir volume do not see each other's processes, so their pids must not be compared."""
+    namespace = _pid_namespace()
+    return socket.gethostname() if namespace is None else f"{socket.gethostname()}/pidns-{namespace}"
+
+
+def process_identity(pid: int | None = None) -> dict[str, Any]:
+    """This process (or `pid`) as {"host", "pid", "started"}: enough to tell later whether it still runs.
+    The start time tells a reused pid from the original."""
+    import psutil
+
+    process = psutil.Process(pid)
+    return {"host": _host(), "pid": process.pid, "started": process.create_time()}
+
+
+def process_gone(identity: Any) -> bool:
+    """Whether the process `identity` (from process_identity) has ended: no such pid, a zombie, or a
+    pid reused by a later process. False when it cannot be told (another host, a malformed record), so
+    only a provably dead process is ever treated as gone."""
+    import psutil
+
+    try:
+        if identity["host"] != _host():
+            return False
+        process = psutil.Process(int(identity["pid"]))
+        # psutil derives the start time from the boot time, which may drift by under a second.
+        return process.status() == psutil.STATUS_ZOMBIE or abs(process.create_time() - float(identity["started"])) > 1.0
+    except psutil.NoSuchProcess:
         return True
-    return True
+    except (psutil.Error, KeyError, TypeError, ValueError):
+        return False
+
+
+# `.tmp-<key>-<hostname>-<pid namespace or 0>-<pid>-<start time, ms>-<random>`: a process identity in a name.
+TEMP_DIR = re.compile(r"\.tmp-[0-9a-f]+-(?P<host>.+)-(?P<pidns>\d+)-(?P<pid>\d+)-(?P<started>\d+)-[0-9a-f]{8}")
 
 
 def temp_dir_name(key: str) -> str:
-    """A build directory name that says who is writing it: `.tmp-<key>-<host>-<pid>-<random>`."""
-    return f".tmp-{key[:16]}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    """A build directory name that says who is writing it (TEMP_DIR): host, pid namespace, pid and start
+    time, so that a sweep can tell a dead writer from a live one whose pid was reused."""
+    me = process_identity()
+    return (f".tmp-{key[:16]}-{socket.gethostname()}-{_pid_namespace() or 0}-{me['pid']}-{int(me['started'] * 1000)}"
+            f"-{secrets.token_hex(4)}")
 
 
 def remove_stale_temp_dirs(root: Path) -> None:
-    """Delete build dirs left by dead processes on this host (a killed build leaves its temp dir)."""
+    """Delete build dirs whose writer provably ended (process_gone; a killed build leaves its temp dir).
+
+    A directory named by another host, another PID namespace, or in an older naming is left alone."""
     if not root.is_dir():
         return
-    host = socket.gethostname()
     for entry in root.iterdir():
         if entry.name.startswith(".trash-"):
             shutil.rmtree(entry, ignore_errors=True)
             continue
-        match = re.fullmatch(r"\.tmp-[0-9a-f]+-(.+)-(\d+)-[0-9a-f]+", entry.name)
-        if not match or match.group(1) != host:
+        match = TEMP_DIR.fullmatch(entry.name)
+        if not match:
             continue
-        if not pid_alive(int(match.group(2))):
+        namespace = int(match["pidns"])
+        host = match["host"] if namespace == 0 else f"{match['host']}/pidns-{namespace}"
+        if process_gone({"host": host, "pid": int(match["pid"]), "started": int(match["started"]) / 1000}):
             shutil.rmtree(entry, ignore_errors=True)
 
 

@@ -48,7 +48,7 @@ class StageLockManager(FileSystemLockManager):
     Prefect's FileSystemLockManager writes only the transaction's holder, a random UUID, and waits for a
     lock as long as its file exists: a run killed while it held a lock (SIGKILL, the OOM killer, a
     preempted node) made every later run of that stage wait forever. Here the lock file also records
-    `owner` (fulltune.launch.process_identity: host, pid, start time), and a lock whose owner provably
+    `owner` (fulltune.storage.process_identity: host, pid, start time), and a lock whose owner provably
     ended counts as free: a new run, or one already waiting, removes it and goes on. A lock of a live
     process, or of one this host cannot check (another machine sharing the workdir), is respected.
 
@@ -109,7 +109,7 @@ class StageLockManager(FileSystemLockManager):
 
         from prefect.types._datetime import now
 
-        from fulltune.launch import process_identity
+        from fulltune.storage import process_identity
 
         expiration = now("UTC") + timedelta(seconds=hold_timeout) if hold_timeout is not None else None
         record = {"holder": holder, "expiration": str(expiration) if expiration else None, "owner": process_identity()}
@@ -139,7 +139,7 @@ class StageLockManager(FileSystemLockManager):
 
 
 def _owner_gone(info: dict[str, Any]) -> bool:
-    from fulltune.launch import process_gone
+    from fulltune.storage import process_gone
 
     return "owner" in info and process_gone(info["owner"])
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -342,7 +341,7 @@ def test_tokenized_cache_is_reused_and_rebuilt_when_broken(tmp_path: Path, tok_d
     work = tmp_path / "work"
     # A build killed half way by a dead process: its temp dir must not be mistaken for data, and goes away.
     fingerprint = fingerprint_data(spec, tok_dir, 0)
-    stale = work / "tokenized" / f".tmp-{fingerprint[:16]}-{socket.gethostname()}-{dead_pid()}-0badc0de"
+    stale = work / "tokenized" / dead_writers_temp_dir(fingerprint)
     stale.mkdir(parents=True)
     (stale / "train.parquet").write_bytes(b"half written")
 
@@ -367,16 +366,13 @@ def test_tokenized_cache_is_reused_and_rebuilt_when_broken(tmp_path: Path, tok_d
     assert read_row_lengths(first.train_file).tolist() == [len(r["input_ids"]) for r in rows(first.train_file)]
 
 
-def dead_pid() -> int:
-    pid = 2**22 - 1
-    while True:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return pid
-        except PermissionError:
-            pass
-        pid -= 1
+def dead_writers_temp_dir(key: str) -> str:
+    """The build directory name (storage.temp_dir_name) a process that has since ended wrote under."""
+    import subprocess
+    import sys
+
+    script = f"from fulltune.storage import temp_dir_name; print(temp_dir_name({key!r}))"
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.strip()
 
 
 # --- loading and user errors --------------------------------------------------------------------------
