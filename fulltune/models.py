@@ -108,7 +108,7 @@ def load_model(path_or_id: str, *, revision: str | None = None, trust_remote_cod
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(
+        model, loading = AutoModelForCausalLM.from_pretrained(
             path_or_id,
             revision=revision,
             trust_remote_code=trust_remote_code,
@@ -116,12 +116,37 @@ def load_model(path_or_id: str, *, revision: str | None = None, trust_remote_cod
             attn_implementation=attn_implementation,
             dtype=dtype or torch.float32,
             token=token,
+            # Mismatches are collected and refused below, in one message, instead of a RuntimeError.
+            ignore_mismatched_sizes=True,
+            output_loading_info=True,
         )
     except (OSError, ValueError) as exc:
         hint = ""
         if "safetensors" in str(exc).lower() and not allow_pickle_weights:
             hint = " (only safetensors weights load unless model.allow_pickle_weights: true)"
         raise ConfigError(f"model.name_or_path: cannot load {path_or_id!r}{hint}: {exc}") from None
+    check_weights_fit(path_or_id, loading)
+    return model
+
+
+def check_weights_fit(path_or_id: str, loading: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose weights do not fit its config.json: tensors of another shape, or weights
+    the config needs that the checkpoint lacks. transformers would initialise those at random (with a
+    warning in a long report), and fine-tuning would start from a partly untrained model."""
+    mismatched = [f"{name}: checkpoint {list(ckpt)}, config {list(model)}"
+                  for name, ckpt, model in sorted(loading.get("mismatched_keys") or [])]
+    missing = sorted(loading.get("missing_keys") or [])
+    if not (mismatched or missing):
+        return
+    problems = []
+    if mismatched:
+        problems.append(f"{len(mismatched)} tensor(s) of another shape than the config says ({'; '.join(mismatched[:3])}"
+                        + (" …)" if len(mismatched) > 3 else ")"))
+    if missing:
+        problems.append(f"{len(missing)} weight(s) the config needs are not in the checkpoint ({', '.join(missing[:3])}"
+                        + (" …)" if len(missing) > 3 else ")"))
+    raise ConfigError(f"model.name_or_path: {path_or_id}: the weights do not fit its config.json: {'; '.join(problems)}; "
+                      "point it at a checkpoint whose config.json matches its weights")
 
 
 def base_model_key(model: ModelSpec, tokenizer: str, seed: int) -> str:

@@ -342,6 +342,21 @@ def _set_aside(workdir: str, stage: str, path: str) -> str:
     return str(target)
 
 
+def check_positions(p: ResolvedPipeline, config: Any) -> None:
+    """Refuse `data.max_length` beyond the positions the model was built for (`max_position_embeddings`).
+
+    Refused rather than clamped: clamping would silently change how the data is cut (and every cache
+    key), while a longer row feeds the model positions it never learned — learned position embeddings
+    (GPT-2) fail with an index error, rotary ones extrapolate into garbage. The message names the limit.
+    """
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and p.spec.data.max_length > limit:
+        model = "the model built from model.from_config" if p.spec.model.from_config is not None \
+            else f"model {p.spec.model.name_or_path}"
+        raise ConfigError(f"pipelines.{p.name}.data.max_length: {p.spec.data.max_length} is more than the {limit} "
+                          f"positions {model} has (max_position_embeddings); set data.max_length to at most {limit}")
+
+
 def ensure_workdir(p: ResolvedPipeline) -> None:
     """Create the workdir if needed and check that files can be written there, before anything runs.
 
@@ -476,6 +491,7 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
 
     device, budget_bytes, bf16 = resolved_budget(p)
     config = read_model_config(p.spec.model, tokenizer_vocab)
+    check_positions(p, config)
     try:
         request = plan_request(p, seq_len, device, budget_bytes, bf16, target_fraction)
     except ValueError as exc:  # the spec validates these fields; a message naming the setting, not a traceback

@@ -124,15 +124,18 @@ def training_texts(data: DataSpec, cache_dir: str | Path | None = None, token: s
     records = load_records(data.train, what="data.train", cache_dir=cache_dir, token=token)
     require_columns(records, data, source=data.train, what="data.train")
     columns = list(format_columns(data).values())
+    # Only a record's first max_length tokens are ever trained on; a 200 MB record would otherwise cost
+    # the BPE trainer minutes and tens of GB. 64 characters a token is more than a learned vocabulary holds.
+    most = (data.max_length + 1) * 64 + 4096
     for batch in records.select_columns(columns).iter(batch_size=1000):
         for column in columns:
             for value in batch[column]:
                 if isinstance(value, str):
-                    yield value
+                    yield value[:most]
                 elif isinstance(value, list):  # chat messages; tokenize_dataset reports malformed ones
                     for message in value:
                         if isinstance(message, dict) and isinstance(message.get("content"), str):
-                            yield message["content"]
+                            yield message["content"][:most]
 
 
 def train_tokenizer(data: DataSpec, options: TrainTokenizer, workdir: str | Path, token: str | None = None) -> Path:

@@ -23,13 +23,13 @@ def make_tokenizer(directory: Path, vocab_size: int = 128) -> str:
     return str(directory)
 
 
-def make_model(directory: Path, tokenizer_dir: str, seed: int = 0, hidden: int = 32) -> str:
+def make_model(directory: Path, tokenizer_dir: str, seed: int = 0, hidden: int = 32, positions: int = 128) -> str:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
                          pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -51,7 +51,8 @@ def fake_hub_repo(hf_home: Path, repo_id: str, commit: str, repo_type: str = "mo
 
 def fake_hub_model(hf_home: Path, repo_id: str, commit: str, seed: int = 0, branch: str = "main",
                    hidden: int = 32) -> Path:
-    """A tiny Llama checkpoint and its tokenizer in the Hugging Face cache under `repo_id`."""
+    """A tiny Llama checkpoint and its tokenizer in the Hugging Face cache under `repo_id`, with the
+    4096 positions of the real checkpoints it stands in for (data.max_length may not exceed them)."""
     snapshot = fake_hub_repo(hf_home, repo_id, commit, branch=branch)
-    make_model(snapshot, make_tokenizer(snapshot), seed=seed, hidden=hidden)
+    make_model(snapshot, make_tokenizer(snapshot), seed=seed, hidden=hidden, positions=4096)
     return snapshot
