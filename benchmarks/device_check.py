@@ -41,7 +41,8 @@ import transformers  # noqa: E402
 
 from fulltune.flops import peak_flops  # noqa: E402
 from fulltune.memory import Settings, estimate_memory, flops_per_token, measure_memory, simulate_memory  # noqa: E402
-from fulltune.memory.trace import _build_model, _quiet, _train_steps, build_optimizer  # noqa: E402
+from fulltune import optim  # noqa: E402
+from fulltune.memory.trace import build_model, make_batch, measure_cuda, quiet, train_steps  # noqa: E402
 from fulltune.memory.units import format_bytes  # noqa: E402
 
 # What --dry-run assumes for the CPU (only to exercise the arithmetic).
@@ -74,12 +75,18 @@ def cases(dry_run: bool) -> list[Case]:
             Case("bf16 mask (tiny)", tiny, Settings(micro_batch_size=2, mixed_precision="bf16", **S), tags=("bf16",)),
             Case("fp32 all checkpointed (tiny)", tiny, Settings(micro_batch_size=2, gradient_accumulation_steps=2,
                  gradient_checkpointing=3, attention_mask=False, **S), tags=("all",)),
+            Case("levers off (tiny)", tiny, Settings(micro_batch_size=4, gradient_checkpointing=3,
+                 mixed_precision="bf16", optimizer="adafactor", **S), tags=("all", "bf16")),
+            Case("frontier levers (tiny)", tiny, Settings(micro_batch_size=4, gradient_checkpointing=3,
+                 mixed_precision="bf16", optimizer="adafactor", pure_bf16=True, optimizer_in_backward=True,
+                 chunked_loss=True, **S), trace=True, tags=("all", "bf16", "levers")),
         ]
     tinyllama = _llama(2048, 5632, 22, 32, 4, 32000)
     qwen05 = transformers.Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                       num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
                                       tie_word_embeddings=True)
     smollm = _llama(576, 1536, 30, 9, 3, 49152, tied=True)
+    llama1b = _llama(2048, 8192, 16, 32, 8, 128256, tied=True)
     return [
         Case("issue 13: TinyLlama-1.1B", tinyllama, Settings(micro_batch_size=2, seq_len=2048, gradient_accumulation_steps=4,
              gradient_checkpointing=1, mixed_precision="bf16", optimizer="adafactor", device=device,
@@ -93,24 +100,18 @@ def cases(dry_run: bool) -> list[Case]:
              gradient_checkpointing=12, device=device), tags=("partial", "bf16", "mask", "tied")),
         Case("SmolLM-135M fp32 all ckpt", smollm, Settings(micro_batch_size=8, seq_len=1024, gradient_checkpointing=30,
              gradient_accumulation_steps=2, device=device, attention_mask=False), tags=("all", "fp32")),
+        # The frontier levers, each case measured with its own settings (the trainer's step builds them).
+        Case("Llama-3.2-1B pure bf16 + in backward + chunked", llama1b, Settings(micro_batch_size=4, seq_len=2048,
+             gradient_checkpointing=16, mixed_precision="bf16", optimizer="adafactor", pure_bf16=True,
+             optimizer_in_backward=True, chunked_loss=True, device=device, attention_mask=False),
+             tags=("all", "bf16", "levers")),
+        Case("Llama-3.2-1B offload optimizer + activations", llama1b, Settings(micro_batch_size=2, seq_len=2048,
+             gradient_accumulation_steps=2, gradient_checkpointing=16, mixed_precision="bf16", offload_optimizer=True,
+             offload_activations=True, device=device, attention_mask=False), tags=("all", "bf16", "levers")),
+        Case("Llama-3.2-1B 8-bit AdamW + chunked", llama1b, Settings(micro_batch_size=2, seq_len=2048,
+             gradient_accumulation_steps=2, gradient_checkpointing=8, mixed_precision="bf16", optimizer="adamw_8bit",
+             chunked_loss=True, device=device, attention_mask=False), tags=("partial", "bf16", "levers")),
     ]
-
-
-def _measure_cuda(config: Any, settings: Settings) -> dict[str, int]:
-    import torch
-
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    start = torch.cuda.memory_allocated()
-    with _quiet():
-        model = _build_model(config, settings).to("cuda")
-        optimizer = build_optimizer(settings.optimizer, model.parameters())
-        _train_steps(model, optimizer, model.config.vocab_size, settings, 2, "cuda", None)
-    torch.cuda.synchronize()
-    out = {"allocated": int(torch.cuda.max_memory_allocated() - start), "reserved": int(torch.cuda.max_memory_reserved())}
-    del model, optimizer
-    torch.cuda.empty_cache()
-    return out
 
 
 def memory_case(case: Case, on_gpu: bool) -> dict[str, Any]:
@@ -123,7 +124,7 @@ def memory_case(case: Case, on_gpu: bool) -> dict[str, Any]:
         row["trace_peak"] = simulate_memory(case.config, case.settings).peak_bytes
         row["trace_seconds"] = round(time.perf_counter() - started, 1)
     if on_gpu:
-        measured = _measure_cuda(case.config, case.settings)
+        measured = measure_cuda(case.config, case.settings)  # the trainer's step with the case's levers
         row["measured_allocated"], row["measured_reserved"] = measured["allocated"], measured["reserved"]
     else:  # --dry-run: CPU tensors under MemTracker; no reserved figure
         row["measured_allocated"], row["measured_reserved"] = measure_memory(case.config, case.settings), None
@@ -146,14 +147,14 @@ def mfu_case(config: Any, settings: Settings, steps: int, peak: float) -> dict[s
     import torch
 
     device = settings.device
-    with _quiet():
-        model = _build_model(config, settings).to(device)
-        optimizer = build_optimizer(settings.optimizer, model.parameters())
-        _train_steps(model, optimizer, config.vocab_size, settings, 1, device, None)
+    with quiet():
+        model = build_model(config, settings).to(device)
+        optimizer = optim.optimizer_for(model, settings)
+        train_steps(model, optimizer, settings, 1, device)
         if device == "cuda":
             torch.cuda.synchronize()
         started = time.perf_counter()
-        _train_steps(model, optimizer, config.vocab_size, settings, steps, device, None)
+        train_steps(model, optimizer, settings, steps, device)
         if device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
@@ -165,51 +166,61 @@ def mfu_case(config: Any, settings: Settings, steps: int, peak: float) -> dict[s
 
 
 def fp16_case(config: Any, settings: Settings, steps: int, overflow_at: int) -> dict[str, Any]:
-    """fp16 autocast with a GradScaler; the loss at step `overflow_at` is made inf: that step must be skipped,
-    the scale must drop, and the weights must keep changing afterwards."""
+    """The trainer's fp16 path — accelerate's Accelerator and GradScaler around the one training step
+    (fulltune/step.py) — with the loss of step `overflow_at` (0-based) made inf: that step must be skipped, the
+    scale must drop, and the weights must keep changing afterwards. On CPU (--dry-run) the case runs bf16,
+    where the non-finite loss is skipped by the step's finite check (no scale)."""
     import torch
+    from accelerate import Accelerator
 
+    from fulltune.faults import TrainHooks
     from fulltune.loss import TargetHead
-    from fulltune.memory.trace import _make_batch
+    from fulltune.step import OptimizerStep, StepParts, run_step
+
+    class Overflow(TrainHooks):
+        def on_loss(self, step: int, loss: Any) -> Any:
+            return loss * float("inf") if step == overflow_at + 1 else loss
 
     device = settings.device
+    if device == "cpu":
+        settings = replace(settings, mixed_precision="bf16")
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
-    with _quiet():
-        model = _build_model(config, settings).to(device)
-        optimizer = build_optimizer(settings.optimizer, model.parameters())
-        scaler = torch.amp.GradScaler(device)
-        head = TargetHead(model)
+    with quiet():
+        # Accelerate's state is process-wide: this is the script's only Accelerator, made last.
+        accelerator = Accelerator(cpu=device == "cpu", mixed_precision=settings.mixed_precision,
+                                  gradient_accumulation_steps=settings.gradient_accumulation_steps)
+        model = build_model(config, settings)
+        head = TargetHead(model, chunked=settings.chunked_loss)
+        optimizer = optim.optimizer_for(model, settings)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        parts = StepParts(accelerator, model, head, optimizer, OptimizerStep(accelerator, model, optimizer, None, 1.0),
+                          settings.gradient_accumulation_steps, settings.optimizer_in_backward, Overflow())
         first = next(model.parameters())
+        targets = settings.micro_batch_size * settings.targets_per_row * settings.gradient_accumulation_steps
         log = []
-        for step in range(steps):
+        for step in range(1, steps + 1):
             before = first.detach().clone()
-            inputs, targets = _make_batch(config.vocab_size, settings, device)
-            with torch.autocast(device_type=device, dtype=torch.float16):
-                loss = head.loss_sum(model, inputs, targets) / (settings.micro_batch_size * settings.seq_len)
-            if step == overflow_at:
-                loss = loss * float("inf")
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scale = scaler.get_scale()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            changed = not torch.equal(before, first.detach())
-            log.append({"step": step, "loss_finite": bool(torch.isfinite(loss).item()), "scale_before": scale,
-                        "scale_after": scaler.get_scale(), "weights_changed": changed})
+            scale = accelerator.scaler.get_scale() if accelerator.scaler is not None else None
+            batches = (make_batch(config.vocab_size, settings, device)
+                       for _ in range(settings.gradient_accumulation_steps))
+            outcome = run_step(parts, batches, step, targets)
+            log.append({"step": step - 1, "loss_finite": bool(torch.isfinite(outcome.loss_sum).item()),
+                        "stepped": outcome.stepped, "scale_before": scale,
+                        "scale_after": accelerator.scaler.get_scale() if accelerator.scaler is not None else None,
+                        "weights_changed": not torch.equal(before, first.detach())})
         head.remove()
     skipped = log[overflow_at]
-    ok = (not skipped["weights_changed"] and skipped["scale_after"] < skipped["scale_before"]
+    scale_dropped = skipped["scale_before"] is None or skipped["scale_after"] < skipped["scale_before"]
+    ok = (not skipped["weights_changed"] and not skipped["stepped"] and scale_dropped
           and all(r["weights_changed"] for r in log[overflow_at + 1:]))
     row: dict[str, Any] = {"settings": settings.to_dict(), "steps": log, "overflow_step_skipped_and_recovered": ok}
     if device == "cuda":
         torch.cuda.synchronize()
         row["measured_allocated"] = int(torch.cuda.max_memory_allocated() - start)
-        row["estimate_peak"] = estimate_memory(config, replace(settings, gradient_accumulation_steps=1)).peak_bytes
+        row["estimate_peak"] = estimate_memory(config, settings).peak_bytes
     return row
 
 
@@ -281,7 +292,7 @@ def summary(report: dict[str, Any]) -> str:
     if "error" in fp16:
         lines.append(f"fp16 + GradScaler: FAILED: {fp16['error']}")
     else:
-        scales = " → ".join(f"{r['scale_after']:g}" for r in fp16["steps"])
+        scales = " → ".join(f"{r['scale_after']:g}" if r["scale_after"] is not None else "-" for r in fp16["steps"])
         memory = ""
         if "measured_allocated" in fp16:
             memory = (f"; peak {format_bytes(fp16['measured_allocated'])} vs estimate "

@@ -18,7 +18,6 @@ costs carry over.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import statistics
@@ -32,10 +31,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from fulltune.loss import TargetHead, Targets  # noqa: E402
+from fulltune.loss import Targets  # noqa: E402
+from fulltune.memory import Settings  # noqa: E402
 from fulltune.memory.checkpointing import apply_gradient_checkpointing  # noqa: E402
 from fulltune.offload import ActivationOffload  # noqa: E402
 from fulltune.optim import build_optimizer, device_gradient_bytes, device_state_bytes, host_bytes, torchao_available  # noqa: E402
+from fulltune.step import local_parts, run_step  # noqa: E402
 
 
 @dataclass
@@ -45,8 +46,8 @@ class Lever:
     optimizer: str = "adamw"
     pure_bf16: bool = False
     compensation: str | None = None
-    step_in_backward: bool = False
-    offload: bool = False
+    optimizer_in_backward: bool = False
+    offload_optimizer: bool = False
     accumulation: int = 1
     checkpoint: bool = False
     offload_activations: bool = False
@@ -58,13 +59,14 @@ LEVERS = [
     Lever("AMP bf16, AdamW (baseline)", None),
     Lever("pure bf16 + Kahan (torch-optimi)", "AMP bf16, AdamW (baseline)", pure_bf16=True),
     Lever("pure bf16, no compensation", "AMP bf16, AdamW (baseline)", pure_bf16=True, compensation="none"),
-    Lever("step in backward", "AMP bf16, AdamW (baseline)", step_in_backward=True),
-    Lever("states offloaded to host", "AMP bf16, AdamW (baseline)", offload=True),
+    Lever("step in backward", "AMP bf16, AdamW (baseline)", optimizer_in_backward=True),
+    Lever("states offloaded to host", "AMP bf16, AdamW (baseline)", offload_optimizer=True),
     Lever("chunked head", "AMP bf16, AdamW (baseline)", chunked=True),
     Lever("8-bit AdamW (bitsandbytes)", "AMP bf16, AdamW (baseline)", optimizer="adamw_8bit"),
     Lever("4-bit AdamW (torchao)", "AMP bf16, AdamW (baseline)", optimizer="adamw_4bit"),
     Lever("accumulation 2 (baseline)", None, accumulation=2),
-    Lever("accumulation 2, step in backward", "accumulation 2 (baseline)", accumulation=2, step_in_backward=True),
+    Lever("accumulation 2, states offloaded to host", "accumulation 2 (baseline)", accumulation=2,
+          offload_optimizer=True),
     Lever("all layers checkpointed (baseline)", None, checkpoint=True),
     Lever("checkpointed, inputs offloaded", "all layers checkpointed (baseline)", checkpoint=True,
           offload_activations=True),
@@ -81,46 +83,45 @@ def small_llama() -> torch.nn.Module:
 
 
 class Run:
-    """One lever's model, optimizer and step."""
+    """One lever's model and optimizer, stepped by the trainer's step (fulltune/step.py)."""
 
     def __init__(self, lever: Lever, base: torch.nn.Module, batches: list[torch.Tensor]) -> None:
         self.lever, self.batches = lever, batches
+        self.settings = Settings(micro_batch_size=batches[0].shape[0], seq_len=batches[0].shape[1],
+                                 gradient_accumulation_steps=lever.accumulation,
+                                 gradient_checkpointing=4 if lever.checkpoint else 0, mixed_precision="bf16",
+                                 optimizer=lever.optimizer, pure_bf16=lever.pure_bf16,
+                                 optimizer_in_backward=lever.optimizer_in_backward,
+                                 offload_optimizer=lever.offload_optimizer,
+                                 offload_activations=lever.offload_activations, chunked_loss=lever.chunked)
         self.model = copy.deepcopy(base).to(torch.bfloat16 if lever.pure_bf16 else torch.float32)
         if lever.checkpoint:
             apply_gradient_checkpointing(self.model, True)
         if lever.offload_activations:
             ActivationOffload().install(self.model)
+        # build_optimizer itself (not optimizer_for): the uncompensated pure-bf16 row sets the compensation.
         self.optimizer = build_optimizer(self.model, lever.optimizer, lr=1e-5, pure_bf16=lever.pure_bf16,
-                                         compensation=lever.compensation, step_in_backward=lever.step_in_backward,
-                                         offload=lever.offload, accumulation_steps=lever.accumulation, max_grad_norm=1.0)
-        self.head = TargetHead(self.model, chunked=lever.chunked)
+                                         compensation=lever.compensation,
+                                         optimizer_in_backward=lever.optimizer_in_backward,
+                                         offload_optimizer=lever.offload_optimizer,
+                                         gradient_accumulation_steps=lever.accumulation, max_grad_norm=1.0)
+        self.step_number = 0
 
     def step(self) -> None:
-        lever, optimizer = self.lever, self.optimizer
-        autocast = contextlib.nullcontext() if lever.pure_bf16 else torch.autocast("cpu", dtype=torch.bfloat16)
-        for index in range(lever.accumulation):
-            if hasattr(optimizer, "set_micro_batch"):
-                optimizer.set_micro_batch(index)
-            batch = self.batches[index]
-            targets = Targets.from_labels(batch)
-            with autocast:
-                loss = self.head.loss_sum(self.model, {"input_ids": batch}, targets) / len(targets)
-            loss.backward()
-        if hasattr(optimizer, "clip_grad_norm_"):
-            optimizer.clip_grad_norm_(1.0)
-        else:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        micro_batches = [({"input_ids": batch}, Targets.from_labels(batch)) for batch in self.batches[:self.lever.accumulation]]
+        self.step_number += 1
+        with local_parts(self.model, self.optimizer, self.settings, device="cpu") as parts:
+            run_step(parts, iter(micro_batches), self.step_number, sum(len(t) for _, t in micro_batches))
 
 
 def byte_counts(lever: Lever, shapes: list[tuple[int, ...]]) -> dict[str, int]:
-    states, _ = device_state_bytes(lever.optimizer, shapes, lever.pure_bf16, lever.offload, lever.compensation)
+    states, _ = device_state_bytes(lever.optimizer, shapes, lever.pure_bf16, lever.offload_optimizer, lever.compensation)
     return {"weights_bytes": sum(torch.Size(s).numel() for s in shapes) * (2 if lever.pure_bf16 else 4),
-            "gradient_bytes": device_gradient_bytes(shapes, lever.pure_bf16, lever.step_in_backward, lever.offload),
+            "gradient_bytes": device_gradient_bytes(shapes, lever.pure_bf16, lever.optimizer_in_backward,
+                                                    lever.offload_optimizer),
             "state_bytes": states,
-            "host_bytes": host_bytes(lever.optimizer, shapes, lever.pure_bf16, lever.step_in_backward, lever.offload,
-                                     lever.accumulation)}
+            "host_bytes": host_bytes(lever.optimizer, shapes, lever.pure_bf16, lever.optimizer_in_backward,
+                                     lever.offload_optimizer, lever.accumulation)}
 
 
 def measure(steps: int) -> list[dict]:

@@ -14,7 +14,7 @@ vocabulary 1k–8k, sequence 128–512, effective batch 8–32) this script
    (fixed-precision cases: what recomputation really costs); of the bf16 ones, ~3× slower on this
    CPU, only the predicted-fastest; only those whose estimate fits budget × (1 − headroom);
 4. runs every candidate for real on CPU, the step fulltune's trainer runs
-   (`fulltune.memory.trace._train_steps`, the step `measure_memory` runs: forward under the
+   (`fulltune.memory.trace.train_steps`, the step `measure_memory` runs: forward under the
    case's autocast, fp32 cross-entropy summed / tokens, backward per micro-batch, clipping,
    optimizer step, `zero_grad(set_to_none=True)`): one warm-up optimizer step, then one step under
    MemTracker on the real tensors (its peak is the steady-state peak `measure_memory` reports, to
@@ -64,7 +64,8 @@ from fulltune.memory import (  # noqa: E402
 )
 from fulltune.memory.estimate import CPU_ALLOCATOR_SLACK, CPU_PROCESS_BYTES  # noqa: E402
 from fulltune.memory.shapes import model_shape  # noqa: E402
-from fulltune.memory.trace import _build_model, _quiet, _train_steps, build_optimizer  # noqa: E402
+from fulltune import optim  # noqa: E402
+from fulltune.memory.trace import build_model, quiet, train_steps  # noqa: E402
 from fulltune.memory.units import format_bytes  # noqa: E402
 from sections import write_section  # noqa: E402  (benchmarks/sections.py, beside this script)
 
@@ -221,16 +222,16 @@ def measure_case(case: Case, cands: list[Settings], reps: int) -> list[dict]:
 
     vocab = case.config.vocab_size
     runs = []
-    with _quiet():
+    with quiet():
         for s in cands:
             torch.manual_seed(0)
-            model = _build_model(case.config, s)
-            optimizer = build_optimizer(s.optimizer, model.parameters())
-            _train_steps(model, optimizer, vocab, s, 1, "cpu", None)  # warm-up; creates the optimizer states
+            model = build_model(case.config, s)
+            optimizer = optim.optimizer_for(model, s)
+            train_steps(model, optimizer, s, 1, "cpu", None)  # warm-up; creates the optimizer states
             tracker = MemTracker()
             tracker.track_external(model, optimizer)
             with tracker:
-                _train_steps(model, optimizer, vocab, s, 1, "cpu", tracker)
+                train_steps(model, optimizer, s, 1, "cpu", tracker)
             peak = int(max(tracker._peak_mem.values()))
             del tracker
             runs.append({"settings": s, "model": model, "optimizer": optimizer, "peak": peak, "wall": [], "cpu": []})
@@ -241,7 +242,7 @@ def measure_case(case: Case, cands: list[Settings], reps: int) -> list[dict]:
                 r = runs[(j + rep) % n]
                 gc.collect()
                 w, c = time.perf_counter(), time.process_time()
-                _train_steps(r["model"], r["optimizer"], vocab, r["settings"], 1, "cpu", None)
+                train_steps(r["model"], r["optimizer"], r["settings"], 1, "cpu", None)
                 r["wall"].append(time.perf_counter() - w)
                 r["cpu"].append(time.process_time() - c)
     for r in runs:
@@ -500,7 +501,7 @@ def section(rows: list[dict], diag: dict, command: str, seconds: float, reps: in
             "among them — plus, in the fixed-precision cases, the chosen micro-batch with every layer checkpointed",
             "(what recomputation costs); of the bf16 candidates, ~3× slower on this CPU, only the predicted-fastest. Only",
             "candidates whose estimate fits budget × (1 − headroom) are in the set. Each candidate runs the",
-            "trainer's step (`fulltune.memory.trace._train_steps`, what `measure_memory` runs) on real CPU tensors:",
+            "trainer's step (`fulltune.memory.trace.train_steps`, what `measure_memory` runs) on real CPU tensors:",
             f"one warm-up optimizer step, one step under MemTracker (peak), then {reps} timed optimizer steps",
             "interleaved round-robin with the case's other candidates; median wall time. A candidate is feasible",
             "when its measured peak fits the usable tensor share; the choice counts as fastest when within 5% of",

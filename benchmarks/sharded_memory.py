@@ -116,9 +116,10 @@ def measure_rank(case: Case) -> dict:
     from transformers import AutoModelForCausalLM
 
     from fulltune import sharding
-    from fulltune.loss import TargetHead
     from fulltune.memory.checkpointing import apply_gradient_checkpointing
-    from fulltune.memory.trace import _make_batch  # the batch the estimate assumes (padded row, all targets)
+    from fulltune.memory.trace import make_batch  # the batch the estimate assumes (padded row, all targets)
+    from fulltune.loss import TargetHead
+    from fulltune.step import LocalAccelerator, OptimizerStep, StepParts, run_step
 
     settings = settings_of(case)
     sharding.init_process_group("cpu")
@@ -131,17 +132,15 @@ def measure_rank(case: Case) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     vocab, accumulation = model.config.vocab_size, settings.gradient_accumulation_steps
     tracker = FSDPMemTracker(model, optimizer)
+    # The trainer's step (fulltune/step.py); bf16 is FSDP's MixedPrecisionPolicy here, not autocast.
+    accelerator = LocalAccelerator("cpu", "no", accumulation)
+    parts = StepParts(accelerator, model, head, optimizer, OptimizerStep(accelerator, model, optimizer, None, 1.0),
+                      accumulation, before_micro_batch=tracker.reset_mod_stats)  # the tracker needs the reset
+    targets = settings.micro_batch_size * settings.targets_per_row * accumulation * accelerator.num_processes
     with tracker:
-        for _ in range(STEPS):
-            for _ in range(accumulation):
-                tracker.reset_mod_stats()  # the tracker refuses a second root forward otherwise
-                inputs, targets = _make_batch(vocab, settings, "cpu")
-                loss = head.loss_sum(model, inputs, targets) / (len(targets) * accumulation)
-                loss.backward()
-                del loss, inputs, targets
-            sharding.clip_grad_norm_(model, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        for step in range(1, STEPS + 1):
+            batches = (make_batch(vocab, settings, "cpu") for _ in range(accumulation))
+            run_step(parts, batches, step, targets)
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
     parts: dict[str, int] = {}
     for key, value in snapshot.items():

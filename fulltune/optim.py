@@ -1,7 +1,8 @@
 """The optimizer, and the levers that change where its memory goes: one builder for trainer and memory trace.
 
-    build_optimizer(model_or_params, name, lr=..., weight_decay=..., pure_bf16=..., step_in_backward=...,
-                    offload=..., accumulation_steps=..., max_grad_norm=..., fake=...)
+    build_optimizer(model_or_params, name, lr=..., weight_decay=..., pure_bf16=..., optimizer_in_backward=...,
+                    offload_optimizer=..., gradient_accumulation_steps=..., max_grad_norm=..., fake=...)
+    optimizer_for(model, settings, lr=..., ...)   # the same, with a plan's optimizer and levers
 
 Optimizers (`name`), and their state per parameter element (`optimizer_state_bytes` counts it exactly):
 
@@ -10,7 +11,8 @@ Optimizers (`name`), and their state per parameter element (`optimizer_state_byt
     adamw_4bit   torchao AdamW4bit, block-wise 4-bit states (128 / block)         ~1 B
     adafactor    transformers Adafactor, factored second moment, no first moment  ~0 B for matrices
 
-Levers (each composes with every optimizer above, except where `check_levers` says otherwise):
+Levers (each composes with every optimizer above, except where `check_levers` says otherwise; how they
+combine with each other and with the strategy is fulltune/levers.py):
 
 - `pure_bf16`: the weights and gradients are bf16 and there is no fp32 master copy (2 + 2 B/param
   instead of 4 + 4). A bf16 weight cannot hold an update smaller than 1/256 of itself, so plain
@@ -24,10 +26,10 @@ Levers (each composes with every optimizer above, except where `check_levers` sa
                          The only compensated path for 4-bit states; it needs torch.compile.
     none                 plain rounding (as torchtune's pure-bf16 recipes, and bitsandbytes 8-bit, which
                          has no compensated update).
-- `step_in_backward`: each parameter is updated, and its gradient freed, as soon as its gradient is
+- `optimizer_in_backward`: each parameter is updated, and its gradient freed, as soon as its gradient is
   complete in backward (`Tensor.register_post_accumulate_grad_hook`), so at most one parameter's gradient
   is alive instead of all of them. See `InBackwardOptimizer` for what accumulation and clipping mean then.
-- `offload`: fp32 master weights, gradients and optimizer states live in host RAM and the update runs on
+- `offload_optimizer`: fp32 master weights, gradients and optimizer states live in host RAM and the update runs on
   the host (ZeRO-Offload's split); the device keeps only its weights. See `HostOffloadOptimizer`.
 
 Sharded parameters (FSDP2 DTensors, `distributed.strategy: fsdp`): adamw (torch fused, or torch-optimi
@@ -134,22 +136,23 @@ def _adafactor_bytes(shapes: list[tuple[int, ...]]) -> tuple[int, int]:
 
 
 def device_gradient_bytes(shapes: Iterable[tuple[int, ...]], pure_bf16: bool = False,
-                          step_in_backward: bool = False, offload: bool = False) -> int:
+                          optimizer_in_backward: bool = False, offload_optimizer: bool = False) -> int:
     """Gradient bytes alive on the device at the optimizer step (the peak's gradient term).
 
-    All gradients normally; with `step_in_backward` or `offload` one parameter's at a time (the largest).
+    All gradients normally; with `optimizer_in_backward` or `offload_optimizer` one parameter's at a time
+    (the largest).
     """
     sizes = [_n(sh) for sh in shapes]
     per = weight_bytes(pure_bf16)
-    if step_in_backward or offload:
+    if optimizer_in_backward or offload_optimizer:
         return per * max(sizes, default=0)
     return per * sum(sizes)
 
 
 def device_state_bytes(name: str, shapes: Iterable[tuple[int, ...]], pure_bf16: bool = False,
-                       offload: bool = False, compensation: str | None = None) -> tuple[int, int]:
+                       offload_optimizer: bool = False, compensation: str | None = None) -> tuple[int, int]:
     """(persistent, temporary) optimizer-state bytes on the device: none when offloaded."""
-    if offload:
+    if offload_optimizer:
         return 0, 0
     if compensation is None:
         compensation = default_compensation(name) if pure_bf16 else "none"
@@ -157,18 +160,19 @@ def device_state_bytes(name: str, shapes: Iterable[tuple[int, ...]], pure_bf16: 
 
 
 def host_bytes(name: str, shapes: Iterable[tuple[int, ...]], pure_bf16: bool = False,
-               step_in_backward: bool = False, offload: bool = False, accumulation_steps: int = 1) -> int:
+               optimizer_in_backward: bool = False, offload_optimizer: bool = False,
+               gradient_accumulation_steps: int = 1) -> int:
     """Host RAM the levers need beyond the process itself (pinned where CUDA is present).
 
-    offload: fp32 master weights + fp32 gradients + the optimizer's states over fp32 weights.
-    step_in_backward with accumulation > 1: one gradient buffer in the weight dtype.
+    offload_optimizer: fp32 master weights + fp32 gradients + the optimizer's states over fp32 weights.
+    optimizer_in_backward with accumulation > 1: one gradient buffer in the weight dtype.
     """
     shapes = list(shapes)
     numel = sum(_n(sh) for sh in shapes)
-    if offload:
+    if offload_optimizer:
         states, temporary = optimizer_state_bytes(name, shapes, 4, "none")
         return 8 * numel + states + temporary
-    if step_in_backward and accumulation_steps > 1:
+    if optimizer_in_backward and gradient_accumulation_steps > 1:
         return weight_bytes(pure_bf16) * numel
     return 0
 
@@ -182,26 +186,23 @@ def _n(shape: tuple[int, ...]) -> int:
 
 
 def check_levers(name: str, pure_bf16: bool = False, compensation: str | None = None,
-                 step_in_backward: bool = False, offload: bool = False, processes: int = 1) -> str:
-    """Validate a lever combination; returns the compensation that applies ("none" without pure_bf16).
+                 offload_optimizer: bool = False) -> str:
+    """The compensation that applies to `name` with these levers ("none" without pure_bf16).
+
+    Which levers combine with each other, the strategy and the accumulation is the lever table's
+    (fulltune/levers.py); this checks what the optimizer's library can do.
 
     Raises:
-        ValueError: an unknown optimizer or compensation, or one the optimizer's library cannot do, or
-            a gradient-hook lever with several processes, naming the setting (the trainer turns it into
-            a ConfigError).
+        ValueError: an unknown optimizer or compensation, or one the optimizer's library cannot do, naming
+            the setting (the trainer turns it into a ConfigError).
     """
-    if processes > 1 and (step_in_backward or offload):
-        # The hooks fire when a gradient is complete on this process, before DDP averages it over
-        # processes; sharded training (FSDP2, which reduces per parameter) is where these will compose.
-        raise ValueError("step_in_backward / offload: one process only (the gradient hooks run before "
-                         "the gradients are averaged over processes)")
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer: unknown {name!r}; expected one of {', '.join(OPTIMIZERS)}")
     if compensation is None or compensation == "auto":
         compensation = default_compensation(name)
     if compensation not in COMPENSATIONS:
         raise ValueError(f"compensation: unknown {compensation!r}; expected auto or one of {', '.join(COMPENSATIONS)}")
-    if not pure_bf16 or offload:
+    if not pure_bf16 or offload_optimizer:
         # fp32 weights, or fp32 masters on the host: nothing to compensate.
         return "none"
     allowed = {"adamw": ("kahan", "stochastic_rounding", "none"), "adamw_8bit": ("stochastic_rounding", "none"),
@@ -209,6 +210,16 @@ def check_levers(name: str, pure_bf16: bool = False, compensation: str | None = 
     if compensation not in allowed:
         raise ValueError(f"compensation: {name} offers {' or '.join(allowed)} with pure bf16 weights, not {compensation}")
     return compensation
+
+
+def optimizer_for(model: torch.nn.Module, plan: Any, *, lr: float = 1e-4, weight_decay: float = 0.0,
+                  max_grad_norm: float | None = 1.0, fake: bool = False) -> torch.optim.Optimizer:
+    """`build_optimizer` for planned settings (`plan`, a `fulltune.memory.Settings`): its optimizer and levers.
+    The trainer, the memory trace, the device check and the benchmarks build their optimizers with this."""
+    return build_optimizer(model, plan.optimizer, lr=lr, weight_decay=weight_decay, pure_bf16=plan.pure_bf16,
+                           optimizer_in_backward=plan.optimizer_in_backward, offload_optimizer=plan.offload_optimizer,
+                           gradient_accumulation_steps=plan.gradient_accumulation_steps,
+                           max_grad_norm=max_grad_norm, fake=fake)
 
 
 def parameter_groups(model_or_params: torch.nn.Module | Iterable[Any], weight_decay: float = 0.0) -> list[dict[str, Any]]:
@@ -226,34 +237,35 @@ def parameter_groups(model_or_params: torch.nn.Module | Iterable[Any], weight_de
 
 def build_optimizer(model_or_params: torch.nn.Module | Iterable[Any], name: str = "adamw", *, lr: float = 1e-4,
                     weight_decay: float = 0.0, pure_bf16: bool = False, compensation: str | None = None,
-                    step_in_backward: bool = False, offload: bool = False, accumulation_steps: int = 1,
-                    max_grad_norm: float | None = None, processes: int = 1,
+                    optimizer_in_backward: bool = False, offload_optimizer: bool = False,
+                    gradient_accumulation_steps: int = 1, max_grad_norm: float | None = None,
                     fake: bool = False) -> torch.optim.Optimizer:
-    """The optimizer the trainer steps and the memory model counts, with the levers applied.
+    """The optimizer the trainer steps and the memory model counts, with the levers applied: the one builder
+    (`optimizer_for` calls it with a plan's settings).
 
     `model_or_params`: a model (weight decay on matrices only) or parameters / parameter groups.
     `pure_bf16`: the parameters are already bf16 (cast the model first); picks the compensated update.
-    `step_in_backward` / `offload`: see `InBackwardOptimizer` / `HostOffloadOptimizer`; they register
-    gradient hooks on the parameters, so build them on the unwrapped model before accelerator.prepare.
-    `max_grad_norm` is used by `step_in_backward` only (per-parameter clipping in the hook).
-    `processes`: the data-parallel processes; the hook levers need one.
+    `optimizer_in_backward` / `offload_optimizer`: see `InBackwardOptimizer` / `HostOffloadOptimizer`; they
+    register gradient hooks on the parameters, so build them on the unwrapped model before accelerator.prepare.
+    `max_grad_norm` is used by `optimizer_in_backward` only (per-parameter clipping in the hook).
     `fake=True` swaps kernels that cannot run on FakeTensors (bitsandbytes, torchao) for stand-ins that
     allocate the same states (for the memory trace).
 
     Raises:
-        ValueError: an impossible combination (see `check_levers`).
+        ValueError: an impossible combination (see `check_levers` and fulltune/levers.py).
     """
-    compensation = check_levers(name, pure_bf16, compensation, step_in_backward, offload, processes)
-    if step_in_backward and offload:
-        raise ValueError("step_in_backward and offload: pick one (offload already frees device gradients in backward)")
+    compensation = check_levers(name, pure_bf16, compensation, offload_optimizer)
+    if optimizer_in_backward and offload_optimizer:
+        raise ValueError("optimizer_in_backward and offload_optimizer: pick one (offloading already frees device "
+                         "gradients in backward)")
     # The model's parameter order, which clipping over all gradients sums in (as the trainer's clip does).
     order = list(model_or_params.parameters()) if isinstance(model_or_params, torch.nn.Module) else None
     groups = parameter_groups(model_or_params, weight_decay)
-    if offload:
+    if offload_optimizer:
         return HostOffloadOptimizer(groups, lambda g: _base_optimizer(name, g, lr, "none", fake), order)
-    if step_in_backward:
+    if optimizer_in_backward:
         return InBackwardOptimizer(groups, lambda g: _base_optimizer(name, g, lr, compensation, fake),
-                                   accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm,
+                                   accumulation_steps=gradient_accumulation_steps, max_grad_norm=max_grad_norm,
                                    skip_nonfinite=not fake)
     return _base_optimizer(name, groups, lr, compensation, fake)
 

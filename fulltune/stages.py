@@ -32,13 +32,13 @@ STAGES = (TOKENIZE, MEMORY_BUDGET, FINE_TUNE, EVALUATE, REGISTER)
 
 # The engine modules each stage runs: their source is part of the stage's cache key.
 STAGE_CODE = {
-    TOKENIZE: ("data", "tokenizer.py", "storage.py", "hub.py", "models.py"),
+    TOKENIZE: ("tokenize.py", "data", "tokenizer.py", "storage.py", "hub.py", "models.py"),
     # autotune.py: the budget stage measures candidates with it, in child runs of the trainer on the data
     # tokenized both ways (everything from "batching.py" on).
     MEMORY_BUDGET: ("memory", "flops.py", "loss.py", "optim.py", "offload.py", "models.py", "stages.py", "autotune.py",
-                    "levers.py", "batching.py", "train.py", "launch.py", "faults.py", "sharding.py", "rendezvous.py",
-                    "data", "tokenizer.py", "storage.py", "hub.py"),
-    FINE_TUNE: ("train.py", "launch.py", "batching.py", "faults.py", "replan.py", "loss.py", "optim.py",
+                    "levers.py", "batching.py", "train.py", "step.py", "launch.py", "faults.py", "sharding.py",
+                    "rendezvous.py", "data", "tokenizer.py", "storage.py", "hub.py"),
+    FINE_TUNE: ("finetune.py", "train.py", "step.py", "launch.py", "batching.py", "faults.py", "replan.py", "loss.py", "optim.py",
                 "offload.py", "sharding.py", "rendezvous.py", "storage.py", "models.py", "flops.py", "data", "memory",
                 "levers.py", "hub.py", "stages.py"),  # stages.py: an out-of-memory replan plans with it
     EVALUATE: ("evaluate.py", "harness.py", "loss.py", "data", "models.py", "hub.py", "registry.py"),

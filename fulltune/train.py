@@ -8,7 +8,8 @@ stages torchtitan's trainer names:
                 optimizer; LR schedule; torch.compile; accelerate's prepare
     resume      the newest complete checkpoint: weights, optimizer, schedule, grad scaler, every process's
                 RNG states (accelerate's save_state) and the data position and counters (trainer_state.json)
-    train_step  one optimizer step: the step's micro-batches → forward/backward each, loss summed over
+    train_step  one optimizer step through fulltune/step.py (the step the memory trace, the device check and
+                the benchmarks run too): the step's micro-batches → forward/backward each, loss summed over
                 tokens and divided by the step's target tokens → clip → step, or skip a non-finite step
                 (OptimizerStep; under fp16 the grad scaler skips and lowers its scale)
     metrics     TrainMetrics owns every counter the logs and the result report (tokens, the interval's
@@ -60,6 +61,8 @@ from fulltune.storage import atomic_dir, atomic_write_text, fsync_dir, fsync_tre
 from fulltune.loss import TargetHead
 from fulltune.offload import ActivationOffload
 from fulltune.parallel import ParallelPlan
+from fulltune.step import OptimizerStep, StepOutcome, StepParts, run_step
+from fulltune.logs import quiet_known_noise
 from fulltune.launch import (ERROR_FILE, LAUNCHER_ENV, MODEL_DIR, OOM_FILE, PROGRESS_FILE, RESULT_FILE, TrainJob,
                              TrainResult, completed_result, process_gone, validate_job)
 
@@ -75,25 +78,20 @@ CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 
 
 # ---------------------------------------------------------------------------------------------------
-# Optimizer, peak FLOPs, metric sinks and the optimizer step
+# Optimizer, peak FLOPs and metric sinks
 
 
-def build_optimizer(job: TrainJob, model: torch.nn.Module, processes: int = 1) -> torch.optim.Optimizer:
-    """The job's optimizer with its memory levers, from the one builder the memory trace uses too
-    (fulltune/optim.py): AdamW (fused), 8-bit / 4-bit AdamW, Adafactor; pure bf16 with compensated
-    updates, step in backward, states in host RAM.
+def build_optimizer(job: TrainJob, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The job's optimizer from the one builder (fulltune/optim.py) with the plan's levers.
 
     Raises:
         ConfigError: a combination the optimizer's library cannot do, naming the setting.
     """
     from fulltune import optim
 
-    plan, train = job.plan, job.train
     try:
-        return optim.build_optimizer(
-            model, plan.optimizer, lr=train.learning_rate, weight_decay=train.weight_decay, pure_bf16=plan.pure_bf16,
-            step_in_backward=plan.optimizer_in_backward, offload=plan.offload_optimizer,
-            accumulation_steps=plan.gradient_accumulation_steps, max_grad_norm=train.max_grad_norm, processes=processes)
+        return optim.optimizer_for(model, job.plan, lr=job.train.learning_rate, weight_decay=job.train.weight_decay,
+                                   max_grad_norm=job.train.max_grad_norm)
     except ValueError as exc:
         raise ConfigError(f"train.optimizer: {exc}") from None
 
@@ -165,66 +163,6 @@ def save_loss_curve(history: list[list[float]], path: Path) -> None:
     plt.close(figure)
 
 
-class OptimizerStep:
-    """Clip the step's gradients, then take the optimizer step or skip it; `(stepped, grad_norm)`.
-
-    `step_loss` is the step's summed loss, the same on every process. Who decides on a skip:
-    - no grad scaler (fp32, bf16): a non-finite loss or gradient norm skips the step.
-    - fp16 (torch's GradScaler, through accelerate): the scaler. The optimizer step always goes through
-      it: it skips when the unscaled gradients hold an inf or NaN, and its update() lowers the scale.
-      That update must follow every unscale_ (done by clipping), or the next clip raises "unscale_() has
-      already been called". A non-finite loss whose gradients came out finite is made an overflow (one
-      gradient becomes NaN, without a host sync), so the scaler skips it too.
-    """
-
-    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, scheduler: Any,
-                 max_grad_norm: float) -> None:
-        self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
-        self.max_grad_norm = max_grad_norm
-        # A dynamic loss scale skips overflowing steps while it finds its value: fp16 only.
-        self.scales_loss = accelerator.scaler is not None
-
-    def __call__(self, step_loss: torch.Tensor, step: int) -> tuple[bool, torch.Tensor]:
-        if self.accelerator.scaler is not None:
-            self._overflow_unless(torch.isfinite(step_loss))
-            self._clip()
-            self.optimizer.step()  # GradScaler.step, then update(), in accelerate's AcceleratedOptimizer
-            stepped = not self.optimizer.step_was_skipped  # the scaler's own host sync
-        else:
-            self._clip()
-            # Sync point (every step): one boolean decides whether the optimizer steps (as torchtitan does).
-            stepped = bool(torch.isfinite(step_loss) & torch.isfinite(self.grad_norm))
-            if stepped:
-                self.optimizer.step()
-        if stepped:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return stepped, self.grad_norm
-
-    def _clip(self) -> None:
-        """Clip the (all-reduced) gradients; under fp16 this unscales them first."""
-        wrapper = getattr(self.optimizer, "optimizer", self.optimizer)  # under accelerate's AcceleratedOptimizer
-        if hasattr(wrapper, "clip_grad_norm_"):
-            # Step in backward / host offload: the gradients are not on the parameters (fulltune/optim.py).
-            norm = wrapper.clip_grad_norm_(self.max_grad_norm)
-        elif sharding.is_sharded(self.model):
-            norm = sharding.clip_grad_norm_(self.model, self.max_grad_norm)
-        else:
-            norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.grad_norm = torch.as_tensor(norm if norm is not None else 0.0, device=self.accelerator.device)
-
-    def _overflow_unless(self, finite: torch.Tensor) -> None:
-        """NaN-fill one local gradient when `finite` is false, so that the grad scaler sees an overflow."""
-        for parameter in self.model.parameters():
-            grad = parameter.grad
-            grad = grad.to_local() if hasattr(grad, "to_local") else grad  # FSDP2: this process's shard
-            if grad is not None and grad.numel() > 0:
-                grad.masked_fill_(~finite, float("nan"))
-                return
-
-
-
-
 # ---------------------------------------------------------------------------------------------------
 # Setup: everything a step needs, built once
 
@@ -267,6 +205,13 @@ class TrainingRun:
         return ParallelPlan.from_job(self.job)
 
     @property
+    def step_parts(self) -> StepParts:
+        """What the one training step (fulltune/step.py) runs on."""
+        plan = self.job.plan
+        return StepParts(self.accelerator, self.model, self.head, self.optimizer, self.step_optimizer,
+                         plan.gradient_accumulation_steps, plan.optimizer_in_backward, self.hooks)
+
+    @property
     def main_process(self) -> bool:
         return self.accelerator.is_main_process
 
@@ -298,7 +243,7 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
     tokenizer = load_job_tokenizer(job)
     model, use_cache, (checkpointed, head), coefficients = load_model_with_levers(job)
     model_layers = model.config.num_hidden_layers
-    optimizer = build_optimizer(job, model, ParallelPlan.from_job(job).data_parallel)
+    optimizer = build_optimizer(job, model)
     scheduler = build_scheduler(job, optimizer, total_steps)
     if job.train.compile:
         model = head.compile(model)
@@ -624,55 +569,22 @@ def _disk_full(exc: BaseException) -> bool:
 # One optimizer step
 
 
-@dataclass
-class StepOutcome:
-    """What one optimizer step did."""
-
-    loss_sum: torch.Tensor  # Σ token losses of the step, all processes (on the device: no sync)
-    targets: int  # target tokens of the step, all processes: the loss is divided by these
-    stepped: bool  # False: skipped as non-finite (or by the fp16 grad scaler)
-    grad_norm: torch.Tensor
-
-
 def train_step(run: TrainingRun, step_rows: np.ndarray, step: int) -> StepOutcome:
-    """Optimizer step `step` (1-based) on `step_rows`: forward and backward each micro-batch, then
-    clip and step, or skip a non-finite step (OptimizerStep).
+    """Optimizer step `step` (1-based) on `step_rows`: this process's micro-batches of them through the one
+    training step (fulltune/step.py), the loss normalised by the target tokens of the whole optimizer step (all
+    micro-batches, all processes), which every process knows from the data without communicating."""
+    plan, accelerator = run.job.plan, run.accelerator
+    micro, processes = plan.micro_batch_size, run.processes
 
-    The loss is normalised by the target tokens of the whole optimizer step (all micro-batches, all
-    processes), which every process knows from the data without communicating.
-    """
-    plan, accelerator, model = run.job.plan, run.accelerator, run.model
-    micro, accumulation, processes = plan.micro_batch_size, plan.gradient_accumulation_steps, run.processes
-    step_targets = int(run.data.targets[step_rows].sum())
-    step_loss = torch.zeros((), device=accelerator.device)  # Σ token losses of this process's micro-batches
-    # Step in backward: the fulltune/optim.py wrapper (inside accelerate's AcceleratedOptimizer) steps each parameter.
-    in_backward = getattr(run.optimizer, "optimizer", run.optimizer) if plan.optimizer_in_backward else None
-    step_finite = True
-    for index in range(accumulation):
-        rows = StepSchedule.micro_batch(step_rows, index, run.data_rank, micro, processes)
-        inputs, targets = micro_batch_inputs(run.data, rows, run.pad_token_id, accelerator.device)
-        # Forward and backward; accelerate accumulates, syncing DDP gradients on the last micro-batch only.
-        with accelerator.accumulate(model):
-            # The micro-batch's loss: Σ of its token losses, the output head at the target positions only.
-            loss_sum = run.hooks.on_loss(step, run.head.loss_sum(model, inputs, targets))
-            if in_backward is not None:
-                # The update runs inside the last micro-batch's backward and cannot be skipped after it:
-                # a non-finite loss stops the step's backward passes (sync point, per micro-batch).
-                in_backward.set_micro_batch(index)
-                step_finite = step_finite and bool(torch.isfinite(loss_sum))
-            if step_finite:
-                # accelerator.backward divides by the accumulation steps and DDP averages over processes (FSDP
-                # under tensor parallel divides by all of them, fulltune/parallel.py); scaling back leaves
-                # gradients of Σ(all token losses of the step) / step_targets.
-                accelerator.backward(loss_sum * (accumulation * accelerator.num_processes / step_targets))
-        step_loss += loss_sum.detach()
-        run.hooks.after_micro_batch((step - 1) * accumulation + index + 1)
-    if processes > 1:
-        step_loss = accelerator.reduce(step_loss, reduction="sum")  # the same decision on every process
-        if run.parallel.tensor_parallel > 1:  # each process of a tp group computed the same loss
-            step_loss = step_loss / run.parallel.tensor_parallel
-    stepped, grad_norm = run.step_optimizer(step_loss, step)
-    return StepOutcome(step_loss, step_targets, stepped, grad_norm)
+    def micro_batches() -> Iterator[tuple[dict[str, Any], Any]]:
+        for index in range(plan.gradient_accumulation_steps):
+            rows = StepSchedule.micro_batch(step_rows, index, run.data_rank, micro, processes)
+            yield micro_batch_inputs(run.data, rows, run.pad_token_id, accelerator.device)
+
+    outcome = run_step(run.step_parts, micro_batches(), step, int(run.data.targets[step_rows].sum()))
+    if run.parallel.tensor_parallel > 1:  # the step's loss was summed over every process of a tp group too
+        outcome.loss_sum = outcome.loss_sum / run.parallel.tensor_parallel
+    return outcome
 
 
 def count_skipped_step(run: TrainingRun, state: TrainState, outcome: StepOutcome) -> None:
@@ -921,6 +833,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER_ERROR
     output_dir = job_file.parent
     end_with_launcher()
+    quiet_known_noise()
     try:
         job = TrainJob.from_json(job_file.read_text())
         output_dir = Path(job.paths.output_dir)

@@ -6,8 +6,9 @@ tests/test_sharded_load.py.
 
 A 2-layer Llama (hidden 64, `from_config`, seed 0) trains on fixed rows: every optimizer step takes the
 next `ROWS_PER_STEP` rows whatever the split into processes and micro-batches (the trainer's
-StepSchedule.micro_batch slicing), with the trainer's loss (TargetHead, Σ token losses / the step's target
-tokens) through Accelerate's `backward` / `accumulate` / `reduce` on a model Accelerate does not prepare.
+StepSchedule.micro_batch slicing), through the engine's one training step (`fulltune.step.run_step`: TargetHead,
+Σ token losses / the step's target tokens, Accelerate's `backward` / `accumulate` / `reduce`, clipping and the
+optimizer step) on a model Accelerate does not prepare.
 With --load DIR it starts from a saved checkpoint instead: under --shard loaded whole and then sharded
 (`load_model` + `shard_model`), or with --sharded-load straight into shards (`load_sharded_model`).
 --pure-bf16 and --optimizer train with fulltune's optimizer builder (fulltune/optim.py) as the trainer does.
@@ -106,12 +107,12 @@ def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, object]:
     return model, heads[0]
 
 
-def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
+def make_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
     if args.optimizer is None:
         return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, fused=True)
-    from fulltune.optim import build_optimizer as fulltune_optimizer
+    from fulltune.optim import build_optimizer
 
-    return fulltune_optimizer(model, args.optimizer, lr=3e-3, weight_decay=0.01, pure_bf16=args.pure_bf16)
+    return build_optimizer(model, args.optimizer, lr=3e-3, weight_decay=0.01, pure_bf16=args.pure_bf16)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     model, head = build_model(args)
     if args.export_loaded:
         sharding.save_pretrained(model, args.out / "loaded")
-    optimizer = build_optimizer(args, model)
+    optimizer = make_optimizer(args, model)
     if not args.shard:
         model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
@@ -152,8 +153,11 @@ def train(args: argparse.Namespace, accelerator, model, head, optimizer, accumul
     """`args.steps` optimizer steps; returns (mean token loss, gradient norm) of each."""
     from fulltune import sharding
     from fulltune.loss import Targets
+    from fulltune.step import OptimizerStep, StepParts, run_step
 
     processes, rank = accelerator.num_processes, accelerator.process_index
+    parts = StepParts(accelerator, model, head, optimizer, OptimizerStep(accelerator, model, optimizer, None, 1.0),
+                      accumulation)
     input_ids, labels = fixed_rows(args.steps)
     losses, norms = [], []
     # Step `rewind_at` runs twice; the first run is undone by loading what was saved before it.
@@ -167,27 +171,20 @@ def train(args: argparse.Namespace, accelerator, model, head, optimizer, accumul
             sharding.save_sharded_state(args.out / "rewind", model, optimizer)
         rows = torch.arange(step * ROWS_PER_STEP, (step + 1) * ROWS_PER_STEP)
         step_targets = int((labels[rows, 1:] != -100).sum())
-        step_loss = torch.zeros(())
-        for index in range(accumulation):
-            start = (index * processes + rank) * args.micro
-            mine = rows[start:start + args.micro]
-            targets = Targets.from_labels(labels[mine])
-            with accelerator.accumulate(model):
-                loss_sum = head.loss_sum(model, {"input_ids": input_ids[mine]}, targets)
-                accelerator.backward(loss_sum * (accumulation * processes / step_targets))
-            step_loss += loss_sum.detach().float()
-        if args.shard:
-            norm = sharding.clip_grad_norm_(model, 1.0)
-        else:
-            norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
-        if processes > 1:
-            step_loss = accelerator.reduce(step_loss, reduction="sum")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+
+        def micro_batches(rows: torch.Tensor = rows):
+            for index in range(accumulation):
+                start = (index * processes + rank) * args.micro
+                mine = rows[start:start + args.micro]
+                yield {"input_ids": input_ids[mine]}, Targets.from_labels(labels[mine])
+
+        # The engine's one training step (fulltune/step.py), as the trainer runs it.
+        outcome = run_step(parts, micro_batches(), step + 1, step_targets)
+        step_loss, norm = outcome.loss_sum, outcome.grad_norm
         if first_of_rewound:
             sharding.load_sharded_state(args.out / "rewind", model, optimizer)
             continue
-        losses.append(step_loss.item() / step_targets)
+        losses.append(step_loss.float().item() / step_targets)
         norms.append(float(norm))
     return losses, norms
 

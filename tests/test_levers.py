@@ -62,7 +62,7 @@ def test_pure_bf16_keeps_updates_smaller_than_a_bf16_step(lever: str) -> None:
     # A weight of 1.0 in bf16 moves in steps of 2^-7; AdamW's first updates are ~lr = 1e-4 each.
     weight = torch.nn.Parameter(torch.ones(8, 8, dtype=torch.bfloat16))
     plain = torch.nn.Parameter(weight.detach().clone())
-    compensated = build_optimizer([weight], "adamw", lr=1e-4, pure_bf16=True, offload=lever == "offload")
+    compensated = build_optimizer([weight], "adamw", lr=1e-4, pure_bf16=True, offload_optimizer=lever == "offload")
     uncompensated = build_optimizer([plain], "adamw", lr=1e-4, pure_bf16=True, compensation="none")
     for _ in range(100):
         (weight.sum() + plain.sum()).backward()  # a gradient of ones: updates of ~lr each
@@ -110,35 +110,35 @@ def test_pure_bf16_with_kahan_tracks_the_fp32_loss_curve() -> None:
 
 @pytest.mark.parametrize("name", ["adamw", "adamw_8bit"])
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_step_in_backward_gives_the_weights_of_the_normal_step(name: str, accumulation: int) -> None:
+def test_optimizer_in_backward_gives_the_weights_of_the_normal_step(name: str, accumulation: int) -> None:
     base = _llama()
     expected = copy.deepcopy(base)
     _train(expected, build_optimizer(expected, name, lr=1e-2, weight_decay=0.1), 3, accumulation)
     model = copy.deepcopy(base)
-    optimizer = build_optimizer(model, name, lr=1e-2, weight_decay=0.1, step_in_backward=True,
-                                accumulation_steps=accumulation)
+    optimizer = build_optimizer(model, name, lr=1e-2, weight_decay=0.1, optimizer_in_backward=True,
+                                gradient_accumulation_steps=accumulation)
     _train(model, optimizer, 3, accumulation)
     _assert_same_weights(model, expected)
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_step_in_backward_resumes_from_its_state_dict() -> None:
+def test_optimizer_in_backward_resumes_from_its_state_dict() -> None:
     base = _llama()
     straight = copy.deepcopy(base)
-    _train(straight, build_optimizer(straight, "adamw", lr=1e-2, step_in_backward=True), 4)
+    _train(straight, build_optimizer(straight, "adamw", lr=1e-2, optimizer_in_backward=True), 4)
 
     first = copy.deepcopy(base)
-    optimizer = build_optimizer(first, "adamw", lr=1e-2, step_in_backward=True)
+    optimizer = build_optimizer(first, "adamw", lr=1e-2, optimizer_in_backward=True)
     _train(first, optimizer, 2)
     state = copy.deepcopy(optimizer.state_dict())
     resumed = copy.deepcopy(first)
-    optimizer = build_optimizer(resumed, "adamw", lr=1e-2, step_in_backward=True)
+    optimizer = build_optimizer(resumed, "adamw", lr=1e-2, optimizer_in_backward=True)
     optimizer.load_state_dict(state)
     _train(resumed, optimizer, 2, start=2)
     _assert_same_weights(resumed, straight)
 
 
-def test_step_in_backward_clips_each_parameter_and_reports_the_global_norm() -> None:
+def test_optimizer_in_backward_clips_each_parameter_and_reports_the_global_norm() -> None:
     base = _llama()
     # Reference: the normal step with each parameter's gradient clipped on its own.
     reference = copy.deepcopy(base)
@@ -154,17 +154,17 @@ def test_step_in_backward_clips_each_parameter_and_reports_the_global_norm() -> 
         optimizer.zero_grad(set_to_none=True)
 
     model = copy.deepcopy(base)
-    norms = _train(model, build_optimizer(model, "adamw", lr=1e-2, step_in_backward=True, max_grad_norm=0.05), 3)
+    norms = _train(model, build_optimizer(model, "adamw", lr=1e-2, optimizer_in_backward=True, max_grad_norm=0.05), 3)
     _assert_same_weights(model, reference)
     assert norms == pytest.approx(expected_norms, rel=1e-5)  # before clipping, as clip_grad_norm_ reports
     unclipped = copy.deepcopy(base)
-    _train(unclipped, build_optimizer(unclipped, "adamw", lr=1e-2, step_in_backward=True), 3)
+    _train(unclipped, build_optimizer(unclipped, "adamw", lr=1e-2, optimizer_in_backward=True), 3)
     assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), unclipped.parameters()))
 
 
 def test_an_lr_schedule_reaches_the_per_parameter_optimizers() -> None:
     model = _llama()
-    optimizer = build_optimizer(model, "adamw", lr=1e-2, step_in_backward=True)
+    optimizer = build_optimizer(model, "adamw", lr=1e-2, optimizer_in_backward=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
     _train(model, optimizer, 1)
     scheduler.step()
@@ -183,7 +183,7 @@ def test_offloaded_states_give_the_weights_of_the_normal_step(accumulation: int)
     expected_norms = _train(expected, build_optimizer(expected, "adamw", lr=1e-2, weight_decay=0.1), 3,
                             accumulation, max_grad_norm=0.5)
     model = copy.deepcopy(base)
-    optimizer = build_optimizer(model, "adamw", lr=1e-2, weight_decay=0.1, offload=True)
+    optimizer = build_optimizer(model, "adamw", lr=1e-2, weight_decay=0.1, offload_optimizer=True)
     norms = _train(model, optimizer, 3, accumulation, max_grad_norm=0.5)
     _assert_same_weights(model, expected)
     assert norms == pytest.approx(expected_norms, rel=1e-6)  # global clipping, as without offload
@@ -194,14 +194,14 @@ def test_offloaded_states_give_the_weights_of_the_normal_step(accumulation: int)
 def test_offload_with_bf16_weights_resumes_from_its_fp32_masters() -> None:
     base = _llama().to(torch.bfloat16)
     straight = copy.deepcopy(base)
-    _train(straight, build_optimizer(straight, "adamw", lr=1e-3, pure_bf16=True, offload=True), 4)
+    _train(straight, build_optimizer(straight, "adamw", lr=1e-3, pure_bf16=True, offload_optimizer=True), 4)
 
     first = copy.deepcopy(base)
-    optimizer = build_optimizer(first, "adamw", lr=1e-3, pure_bf16=True, offload=True)
+    optimizer = build_optimizer(first, "adamw", lr=1e-3, pure_bf16=True, offload_optimizer=True)
     _train(first, optimizer, 2)
     state = copy.deepcopy(optimizer.state_dict())
     resumed = copy.deepcopy(first)
-    optimizer = build_optimizer(resumed, "adamw", lr=1e-3, pure_bf16=True, offload=True)
+    optimizer = build_optimizer(resumed, "adamw", lr=1e-3, pure_bf16=True, offload_optimizer=True)
     optimizer.load_state_dict(state)
     _train(resumed, optimizer, 2, start=2)
     _assert_same_weights(resumed, straight)
@@ -279,11 +279,11 @@ def test_gradient_and_host_bytes_follow_the_levers() -> None:
     shapes = [(1000, 10), (10,)]
     assert device_gradient_bytes(shapes) == 4 * 10010
     assert device_gradient_bytes(shapes, pure_bf16=True) == 2 * 10010
-    assert device_gradient_bytes(shapes, pure_bf16=True, step_in_backward=True) == 2 * 10000
-    assert device_gradient_bytes(shapes, offload=True) == 4 * 10000
+    assert device_gradient_bytes(shapes, pure_bf16=True, optimizer_in_backward=True) == 2 * 10000
+    assert device_gradient_bytes(shapes, offload_optimizer=True) == 4 * 10000
     assert host_bytes("adamw", shapes) == 0
-    assert host_bytes("adamw", shapes, pure_bf16=True, step_in_backward=True, accumulation_steps=4) == 2 * 10010
-    assert host_bytes("adamw", shapes, offload=True) == 16 * 10010 + 4 * 2  # master, grad, 2 states, steps
+    assert host_bytes("adamw", shapes, pure_bf16=True, optimizer_in_backward=True, gradient_accumulation_steps=4) == 2 * 10010
+    assert host_bytes("adamw", shapes, offload_optimizer=True) == 16 * 10010 + 4 * 2  # master, grad, 2 states, steps
 
 
 def test_levers_run_under_the_memory_trace() -> None:
@@ -291,7 +291,7 @@ def test_levers_run_under_the_memory_trace() -> None:
 
     with FakeTensorMode():
         model = _llama(dtype=torch.bfloat16)  # a FakeTensor model cannot be cast in place
-        optimizer = build_optimizer(model, "adamw_8bit", pure_bf16=True, step_in_backward=True, fake=True)
+        optimizer = build_optimizer(model, "adamw_8bit", pure_bf16=True, optimizer_in_backward=True, fake=True)
         batch = torch.randint(0, 97, (2, 12))
         model(input_ids=batch, labels=batch).loss.backward()
         assert all(p.grad is None for p in model.parameters())
@@ -305,9 +305,8 @@ def test_levers_run_under_the_memory_trace() -> None:
 @pytest.mark.parametrize(("levers", "message"), [
     ({"name": "adafactor", "pure_bf16": True, "compensation": "kahan"}, "compensation"),
     ({"name": "adamw_8bit", "pure_bf16": True, "compensation": "kahan"}, "compensation"),
-    ({"name": "adamw", "step_in_backward": True, "offload": True}, "pick one"),
+    ({"name": "adamw", "optimizer_in_backward": True, "offload_optimizer": True}, "pick one"),
     ({"name": "lion"}, "optimizer"),
-    ({"name": "adamw", "step_in_backward": True, "processes": 2}, "one process"),
 ])
 def test_impossible_lever_combinations_are_refused(levers: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

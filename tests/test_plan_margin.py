@@ -135,6 +135,13 @@ def test_device_check_dry_run_writes_its_report(tmp_path):
     assert [r.get("error") for r in report["memory"]] == [None] * len(report["memory"])
     issue13 = report["memory"][0]
     assert issue13["settings"]["gradient_checkpointing"] == 1 and issue13["trace_peak"] == issue13["measured_allocated"]
+    # Each case is measured with its own settings: the levers' step holds less than the same step without them,
+    # and the trace of the levers' step agrees with its measurement.
+    rows = {r["name"]: r for r in report["memory"]}
+    levers, plain = rows["frontier levers (tiny)"], rows["levers off (tiny)"]
+    assert levers["settings"]["optimizer_in_backward"] and levers["settings"]["chunked_loss"]
+    assert levers["measured_allocated"] < 0.8 * plain["measured_allocated"]
+    assert levers["trace_peak"] == pytest.approx(levers["measured_allocated"], rel=0.02)
     assert report["mfu"]["tokens_per_second"] > 0
     assert report["fp16_loss_scaling"]["overflow_step_skipped_and_recovered"] is True
     assert "est err" in result.stdout

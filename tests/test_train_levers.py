@@ -23,7 +23,7 @@ def plain(assets: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):  #
         return quiet(make_job(assets, tmp_path_factory.mktemp("plain") / "run", **NO_CLIP))
 
 
-def test_step_in_backward_offloaded_activations_and_chunked_loss_train_like_the_plain_step(
+def test_optimizer_in_backward_offloaded_activations_and_chunked_loss_train_like_the_plain_step(
         assets: dict[str, Path], tmp_path: Path, plain) -> None:  # noqa: F811
     import torch
 

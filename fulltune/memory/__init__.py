@@ -11,7 +11,7 @@ from fulltune.memory.checkpointing import apply_gradient_checkpointing
 from fulltune.memory.estimate import estimate_memory, flops_per_token, num_parameters
 from fulltune.memory.planner import configured_settings, plan_memory, replan_after_oom, resolve_budget, step_seconds
 from fulltune.memory.report import format_plan_table, render_breakdown_png
-from fulltune.memory.trace import build_optimizer, measure_memory, simulate_memory
+from fulltune.memory.trace import measure_memory, simulate_memory
 from fulltune.memory.types import MemoryEstimate, MemoryPlan, PlanRequest, Settings
 from fulltune.memory.units import format_bytes, parse_bytes
 
@@ -21,7 +21,6 @@ __all__ = [
     "PlanRequest",
     "Settings",
     "apply_gradient_checkpointing",
-    "build_optimizer",
     "configured_settings",
     "estimate_memory",
     "flops_per_token",

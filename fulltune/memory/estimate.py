@@ -651,7 +651,7 @@ def _lever_bytes_cached(shape: ModelShape, optimizer: str, pure_bf16: bool, in_b
     from fulltune import optim
 
     shapes = shape.param_shapes
-    states, temp = optim.device_state_bytes(optimizer, shapes, pure_bf16=pure_bf16, offload=offload)
+    states, temp = optim.device_state_bytes(optimizer, shapes, pure_bf16=pure_bf16, offload_optimizer=offload)
     host_masters = host_states = host_temp = host_buffer = 0
     if offload:
         host_states, host_temp = optim.optimizer_state_bytes(optimizer, shapes, 4, "none")

@@ -1,12 +1,11 @@
 """Run the trainer's step on a real model and read its memory: traced (no memory spent) or measured.
 
-Both run the step the way fulltune's trainer does (see `estimate.py`): fp32 weights, autocast for
-mixed precision with the logits upcast to fp32 (what Accelerate's `convert_outputs_to_fp32` does),
-the summed cross-entropy over the upcast logits of the target positions (`fulltune.loss`), gradient
-clipping, the optimizer step and `zero_grad(set_to_none=True)`. Accelerate's `Accelerator` itself is
-not used: its process-wide state cannot change mixed precision between two measurements in one
-process; what it adds to a single-process step (the autocast wrapper and the fp32 conversion) is
-reproduced here.
+Both run the trainer's own step, `fulltune.step.run_step` (see `estimate.py`): the optimizer from
+`fulltune.optim.optimizer_for`, autocast for mixed precision with the logits upcast to fp32, the summed
+cross-entropy of the target positions normalised by the step's targets (`fulltune.loss`), clipping, the
+optimizer step and `zero_grad(set_to_none=True)`, with the levers' hooks. Accelerate's `Accelerator` is
+replaced by `fulltune.step.LocalAccelerator`: its process-wide state cannot change mixed precision between
+two measurements in one process.
 
 - `simulate_memory` builds the model under `FakeTensorMode` and records every storage with
   `torch.distributed._tools.mem_tracker.MemTracker`: a 1B-parameter model traces in ~20 s on CPU
@@ -27,45 +26,12 @@ from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.types import BREAKDOWN_KEYS, MemoryEstimate, Settings
 
 
-def _autocast(settings: Settings) -> contextlib.AbstractContextManager[Any]:
-    import torch
-
-    if settings.mixed_precision == "bf16":
-        return torch.autocast(device_type=settings.device, dtype=torch.bfloat16)
-    if settings.mixed_precision == "fp16" and settings.device == "cuda":
-        return torch.autocast(device_type="cuda", dtype=torch.float16)
-    return contextlib.nullcontext()
-
-
-def build_optimizer(name: str, params: Any, lr: float = 1e-4, fake: bool = False, settings: Settings | None = None
-                    ) -> Any:
-    """The optimizer the trainer builds for `name` and the levers in `settings`: `fulltune.optim.build_optimizer`.
-
-    `params` is the model (weight decay groups as the trainer's) or its parameters. `fake=True` swaps the
-    kernels a FakeTensor cannot run (bitsandbytes, torchao, torch-optimi) for stand-ins that allocate the
-    same states.
-    """
-    from fulltune import optim
-
-    if not hasattr(params, "parameters"):
-        params = list(params)
-    levers = {}
-    if settings is not None:
-        levers = {"pure_bf16": settings.pure_bf16, "step_in_backward": settings.optimizer_in_backward,
-                  "offload": settings.offload_optimizer, "accumulation_steps": settings.gradient_accumulation_steps,
-                  "max_grad_norm": 1.0}
-    try:
-        return optim.build_optimizer(params, name, lr=lr, fake=fake, **levers)
-    except ValueError as exc:
-        raise MemoryConfigError(str(exc)) from None
-
-
 def _optimizers(optimizer: Any) -> list[Any]:
     """The optimizer and, for the lever wrappers, the inner ones that hold the states (MemTracker labels)."""
     return [optimizer, *getattr(optimizer, "inner_optimizers", lambda: [])()]
 
 
-def _make_batch(vocab: int, settings: Settings, device: str) -> tuple[dict[str, Any], Any]:
+def make_batch(vocab: int, settings: Settings, device: str) -> tuple[dict[str, Any], Any]:
     """Inputs and targets of one micro-batch: every position but a row's last has a target (the
     worst case the estimate assumes) unless `settings.target_fraction` leaves the first ones out."""
     import torch
@@ -103,36 +69,28 @@ def _micro_batches(settings: Settings, steps: int, short: bool) -> list[int]:
     return [1] * (steps - 1) + [min(ga, 2)]
 
 
-def _train_steps(model: Any, optimizer: Any, vocab: int, settings: Settings, steps: int, device: str, tracker: Any,
-                 short: bool = False) -> None:
-    import torch
+def train_steps(model: Any, optimizer: Any, settings: Settings, steps: int, device: str, tracker: Any = None,
+                short: bool = False) -> None:
+    """`steps` optimizer steps of the one training step (fulltune/step.py) on micro-batches of `settings`' shape.
 
-    from fulltune.loss import TargetHead
+    Under FakeTensorMode (`tracker` given on fake tensors) nothing can be read back: the step's finite checks
+    pass without a sync. MemTracker refuses a second forward of the root module unless its module stats are
+    reset before each micro-batch; the global peak survives the reset.
+    """
+    from torch._subclasses.fake_tensor import is_fake
 
-    head = TargetHead(model, chunked=settings.chunked_loss)
-    for count in _micro_batches(settings, steps, short):
-        for index in range(count):
-            if hasattr(optimizer, "set_micro_batch"):  # step in backward: the update runs in the last one
-                # The short schedule's micro-batches are the step's last ones.
-                optimizer.set_micro_batch(settings.gradient_accumulation_steps - count + index)
-            if tracker is not None:
-                # MemTracker refuses a second forward of the root module without this; the global
-                # peak survives it.
-                tracker.reset_mod_stats()
-            inputs, targets = _make_batch(vocab, settings, device)
-            num_tokens = settings.micro_batch_size * settings.seq_len * settings.gradient_accumulation_steps
-            # As the trainer computes it (fulltune/loss.py); Accelerate autocasts the forward.
-            with _autocast(settings):
-                loss = head.loss_sum(model, inputs, targets) / num_tokens
-            loss.backward()
-            del loss, inputs, targets
-        if hasattr(optimizer, "clip_grad_norm_"):  # the lever wrappers hold the gradients themselves
-            optimizer.clip_grad_norm_(1.0)
-        else:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    head.remove()
+    from fulltune.step import local_parts, run_step
+
+    fake = is_fake(next(model.parameters()))
+    reset = tracker.reset_mod_stats if tracker is not None else None
+    ga = settings.gradient_accumulation_steps
+    with local_parts(model, optimizer, settings, device=device, can_sync=not fake, before_micro_batch=reset) as parts:
+        for step, count in enumerate(_micro_batches(settings, steps, short), start=1):
+            # Made one at a time, as the trainer makes them: a micro-batch is freed before the next is built.
+            batches = (make_batch(model.config.vocab_size, settings, device) for _ in range(count))
+            targets = settings.micro_batch_size * settings.targets_per_row * ga
+            # The short schedule's micro-batches are the step's last ones.
+            run_step(parts, batches, step, max(targets, 1), first_micro_batch=ga - count)
 
 
 def _check_single_process(settings: Settings) -> None:
@@ -143,7 +101,7 @@ def _check_single_process(settings: Settings) -> None:
         )
 
 
-def _build_model(config: Any, settings: Settings) -> Any:
+def build_model(config: Any, settings: Settings) -> Any:
     from transformers import AutoModelForCausalLM
 
     from fulltune.memory.checkpointing import apply_gradient_checkpointing
@@ -167,7 +125,7 @@ def _build_model(config: Any, settings: Settings) -> Any:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet() -> Iterator[None]:
     import warnings
 
     from transformers.utils import logging as hf_logging
@@ -277,17 +235,19 @@ def simulate_memory(model_source: Any, settings: Settings, steps: int = 2, short
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from fulltune import optim
+
     _check_single_process(settings)
     traced = settings if settings.device == "cpu" else _on_cpu(settings)
-    with _quiet(), FakeTensorMode(allow_non_fake_inputs=False):
-        model = _build_model(model_source, traced)
+    with quiet(), FakeTensorMode(allow_non_fake_inputs=False):
+        model = build_model(model_source, traced)
         tracker = MemTracker()
         tracker.track_external(model)
         with tracker, _rows_known_unpacked(traced), _static_nonzero():
             # Built under the tracker: the offloaded fp32 masters it makes are counted.
-            optimizer = build_optimizer(traced.optimizer, model, fake=True, settings=traced)
+            optimizer = optim.optimizer_for(model, traced, fake=True)
             tracker.track_external(*_optimizers(optimizer))
-            _train_steps(model, optimizer, model.config.vocab_size, traced, steps, "cpu", tracker, short)
+            train_steps(model, optimizer, traced, steps, "cpu", tracker, short)
         result = _tracker_result(tracker, "traced (FakeTensorMode)")
     return result
 
@@ -314,36 +274,43 @@ def measure_memory(config: Any, settings: Settings, steps: int = 2) -> int:
     if settings.device == "cuda":
         if not torch.cuda.is_available():
             raise MemoryConfigError("budget.device: measuring on cuda needs a GPU, and none is visible here")
-        return _measure_cuda(config, settings, steps)
+        return measure_cuda(config, settings, steps)["allocated"]
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from fulltune import optim
+
     torch.manual_seed(0)
-    with _quiet():
-        model = _build_model(config, settings)
-        optimizer = build_optimizer(settings.optimizer, model, settings=settings)
+    with quiet():
+        model = build_model(config, settings)
+        optimizer = optim.optimizer_for(model, settings)
         tracker = MemTracker()
         tracker.track_external(model, *_optimizers(optimizer))
         with tracker:
-            _train_steps(model, optimizer, model.config.vocab_size, settings, steps, "cpu", tracker)
+            train_steps(model, optimizer, settings, steps, "cpu", tracker)
         peak = max(tracker._peak_mem.values())
     del model, optimizer, tracker
     gc.collect()
     return int(peak)
 
 
-def _measure_cuda(config: Any, settings: Settings, steps: int) -> int:
+def measure_cuda(config: Any, settings: Settings, steps: int = 2) -> dict[str, int]:
+    """`steps` real optimizer steps on the GPU: {"allocated": the allocated peak above what was allocated before
+    (`torch.cuda.max_memory_allocated`), "reserved": the allocator's reserved peak (`max_memory_reserved`)}."""
     import torch
+
+    from fulltune import optim
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
-    with _quiet():
-        model = _build_model(config, settings).to("cuda")
-        optimizer = build_optimizer(settings.optimizer, model, settings=settings)
-        _train_steps(model, optimizer, model.config.vocab_size, settings, steps, "cuda", None)
+    with quiet():
+        model = build_model(config, settings).to("cuda")
+        optimizer = optim.optimizer_for(model, settings)
+        train_steps(model, optimizer, settings, steps, "cuda")
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - start
+    peaks = {"allocated": int(torch.cuda.max_memory_allocated() - start),
+             "reserved": int(torch.cuda.max_memory_reserved())}
     del model, optimizer
     gc.collect()
     torch.cuda.empty_cache()
-    return int(peak)
+    return peaks
