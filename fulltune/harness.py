@@ -175,8 +175,8 @@ def _resolve_tasks(spec: PipelineSpec, base_dir: str | Path, field: str) -> tupl
                                 "downloaded; point dataset_path at a local format (json, csv, parquet) and "
                                 "dataset_kwargs.data_files at local files")
             declared = _declared_metrics(config)
-            better = tuple((str(m["metric"]), bool(m.get("higher_is_better", True)))
-                           for m in config.get("metric_list") or [] if isinstance(m, dict) and "metric" in m)
+            better = tuple((str(m["metric"]), bool(m["higher_is_better"])) for m in config.get("metric_list") or []
+                           if isinstance(m, dict) and "metric" in m and "higher_is_better" in m)
             tasks.append(HarnessTask(entry, name, str(path.resolve()),
                                      frozenset(declared) if declared is not None else None, better))
         else:
@@ -373,13 +373,34 @@ def run_harness(model: Any, tokenizer: Any, tasks: list[HarnessTask], *, limit: 
         else:
             path = Path(task.path)
             specs.append(_with_local_files(_load_task_config(path), path.parent))
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
-              add_bos_token=adds_bos(tokenizer))
-    manager = TaskManager(include_defaults=any(task.path is None for task in tasks))
-    results = simple_evaluate(model=lm, tasks=specs, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-                              bootstrap_iters=0, log_samples=False, random_seed=seed, numpy_random_seed=seed,
-                              torch_random_seed=seed, fewshot_random_seed=seed)
+    with _quiet_harness():
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
+                  add_bos_token=adds_bos(tokenizer))
+        manager = TaskManager(include_defaults=any(task.path is None for task in tasks))
+        results = simple_evaluate(model=lm, tasks=specs, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+                                  bootstrap_iters=0, log_samples=False, random_seed=seed, numpy_random_seed=seed,
+                                  torch_random_seed=seed, fewshot_random_seed=seed)
     return harness_metrics(results or {})
+
+
+@contextlib.contextmanager
+def _quiet_harness() -> Iterator[None]:
+    """Keep the harness's progress bars, drop what a user cannot act on: its warnings about being handed
+    a loaded model (the supported way to evaluate one) and the `git describe` it runs in the current
+    directory for its own results record (a "fatal: not a git repository" line outside a checkout)."""
+    import logging
+    from unittest import mock
+
+    import lm_eval.evaluator
+
+    log = logging.getLogger("lm_eval")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None):
+            yield
+    finally:
+        log.setLevel(level)
 
 
 def _load_task_config(path: Path) -> dict[str, Any]:
