@@ -61,11 +61,14 @@ class Combination:
 
 @dataclass(frozen=True)
 class Rule:
-    """A combination that cannot train: `broken(c)` is true for it; `fields` are the YAML keys it names."""
+    """A combination that cannot train: `broken(c)` is true for it; `fields` are the YAML keys it names.
+    `installed`: the rule is about what this machine has installed, which the memory model, estimating for
+    any machine, does not ask."""
 
     fields: tuple[str, ...]
     broken: Callable[[Combination], bool]
     why: str
+    installed: bool = False
 
     def message(self) -> str:
         return f"{' with '.join(self.fields)}: {self.why}"
@@ -73,6 +76,12 @@ class Rule:
 
 def _no_checkpointing(c: Combination) -> bool:
     return c.gradient_checkpointing is False or c.gradient_checkpointing == 0
+
+
+def _torchao_missing() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchao") is None
 
 
 RULES: tuple[Rule, ...] = (
@@ -115,20 +124,25 @@ RULES: tuple[Rule, ...] = (
     Rule(("distributed.strategy", "budget.device"),
          lambda c: c.device == "cpu" and c.strategy in DEEPSPEED,
          "DeepSpeed needs CUDA devices; use ddp or fsdp on CPU"),
+    Rule(("train.optimizer",),
+         lambda c: c.optimizer == "adamw_4bit" and _torchao_missing(),
+         "4-bit optimizer states need torchao: pip install 'fulltune[lowbit]'", installed=True),
     Rule(("train.optimizer", "distributed.strategy"),
          lambda c: c.strategy == "fsdp" and c.optimizer in ("adamw_8bit", "adamw_4bit"),
-         "low-bit optimizer states are not sharded by fulltune's FSDP yet; use adamw or adafactor with fsdp"),
+         "the 8-bit and 4-bit updates have no sharding rule for FSDP2's DTensor shards (bitsandbytes' "
+         "optimizer_update_32bit refuses them); use adamw or adafactor with fsdp"),
 )
 
 
-def problems(c: Combination) -> list[str]:
-    """Every rule the combination breaks, each naming its fields and saying why."""
-    return [rule.message() for rule in RULES if rule.broken(c)]
+def problems(c: Combination, installed: bool = True) -> list[str]:
+    """Every rule the combination breaks, each naming its fields and saying why; `installed=False` leaves out
+    what depends on this machine's installed packages."""
+    return [rule.message() for rule in RULES if (installed or not rule.installed) and rule.broken(c)]
 
 
-def check(c: Combination, where: str = "", error: type[ConfigError] = ConfigError) -> None:
+def check(c: Combination, where: str = "", error: type[ConfigError] = ConfigError, installed: bool = True) -> None:
     """Raise `error` (a ConfigError) listing every broken rule, each prefixed with `where` (`pipelines.demo.`)."""
-    found = problems(c)
+    found = problems(c, installed)
     if found:
         raise error("; ".join(f"{where}{problem}" for problem in found))
 
