@@ -276,6 +276,10 @@ def run(dry_run: bool, peak_tflops: float | None, mfu_steps: int) -> dict[str, A
                              attention_mask=False)
     report["fp16_loss_scaling"] = _safely("fp16", fp16_case, config, fp16_settings, 4, 1)
     print("[fp16] done", file=sys.stderr, flush=True)
+    from autotune import gpu_check  # benchmarks/autotune.py: the plan's top candidates measured in training children
+
+    report["autotune"] = _safely("autotune", gpu_check, dry_run)
+    print("[autotune] done", file=sys.stderr, flush=True)
     return report
 
 

@@ -127,8 +127,8 @@ class StepProbe(TrainHooks):
         self.stop_at = int(probe["stop_at"])
         rank = int(os.environ.get("RANK", "0"))
         self.file = Path(probe["dir"]) / f"probe-{rank}.json"
-        self.record: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "step_starts": [], "peak_bytes": None,
-                                       "done": False, "timed_out": False}
+        self.record: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "step_starts": [], "cpu_starts": [],
+                                       "peak_bytes": None, "done": False, "timed_out": False}
         self._write()
         deadline = probe.get("deadline")
         if deadline is not None:
@@ -149,6 +149,8 @@ class StepProbe(TrainHooks):
 
     def before_step(self, step: int) -> None:
         self.record["step_starts"].append(time.perf_counter())
+        # The process's CPU time too: on cores shared with other jobs it is the steadier figure.
+        self.record["cpu_starts"].append(time.process_time())
         self.record["peak_bytes"] = peak_bytes()
         if step >= self.stop_at:
             self.record["done"] = True
@@ -405,6 +407,7 @@ class _Measured:
     peak_bytes: int | None = None
     tokens_per_second: float | None = None
     detail: str = ""
+    cpu_step_seconds: float | None = None  # the child's CPU time per timed step (median)
 
 
 def measure(job: TrainJob, opts: Options, timeout: float, step_tokens: list[int]) -> _Measured:
@@ -446,7 +449,10 @@ def measure(job: TrainJob, opts: Options, timeout: float, step_tokens: list[int]
             return _Measured("failed", detail=f"the child ran {len(durations)} of {opts.steps} timed steps")
         peak = max(r["peak_bytes"] or 0 for r in records)
         tokens_per_second = sum(step_tokens) / sum(durations) if step_tokens and sum(durations) > 0 else None
-        return _Measured("measured", statistics.median(durations), peak, tokens_per_second)
+        cpu = main.get("cpu_starts") or []
+        cpu_durations = [b - a for a, b in zip(cpu, cpu[1:])][opts.warmup_steps:]
+        return _Measured("measured", statistics.median(durations), peak, tokens_per_second,
+                         cpu_step_seconds=statistics.median(cpu_durations) if cpu_durations else None)
     finally:
         shutil.rmtree(output_dir, ignore_errors=True)
 
@@ -548,6 +554,7 @@ def tune(p: ResolvedPipeline, decision: BudgetDecision, data: Any, tokenizer: st
                  "settings": trial.settings.to_dict(), "steps": opts.steps, "warmup_steps": opts.warmup_steps,
                  "status": result.status, "step_seconds": result.step_seconds, "peak_bytes": result.peak_bytes,
                  "tokens_per_second": result.tokens_per_second, "detail": result.detail,
+                 "cpu_step_seconds": result.cpu_step_seconds,
                  "analytic_step_seconds": trial.analytic_step_seconds,
                  "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         _fill(trial, entry, usable)
