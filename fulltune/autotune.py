@@ -697,25 +697,15 @@ def _layout(p: ResolvedPipeline, packing: bool) -> ResolvedPipeline:
 
 
 def tokenized(p: ResolvedPipeline) -> tuple[Any, str]:
-    """(TokenizedData, tokenizer directory): the tokenize stage's cached outputs, else built the way the
-    stage builds them (same fingerprinted directory, so the stage finds them done)."""
-    from fulltune.data import tokenize_dataset
-    from fulltune.models import hub_token
-    from fulltune.stages import TOKENIZE, record_outputs, tokenize_key
-    from fulltune.tokenizer import prepare_tokenizer
+    """(TokenizedData, tokenizer directory): the tokenize stage's cached outputs, else built by the stage's
+    own function (same fingerprinted directory and marker, so the stage finds them done)."""
+    from fulltune.stages import tokenize_key
+    from fulltune.tokenize import tokenize
 
     cached = _cached_data(p, with_tokenizer=True)
     if cached is not None:
         return cached
-    m = p.spec.model
-    tokenizer = prepare_tokenizer(m, p.spec.data, p.workdir)
-    data_spec = resolve_packing(p, tokenizer)
-    data = tokenize_dataset(data_spec, tokenizer, p.workdir, p.spec.train.seed, token=hub_token(m.token_env),
-                            trust_remote_code=m.trust_remote_code)
-    # The stage's own record, so that a later `fulltune plan` plans for these rows as the stage would.
-    record_outputs(p.workdir, TOKENIZE, tokenize_key(p), [data.path, tokenizer] if tokenizer.startswith("/")
-                   else [data.path])
-    return data, tokenizer
+    return tokenize(p, tokenize_key(p))
 
 
 def _cached_data(p: ResolvedPipeline, with_tokenizer: bool = False) -> Any:

@@ -19,8 +19,11 @@ def tokenize(p: ResolvedPipeline, key: str) -> tuple[Any, str]:
 
     m = p.spec.model
     tokenizer = prepare_tokenizer(m, p.spec.data, p.workdir)
-    data = tokenize_dataset(p.spec.data, tokenizer, p.workdir, p.spec.train.seed, token=hub_token(m.token_env),
-                            trust_remote_code=m.trust_remote_code)
+    from fulltune.autotune import resolve_packing
+
+    # `data.packing: auto` becomes true or false here, whichever layout trains faster.
+    data = tokenize_dataset(resolve_packing(p, tokenizer), tokenizer, p.workdir, p.spec.train.seed,
+                            token=hub_token(m.token_env), trust_remote_code=m.trust_remote_code)
     record_outputs(p.workdir, TOKENIZE, key, [data.path, tokenizer] if tokenizer.startswith("/") else [data.path])
     return data, tokenizer
 
