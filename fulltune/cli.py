@@ -97,13 +97,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
     id missing from the cache) is listed with its YAML path; hub ids online are left to run time."""
     from fulltune.errors import ConfigError
     from fulltune.stages import check_sources, resolve_pipeline
-    from fulltune.spec import load_pipelines
+    from fulltune.spec import load_pipelines, read_yaml
 
     path = args.path or args.file
-    pipelines = load_pipelines(path)
+    names = read_yaml(Path(path)).get("pipelines") or {}
+    # `--set` applies to every pipeline of the file, as `plan` and `run` apply it to the one they run.
+    pipelines = load_pipelines(path, {name: args.overrides for name in names} if isinstance(names, dict) else None)
     problems, notes = [], []
     for name in pipelines.pipelines:
-        found, said = check_sources(resolve_pipeline(path, name))
+        found, said = check_sources(resolve_pipeline(path, name, args.overrides))
         problems += found
         notes += said
     if problems:

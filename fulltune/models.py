@@ -72,10 +72,29 @@ def config_from_spec(from_config: str | dict[str, Any], tokenizer_vocab: int | N
         raise ConfigError("model.from_config: needs a `model_type` (for example llama, qwen2, gpt2, gpt_neox)")
     if tokenizer_vocab is not None:
         mapping["vocab_size"] = tokenizer_vocab
+    from huggingface_hub.errors import StrictDataclassError  # transformers' configs validate their fields with it
+
     try:
         return AutoConfig.for_model(model_type, **mapping)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"model.from_config: {exc}") from None
+    except (ValueError, KeyError, TypeError, StrictDataclassError) as exc:
+        cause = exc.__cause__ if isinstance(exc, StrictDataclassError) and exc.__cause__ is not None else exc
+        raise ConfigError(f"model.from_config: {cause}") from None
+
+
+def check_model_config(from_config: str | dict[str, Any]) -> None:
+    """Build the model `model.from_config` describes on the meta device (no weights, no memory) so that a config
+    transformers cannot build — a wrong-typed value, heads that do not divide the hidden size — is a ConfigError
+    at validate, not a traceback at plan or train."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = config_from_spec(from_config)
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, ZeroDivisionError) as exc:
+        raise ConfigError(f"model.from_config: transformers cannot build this {config.model_type} model: "
+                          f"{type(exc).__name__}: {exc}") from None
 
 
 def load_tokenizer(path_or_id: str, *, revision: str | None = None, trust_remote_code: bool = False,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import posixpath
 import re
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -381,6 +382,19 @@ class RegisterSpec(Strict):
         description="Gate for the `champion` alias: one condition, or a list of conditions that must all hold.")
     require_better_than_base: bool = Field(True, description="Never promote a model worse than its base model on a "
                                                              "metric it must improve (guards excepted).")
+
+    @field_validator("model_name")
+    @classmethod
+    def _registry_name(cls, value: str | None) -> str | None:
+        # MLflow's own rule (mlflow.utils.validation._validate_model_name), checked before anything trains:
+        # a name MLflow refuses would otherwise fail the register stage after the whole run.
+        if value is None:
+            return value
+        normalized = posixpath.normpath(value)
+        if not value.strip() or "/" in value or ":" in value or normalized != value or normalized in (".", ".."):
+            raise ValueError(f"{value!r} is not a name MLflow's model registry accepts: no '/' or ':', not empty, "
+                             "not '.' or '..'")
+        return value
 
     @field_validator("promote_if", mode="before")
     @classmethod

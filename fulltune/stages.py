@@ -566,6 +566,14 @@ def check_sources(p: ResolvedPipeline, check_hub: bool = True) -> tuple[list[str
     from fulltune.tokenizer import TOKENIZER_FILES
 
     problems, notes = [], []
+    from_config = p.spec.model.from_config
+    if isinstance(from_config, dict) or (isinstance(from_config, str) and Path(from_config).is_file()):
+        from fulltune.models import check_model_config
+
+        try:
+            check_model_config(from_config)
+        except ConfigError as exc:
+            problems.append(f"pipelines.{p.name}.{exc}")
     token_env = p.spec.model.token_env
     if check_hub and token_env and not os.environ.get(token_env) and not hub.offline():
         problems.append(f"pipelines.{p.name}.model.token_env: environment variable {token_env} is not set")

@@ -1,0 +1,81 @@
+"""What used to fail late — in plan with a traceback, or in the register stage after the whole run — is refused by
+`fulltune validate` (exit 2, one message naming the field): a model config transformers cannot build, and a
+registered model name MLflow refuses."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fulltune.spec import RegisterSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fulltune(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fulltune.cli", *args], capture_output=True, text=True, timeout=300,
+                          cwd=cwd)
+
+
+def pipelines_file(tmp_path: Path, model: dict) -> Path:
+    path = tmp_path / "pipelines.yaml"
+    path.write_text(yaml.safe_dump({"workdir": str(tmp_path / "work"), "pipelines": {"tiny": {
+        "model": model, "data": {"train": str(ROOT / "data" / "demo" / "train.jsonl"), "format": "prompt_completion",
+                                 "max_length": 32},
+        "train": {"effective_batch_size": 4, "max_steps": 2}, "budget": {"device": "cpu"}}}}))
+    return path
+
+
+LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+@pytest.mark.slow
+def test_an_inline_config_transformers_cannot_build_is_a_validate_error(tmp_path: Path) -> None:
+    path = pipelines_file(tmp_path, {"from_config": {**LLAMA, "hidden_size": 30}, "tokenizer": {"vocab_size": 96}})
+    result = fulltune("validate", str(path), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "pipelines.tiny.model.from_config" in result.stderr and "multiple of the number of attention heads" \
+        in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "work").exists()  # nothing written
+
+
+@pytest.mark.slow
+def test_an_inline_config_written_as_a_user_writes_it_validates_and_plans(tmp_path: Path) -> None:
+    # `1e-6` is a float to a user (YAML 1.1 would read it as a string).
+    path = tmp_path / "pipelines.yaml"
+    text = pipelines_file(tmp_path, {"from_config": LLAMA, "tokenizer": {"vocab_size": 96}}).read_text()
+    path.write_text(text.replace("max_position_embeddings: 64", "max_position_embeddings: 64\n        rms_norm_eps: 1e-6"))
+    assert "1e-6" in path.read_text()
+    assert fulltune("validate", str(path), cwd=tmp_path).returncode == 0
+    result = fulltune("plan", "tiny", "-f", str(path), "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "team:bot", "", ".", "x/.."])
+def test_a_registered_model_name_mlflow_refuses_is_refused_at_validate(name: str) -> None:
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.validation import _validate_model_name
+
+    with pytest.raises(MlflowException):
+        _validate_model_name(name)  # MLflow's own rule refuses it ...
+    with pytest.raises(ValueError, match="model registry"):
+        RegisterSpec(model_name=name)  # ... and so does the spec
+
+
+@pytest.mark.parametrize("name", ["support-bot", "team.bot_v2", "Support Bot"])
+def test_names_mlflow_accepts_are_accepted(name: str) -> None:
+    from mlflow.utils.validation import _validate_model_name
+
+    _validate_model_name(name)
+    assert RegisterSpec(model_name=name).model_name == name
+
+
+def test_the_cli_refuses_a_bad_model_name_before_anything_runs(tmp_path: Path) -> None:
+    result = fulltune("validate", str(ROOT / "pipelines.yaml"), "--set", "register.model_name=../x", cwd=ROOT)
+    assert result.returncode == 2 and "pipelines.demo.register.model_name" in result.stderr, result.stderr
