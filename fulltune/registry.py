@@ -326,30 +326,59 @@ def register_model(model_dir: str, name: str, run_id: str, tags: dict[str, str],
     client = MlflowClient()
     requirements = [f"{pkg}=={_version(pkg)}" for pkg in ("torch", "transformers", "accelerate", "tokenizers",
                                                           "safetensors")]
-    with mlflow.start_run(run_id=run_id), _pipeline_classes_resolved():
-        info = mlflow.transformers.log_model(
-            transformers_model=model_dir,
-            name="model",
-            task="text-generation",
-            pip_requirements=requirements,
-            # Declaring params lets served models honour {"params": {"max_new_tokens": ...}}.
-            signature=mlflow.models.infer_signature(["prompt"], ["text"],
-                                                    params={"max_new_tokens": 64, "do_sample": False}),
-            registered_model_name=name,
-        )
-    version = str(info.registered_model_version)
-    for key, value in {**tags, **{f"metric.{k}": f"{v:.6g}" for k, v in metrics.items()}}.items():
-        client.set_model_version_tag(name, version, key, redact(str(value)))
-    for key, value in gate_tags(decision).items():
-        client.set_model_version_tag(name, version, key, redact(value))
-    if description:
-        client.update_model_version(name, version, description=redact(description))
-    client.set_registered_model_alias(name, CHALLENGER, version)
+    with _discarded_on_failure(client, name, run_id):
+        with mlflow.start_run(run_id=run_id), _pipeline_classes_resolved():
+            info = mlflow.transformers.log_model(
+                transformers_model=model_dir,
+                name="model",
+                task="text-generation",
+                pip_requirements=requirements,
+                # Declaring params lets served models honour {"params": {"max_new_tokens": ...}}.
+                signature=mlflow.models.infer_signature(["prompt"], ["text"],
+                                                        params={"max_new_tokens": 64, "do_sample": False}),
+                registered_model_name=name,
+            )
+        version = str(info.registered_model_version)
+        for key, value in {**tags, **{f"metric.{k}": f"{v:.6g}" for k, v in metrics.items()}}.items():
+            client.set_model_version_tag(name, version, key, redact(str(value)))
+        for key, value in gate_tags(decision).items():
+            client.set_model_version_tag(name, version, key, redact(value))
+        if description:
+            client.update_model_version(name, version, description=redact(description))
+        client.set_registered_model_alias(name, CHALLENGER, version)
     aliases = [CHALLENGER]
     if decision.promote:
         client.set_registered_model_alias(name, CHAMPION, version)
         aliases.append(CHAMPION)
     return Registration(name, version, tuple(aliases), decision.promote, decision.reason, run_id)
+
+
+@contextlib.contextmanager
+def _discarded_on_failure(client: Any, name: str, run_id: str) -> Iterator[None]:
+    """Undo a registration that fails half way: the model versions and logged models (with their
+    artifacts: a full copy of the weights) it created in `run_id` are deleted before the error goes on,
+    so a retry starts clean instead of leaving an untagged version and a copy per attempt."""
+    def created() -> tuple[set[str], set[str]]:
+        versions = {str(v.version) for v in client.search_model_versions(f"name='{name}' and run_id='{run_id}'")}
+        experiment = client.get_run(run_id).info.experiment_id
+        models = {m.model_id for m in client.search_logged_models([experiment], f"source_run_id = '{run_id}'")}
+        return versions, models
+
+    versions, models = created()
+    try:
+        yield
+    except BaseException:
+        from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+        new_versions, new_models = created()
+        for version in new_versions - versions:
+            with contextlib.suppress(Exception):
+                client.delete_model_version(name, version)
+        for model_id in new_models - models:
+            with contextlib.suppress(Exception):
+                get_artifact_repository(client.get_logged_model(model_id).artifact_location).delete_artifacts()
+                client.delete_logged_model(model_id)
+        raise
 
 
 @contextlib.contextmanager

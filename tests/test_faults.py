@@ -195,3 +195,31 @@ def test_a_huge_record_is_cut_to_what_max_length_can_hold(tmp_path: Path, chat_t
     row = pq.read_table(tokenized.eval_file)["input_ids"][0].as_py()
     expected = tokenizer(huge[:10_000], add_special_tokens=False)["input_ids"]
     assert row == (encoder.bos + expected)[:64]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Registration
+
+
+@pytest.mark.slow
+def test_a_failed_registration_leaves_no_version_and_no_copy_of_the_model(tmp_path: Path, monkeypatch) -> None:
+    """The registry fails after the weights were uploaded (a dropped connection): no version and no copy of
+    the weights may stay behind, or every retry (Prefect makes two) adds another full copy."""
+    from mlflow.tracking import MlflowClient
+
+    from fulltune import registry
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    registry.configure(tmp_path)
+    model = make_model(tmp_path / "model", make_tokenizer(tmp_path / "tok"))
+    run = registry.start_pipeline_run("p", {}, {}, tmp_path)
+
+    def unreachable(self, *args, **kwargs):
+        raise ConnectionError("the registry went away")
+
+    monkeypatch.setattr(MlflowClient, "set_registered_model_alias", unreachable)
+    with pytest.raises(ConnectionError):
+        registry.register_model(model, "tiny", run, {registry.TAG_TRAIN_KEY: "k"}, {"eval_loss": 1.0},
+                                registry.GateDecision(True, "no champion yet"))
+    assert MlflowClient().search_model_versions("name='tiny'") == []
+    assert not list(tmp_path.glob("mlartifacts/**/model.safetensors"))

@@ -657,7 +657,7 @@ def _change_reasons(shape: ModelShape, configured: Settings, chosen: _Candidate,
         out.append(
             f"micro-batch {configured.micro_batch_size} → {s.micro_batch_size} with gradient accumulation "
             f"{configured.gradient_accumulation_steps} → {s.gradient_accumulation_steps}: the effective batch "
-            f"stays {s.micro_batch_size * s.gradient_accumulation_steps * s.num_processes}"
+            f"stays {s.micro_batch_size * s.gradient_accumulation_steps * s.num_processes // s.tensor_parallel}"
         )
     if s.mixed_precision != configured.mixed_precision:
         out.append(f"mixed precision {configured.mixed_precision} → {s.mixed_precision}")

@@ -267,17 +267,23 @@ class PlanRequest:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise MemoryConfigError(f"{name} must be an integer >= 1 or None (auto); got {value!r}")
-        if self.effective_batch_size % self.num_processes:
+        if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) \
+                or self.tensor_parallel < 1 or self.num_processes % self.tensor_parallel:
+            raise MemoryConfigError(f"tensor_parallel must divide num_processes ({self.num_processes}); "
+                                    f"got {self.tensor_parallel!r}")
+        # The processes of a tensor-parallel group share their rows: only the data-parallel ones split the batch.
+        data_parallel = self.num_processes // self.tensor_parallel
+        if self.effective_batch_size % data_parallel:
             raise MemoryConfigError(
-                f"effective_batch_size ({self.effective_batch_size}) must be a multiple of "
-                f"num_processes ({self.num_processes})"
+                f"effective_batch_size ({self.effective_batch_size}) must be a multiple of the "
+                f"data-parallel processes ({data_parallel})"
             )
-        per_process = self.effective_batch_size // self.num_processes
+        per_process = self.effective_batch_size // data_parallel
         micro, accum = self.micro_batch_size, self.gradient_accumulation_steps
         if micro is not None and accum is not None and micro * accum != per_process:
             raise MemoryConfigError(
-                f"micro_batch_size ({micro}) × gradient_accumulation_steps ({accum}) × num_processes "
-                f"({self.num_processes}) must equal effective_batch_size ({self.effective_batch_size})"
+                f"micro_batch_size ({micro}) × gradient_accumulation_steps ({accum}) × data-parallel processes "
+                f"({data_parallel}) must equal effective_batch_size ({self.effective_batch_size})"
             )
         for name, value in (("micro_batch_size", micro), ("gradient_accumulation_steps", accum)):
             if value is not None and per_process % value:
