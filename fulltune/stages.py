@@ -242,6 +242,8 @@ def evaluate_key(p: ResolvedPipeline, trained_key: str, data_fingerprint: str, c
         "stage": EVALUATE, "code": code_version(*STAGE_CODE[EVALUATE]), "train": trained_key,
         "data": data_fingerprint,
         "evaluate": p.spec.evaluate.model_dump(mode="json"), "champion": champion_version,
+        # version numbers count per registered model: two pipelines sharing a workdir may both have a "3"
+        "champion_of": p.model_name,
         # the content of the lm_eval task files, their data and the metric functions' modules
         "benchmarks": harness.sources_key(p.spec, Path(p.pipelines_file).parent),
     })

@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from fulltune.cli import main
 from fulltune.data import tokenize_dataset
 from fulltune.errors import ConfigError, DataError
@@ -223,3 +224,19 @@ def test_a_failed_registration_leaves_no_version_and_no_copy_of_the_model(tmp_pa
                                 registry.GateDecision(True, "no champion yet"))
     assert MlflowClient().search_model_versions("name='tiny'") == []
     assert not list(tmp_path.glob("mlartifacts/**/model.safetensors"))
+
+
+def test_two_pipelines_sharing_a_workdir_never_share_an_evaluation_against_their_champions(tmp_path: Path) -> None:
+    """The same weights and held-out data, each pipeline's own champion "version 1": the evaluations
+    compare against different models, so their cache keys differ."""
+    from fulltune.stages import evaluate_key, resolve_pipeline
+
+    path = tiny_pipeline(tmp_path)
+    config = yaml.safe_load(path.read_text())
+    other = {**config["pipelines"]["tiny"], "register": {"model_name": "other-model"}}
+    config["pipelines"]["other"] = other
+    path.write_text(yaml.safe_dump(config))
+    tiny, second = resolve_pipeline(str(path), "tiny"), resolve_pipeline(str(path), "other")
+    assert tiny.workdir == second.workdir
+    assert evaluate_key(tiny, "k", "d", "1") != evaluate_key(second, "k", "d", "1")
+    assert evaluate_key(tiny, "k", "d", None) == evaluate_key(tiny, "k", "d", None)
