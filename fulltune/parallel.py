@@ -98,7 +98,7 @@ class ParallelPlan:
 
     def check_model(self, model: Any) -> None:
         """ConfigError naming distributed.tensor_parallel when `model` cannot be split T ways."""
-        check_model_config(model.config, self.tensor_parallel, type(model).__name__)
+        check_model_config(model.config, self.tensor_parallel)
         from fulltune.memory.checkpointing import decoder_layers
 
         for layer in decoder_layers(model):
@@ -143,8 +143,9 @@ class ParallelPlan:
         return model
 
 
-def check_model_config(config: Any, tensor_parallel: int, name: str = "the model") -> None:
-    """ConfigError naming distributed.tensor_parallel when the heads or the vocabulary do not split evenly."""
+def check_model_config(config: Any, tensor_parallel: int, where: str = "") -> None:
+    """ConfigError naming distributed.tensor_parallel (after `where`, e.g. `pipelines.demo.`) when the
+    attention heads, key/value heads or MLP width of `config` do not split `tensor_parallel` ways."""
     if tensor_parallel == 1:
         return
     heads = getattr(config, "num_attention_heads", None)
@@ -154,7 +155,7 @@ def check_model_config(config: Any, tensor_parallel: int, name: str = "the model
                                                         ("intermediate_size", getattr(config, "intermediate_size", None)))
                 if not isinstance(value, int) or value % tensor_parallel]
     if problems:
-        raise ConfigError(f"{FIELD}: {tensor_parallel} does not divide {name}'s {', '.join(problems)}")
+        raise ConfigError(f"{where}{FIELD}: {tensor_parallel} does not divide the model's {', '.join(problems)}")
 
 
 def tensor_parallelize(model: Any, mesh: Any) -> None:

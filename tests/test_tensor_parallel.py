@@ -1,0 +1,128 @@
+"""`distributed.tensor_parallel` on CPU processes through `fulltune run`, as a user runs it: tensor parallel
+on 2 processes and FSDP 2 × TP 2 on 4 train like one process, the 2-D run survives a kill of its whole
+process tree bit-exactly, and the registered model is a plain Hugging Face checkpoint. Also what validate
+refuses: DeepSpeed strategies, a tensor-parallel degree that does not divide the processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from pipelines_fixture import tiny_pipeline
+
+# 8 rows per optimizer step however they are split: one process (or one tensor-parallel pair) × micro 2 ×
+# accumulation 4, or two data-parallel groups × micro 2 × accumulation 2.
+ONE = {"effective_batch_size": 8, "micro_batch_size": 2, "gradient_accumulation_steps": 4, "max_steps": 6,
+       "checkpoint_every_steps": 2, "keep_checkpoints": 3}
+TWO_D = {**ONE, "gradient_accumulation_steps": 2}
+TP = {"strategy": "fsdp", "num_processes": 2, "tensor_parallel": 2}
+FSDP_TP = {"strategy": "fsdp", "num_processes": 4, "tensor_parallel": 2}
+
+
+def validate(pipelines: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "fulltune.cli", "validate", str(pipelines)], cwd=pipelines.parent,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("strategy", ["deepspeed_zero2", "deepspeed_zero3"])
+def test_deepspeed_strategies_are_refused_by_validate(tmp_path: Path, strategy: str) -> None:
+    result = validate(tiny_pipeline(tmp_path, distributed={"strategy": strategy, "num_processes": 2}))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert "pipelines.tiny.distributed.strategy" in result.stderr and f"{strategy} is not offered" in result.stderr
+
+
+def test_a_tensor_parallel_degree_must_divide_the_processes_and_needs_fsdp(tmp_path: Path) -> None:
+    bad = validate(tiny_pipeline(tmp_path, distributed={"strategy": "fsdp", "num_processes": 3, "tensor_parallel": 2}))
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "num_processes (3) must be a multiple of tensor_parallel (2)" in bad.stderr
+    ddp = validate(tiny_pipeline(tmp_path, distributed={"strategy": "ddp", "num_processes": 2, "tensor_parallel": 2}))
+    assert ddp.returncode == 2 and "tensor_parallel > 1 needs strategy fsdp" in ddp.stderr
+    # The tensor-parallel processes share their rows: 8 = micro 2 × accumulation 2 × 2 data-parallel groups.
+    ok = validate(tiny_pipeline(tmp_path, train=TWO_D, distributed=FSDP_TP))
+    assert ok.returncode == 0, ok.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_tensor_parallel_and_2d_train_like_one_process_and_resume_bit_exact_after_a_kill(tmp_path: Path) -> None:
+    import psutil
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from test_fsdp_run import loss_history
+    from test_rerun import finish, fulltune_run, saved_model
+
+    one, tp, clean, killed = (tmp_path / name for name in ("one", "tp", "clean", "killed"))
+    for directory in (one, tp, clean, killed):
+        directory.mkdir()
+    single = fulltune_run(tiny_pipeline(one, train=ONE), one / "run.log")
+    tensor_parallel = fulltune_run(tiny_pipeline(tp, train=ONE, distributed=TP), tp / "run.log")
+    finish(single, one / "run.log")
+    finish(tensor_parallel, tp / "run.log")
+    uninterrupted = fulltune_run(tiny_pipeline(clean, train=TWO_D, distributed=FSDP_TP), clean / "run.log")
+    pipelines = tiny_pipeline(killed, train=TWO_D, distributed=FSDP_TP)
+    log = killed / "run.log"
+    # The 7th micro-batch of a process is the first of step 4: step-2 is then the newest checkpoint.
+    run = fulltune_run(pipelines, log, FULLTUNE_TEST_FAULT="stall_micro_step:7")
+    deadline = time.monotonic() + 900
+    while not list((killed / "work" / "runs").glob("*/checkpoints/step-2")):
+        assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.2)
+    workers = list(psutil.Process(run.pid).children(recursive=True))
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait()
+    _, alive = psutil.wait_procs(workers, timeout=60)
+    assert not [p for p in alive if "fulltune.train" in " ".join(p.cmdline())], alive
+    finish(uninterrupted, clean / "run.log")
+
+    output = finish(fulltune_run(pipelines, log), log)
+    assert "resumed from step 2" in output, output[-4000:]
+    assert "registered tiny-model version 1" in output
+
+    # Killed and rerun equals uninterrupted, tensor for tensor.
+    got, want = saved_model(killed / "work"), saved_model(clean / "work")
+    assert got.keys() == want.keys()
+    assert [name for name in want if not torch.equal(got[name], want[name])] == []
+
+    # Tensor parallel and FSDP × TP train like one process (fp32: only the order of sums differs).
+    reference = loss_history(one / "work")
+    for workdir in (tp / "work", clean / "work"):
+        losses = loss_history(workdir)
+        assert len(losses) == len(reference)
+        for a, b in zip(losses, reference):
+            assert abs(a - b) <= 1e-4 * abs(b), (workdir, losses, reference)
+    single_model = saved_model(one / "work")
+    for workdir in (tp / "work", clean / "work"):
+        trained = saved_model(workdir)
+        assert trained.keys() == single_model.keys()
+        for name, tensor in trained.items():
+            torch.testing.assert_close(tensor, single_model[name], rtol=1e-3, atol=1e-4)
+
+    # The registered model is a plain Hugging Face checkpoint (tied embeddings stay tied).
+    (model_dir,) = (clean / "work").glob("runs/*/model")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def test_plan_refuses_a_tensor_parallel_degree_the_heads_do_not_split(tmp_path: Path) -> None:
+    from pipelines_fixture import TINY_LLAMA
+
+    pipelines = tiny_pipeline(tmp_path, model={"from_config": {**TINY_LLAMA, "num_key_value_heads": 1},
+                                               "tokenizer": {"vocab_size": 96}},
+                              train=TWO_D, distributed=FSDP_TP)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-m", "fulltune.cli", "plan", "tiny", "-f", str(pipelines)],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "pipelines.tiny.distributed.tensor_parallel: 2 does not divide the model's num_key_value_heads (1)" \
+        in result.stderr
