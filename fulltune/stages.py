@@ -37,10 +37,10 @@ STAGE_CODE = {
     # tokenized both ways (everything from "batching.py" on).
     MEMORY_BUDGET: ("memory", "flops.py", "loss.py", "optim.py", "offload.py", "models.py", "stages.py", "autotune.py",
                     "levers.py", "batching.py", "train.py", "step.py", "launch.py", "faults.py", "sharding.py",
-                    "rendezvous.py", "data", "tokenizer.py", "storage.py", "hub.py"),
+                    "rendezvous.py", "data", "tokenizer.py", "storage.py", "hub.py", "parallel.py", "tokenize.py"),
     FINE_TUNE: ("finetune.py", "train.py", "step.py", "launch.py", "batching.py", "faults.py", "replan.py", "loss.py", "optim.py",
                 "offload.py", "sharding.py", "rendezvous.py", "storage.py", "models.py", "flops.py", "data", "memory",
-                "levers.py", "hub.py", "stages.py"),  # stages.py: an out-of-memory replan plans with it
+                "levers.py", "hub.py", "stages.py", "parallel.py"),  # stages.py: an out-of-memory replan plans with it
     EVALUATE: ("evaluate.py", "harness.py", "loss.py", "data", "models.py", "hub.py", "registry.py"),
     REGISTER: ("registry.py", "evaluate.py"),
 }
