@@ -67,9 +67,10 @@ CACHE_VERSION = 1  # bump when what a measurement means changes: older ones are 
 DEFAULT_CANDIDATES, DEFAULT_STEPS, DEFAULT_WARMUP_STEPS, DEFAULT_MAX_SECONDS = 3, 3, 1, 600.0
 # `auto` tunes when the predicted training time is at least this many times the predicted tuning time.
 AUTO_RATIO = 20.0
-# What one child costs before its first step (interpreter, torch, transformers, accelerate, the model):
-# measured ~8 s on the 2-core development CPU for a tiny model; assumed more on a GPU (CUDA context).
-CHILD_START_SECONDS = {"cpu": 10.0, "cuda": 30.0}
+# What one child costs besides its steps (interpreter, torch, transformers, accelerate, the model): 12–14 s
+# measured for a tiny model on the 2-core development VM (benchmarks/autotune.py, under load); assumed
+# more on a GPU (CUDA context, kernels).
+CHILD_START_SECONDS = {"cpu": 12.0, "cuda": 30.0}
 # A candidate is not started with less than this left of max_seconds.
 MIN_CANDIDATE_SECONDS = 5.0
 # Measured ratios kept per kind of step (the newest), so the factor follows the machine as it changes.
