@@ -24,7 +24,7 @@ from pipelines_fixture import tiny_pipeline
 ROOT = Path(__file__).resolve().parents[1]
 # The modules that read a job: the child, and the launcher that builds its command line.
 # The child reads the plan in the trainer, the job and the one optimizer builder (`optim.optimizer_for(model, plan)`).
-CHILD_MODULES = ("fulltune/train.py", "fulltune/launch.py", "fulltune/optim.py")
+CHILD_MODULES = ("fulltune/train.py", "fulltune/launch.py", "fulltune/optim.py", "fulltune/parallel.py")
 
 
 def planned(**changes) -> Settings:
