@@ -103,7 +103,7 @@ class TrainJob(Strict):
       seed, checkpoints, logging, compile, non-finite tolerance.
     - `model` (the pipeline's `model:`): trust_remote_code, allow_pickle_weights, attn_implementation,
       revision, token_env; the weights come from `paths.model_path`.
-    - `distributed` (the pipeline's `distributed:`): strategy, num_processes, num_machines.
+    - `distributed` (the pipeline's `distributed:`): strategy, num_processes, num_machines, tensor_parallel.
     - `paths`, `tracking`: set per run by whoever runs the job.
     The plan echoes attn_implementation, strategy and num_processes (PLAN_ECHOES); they must agree with the
     spec sections. JOB.json is `to_json()`, read back by `from_json()`.
