@@ -767,7 +767,7 @@ def _suggestions(shape: ModelShape, request: PlanRequest, smallest: _Candidate) 
             if candidates:
                 best = min(candidates, key=lambda c: c.seconds)
                 out.append(
-                    f"{n} GPUs with FSDP full shard or DeepSpeed ZeRO-3 (distributed.strategy: fsdp, "
+                    f"{n} GPUs with FSDP full shard (distributed.strategy: fsdp, "
                     f"num_processes: {n}) would fit: {format_bytes(best.estimate.device_bytes)} per GPU"
                 )
                 break
