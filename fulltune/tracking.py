@@ -49,6 +49,18 @@ def check_tracking_server(workdir: str, timeout: float = 5.0) -> str:
                           "start it, or unset MLFLOW_TRACKING_URI to track in the workdir's SQLite database") from None
 
 
+def warm_up(workdir: str) -> None:
+    """Import MLflow and open its store (a SQLite database's schema check included) ahead of the run.
+
+    The CLI calls this while the temporary Prefect server boots, so the seconds it takes overlap that
+    start-up instead of following it; the flow's `pipeline_run` then finds the store open.
+    """
+    from mlflow.tracking import MlflowClient
+
+    registry.configure(workdir)
+    MlflowClient().search_experiments(max_results=1)
+
+
 @dataclass
 class PipelineRun:
     """The open MLflow run of a pipeline run; `stages` collects each stage's outcome for its tags."""
@@ -80,8 +92,16 @@ def pipeline_run(p: ResolvedPipeline, data_fingerprint: str, flow_run_id: str,
     except BaseException:
         registry.end_pipeline_run(run_id, "FAILED")
         raise
-    registry.set_run_tags(run_id, {f"fulltune.stage.{stage}": outcome for stage, outcome in run.stages.items()})
+    _tag_stages(run_id, run.stages)
     registry.end_pipeline_run(run_id)
+
+
+def _tag_stages(run_id: str, stages: dict[str, str]) -> None:
+    """`fulltune.stage.<stage>: ran | cached` on the run, in one request."""
+    from mlflow.entities import RunTag
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient().log_batch(run_id, tags=[RunTag(f"fulltune.stage.{stage}", outcome) for stage, outcome in stages.items()])
 
 
 def champion_to_compare(model_name: str, train_key: str) -> registry.Champion | None:
