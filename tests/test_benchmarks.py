@@ -194,3 +194,20 @@ def test_kv_cache_and_harness_logit_terms_are_what_transformers_allocates():
     assert memory.weights == sum(p.numel() * p.element_size() for p in model.parameters())
     assert memory.harness >= 2 * logits.nbytes and memory.generation >= kv_term
     assert memory.peak_bytes == memory.weights + max(memory.loss, memory.generation, memory.harness)
+
+
+def test_the_demo_task_is_reproducible_validates_and_asks_for_the_reversal(tmp_path, capsys):
+    pytest.importorskip("lm_eval")
+    import json
+
+    subprocess.run([sys.executable, str(ROOT / "data/demo/make_reversal_mc.py"), "--out", str(tmp_path / "mc.jsonl")],
+                   check=True, capture_output=True)
+    assert (tmp_path / "mc.jsonl").read_bytes() == (ROOT / "data/demo/reversal_mc.jsonl").read_bytes()
+    questions = [json.loads(line) for line in (tmp_path / "mc.jsonl").read_text().splitlines()]
+    held_out = {json.loads(line)["prompt"] for line in (ROOT / "data/demo/eval.jsonl").read_text().splitlines()}
+    for q in questions:
+        digits = q["prompt"].removeprefix("reverse ").removesuffix("=")
+        assert q["prompt"] in held_out and q["choices"][q["label"]] == digits[::-1]
+        assert len(set(q["choices"])) == 4 and {len(c) for c in q["choices"]} == {len(digits)}
+    code, out = validate(ROOT / "pipelines.yaml", capsys)
+    assert code == 0, out
