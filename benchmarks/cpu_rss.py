@@ -71,6 +71,9 @@ class Case:
     gradient_checkpointing: int = 0
     mixed_precision: str = "no"
     optimizer: str = "adamw"
+    tied: bool = False  # llama only: the output head shares the embedding
+    pure_bf16: bool = False
+    optimizer_in_backward: bool = False
 
 
 CASES = (
@@ -108,7 +111,7 @@ def model_config(case: Case) -> Any:
         vocab_size=case.vocab, hidden_size=case.hidden, intermediate_size=case.intermediate,
         num_hidden_layers=case.layers, num_attention_heads=case.heads,
         num_key_value_heads=case.kv_heads or case.heads, max_position_embeddings=max(case.seq_len, 128),
-        pad_token_id=0, eos_token_id=1, bos_token_id=None)
+        tie_word_embeddings=case.tied, pad_token_id=0, eos_token_id=1, bos_token_id=None)
 
 
 def build_tokenizer(directory: Path, vocab: int) -> None:
@@ -177,7 +180,8 @@ def settings_of(case: Case, target_fraction: float) -> Any:
     return Settings(micro_batch_size=case.micro_batch_size, seq_len=case.seq_len,
                     gradient_accumulation_steps=case.gradient_accumulation_steps,
                     gradient_checkpointing=case.gradient_checkpointing, mixed_precision=case.mixed_precision,
-                    optimizer=case.optimizer, device="cpu", attention_mask=True, target_fraction=target_fraction)
+                    optimizer=case.optimizer, device="cpu", attention_mask=True, target_fraction=target_fraction,
+                    pure_bf16=case.pure_bf16, optimizer_in_backward=case.optimizer_in_backward)
 
 
 def make_job(case: Case, model_dir: Path, data: Path, output_dir: Path, mlflow_run: tuple[str, str] | None,
@@ -186,7 +190,9 @@ def make_job(case: Case, model_dir: Path, data: Path, output_dir: Path, mlflow_r
     return job_with(str(model_dir), str(data), str(output_dir), micro_batch_size=case.micro_batch_size,
                     gradient_accumulation_steps=case.gradient_accumulation_steps,
                     gradient_checkpointing=case.gradient_checkpointing, mixed_precision=case.mixed_precision,
-                    optimizer=case.optimizer, seq_len=case.seq_len, learning_rate=1e-4, warmup_ratio=0.0,
+                    optimizer=case.optimizer, pure_bf16=case.pure_bf16,
+                    optimizer_in_backward=case.optimizer_in_backward, seq_len=case.seq_len, learning_rate=1e-4,
+                    warmup_ratio=0.0,
                     max_steps=steps, checkpoint_every_steps=CHECKPOINT_EVERY, keep_checkpoints=1, log_every_steps=1,
                     mlflow_tracking_uri=uri, mlflow_run_id=run_id)
 

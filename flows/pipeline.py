@@ -118,7 +118,7 @@ def finetune_pipeline(pipeline: str = "demo", overrides: Overrides | None = None
     p = stages.resolve_pipeline(pipelines_file, pipeline, overrides.dotted() if overrides else None)
     stages.ensure_local_data(p)
     # One commit for the whole run: every stage loads, and every key names, the same hub weights.
-    p = stages.pin_hub_revisions(p)
+    p = stages.with_budget(stages.pin_hub_revisions(p))  # `budget:` on this machine, resolved once per run
     for lock in clear_stale_locks(p.workdir):
         logger.warning("removed the stale lock %s of a run that no longer exists", lock.name)
     done: dict[str, str] = {}
@@ -154,7 +154,7 @@ def finetune_pipeline(pipeline: str = "demo", overrides: Overrides | None = None
             champion = None
         key = stages.evaluate_key(p, trained.key, data.fingerprint, champion.version if champion else None)
         state = _stage(evaluate_task, p, stages.EVALUATE, key)(
-            p, key, data, trained, champion, decision.settings["device"], run_id, return_state=True)
+            p, key, data, trained, champion, decision.settings.device, run_id, return_state=True)
         report = state.result()
         done[stages.EVALUATE] = _state_word(state)
 

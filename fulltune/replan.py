@@ -45,7 +45,7 @@ def train_with_oom_replans(p: Any, decision: Any, key: str,
         OutOfMemory: still out of memory after `max_replans` replans.
         UserError, RuntimeError: as launch.run_training.
     """
-    settings = Settings(**decision.settings)
+    settings = decision.settings
     output_dir = Path(p.workdir) / "runs" / key
     replans: list[str] = []
     for attempt in range(max_replans + 1):
@@ -87,9 +87,8 @@ def replan_settings(p: Any, decision: Any, settings: Settings, peak: int | None)
     """The planner's next settings after `settings` ran out of memory at `peak` bytes (None: unknown)."""
     from fulltune.memory import replan_after_oom
     from fulltune.models import read_model_config
-    from fulltune.stages import plan_request, resolved_budget
+    from fulltune.stages import plan_request
 
-    device, budget_bytes, bf16 = resolved_budget(p)
     config = read_model_config(p.spec.model, decision.vocab_size)
-    request = plan_request(p, decision.seq_len, device, budget_bytes, bf16, decision.target_fraction)
+    request = plan_request(p, decision.seq_len, decision.target_fraction)
     return replan_after_oom(config, request, settings, peak).settings

@@ -413,14 +413,6 @@ def save_sharded_checkpoint(directory: str | Path, model: Any, optimizer: Any,
     _barrier()
 
 
-def load_sharded_checkpoint(directory: str | Path, model: Any, optimizer: Any) -> dict[str, Any]:
-    """Load a `save_sharded_checkpoint` directory (collective); returns its `extra_state`."""
-    directory = Path(directory)
-    load_sharded_state(directory, model, optimizer)
-    extra = directory / EXTRA_STATE_FILE
-    return json.loads(extra.read_text()) if extra.is_file() else {}
-
-
 def full_state_dict(model: Any) -> dict[str, Any]:
     """The whole model's state dict gathered on rank 0 as plain CPU tensors; `{}` on the other ranks.
 

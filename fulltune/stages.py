@@ -16,12 +16,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from fulltune import harness, hub
-from fulltune.errors import BudgetError, ConfigError, DataError, UserError
+from fulltune.errors import BudgetError, ConfigError, DataError
+from fulltune.memory.budget import Budget, resolve_budget
+from fulltune.memory.types import Settings
 from fulltune.storage import FileHashes, atomic_write_text, code_version, hash_json, tree_sha256
 from fulltune.spec import PipelineSpec, get_pipeline, load_pipelines
 
@@ -48,12 +50,17 @@ STAGE_CODE = {
 
 @dataclass(frozen=True)
 class ResolvedPipeline:
-    """A validated pipeline with its overrides applied, and where its outputs live."""
+    """A validated pipeline with its overrides applied, and where its outputs live.
+
+    `budget` is `budget:` resolved on the machine that runs the pipeline (`with_budget`), once per run:
+    every stage that plans or keys on it reads this one value.
+    """
 
     name: str
     spec: PipelineSpec
     workdir: str
     pipelines_file: str
+    budget: Budget | None = None
 
     @property
     def model_name(self) -> str:
@@ -126,7 +133,7 @@ def pin_hub_revisions(p: ResolvedPipeline) -> ResolvedPipeline:
         raise ConfigError(f"pipelines.{p.name}.model.name_or_path: {_not_local(p, model.name_or_path)}, and as a "
                           f"hub model: {exc}") from None
     spec = p.spec.model_copy(update={"model": model.model_copy(update={"revision": commit})})
-    return ResolvedPipeline(p.name, spec, p.workdir, p.pipelines_file)
+    return replace(p, spec=spec)
 
 
 def _not_local(p: ResolvedPipeline, reference: str) -> str:
@@ -188,30 +195,33 @@ def _packing_choice_key(p: ResolvedPipeline) -> dict[str, Any]:
     return packing_choice_key(p)
 
 
-def resolved_budget(p: ResolvedPipeline) -> tuple[str, int | None, bool]:
-    """(device, bytes per device, bf16 supported) that `budget.device` / `budget.memory` mean on this
-    machine. Raises ConfigError naming the field (e.g. `memory: auto` for cuda where no GPU is visible)."""
-    from fulltune.memory import resolve_budget
+def with_budget(p: ResolvedPipeline) -> ResolvedPipeline:
+    """`p` carrying its budget resolved on this machine. The flow and the CLI call this once, before any
+    stage; a pipeline that already carries one keeps it.
 
-    try:
-        return resolve_budget(p.spec.budget.device, p.spec.budget.memory)
-    except (ValueError, UserError) as exc:
-        message = str(exc).removeprefix(f"pipelines.{p.name}.")
-        if not message.startswith("budget."):
-            field = "budget.memory" if "memory" in message else "budget.device"
-            message = f"{field}: {message}"
-        raise ConfigError(f"pipelines.{p.name}.{message}") from None
+    Raises MemoryConfigError (a ConfigError: exit 2) naming `pipelines.<name>.budget.<field>`, e.g.
+    `memory: auto` for cuda where no GPU is visible.
+    """
+    if p.budget is not None:
+        return p
+    b = p.spec.budget
+    return replace(p, budget=resolve_budget(b.device, b.memory, b.headroom, b.host_memory,
+                                            where=f"pipelines.{p.name}.budget"))
+
+
+def resolved_budget(p: ResolvedPipeline) -> Budget:
+    """The budget `p` carries (`with_budget`), or, for a pipeline resolved without one, resolved now."""
+    return p.budget if p.budget is not None else with_budget(p).budget  # type: ignore[return-value]
 
 
 def budget_key(p: ResolvedPipeline, train_fingerprint: str) -> str:
     spec = p.spec
-    device, budget_bytes, bf16 = resolved_budget(p)
     return hash_json({
         "stage": MEMORY_BUDGET, "code": code_version(*STAGE_CODE[MEMORY_BUDGET]), "data": train_fingerprint,
         "model": spec.model.model_dump(mode="json"), "model_source": _model_source(p),
         "budget": spec.budget.model_dump(mode="json"), "train": spec.train.model_dump(mode="json"),
         "distributed": spec.distributed.model_dump(mode="json"),
-        "resolved": {"device": device, "bytes": budget_bytes, "bf16": bf16},
+        "resolved": asdict(resolved_budget(p)),
         # Step times measured on this kind of device rerank the candidates (fulltune/autotune.py).
         "step_time_calibration": _calibration_key(p, device),
     })
@@ -223,13 +233,13 @@ def _calibration_key(p: ResolvedPipeline, device: str) -> dict[str, float]:
     return calibration_key(p.workdir, device)
 
 
-def train_key(p: ResolvedPipeline, train_fingerprint: str, settings: dict[str, Any]) -> str:
+def train_key(p: ResolvedPipeline, train_fingerprint: str, settings: Settings | dict[str, Any]) -> str:
     """The fine-tuned weights' identity: training data (not eval data), model, the planned settings
     (which hold the device the budget resolved to) and the optimisation."""
     spec = p.spec
     return hash_json({
         "stage": FINE_TUNE, "code": code_version(*STAGE_CODE[FINE_TUNE]), "data": train_fingerprint,
-        "settings": settings,
+        "settings": asdict(settings) if isinstance(settings, Settings) else settings,
         "model": spec.model.model_dump(mode="json"), "model_source": _model_source(p),
         "train": spec.train.model_dump(mode="json", exclude={"log_every_steps", "keep_checkpoints"}),
         "distributed": spec.distributed.model_dump(mode="json"),
@@ -389,9 +399,11 @@ def read_marker(workdir: str, stage: str, key: str) -> dict[str, Any] | None:
 
 @dataclass(frozen=True)
 class BudgetDecision:
-    """The settings the run will use, and the plan that chose them (as the `plan --json` object)."""
+    """The settings the run will use, and the plan that chose them (as the `plan --json` object).
 
-    settings: dict[str, Any]
+    A frozen record of plain values (Prefect pickles it as the budget stage's persisted result)."""
+
+    settings: Settings
     plan: dict[str, Any]
     table: str
     seq_len: int
@@ -445,13 +457,13 @@ def _planned_vocab(p: ResolvedPipeline, tokenizer: str | None) -> int | None:
     return len(load_tokenizer(tokenizer, trust_remote_code=model.trust_remote_code))
 
 
-def plan_request(p: ResolvedPipeline, seq_len: int, device: str, budget_bytes: int | None, bf16: bool,
-                 target_fraction: float = 1.0) -> Any:
+def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0) -> Any:
+    """The planner's request for `p` on its resolved budget: the fields left on auto are None."""
     from fulltune.memory import PlanRequest
     from fulltune.memory.types import LEVERS
-    from fulltune.spec import parse_size
 
     t, d = p.spec.train, p.spec.distributed
+    budget = resolved_budget(p)
     checkpointing = None if t.gradient_checkpointing == "auto" else t.gradient_checkpointing
     return PlanRequest(
         effective_batch_size=t.effective_batch_size,
@@ -462,19 +474,19 @@ def plan_request(p: ResolvedPipeline, seq_len: int, device: str, budget_bytes: i
         mixed_precision=None if t.mixed_precision == "auto" else t.mixed_precision,
         optimizer=None if t.optimizer == "auto" else t.optimizer,
         attn_implementation=p.spec.model.attn_implementation,
-        device=device,
-        budget_bytes=budget_bytes,
-        headroom=p.spec.budget.headroom,
+        device=budget.device,
+        budget_bytes=budget.bytes,
+        headroom=budget.headroom,
         strategy=d.strategy,
         num_processes=d.num_processes,
         tensor_parallel=d.tensor_parallel,
-        bf16_supported=bf16,
+        bf16_supported=budget.bf16_supported,
         # Packed rows restart position_ids, so transformers builds a block mask per layer; unpacked rows
         # are right-padded and the trainer passes no mask at all (see fulltune/train.py).
         attention_mask=p.spec.data.packing is not False,  # `auto` not yet resolved: plan for the mask
         target_fraction=target_fraction,
         **{lever: None if getattr(t, lever) == "auto" else bool(getattr(t, lever)) for lever in LEVERS},
-        host_memory_bytes=None if p.spec.budget.host_memory == "auto" else parse_size(p.spec.budget.host_memory),
+        host_memory_bytes=budget.host_bytes,
     )
 
 
@@ -491,11 +503,15 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
     from fulltune.memory import format_plan_table, plan_memory, render_breakdown_png
     from fulltune.models import read_model_config
 
-    device, budget_bytes, bf16 = resolved_budget(p)
+    budget = resolved_budget(p)
     config = read_model_config(p.spec.model, tokenizer_vocab)
     check_positions(p, config)
+    # Tensor parallel splits heads and MLP columns evenly: refused here, before anything trains.
+    from fulltune.parallel import check_model_config
+
+    check_model_config(config, p.spec.distributed.tensor_parallel, f"pipelines.{p.name}.")
     try:
-        request = plan_request(p, seq_len, device, budget_bytes, bf16, target_fraction)
+        request = plan_request(p, seq_len, target_fraction)
     except ValueError as exc:  # the spec validates these fields; a message naming the setting, not a traceback
         raise ConfigError(f"pipelines.{p.name}: {exc}") from None
     try:
@@ -510,18 +526,19 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
         render_breakdown_png(plan, picture)
     if not as_json["fits"]:
         raise BudgetError(f"pipelines.{p.name}.budget.memory: no configuration fits the budget\n{table}")
-    if p.spec.budget.on_overflow == "fail" and budget_bytes is not None:
-        if plan.estimate.device_bytes > plan.usable_bytes:
-            raise BudgetError(
-                f"pipelines.{p.name}.budget.on_overflow is 'fail' and the configured settings do not fit\n{table}"
-            )
-    return BudgetDecision(asdict(plan.settings), as_json, table, seq_len, int(config.num_hidden_layers),
+    if p.spec.budget.on_overflow == "fail" and plan.configured_estimate.device_bytes > budget.usable_bytes:
+        raise BudgetError(f"pipelines.{p.name}.budget.on_overflow is 'fail' and the configured settings do not fit\n"
+                          f"{table}")
+    return BudgetDecision(plan.settings, as_json, table, seq_len, int(config.num_hidden_layers),
                           str(picture) if picture is not None else None, tokenizer_vocab, target_fraction)
 
 
-def describe_settings(settings: dict[str, Any], num_layers: int) -> str:
+def describe_settings(settings: Settings | dict[str, Any], num_layers: int) -> str:
+    """One line of the planned settings (the run summary, the log, the registered version's description)."""
     from fulltune.memory.types import LEVERS
 
+    if isinstance(settings, Settings):
+        settings = asdict(settings)
     ckpt = settings["gradient_checkpointing"]
     ckpt_text = "off" if ckpt == 0 else ("all layers" if ckpt >= num_layers else f"{ckpt} of {num_layers} layers")
     return (f"micro_batch_size={settings['micro_batch_size']} × gradient_accumulation_steps="

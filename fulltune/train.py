@@ -59,6 +59,7 @@ from fulltune.errors import ConfigError, DataError, TrainingError, UserError
 from fulltune.faults import TrainHooks, hooks_from_env
 from fulltune.storage import atomic_dir, atomic_write_text, fsync_dir, fsync_tree
 from fulltune.loss import TargetHead
+from fulltune.memory import allocator
 from fulltune.offload import ActivationOffload
 from fulltune.parallel import ParallelPlan
 from fulltune.step import OptimizerStep, StepOutcome, StepParts, run_step
@@ -838,6 +839,8 @@ def main(argv: list[str] | None = None) -> int:
         job = TrainJob.from_json(job_file.read_text())
         output_dir = Path(job.paths.output_dir)
         validate_job(job)
+        if job.plan.device == "cpu":
+            allocator.return_large_blocks()  # resident memory follows the live tensors (fulltune/memory/allocator.py)
         if completed_result(output_dir) is not None:
             print(f"fulltune train: {output_dir / MODEL_DIR} is already complete", file=sys.stderr)
             return 0

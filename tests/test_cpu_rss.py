@@ -56,7 +56,7 @@ def test_planned_run_stays_under_the_budget_and_near_the_estimate(name: str, tmp
                           optimizer="adamw", device="cpu", attention_mask=True, target_fraction=fraction)
     # Usable budget halfway between the configured settings and the smallest step (micro-batch 1, every
     # layer recomputed): the configured settings do not fit, smaller ones do, whatever the overhead constants.
-    configured = plan_memory(config, request).estimate.device_bytes
+    configured = plan_memory(config, request).configured_estimate.device_bytes
     smallest = estimate_memory(config, Settings(1, shape.seq_len, effective_batch, shape.layers, device="cpu",
                                                 attention_mask=True, target_fraction=fraction)).device_bytes
     budget = int((configured + smallest) / 2 / (1 - request.headroom))

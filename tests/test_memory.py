@@ -205,7 +205,7 @@ def test_without_a_budget_the_configured_settings_run():
     assert plan.fits and plan.budget_bytes is None
     assert plan.settings.micro_batch_size == 16 and plan.settings.gradient_accumulation_steps == 1
     assert plan.settings.mixed_precision == "bf16" and plan.settings.optimizer == "adamw"
-    assert plan.plan_estimate == plan.estimate
+    assert plan.plan_estimate == plan.configured_estimate
 
 
 def test_planner_keeps_the_effective_batch_and_fits_the_budget():
@@ -216,7 +216,7 @@ def test_planner_keeps_the_effective_batch_and_fits_the_budget():
     assert plan.fits
     assert s.micro_batch_size * s.gradient_accumulation_steps * s.num_processes == 16
     assert plan.plan_estimate.device_bytes <= budget * 0.95
-    assert plan.estimate.device_bytes > budget  # the naive configuration would not have fit
+    assert plan.configured_estimate.device_bytes > budget  # the naive configuration would not have fit
     assert any("effective batch stays 16" in r for r in plan.reasons)
 
 
@@ -229,8 +229,8 @@ def test_data_with_fewer_targets_per_row_plans_a_larger_micro_batch():
     quarter = plan_memory(cfg, request(budget_bytes=budget, target_fraction=0.25))
     assert quarter.fits and quarter.settings.target_fraction == 0.25
     assert quarter.settings.micro_batch_size > everywhere.settings.micro_batch_size
-    assert quarter.estimate.breakdown["logits"] < everywhere.estimate.breakdown["logits"] / 3.5
-    assert quarter.estimate.peak_bytes < everywhere.estimate.peak_bytes
+    assert quarter.configured_estimate.breakdown["logits"] < everywhere.configured_estimate.breakdown["logits"] / 3.5
+    assert quarter.configured_estimate.peak_bytes < everywhere.configured_estimate.peak_bytes
     assert quarter.estimated_step_seconds < everywhere.estimated_step_seconds
     assert plan_memory(cfg, request(budget_bytes=budget, target_fraction=1.0)).settings == everywhere.settings
     with pytest.raises(ValueError, match="target_fraction"):
@@ -350,9 +350,11 @@ def test_plan_request_validates_the_batch_arithmetic():
 
 
 def test_resolve_budget():
-    device, budget, bf16 = resolve_budget("cpu", "auto")
-    assert device == "cpu" and budget > 256 * MiB and bf16 is True
-    assert resolve_budget("cpu", "24GiB")[1] == 24 * GiB
+    budget = resolve_budget("cpu", "auto")
+    assert budget.device == "cpu" and budget.bytes > 256 * MiB and budget.bf16_supported is True
+    assert budget.host_bytes == budget.bytes  # auto: this machine's RAM
+    assert resolve_budget("cpu", "24GiB").bytes == 24 * GiB
+    assert resolve_budget("cpu", "24GiB", headroom=0.25).usable_bytes == 18 * GiB
     with pytest.raises(ValueError, match="device"):
         resolve_budget("tpu", "auto")
     with pytest.raises(ValueError):
@@ -373,7 +375,10 @@ def test_resolve_budget_cuda_auto_without_a_gpu_explains_what_to_do():
         resolve_budget("cpu", "plenty")
     with pytest.raises(ConfigError, match="^budget.device: "):
         resolve_budget("tpu", "auto")
-    assert resolve_budget("cuda", "80GiB") == ("cuda", 80 * GiB, True)
+    with pytest.raises(ConfigError, match=r"^pipelines\.x\.budget\.host_memory: "):
+        resolve_budget("cpu", "1GiB", host_memory="lots", where="pipelines.x.budget")
+    budget = resolve_budget("cuda", "80GiB")
+    assert (budget.device, budget.bytes, budget.bf16_supported) == ("cuda", 80 * GiB, True)
 
 
 def test_format_plan_table_and_png(tmp_path):

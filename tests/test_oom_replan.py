@@ -28,7 +28,7 @@ def prepare(tmp_path, **train):
     from fulltune.models import load_tokenizer
 
     decision = plan_budget(p, data.max_row_length, len(load_tokenizer(tokenizer)))
-    assert decision.settings["micro_batch_size"] == 8
+    assert decision.settings.micro_batch_size == 8
     registry.configure(p.workdir)
     run_id = registry.start_pipeline_run("tiny", {}, {}, p.workdir)
     return p, data, tokenizer, decision, run_id

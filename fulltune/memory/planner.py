@@ -13,19 +13,21 @@ FakeTensorMode (`plan_memory(trace=True)`), it fits when the larger of estimate 
 from __future__ import annotations
 
 import contextvars
+import functools
 import itertools
 import math
-import os
 from dataclasses import dataclass, replace
 from collections.abc import Callable
 from typing import Any
 
 from fulltune.memory.errors import MemoryConfigError
-from fulltune.memory.estimate import _estimate, _runtime_overhead
+from fulltune.memory.estimate import _estimate
 from fulltune.memory.shapes import ModelShape, model_shape
+from fulltune import levers as lever_table
 from fulltune.memory.types import LEVERS, MemoryEstimate, MemoryPlan, PlanRequest, Settings
 from fulltune.memory.uncertainty import Uncertainty, estimate_uncertainty, traced_uncertainty
-from fulltune.memory.units import format_bytes, parse_bytes
+from fulltune.memory.budget import host_ram, usable_bytes
+from fulltune.memory.units import format_bytes
 
 # --- step-time model --------------------------------------------------------------------------
 # Only the ranking of candidates matters, so the constants are round numbers:
@@ -40,11 +42,22 @@ _FLOPS = {
     # peak is ~1.6e11; benchmarks/planner_choice.py: predicted ≈ measured step time, median 0.96×), so
     # the optimizer's bandwidth term below weighs right against compute.
     ("cpu", "no"): 9e10,
-    # bf16 autocast on CPUs without AMX: 3.6× the fp32 step time on the development CPU, not the 1.5×
-    # the casts alone would cost.
+    # bf16 on CPUs without bf16 matrix instructions: 3.6× the fp32 step time on the development CPU of the
+    # planner-choice benchmark, not the 1.5× the casts alone would cost. With them (AVX512-BF16, AMX:
+    # `cpu_bf16_units`), `_CPU_BF16_UNITS_FLOPS`.
     ("cpu", "bf16"): 2.5e10,
     ("cpu", "fp16"): 9e10,  # Accelerate runs fp16 as fp32 on CPU
 }
+# bf16 on a CPU with AVX512-BF16 (benchmarks/cpu_precision.py, a 6.5M Llama on an AMD EPYC with avx512_bf16:
+# bf16 autocast 0.40× and pure bf16 0.67× the fp32 step time): ~0.55× the fp32 step.
+_CPU_BF16_UNITS_FLOPS = _FLOPS[("cpu", "no")] / 0.55
+
+
+def _flops(device: str, precision: str) -> float:
+    """Sustained FLOP/s of a training step on `device` computing in `precision` (bf16 on CPU: by the CPU)."""
+    if device == "cpu" and precision == "bf16" and cpu_bf16_units():
+        return _CPU_BF16_UNITS_FLOPS
+    return _FLOPS[(device, precision)]
 # Tokens per micro-batch at which throughput is half its peak. CPU throughput is nearly flat in
 # micro-batch size (benchmarks/planner_choice.py: micro-batch 1 costs ~1.12× the largest that fits).
 _HALF_EFFICIENCY_TOKENS = {"cuda": 1024, "cpu": 16}
@@ -74,6 +87,18 @@ _KAHAN_TRAFFIC = 4
 # - a step in backward costs nothing extra on the device (the same update, earlier).
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_bf16_units() -> bool:
+    """Whether this machine's CPU has bf16 matrix instructions (AVX512-BF16 or AMX), which oneDNN uses for
+    bf16 GEMMs; without them a bf16 step converts every matmul to fp32 and back (benchmarks/cpu_precision.py)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
 def step_seconds(shape: ModelShape, settings: Settings) -> float:
     """Estimated wall time of one optimizer step (ranking only, not a promise).
 
@@ -92,7 +117,7 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
     per_token += _RECOMPUTE_OVERHEAD * (k / shape.num_layers) * (c.per_token + c.per_pair * s) / 3.0
     tokens = b * s
     efficiency = tokens / (tokens + _HALF_EFFICIENCY_TOKENS[settings.device])
-    flops = _FLOPS[(settings.device, settings.mixed_precision)]
+    flops = _flops(settings.device, settings.mixed_precision)
     compute = settings.gradient_accumulation_steps * tokens * per_token / (flops * efficiency)
     shard = settings.num_processes if settings.strategy in ("fsdp", "deepspeed_zero2", "deepspeed_zero3") else 1
     traffic = (_CPU_OPTIMIZER_TRAFFIC if settings.device == "cpu" else _OPTIMIZER_TRAFFIC)[settings.optimizer]
@@ -121,7 +146,7 @@ def lever_seconds(shape: ModelShape, settings: Settings) -> dict[str, float]:
     h, P = shape.hidden, shape.num_params
     out: dict[str, float] = {}
     if settings.chunked_loss:
-        flops = _FLOPS[(settings.device, "bf16" if settings.pure_bf16 else settings.mixed_precision)]
+        flops = _flops(settings.device, "bf16" if settings.pure_bf16 else settings.mixed_precision)
         head_forward = from_shape(shape).per_target / 3.0  # the head's logits once more, per target
         out["chunked_loss"] = ga * b * settings.targets_per_row * head_forward / flops
     if settings.offload_optimizer:
@@ -139,61 +164,10 @@ def lever_seconds(shape: ModelShape, settings: Settings) -> dict[str, float]:
 
 def _lever_host_traffic(shape: ModelShape, settings: Settings) -> float:
     """Bytes the host optimizer reads and writes per step: masters, gradients and states (fulltune.optim)."""
-    from fulltune.memory.estimate import _lever_bytes
+    from fulltune.memory.lever_bytes import lever_bytes
 
-    levers = _lever_bytes(shape, settings)
+    levers = lever_bytes(shape, settings)
     return 2.0 * (levers.host_masters + levers.host_states) + 4.0 * shape.num_params
-
-
-# --- budget ---------------------------------------------------------------------------------
-
-
-def resolve_budget(device: str = "auto", memory: int | str = "auto") -> tuple[str, int | None, bool]:
-    """Turn `budget.device` / `budget.memory` into (device, bytes per device, bf16 supported).
-
-    `auto` device is cuda when a GPU is visible, else cpu; `auto` memory is the device's total
-    memory (CPU: physical RAM, or the cgroup limit when lower).
-
-    Raises:
-        MemoryConfigError (a ConfigError: exit 2), naming `budget.device` or `budget.memory`: an
-            unknown device, an unreadable memory size, or `memory: auto` for cuda on a machine
-            without a GPU.
-    """
-    import torch
-
-    if device not in ("auto", "cpu", "cuda"):
-        raise MemoryConfigError(f"budget.device: must be auto, cpu or cuda; got {device!r}")
-    has_cuda = torch.cuda.is_available()
-    resolved = ("cuda" if has_cuda else "cpu") if device == "auto" else device
-    if resolved == "cuda":
-        bf16 = bool(torch.cuda.is_bf16_supported()) if has_cuda else True
-    else:
-        bf16 = True  # CPU autocast supports bf16 (slower without AMX; the planner knows)
-    if memory == "auto":
-        if resolved == "cuda":
-            if not has_cuda:
-                raise MemoryConfigError(
-                    "budget.memory: auto needs a visible GPU to read its size, and none is visible here "
-                    "(budget.device is cuda). Give the per-GPU memory, e.g. budget.memory: 80GiB"
-                )
-            return resolved, int(torch.cuda.get_device_properties(0).total_memory), bf16
-        return resolved, _cpu_memory(), bf16
-    try:
-        return resolved, parse_bytes(memory), bf16
-    except MemoryConfigError as exc:
-        raise MemoryConfigError(f"budget.memory: {exc}") from None
-
-
-def _cpu_memory() -> int:
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = open(path).read().strip()
-        except OSError:
-            continue
-        if text.isdigit() and 0 < int(text) < total:
-            total = int(text)
-    return int(total)
 
 
 # --- search ---------------------------------------------------------------------------------
@@ -220,7 +194,8 @@ class _Candidate:
         traced = self.uncertainty.traced_peak_bytes
         if traced is None or traced <= self.estimate.peak_bytes:
             return self.estimate.device_bytes
-        return traced + _runtime_overhead(self.settings, traced)
+        # The traced step with the estimate's own overhead; the process's other phases as estimated.
+        return max(self.estimate.device_bytes, traced + self.estimate.step_device_bytes - self.estimate.peak_bytes)
 
     @property
     def planned_bytes(self) -> int:
@@ -275,8 +250,11 @@ def _configured(shape: ModelShape, request: PlanRequest) -> Settings:
         micro = per // request.gradient_accumulation_steps
     else:
         micro = per
-    checkpointing = _fixed_checkpointing(request.gradient_checkpointing, shape.num_layers) or 0
+    checkpointing = _fixed_checkpointing(request.gradient_checkpointing, shape.num_layers)
     levers = {name: bool(value) for name, value in request.levers().items()}  # auto levers start off
+    if checkpointing is None:
+        # Checkpointing starts off, unless offloaded activations (which are checkpointed layers' inputs) are asked for.
+        checkpointing = shape.num_layers if levers["offload_activations"] else 0
     return _settings(request, micro, checkpointing, request.mixed_precision or _default_precision(request),
                      request.optimizer or "adamw", levers)
 
@@ -322,34 +300,39 @@ def _options(shape: ModelShape, request: PlanRequest) -> tuple[list[int], list[s
 
 def _lever_sets(request: PlanRequest, stage: int) -> list[dict[str, bool]]:
     """The lever combinations of search stage `stage`: the auto levers among the first `stage` of
-    `LEVERS` (cheapest first) on or off, the later auto ones off, the fixed ones as fixed."""
+    `LEVERS` (cheapest first) on or off, the later auto ones off, the fixed ones as fixed; only those the
+    lever table allows (fulltune/levers.py)."""
     fixed = {name: bool(value) for name, value in request.levers().items()}
     auto = [name for name in LEVERS[:stage] if request.levers()[name] is None and _may_choose(request, name)]
     out = []
     for values in itertools.product((False, True), repeat=len(auto)):
-        levers = {**fixed, **dict(zip(auto, values))}
-        if levers["optimizer_in_backward"] and levers["offload_optimizer"]:
-            continue
-        out.append(levers)
+        chosen = {**fixed, **dict(zip(auto, values))}
+        if not lever_table.problems(replace(_combination(request), levers=chosen)):
+            out.append(chosen)
     return out
 
 
+def _combination(request: PlanRequest) -> lever_table.Combination:
+    """The request as the lever table reads it: auto fields still None."""
+    return lever_table.from_settings(request, bf16_supported=request.bf16_supported if request.device == "cuda"
+                                     else None)
+
+
 def _may_choose(request: PlanRequest, lever: str) -> bool:
-    """Whether the planner may turn an auto lever on for this request."""
-    if lever in ("offload_optimizer", "offload_activations"):
-        # On a CPU device host RAM is the device memory: offloading saves nothing and costs copies.
-        if request.device != "cuda":
-            return False
-    if lever in ("optimizer_in_backward", "offload_optimizer") and request.num_processes > 1:
-        return False  # their gradient hooks run before gradients are averaged (fulltune/optim.py)
-    if lever == "optimizer_in_backward" and request.gradient_accumulation_steps not in (None, 1):
-        return False
-    if lever == "chunked_loss" and request.strategy == "fsdp":
-        # The chunked head reads the head's weight in backward, after FSDP has resharded it (fulltune/loss.py).
-        return False
-    if lever == "pure_bf16":
-        return request.mixed_precision != "fp16" and (request.device == "cpu" or request.bf16_supported)
-    return True
+    """Whether the planner may turn an auto lever on for this request: the lever table allows it, and it
+    can save memory here."""
+    if lever in ("offload_optimizer", "offload_activations") and request.device != "cuda":
+        return False  # on a CPU device host RAM is the device memory: offloading saves nothing and costs copies
+    return lever_table.may_turn_on(lever, _combination(request))
+
+
+def _allowed_choice(request: PlanRequest, micro: int, checkpointing: int | None, precision: str, optimizer: str,
+                    levers: dict[str, bool]) -> bool:
+    """A choice of the search that the lever table allows (checkpointing None: still to be chosen)."""
+    chosen = replace(_combination(request), levers=levers, optimizer=optimizer, mixed_precision=precision,
+                     gradient_accumulation_steps=_per_process(request) // micro,
+                     gradient_checkpointing=checkpointing)
+    return not lever_table.problems(chosen)
 
 
 def _lever_options(shape: ModelShape, request: PlanRequest, levers: dict[str, bool], micros: list[int],
@@ -361,8 +344,6 @@ def _lever_options(shape: ModelShape, request: PlanRequest, levers: dict[str, bo
         micros = [m for m in micros if m == _per_process(request)]
     if levers["pure_bf16"]:
         precisions = ["bf16"] if request.mixed_precision is None else precisions
-    if levers["offload_activations"] and fixed_k == 0:
-        return None  # nothing is checkpointed, nothing to offload
     if stage > 0 and request.optimizer is None and "adamw_4bit" not in optimizers and _torchao_available():
         optimizers = [*optimizers, "adamw_4bit"]
     return (micros, precisions, optimizers) if micros else None
@@ -426,13 +407,16 @@ def _search(
         for micro in options[0]:
             for precision in options[1]:
                 for optimizer in options[2]:
-                    base = _settings(request, micro, fixed_k or 0, precision, optimizer, levers)
+                    if not _allowed_choice(request, micro, fixed_k, precision, optimizer, levers):
+                        continue
+                    # Offloaded activations are checkpointed layers' inputs: at least one layer is checkpointed.
+                    lowest = max(min_checkpointing, 1) if levers["offload_activations"] else min_checkpointing
+                    base = _settings(request, micro, fixed_k if fixed_k is not None else lowest, precision,
+                                     optimizer, levers)
                     if fixed_k is not None:
                         out.append(_candidate(shape, base, host_budget))
                     else:
-                        c = _least_checkpointing(shape, base, usable, min_checkpointing)
-                        if levers["offload_activations"] and c.settings.gradient_checkpointing == 0:
-                            continue
+                        c = _least_checkpointing(shape, base, usable, lowest)
                         out.append(replace(c, host_budget=host_budget))
     return out
 
@@ -452,7 +436,7 @@ def _staged_search(shape: ModelShape, request: PlanRequest, usable: int, micros:
 
 
 def _host_budget(request: PlanRequest) -> int:
-    return request.host_memory_bytes if request.host_memory_bytes is not None else _cpu_memory()
+    return request.host_memory_bytes if request.host_memory_bytes is not None else host_ram()
 
 
 def _describe(settings: Settings) -> str:
@@ -498,7 +482,7 @@ def plan_memory(config: Any, request: PlanRequest, trace: bool | None = False) -
             device=request.device,
             budget_bytes=None,
             fits=True,
-            estimate=configured_estimate,
+            configured_estimate=configured_estimate,
             settings=configured,
             plan_estimate=configured_estimate,
             reasons=(
@@ -510,7 +494,7 @@ def plan_memory(config: Any, request: PlanRequest, trace: bool | None = False) -
             uncertainty=_candidate(shape, configured).uncertainty.to_dict(),
             expected_bytes=configured_estimate.device_bytes,
         )
-    usable = int(request.budget_bytes * (1.0 - request.headroom))
+    usable = request.usable_bytes
     candidates = _staged_search(shape, request, usable)
     reasons: tuple[str, ...] = ()
     if trace or (trace is None and trace_is_cheap(shape, request)):
@@ -634,7 +618,7 @@ def _finish(
         device=request.device,
         budget_bytes=budget,
         fits=fits,
-        estimate=configured_estimate,
+        configured_estimate=configured_estimate,
         settings=chosen.settings,
         plan_estimate=chosen.estimate,
         alternatives=alternatives,
@@ -670,7 +654,9 @@ def _change_reasons(shape: ModelShape, configured: Settings, chosen: _Candidate,
         )
     out.extend(_lever_reasons(shape, configured, chosen))
     if s.gradient_checkpointing and s.gradient_checkpointing != configured.gradient_checkpointing:
-        without = _estimate(shape, replace(s, gradient_checkpointing=configured.gradient_checkpointing))
+        k = configured.gradient_checkpointing
+        # Without checkpointed layers there are no layer inputs to offload either.
+        without = _estimate(shape, replace(s, gradient_checkpointing=k, offload_activations=s.offload_activations and k > 0))
         excess = without.device_bytes - usable
         tail = (
             f"{format_bytes(excess)} over budget without it"
@@ -762,7 +748,7 @@ def _suggestions(shape: ModelShape, request: PlanRequest, smallest: _Candidate) 
                 continue
             sharded = replace(request, strategy="fsdp", num_processes=n, micro_batch_size=None,
                               gradient_accumulation_steps=None, optimizer_in_backward=None, offload_optimizer=None)
-            usable = int(request.budget_bytes * (1.0 - request.headroom)) if request.budget_bytes else 0
+            usable = request.usable_bytes or 0
             candidates = [c for c in _staged_search(shape, sharded, usable) if _fits(c, usable)]
             if candidates:
                 best = min(candidates, key=lambda c: c.seconds)
@@ -771,7 +757,7 @@ def _suggestions(shape: ModelShape, request: PlanRequest, smallest: _Candidate) 
                     f"num_processes: {n}) would fit: {format_bytes(best.estimate.device_bytes)} per GPU"
                 )
                 break
-    usable = int(request.budget_bytes * (1.0 - request.headroom)) if request.budget_bytes else 0
+    usable = request.usable_bytes or 0
     seq = request.seq_len
     while seq > 64:
         seq //= 2
@@ -802,7 +788,7 @@ def replan_after_oom(
     budget = request.budget_bytes or previous_estimate.device_bytes
     tightened = max(int(budget / ratio), 1)
     relaxed = replace(request, budget_bytes=tightened, micro_batch_size=None, gradient_accumulation_steps=None)
-    usable = int(tightened * (1.0 - request.headroom))
+    usable = usable_bytes(tightened, request.headroom)
     per = _per_process(request)
     smaller = [m for m in _divisors(per) if m < previous.micro_batch_size]
     reason = (

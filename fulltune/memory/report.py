@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fulltune.memory.types import BREAKDOWN_KEYS, LEVERS, MemoryPlan
+from fulltune.memory.types import BREAKDOWN_KEYS, LEVERS, MemoryEstimate, MemoryPlan
 from fulltune.memory.units import format_bytes
 
 
@@ -35,19 +35,48 @@ def margin_line(plan: MemoryPlan) -> str | None:
     return f"{format_bytes(-spare)} over the usable budget; the estimate's uncertainty here is {uncertainty}"
 
 
+def _step_total(estimate: MemoryEstimate) -> int:
+    return estimate.step_device_bytes or estimate.device_bytes
+
+
+def _process_phase(estimate: MemoryEstimate) -> str:
+    return estimate.process_peak_phase or "training step"
+
+
+def phase_lines(plan: MemoryPlan) -> list[str]:
+    """The planned run's whole process phase by phase, and the evaluate stage's own peak against the budget."""
+    from fulltune.memory.process import EVALUATION
+
+    phases = plan.plan_estimate.phases
+    if not phases:
+        return []
+    training = ", ".join(f"{name} {format_bytes(value)}" for name, value in phases.items() if name != EVALUATION)
+    lines = [f"whole process (plan): {training}; peak in {_process_phase(plan.plan_estimate)}"]
+    evaluation = phases.get(EVALUATION)
+    if evaluation is not None:
+        over = plan.budget_bytes is not None and evaluation > plan.budget_bytes
+        lines.append(f"evaluation (the evaluate stage's own process, fp32 weights and generation's KV cache): "
+                     f"{format_bytes(evaluation)}" + (", over the budget: it does not depend on the planned "
+                                                      "settings" if over else ""))
+    return lines
+
+
 def format_plan_table(plan: MemoryPlan) -> str:
     """A readable table: configured vs planned breakdown, totals, budget, reasons, alternatives."""
     budget = plan.budget_bytes
+    configured, planned = plan.configured_estimate, plan.plan_estimate
     rows: list[tuple[str, str, str]] = []
     for key in BREAKDOWN_KEYS:
-        rows.append((key.replace("_", " "), format_bytes(plan.estimate.breakdown.get(key, 0)),
-                     format_bytes(plan.plan_estimate.breakdown.get(key, 0))))
-    rows.append(("peak (allocated)", format_bytes(plan.estimate.peak_bytes), format_bytes(plan.plan_estimate.peak_bytes)))
-    rows.append(("device total", format_bytes(plan.estimate.device_bytes), format_bytes(plan.plan_estimate.device_bytes)))
+        rows.append((key.replace("_", " "), format_bytes(configured.breakdown.get(key, 0)),
+                     format_bytes(planned.breakdown.get(key, 0))))
+    rows.append(("step peak (allocated)", format_bytes(configured.peak_bytes), format_bytes(planned.peak_bytes)))
+    rows.append(("step total", format_bytes(_step_total(configured)), format_bytes(_step_total(planned))))
+    rows.append(("step peak during", configured.peak_phase, planned.peak_phase))
+    rows.append(("process peak", format_bytes(configured.device_bytes), format_bytes(planned.device_bytes)))
     if budget is not None:
-        pct = [f"{100 * e.device_bytes / budget:.0f}% of budget" for e in (plan.estimate, plan.plan_estimate)]
+        pct = [f"{100 * e.device_bytes / budget:.0f}% of budget" for e in (configured, planned)]
         rows.append(("", pct[0], pct[1]))
-    rows.append(("peak during", plan.estimate.peak_phase, plan.plan_estimate.peak_phase))
+    rows.append(("process peak in", _process_phase(configured), _process_phase(planned)))
     w0 = max(len(r[0]) for r in rows + [("", "", "")])
     w1 = max(max(len(r[1]) for r in rows), len("configured"))
     w2 = max(max(len(r[2]) for r in rows), len("plan"))
@@ -68,6 +97,7 @@ def format_plan_table(plan: MemoryPlan) -> str:
     margin = margin_line(plan)
     if margin:
         lines.append(margin)
+    lines.extend(phase_lines(plan))
     lines.append(_settings_line(plan))
     share = plan.settings.target_fraction
     if share < 1.0:
@@ -95,7 +125,7 @@ def format_plan_table(plan: MemoryPlan) -> str:
                 f"{''.join(f', {name}' for name in LEVERS if alt.get(name))}: "
                 f"{format_bytes(alt['device_bytes'])} — {alt['rejected_because']}"
             )
-    for note in dict.fromkeys(plan.estimate.notes + plan.plan_estimate.notes):
+    for note in dict.fromkeys(configured.notes + planned.notes):
         lines.append(f"note: {note}")
     return "\n".join(lines)
 
@@ -122,7 +152,7 @@ def render_breakdown_png(plan: MemoryPlan, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     gib = float(2**30)
     labels = ["configured", "plan"]
-    estimates = [plan.estimate, plan.plan_estimate]
+    estimates = [plan.configured_estimate, plan.plan_estimate]
     fig, ax = plt.subplots(figsize=(6.5, 4.5), dpi=110)
     bottoms = [0.0, 0.0]
     for key in BREAKDOWN_KEYS:

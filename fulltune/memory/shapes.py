@@ -9,7 +9,7 @@ Three layouts are modelled tensor by tensor (checked against `model.parameters()
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fulltune.memory.errors import MemoryConfigError
@@ -59,6 +59,7 @@ class ModelShape:
     layer_params: tuple[tuple[int, ...], ...]  # parameter shapes of one decoder layer
     other_params: tuple[tuple[int, ...], ...]  # embeddings, final norm, untied lm head
     approximate: bool
+    stored_bytes: int = 4  # bytes per parameter in the checkpoint (the config's dtype; fp32 when it names none)
 
     @property
     def layer_numel(self) -> int:
@@ -116,10 +117,23 @@ def model_shape(config: Any) -> ModelShape:
         model_type = str(getattr(config, "model_type", model_type) or model_type)
 
     if model_type == "gpt2":
-        return _gpt2_shape(config)
-    if model_type == "gpt_neox":
-        return _neox_shape(config)
-    return _llama_shape(config, model_type)
+        shape = _gpt2_shape(config)
+    elif model_type == "gpt_neox":
+        shape = _neox_shape(config)
+    else:
+        shape = _llama_shape(config, model_type)
+    return replace(shape, stored_bytes=_stored_bytes(config))
+
+
+# The checkpoint dtypes a config may name (transformers 5 reads `torch_dtype` into `dtype`), in bytes per parameter.
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
+
+
+def _stored_bytes(config: Any) -> int:
+    """Bytes per parameter of the weights as the checkpoint stores them (what loading reads)."""
+    dtype = getattr(config, "dtype", None)
+    name = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
+    return _DTYPE_BYTES.get(name, 4)
 
 
 def _require(config: Any, model_type: str, *pairs: tuple[str, ...]) -> list[int]:

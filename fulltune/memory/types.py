@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, get_args
 
 from fulltune import spec
+from fulltune.levers import LEVERS  # the lever table's names, in the order the planner tries them
 from fulltune.memory.errors import MemoryConfigError
 
 # The choices are the spec's (fulltune/spec.py), defined once there.
@@ -14,9 +15,6 @@ OPTIMIZERS = get_args(spec.Optimizer)
 ATTN_IMPLEMENTATIONS = get_args(spec.AttnImplementation)
 DEVICES = get_args(spec.Device)
 STRATEGIES = get_args(spec.Strategy)
-# The memory levers (fulltune/optim.py, fulltune/offload.py, fulltune/loss.py), in the order the planner
-# tries them: cheapest in step time first.
-LEVERS = ("chunked_loss", "pure_bf16", "optimizer_in_backward", "offload_activations", "offload_optimizer")
 BREAKDOWN_KEYS = (
     "parameters",
     "gradients",
@@ -117,7 +115,7 @@ class Settings:
                 or self.tensor_parallel < 1 or self.num_processes % self.tensor_parallel:
             raise MemoryConfigError(f"tensor_parallel must divide num_processes ({self.num_processes}); "
                                     f"got {self.tensor_parallel!r}")
-        _check_levers(self.levers(), self.gradient_accumulation_steps, self.num_processes, self.mixed_precision)
+        _check_levers(self)
 
     def levers(self) -> dict[str, bool]:
         """The memory levers, name → on."""
@@ -159,34 +157,32 @@ class Settings:
         }
 
 
-def _check_levers(levers: dict[str, bool | None], accumulation: int | None, processes: int,
-                  precision: str | None) -> None:
-    """Lever combinations the trainer refuses (fulltune/optim.py `check_levers`, fulltune/launch.py)."""
-    for name, value in levers.items():
+def _check_levers(settings: Any) -> None:
+    """The lever table's rules (fulltune/levers.py), which the trainer asserts too."""
+    from fulltune import levers
+
+    for name, value in settings.levers().items():
         if value is not None and not isinstance(value, bool):
             raise MemoryConfigError(f"{name} must be true, false or auto; got {value!r}")
-    if levers["optimizer_in_backward"] and accumulation is not None and accumulation > 1:
-        raise MemoryConfigError("optimizer_in_backward needs gradient_accumulation_steps 1 (the effective batch is "
-                                f"kept with a larger micro-batch); got {accumulation}")
-    if levers["optimizer_in_backward"] and levers["offload_optimizer"]:
-        raise MemoryConfigError("optimizer_in_backward and offload_optimizer: choose one (offloading already frees "
-                                "device gradients in backward)")
-    hooks = [n for n in ("optimizer_in_backward", "offload_optimizer") if levers[n]]
-    if hooks and processes > 1:
-        raise MemoryConfigError(f"{' and '.join(hooks)} train on one process (their gradient hooks run before "
-                                "gradients are averaged); num_processes must be 1")
-    if levers["pure_bf16"] and precision == "fp16":
-        raise MemoryConfigError("pure_bf16 keeps bf16 weights: mixed_precision must be bf16 or no")
+    # The device's own rules (fp16 on a CPU) are the train job's: the memory model also estimates settings for
+    # a device other than this one. A request for a GPU without bf16 may not fix pure bf16 on.
+    bf16 = getattr(settings, "bf16_supported", None) if settings.device == "cuda" else None
+    combination = replace(levers.from_settings(settings, bf16_supported=bf16), device=None)
+    levers.check(combination, error=MemoryConfigError, installed=False)
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Peak memory of one steady-state optimizer step, per process.
+    """Peak memory of one training process, per process: its steady optimizer step and its other phases.
 
-    `peak_bytes` is allocated tensor memory (what `torch.cuda.max_memory_allocated` or a storage
-    tracker reports); `device_bytes` adds what the device needs beyond tensors (CUDA context,
-    allocator slack). `breakdown` splits `device_bytes` as it stands at the peak: the first six
-    entries sum to `peak_bytes`, `runtime_overhead` is the rest. `host_bytes` is the host RAM the
+    `peak_bytes` is the steady step's allocated tensor memory (what `torch.cuda.max_memory_allocated` or a
+    storage tracker reports) and `peak_phase` where in the step it is; `step_device_bytes` adds what the
+    device needs beyond tensors (CUDA context, allocator slack; on CPU the process). `breakdown` splits
+    `step_device_bytes` as it stands at the step's peak: the first six entries sum to `peak_bytes`,
+    `runtime_overhead` is the rest. `phases` are the device bytes of every phase of the process
+    (`fulltune.memory.process`: load, first step, step, checkpoint save, final export, and the evaluate
+    stage's own process); `device_bytes` is the largest of the training process's, in `process_peak_phase`:
+    what must fit. `host_bytes` is the host RAM the
     offload levers need beyond the process (fulltune/optim.py `host_bytes` plus offloaded
     activations); on a CPU device host RAM is the device memory, so there it is inside `peak_bytes`.
     """
@@ -198,6 +194,9 @@ class MemoryEstimate:
     notes: tuple[str, ...] = ()
     source: str = "estimate"
     host_bytes: int = 0
+    step_device_bytes: int = 0
+    phases: dict[str, int] = field(default_factory=dict)
+    process_peak_phase: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -206,6 +205,9 @@ class MemoryEstimate:
             "breakdown": {key: int(self.breakdown.get(key, 0)) for key in BREAKDOWN_KEYS},
             "peak_phase": self.peak_phase,
             "host_bytes": int(self.host_bytes),
+            "step_device_bytes": int(self.step_device_bytes or self.device_bytes),
+            "phases": {key: int(value) for key, value in self.phases.items()},
+            "process_peak_phase": self.process_peak_phase or "training step",
         }
 
 
@@ -251,8 +253,15 @@ class PlanRequest:
         """The memory levers, name → True / False / None (auto)."""
         return {name: getattr(self, name) for name in LEVERS}
 
+    @property
+    def usable_bytes(self) -> int | None:
+        """What the plan may fill, budget × (1 − headroom); None without a budget."""
+        from fulltune.memory.budget import usable_bytes
+
+        return None if self.budget_bytes is None else usable_bytes(self.budget_bytes, self.headroom)
+
     def __post_init__(self) -> None:
-        _check_levers(self.levers(), self.gradient_accumulation_steps, self.num_processes, self.mixed_precision)
+        _check_levers(self)
         if self.host_memory_bytes is not None and (isinstance(self.host_memory_bytes, bool)
                                                    or self.host_memory_bytes <= 0):
             raise MemoryConfigError(f"host_memory_bytes must be a positive number of bytes or None; "
@@ -310,15 +319,15 @@ class PlanRequest:
 class MemoryPlan:
     """The planner's answer: what runs, why, and what it will cost.
 
-    `estimate` is for the settings as configured (auto fields at their naive defaults, see
-    `plan_memory`); `settings`/`plan_estimate` is what the run will use. `uncertainty` is how far
+    `configured_estimate` is for the settings as configured (auto fields at their naive defaults, see
+    `plan_memory`; `plan --json` calls it "estimate"); `settings`/`plan_estimate` is what the run will use. `uncertainty` is how far
     the planned step's peak may be from `expected_bytes` (see `fulltune.memory.uncertainty`).
     """
 
     device: str
     budget_bytes: int | None
     fits: bool
-    estimate: MemoryEstimate
+    configured_estimate: MemoryEstimate
     settings: Settings
     plan_estimate: MemoryEstimate
     alternatives: list[dict[str, Any]] = field(default_factory=list)
@@ -344,7 +353,7 @@ class MemoryPlan:
             "budget_bytes": self.budget_bytes,
             "usable_bytes": self.usable_bytes,
             "fits": self.fits,
-            "estimate": self.estimate.to_dict(),
+            "estimate": self.configured_estimate.to_dict(),
             "plan": {
                 **s.choices(),
                 "seq_len": s.seq_len,
