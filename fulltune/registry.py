@@ -485,7 +485,7 @@ def describe_version(spec: PipelineSpec, pipeline: str, *, base_model: str, mode
 
     from fulltune.stages import describe_settings
 
-    source = spec.model.name_or_path or "a model built from model.from_config"
+    source = f"`{spec.model.name_or_path}`" if spec.model.name_or_path else "a new model from `model.from_config`"
     if spec.model.revision and spec.model.name_or_path:
         source += f" @ {spec.model.revision[:12]}"
     held_out = (f"`{spec.data.eval}`" if spec.data.eval else
@@ -505,8 +505,8 @@ def describe_version(spec: PipelineSpec, pipeline: str, *, base_model: str, mode
         f"Plan: {describe_settings(settings, layers)}, effective batch {spec.train.effective_batch_size}, "
         f"learning rate {spec.train.learning_rate:g}; {trained}.",
         "",
-        f"Evaluated on {held_out}: {report.num_examples} examples, base and fine-tuned"
-        + (f" and the champion (version {report.champion_version}, {report.comparison.replace('_', ' ')})"
+        f"Evaluated on {held_out}: {report.num_examples} examples, the base model, this one"
+        + (f" and the champion (version {report.champion_version}, compared on {report.comparison.replace('_', ' ')})"
            if report.champion_version is not None else "") + ".",
         "",
         _metrics_table(report),
