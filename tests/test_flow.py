@@ -71,6 +71,32 @@ def test_cache_hit_whose_files_are_gone_reruns(workspace):
     assert list((work / "runs").glob("*/model/model.safetensors"))
 
 
+def test_damaged_cached_outputs_rerun_their_stages(workspace):
+    """A truncated eval.parquet and truncated model weights (a disk error, an interrupted copy): the cache
+    hits are refused, both stages run again, the damaged copies are set aside, nothing new is registered."""
+    work = workspace.parent / "work"
+    for damaged in [*work.glob("tokenized/*/eval.parquet"), *work.glob("runs/*/model/model.safetensors")]:
+        with open(damaged, "r+b") as handle:
+            handle.truncate(damaged.stat().st_size // 2)
+    summary = run(workspace, **{"evaluate.max_new_tokens": 4})  # evaluate reads eval.parquet again
+    assert summary.stages == {"tokenize": "ran", "memory-budget": "cached", "fine-tune": "ran", "evaluate": "ran",
+                              "register": "ran"}
+    assert summary.train_metrics["steps"] == 6
+    aside = sorted(path.name for path in (work / "damaged").iterdir())
+    assert len(aside) == 2 and aside[0].startswith("fine-tune-model-") and aside[1].startswith("tokenize-"), aside
+    assert versions(workspace) == ["1"], "the retrained weights are the registered ones"
+
+
+def test_held_out_data_with_nothing_to_score_is_a_user_error_and_registers_nothing(workspace):
+    from fulltune.errors import DataError
+
+    empty = workspace.parent / "empty-eval.jsonl"
+    empty.write_text('{"prompt": "", "completion": ""}\n' * 4)
+    with pytest.raises(DataError, match=r"data\.eval: no example in .*empty-eval\.jsonl has a target to score"):
+        run(workspace, **{"data.eval": str(empty)})
+    assert versions(workspace) == ["1"]
+
+
 def test_worse_model_becomes_challenger_not_champion(workspace):
     summary = run(workspace, **{"train.max_steps": 1, "train.learning_rate": 1e-6})
     assert summary.stages["fine-tune"] == "ran"
