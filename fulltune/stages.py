@@ -223,7 +223,7 @@ def budget_key(p: ResolvedPipeline, train_fingerprint: str) -> str:
         "distributed": spec.distributed.model_dump(mode="json"),
         "resolved": asdict(resolved_budget(p)),
         # Step times measured on this kind of device rerank the candidates (fulltune/autotune.py).
-        "step_time_calibration": _calibration_key(p, device),
+        "step_time_calibration": _calibration_key(p, resolved_budget(p).device),
     })
 
 
