@@ -197,21 +197,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.server import start_temporary_server
     from fulltune.stages import ensure_local_data, ensure_workdir, pin_hub_revisions, resolve_pipeline, resolved_budget
 
-    # Validate before starting Prefect, so a bad config costs nothing and leaves nothing behind.
+    # Validate before any stage runs, so a bad config costs seconds and leaves nothing behind. The
+    # temporary Prefect server boots meanwhile (in its own process; it writes nothing to the workdir),
+    # while validation, the flow's imports and MLflow's start-up run here.
     p = resolve_pipeline(args.file, args.name, args.overrides)
-    ensure_local_data(p, check_hub=True)
-    pin_hub_revisions(p)
-    resolved_budget(p)
-    temporary_server = _check_servers(p.workdir)
-    ensure_workdir(p)
-    server = start_temporary_server() if temporary_server else None  # boots while the flow's imports run
+    server = start_temporary_server() if _check_servers(p.workdir) else None
+    try:
+        ensure_local_data(p, check_hub=True)
+        pin_hub_revisions(p)
+        resolved_budget(p)
+        ensure_workdir(p)
+    except BaseException:
+        if server is not None:
+            server.stop()
+        raise
     try:
         _quiet_user_errors()
         from flows.pipeline import Overrides, finetune_pipeline
         from flows.server import connect
 
         from fulltune.spec import parse_override
+        from fulltune.tracking import warm_up
 
+        warm_up(p.workdir)
         connect(server)
         overrides = {".".join(parts): value for parts, value in map(parse_override, args.overrides)}
         summary = finetune_pipeline(pipeline=args.name, overrides=Overrides(extra=overrides) if overrides else None,
