@@ -27,8 +27,6 @@ from fulltune.errors import ConfigError
 
 # In the order the planner tries them: cheapest in step time first.
 LEVERS = ("chunked_loss", "pure_bf16", "optimizer_in_backward", "offload_activations", "offload_optimizer")
-# Strategies that run several processes with their own handling of weights, gradients and states.
-DEEPSPEED = ("deepspeed_zero2", "deepspeed_zero3")
 
 
 @dataclass(frozen=True)
@@ -112,18 +110,12 @@ RULES: tuple[Rule, ...] = (
          lambda c: c.on("offload_activations") and _no_checkpointing(c),
          "it moves the saved inputs of checkpointed layers to host RAM, and no layer is checkpointed; set "
          "gradient_checkpointing to auto, true or a number of layers"),
-    Rule(("train.<memory levers>", "distributed.strategy"),
-         lambda c: c.strategy in DEEPSPEED and any(c.on(name) for name in LEVERS),
-         "DeepSpeed manages weights, gradients and optimizer states itself; turn the levers off (or auto)"),
     Rule(("train.mixed_precision", "distributed.strategy"),
          lambda c: c.strategy == "fsdp" and c.mixed_precision == "fp16",
          "FSDP trains in bf16 or fp32; set mixed_precision to bf16, no or auto"),
     Rule(("train.mixed_precision", "budget.device"),
          lambda c: c.device == "cpu" and c.mixed_precision == "fp16",
          "fp16 needs a CUDA device; use bf16, no or auto on CPU"),
-    Rule(("distributed.strategy", "budget.device"),
-         lambda c: c.device == "cpu" and c.strategy in DEEPSPEED,
-         "DeepSpeed needs CUDA devices; use ddp or fsdp on CPU"),
     Rule(("train.optimizer",),
          lambda c: c.optimizer == "adamw_4bit" and _torchao_missing(),
          "4-bit optimizer states need torchao: pip install 'fulltune[lowbit]'", installed=True),
