@@ -337,7 +337,7 @@ def test_fingerprint_is_stable_and_tracks_every_input(tmp_path: Path, tok_dir: s
 
 def test_tokenized_cache_is_reused_and_rebuilt_when_broken(tmp_path: Path, tok_dir: str, monkeypatch) -> None:
     train = write_jsonl(tmp_path / "train.jsonl", PAIRS)
-    spec = DataSpec(train=train, format="prompt_completion", max_length=64)
+    spec = DataSpec(train=train, format="prompt_completion", max_length=64, packing=False)  # as the stage resolves it
     work = tmp_path / "work"
     # A build killed half way by a dead process: its temp dir must not be mistaken for data, and goes away.
     fingerprint = fingerprint_data(spec, tok_dir, 0)
