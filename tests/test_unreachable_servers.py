@@ -14,6 +14,8 @@ import pytest
 from conftest import ROOT
 from pipelines_fixture import tiny_pipeline
 
+pytestmark = pytest.mark.slow  # each case starts the CLI in a process of its own
+
 # The clients' retries took minutes; refusing must take seconds (interpreter start-up included).
 WITHIN_S = 60
 
