@@ -15,7 +15,8 @@ would satisfy it — the planner, which fills the `auto` fields, keeps only cand
     optimizer_in_backward  each parameter steps as its gradient completes        accumulation 1, one process,
                                                                                   not with offload_optimizer
     offload_activations    checkpointed layers' saved inputs wait in host RAM    checkpointed layers
-    offload_optimizer      masters, gradients and states in host RAM              one process
+    offload_optimizer      masters, gradients and states in host RAM              one process, or FSDP on
+                                                                                  cuda (CPUOffloadPolicy)
 """
 
 from __future__ import annotations
@@ -94,8 +95,14 @@ RULES: tuple[Rule, ...] = (
          lambda c: c.on("optimizer_in_backward") and c.num_processes > 1,
          "its gradient hooks run before the gradients are averaged over processes; train on one process"),
     Rule(("train.offload_optimizer", "distributed.num_processes"),
-         lambda c: c.on("offload_optimizer") and c.num_processes > 1,
-         "its gradient hooks run before the gradients are averaged over processes; train on one process"),
+         lambda c: c.on("offload_optimizer") and c.num_processes > 1 and c.strategy != "fsdp",
+         "its gradient hooks run before the gradients are averaged over processes; train on one process, or "
+         "use strategy fsdp on cuda (FSDP's CPU offload)"),
+    # Under FSDP the lever is FSDP2's CPUOffloadPolicy (fulltune/sharding.py), which needs an accelerator.
+    Rule(("train.offload_optimizer", "budget.device"),
+         lambda c: c.on("offload_optimizer") and c.strategy == "fsdp" and c.device == "cpu",
+         "with strategy fsdp it is FSDP's CPU offload, which needs CUDA devices (on a CPU device host RAM is "
+         "the device memory: there is nothing to offload to); set budget.device to cuda or turn it off"),
     Rule(("train.chunked_loss", "distributed.strategy"),
          lambda c: c.on("chunked_loss") and c.strategy == "fsdp",
          "the chunked head reads the output head's weight in backward, after FSDP has resharded it; turn "

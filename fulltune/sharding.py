@@ -34,6 +34,16 @@ states stay fp32; FSDP all-gathers the parameters in bf16 and runs the forward a
 (MixedPrecisionPolicy), reduce-scatters gradients in fp32. No autocast is involved. fp16 is refused:
 it needs a sharded gradient scaler, which fulltune does not drive.
 
+CPU offload (`train.offload_optimizer` under `strategy: fsdp`, CUDA only): FSDP2's
+`CPUOffloadPolicy(pin_memory=True)` keeps every sharded parameter and gradient in pinned host RAM, so
+the optimizer (built on those shards) keeps its states there and steps on the host; the device holds
+only the unit being gathered, its unsharded gradients and the activations — what torchtune's 70B full
+fine-tune at 13.9 GiB per GPU runs. Each unit's shard is copied host-to-device before its all-gather and
+its reduce-scattered gradient device-to-host after. The global gradient norm is then a reduction of host
+tensors, which NCCL cannot do: the process group needs a gloo backend for CPU tensors beside NCCL
+(`init_process_group("cuda", cpu_offload=True)`, as torchtune's recipe starts it). The policy refuses to
+run without an accelerator, so on CPU only the wiring and the memory model are exercised.
+
 Gradient accumulation keeps the gradient sync on (one reduce-scatter per micro-batch): the gradients
 then stay sharded (4·P/N bytes), which is what the memory planner counts. `gradient_sync(model, False)`
 trades that memory (a full fp32 gradient, 4·P bytes) for communication where bandwidth is scarce.
@@ -57,10 +67,12 @@ EXTRA_STATE_FILE = "extra_state.json"
 MIXED_PRECISIONS = ("no", "bf16")
 
 
-def init_process_group(device: str) -> None:
+def init_process_group(device: str, cpu_offload: bool = False) -> None:
     """Start the default process group from torchrun's environment if nobody has (gloo / NCCL).
 
-    Accelerate starts it already inside the trainer; this is for scripts that run without it.
+    `cpu_offload` on CUDA: NCCL for device tensors and gloo for host ones (the sharded gradients whose
+    norm is reduced on the host under `CPUOffloadPolicy`). Accelerate starts a plain NCCL group inside the
+    trainer unless one exists, so the trainer calls this first when it offloads.
     """
     import torch
     import torch.distributed as dist
@@ -70,7 +82,8 @@ def init_process_group(device: str) -> None:
     if device == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        backend = "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+        dist.init_process_group(backend, device_id=torch.device("cuda", local_rank))
     else:
         dist.init_process_group("gloo")
 
@@ -99,8 +112,17 @@ def mixed_precision_policy(mixed_precision: str) -> Any:
     return MixedPrecisionPolicy()
 
 
+def offload_policy(offload: bool) -> Any:
+    """FSDP2's offload policy for `train.offload_optimizer`: sharded parameters, gradients (and so the
+    optimizer's states) in pinned host RAM; pinned so the per-unit host↔device copies are asynchronous
+    and overlap compute. No offload: the default policy (everything on the mesh's device)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
+
+
 def shard_model(model: Any, device: str = "cpu", mixed_precision: str = "no", mesh: Any = None,
-                reshard_after_forward: bool = True) -> Any:
+                reshard_after_forward: bool = True, offload: bool = False) -> Any:
     """Shard `model` in place with FSDP2 and return it (its class becomes FSDP<cls>).
 
     Units, as torchtitan cuts them: the input embedding, each decoder layer, the output head (the two
@@ -115,13 +137,18 @@ def shard_model(model: Any, device: str = "cpu", mixed_precision: str = "no", me
 
     `reshard_after_forward=True` frees each layer's gathered parameters after its forward and gathers
     them again in backward (ZeRO-3); False keeps them until backward (ZeRO-2-like, more memory).
+    `offload=True` (CUDA only): every unit's shards live in pinned host RAM (`offload_policy`); a model
+    built on the meta device is then materialised by `load_sharded_model`, which places them there.
     """
     from torch.distributed.fsdp import fully_shard
 
     from fulltune.memory.checkpointing import decoder_layers
 
     mesh = mesh if mesh is not None else device_mesh(device)
-    options = {"mesh": mesh, "mp_policy": mixed_precision_policy(mixed_precision)}
+    # Every unit gets the same policies: FSDP2 moves a unit's shards per its own policy, and a unit left
+    # on the device would keep its fp32 shard and AdamW states there.
+    options = {"mesh": mesh, "mp_policy": mixed_precision_policy(mixed_precision),
+               "offload_policy": offload_policy(offload)}
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embedding.weight
     if not tied:
@@ -138,7 +165,8 @@ def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision
                        before_shard: Callable[[Any], None] | None = None, mesh: Any = None,
                        reshard_after_forward: bool = True, parallel: Any = None, revision: str | None = None,
                        trust_remote_code: bool = False, allow_pickle_weights: bool = False,
-                       attn_implementation: str = "sdpa", token: str | None = None) -> Any:
+                       attn_implementation: str = "sdpa", token: str | None = None,
+                       offload: bool = False) -> Any:
     """Load a Hugging Face causal LM straight into FSDP2 shards: no process ever holds the full model
     (except rank 0 in the fallback below). Collective: every process calls it with the same arguments.
 
@@ -158,7 +186,8 @@ def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision
        dtype) and broadcast shard by shard (`set_model_state_dict(broadcast_from_rank0=True)`).
 
     The result equals `load_model` + `before_shard` + `shard_model` bit for bit. Tied embeddings stay one
-    parameter. `path` is a local directory or a hub id (`revision` and `token` resolve its snapshot, from
+    parameter. `offload=True` (`train.offload_optimizer` under FSDP; CUDA only, not with tensor parallel):
+    the shards are allocated in pinned host RAM and read there, the buffers go to the device. `path` is a local directory or a hub id (`revision` and `token` resolve its snapshot, from
     the cache when offline). `dtype` is the weights' dtype before `before_shard` (default fp32). Peak host
     memory per process: its shards plus one checkpoint tensor's slice being read.
 
@@ -183,12 +212,16 @@ def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision
         model.generation_config = GenerationConfig.from_pretrained(directory)
     if before_shard is not None:
         before_shard(model)
+    if offload and device != "cuda":
+        raise ValueError("FSDP's CPU offload needs a CUDA device (CPUOffloadPolicy refuses to run without one)")
     if parallel is not None and parallel.enabled:
+        if offload:
+            raise ValueError("FSDP's CPU offload does not combine with tensor parallel here")
         parallel.apply(model, device, mixed_precision, mesh=mesh)
     else:
         shard_model(model, device=device, mixed_precision=mixed_precision, mesh=mesh,
-                    reshard_after_forward=reshard_after_forward)
-    _materialize(model, device)
+                    reshard_after_forward=reshard_after_forward, offload=offload)
+    _materialize(model, device, offload)
     names = _checkpoint_names(model, directory)
     if names is not None:
         _read_own_shards(model, directory, names)
@@ -223,15 +256,24 @@ def _device(device: str) -> Any:
     return torch.device(device)
 
 
-def _materialize(model: Any, device: str) -> None:
-    """Allocate the (sharded) meta parameters on `device`, uninitialised; buffers keep their values."""
+def _materialize(model: Any, device: str, offload: bool = False) -> None:
+    """Allocate the (sharded) meta parameters on `device`, uninitialised; buffers keep their values.
+
+    `offload`: the parameters' shards are allocated in host RAM (FSDP2 pins them as it takes them back,
+    `FSDPParam.reset_sharded_param`) and the buffers, which FSDP does not manage, go to the device."""
     import torch
 
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
-    model.to_empty(device=_device(device))
+    model.to_empty(device=torch.device("cpu") if offload else _device(device))
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             buffer.copy_(buffers[name])
+    if offload:
+        target = _device(device)
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(target)
 
 
 def _aliases(model: Any) -> list[list[str]]:

@@ -487,6 +487,7 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         target_fraction=target_fraction,
         **{lever: None if getattr(t, lever) == "auto" else bool(getattr(t, lever)) for lever in LEVERS},
         host_memory_bytes=budget.host_bytes,
+        num_machines=d.num_machines,
     )
 
 

@@ -90,8 +90,14 @@ def build_optimizer(job: TrainJob, model: torch.nn.Module) -> torch.optim.Optimi
     """
     from fulltune import optim
 
+    plan = job.plan
+    if sharding.is_sharded(model) and plan.offload_optimizer:
+        # FSDP's CPU offload already keeps the shards in host RAM: the plain optimizer steps them there.
+        from dataclasses import replace
+
+        plan = replace(plan, offload_optimizer=False)
     try:
-        return optim.optimizer_for(model, job.plan, lr=job.train.learning_rate, weight_decay=job.train.weight_decay,
+        return optim.optimizer_for(model, plan, lr=job.train.learning_rate, weight_decay=job.train.weight_decay,
                                    max_grad_norm=job.train.max_grad_norm)
     except ValueError as exc:
         raise ConfigError(f"train.optimizer: {exc}") from None
@@ -234,6 +240,9 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
     """
     if job.plan.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("budget.device: cuda was planned but this machine has no usable CUDA device")
+    if job.distributed.strategy == "fsdp" and job.plan.offload_optimizer and "WORLD_SIZE" in os.environ:
+        # FSDP's CPU offload reduces the gradient norm over host shards: gloo beside NCCL (fulltune/sharding.py).
+        sharding.init_process_group(job.plan.device, cpu_offload=True)
     # The scheduler steps once per optimizer step: total_steps already counts every process's
     # micro-batches (accelerate would otherwise step it num_processes times).
     accelerator = Accelerator(cpu=job.plan.device == "cpu", mixed_precision=job.plan.mixed_precision,
@@ -309,7 +318,8 @@ def load_model_with_levers(job: TrainJob) -> tuple[torch.nn.Module, Any, tuple[i
         # processes (fulltune/parallel.py).
         model = sharding.load_sharded_model(job.paths.model_path, device=job.plan.device,
                                             mixed_precision=job.plan.mixed_precision, before_shard=before_shard,
-                                            parallel=ParallelPlan.from_job(job), **options)
+                                            parallel=ParallelPlan.from_job(job),
+                                            offload=job.plan.offload_optimizer, **options)
     else:
         model = load_model(job.paths.model_path, **options)
         before_shard(model)

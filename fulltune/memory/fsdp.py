@@ -1,6 +1,12 @@
 """Sharding: the share of weights, gradients and optimizer states each process keeps, the communication
 buffers of DDP and ZeRO, and the step as FSDP2 runs it (`fsdp_phases`), unit by unit.
 
+Under FSDP's CPU offload (`train.offload_optimizer` with strategy fsdp, CUDA only) the same walk holds on
+the device without the persistent shards: every parameter, gradient and optimizer-state shard is in host
+RAM (`lever_bytes.sharded_offload_bytes`), so a rank's device holds the gathered units, their unsharded
+gradients and reduce-scatter buffers, the activations and the batch. The host parts of each phase are
+this process's shards; a node's host RAM is `process.node_host_bytes`.
+
 FSDP (fulltune/sharding.py) is walked unit by unit: what is gathered, and which unsharded gradients and
 reduce-scatter buffers exist, depends on the phase; checked per rank on CPU (benchmarks/sharded_memory.py).
 NCCL's own buffers are not tensors and are not counted.
@@ -70,8 +76,10 @@ def persistent(x: StepTerms) -> Persistent:
         # Gradients are reduced in buckets about two layers large before being partitioned.
         buckets = 2 * wb * shape.layer_numel
     b, s, t = settings.micro_batch_size, settings.seq_len, x.t
+    # FSDP's CPU offload: the parameter shards live in host RAM (`lever_bytes.sharded_offload_bytes`).
+    on_device = 0 if x.levers.sharded_offload else 1
     return Persistent(
-        params=int(wb * shape.num_params * share.params),
+        params=int(wb * shape.num_params * share.params) * on_device,
         buffers=4 * (shape.rotary_dim // 2) if shape.rotary_dim else 0,
         states=int(x.levers.states * share.states),
         gathered=gathered,
@@ -191,8 +199,13 @@ def fsdp_phases(tl: Timeline) -> None:
     # The step runs on the shards (AdamW: in place). Adafactor's factored statistics need whole rows and
     # columns, so fulltune/optim.py's GatheredAdafactor gathers one parameter's weight and gradient at a
     # time and runs the unsharded update on them: the largest parameter's pair plus its temporaries.
+    # Under FSDP's CPU offload the step runs on the host shards: the device holds nothing of it (the
+    # host's temporaries are in the phase's host parts).
     step_temp = 0
-    if settings.optimizer == "adafactor":
+    if settings.optimizer == "adafactor" and not x.levers.sharded_offload:
         largest = max(math.prod(sh) for sh in shape.param_shapes)
         step_temp = 2 * wb * largest + x.levers.states_temp
     add("optimizer step", grads_total, 0, 0, step_temp)
+    if x.levers.sharded_offload and x.levers.host_temp:
+        # The host step's temporaries beside every host shard (the device is idle: nothing there).
+        tl.phases[-1][2]["host"] += x.levers.host_temp

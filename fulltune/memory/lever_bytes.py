@@ -24,27 +24,57 @@ class LeverBytes:
     host_states: int  # optimizer states in host RAM (offload)
     host_temp: int  # the host optimizer's temporaries
     host_buffer: int  # step in backward with accumulation: the host gradient sums
+    # FSDP's CPU offload (`sharded_offload`): the host holds this process's shards in the weight dtype
+    # (they are the parameters, not fp32 masters beside bf16 device weights), and the counts above are
+    # this process's share; the single-process offload keeps fp32 sums of the gradients.
+    sharded_offload: bool = False
 
     def host_parts(self, grads: int, offloaded: int) -> dict[str, int]:
         """Host RAM the levers hold in a phase whose gradients (without the hooks) are `grads` bytes and
         whose offloaded activations are `offloaded` bytes."""
-        host_grads = grads * 4 // self.weight_bytes if self.host_masters else 0  # fp32 sums on the host
+        if self.sharded_offload:
+            host_grads = grads  # the sharded gradients, reduce-scattered and copied to pinned host RAM
+        else:
+            host_grads = grads * 4 // self.weight_bytes if self.host_masters else 0  # fp32 sums on the host
         return {"parameters": self.host_masters, "gradients": host_grads + self.host_buffer,
                 "optimizer_states": self.host_states, "activations": offloaded}
+
+    @property
+    def pinned(self) -> int:
+        """Of the host RAM above, what FSDP's CPU offload pins (parameter and gradient shards), without the
+        gradients (counted per phase): page-locked, not swappable, not shared with other processes."""
+        return self.host_masters if self.sharded_offload else 0
 
 
 def lever_bytes(shape: ModelShape, settings: Settings) -> LeverBytes:
     """The lever byte counts of `settings` on `shape` (cached: the planner asks for many settings)."""
+    sharded = settings.offload_optimizer and settings.strategy == "fsdp"
     return _lever_bytes_cached(shape, settings.optimizer, settings.pure_bf16, settings.optimizer_in_backward,
-                               settings.offload_optimizer, settings.gradient_accumulation_steps)
+                               settings.offload_optimizer, settings.gradient_accumulation_steps,
+                               settings.num_processes if sharded else 0)
+
+
+def sharded_offload_bytes(shape: ModelShape, optimizer: str, pure_bf16: bool, num_processes: int) -> LeverBytes:
+    """FSDP's CPU offload (fulltune/sharding.py, `CPUOffloadPolicy`): nothing of the optimizer on the device;
+    one process's shards of the parameters (weight dtype: fp32, bf16 under pure bf16) in pinned host RAM, and
+    the optimizer's states and temporaries over them, as the plain optimizer (compensated under pure bf16)
+    allocates them there. The gradients' shards are counted per phase (`host_parts`)."""
+    from fulltune import optim
+
+    wb = optim.weight_bytes(pure_bf16)
+    states, temp = optim.device_state_bytes(optimizer, shape.param_shapes, pure_bf16=pure_bf16)
+    n = num_processes
+    return LeverBytes(wb, 0, 0, wb * shape.num_params // n, states // n, temp // n, 0, sharded_offload=True)
 
 
 @functools.lru_cache(maxsize=256)
 def _lever_bytes_cached(shape: ModelShape, optimizer: str, pure_bf16: bool, in_backward: bool, offload: bool,
-                        accumulation: int) -> LeverBytes:
+                        accumulation: int, sharded_processes: int = 0) -> LeverBytes:
     # fulltune.optim imports torch: imported here so that importing the memory model does not.
     from fulltune import optim
 
+    if offload and sharded_processes:
+        return sharded_offload_bytes(shape, optimizer, pure_bf16, sharded_processes)
     shapes = shape.param_shapes
     states, temp = optim.device_state_bytes(optimizer, shapes, pure_bf16=pure_bf16, offload_optimizer=offload)
     host_masters = host_states = host_temp = host_buffer = 0

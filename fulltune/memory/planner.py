@@ -22,6 +22,7 @@ from typing import Any
 
 from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.estimate import _estimate
+from fulltune.memory.process import node_host_bytes
 from fulltune.memory.shapes import ModelShape, model_shape
 from fulltune import levers as lever_table
 from fulltune.memory.types import LEVERS, MemoryEstimate, MemoryPlan, PlanRequest, Settings
@@ -149,7 +150,15 @@ def lever_seconds(shape: ModelShape, settings: Settings) -> dict[str, float]:
         flops = _flops(settings.device, "bf16" if settings.pure_bf16 else settings.mixed_precision)
         head_forward = from_shape(shape).per_target / 3.0  # the head's logits once more, per target
         out["chunked_loss"] = ga * b * settings.targets_per_row * head_forward / flops
-    if settings.offload_optimizer:
+    if settings.offload_optimizer and settings.strategy == "fsdp":
+        weight = 2 if settings.pure_bf16 else 4
+        # FSDP's CPU offload, per rank: each micro-batch copies its parameter shards up for the forward's and
+        # the backward's all-gathers and its gradient shards down; the host steps its shards.
+        n = settings.num_processes
+        pcie = ga * 3 * weight * P / n / _PCIE_BYTES_PER_S
+        host = _lever_host_traffic(shape, settings) / _HOST_OPTIMIZER_BYTES_PER_S
+        out["offload_optimizer"] = pcie + host * _HOST_OPTIMIZER_SLOWDOWN[settings.optimizer]
+    elif settings.offload_optimizer:
         weight = 2 if settings.pure_bf16 else 4
         # Each micro-batch's gradients go to the host; the fp32 masters come back once per step.
         pcie = (ga * weight * P + 4 * P) / _PCIE_BYTES_PER_S
@@ -167,6 +176,8 @@ def _lever_host_traffic(shape: ModelShape, settings: Settings) -> float:
     from fulltune.memory.lever_bytes import lever_bytes
 
     levers = lever_bytes(shape, settings)
+    if levers.sharded_offload:  # this rank's shards: read and write parameters and states, read gradients
+        return 2.0 * (levers.host_masters + levers.host_states) + levers.host_masters
     return 2.0 * (levers.host_masters + levers.host_states) + 4.0 * shape.num_params
 
 
@@ -180,6 +191,9 @@ class _Candidate:
     seconds: float
     uncertainty: Uncertainty
     host_budget: int | None = None  # host RAM the levers may use; None: no limit
+    # Several processes: one machine's host RAM (`process.node_host_bytes`); the estimate's host_bytes is then
+    # its total.
+    host_parts: dict[str, int] | None = None
 
     @property
     def host_fits(self) -> bool:
@@ -414,11 +428,25 @@ def _search(
                     base = _settings(request, micro, fixed_k if fixed_k is not None else lowest, precision,
                                      optimizer, levers)
                     if fixed_k is not None:
-                        out.append(_candidate(shape, base, host_budget))
+                        c = _candidate(shape, base, host_budget)
                     else:
                         c = _least_checkpointing(shape, base, usable, lowest)
-                        out.append(replace(c, host_budget=host_budget))
+                    out.append(_per_machine(shape, c, host_budget, _ranks_per_machine(request)))
     return out
+
+
+def _ranks_per_machine(request: PlanRequest) -> int:
+    return max(request.num_processes // max(request.num_machines, 1), 1)
+
+
+def _per_machine(shape: ModelShape, c: _Candidate, host_budget: int | None, ranks: int) -> _Candidate:
+    """`c` with its host RAM as one machine holds it (`budget.host_memory` is per machine): every rank's
+    offloaded tensors and, under FSDP, rank 0's gathered export (`process.node_host_bytes`)."""
+    if c.settings.strategy == "none" or c.settings.device == "cpu":
+        return replace(c, host_budget=host_budget)
+    node = node_host_bytes(shape, c.settings, c.estimate.host_bytes, ranks)
+    return replace(c, host_budget=host_budget, estimate=replace(c.estimate, host_bytes=node["total"]),
+                   host_parts=node)
 
 
 def _staged_search(shape: ModelShape, request: PlanRequest, usable: int, micros: list[int] | None = None,
@@ -677,11 +705,15 @@ _LEVER_TEXT = {
 }
 
 
+_FSDP_OFFLOAD_TEXT = ("FSDP's CPU offload (every rank's parameter, gradient and optimizer-state shards in host RAM, "
+                      "stepped there; only the gathered unit on the GPU)")
+
+
 def _pure_bf16_text(settings: Settings) -> str:
     """What pure bf16 means for the chosen optimizer: whether small updates survive the rounding."""
     from fulltune.optim import default_compensation
 
-    if settings.offload_optimizer:
+    if settings.offload_optimizer and settings.strategy != "fsdp":
         return "pure bf16 weights and gradients on the device; the fp32 masters on the host keep small updates"
     compensation = default_compensation(settings.optimizer)
     if compensation == "none":
@@ -714,8 +746,23 @@ def _lever_reasons(shape: ModelShape, configured: Settings, chosen: _Candidate) 
             continue
         cost = f"+{t['seconds']:.3g} s/step" if t["seconds"] >= 0.0005 else "no measurable step time"
         text = _pure_bf16_text(chosen.settings) if name == "pure_bf16" else _LEVER_TEXT[name]
+        if name == "offload_optimizer" and chosen.settings.strategy == "fsdp":
+            text = _FSDP_OFFLOAD_TEXT
         out.append(f"{name}: {text}: saves {format_bytes(t['saved_bytes'])} of device memory, {cost}")
-    if chosen.estimate.host_bytes and chosen.settings.device == "cuda":
+    parts = chosen.host_parts
+    if parts is not None and chosen.estimate.host_bytes:
+        budget = f" of {format_bytes(chosen.host_budget)} budget.host_memory" if chosen.host_budget else ""
+        s = chosen.settings
+        what = []
+        if parts["shards"]:
+            what.append(f"{format_bytes(parts['shards'])} of offloaded shards over its ranks "
+                        f"({format_bytes(parts['pinned'])} of them pinned)")
+        if parts["export"]:
+            what.append(f"rank 0 gathers the whole model ({format_bytes(parts['export'])}) at the final export")
+        offload = " under FSDP's CPU offload (the step on the host)" if s.offload_optimizer else ""
+        out.append(f"host RAM per machine: {format_bytes(chosen.estimate.host_bytes)}{budget}{offload}: "
+                   + "; ".join(what))
+    elif chosen.estimate.host_bytes and chosen.settings.device == "cuda":
         budget = f" of {format_bytes(chosen.host_budget)} budget.host_memory" if chosen.host_budget else ""
         out.append(f"host RAM: {format_bytes(chosen.estimate.host_bytes)}{budget} (offloaded "
                    f"{'optimizer states and masters' if chosen.settings.offload_optimizer else 'tensors'})")

@@ -18,6 +18,9 @@ phase on CPU, where `budget.memory` is the process's resident memory (benchmarks
   on the settings the planner chooses.
 
 The runtime overhead (`estimate._runtime_overhead`) is added to every phase; the load phase's is its own.
+
+Host RAM is planned per machine (`node_host_bytes`): the offloaded tensors of every process on it and, under
+FSDP, rank 0's gathered copy of the whole model at the export.
 """
 
 from __future__ import annotations
@@ -69,11 +72,41 @@ def phase_tensors(shape: ModelShape, settings: Settings, step_tensors: int) -> d
         load = weights  # read on the host, then moved: the device holds the weights
     out = {LOAD: load, FIRST_STEP: step_tensors, STEP: step_tensors,
            CHECKPOINT: weights + states + largest, EXPORT: weights + states + largest}
+    if levers.sharded_offload and settings.device != "cpu":
+        # FSDP's CPU offload: the shards are read into host RAM and the optimizer's states live there;
+        # saving passes one parameter at a time through the device (its shard up, the full tensor gathered).
+        out[LOAD] = 0
+        out[CHECKPOINT] = out[EXPORT] = largest + int(largest / settings.num_processes)
     if settings.offload_optimizer and settings.device == "cpu":
         # The host masters and states are in the same memory as everything else.
         out[CHECKPOINT] = out[EXPORT] = max(out[CHECKPOINT], step_tensors)
     out[EVALUATION] = evaluation_tensors(shape, settings, Evaluation())
     return out
+
+
+def node_host_bytes(shape: ModelShape, settings: Settings, rank_host: int, ranks_per_node: int) -> dict[str, int]:
+    """Host RAM of one machine running `ranks_per_node` processes of `settings`, each holding `rank_host`
+    bytes of offloaded tensors at its peak (the estimate's `host_bytes`): what `budget.host_memory` (per
+    machine) must hold. Parts:
+
+    - `shards`: every rank's host tensors (under FSDP's CPU offload its parameter, gradient and optimizer-state
+      shards, and the host step's temporaries);
+    - `pinned`: of those, the page-locked parameter and gradient shards (FSDP2 pins them for asynchronous
+      copies; pinned pages cannot be swapped or shared);
+    - `export`: under FSDP, the final export gathers the whole model as CPU tensors on rank 0
+      (`sharding.full_state_dict`, weight dtype) while every rank's shards are still held;
+    - `total`: the machine's peak, the larger of the step and the export.
+
+    One process without FSDP: its own host bytes (`export` 0: it writes its weights as they are).
+    """
+    levers = lever_bytes(shape, settings)
+    shards = rank_host * ranks_per_node
+    grads = int(levers.weight_bytes * shape.num_params / settings.num_processes) if levers.sharded_offload else 0
+    pinned = (levers.pinned + grads) * ranks_per_node
+    export = levers.weight_bytes * shape.num_params if settings.strategy == "fsdp" else 0
+    # At the export the step's temporaries are gone; the shards (masters, gradients, states) are not.
+    held = (levers.host_masters + grads + levers.host_states) * ranks_per_node if levers.sharded_offload else 0
+    return {"shards": shards, "pinned": pinned, "export": export, "total": max(shards, held + export)}
 
 
 def evaluation_tensors(shape: ModelShape, settings: Settings, evaluation: Evaluation) -> int:

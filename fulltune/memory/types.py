@@ -248,6 +248,7 @@ class PlanRequest:
     offload_activations: bool | None = None
     chunked_loss: bool | None = None
     host_memory_bytes: int | None = None
+    num_machines: int = 1  # the processes are spread evenly over them; host_memory_bytes is per machine
 
     def levers(self) -> dict[str, bool | None]:
         """The memory levers, name → True / False / None (auto)."""
