@@ -1,5 +1,5 @@
-"""The memory levers in the planner: Llama-3 8B on one 24 GiB GPU and 70B on 8×80 GiB keep their effective
-batch, the plan says host RAM and step time, a host RAM budget is respected, and every lever's estimate is
+"""The memory levers in the planner: Llama-3 8B on one 24 GiB GPU, 70B on 8×80 GiB and, with FSDP's CPU
+offload and 1 TiB of host RAM, on 8×24 and 8×40 GiB keep their effective batch, the plan says host RAM and step time, a host RAM budget is respected, and every lever's estimate is
 within 3% of the traced step (FakeTensorMode: nothing is allocated)."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ def llama3(hidden: int, intermediate: int, layers: int, heads: int) -> transform
 
 LLAMA_8B = llama3(4096, 14336, 32, 32)
 LLAMA_70B = llama3(8192, 28672, 80, 64)
+LLAMA_70B_PARAMS = 70_553_706_496
 
 
 def gpu_request(**overrides) -> PlanRequest:
@@ -80,6 +81,34 @@ def test_llama3_70b_fits_8x80gib_with_fsdp_and_the_effective_batch_kept():
     assert s.micro_batch_size * s.gradient_accumulation_steps * s.num_processes == 64
     assert s.pure_bf16 and not s.offload_optimizer  # the gradient hooks run on one process only
     assert "estimated step time" in format_plan_table(plan)
+
+
+def fsdp_70b_request(gib: int, host_gib: int = 1024) -> PlanRequest:
+    return PlanRequest(effective_batch_size=64, seq_len=4096, device="cuda", bf16_supported=True,
+                       budget_bytes=gib * GiB, attention_mask=False, strategy="fsdp", num_processes=8,
+                       host_memory_bytes=host_gib * GiB)
+
+
+@pytest.mark.parametrize("gib", [24, 40])
+def test_llama3_70b_fits_8_gpus_of_24_or_40gib_with_fsdp_cpu_offload_and_1tib_of_host_ram(gib):
+    plan = plan_memory(LLAMA_70B, fsdp_70b_request(gib))
+    s = plan.settings
+    assert plan.fits and s.offload_optimizer and s.strategy == "fsdp"
+    assert s.micro_batch_size * s.gradient_accumulation_steps * s.num_processes == 64
+    assert plan.expected_bytes <= plan.usable_bytes  # device memory per GPU
+    host = plan.plan_estimate.host_bytes  # per machine: 8 ranks' shards + rank 0's export
+    assert 2 * LLAMA_70B_PARAMS <= host <= 1024 * GiB
+    assert plan.estimated_step_seconds > 0
+    text = format_plan_table(plan)
+    assert "host RAM per machine" in text and "FSDP's CPU offload" in text and "estimated step time" in text
+    data = plan.to_dict()["plan"]
+    assert data["offload_optimizer"] is True and data["host_bytes"] == host
+
+
+def test_fsdp_offload_over_the_host_ram_budget_is_refused_and_says_so():
+    plan = plan_memory(LLAMA_70B, fsdp_70b_request(24, host_gib=256))
+    assert not plan.fits  # 8 ranks' shards of 70B do not fit 256 GiB of one machine's RAM
+    assert any("budget.host_memory" in r and "refused" in r for r in plan.reasons)
 
 
 def test_a_configuration_that_fits_turns_no_lever_on():
