@@ -15,7 +15,9 @@ and which of estimate and trace is right on CUDA is settled. Then:
 - MFU of a short bf16 training loop (model FLOPs per token of fulltune/flops.py, via `flops_per_token`,
   against the device's dense bf16 peak from `fulltune.flops.GPU_PEAK_FLOPS` or --peak-tflops),
 - fp16 autocast with a `GradScaler`: a few steps with one injected overflow, checking the step is skipped,
-  the scale drops and training continues; with its memory peak against the estimate.
+  the scale drops and training continues; with its memory peak against the estimate;
+- FSDP's CPU offload on one GPU (world size 1, `fsdp_offload_case`): device peak allocated / reserved and the
+  process's host RSS against the estimate; the GPU-only path of `train.offload_optimizer` under fsdp.
 
 Usage (a few minutes on one H100/H200; each case is independent and a failing one is reported, not fatal):
     python benchmarks/device_check.py --out device_check.json
@@ -231,6 +233,66 @@ def _safely(name: str, fn: Any, *args: Any) -> dict[str, Any]:
         return {"name": name, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=3)}
 
 
+def fsdp_offload_case(dry_run: bool, steps: int = 3) -> dict[str, Any]:
+    """FSDP's CPU offload (`train.offload_optimizer` with strategy fsdp; fulltune/sharding.py) on one GPU, world
+    size 1: a few AdamW steps of the TinyLlama-1.1B shape (seq 2048, micro 2, bf16 policy, no checkpointing)
+    with every shard and optimizer state in pinned host RAM. Reports the device's peak allocated / reserved
+    against the estimate (the HF loss here, not the trainer's target-only head: the logits differ), the
+    process's peak RSS against the estimate's host bytes, and the losses. GPU-only: CPUOffloadPolicy refuses
+    to run without an accelerator, so --dry-run skips it."""
+    if dry_run:
+        return {"skipped": "CPUOffloadPolicy needs CUDA (\"Cannot access accelerator device when none is available\")"}
+    import resource
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from fulltune import sharding
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)}.items():
+        os.environ.setdefault(key, value)
+    sharding.init_process_group("cuda", cpu_offload=True)
+    try:
+        config = _llama(2048, 5632, 22, 32, 4, 32000)
+        settings = Settings(micro_batch_size=2, seq_len=2048, mixed_precision="bf16", device="cuda", strategy="fsdp",
+                            num_processes=1, attention_mask=False, offload_optimizer=True)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model.config.use_cache = False
+        sharding.shard_model(model, device="cuda", mixed_precision="bf16", offload=True)
+        sharding.move_buffers(model, "cuda")
+        pinned = all(p.to_local().is_pinned() for p in model.parameters())
+        optimizer = optim.build_optimizer(model, "adamw", lr=1e-5)
+        torch.cuda.reset_peak_memory_stats()
+        ids = torch.randint(0, config.vocab_size, (settings.micro_batch_size, settings.seq_len), device="cuda")
+        losses, start = [], time.perf_counter()
+        for _ in range(steps):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            sharding.clip_grad_norm_(model, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss))
+        torch.cuda.synchronize()
+        seconds = (time.perf_counter() - start) / steps
+        estimate = estimate_memory(config, settings)
+        allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        return {"losses": losses, "seconds_per_step": seconds, "shards_pinned": pinned,
+                "params_on": str(next(model.parameters()).device),
+                "measured_allocated": allocated, "measured_reserved": reserved,
+                "estimate_peak": estimate.peak_bytes, "estimate_device": estimate.step_device_bytes,
+                "estimate_error": estimate.peak_bytes / allocated - 1,
+                "host_rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "estimate_host": estimate.host_bytes}
+    finally:
+        dist.destroy_process_group()
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.2%}"
 
@@ -276,6 +338,8 @@ def run(dry_run: bool, peak_tflops: float | None, mfu_steps: int) -> dict[str, A
                              attention_mask=False)
     report["fp16_loss_scaling"] = _safely("fp16", fp16_case, config, fp16_settings, 4, 1)
     print("[fp16] done", file=sys.stderr, flush=True)
+    report["fsdp_offload"] = _safely("fsdp_offload", fsdp_offload_case, dry_run)
+    print("[fsdp offload] done", file=sys.stderr, flush=True)
     from autotune import gpu_check  # benchmarks/autotune.py: the plan's top candidates measured in training children
 
     report["autotune"] = _safely("autotune", gpu_check, dry_run)
@@ -303,6 +367,18 @@ def summary(report: dict[str, Any]) -> str:
                       f"{format_bytes(fp16['estimate_peak'])}")
         lines.append(f"fp16 + GradScaler: overflow skipped and recovered: {fp16['overflow_step_skipped_and_recovered']}"
                      f" (scale {scales}){memory}")
+    offload = report.get("fsdp_offload", {})
+    if "error" in offload:
+        lines.append(f"FSDP CPU offload: FAILED: {offload['error']}")
+    elif "skipped" in offload:
+        lines.append(f"FSDP CPU offload: skipped: {offload['skipped']}")
+    elif offload:
+        lines.append(f"FSDP CPU offload (1 GPU): allocated {format_bytes(offload['measured_allocated'])} "
+                     f"(estimate {format_bytes(offload['estimate_peak'])}, {_pct(offload['estimate_error'])}), "
+                     f"reserved {format_bytes(offload['measured_reserved'])}, host RSS "
+                     f"{format_bytes(offload['host_rss_peak'])} (offloaded tensors estimated "
+                     f"{format_bytes(offload['estimate_host'])}), {offload['seconds_per_step']:.3g} s/step, "
+                     f"shards pinned: {offload['shards_pinned']}")
     return "\n".join(lines)
 
 

@@ -1,4 +1,5 @@
-"""The largest Llama shape `fulltune plan` fits on one 24 / 48 / 80 GiB GPU, and Llama-3-70B on 8×80 GiB.
+"""The largest Llama shape `fulltune plan` fits on one 24 / 48 / 80 GiB GPU, Llama-3-70B on 8×80 GiB, and the
+largest on one machine of 8 × 24 / 40 / 48 / 80 GiB GPUs with FSDP (CPU offload allowed, 1 TiB host RAM).
 
 Configs are built in code (no downloads): Llama-3 shapes with the 128k vocabulary, untied head, packed rows
 without padding (no attention mask), seq 2048, effective batch 8, optimizer auto, every memory lever auto,
@@ -64,6 +65,23 @@ def single_gpu(budget_gib: int) -> list[str]:
     return lines
 
 
+CLUSTER_HOST = 1024 * GiB  # one 8-GPU machine with 1 TiB of RAM
+
+
+def eight_gpus(budget_gib: int) -> tuple[str | None, list[str]]:
+    """Every shape on one machine of 8 GPUs with FSDP (seq 4096 packed, effective batch 64, 1 TiB host RAM):
+    the largest that fits and the table's rows."""
+    largest, lines = None, []
+    for name in SHAPES:
+        request = PlanRequest(effective_batch_size=64, seq_len=4096, device="cuda", bf16_supported=True,
+                              budget_bytes=budget_gib * GiB, attention_mask=False, strategy="fsdp",
+                              num_processes=8, host_memory_bytes=CLUSTER_HOST)
+        plan = plan_memory(config(name), request)
+        largest = name if plan.fits else largest
+        lines.append(row(f"{name} on 8×{budget_gib} GiB FSDP", plan))
+    return largest, lines
+
+
 def main() -> None:
     print("| model / GPU | plan fits | chosen | device (expected) | host RAM | step (predicted) |")
     print("|---|---|---|---|---|---|")
@@ -74,6 +92,21 @@ def main() -> None:
                           budget_bytes=80 * GiB, attention_mask=False, strategy="fsdp", num_processes=8,
                           host_memory_bytes=HOST)
     print(row("70B on 8×80 GiB FSDP (seq 4096, batch 64)", plan_memory(config("70B"), request)))
+    print()
+    print("8 GPUs, FSDP, seq 4096 packed, effective batch 64, host RAM 1 TiB per machine "
+          "(host RAM column: one machine's)")
+    print()
+    print("| model / cluster | plan fits | chosen | device per GPU (expected) | host RAM per machine | "
+          "step (predicted) |")
+    print("|---|---|---|---|---|---|")
+    largest = {}
+    for gib in (24, 40, 48, 80):
+        largest[gib], lines = eight_gpus(gib)
+        for line in lines:
+            print(line, flush=True)
+    print()
+    for gib, name in largest.items():
+        print(f"largest Llama-3 shape that fits 8×{gib} GiB: {name}")
 
 
 if __name__ == "__main__":

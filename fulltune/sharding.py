@@ -269,11 +269,17 @@ def _materialize(model: Any, device: str, offload: bool = False) -> None:
         for name, buffer in model.named_buffers():
             buffer.copy_(buffers[name])
     if offload:
-        target = _device(device)
-        for module in model.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None:
-                    module._buffers[name] = buffer.to(target)
+        move_buffers(model, device)
+
+
+def move_buffers(model: Any, device: str) -> None:
+    """Move the model's buffers (rotary `inv_freq`), which FSDP does not manage, to `device`: under CPU
+    offload the parameters' shards stay in host RAM while the forward runs on the device."""
+    target = _device(device)
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(target)
 
 
 def _aliases(model: Any) -> list[list[str]]:
