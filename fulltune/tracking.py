@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fulltune import registry
@@ -55,10 +56,23 @@ def warm_up(workdir: str) -> None:
     The CLI calls this while the temporary Prefect server boots, so the seconds it takes overlap that
     start-up instead of following it; the flow's `pipeline_run` then finds the store open.
     """
+    import fcntl
+
     from mlflow.tracking import MlflowClient
 
-    registry.configure(workdir)
-    MlflowClient().search_experiments(max_results=1)
+    uri = registry.configure(workdir)
+    if not uri.startswith("sqlite:"):
+        MlflowClient().search_experiments(max_results=1)
+        return
+    # Two runs sharing a workdir would both create the new database's schema ("table ... already
+    # exists"): the first to open it does, the other waits for it.
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    with open(Path(workdir) / ".mlflow-store.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            MlflowClient().search_experiments(max_results=1)
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @dataclass
