@@ -41,6 +41,7 @@ class Combination:
     levers: Mapping[str, bool | None]
     strategy: str = "none"
     num_processes: int = 1
+    tensor_parallel: int = 1
     optimizer: str | None = "adamw"
     gradient_accumulation_steps: int | None = None
     mixed_precision: str | None = None
@@ -103,6 +104,9 @@ RULES: tuple[Rule, ...] = (
          lambda c: c.on("offload_optimizer") and c.strategy == "fsdp" and c.device == "cpu",
          "with strategy fsdp it is FSDP's CPU offload, which needs CUDA devices (on a CPU device host RAM is "
          "the device memory: there is nothing to offload to); set budget.device to cuda or turn it off"),
+    Rule(("train.offload_optimizer", "distributed.tensor_parallel"),
+         lambda c: c.on("offload_optimizer") and c.tensor_parallel > 1,
+         "FSDP's CPU offload is not combined with tensor parallel; set tensor_parallel to 1 or turn it off"),
     Rule(("train.chunked_loss", "distributed.strategy"),
          lambda c: c.on("chunked_loss") and c.strategy == "fsdp",
          "the chunked head reads the output head's weight in backward, after FSDP has resharded it; turn "
@@ -163,7 +167,8 @@ def from_spec(pipeline: object) -> Combination:
     return Combination(
         levers={name: auto(getattr(train, name)) for name in LEVERS},
         strategy=distributed.strategy, num_processes=distributed.num_processes,
-        optimizer=auto(train.optimizer), gradient_accumulation_steps=auto(train.gradient_accumulation_steps),
+        tensor_parallel=getattr(distributed, "tensor_parallel", 1), optimizer=auto(train.optimizer),
+        gradient_accumulation_steps=auto(train.gradient_accumulation_steps),
         mixed_precision=auto(train.mixed_precision), gradient_checkpointing=auto(train.gradient_checkpointing),
         device=auto(budget.device))
 
@@ -174,6 +179,7 @@ def from_settings(settings: object, bf16_supported: bool | None = None) -> Combi
     s = settings
     return Combination(
         levers=s.levers(), strategy=s.strategy, num_processes=s.num_processes,  # type: ignore[attr-defined]
+        tensor_parallel=getattr(s, "tensor_parallel", 1),
         optimizer=s.optimizer, gradient_accumulation_steps=s.gradient_accumulation_steps,  # type: ignore[attr-defined]
         mixed_precision=s.mixed_precision, gradient_checkpointing=s.gradient_checkpointing,  # type: ignore[attr-defined]
         device=s.device, bf16_supported=bf16_supported)  # type: ignore[attr-defined]

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fulltune import harness, hub
+from fulltune import harness, hub, levers
 from fulltune.errors import BudgetError, ConfigError, DataError
 from fulltune.memory.budget import Budget, resolve_budget
 from fulltune.memory.types import Settings
@@ -464,6 +464,10 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
 
     t, d = p.spec.train, p.spec.distributed
     budget = resolved_budget(p)
+    # The lever table again, now that `budget.device: auto` has a device (validate checked the rest).
+    combination = replace(levers.from_spec(p.spec), device=budget.device,
+                          bf16_supported=budget.bf16_supported if budget.device == "cuda" else None)
+    levers.check(combination, where=f"pipelines.{p.name}.")
     checkpointing = None if t.gradient_checkpointing == "auto" else t.gradient_checkpointing
     return PlanRequest(
         effective_batch_size=t.effective_batch_size,

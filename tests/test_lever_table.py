@@ -130,3 +130,14 @@ def test_a_refused_combination_exits_2_from_fulltune_validate_naming_its_fields(
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 2, result.stderr
     assert "train.chunked_loss with distributed.strategy" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_plan_applies_the_table_once_budget_device_auto_has_a_device() -> None:
+    """`budget.device: auto` is unknown at validate; `plan` resolves it and refuses what the device cannot run."""
+    command = [sys.executable, "-m", "fulltune.cli", "plan", "demo", "-f", str(ROOT / "pipelines.yaml"),
+               "--set", "train.offload_optimizer=true", "--set", "distributed.strategy=fsdp",
+               "--set", "distributed.num_processes=2", "--set", "train.effective_batch_size=8"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 2, result.stderr
+    assert "pipelines.demo.train.offload_optimizer with budget.device" in result.stderr
+    assert "Traceback" not in result.stderr
