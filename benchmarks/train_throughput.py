@@ -1,7 +1,9 @@
 """Training throughput: fulltune's loop against transformers' Trainer on the same data, model and settings.
 
     python benchmarks/train_throughput.py              # CPU: ~1M-parameter Llama, seq ≤ 256, fp32 (~6 min; --runs 5: ~9 min)
+    python benchmarks/train_throughput.py --size zipf  # CPU: 4-layer Llama h256 V8192, Zipf lengths, micro-batch 8
     python benchmarks/train_throughput.py --gpu        # CUDA: ~1.1B Llama from a config, bf16, seq ≤ 2048
+    python benchmarks/train_throughput.py --baseline DIR   # also fulltune from another checkout (A/B)
 
 Contenders, each in a fresh process, interleaved run by run (`--runs`, default 3):
 
@@ -10,6 +12,8 @@ Contenders, each in a fresh process, interleaved run by run (`--runs`, default 3
     fulltune           fulltune's loop on one example per row (length-grouped steps, padded micro-batches;
                        like every fulltune run, the output head only at positions with a target)
     fulltune_packed    fulltune's loop on packed rows (data.packing: true; no padding)
+    baseline           with `--baseline DIR`: fulltune's loop from the checkout at DIR (e.g. an earlier release,
+    baseline_packed    `git worktree add DIR <commit>`), on the same rows, interleaved with the others
 
 All use the same variable-length prompt/completion data tokenized by `fulltune.data.tokenize_dataset`,
 the same model weights, micro-batch, gradient accumulation, optimizer steps, precision and fused AdamW
@@ -25,6 +29,8 @@ On CPU every process runs one thread (`--threads`), and the loop's process CPU t
 its wall time: on a shared machine, other processes' load changes wall time from run to run, while
 tokens per CPU-second stays comparable (with several OpenMP threads, an oversubscribed machine stalls
 each parallel region by up to a scheduler tick, which punishes whichever contender runs at a busy moment).
+Each run's whole process (start, model loading, training, saving) is measured too: its CPU time and the
+tokens per whole-process CPU-second, which count what the loop's clock leaves out.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 CONTENDERS = ("trainer", "trainer_grouped", "fulltune", "fulltune_packed")
+BASELINES = ("baseline", "baseline_packed")  # fulltune from another checkout (--baseline)
 
 
 @dataclass(frozen=True)
@@ -66,23 +73,34 @@ class Size:
     steps: int | None  # optimizer steps per run; None: one epoch of the unpacked rows (every contender then
     # trains on the same length distribution, which short runs of differently ordered samplers do not)
     precision: str  # fulltune's mixed_precision; Trainer gets bf16=True for "bf16"
+    lengths: str = "lognormal"  # word counts of prompts and completions: "lognormal" or "zipf" (heavier tail)
+    packed_epoch: bool = False  # with steps None: the packed contenders train one epoch of the packed rows (the
+    # same tokens as the others) instead of the unpacked contenders' step count on packed rows
 
 
 CPU = Size(hidden=128, intermediate=352, layers=4, heads=4, kv_heads=4, vocab=1024, tokenizer_vocab=1024,
            max_length=256, examples=1200, micro_batch_size=4, gradient_accumulation_steps=2, steps=None,
            precision="no")
+# A wider model with a larger vocabulary (the head is 40% of the matmul FLOPs per position) on short, Zipf-
+# distributed rows (median 14 tokens, 1% over 140): small steps, where per-step costs and padding weigh most.
+ZIPF = Size(hidden=256, intermediate=688, layers=4, heads=4, kv_heads=4, vocab=8192, tokenizer_vocab=1024,
+            max_length=256, examples=1400, micro_batch_size=8, gradient_accumulation_steps=1, steps=None,
+            precision="no", lengths="zipf", packed_epoch=True)
 # TinyLlama-1.1B's shape (22 layers, hidden 2048, GQA 32/4) with a Llama-2 size vocabulary.
 GPU = Size(hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4, vocab=32000, tokenizer_vocab=4096,
            max_length=2048, examples=6000, micro_batch_size=8, gradient_accumulation_steps=2, steps=40,
            precision="bf16")
+SIZES = {"cpu": CPU, "zipf": ZIPF, "gpu": GPU}
 
 
 # ---------------------------------------------------------------------------------------------------
 # Inputs: data, tokenizer, model
 
 
-def write_prompt_completion_data(path: Path, examples: int, max_length: int, seed: int = 0) -> None:
-    """Synthetic prompt/completion records with long-tailed lengths (log-normal word counts)."""
+def write_prompt_completion_data(path: Path, examples: int, max_length: int, seed: int = 0,
+                                  lengths: str = "lognormal") -> None:
+    """Synthetic prompt/completion records with long-tailed lengths: log-normal word counts, or
+    3 + Zipf(1.6) words per prompt and per completion (`lengths="zipf"`), both capped at max_length / 2."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -91,8 +109,11 @@ def write_prompt_completion_data(path: Path, examples: int, max_length: int, see
     cap = max_length // 2
     with path.open("w") as handle:
         for _ in range(examples):
-            n_prompt = int(min(cap, max(4, rng.lognormal(np.log(max_length / 8), 0.8))))
-            n_completion = int(min(cap, max(4, rng.lognormal(np.log(max_length / 10), 0.9))))
+            if lengths == "zipf":
+                n_prompt, n_completion = (int(min(cap, 3 + rng.zipf(1.6))) for _ in range(2))
+            else:
+                n_prompt = int(min(cap, max(4, rng.lognormal(np.log(max_length / 8), 0.8))))
+                n_completion = int(min(cap, max(4, rng.lognormal(np.log(max_length / 10), 0.9))))
             prompt = " ".join(rng.choice(words, size=n_prompt))
             completion = " ".join(rng.choice(words, size=n_completion))
             handle.write(json.dumps({"prompt": prompt, "completion": " " + completion}) + "\n")
@@ -110,7 +131,7 @@ def prepare_inputs(size: Size, workdir: Path) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     records = workdir / "records.jsonl"
     if not records.is_file():
-        write_prompt_completion_data(records, size.examples, size.max_length)
+        write_prompt_completion_data(records, size.examples, size.max_length, lengths=size.lengths)
     model_dir = workdir / "model"
     if not (model_dir / "config.json").is_file():
         texts = (json.loads(line)["prompt"] + json.loads(line)["completion"] for line in records.open())
@@ -178,17 +199,33 @@ class LoopClock:
 
 
 def fulltune_worker(args: argparse.Namespace) -> None:
-    """Runs inside its own process, as `python -m fulltune.train` would: prints one JSON line."""
-    from fulltune import train
-    from fulltune.launch import TrainJob
+    """Runs inside its own process, as `python -m fulltune.train` would: prints one JSON line.
 
-    job = TrainJob.from_json(Path(args.job).read_text())
+    With `--tree DIR` the engine comes from the checkout at DIR (the baseline contenders); the job is
+    built here with that checkout's own API, so an earlier release's trainer runs unchanged.
+    """
+    if args.tree:
+        sys.path.insert(0, str(Path(args.tree).resolve()))  # ahead of this checkout
+    from fulltune import launch, train
+
+    if args.tree:
+        assert Path(train.__file__).resolve().is_relative_to(Path(args.tree).resolve()), train.__file__
+    size = dataclasses.replace(SIZES[args.size], steps=args.steps)
+    settings = {"micro_batch_size": size.micro_batch_size, "gradient_accumulation_steps": size.gradient_accumulation_steps,
+                "max_steps": size.steps, "learning_rate": 1e-4, "warmup_ratio": 0.0, "mixed_precision": size.precision,
+                "checkpoint_every_steps": 0, "log_every_steps": 10, "device": "cuda" if args.gpu else "cpu"}
+    if hasattr(launch, "job_with"):
+        job = launch.job_with(args.model, args.train_file, args.out, **settings)
+        seed = job.train.seed
+    else:  # releases before the sectioned TrainJob (fd45365 and earlier) take its flat fields
+        job = launch.TrainJob(model_path=args.model, tokenizer_path=args.model, train_file=args.train_file,
+                              output_dir=args.out, **settings)
+        seed = job.seed
     clock = LoopClock()
     train.time = clock  # measurement only: the loop's code is unchanged
     result = train.train(job)
-    rows = train.TokenizedRows(job.paths.train_file)
-    schedule = train.StepSchedule(rows.lengths, job.plan.micro_batch_size * job.plan.gradient_accumulation_steps,
-                                  job.train.seed)
+    rows = train.TokenizedRows(args.train_file)
+    schedule = train.StepSchedule(rows.lengths, size.micro_batch_size * size.gradient_accumulation_steps, seed)
     pairs = sum(float(rows.attention_pairs[schedule.step_rows(s)].sum()) for s in range(result.steps))
     print(json.dumps({"tokens": result.tokens, "seconds": result.seconds, "cpu_seconds": clock.cpu[-1] - clock.cpu[0],
                       "pairs": pairs}))
@@ -201,7 +238,7 @@ def trainer_worker(args: argparse.Namespace) -> None:
     from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainerCallback,
                               TrainingArguments)
 
-    size = dataclasses.replace(GPU if args.gpu else CPU, steps=args.steps)
+    size = dataclasses.replace(SIZES[args.size], steps=args.steps)
     table = datasets.Dataset.from_parquet(args.train_file).remove_columns(["position_ids"])
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
@@ -239,30 +276,33 @@ def trainer_worker(args: argparse.Namespace) -> None:
 
 
 def run_contender(name: str, inputs: dict[str, Any], size: Size, args: argparse.Namespace, out: Path) -> dict[str, float]:
-    """One run of one contender in a fresh process; returns its JSON line."""
-    from fulltune.launch import job_with
-
+    """One run of one contender in a fresh process; returns its JSON line, plus the whole process's wall and
+    CPU time (start, imports, model loading, training, saving)."""
     env = dict(os.environ)
     if not args.gpu:
         env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    steps = size.steps
+    if name.endswith("_packed") and size.packed_epoch and args.steps is None:
+        steps = inputs["packed"].num_train_rows // (size.micro_batch_size * size.gradient_accumulation_steps)
+    common = ["--size", args.size, "--model", inputs["model"], "--out", str(out), "--steps", str(steps)]
     if name.startswith("trainer"):
-        command = ["--worker", "trainer", "--model", inputs["model"], "--train-file", inputs["unpacked"].train_file,
-                   "--out", str(out), "--sampling", "group_by_length" if name == "trainer_grouped" else "random",
-                   "--steps", str(size.steps)]
+        command = ["--worker", "trainer", "--train-file", inputs["unpacked"].train_file,
+                   "--sampling", "group_by_length" if name == "trainer_grouped" else "random", *common]
     else:
-        data = inputs["packed" if name == "fulltune_packed" else "unpacked"]
-        job = job_with(inputs["model"], data.train_file, str(out), micro_batch_size=size.micro_batch_size,
-                       gradient_accumulation_steps=size.gradient_accumulation_steps, max_steps=size.steps,
-                       learning_rate=1e-4, warmup_ratio=0.0, mixed_precision=size.precision,
-                       checkpoint_every_steps=0, log_every_steps=10, device="cuda" if args.gpu else "cpu")
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "JOB.json").write_text(job.to_json())
-        command = ["--worker", "fulltune", "--job", str(out / "JOB.json")]
+        data = inputs["packed" if name.endswith("_packed") else "unpacked"]
+        command = ["--worker", "fulltune", "--train-file", data.train_file, *common,
+                   *(["--tree", args.baseline] if name in BASELINES else [])]
+    before, started = os.times(), time.perf_counter()
     done = subprocess.run([sys.executable, __file__, *command, *(["--gpu"] if args.gpu else [])],
                           capture_output=True, text=True, check=False, env=env)
+    after = os.times()
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    numbers = json.loads(done.stdout.strip().splitlines()[-1])
+    numbers["process_seconds"] = time.perf_counter() - started
+    numbers["process_cpu_seconds"] = (after.children_user - before.children_user
+                                      + after.children_system - before.children_system)
+    return numbers
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -271,27 +311,37 @@ def run_contender(name: str, inputs: dict[str, Any], size: Size, args: argparse.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gpu", action="store_true", help="the ~1.1B bf16 variant on CUDA")
+    parser.add_argument("--gpu", action="store_true", help="the ~1.1B bf16 variant on CUDA (same as --size gpu)")
+    parser.add_argument("--size", choices=SIZES, default=None, help="model and data (default: cpu, or gpu with --gpu)")
+    parser.add_argument("--baseline", default=None, metavar="DIR",
+                        help="also run fulltune from the checkout at DIR (contenders baseline, baseline_packed)")
     parser.add_argument("--runs", type=int, default=3, help="runs per contender (interleaved)")
     parser.add_argument("--workdir", default=None, help="where data, model and runs go (default: a temp dir)")
-    parser.add_argument("--contenders", nargs="*", default=list(CONTENDERS), choices=CONTENDERS)
+    parser.add_argument("--contenders", nargs="*", default=None, choices=CONTENDERS + BASELINES,
+                        help="default: all four, and both baselines with --baseline")
     parser.add_argument("--json", default=None, help="also write every run's numbers to this file")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the size's)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per training process (CPU only)")
     parser.add_argument("--worker", choices=("trainer", "fulltune"), help=argparse.SUPPRESS)
-    parser.add_argument("--job", help=argparse.SUPPRESS)
+    parser.add_argument("--tree", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--train-file", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--sampling", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.size = args.size or ("gpu" if args.gpu else "cpu")
+    args.gpu = args.size == "gpu"
     if args.worker:
         (trainer_worker if args.worker == "trainer" else fulltune_worker)(args)
         return
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    size = GPU if args.gpu else CPU
+    if args.contenders is None:
+        args.contenders = list(CONTENDERS) + (list(BASELINES) if args.baseline else [])
+    if args.baseline is None and set(args.contenders) & set(BASELINES):
+        parser.error("the baseline contenders need --baseline DIR")
+    size = SIZES[args.size]
     if args.steps:
         size = dataclasses.replace(size, steps=args.steps)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fulltune-bench-"))
@@ -313,8 +363,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         peak, peak_label = measured_gemm_peak(), f"measured fp32 GEMM FLOP per CPU-second, {args.threads} thread(s)"
     unpacked = inputs["unpacked"]
+    packed_steps = ""
+    if size.packed_epoch and args.steps is None:
+        packed_steps = (f" ({inputs['packed'].num_train_rows // (size.micro_batch_size * size.gradient_accumulation_steps)}"
+                        " on the packed rows)")
     print(f"workdir {workdir}; {unpacked.num_train_rows} unpacked rows ({unpacked.train_label_tokens / unpacked.train_tokens:.0%} "
-          f"of their tokens have a target), {inputs['packed'].num_train_rows} packed rows; {size.steps} steps of {size.micro_batch_size} × {size.gradient_accumulation_steps} rows; peak {peak / 1e9 if peak else float('nan'):.1f} GFLOP/s ({peak_label}); "
+          f"of their tokens have a target), {inputs['packed'].num_train_rows} packed rows; {size.steps} steps of {size.micro_batch_size} × {size.gradient_accumulation_steps} rows{packed_steps}; peak {peak / 1e9 if peak else float('nan'):.1f} GFLOP/s ({peak_label}); "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
 
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in args.contenders}
@@ -323,13 +377,15 @@ def main() -> None:
             numbers = run_contender(name, inputs, size, args, workdir / "runs" / f"{name}-{attempt}")
             numbers["tokens_per_second"] = numbers["tokens"] / numbers["seconds"]
             numbers["tokens_per_cpu_second"] = numbers["tokens"] / numbers["cpu_seconds"]
+            numbers["tokens_per_process_cpu_second"] = numbers["tokens"] / numbers["process_cpu_seconds"]
             flops = per_token * numbers["tokens"] + per_pair * numbers["pairs"]
             # MFU against CPU time on CPU (the peak is per CPU-second too), against wall time on GPU.
             numbers["mfu"] = flops / numbers["seconds" if args.gpu else "cpu_seconds"] / peak if peak else float("nan")
             runs[name].append(numbers)
             print(f"run {attempt + 1} {name:16s} {numbers['tokens_per_second']:8.0f} tokens/s "
                   f"{numbers['tokens_per_cpu_second']:8.0f} tokens/CPU-s  {numbers['tokens']:7d} tokens in "
-                  f"{numbers['seconds']:6.1f} s ({numbers['cpu_seconds']:6.1f} CPU-s)  MFU {numbers['mfu']:.1%}",
+                  f"{numbers['seconds']:6.1f} s ({numbers['cpu_seconds']:6.1f} CPU-s)  MFU {numbers['mfu']:.1%}  "
+                  f"whole process {numbers['process_seconds']:6.1f} s ({numbers['process_cpu_seconds']:6.1f} CPU-s)",
                   flush=True)
 
     def median(name: str, key: str) -> float:
@@ -337,17 +393,25 @@ def main() -> None:
 
     print(f"\nload average after: {os.getloadavg()[0]:.1f}\n")
     print("| contender | tokens/s (median) | min – max | × Trainer default | × Trainer group_by_length | "
-          "tokens/CPU-s (median) | × Trainer default | × Trainer group_by_length | MFU (median) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "tokens/CPU-s (median) | × Trainer default | × Trainer group_by_length | "
+          "tokens per whole-process CPU-s | × Trainer default | × Trainer group_by_length | MFU (median) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, results in runs.items():
         cells = []
-        for key in ("tokens_per_second", "tokens_per_cpu_second"):
+        for key in ("tokens_per_second", "tokens_per_cpu_second", "tokens_per_process_cpu_second"):
             rates = [r[key] for r in results]
             cells.append(f"{median(name, key):,.0f} | {min(rates):,.0f} – {max(rates):,.0f}" if key == "tokens_per_second"
                          else f"{median(name, key):,.0f}")
             cells += [f"{median(name, key) / median(base, key):.2f}×" if base in runs else "–"
                       for base in ("trainer", "trainer_grouped")]
         print(f"| {name} | {' | '.join(cells)} | {median(name, 'mfu'):.1%} |")
+    # A/B against the baseline checkout: run by run (the runs of a round are minutes apart, not hours).
+    for new, old in (("fulltune", "baseline"), ("fulltune_packed", "baseline_packed")):
+        if new in runs and old in runs:
+            for key in ("tokens_per_cpu_second", "tokens_per_process_cpu_second"):
+                ratios = [a[key] / b[key] for a, b in zip(runs[new], runs[old])]
+                print(f"{new} / {old}, {key}: median {statistics.median(ratios):.3f} "
+                      f"(runs {', '.join(f'{r:.3f}' for r in ratios)})")
     if args.json:
         Path(args.json).write_text(json.dumps({"size": size.__dict__, "peak": peak, "runs": runs}, indent=1))
 
