@@ -609,7 +609,7 @@ def should_tune(opts: Options, decision: BudgetDecision, data: Any, p: ResolvedP
     if device == "cuda" and not torch.cuda.is_available():
         return False, "not run: the plan is for cuda and no GPU is visible here"
     if force or opts.mode == "on":
-        return True, "on"
+        return True, "on request (budget.autotune or --autotune)"
     count = len(candidates(decision, opts.candidates))
     step = decision.plan["plan"].get("estimated_step_seconds") or 0.0
     if data is None:
