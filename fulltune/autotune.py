@@ -25,7 +25,8 @@ whose constants no device at hand has checked. Autotune measures instead:
 least `AUTO_RATIO` times the predicted tuning time (tuning then costs at most 5% of the run) and more
 than one candidate fits. The whole tuning is capped at `max_seconds` of wall time.
 
-The same measurements choose `data.packing: auto` where the data allow both layouts (`choose_packing`).
+`data.packing: auto` is decided here too (`choose_packing`): by the predicted epoch time of each layout, or
+by measuring both under `budget.autotune: true`.
 
 This module never imports Prefect; the trainer's child imports it only for `StepProbe`.
 """
