@@ -745,13 +745,16 @@ def packing_choice_key(p: ResolvedPipeline) -> dict[str, Any]:
     """What `data.packing: auto` is decided by, for the tokenize stage's cache key: the model, the batch,
     precision, optimizer and device (the predicted comparison needs no budget); where autotune measures
     the layouts (`budget.autotune: true`), also the budget and this machine."""
-    from fulltune.stages import MEMORY_BUDGET, STAGE_CODE, _model_source
+    from fulltune.stages import MEMORY_BUDGET, STAGE_CODE, model_config_key
     from fulltune.storage import code_version
 
     t, device = p.spec.train, resolved_device(p)
     key: dict[str, Any] = {
-        "code": code_version(*STAGE_CODE[MEMORY_BUDGET]), "model": p.spec.model.model_dump(mode="json"),
-        "model_source": _model_source(p), "device": device,
+        # The model's shape decides the comparison, not its weights: a new checkpoint of the same shape
+        # (a retrained model, a new hub commit) keeps the tokenized data.
+        "code": code_version(*STAGE_CODE[MEMORY_BUDGET]),
+        "model": p.spec.model.model_dump(mode="json", exclude={"revision"}),  # the pinned commit: model_config
+        "model_config": model_config_key(p), "device": device,
         "train": t.model_dump(mode="json", include={"effective_batch_size", "mixed_precision", "optimizer", "seed"}),
         "distributed": p.spec.distributed.model_dump(mode="json"),
         "autotune": p.spec.budget.model_dump(mode="json")["autotune"]}

@@ -167,6 +167,26 @@ def _model_source(p: ResolvedPipeline) -> str | None:
     return _source_key(p, p.spec.model.name_or_path, "model.name_or_path", revision=p.spec.model.revision)
 
 
+def model_config_key(p: ResolvedPipeline) -> str | None:
+    """What a key that depends on the model's shape only (not its weights) sees: the sha256 of its config.json
+    (a local checkpoint's, or the resolved hub commit's from the cache); the model source when that file
+    cannot be read here. `from_config` models are keyed by their spec."""
+    import hashlib
+
+    reference = p.spec.model.name_or_path
+    if reference is None:
+        return None
+    if is_hub(reference):
+        source = _model_source(p)
+        commit = source.rsplit("@", 1)[-1] if source else None
+        path = hub._repo_cache(reference, "model") / "snapshots" / str(commit) / "config.json"
+    else:
+        path = Path(reference) / "config.json"
+    if not path.is_file():
+        return _model_source(p)
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 # ---------------------------------------------------------------- stage keys
 
 

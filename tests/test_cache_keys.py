@@ -61,22 +61,22 @@ def test_eval_data_change_reevaluates_without_retraining(local):
 
 @pytest.mark.slow
 def test_same_settings_on_another_machine_replan_but_keep_the_model(local, monkeypatch):
-    from fulltune.memory import planner
+    from fulltune.memory import budget
 
-    monkeypatch.setattr(planner, "_cpu_memory", lambda: 64 * 2**30 + 12345)
+    monkeypatch.setattr(budget, "host_ram", lambda: 64 * 2**30 + 12345)
     assert run(local).stages == ran("memory-budget")
 
 
 @pytest.mark.slow
 def test_smaller_machine_under_auto_replans_and_retrains(local, monkeypatch):
-    from fulltune.memory import planner
+    from fulltune.memory import budget
     from fulltune.spec import load_pipelines
 
     before = _plan(local)["plan"]
     headroom = load_pipelines(local).pipelines["tiny"].budget.headroom
     # Just too small for the settings chosen so far: the planner must split the batch differently.
     small = int((before["estimate"]["device_bytes"] - 1) / (1 - headroom))
-    monkeypatch.setattr(planner, "_cpu_memory", lambda: small)
+    monkeypatch.setattr(budget, "host_ram", lambda: small)
     after = _plan(local)["plan"]
     assert (after["micro_batch_size"], after["gradient_checkpointing"]) != (before["micro_batch_size"],
                                                                           before["gradient_checkpointing"])
