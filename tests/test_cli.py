@@ -142,4 +142,15 @@ def test_broken_data_exits_2_and_registers_nothing(tmp_path, content, needles):
     result = run_cli("run", "tiny", "-f", str(path), cwd=tmp_path)
     assert_user_error(result, *needles)
     assert not list((tmp_path / "work").glob("tokenized/[!.]*"))
-    assert not (tmp_path / "work" / "mlflow.db").exists()
+    assert registered_versions(tmp_path / "work" / "mlflow.db") == 0
+
+
+def registered_versions(database: Path) -> int:
+    """Model versions in a tracking database (MLflow's store opens it as the run starts, before any stage)."""
+    import sqlite3
+
+    if not database.exists():
+        return 0
+    with sqlite3.connect(database) as connection:
+        tables = {name for (name,) in connection.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        return connection.execute("SELECT COUNT(*) FROM model_versions").fetchone()[0] if "model_versions" in tables else 0

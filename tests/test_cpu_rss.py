@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from fulltune.memory.process import CPU_LIBRARY_PAGES_SPREAD
+
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.15
 
@@ -77,4 +79,5 @@ def test_planned_run_stays_under_the_budget_and_near_the_estimate(name: str, tmp
     numbers = (f"budget {budget / mib:.0f} MiB, peak RSS {peak_rss / mib:.0f} MiB, estimate {estimate / mib:.0f} MiB "
                f"(tensors {plan.plan_estimate.peak_bytes / mib:.0f} MiB) for {chosen.choices()}")
     assert peak_rss <= budget, numbers
-    assert abs(estimate - peak_rss) <= TOLERANCE * peak_rss, numbers
+    # Within 15%, beyond what the libraries' resident file pages vary between installations (estimate.py).
+    assert abs(estimate - peak_rss) <= TOLERANCE * peak_rss + CPU_LIBRARY_PAGES_SPREAD, numbers

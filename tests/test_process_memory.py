@@ -15,6 +15,7 @@ import transformers
 
 from fulltune.cli import main
 from fulltune.memory import Settings, estimate_memory
+from fulltune.memory.process import CPU_LIBRARY_PAGES_SPREAD
 from fulltune.memory.process import EVALUATION, LOAD, STEP, TRAINING_PHASES
 from pipelines_fixture import tiny_pipeline
 
@@ -87,4 +88,5 @@ def test_a_lever_run_on_cpu_stays_under_its_whole_process_estimate(tmp_path):
     estimated = process_memory.estimated_phases(case, measured["target_fraction"])
     peak = max(max(measured["sampled"].values()), max(measured["hwm_after"].values()))
     numbers = json.dumps({"measured": measured, "estimated": estimated})
-    assert peak <= estimated["device_bytes"] <= 1.15 * peak, numbers
+    # Never below; within 15% beyond what the libraries' resident file pages vary between installations.
+    assert peak <= estimated["device_bytes"] <= 1.15 * peak + CPU_LIBRARY_PAGES_SPREAD, numbers
