@@ -67,7 +67,8 @@ CUDA_ALLOCATOR_SLACK = 0.08
 # map ~110 MiB more resident pages when their files sit in the page cache as freshly written (large folios:
 # libtorch_cpu.so alone 93 MiB against 48 MiB, measured in /proc/self/smaps of `import torch` in a just-built
 # virtual environment and in an older one). A new installation is the common case (CI, containers), so the
-# constant holds it; an older one measures up to that much less (CPU_LIBRARY_PAGES_SPREAD, memory/process.py).
+# constant holds it (128 MiB with a margin); an older one measures up to that much less (CPU_LIBRARY_PAGES_SPREAD,
+# memory/process.py).
 CPU_PROCESS_BYTES = 656 * 2**20 + CPU_LIBRARY_PAGES_SPREAD
 CPU_ALLOCATOR_SLACK = 0.03
 CPU_16BIT_IN_BACKWARD_BYTES = 2  # per parameter: 16-bit compute with the optimizer stepped in backward
