@@ -4,16 +4,12 @@ Hugging Face checkpoint."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import time
 from pathlib import Path
 
 import pytest
 
 from pipelines_fixture import tiny_pipeline
-from test_rerun import finish, fulltune_run, saved_model
+from runs import finish, fulltune_run, kill_run, loss_history, saved_model, wait_for_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -25,13 +21,7 @@ FSDP = {**ONE, "gradient_accumulation_steps": 2}
 SHARDED = {"strategy": "fsdp", "num_processes": 2}
 
 
-def loss_history(workdir: Path) -> list[float]:
-    (result,) = workdir.glob("runs/*/result.json")
-    return [loss for _, loss in json.loads(result.read_text())["loss_history"]]
-
-
 def test_two_fsdp_processes_train_like_one_and_resume_bit_exact_after_a_kill(tmp_path: Path) -> None:
-    import psutil
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -43,15 +33,9 @@ def test_two_fsdp_processes_train_like_one_and_resume_bit_exact_after_a_kill(tmp
     pipelines = tiny_pipeline(killed, train=FSDP, distributed=SHARDED)
     log = killed / "run.log"
     run = fulltune_run(pipelines, log, FULLTUNE_TEST_FAULT="stall_micro_step:7")
-    deadline = time.monotonic() + 600
-    while not list((killed / "work" / "runs").glob("*/checkpoints/step-2")):
-        assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-        time.sleep(0.2)
-    workers = [p for p in psutil.Process(run.pid).children(recursive=True)]
-    os.killpg(run.pid, signal.SIGKILL)
-    run.wait()
-    _, alive = psutil.wait_procs(workers, timeout=60)
-    assert not [p for p in alive if "fulltune.train" in " ".join(p.cmdline())], alive
+    wait_for_checkpoint(run, killed / "work", log, step=2)
+    alive = kill_run(run, timeout_s=60)
+    assert not alive, alive
 
     output = finish(fulltune_run(pipelines, log), log)
     assert "resumed from step 2" in output, output[-4000:]
