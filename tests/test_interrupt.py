@@ -11,14 +11,11 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
 from pipelines_fixture import tiny_pipeline
+from runs import fulltune_run, wait_for_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -33,16 +30,6 @@ NOISE = ("Disassembly of", "LOAD_FAST", "RETURN_VALUE", "Removed shared tensor",
          "Unable to find license information", "Skip logging GPU metrics", "Error logging to API", "Traceback")
 
 
-def fulltune_run(pipelines: Path, log: Path, **env: str) -> subprocess.Popen:
-    """`fulltune run tiny` as a terminal starts it: a process group of its own, output into `log`."""
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-                   "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300", **env}
-    with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "fulltune.cli", "run", "tiny", "-f", str(pipelines)],
-                                cwd=pipelines.parent, env=environment, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-
-
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Start a run, Ctrl-C it once step-2 is written, then rerun it: what each did."""
@@ -52,10 +39,7 @@ def interrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     pipelines = tiny_pipeline(root, train=TRAIN)
     first_log, rerun_log = root / "first.log", root / "rerun.log"
     run = fulltune_run(pipelines, first_log, FULLTUNE_TEST_FAULT=STALL)
-    deadline = time.monotonic() + 600
-    while not list((root / "work" / "runs").glob("*/checkpoints/step-2")):
-        assert run.poll() is None and time.monotonic() < deadline, first_log.read_text()[-4000:]
-        time.sleep(0.2)
+    wait_for_checkpoint(run, root / "work", first_log, step=2)
     processes = psutil.Process(run.pid).children(recursive=True)  # the trainer, the temporary Prefect server
     os.killpg(run.pid, signal.SIGINT)
     try:

@@ -6,17 +6,12 @@ equal to a run that was never interrupted."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
 from pipelines_fixture import tiny_pipeline
+from runs import finish, fulltune_run, kill_run, saved_model, trainers_of, wait_for_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -26,37 +21,7 @@ TRAIN = {"effective_batch_size": 4, "micro_batch_size": 2, "gradient_accumulatio
          "checkpoint_every_steps": 2, "keep_checkpoints": 3}
 
 
-def fulltune_run(pipelines: Path, log: Path, **env: str) -> subprocess.Popen:
-    """`fulltune run tiny` in its own process group, output into `log`."""
-    # The temporary Prefect server gets 20 s to start by default: too little on a busy 2-core machine.
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-                   "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300", **env}
-    with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "fulltune.cli", "run", "tiny", "-f", str(pipelines)],
-                                cwd=pipelines.parent, env=environment, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-
-
-def finish(run: subprocess.Popen, log: Path) -> str:
-    assert run.wait(timeout=900) == 0, log.read_text()[-4000:]
-    return log.read_text()
-
-
-def trainers_of(pid: int) -> list:
-    import psutil
-
-    return [p for p in psutil.Process(pid).children(recursive=True) if "fulltune.train" in " ".join(p.cmdline())]
-
-
-def saved_model(workdir: Path) -> dict:
-    from safetensors.torch import load_file
-
-    (model,) = workdir.glob("runs/*/model/model.safetensors")
-    return load_file(str(model))
-
-
 def test_killed_run_resumes_from_its_newest_checkpoint_and_matches_an_uninterrupted_run(tmp_path):
-    import psutil
     import torch
 
     killed, clean = tmp_path / "killed", tmp_path / "clean"
@@ -66,16 +31,10 @@ def test_killed_run_resumes_from_its_newest_checkpoint_and_matches_an_uninterrup
     started = time.monotonic()
     uninterrupted = fulltune_run(tiny_pipeline(clean, train=TRAIN), clean / "run.log")  # alongside: saves time
     run = fulltune_run(pipelines, log, FULLTUNE_TEST_FAULT="stall_micro_step:7")
-    deadline = time.monotonic() + 600
-    while not list((killed / "work" / "runs").glob("*/checkpoints/step-2")):
-        assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-        time.sleep(0.2)
-    trainers = trainers_of(run.pid)
-    assert trainers, "training runs in a child process"
-    os.killpg(run.pid, signal.SIGKILL)
-    run.wait()
+    wait_for_checkpoint(run, killed / "work", log, step=2)
+    assert trainers_of(run.pid), "training runs in a child process"
     # The trainer has its own session, out of reach of the kill: it ends itself with its launcher.
-    _, alive = psutil.wait_procs(trainers, timeout=30)
+    alive = kill_run(run, timeout_s=30)
     assert not alive, alive
     assert list((killed / "work" / "locks").glob("*.lock")), "the killed run left its stage lock behind"
     assert not list((killed / "work" / "runs").glob("*/model"))

@@ -6,10 +6,8 @@ refuses: DeepSpeed strategies, a tensor-parallel degree that does not divide the
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -54,12 +52,10 @@ def test_a_tensor_parallel_degree_must_divide_the_processes_and_needs_fsdp(tmp_p
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_tensor_parallel_and_2d_train_like_one_process_and_resume_bit_exact_after_a_kill(tmp_path: Path) -> None:
-    import psutil
     import torch
     from transformers import AutoModelForCausalLM
 
-    from test_fsdp_run import loss_history
-    from test_rerun import finish, fulltune_run, saved_model
+    from runs import finish, fulltune_run, kill_run, loss_history, saved_model, wait_for_checkpoint
 
     one, tp, clean, killed = (tmp_path / name for name in ("one", "tp", "clean", "killed"))
     for directory in (one, tp, clean, killed):
@@ -73,15 +69,9 @@ def test_tensor_parallel_and_2d_train_like_one_process_and_resume_bit_exact_afte
     log = killed / "run.log"
     # The 7th micro-batch of a process is the first of step 4: step-2 is then the newest checkpoint.
     run = fulltune_run(pipelines, log, FULLTUNE_TEST_FAULT="stall_micro_step:7")
-    deadline = time.monotonic() + 900
-    while not list((killed / "work" / "runs").glob("*/checkpoints/step-2")):
-        assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-        time.sleep(0.2)
-    workers = list(psutil.Process(run.pid).children(recursive=True))
-    os.killpg(run.pid, signal.SIGKILL)
-    run.wait()
-    _, alive = psutil.wait_procs(workers, timeout=60)
-    assert not [p for p in alive if "fulltune.train" in " ".join(p.cmdline())], alive
+    wait_for_checkpoint(run, killed / "work", log, step=2, timeout_s=900)
+    alive = kill_run(run, timeout_s=60)
+    assert not alive, alive
     finish(uninterrupted, clean / "run.log")
 
     output = finish(fulltune_run(pipelines, log), log)
