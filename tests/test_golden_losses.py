@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from tiny import tiny_config, word_level_tokenizer
+
 VOCAB = 64
 ROWS = 16
 # micro 2 × accumulation 1, 5 steps: 2 of linear warmup (the first at learning rate 0), then cosine decay;
@@ -66,28 +68,19 @@ GOLDEN: dict[str, Golden] = {
 }
 
 
+# The model families pinned here, as tests/tiny.py's tiny configs: the family and its fields beyond the shape.
+FAMILY: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "gpt2": ("gpt2", {}),
+    "gpt_neox": ("gpt_neox", {}),
+    "qwen2_tied": ("qwen2", {"tie_word_embeddings": True}),  # the output head is the input embedding
+}
+
+
 def model_config(family: str) -> Any:
     """A 2-layer, hidden-32 config of `family`, dropout off (the numbers then do not depend on RNG order)."""
-    import transformers
-
-    special = dict(vocab_size=VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=None)
-    if family == "llama":
-        return transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                        tie_word_embeddings=False, **special)
-    if family == "gpt2":  # ties its embeddings, learned positions, LayerNorm with biases
-        return transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
-                                       embd_pdrop=0.0, attn_pdrop=0.0, **special)
-    if family == "gpt_neox":  # fused qkv, partial rotary, parallel residual
-        return transformers.GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.25,
-                                          hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
-                                          **special)
-    if family == "qwen2_tied":  # q/k/v biases, the output head is the input embedding
-        return transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                        tie_word_embeddings=True, **special)
-    raise ValueError(family)
+    base, fields = FAMILY[family]
+    return tiny_config(base, VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=None, **fields)
 
 
 def build_model(directory: Path, family: str) -> None:
@@ -105,17 +98,7 @@ def build_model(directory: Path, family: str) -> None:
             if parameter.dim() >= 2:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
     model.save_pretrained(directory)
-    build_tokenizer(directory)
-
-
-def build_tokenizer(directory: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>").save_pretrained(directory)
+    word_level_tokenizer(directory, VOCAB)
 
 
 def write_rows(path: Path) -> None:

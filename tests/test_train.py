@@ -20,6 +20,7 @@ import pytest
 from fulltune.errors import ConfigError, DataError, TrainingError
 from fulltune.launch import (OutOfMemory, TrainJob, TrainResult, _outcome, generate_accelerate_config, job_with,
                              run_training, training_command, validate_job)
+from tiny import tiny_config, word_level_tokenizer
 
 VOCAB = 64
 
@@ -28,26 +29,15 @@ VOCAB = 64
 # Fixtures: a tokenizer, two tiny models (with and without dropout) and a learnable tokenized dataset
 
 
-def build_tokenizer(directory: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>").save_pretrained(directory)
-
-
 def build_model(directory: Path, attention_dropout: float) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         pad_token_id=0, eos_token_id=1, bos_token_id=None, attention_dropout=attention_dropout)
+    config = tiny_config("llama", VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+                         attention_dropout=attention_dropout)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    build_tokenizer(directory)
+    word_level_tokenizer(directory, VOCAB)
 
 
 def write_rows(path: Path, rows: list[tuple[list[int], list[int], list[int]]]) -> None:

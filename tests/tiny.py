@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 WORDS = ["12+35=47", "hello world", "the cat sat on the mat", "fine tuning", "0123456789", "+-=*/"]
 
@@ -23,14 +24,52 @@ def make_tokenizer(directory: Path, vocab_size: int = 128) -> str:
     return str(directory)
 
 
+def word_level_tokenizer(directory: Path, vocab_size: int) -> None:
+    """Save a whitespace word-level tokenizer: `<pad>` = 0, `<eos>` = 1, then `t2` … `t{vocab_size - 1}`, so
+    that rows written as token ids need no trained vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>").save_pretrained(directory)
+
+
+# The tiny shape of each model family the tests train: 2 layers, hidden 32, 4 heads, 64 positions, dropout
+# off (a run's numbers then do not depend on the RNG's order). `tiny_config` adds the vocabulary and overrides.
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)),
+    # ties its embeddings, learned positions, LayerNorm with biases
+    "gpt2": ("GPT2Config", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                attn_pdrop=0.0)),
+    # fused qkv, partial rotary, parallel residual
+    "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.25,
+                                       hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False)),
+    # q/k/v biases
+    "qwen2": ("Qwen2Config", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)),
+}
+
+
+def tiny_config(family: str, vocab_size: int, **fields: Any) -> Any:
+    """The tiny `family` config (`FAMILIES`) with `vocab_size`; `fields` override or add config fields."""
+    import transformers
+
+    class_name, shape = FAMILIES[family]
+    return getattr(transformers, class_name)(**{**shape, "vocab_size": vocab_size, **fields})
+
+
 def make_model(directory: Path, tokenizer_dir: str, seed: int = 0, hidden: int = 32, positions: int = 128) -> str:
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
-                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config = tiny_config("llama", len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                         max_position_embeddings=positions, pad_token_id=tok.pad_token_id,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.save_pretrained(directory, safe_serialization=True)
