@@ -88,6 +88,17 @@ def cached_commit(repo_id: str, revision: str | None = None, repo_type: RepoType
     return commit if (root / "snapshots" / commit).is_dir() else None
 
 
+def cached_file(repo_id: str, filename: str, revision: str | None = None,
+                repo_type: RepoType = "model") -> Path | None:
+    """`filename` in the cached snapshot that `revision` (a commit, or a branch or tag; default `main`)
+    names, read offline; None when that snapshot or the file in it is not in the local cache."""
+    commit = cached_commit(repo_id, revision, repo_type)
+    if commit is None:
+        return None
+    path = _repo_cache(repo_id, repo_type) / "snapshots" / commit / filename
+    return path if path.is_file() else None
+
+
 class HubError(UserError):
     """A hub id that cannot be resolved (unknown repository or revision, not cached while offline)."""
 

@@ -179,10 +179,10 @@ def model_config_key(p: ResolvedPipeline) -> str | None:
     if is_hub(reference):
         source = _model_source(p)
         commit = source.rsplit("@", 1)[-1] if source else None
-        path = hub._repo_cache(reference, "model") / "snapshots" / str(commit) / "config.json"
+        path = hub.cached_file(reference, "config.json", commit) if commit else None
     else:
         path = Path(reference) / "config.json"
-    if not path.is_file():
+    if path is None or not path.is_file():
         return _model_source(p)
     return hashlib.sha256(path.read_bytes()).hexdigest()
 

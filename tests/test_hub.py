@@ -70,6 +70,16 @@ def cli(*args: str, cwd: Path, hf_home: Path, **env: str) -> subprocess.Complete
     return subprocess.run([*CLI, *args], cwd=cwd, env=environment, capture_output=True, text=True, timeout=900)
 
 
+def test_cached_file_resolves_a_branch_or_commit_offline(hf_cache, monkeypatch):
+    monkeypatch.setattr(hub, "cache_dir", lambda: hf_cache / "hub")
+    main, v2 = hub.cached_file(MODEL, "config.json"), hub.cached_file(MODEL, "config.json", "v2")
+    assert json.loads(main.read_text())["hidden_size"] == 32 and json.loads(v2.read_text())["hidden_size"] == 64
+    assert hub.cached_file(MODEL, "config.json", V2) == v2
+    assert hub.cached_file(MODEL, "missing.json") is None
+    assert hub.cached_file(MODEL, "config.json", "no-such-branch") is None
+    assert hub.cached_file("Org/not-cached", "config.json") is None
+
+
 def test_plan_by_dotted_id_and_revision(tmp_path, hf_cache):
     path = write_pipeline(tmp_path)
     main = cli("plan", "hub", "-f", str(path), "--json", cwd=tmp_path, hf_home=hf_cache)
