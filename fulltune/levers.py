@@ -8,12 +8,14 @@ sees a field as `None` while it is still `auto`: it then holds only if no choice
 would satisfy it — the planner, which fills the `auto` fields, keeps only candidates that break no rule.
 
     lever                  what it does                                           what it needs
-    chunked_loss           head + cross-entropy in tiles, recomputed in backward  not FSDP (the head's weight
-                                                                                  is resharded by backward)
+    chunked_loss           head + cross-entropy in tiles, recomputed in backward  not tensor parallel (the
+                                                                                  head's weight is split)
     pure_bf16              bf16 weights and gradients, compensated updates        bf16 (or fp32) autocast; a
                                                                                   GPU with bf16 on CUDA
-    optimizer_in_backward  each parameter steps as its gradient completes        accumulation 1, one process,
-                                                                                  not with offload_optimizer
+    optimizer_in_backward  each parameter steps as its gradient completes        accumulation 1, one process
+                                                                                  or FSDP (not DDP), not with
+                                                                                  offload_optimizer or tensor
+                                                                                  parallel
     offload_activations    checkpointed layers' saved inputs wait in host RAM    checkpointed layers
     offload_optimizer      masters, gradients and states in host RAM              one process, or FSDP on
                                                                                   cuda (CPUOffloadPolicy)
@@ -92,9 +94,14 @@ RULES: tuple[Rule, ...] = (
     Rule(("train.optimizer_in_backward", "train.offload_optimizer"),
          lambda c: c.on("optimizer_in_backward") and c.on("offload_optimizer"),
          "choose one: offloading already frees the device's gradients in backward"),
-    Rule(("train.optimizer_in_backward", "distributed.num_processes"),
-         lambda c: c.on("optimizer_in_backward") and c.num_processes > 1,
-         "its gradient hooks run before the gradients are averaged over processes; train on one process"),
+    # Under FSDP2 the hooks run on each reduce-scattered shard (fulltune/optim.py InBackwardOptimizer).
+    Rule(("train.optimizer_in_backward", "distributed.strategy"),
+         lambda c: c.on("optimizer_in_backward") and c.num_processes > 1 and c.strategy != "fsdp",
+         "under DDP its gradient hooks run before the gradients are averaged over processes; train on one "
+         "process or use strategy fsdp (which steps each parameter's shard once its gradient is reduced)"),
+    Rule(("train.optimizer_in_backward", "distributed.tensor_parallel"),
+         lambda c: c.on("optimizer_in_backward") and c.tensor_parallel > 1,
+         "stepping in backward is not combined with tensor parallel; set tensor_parallel to 1 or turn it off"),
     Rule(("train.offload_optimizer", "distributed.num_processes"),
          lambda c: c.on("offload_optimizer") and c.num_processes > 1 and c.strategy != "fsdp",
          "its gradient hooks run before the gradients are averaged over processes; train on one process, or "
@@ -107,10 +114,10 @@ RULES: tuple[Rule, ...] = (
     Rule(("train.offload_optimizer", "distributed.tensor_parallel"),
          lambda c: c.on("offload_optimizer") and c.tensor_parallel > 1,
          "FSDP's CPU offload is not combined with tensor parallel; set tensor_parallel to 1 or turn it off"),
-    Rule(("train.chunked_loss", "distributed.strategy"),
-         lambda c: c.on("chunked_loss") and c.strategy == "fsdp",
-         "the chunked head reads the output head's weight in backward, after FSDP has resharded it; turn "
-         "chunked_loss off (or auto) with strategy fsdp"),
+    Rule(("train.chunked_loss", "distributed.tensor_parallel"),
+         lambda c: c.on("chunked_loss") and c.tensor_parallel > 1,
+         "tensor parallel splits the output head's weight over the vocabulary, and the chunked head reads whole "
+         "vocabulary tiles of it; set tensor_parallel to 1 or turn chunked_loss off (or auto)"),
     Rule(("train.pure_bf16", "train.mixed_precision"),
          lambda c: c.on("pure_bf16") and c.mixed_precision == "fp16",
          "pure bf16 keeps bf16 weights; set mixed_precision to bf16, no or auto"),

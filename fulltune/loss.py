@@ -187,9 +187,10 @@ class TargetHead:
     evaluation) the hook does nothing.
 
     `chunked=True`: while `loss_sum` runs, the head module computes the loss itself in tiles
-    (`ChunkedLinearCrossEntropy`) and hands the model an empty (t, 0) logits tensor. It reads the head's
-    weight in backward, so under FSDP the head's weight must stay gathered through backward (not wired
-    yet; tested on one process). A model that bypasses its head module falls back to whole logits.
+    (`ChunkedLinearCrossEntropy`) and hands the model an empty (t, 0) logits tensor computed from that loss.
+    The recompute reads the head's weight (and backward the final norm's) after the forward: under FSDP2 the
+    returned loss depends on the model's output, whose pre-backward hooks gather those units again first, tied
+    embedding or not (fulltune/sharding.py). A model that bypasses its head module falls back to whole logits.
     """
 
     def __init__(self, model: torch.nn.Module, chunked: bool = False, row_chunk: int = ROW_CHUNK,
@@ -217,9 +218,12 @@ class TargetHead:
 
     def _chunked_forward(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self._head
-        self._loss = ChunkedLinearCrossEntropy.apply(hidden, head.weight, getattr(head, "bias", None), self._tokens,
-                                                     *self._post, *self._chunks)
-        return hidden.new_empty((hidden.shape[0], 0))
+        loss = ChunkedLinearCrossEntropy.apply(hidden, head.weight, getattr(head, "bias", None), self._tokens,
+                                               *self._post, *self._chunks)
+        self._loss = loss
+        # The (t, 0) stand-in for the logits is computed from the loss (a broadcast add, not a view), so the
+        # model's output depends on the loss and `loss_sum` can route backward through it (see there).
+        return hidden.new_zeros((hidden.shape[0], 0), dtype=loss.dtype) + loss
 
     @staticmethod
     def compile(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
@@ -246,7 +250,11 @@ class TargetHead:
                 self._tokens = None
         if self._loss is not None:
             loss, self._loss = self._loss, None
-            return loss
+            # + the empty logits' sum, exactly 0: backward then reaches the chunked head through the head's and
+            # the model's outputs, where FSDP2 registers its pre-backward hooks, so the units whose weights the
+            # recompute reads (the head, and the root: the final norm, a tied embedding) are gathered again
+            # before it runs. Taken aside, the loss would reach the head first and read resharded weights.
+            return loss + logits.sum()
         if logits.dim() == 3:  # a model that bypasses its output-embedding module: select after the head
             logits = logits.reshape(-1, logits.shape[-1]).index_select(0, targets.index)
         return F.cross_entropy(logits, targets.tokens, reduction="sum")

@@ -38,8 +38,10 @@ and runs as `GatheredAdafactor` (one gathered parameter at a time, exact to one 
 
 The two wrappers are torch Optimizers (LR schedulers, Accelerate and checkpoints take them as any other)
 and add `clip_grad_norm_(max_norm)`, which the trainer must call instead of `clip_grad_norm_` over the
-model's parameters: their gradients are not on the parameters when the step comes. Both run on one
-process (their hooks see a gradient before data parallelism averages it). Give the offloading one to
+model's parameters: their gradients are not on the parameters when the step comes. Under DDP their hooks
+would see a gradient before data parallelism averages it; `InBackwardOptimizer` runs on FSDP2 shards, whose
+hooks FSDP calls after the reduce-scatter, `HostOffloadOptimizer` on one process only (FSDP's own CPU
+offload is `optimizer_for`'s choice there). Give the offloading one to
 Accelerate with `prepare_optimizer(optimizer, device_placement=False)`: device placement round-trips
 the state dict through the device, which would copy the fp32 masters there.
 """
@@ -471,7 +473,8 @@ class _GroupedWrapper(torch.optim.Optimizer):
         """The optimizers holding the states (what a memory tracker should label as optimizer states)."""
         return self._inner()
 
-    def _adopt_inner_groups(self) -> None:
+    def adopt_inner_groups(self) -> None:
+        """Take the inner optimizers' parameter groups as this one's (again, after they were loaded)."""
         self.param_groups = [g for opt in self._inner() for g in opt.param_groups]
 
     def state_dict(self) -> dict[str, Any]:
@@ -480,7 +483,7 @@ class _GroupedWrapper(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for opt, inner in zip(self._inner(), state_dict["inner"], strict=True):
             opt.load_state_dict(inner)
-        self._adopt_inner_groups()
+        self.adopt_inner_groups()
         self._load_extra_state(state_dict)
 
     def _extra_state(self) -> dict[str, Any]:
@@ -513,7 +516,16 @@ class InBackwardOptimizer(_GroupedWrapper):
 
     Non-finite gradients: a parameter whose gradient has a NaN/inf is not updated (one host sync per
     parameter); the trainer should still check the loss is finite before backward.
+
+    Sharded parameters (FSDP2, `distributed.strategy: fsdp`): FSDP2 calls each sharded parameter's
+    post-accumulate-grad hooks right after assigning it its reduce-scattered (averaged) gradient shard
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py `foreach_reduce`), so the hook steps the shard
+    with the gradient every process agrees on and frees it; the unit's unsharded gradient is already gone.
+    The clipping norm is the whole parameter's (reduced over the shards), so the update is one process's.
+    Under DDP the hooks see each process's own gradient before the all-reduce: not supported there.
     """
+
+    steps_in_backward = True  # its states are the inner optimizers' (fulltune/sharding.py saves those)
 
     def __init__(self, groups: list[dict[str, Any]], make: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
                  accumulation_steps: int = 1, max_grad_norm: float | None = None, skip_nonfinite: bool = True) -> None:
@@ -532,7 +544,7 @@ class InBackwardOptimizer(_GroupedWrapper):
             for p in group["params"]:
                 self._optimizers[p] = make([{"params": [p], **options}])
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
-        self._adopt_inner_groups()
+        self.adopt_inner_groups()
 
     def _inner(self) -> list[torch.optim.Optimizer]:
         return list(self._optimizers.values())
@@ -555,12 +567,18 @@ class InBackwardOptimizer(_GroupedWrapper):
         if buffer is not None:
             p.grad = buffer.to(p.device, non_blocking=True).add_(p.grad)
         norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+        if hasattr(norm, "full_tensor"):
+            # FSDP2: the gradient is this process's shard of the reduce-scattered gradient; its norm is reduced
+            # over the shards (one small all-reduce per parameter, in the same order on every process), so the
+            # clip factor and the skip decision are the whole parameter's, the same on every process.
+            norm = norm.full_tensor()
         self._norm_sq = norm.square() if self._norm_sq is None else self._norm_sq + norm.square()
         if self.skip_nonfinite and not bool(torch.isfinite(norm)):  # Sync point (per parameter)
             self.skipped += 1
         else:
             if self.max_grad_norm is not None:
-                p.grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).to(p.grad.dtype))
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).to(grad.dtype))
             self._optimizers[p].step()
         p.grad = None
 
@@ -619,7 +637,7 @@ class HostOffloadOptimizer(_GroupedWrapper):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
             host_groups.append({**group, "params": host_params})
         self.host_optimizer = make(host_groups)
-        self._adopt_inner_groups()
+        self.adopt_inner_groups()
         if order is not None:  # norms sum in the model's order, so clipping matches clip_grad_norm_ bit for bit
             position = {id(p): i for i, p in enumerate(order)}
             self._pairs.sort(key=lambda pair: position[id(pair[0])])

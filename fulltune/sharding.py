@@ -392,10 +392,18 @@ def clip_grad_norm_(model: Any, max_norm: float) -> Any:
     return total
 
 
+def _optimizers(optimizer: Any) -> Any:
+    """What torch.distributed.checkpoint saves for `optimizer`: the per-parameter optimizers of a step in
+    backward (`optim.InBackwardOptimizer`, whose own `state` is empty; DCP merges their states by parameter
+    name, as torchtitan saves its optimizers-in-backward), else the optimizer itself."""
+    inner = getattr(optimizer, "inner_optimizers", None)
+    return inner() if inner is not None and getattr(optimizer, "steps_in_backward", False) else optimizer
+
+
 def _state(model: Any, optimizer: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optimizer_state = get_state_dict(_unwrap(model), optimizer)
+    model_state, optimizer_state = get_state_dict(_unwrap(model), _optimizers(optimizer))
     return {"model": model_state, "optimizer": optimizer_state}
 
 
@@ -420,7 +428,10 @@ def load_sharded_state(directory: str | Path, model: Any, optimizer: Any) -> Non
     # loader knows every tensor to fill.
     state = _state(model, optimizer)
     dcp.load(state, checkpoint_id=str(directory))
-    set_state_dict(_unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(_unwrap(model), _optimizers(optimizer), model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    if _optimizers(optimizer) is not optimizer:
+        optimizer.adopt_inner_groups()  # loading replaced the inner groups the LR schedule writes to
 
 
 def _barrier() -> None:

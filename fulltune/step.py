@@ -196,7 +196,11 @@ def run_step(parts: StepParts, micro_batches: Iterable[MicroBatch], step: int, s
                 # The update runs inside the last micro-batch's backward and cannot be skipped after it:
                 # a non-finite loss stops the step's backward passes (sync point, per micro-batch).
                 in_backward.set_micro_batch(index)
-                step_finite = step_finite and (not can_sync or bool(torch.isfinite(loss_sum)))
+                if can_sync and step_finite:
+                    finite = torch.isfinite(loss_sum.detach())
+                    if processes > 1:  # FSDP: all processes take the backward (its reduce-scatters) or none
+                        finite = accelerator.reduce(finite.float(), reduction="sum") == processes
+                    step_finite = bool(finite)
             if step_finite:
                 # accelerator.backward divides by the accumulation steps and DDP averages over processes;
                 # scaling back leaves gradients of Σ(all token losses of the step) / step_targets.

@@ -40,11 +40,12 @@ SEQ_LEN = 16
 VOCAB = 128
 
 
-def tiny_config():
+def tiny_config(tied: bool = False):
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       tie_word_embeddings=tied)
 
 
 def fixed_rows(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +76,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--optimizer", choices=("adamw", "adafactor"),
                         help="fulltune.optim.build_optimizer (pure bf16 adamw: Kahan); default torch AdamW")
     parser.add_argument("--rewind-at", type=int, help="with --shard: save before this step, take it, load, take it again")
+    parser.add_argument("--tied", action="store_true", help="tie the output head to the input embedding")
+    parser.add_argument("--chunked-loss", action="store_true", help="the chunked head (train.chunked_loss)")
+    parser.add_argument("--vocab-chunk", type=int, default=48,
+                        help="vocabulary tile of the chunked head (smaller than the vocabulary: several tiles)")
+    parser.add_argument("--in-backward", action="store_true",
+                        help="step each parameter in backward (train.optimizer_in_backward; needs one micro-batch)")
     return parser.parse_args(argv)
 
 
@@ -93,14 +100,14 @@ def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, object]:
         model.config.use_cache = False
         if args.pure_bf16:
             model.to(torch.bfloat16)
-        heads.append(TargetHead(model))
+        heads.append(TargetHead(model, chunked=args.chunked_loss, vocab_chunk=args.vocab_chunk))
 
     if args.shard and args.sharded_load:
         model = sharding.load_sharded_model(args.load, device="cpu", mixed_precision=args.mixed_precision,
                                             before_shard=levers, allow_pickle_weights=True)
         return model, heads[0]
     torch.manual_seed(0)
-    model = load_model(str(args.load), allow_pickle_weights=True) if args.load else AutoModelForCausalLM.from_config(tiny_config())
+    model = load_model(str(args.load), allow_pickle_weights=True) if args.load else AutoModelForCausalLM.from_config(tiny_config(args.tied))
     levers(model)
     if args.shard:
         sharding.shard_model(model, device="cpu", mixed_precision=args.mixed_precision)
@@ -108,11 +115,12 @@ def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, object]:
 
 
 def make_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
-    if args.optimizer is None:
+    if args.optimizer is None and not args.in_backward:
         return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, fused=True)
     from fulltune.optim import build_optimizer
 
-    return build_optimizer(model, args.optimizer, lr=3e-3, weight_decay=0.01, pure_bf16=args.pure_bf16)
+    return build_optimizer(model, args.optimizer or "adamw", lr=3e-3, weight_decay=0.01, pure_bf16=args.pure_bf16,
+                           optimizer_in_backward=args.in_backward, max_grad_norm=1.0 if args.in_backward else None)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,7 +165,7 @@ def train(args: argparse.Namespace, accelerator, model, head, optimizer, accumul
 
     processes, rank = accelerator.num_processes, accelerator.process_index
     parts = StepParts(accelerator, model, head, optimizer, OptimizerStep(accelerator, model, optimizer, None, 1.0),
-                      accumulation)
+                      accumulation, optimizer_in_backward=args.in_backward)
     input_ids, labels = fixed_rows(args.steps)
     losses, norms = [], []
     # Step `rewind_at` runs twice; the first run is undone by loading what was saved before it.
