@@ -1,0 +1,322 @@
+"""Pipeline parallel on CPU: per-stage peak memory against `fulltune.memory.pipeline`, losses against one process.
+
+For each case, torchrun starts one process per stage (gloo, CPU, a timeout on every collective and on the
+whole run). Each builds the same `from_config` Llama, keeps its stage (`fulltune.pipeline.PipelineRun`:
+embedding + first layers / last layers + norm + head) and runs STEPS optimizer steps of M micro-batches
+under torch.distributed.pipelining's 1F1B or GPipe schedule, with the trainer's loss (the head at the
+target positions, Σ loss / the step's targets), global-norm clipping and optimizer. In every rank torch's
+MemTracker records the peak of tracked tensor storage (the stage's weights, gradients, optimizer states,
+activations, the schedule's receive buffers). That is compared with `estimate_pipeline(...).stages[rank]
+.peak_bytes`, the tensor peak the planner adds its runtime overhead to.
+
+The same steps run in one process (`fulltune.step.run_step` with M accumulated micro-batches, the
+trainer's step) from the same initial weights on the same batches: the per-step losses must agree.
+
+Measured: every tensor torch allocates on CPU. Not measured: the CPU process itself, gloo's own buffers,
+CUDA. The step times are this machine's (2 processes on a shared 2-core VM), beside the step-time model's
+prediction; only the ranking of the model is claimed elsewhere.
+
+Usage:
+    python benchmarks/pipeline_parallel.py                     # every case: JSON, table and summary
+    python benchmarks/pipeline_parallel.py --case fp32-1f1b --json out.json
+    python benchmarks/pipeline_parallel.py --write-benchmarks   # also rewrite BENCHMARKS.md's section
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+STEPS = 3  # tracked: losses and peaks
+TIMED_STEPS = 3  # then untracked (MemTracker intercepts every op in Python): step times
+TIMEOUT_S = 240  # the whole torchrun; each collective times out after COLLECTIVE_TIMEOUT_S
+COLLECTIVE_TIMEOUT_S = 120
+HEADING = "## Pipeline parallel"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    settings: dict  # Settings fields: micro_batch_size (b), gradient_accumulation_steps (M), ...
+    schedule: str = "1f1b"
+    stages: int = 2
+    config: dict = field(default_factory=dict)  # LlamaConfig keyword arguments over BASE
+
+
+BASE = {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 256, "tie_word_embeddings": False}
+SHAPE = {"micro_batch_size": 2, "seq_len": 128, "gradient_accumulation_steps": 4}
+
+CASES = [
+    Case("fp32-1f1b", SHAPE),
+    Case("fp32-gpipe", SHAPE, "gpipe"),
+    Case("bf16-1f1b", {**SHAPE, "mixed_precision": "bf16"}),
+    Case("fp32-1f1b-ckpt2", {**SHAPE, "gradient_checkpointing": 2}),
+    Case("bf16-gpipe-ckpt4", {**SHAPE, "mixed_precision": "bf16", "gradient_checkpointing": 4}, "gpipe"),
+    Case("fp32-1f1b-m8-b1", {**SHAPE, "micro_batch_size": 1, "gradient_accumulation_steps": 8}),
+    Case("fp32-1f1b-4stages", {**SHAPE, "gradient_accumulation_steps": 8}, stages=4),
+]
+
+
+def settings_of(case: Case):
+    from fulltune.memory import Settings
+
+    return Settings(device="cpu", **case.settings)
+
+
+def config_of(case: Case):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**BASE, **case.config})
+
+
+def step_batch(vocab: int, settings, step: int):
+    """The step's B = b·M rows, the same in every process and in the reference: random tokens, the first row of
+    each micro-batch left-padded (transformers then builds a real mask, as `memory.trace.make_batch`), a target at
+    every position but a row's last (labels are the tokens)."""
+    import torch
+
+    b, M, s = settings.micro_batch_size, settings.gradient_accumulation_steps, settings.seq_len
+    generator = torch.Generator().manual_seed(1000 + step)
+    input_ids = torch.randint(0, vocab, (b * M, s), generator=generator)
+    attention_mask = None
+    if settings.attention_mask:
+        attention_mask = torch.ones(b * M, s, dtype=torch.long)
+        attention_mask[::b, : max(1, s // 16)] = 0
+    return input_ids, attention_mask, input_ids.clone()
+
+
+def _model(case: Case):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fulltune.memory.checkpointing import apply_gradient_checkpointing
+
+    settings = settings_of(case)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config_of(case), attn_implementation=settings.attn_implementation)
+    model.train()
+    apply_gradient_checkpointing(model, settings.gradient_checkpointing)
+    return model
+
+
+# ----------------------------------------------------------------------------------------- one rank
+
+
+def _peak_tracker():
+    """MemTracker without its per-module statistics: a pipeline stage's forward runs once per micro-batch,
+    interleaved with backwards, which its module bookkeeping refuses; the global peak is all that is compared."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class PeakTracker(MemTracker):
+        def _pre_fw_hook(self, *args, **kwargs) -> None:
+            pass
+
+        def _post_fw_hook(self, *args, **kwargs) -> None:
+            pass
+
+        def _pre_bw_hook(self, *args, **kwargs) -> None:
+            pass
+
+        def _post_bw_hook(self, *args, **kwargs) -> None:
+            pass
+
+    return PeakTracker()
+
+
+def worker(case_name: str, out: Path) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from fulltune.pipeline import PipelineRun
+
+    case = next(c for c in CASES if c.name == case_name)
+    settings = settings_of(case)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    model = _model(case)
+    run = PipelineRun.create(model, settings, schedule=case.schedule,
+                             num_micro_batches=settings.gradient_accumulation_steps)
+    del model  # this process keeps only its stage's modules
+    tracker = _peak_tracker()
+    tracker.track_external(run.stage, run.optimizer)
+    losses, seconds = [], []
+    with tracker:
+        for step in range(1, STEPS + 1):
+            input_ids, attention_mask, labels = step_batch(config_of(case).vocab_size, settings, step)
+            dist.barrier()
+            start = time.perf_counter()
+            losses.append(run.step(input_ids, labels, attention_mask=attention_mask))
+            seconds.append(time.perf_counter() - start)
+            del input_ids, attention_mask, labels
+    for step in range(STEPS + 1, STEPS + TIMED_STEPS + 1):
+        input_ids, attention_mask, labels = step_batch(config_of(case).vocab_size, settings, step)
+        dist.barrier()
+        start = time.perf_counter()
+        run.step(input_ids, labels, attention_mask=attention_mask)
+        seconds.append(time.perf_counter() - start)
+    result = {"peak_bytes": int(max(tracker._peak_mem.values())), "losses": losses, "seconds": seconds,
+              "parameters": sum(p.numel() for p in run.stage.parameters())}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------- reference
+
+
+def reference_losses(case: Case) -> list[float]:
+    """The same steps in one process: the trainer's step over M accumulated micro-batches."""
+    import torch
+
+    from fulltune.loss import Targets
+    from fulltune.optim import optimizer_for
+    from fulltune.step import local_parts, run_step
+
+    torch.set_num_threads(1)
+    settings = settings_of(case)
+    model = _model(case)
+    optimizer = optimizer_for(model, settings)
+    b, M, s = settings.micro_batch_size, settings.gradient_accumulation_steps, settings.seq_len
+    losses = []
+    with local_parts(model, optimizer, settings, device="cpu", max_grad_norm=1.0) as parts:
+        for step in range(1, STEPS + 1):
+            input_ids, attention_mask, labels = step_batch(model.config.vocab_size, settings, step)
+            position_ids = torch.arange(s).expand(b, s).contiguous()
+            micro = []
+            for j in range(M):
+                rows = slice(j * b, (j + 1) * b)
+                inputs = {"input_ids": input_ids[rows], "position_ids": position_ids,
+                          "attention_mask": None if attention_mask is None else attention_mask[rows]}
+                micro.append((inputs, Targets.from_labels(labels[rows])))
+            step_targets = sum(len(t) for _, t in micro)
+            outcome = run_step(parts, micro, step, step_targets)
+            losses.append(float(outcome.loss_sum) / step_targets)
+    return losses
+
+
+# ----------------------------------------------------------------------------------------- driver
+
+
+def run_case(case: Case) -> dict:
+    from fulltune.memory.pipeline import estimate_pipeline
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ranks.json"
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.stages}",
+                   __file__, "--worker", case.name, "--out", str(out)]
+        started = time.perf_counter()
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        if done.returncode != 0 and not out.exists():
+            # gloo sometimes aborts a rank at exit on this VM ("terminate called without an active exception")
+            # before the result is written: one more try.
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        if not out.exists():
+            raise RuntimeError(f"{case.name}: torchrun failed\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        wall = time.perf_counter() - started
+        ranks = json.loads(out.read_text())
+    settings = settings_of(case)
+    estimate = estimate_pipeline(config_of(case), settings, case.stages, case.schedule)
+    reference = reference_losses(case)
+    pipelined = ranks[-1]["losses"][:STEPS]
+    measured_step = statistics.median(max(r["seconds"][i] for r in ranks) for i in range(STEPS, STEPS + TIMED_STEPS))
+    return {
+        "case": case.name,
+        "schedule": case.schedule,
+        "stages": case.stages,
+        "config": {**BASE, **case.config},
+        "settings": settings.to_dict(),
+        "torchrun_seconds": round(wall, 1),
+        "losses": pipelined,
+        "reference_losses": reference,
+        "max_loss_difference": max(abs(a - b) for a, b in zip(pipelined, reference)),
+        "bubble": estimate.bubble,
+        "predicted_step_seconds": estimate.step_seconds,
+        "measured_step_seconds": measured_step,
+        "ranks": [
+            {"stage": rank, "layers": list(st.layers), "in_flight": st.in_flight, "parameters": r["parameters"],
+             "estimate_peak_bytes": st.peak_bytes, "estimate_peak_phase": st.peak_phase,
+             "measured_peak_bytes": r["peak_bytes"], "error": st.peak_bytes / r["peak_bytes"] - 1}
+            for rank, (st, r) in enumerate(zip(estimate.stages, ranks))
+        ],
+    }
+
+
+def table(results: list[dict]) -> str:
+    mib = 2**20
+    lines = ["| case | schedule | stages × layers | b × M | stage | in flight | estimate MiB | measured MiB | error "
+             "| peak during (estimate) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        s = r["settings"]
+        for rank in r["ranks"]:
+            lines.append(
+                f"| {r['case']} | {r['schedule']} | {r['stages']} × {rank['layers'][1] - rank['layers'][0]} | "
+                f"{s['micro_batch_size']} × {s['gradient_accumulation_steps']} | {rank['stage']} | "
+                f"{rank['in_flight']} | {rank['estimate_peak_bytes'] / mib:.2f} | "
+                f"{rank['measured_peak_bytes'] / mib:.2f} | {rank['error']:+.2%} | {rank['estimate_peak_phase']} |")
+    return "\n".join(lines)
+
+
+def loss_table(results: list[dict]) -> str:
+    lines = ["| case | pipelined losses (steps 1–3) | one process | largest difference | bubble | "
+             "step s predicted / measured |", "|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['case']} | {', '.join(f'{x:.6f}' for x in r['losses'])} | "
+                     f"{', '.join(f'{x:.6f}' for x in r['reference_losses'])} | {r['max_loss_difference']:.1e} | "
+                     f"{r['bubble']:.0%} | {r['predicted_step_seconds']:.3f} / {r['measured_step_seconds']:.3f} |")
+    return "\n".join(lines)
+
+
+def summary(results: list[dict]) -> str:
+    errors = sorted(abs(rank["error"]) for r in results for rank in r["ranks"])
+    median = statistics.median(errors)
+    worst = max(((r, rank) for r in results for rank in r["ranks"]), key=lambda p: abs(p[1]["error"]))
+    loss = max(r["max_loss_difference"] for r in results)
+    return (f"per-stage peak: median |error| {median:.2%}, worst {abs(worst[1]['error']):.2%} "
+            f"({worst[0]['case']} stage {worst[1]['stage']}) over {len(errors)} stages of {len(results)} runs; "
+            f"losses within {loss:.1e} of one process")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", action="append", choices=[c.name for c in CASES], help="default: all")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.out)
+        return 0
+    results = []
+    for case in CASES:
+        if not args.case or case.name in args.case:
+            results.append(run_case(case))
+            print(table(results[-1:]), file=sys.stderr, flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    print(table(results))
+    print()
+    print(loss_table(results))
+    print()
+    print(summary(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,403 @@
+"""Pipeline parallel: each stage's memory, the bubble, and whether P stages would fit where one device does not.
+
+P stages over L decoder layers (an even split, `stage_layers`): the input embedding on the first stage, the
+final norm, output head and loss on the last (a tied head is a copy there, its gradient summed with the
+embedding's). Each stage is one process; one optimizer step runs M micro-batches of b rows through the
+pipeline (`Settings.micro_batch_size` = b, `gradient_accumulation_steps` = M) under one of two schedules
+(`torch.distributed.pipelining`, as fulltune/pipeline.py runs them):
+
+- GPipe: every stage runs all M forwards, then all M backwards: it holds M micro-batches' activations.
+- 1F1B: stage s runs min(P − s, M) forwards, then alternates one backward and one forward: it holds at most
+  min(P − s, M) micro-batches' activations, so the first stage holds the most.
+
+A stage's memory is the single-process step's, walked over that stage's own layers (`fulltune.memory.activations`,
+`timeline`, `head`, and the optimizer's bytes from `fulltune.optim` through `lever_bytes`), plus what the
+schedule keeps beside it:
+
+- the other in-flight micro-batches' saved activations (`_replay` follows the schedule's order; before the
+  step's first backward the stage has no gradients yet, after it they are accumulated);
+- torch.distributed.pipelining's receive buffers, allocated once for every micro-batch of the step: a
+  (b, s, h) activation buffer per micro-batch on every stage but the first, and a (b, s, h) gradient buffer
+  per micro-batch on every stage but the last; a stage's input gradients accumulate in its activation
+  buffers' `.grad` until the next step clears them;
+- under GPipe, the last stage's loss graphs: each waiting micro-batch keeps its fp32 log-softmax.
+
+Step time (`pipeline_step_seconds`): the planner's step-time model (`planner.step_seconds`) of each stage's
+own layers, split into a per-micro-batch part and the optimizer's pass; a pipeline step runs M + P − 1
+micro-batch slots of its slowest stage (the bubble is (P − 1) / (M + P − 1) of them), each with the stage's
+point-to-point send of a (b, s, h) activation and of its gradient, then the slowest stage's optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fulltune.memory.errors import MemoryConfigError
+from fulltune.memory.shapes import ModelShape, model_shape
+from fulltune.memory.types import Settings
+
+SCHEDULES = ("1f1b", "gpipe")
+SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe"}
+# Point-to-point bandwidth between neighbouring stages (bytes/s). Assumptions, like the planner's other link
+# constants: GPUs without NVLink, or on two machines, move ~25 GB/s (PCIe 4.0 x16, a 200 Gb/s NIC); gloo
+# between two CPU processes of one machine copies through loopback TCP.
+P2P_BYTES_PER_S = {"cuda": 25e9, "cpu": 2e9}
+# The levers that change the step's gradient flow or move tensors off the device: not modelled per stage.
+UNSUPPORTED_LEVERS = ("optimizer_in_backward", "offload_optimizer", "offload_activations")
+
+
+def stage_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """[start, end) decoder layers of each stage: an even split, the first stages one more when it is uneven.
+
+    Raises:
+        MemoryConfigError: fewer than one layer per stage.
+    """
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or not 1 <= num_stages <= num_layers:
+        raise MemoryConfigError(f"pipeline stages must be 1 to {num_layers} (one decoder layer or more each); "
+                                f"got {num_stages!r}")
+    base, extra = divmod(num_layers, num_stages)
+    bounds, start = [], 0
+    for s in range(num_stages):
+        end = start + base + (1 if s < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def in_flight(schedule: str, stage: int, num_stages: int, micro_batches: int) -> int:
+    """The most micro-batches whose activations stage `stage` holds at once."""
+    return micro_batches if schedule == "gpipe" else min(num_stages - stage, micro_batches)
+
+
+def schedule_order(schedule: str, stage: int, num_stages: int, micro_batches: int) -> list[str]:
+    """The forwards ("F") and backwards ("B") of stage `stage` in the order the schedule runs them
+    (torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B)."""
+    M = micro_batches
+    if schedule == "gpipe":
+        return ["F"] * M + ["B"] * M
+    warmup = in_flight(schedule, stage, num_stages, M)
+    order = ["F"] * warmup
+    for _ in range(M - warmup):
+        order += ["B", "F"]
+    return order + ["B"] * warmup
+
+
+def bubble_fraction(num_stages: int, micro_batches: int) -> float:
+    """The share of a GPipe or 1F1B step's micro-batch slots a stage waits: (P − 1) / (M + P − 1)."""
+    return (num_stages - 1) / (micro_batches + num_stages - 1)
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """One stage's peak (bytes, per process)."""
+
+    stage: int
+    layers: tuple[int, int]  # [start, end) of the decoder layers
+    in_flight: int  # micro-batches whose activations it holds at once
+    peak_bytes: int  # tensors at the step's peak
+    device_bytes: int  # with the runtime overhead (CUDA context and allocator slack, or the CPU process)
+    peak_phase: str
+    breakdown: dict[str, int]
+    p2p_bytes: int  # the schedule's receive buffers and the input gradients kept in them
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "layers": list(self.layers), "in_flight": self.in_flight,
+                "peak_bytes": self.peak_bytes, "device_bytes": self.device_bytes, "peak_phase": self.peak_phase,
+                "breakdown": dict(self.breakdown), "p2p_bytes": self.p2p_bytes}
+
+
+@dataclass(frozen=True)
+class PipelineEstimate:
+    """Every stage's peak, the bubble and the step time of one pipelined optimizer step."""
+
+    num_stages: int
+    schedule: str
+    micro_batches: int
+    micro_batch_size: int
+    stages: tuple[StageEstimate, ...]
+    bubble: float
+    step_seconds: float
+    p2p_seconds: float  # of step_seconds: the point-to-point sends on the slowest stage's critical path
+
+    @property
+    def worst(self) -> StageEstimate:
+        """The stage with the largest device bytes: the plan's figure per device."""
+        return max(self.stages, key=lambda s: (s.device_bytes, -s.stage))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"num_stages": self.num_stages, "schedule": self.schedule, "micro_batches": self.micro_batches,
+                "micro_batch_size": self.micro_batch_size, "worst_stage": self.worst.stage,
+                "device_bytes": self.worst.device_bytes, "bubble": round(self.bubble, 6),
+                "estimated_step_seconds": round(self.step_seconds, 6), "p2p_seconds": round(self.p2p_seconds, 6),
+                "stages": [s.to_dict() for s in self.stages]}
+
+
+def estimate_pipeline(config: Any, settings: Settings, num_stages: int, schedule: str = "1f1b") -> PipelineEstimate:
+    """Each stage's peak memory and the step time of `settings` run as `num_stages` pipeline stages.
+
+    `settings` is the step as one process would run it: micro-batches of `micro_batch_size` rows,
+    `gradient_accumulation_steps` of them per optimizer step (the pipeline's micro-batches), strategy none.
+
+    Raises:
+        MemoryConfigError: an unknown schedule, 1F1B with fewer micro-batches than stages, more stages than
+            layers, a multi-process strategy, or a lever this model does not cover (`UNSUPPORTED_LEVERS`).
+    """
+    shape = config if isinstance(config, ModelShape) else model_shape(config)
+    _check(shape, settings, num_stages, schedule)
+    stages = tuple(_stage_estimate(shape, settings, num_stages, s, schedule) for s in range(num_stages))
+    seconds, p2p = pipeline_step_seconds(shape, settings, num_stages)
+    return PipelineEstimate(num_stages, schedule, settings.gradient_accumulation_steps, settings.micro_batch_size,
+                            stages, bubble_fraction(num_stages, settings.gradient_accumulation_steps), seconds, p2p)
+
+
+def _check(shape: ModelShape, settings: Settings, num_stages: int, schedule: str) -> None:
+    if schedule not in SCHEDULES:
+        raise MemoryConfigError(f"pipeline schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+    stage_layers(shape.num_layers, num_stages)
+    M = settings.gradient_accumulation_steps
+    if schedule == "1f1b" and M < num_stages:
+        raise MemoryConfigError(f"1F1B needs at least as many micro-batches as stages: {M} < {num_stages}")
+    if settings.strategy != "none" or settings.num_processes != 1:
+        raise MemoryConfigError("pipeline stages are modelled without data parallel: strategy none, one process "
+                                "per stage")
+    on = [name for name in UNSUPPORTED_LEVERS if getattr(settings, name)]
+    if on:
+        raise MemoryConfigError(f"pipeline stages are not modelled with {', '.join(on)}")
+
+
+def stage_shape(shape: ModelShape, num_stages: int, stage: int) -> ModelShape:
+    """The part of `shape` stage `stage` holds: its decoder layers, the embedding tables on the first stage,
+    the final norm and the output head on the last (a tied head a copy). A stage without the head has
+    vocabulary 0, so that neither logits nor head FLOPs are counted on it (the embedding is among its tables)."""
+    start, end = stage_layers(shape.num_layers, num_stages)[stage]
+    first, last = stage == 0, stage == num_stages - 1
+    tables = [s for s in shape.other_params if len(s) == 2]
+    norms = [s for s in shape.other_params if len(s) != 2]
+    head = (shape.vocab, shape.hidden)
+    lookups = tables if shape.tied else tables[:-1]  # untied: the head is the last 2-D tensor (shapes.py)
+    other: list[tuple[int, ...]] = (list(lookups) if first else []) + (norms + [head] if last else [])
+    return replace(shape, num_layers=end - start, other_params=tuple(other), vocab=shape.vocab if last else 0,
+                   tied=False)
+
+
+def stage_settings(settings: Settings, num_stages: int, stage: int, num_layers: int) -> Settings:
+    """`settings` on one stage: its share of the checkpointed layers (the model's first k)."""
+    start, end = stage_layers(num_layers, num_stages)[stage]
+    return replace(settings, gradient_checkpointing=max(0, min(settings.gradient_checkpointing - start, end - start)))
+
+
+def _stage_estimate(shape: ModelShape, settings: Settings, P: int, s: int, schedule: str) -> StageEstimate:
+    from fulltune.memory.estimate import _runtime_overhead
+    from fulltune.memory.process import STEP
+
+    sub, ss = stage_shape(shape, P, s), stage_settings(settings, P, s, shape.num_layers)
+    first, last = s == 0, s == P - 1
+    start, M = stage_layers(shape.num_layers, P)[s][0], settings.gradient_accumulation_steps
+    # Two walks of one micro-batch: before the step's first backward has made the stage's gradients (they
+    # appear layer by layer, as without accumulation), and after it (they exist through every pass).
+    fresh, per_micro_batch, x = _single_micro_batch(sub, replace(ss, gradient_accumulation_steps=1), first, last,
+                                                    start, M)
+    steady = _single_micro_batch(sub, ss, first, last, start, M)[0] if M > 1 else fresh
+    stream = x.bsh4  # one (b, s, h) tensor of the residual stream: what crosses a stage boundary
+    if last and schedule == "gpipe":
+        # A waiting micro-batch's loss keeps its fp32 log-softmax (the chunked head: its logsumexp per row).
+        per_micro_batch += 4 * x.t if ss.chunked_loss else x.logits32
+    receive = (0 if first else M * stream) + (0 if last else M * stream)
+    input_grad = 0 if first else stream  # each backward leaves one in its receive buffer's .grad
+    candidates = [(_largest(steady, "O"), receive + M * input_grad)]
+    for action, alive, done in _replay(schedule_order(schedule, s, P, M)):
+        walk = fresh if done == 0 else steady
+        # The other in-flight micro-batches' activations and the input gradients already made, beside this one.
+        others = (alive if action == "F" else alive - 1) * per_micro_batch + done * input_grad
+        candidates.append((_largest(walk, action), receive + others))
+    (name, total, parts), extra = max(candidates, key=lambda c: c[0][1] + c[1])
+    peak = total + extra
+    breakdown = {key: int(value) for key, value in parts.items() if key != "host"}
+    breakdown["activations"] += int(extra)
+    overhead = _runtime_overhead(ss, peak, STEP, sub)
+    breakdown["runtime_overhead"] = int(overhead)
+    return StageEstimate(s, tuple(stage_layers(shape.num_layers, P)[s]), in_flight(schedule, s, P, M), int(peak),
+                         int(peak + overhead), name, breakdown, int(receive + M * input_grad))
+
+
+def _kind(phase: str) -> str:
+    return "O" if phase == "optimizer step" else ("F" if phase.startswith("forward") else "B")
+
+
+def _largest(phases: list, kind: str) -> tuple[str, int, dict[str, int]]:
+    """The largest of a walk's phases of one kind: forward ("F"), backward ("B") or the optimizer step ("O")."""
+    return max((p for p in phases if _kind(p[0]) == kind), key=lambda p: p[1])
+
+
+def _replay(order: list[str]) -> list[tuple[str, int, int]]:
+    """(action, micro-batches forwarded and not yet backwarded, backwards done) before each action of a stage."""
+    alive = done = 0
+    out = []
+    for action in order:
+        out.append((action, alive, done))
+        if action == "F":
+            alive += 1
+        else:
+            alive, done = alive - 1, done + 1
+    return out
+
+
+def _single_micro_batch(sub: ModelShape, ss: Settings, first: bool, last: bool, start: int, micro_batches: int
+                        ) -> tuple[list, int, Any]:
+    """One micro-batch's forward and backward through a stage, and the optimizer step: the phases, the
+    micro-batch's saved activations, and the step's terms. With `ss.gradient_accumulation_steps` above 1 the
+    stage's gradients exist from the start (an earlier micro-batch made them); at 1 they appear during its
+    backward. Mirrors the single-process walk (`estimate._backward_phases`) on the stage's layers; the step's
+    batch has `micro_batches` micro-batches."""
+    from fulltune.memory.fsdp import persistent
+    from fulltune.memory.head import chunked_head_phases, head_gradient, head_phases
+    from fulltune.memory.timeline import Timeline, step_terms
+
+    x = step_terms(sub, ss, ss)
+    acts = x.acts
+    # A later stage's input is its receive buffer (counted with the schedule's buffers); only the last stage
+    # keeps the final norm's tensors and the head's rows.
+    acts = replace(acts, stream_in=acts.stream_in if first else 0,
+                   final_norm=acts.final_norm if last else 0, lm_head_input=acts.lm_head_input if last else 0)
+    x = replace(x, acts=acts)
+    p = persistent(x)
+    b, s = ss.micro_batch_size, ss.seq_len
+    rows = b * micro_batches
+    # Every stage has the step's position ids (and attention mask); the first its token ids, the last its
+    # labels and one micro-batch's target index and tokens (int64).
+    batch = 8 * rows * s * (1 + int(ss.attention_mask) + int(first) + int(last)) + (2 * 8 * x.t if last else 0)
+    tl = Timeline(x, replace(p, batch=batch))
+    layer, wb, accumulating = x.layer, x.levers.weight_bytes, x.accumulating
+    tl.add("forward", x.grads_before, acts.below_head, 0, layer.forward_transient + acts.mask_bool, backward=False)
+    if last:
+        (chunked_head_phases if ss.chunked_loss else head_phases)(tl)
+    head_grad = head_gradient(tl) if last else 0
+    norm_grad = wb * sum(n for (n,) in (sh for sh in sub.other_params if len(sh) == 1)) if last else 0
+    grads_now = x.grads_before if accumulating else head_grad + norm_grad
+    acts_now = acts.below_head
+    layer_grads = layer.grads * wb // 4
+    first_grad = layer.mlp_first_grad * wb // 4
+    for i in reversed(range(sub.num_layers)):
+        below = acts_now - acts.saved_by_layer[i]
+        grad_mlp = 0 if accumulating else layer.mlp_grads * wb // 4
+        tl.add(f"backward of layer {start + i}", grads_now + (0 if accumulating else first_grad), below, 0,
+               layer.saved + layer.mlp_backward + (first_grad if x.new_grad_added else 0))
+        tl.add(f"backward of layer {start + i}", grads_now + grad_mlp, below, 0,
+               layer.attn_saved + layer.attn_backward)
+        grads_now += 0 if accumulating else layer_grads
+        acts_now = below
+    if first:
+        # The embedding's dense (V, h) gradient, added into the accumulated one.
+        vocab_rows = next((r for r, _ in (sh for sh in sub.other_params if len(sh) == 2)), 0)
+        emb_grad = wb * vocab_rows * sub.hidden
+        tl.add("backward of the embeddings", x.grads_total, max(acts_now, 0), 0, emb_grad if x.new_grad_added else 0)
+    tl.add("optimizer step", x.grads_total, 0, 0, x.levers.states_temp)
+    return tl.phases, acts.total, x
+
+
+def pipeline_step_seconds(shape: ModelShape, settings: Settings, num_stages: int) -> tuple[float, float]:
+    """(seconds of one pipelined optimizer step, of which point-to-point sends) by the planner's step-time model.
+
+    Each stage's `planner.step_seconds` on its own layers (and head), at one and two micro-batches: the
+    difference is its per-micro-batch time, the rest its optimizer pass. The step is M + P − 1 slots of the
+    slowest stage's micro-batch (the fill and drain of the pipeline, GPipe and 1F1B alike) plus the slowest
+    stage's optimizer pass; each slot also sends one (b, s, h) activation forward and one gradient back.
+    """
+    from fulltune.memory.activations import stream_bytes
+    from fulltune.memory.planner import step_seconds
+
+    M, P = settings.gradient_accumulation_steps, num_stages
+    per_micro_batch, optimizer = [], []
+    for s in range(P):
+        sub, ss = stage_shape(shape, P, s), stage_settings(settings, P, s, shape.num_layers)
+        one = step_seconds(sub, replace(ss, gradient_accumulation_steps=1))
+        two = step_seconds(sub, replace(ss, gradient_accumulation_steps=2))
+        per_micro_batch.append(two - one)
+        optimizer.append(max(one - (two - one), 0.0))
+    activation = stream_bytes(settings) * settings.micro_batch_size * settings.seq_len * shape.hidden
+    send = (2 * activation / P2P_BYTES_PER_S[settings.device]) if P > 1 else 0.0
+    slots = M + P - 1
+    return slots * (max(per_micro_batch) + send) + max(optimizer), slots * send
+
+
+# --- plan advice ------------------------------------------------------------------------------------------
+
+MAX_STAGES = 64
+# The slow levers: when the plan fits only with these, the advice says what pipeline parallel would cost instead.
+SLOW_LEVERS = ("offload_optimizer", "offload_activations")
+
+
+def needs_advice(fits: bool, settings: Settings) -> bool:
+    """Whether `fulltune plan` should say what pipeline parallel would do: nothing fits, or only with a lever
+    that moves tensors over PCIe (`SLOW_LEVERS`)."""
+    return not fits or any(getattr(settings, name) for name in SLOW_LEVERS)
+
+
+def pipeline_advice(shape: ModelShape, request: Any, settings: Settings, usable: int,
+                    plan_seconds: float | None = None, fits: bool = False) -> dict[str, Any] | None:
+    """The fewest pipeline stages (2, 4, 8, … up to the layers) under 1F1B whose worst stage fits `usable`
+    bytes per device, with its fastest micro-batch split and checkpointing; or, when none does, what the most
+    stages would need. `settings` is the plan's choice (its precision, optimizer and pure bf16 / chunked loss
+    are kept; the levers pipeline stages do not model are off); the whole effective batch goes through one
+    pipeline (no data parallel). A stage fits with the estimate's measured uncertainty for its kind of step
+    on top (`uncertainty.estimate_uncertainty`). None: the request has no budget.
+    """
+    from fulltune.memory.uncertainty import estimate_uncertainty
+
+    if not usable:
+        return None
+    base = replace(settings, strategy="none", num_processes=1, tensor_parallel=1,
+                   **{name: False for name in UNSUPPORTED_LEVERS})
+    B = request.effective_batch_size
+    best: tuple[PipelineEstimate, int] | None = None
+    smallest: tuple[PipelineEstimate, int] | None = None
+    counts = [n for n in (2, 4, 8, 16, 32, MAX_STAGES) if n <= shape.num_layers]
+    for P in counts:
+        fitting = []
+        for b in (d for d in _divisors(B) if B // d >= P):
+            for k in sorted({0, shape.num_layers // 2, shape.num_layers}):
+                candidate = replace(base, micro_batch_size=b, gradient_accumulation_steps=B // b,
+                                    gradient_checkpointing=k)
+                estimate = estimate_pipeline(shape, candidate, P, "1f1b")
+                worst = estimate.worst
+                margin = estimate_uncertainty(stage_shape(shape, P, worst.stage),
+                                              stage_settings(candidate, P, worst.stage, shape.num_layers),
+                                              worst.peak_bytes).bytes
+                planned = worst.device_bytes + margin
+                if planned <= usable:
+                    fitting.append((estimate, k))
+                if smallest is None or planned < smallest[0].worst.device_bytes:
+                    smallest = (estimate, k)
+        if fitting:
+            best = min(fitting, key=lambda c: (c[0].step_seconds, c[1]))
+            break
+    chosen = best or smallest
+    if chosen is None:
+        return None
+    estimate, k = chosen
+    return _advice(shape, estimate, k, best is not None, plan_seconds, fits)
+
+
+def _divisors(n: int) -> list[int]:
+    return sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True)
+
+
+def _advice(shape: ModelShape, e: PipelineEstimate, checkpointing: int, fits: bool, plan_seconds: float | None,
+            plan_fits: bool) -> dict[str, Any]:
+    from fulltune.memory.units import format_bytes
+
+    worst = e.worst
+    where = "first stage" if worst.stage == 0 else ("last stage" if worst.stage == e.num_stages - 1
+                                                    else f"stage {worst.stage}")
+    what = (f"pipeline parallel {e.num_stages} ({SCHEDULE_NAMES[e.schedule]}, {e.micro_batches} micro-batches of "
+            f"{e.micro_batch_size}, checkpointing {checkpointing} of {shape.num_layers} layers)")
+    if fits:
+        text = (f"{what} would fit at {format_bytes(worst.device_bytes)} on the {where}, bubble {e.bubble:.0%}, "
+                f"step {e.step_seconds:.3g} s on {e.num_stages} devices")
+        if plan_fits and plan_seconds is not None:
+            text += f" (the plan: {plan_seconds:.3g} s on one device per process, with its offload)"
+    else:
+        text = (f"{what} would not fit either: its {where} needs {format_bytes(worst.device_bytes)} "
+                f"(pipeline stages alone do not shard a stage's weights, gradients or optimizer states)")
+    return {**e.to_dict(), "gradient_checkpointing": checkpointing, "fits": fits, "advice": text}
