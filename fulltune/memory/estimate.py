@@ -46,6 +46,7 @@ from fulltune.memory.fsdp import activation_settings, fsdp_phases, fsdp_walk, pe
 from fulltune.memory.head import chunked_head_phases, head_gradient, head_phases
 from fulltune.memory.process import CPU_LIBRARY_PAGES_SPREAD, CPU_LOAD_PROCESS_BYTES, LOAD, STEP, TRAINING_PHASES, phase_tensors
 from fulltune.memory.shapes import ModelShape, model_shape
+from fulltune.memory.tensor_parallel import step_terms_tp, tp_phases
 from fulltune.memory.timeline import Timeline, step_terms
 from fulltune.memory.types import MemoryEstimate, Settings
 
@@ -90,6 +91,13 @@ def estimate_memory(config: Any, settings: Settings) -> MemoryEstimate:
 
 def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = None) -> MemoryEstimate:
     """`estimate_memory` on a parsed shape; `timeline` (if given) receives every (phase, bytes, parts)."""
+    if settings.tensor_parallel > 1:
+        # A tensor-parallel rank: FSDP over the data-parallel processes of the rank's own shape, with the
+        # sequence-parallel blocks' activations and the vocabulary-parallel head (memory/tensor_parallel.py).
+        x = step_terms_tp(shape, settings, activation_settings(settings))
+        tl = Timeline(x, persistent(x))
+        tp_phases(tl)
+        return _result(x.shape, tl.phases, timeline, x.settings, _notes(shape, settings))
     x = step_terms(shape, settings, activation_settings(settings))
     tl = Timeline(x, persistent(x))
     if fsdp_walk(settings):

@@ -1,0 +1,299 @@
+"""Per-rank memory of tensor parallel and FSDP × TP (fulltune/parallel.py), phase by phase.
+
+With `distributed.tensor_parallel: T` and `num_processes: N`, each rank holds 1/T of every block's matmuls
+and of the vocabulary, and FSDP2 then shards that over the dp = N / T data-parallel ranks. So a rank is FSDP
+over dp processes of a smaller model of its own (`rank_shape`): q/k/v and gate/up split by output (H/T heads,
+I/T columns), o/down by input, the embedding and the head by vocabulary (V/T rows), the norms replicated.
+Its parameters, gradients, optimizer states, gathered units, unsharded gradients and reduce-scatter buffers
+are FSDP2's over that shape, counted as `memory/fsdp.py` counts them (dp = 1 included: FSDP2 over one
+process still gathers a unit into its own buffer and reduces its gradient through a reduce-scatter one).
+
+What tensor parallel changes is the activations, the logits and the collectives' buffers:
+
+    block input (b, s, h) whole ─► its s/T positions (a copy, kept by the input norm)
+    norm        sequence parallel: input, 1/rms and the normalised x on s/T positions
+    q, k, v     all-gathered input (b, s, h) kept for the weight gradients; H/T heads over all s positions
+    o           row-parallel (b, s, h) partial sums ─► reduce-scatter ─► (b, s/T, h)
+    MLP         the same: all-gathered input kept, (b, s, I/T) intermediates, reduce-scatter to s/T
+    output      all-gathered to the whole (b, s, h) for the next block (not kept: the next block keeps
+                its own s/T copy)
+    head        vocabulary-parallel (t, V/T) logits, all-gathered to (t, V) on every rank: the loss runs
+                on whole logits (fulltune/loss.py's TargetHead sees a plain tensor), so the three fp32
+                (t, V) tensors of its backward are whole, as without TP
+    embedding   a masked lookup of the rank's V/T rows, its (b, s, h) partial sums all-reduced
+
+Each collective's output is a new tensor beside its input (gloo and NCCL alike): an all-gather along the
+sequence gathers into a (T·b, s/T, h) buffer and copies it into (b, s, h); a reduce-scatter first copies
+its input into that layout. In backward every column-parallel linear all-reduces its input gradient and
+every sequence-parallel boundary all-gathers or reduce-scatters the gradient of the stream. All of it was
+checked op by op against FSDPMemTracker in every rank on CPU (benchmarks/tensor_parallel_memory.py).
+
+Only the Llama layout is split (parallel.check_model); the heads, key/value heads and MLP width divide T.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from fulltune.memory.activations import LayerBytes, ModelActivations, attention_bytes, compute_bytes, stream_bytes
+from fulltune.memory.errors import MemoryConfigError
+from fulltune.memory.lever_bytes import lever_bytes
+from fulltune.memory.shapes import ModelShape
+from fulltune.memory.timeline import StepTerms, Timeline
+from fulltune.memory.types import Settings
+
+
+def rank_shape(shape: ModelShape, tensor_parallel: int) -> ModelShape:
+    """The parameters one tensor-parallel rank holds before FSDP shards them (fulltune/parallel.py's plan)."""
+    T = tensor_parallel
+    if T == 1:
+        return shape
+    if shape.layout != "llama":
+        raise MemoryConfigError(f"tensor_parallel {T}: only Llama-layout blocks are split (model_type "
+                                f"{shape.model_type!r}); use tensor_parallel 1")
+    heads, kv, inter = shape.heads // T, shape.kv_heads // T, shape.intermediate // T
+    vocab = math.ceil(shape.vocab / T)  # DTensor's Shard(0) gives the first ranks one more row when uneven
+    # The block's parameters in `shapes._llama_shape`'s order: two norms (whole), q, k, v (split by output) and
+    # o (by input), their biases (q, k, v split; o's whole), gate and up (by output), down (by input), their
+    # biases (gate's and up's split, down's whole).
+    layer, matrices, vectors = [], 0, 0
+    for p in shape.layer_params:
+        if len(p) == 2:
+            matrices, vectors = matrices + 1, 0
+            layer.append((p[0], p[1] // T) if matrices in (4, 7) else (p[0] // T, p[1]))
+        else:
+            vectors += 1
+            split = (matrices == 4 and vectors <= 3) or (matrices == 7 and vectors <= 2)
+            layer.append((p[0] // T,) if split else p)
+    other = tuple((vocab, p[1]) if p == (shape.vocab, shape.hidden) else p for p in shape.other_params)
+    return replace(shape, heads=heads, kv_heads=kv, intermediate=inter, vocab=vocab, layer_params=tuple(layer),
+                   other_params=other)
+
+
+def rank_settings(settings: Settings) -> Settings:
+    """A rank's settings as FSDP over the data-parallel processes (num_processes / tensor_parallel)."""
+    return replace(settings, num_processes=settings.num_processes // settings.tensor_parallel, tensor_parallel=1)
+
+
+@dataclass(frozen=True)
+class TensorParallelTerms(StepTerms):
+    """`StepTerms` of one tensor-parallel rank: `shape` and `settings` are the rank's (`rank_shape`,
+    `rank_settings`), the activations its own; the whole model's numbers beside them."""
+
+    tensor_parallel: int
+    full_vocab: int  # the logits the loss sees are whole
+    padded_seq: int  # a block's positions: the micro-batch padded to a multiple of T (parallel.py)
+
+    @property
+    def local_seq(self) -> int:
+        """Positions a rank's norms and residual stream hold inside a block."""
+        return self.padded_seq // self.tensor_parallel
+
+    @property
+    def whole_logits_c(self) -> int:
+        """The all-gathered (t, V) logits in the compute dtype."""
+        return self.t * self.full_vocab * self.c
+
+    @property
+    def logits32(self) -> int:
+        """One fp32 (t, V) tensor of the loss (whole logits: the loss runs on every rank)."""
+        return 4 * self.t * self.full_vocab
+
+
+def layer_bytes_tp(shape: ModelShape, act: Settings, tensor_parallel: int) -> LayerBytes:
+    """One sequence-parallel block of a rank (`shape` = `rank_shape`): what it saves, its forward transient and
+    backward working sets. `saved` includes the block's own copy of its s/T input positions."""
+    T = tensor_parallel
+    b = act.micro_batch_size
+    s = math.ceil(act.seq_len / T) * T
+    sl = s // T
+    h, I, a, kv, d = shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.head_dim
+    c, sb = compute_bytes(act), stream_bytes(act)
+    pure = act.pure_bf16
+    local = sb * b * sl * h  # one stream tensor on the rank's positions
+    gathered = c * b * s * h  # an all-gathered norm output: the column-parallel linears' input
+    # RMSNorm on s/T positions: 1/rms and the normalised x; with bf16 weights also its fp32 upcast input (the
+    # bf16 input itself is then not kept). Its output is all-gathered and not kept itself.
+    norm = local + 4 * b * sl + (4 * b * sl * h if pure else 0)
+    core, work, _ = attention_bytes(shape, replace(act, seq_len=s), c)
+    if act.attention_mask and kv == 1 and a > 1:
+        # One key/value head per rank: transformers' repeat_kv expands it to the rank's heads as a view (a
+        # size-1 dimension reshapes without a copy), so k and v stay (b, 1, s, d).
+        core -= 2 * b * s * (a - kv) * d * c
+    block_input = 0 if pure else local  # the s/T copy of the block input (bf16 weights: the upcast instead)
+    mid_residual = 0 if pure else local  # the post-attention norm's input
+    attn_saved = block_input + norm + gathered + core
+    mlp_saved = mid_residual + norm + gathered + 4 * b * s * I * c
+    return LayerBytes(
+        saved=attn_saved + mlp_saved,
+        attn_saved=attn_saved,
+        # At the MLP's reduce-scatter: the norm output (its caller's), the down projection's (b, s, h)
+        # partial sums, their copy in the scatter's layout and the scattered (b, s/T, h) result.
+        forward_transient=c * b * sl * h + 2 * gathered + c * b * sl * h,
+        # The stream's gradient on s/T positions, then the gated product's: two (b, s, I/T) gradients beside
+        # the saved factors (the product's input freed).
+        mlp_backward=local + 2 * b * s * I * c,
+        # The stream's gradient all-gathered for o's input gradient, the gradients of q, k, v.
+        attn_backward=local + gathered + b * s * a * d * c + work,
+        # A checkpointed block keeps its s/T input positions: the input hook that cuts them runs before the
+        # checkpointed forward (measured: the whole input is freed).
+        checkpoint_saved=local,
+        grads=4 * shape.layer_numel,
+        mlp_grads=4 * (3 * h * I),
+        mlp_first_grad=4 * h * I,
+    )
+
+
+def model_activations_tp(shape: ModelShape, settings: Settings, act: Settings, layer: LayerBytes,
+                         tensor_parallel: int) -> ModelActivations:
+    """What one rank's forward leaves saved: the blocks as `layer_bytes_tp`, the final norm on the whole
+    sequence (it keeps its whole input too), the head's gathered rows, rotary tables in the compute dtype."""
+    b, s, h, L = settings.micro_batch_size, settings.seq_len, shape.hidden, shape.num_layers
+    c, sb = compute_bytes(act), stream_bytes(act)
+    k = min(settings.gradient_checkpointing, L)
+    t = b * settings.targets_per_row
+    whole = sb * b * s * h
+    final_norm = whole + 4 * b * s + (4 * b * s * h if act.pure_bf16 else whole)
+    kept_mask = b * s * s if k > 0 and settings.attention_mask else 0
+    saved_by_layer = tuple(layer.checkpoint_saved if i < k else layer.saved for i in range(L))
+    return ModelActivations(
+        # The embedding's output is not kept (the first block keeps its own s/T copy); it lives through the
+        # forward (`tp_phases`).
+        stream_in=0, final_norm=final_norm, lm_head_input=t * h * c,
+        rope=2 * c * b * s * shape.rotary_dim,  # cos and sin, cast to the activations' dtype
+        head_copy=0, kept_mask=kept_mask, saved_by_layer=saved_by_layer,
+        offloaded=k * layer.checkpoint_saved if settings.offload_activations else 0,
+        mask_bool=b * s * s if settings.attention_mask else 0,
+    )
+
+
+def step_terms_tp(shape: ModelShape, settings: Settings, act: Settings) -> TensorParallelTerms:
+    """The shared numbers of a tensor-parallel rank's step: FSDP over dp of `rank_shape`, TP activations."""
+    from fulltune.memory.fsdp import shares
+
+    T = settings.tensor_parallel
+    local, ranked = rank_shape(shape, T), rank_settings(settings)
+    local_act = rank_settings(act)
+    levers = lever_bytes(local, ranked)
+    layer = layer_bytes_tp(local, local_act, T)
+    c = compute_bytes(local_act)
+    grad_shard = shares(ranked).grads
+    return TensorParallelTerms(
+        shape=local, settings=ranked, act=local_act, levers=levers, layer=layer,
+        acts=model_activations_tp(local, ranked, local_act, layer, T),
+        t=settings.micro_batch_size * settings.targets_per_row, c=c, sb=stream_bytes(local_act),
+        mixed=False, grad_shard=grad_shard,
+        grads_total=int(levers.weight_bytes * local.num_params * grad_shard),
+        accumulating=settings.gradient_accumulation_steps > 1,
+        hooks=settings.optimizer_in_backward or settings.offload_optimizer,
+        tensor_parallel=T, full_vocab=shape.vocab, padded_seq=math.ceil(settings.seq_len / T) * T,
+    )
+
+
+def tp_phases(tl: Timeline) -> None:
+    """The step of a tensor-parallel rank, phase by phase: `fsdp.fsdp_phases`'s units over the rank's
+    shape and the data-parallel processes, with the block, head and embedding terms of the module docstring."""
+    x = tl.terms
+    assert isinstance(x, TensorParallelTerms)
+    shape, settings, layer, add = x.shape, x.settings, x.layer, tl.add
+    saved_by_layer, grads_total, t, c, sb = x.acts.saved_by_layer, x.grads_total, x.t, x.c, x.sb
+    logits32, whole_c, mask_bool = x.logits32, x.whole_logits_c, x.acts.mask_bool
+    acts_total, before_head = x.acts.total, x.acts.below_head
+    head_inputs = x.acts.lm_head_input + x.acts.final_norm
+    h, Vl, L = shape.hidden, shape.vocab, shape.num_layers
+    b, s = settings.micro_batch_size, settings.seq_len
+    n = settings.num_processes  # the data-parallel processes FSDP2 shards over
+    whole = sb * b * s * h  # the stream on every position (between blocks)
+    local_logits = t * Vl * c  # this rank's vocabulary slice of the logits
+    policy_bf16 = settings.mixed_precision == "bf16"
+    wb = 2 if settings.pure_bf16 else 4
+    pb = 2 if policy_bf16 else wb
+    rb = 4 if policy_bf16 else wb
+    lay, vh = shape.layer_numel, Vl * h
+    tied = shape.tied
+    root = shape.num_params - L * lay - (0 if tied else 2 * vh)
+    accumulating = settings.gradient_accumulation_steps > 1
+
+    def shard(numel: int) -> int:
+        return int(wb * numel / n)
+
+    def post_backward(numel: int) -> int:
+        return rb * numel + int(rb * numel / n)
+
+    done = grads_total if accumulating else 0
+    root_g = pb * root
+    # FSDP2 keeps a unit's all-gather buffer beside its gathered weights until the next unit's gather, and in
+    # backward prefetches the next unit's gather; over one data-parallel process the gathered weights are that
+    # buffer (one copy) and the next unit is gathered only after this one's post-backward (measured).
+    copies = 2 if n > 1 else 1
+    prefetching = n > 1
+    # The embedding's output lives through the forward (the model's own reference, not saved), the last block's
+    # whole input beside it.
+    forward_stream = whole + (whole if L > 1 else 0)
+
+    # Embedding: the rank's rows gathered, the masked lookup's (b, s, h) partial sums and their all-reduce.
+    embedding = copies * pb * vh + root_g if not tied else copies * root_g
+    add("forward", done, 0, 0, 2 * whole, backward=False, unsharded=(embedding, 0))
+    add("forward", done, before_head + forward_stream, 0, layer.forward_transient + mask_bool, backward=False,
+        unsharded=(copies * pb * lay + root_g, 0))
+    # The head: the final norm's whole output, the rank's (t, V/T) logits, the all-gather's buffer and the
+    # whole (t, V) logits.
+    in_head = copies * pb * vh + root_g if not tied else root_g + (copies - 1) * pb * lay
+    kept_head = 0 if tied else pb * vh
+    add("forward of the lm head / loss", done, acts_total, local_logits + 2 * whole_c, whole, backward=False,
+        unsharded=(in_head, 0))
+    if c == 2:
+        add("forward of the lm head / loss", done, acts_total, whole_c + logits32, 0, backward=False,
+            unsharded=(kept_head, 0))
+    add("forward of the lm head / loss", done, acts_total, 2 * logits32, 0, backward=False, unsharded=(kept_head, 0))
+    add("backward of the lm head / loss", done, acts_total, 3 * logits32, 0, unsharded=(kept_head, 0))
+    # Backward of the gather: the logits' gradient (and its 16-bit cast), the rank's slice copied out of it.
+    gathered_head = (pb * vh if not tied else root_g) + (pb * lay if prefetching else 0)
+    add("backward of the lm head / loss", done, acts_total, logits32 + (whole_c if c == 2 else 0) + local_logits, 0,
+        unsharded=(gathered_head, 0))
+    # The head's backward: its unsharded weight gradient, the rows' gradient and its all-reduce.
+    add("backward of the lm head / loss", done, acts_total, local_logits, 2 * t * h * c,
+        unsharded=(gathered_head, pb * vh))
+    after_head = acts_total - head_inputs
+    if not tied:
+        add("backward of the lm head / loss", done, acts_total - x.acts.lm_head_input, 0, whole + t * h * c
+            + post_backward(vh), unsharded=(pb * lay if prefetching else 0, pb * vh + rb * vh))
+        done = done if accumulating else done + shard(vh)
+    waiting = pb * vh if tied else 0
+    kept_rs = 0 if tied else rb * vh
+    # The final norm's backward on the whole sequence, then the last block's s/T slice of its gradient.
+    add("backward of the lm head / loss", done, after_head, 0, 3 * whole + 4 * t * h,
+        unsharded=((pb * lay if prefetching else 0) + (root_g if tied else 0), waiting + kept_rs))
+
+    mlp_params = 3 * h * shape.intermediate
+    acts_now = after_head
+    for i in reversed(range(L)):
+        below = acts_now - saved_by_layer[i]
+        prefetch = (pb * lay if i > 0 else (0 if tied else pb * vh)) if prefetching else 0
+        gathered = pb * lay + prefetch + (root_g if tied else 0)
+        add(f"backward of layer {i}", done, below, 0, layer.saved + layer.mlp_backward,
+            unsharded=(gathered, waiting + kept_rs + pb * h * shape.intermediate))
+        add(f"backward of layer {i}", done, below, 0, layer.attn_saved + layer.attn_backward,
+            unsharded=(gathered, waiting + kept_rs + pb * mlp_params))
+        add(f"backward of layer {i}", done, below, 0, post_backward(lay),
+            unsharded=(prefetch + (root_g if tied else 0), waiting + pb * lay + rb * lay))
+        done = done if accumulating else done + shard(lay)
+        kept_rs = rb * lay
+        acts_now = below
+    acts_now = max(acts_now, 0)
+    # The embedding's backward: the whole stream's gradient into the rank's (V/T, h) rows (a dense gradient
+    # and its masked copy); tied, summed with the head's waiting gradient.
+    if tied:
+        add("backward of the embeddings", done, acts_now, 0, 4 * pb * vh, unsharded=(root_g, kept_rs))
+        summed = 0 if pb != rb else pb * root
+        add("backward of the embeddings", done, acts_now, 0, post_backward(root), unsharded=(0, summed + rb * root))
+    else:
+        add("backward of the embeddings", done, acts_now, 0, pb * vh, unsharded=(pb * vh, kept_rs + pb * vh))
+        add("backward of the embeddings", done, acts_now, 0, post_backward(vh) + pb * vh,
+            unsharded=(0, pb * vh + rb * vh))
+    step_temp = 0
+    if settings.optimizer == "adafactor":
+        largest = max(math.prod(p) for p in shape.param_shapes)
+        step_temp = 2 * wb * largest + x.levers.states_temp
+    add("optimizer step", grads_total, 0, 0, step_temp)
