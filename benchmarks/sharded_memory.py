@@ -21,6 +21,7 @@ category of the hook that first sees it), the totals are what is compared.
 Usage:
     python benchmarks/sharded_memory.py            # JSON, table and summary on stdout (~15 s per case on 2 cores)
     python benchmarks/sharded_memory.py --case fp32-untied-ckpt0-b2 --json out.json
+    python benchmarks/sharded_memory.py --levers   # chunked_loss and optimizer_in_backward under FSDP, on and off
 """
 
 from __future__ import annotations
@@ -77,6 +78,29 @@ def _grid() -> list[Case]:
         Case("bf16-tied-ckpt2-4proc", TIED, {**two, "mixed_precision": "bf16", "gradient_checkpointing": 2},
              processes=4),
     ]
+    return cases + _lever_cases()
+
+
+def _lever_cases() -> list[Case]:
+    """The levers under FSDP, each beside the same case without it (`--levers` runs these pairs): the chunked
+    head (a 32k vocabulary, where the logits are the peak), the step in backward (no sharded gradients; short
+    rows, where the gradients are)."""
+    vocab32k = {**BASE, "hidden_size": 128, "intermediate_size": 344, "vocab_size": 32000}
+    two = {"micro_batch_size": 2, "seq_len": 128}
+    cases = []
+    for name, config, settings in (("fp32-untied-32k", vocab32k, two),
+                                   ("fp32-tied-32k", {**vocab32k, "tie_word_embeddings": True}, two),
+                                   ("bf16-untied-32k-ckpt4", vocab32k,
+                                    {**two, "mixed_precision": "bf16", "gradient_checkpointing": 4})):
+        cases += [Case(f"levers-{name}", config, settings),
+                  Case(f"levers-{name}-chunked", config, {**settings, "chunked_loss": True})]
+    # Short rows, every layer checkpointed: the gradients, not the activations, decide the peak.
+    small = {"micro_batch_size": 1, "seq_len": 64, "gradient_checkpointing": 4}
+    for name, config, settings in (("fp32-untied-b1-ckpt4", BASE, small),
+                                   ("bf16-tied-b1-ckpt4", TIED, {**small, "mixed_precision": "bf16"}),
+                                   ("fp32-untied-b1-ckpt4-adafactor", BASE, {**small, "optimizer": "adafactor"})):
+        cases += [Case(f"levers-{name}", config, settings),
+                  Case(f"levers-{name}-in-backward", config, {**settings, "optimizer_in_backward": True})]
     return cases
 
 
@@ -115,7 +139,7 @@ def measure_rank(case: Case) -> dict:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from transformers import AutoModelForCausalLM
 
-    from fulltune import sharding
+    from fulltune import optim, sharding
     from fulltune.memory.checkpointing import apply_gradient_checkpointing
     from fulltune.memory.trace import make_batch  # the batch the estimate assumes (padded row, all targets)
     from fulltune.loss import TargetHead
@@ -127,20 +151,26 @@ def measure_rank(case: Case) -> dict:
     model = AutoModelForCausalLM.from_config(config_of(case), attn_implementation=settings.attn_implementation)
     model.train()
     apply_gradient_checkpointing(model, settings.gradient_checkpointing)
-    head = TargetHead(model)
+    head = TargetHead(model, chunked=settings.chunked_loss)
     sharding.shard_model(model, device="cpu", mixed_precision=settings.mixed_precision)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    optimizer = optim.optimizer_for(model, settings)  # the trainer's builder: fused AdamW, or stepped in backward
     vocab, accumulation = model.config.vocab_size, settings.gradient_accumulation_steps
     tracker = FSDPMemTracker(model, optimizer)
     # The trainer's step (fulltune/step.py); bf16 is FSDP's MixedPrecisionPolicy here, not autocast.
     accelerator = LocalAccelerator("cpu", "no", accumulation)
     parts = StepParts(accelerator, model, head, optimizer, OptimizerStep(accelerator, model, optimizer, None, 1.0),
-                      accumulation, before_micro_batch=tracker.reset_mod_stats)  # the tracker needs the reset
+                      accumulation, settings.optimizer_in_backward,
+                      before_micro_batch=tracker.reset_mod_stats)  # the tracker needs the reset
     targets = settings.micro_batch_size * settings.targets_per_row * accumulation * accelerator.num_processes
     with tracker:
         for step in range(1, STEPS + 1):
             batches = (make_batch(vocab, settings, "cpu") for _ in range(accumulation))
             run_step(parts, batches, step, targets)
+    return tracked_peak(tracker)
+
+
+def tracked_peak(tracker) -> dict:
+    """A tracker's peak: total bytes, the categories above, and the tracker's own categories."""
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
     parts: dict[str, int] = {}
     for key, value in snapshot.items():
@@ -152,10 +182,13 @@ def measure_rank(case: Case) -> dict:
 
 
 def worker(case_name: str, out: Path) -> None:
+    send_to_driver(measure_rank(next(c for c in CASES if c.name == case_name)), out)
+
+
+def send_to_driver(measured: dict, out: Path) -> None:
+    """Every rank's `measured`, written to `out` by rank 0 (in rank order); ends the process group."""
     import torch.distributed as dist
 
-    case = next(c for c in CASES if c.name == case_name)
-    measured = measure_rank(case)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, measured)
     if dist.get_rank() == 0:
@@ -172,23 +205,30 @@ def estimate_parts(estimate) -> dict[str, int]:
             "activations_logits_temporary": b["activations"] + b["logits"] + b["temporary"]}
 
 
-def run_case(case: Case) -> dict:
-    from fulltune.memory import estimate_memory
-
+def torchrun_ranks(script: str | Path, case_name: str, processes: int) -> list[dict]:
+    """`script --worker case_name` in `processes` torchrun ranks (gloo, CPU, one thread each): what every rank
+    sent (`send_to_driver`), in rank order."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ranks.json"
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.processes}",
-                   __file__, "--worker", case.name, "--out", str(out)]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+                   str(script), "--worker", case_name, "--out", str(out)]
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0 and not out.exists():
             # gloo sometimes aborts a rank at exit on this VM ("terminate called without an active
             # exception") before the result is written: one more try.
             done = subprocess.run(command, env=env, capture_output=True, text=True)
         if not out.exists():
-            raise RuntimeError(f"{case.name}: torchrun failed\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+            raise RuntimeError(f"{case_name}: torchrun failed\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
         ranks = json.loads(out.read_text())
+    return ranks
+
+
+def run_case(case: Case) -> dict:
+    from fulltune.memory import estimate_memory
+
+    ranks = torchrun_ranks(__file__, case.name, case.processes)
     estimate = estimate_memory(config_of(case), settings_of(case))
     return {
         "case": case.name,
@@ -236,6 +276,8 @@ def table(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", action="append", choices=[c.name for c in CASES], help="default: all")
+    parser.add_argument("--levers", action="store_true",
+                        help="the lever cases (each beside its case without it) instead of the grid")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -245,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results = []
     for case in CASES:
-        if not args.case or case.name in args.case:
+        if (case.name in args.case) if args.case else case.name.startswith("levers-") == args.levers:
             results.append(run_case(case))
             print(table(results[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     text = json.dumps(results, indent=1)

@@ -217,9 +217,15 @@ def check_levers(name: str, pure_bf16: bool = False, compensation: str | None = 
 def optimizer_for(model: torch.nn.Module, plan: Any, *, lr: float = 1e-4, weight_decay: float = 0.0,
                   max_grad_norm: float | None = 1.0, fake: bool = False) -> torch.optim.Optimizer:
     """`build_optimizer` for planned settings (`plan`, a `fulltune.memory.Settings`): its optimizer and levers.
-    The trainer, the memory trace, the device check and the benchmarks build their optimizers with this."""
+    The trainer, the memory trace, the device check and the benchmarks build their optimizers with this.
+
+    `offload_optimizer` on an FSDP2-sharded model is FSDP's CPU offload (fulltune/sharding.py), which already
+    keeps the shards and their gradients in host RAM: the plain optimizer, built on them, steps them there."""
+    from fulltune import sharding
+
+    offload = plan.offload_optimizer and not sharding.is_sharded(model)
     return build_optimizer(model, plan.optimizer, lr=lr, weight_decay=weight_decay, pure_bf16=plan.pure_bf16,
-                           optimizer_in_backward=plan.optimizer_in_backward, offload_optimizer=plan.offload_optimizer,
+                           optimizer_in_backward=plan.optimizer_in_backward, offload_optimizer=offload,
                            gradient_accumulation_steps=plan.gradient_accumulation_steps,
                            max_grad_norm=max_grad_norm, fake=fake)
 

@@ -90,14 +90,8 @@ def build_optimizer(job: TrainJob, model: torch.nn.Module) -> torch.optim.Optimi
     """
     from fulltune import optim
 
-    plan = job.plan
-    if sharding.is_sharded(model) and plan.offload_optimizer:
-        # FSDP's CPU offload already keeps the shards in host RAM: the plain optimizer steps them there.
-        from dataclasses import replace
-
-        plan = replace(plan, offload_optimizer=False)
     try:
-        return optim.optimizer_for(model, plan, lr=job.train.learning_rate, weight_decay=job.train.weight_decay,
+        return optim.optimizer_for(model, job.plan, lr=job.train.learning_rate, weight_decay=job.train.weight_decay,
                                    max_grad_norm=job.train.max_grad_norm)
     except ValueError as exc:
         raise ConfigError(f"train.optimizer: {exc}") from None

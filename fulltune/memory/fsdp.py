@@ -41,11 +41,10 @@ def shares(settings: Settings) -> Shares:
 
 
 def fsdp_walk(settings: Settings) -> bool:
-    """Whether the step is walked as FSDP2 runs it (per unit gathers, reduce-scatters; `fsdp_phases`).
-
-    fulltune's FSDP does not combine with the chunked head (the lever table refuses it); that pair, and
-    DeepSpeed ZeRO-3, keep the per-step formula (two layers gathered, one layer's gradient bucket)."""
-    return settings.strategy == "fsdp" and not settings.chunked_loss
+    """Whether the step is walked as FSDP2 runs it (per unit gathers, reduce-scatters; `fsdp_phases`), the
+    chunked head and the step in backward included; DeepSpeed ZeRO-3 keeps the per-step formula (two layers
+    gathered, one layer's gradient bucket)."""
+    return settings.strategy == "fsdp"
 
 
 def activation_settings(settings: Settings) -> Settings:
@@ -88,6 +87,29 @@ def persistent(x: StepTerms) -> Persistent:
     )
 
 
+def _chunked_head(tl: Timeline, done: int, in_head: int, gathered_head: int, head_grad: int) -> None:
+    """The chunked head (fulltune/loss.py) under FSDP2: `memory/head.py`'s tiles, with the head's units.
+
+    Its loss flows through the model's output, so the root (and an untied head, kept since its forward) is
+    gathered again before the recompute reads the weight; the unsharded weight gradient exists from the
+    backward's start (the tiles fill it). The gathered weight is in the compute dtype: no tile casts."""
+    from fulltune.loss import ROW_CHUNK, VOCAB_CHUNK, chunked_head_bytes
+
+    x = tl.terms
+    t, h, V, c, sb = x.t, x.shape.hidden, x.shape.vocab, x.c, x.sb
+    total, bsh4 = x.acts.total, x.bsh4
+    rows, cols = min(t, ROW_CHUNK), min(V, VOCAB_CHUNK)
+    tiles = chunked_head_bytes(t, h, V, c)
+    tl.add("forward of the lm head / loss", done, total, 0, bsh4 + 8 * t + rows * cols * (c + 4), backward=False,
+           unsharded=(in_head, 0))
+    backward = tiles["backward"] - cols * h * c  # the weight tile is a view of the gathered weight
+    tl.add("backward of the lm head / loss", done, total, 0, tiles["saved"] + backward,
+           unsharded=(gathered_head, head_grad))
+    if sb != 4:  # the fp32 input gradient and its cast to the stream dtype
+        tl.add("backward of the lm head / loss", done, total, 0, tiles["saved"] + 4 * t * h + sb * t * h,
+               unsharded=(gathered_head, head_grad))
+
+
 def fsdp_phases(tl: Timeline) -> None:
     """The step as FSDP2 runs it in every rank (fulltune/sharding.py), phase by phase.
 
@@ -122,10 +144,22 @@ def fsdp_phases(tl: Timeline) -> None:
     def shard(numel: int) -> int:
         return int(wb * numel / n)
 
-    def post_backward(numel: int) -> int:
+    def post_backward(numel: int, shapes: list[tuple[int, ...]] | None = None) -> int:
         # A unit's post-backward: besides its unsharded gradient and the reduce-scatter buffer, one more
         # unit-sized tensor in the reduce dtype and the sharded output (FSDPMemTracker, every rank).
-        return rb * numel + int(rb * numel / n)
+        reduce = rb * numel + int(rb * numel / n)
+        if not settings.optimizer_in_backward or not shapes:
+            return reduce
+        # Stepping in backward (fulltune/optim.py InBackwardOptimizer on the shards), the unit's hooks update
+        # its parameters (`shapes`) one at a time once the sharded output exists, the extra unit-sized tensor
+        # gone: fused or Kahan AdamW in place; Adafactor gathered (`GatheredAdafactor`: the whole weight and
+        # gradient) with its temporaries (measured per rank: benchmarks/sharded_memory.py --levers).
+        from fulltune import optim
+
+        largest = max(shapes, key=math.prod)
+        gathered = 2 * wb * math.prod(largest) if settings.optimizer == "adafactor" else 0
+        step = gathered + optim.optimizer_state_bytes(settings.optimizer, [largest], wb)[1]
+        return max(reduce, int(rb * numel / n) + step)
 
     # Sharded gradients as the backward finishes units (all of them when accumulating).
     done = grads_total if accumulating else 0
@@ -139,24 +173,28 @@ def fsdp_phases(tl: Timeline) -> None:
         unsharded=(2 * pb * lay + root_g, 0))
     # The head's forward: untied, its weight and its all-gather buffer; tied, the root's weights.
     in_head = 2 * pb * vh + root_g if not tied else root_g + pb * lay
-    add("forward of the lm head / loss", done, acts_total, logits_c, bsh4 + 4 * t * h, backward=False,
-        unsharded=(in_head, 0))
-    # The loss, after the root's forward: only an untied head stays gathered.
-    kept_head = 0 if tied else pb * vh
-    if c == 2:
-        add("forward of the lm head / loss", done, acts_total, logits_c + logits32, 0, backward=False,
-            unsharded=(kept_head, 0))
-    add("forward of the lm head / loss", done, acts_total, 2 * logits32, 0, backward=False, unsharded=(kept_head, 0))
-    add("backward of the lm head / loss", done, acts_total, 3 * logits32, 0, unsharded=(kept_head, 0))
     # The head's backward: its unsharded weight gradient beside the gathered weight (tied: the root
     # gathered again), the last layer's gather prefetched.
     gathered_head = (pb * vh if not tied else root_g) + pb * lay
-    add("backward of the lm head / loss", done, acts_total, logits_c + (logits32 if c == 2 else 0), t * h * c,
-        unsharded=(gathered_head, pb * vh))
+    if settings.chunked_loss:
+        _chunked_head(tl, done, in_head, gathered_head, pb * vh)
+    else:
+        add("forward of the lm head / loss", done, acts_total, logits_c, bsh4 + 4 * t * h, backward=False,
+            unsharded=(in_head, 0))
+        # The loss, after the root's forward: only an untied head stays gathered.
+        kept_head = 0 if tied else pb * vh
+        if c == 2:
+            add("forward of the lm head / loss", done, acts_total, logits_c + logits32, 0, backward=False,
+                unsharded=(kept_head, 0))
+        add("forward of the lm head / loss", done, acts_total, 2 * logits32, 0, backward=False,
+            unsharded=(kept_head, 0))
+        add("backward of the lm head / loss", done, acts_total, 3 * logits32, 0, unsharded=(kept_head, 0))
+        add("backward of the lm head / loss", done, acts_total, logits_c + (logits32 if c == 2 else 0), t * h * c,
+            unsharded=(gathered_head, pb * vh))
     after_head = acts_total - head_inputs
     if not tied:
         # Its post-backward: the gradient copied into the reduce-scatter buffer, the weight resharded.
-        add("backward of the lm head / loss", done, acts_total, 0, t * h * c + post_backward(vh),
+        add("backward of the lm head / loss", done, acts_total, 0, t * h * c + post_backward(vh, [(V, h)]),
             unsharded=(pb * lay, pb * vh + rb * vh))
         done = done if accumulating else done + shard(vh)
     # Tied: the head's gradient waits unsharded for the embedding's; untied: the head's reduce-scatter
@@ -179,7 +217,7 @@ def fsdp_phases(tl: Timeline) -> None:
         add(f"backward of layer {i}", done, below, 0, layer.attn_saved + layer.attn_backward,
             unsharded=(gathered, waiting + kept_rs + pb * mlp_params))
         # Its post-backward: the whole unsharded gradient and its reduce-scatter buffer.
-        add(f"backward of layer {i}", done, below, 0, post_backward(lay),
+        add(f"backward of layer {i}", done, below, 0, post_backward(lay, list(shape.layer_params)),
             unsharded=(prefetch + (root_g if tied else 0), waiting + pb * lay + rb * lay))
         done = done if accumulating else done + shard(lay)
         kept_rs = rb * lay
@@ -191,10 +229,11 @@ def fsdp_phases(tl: Timeline) -> None:
         add("backward of the embeddings", done, acts_now, 0, 3 * pb * vh, unsharded=(root_g, kept_rs))
         # Under the bf16 policy the summed bf16 gradient is gone once copied into the fp32 buffer (measured).
         summed = 0 if pb != rb else pb * root
-        add("backward of the embeddings", done, acts_now, 0, post_backward(root), unsharded=(0, summed + rb * root))
+        add("backward of the embeddings", done, acts_now, 0, post_backward(root, list(shape.other_params)),
+            unsharded=(0, summed + rb * root))
     else:
         add("backward of the embeddings", done, acts_now, 0, 0, unsharded=(pb * vh, kept_rs + pb * vh))
-        add("backward of the embeddings", done, acts_now, 0, post_backward(vh),
+        add("backward of the embeddings", done, acts_now, 0, post_backward(vh, [(V, h)]),
             unsharded=(0, pb * vh + rb * vh))
     # The step runs on the shards (AdamW: in place). Adafactor's factored statistics need whole rows and
     # columns, so fulltune/optim.py's GatheredAdafactor gathers one parameter's weight and gradient at a
@@ -205,6 +244,10 @@ def fsdp_phases(tl: Timeline) -> None:
     if settings.optimizer == "adafactor" and not x.levers.sharded_offload:
         largest = max(math.prod(sh) for sh in shape.param_shapes)
         step_temp = 2 * wb * largest + x.levers.states_temp
+    if settings.optimizer_in_backward:
+        # Stepped in backward (`post_backward`): each sharded gradient is freed by its step as its unit's
+        # reduce-scatter assigns it (the hooks: `Timeline.add` counts none of them); no step is left.
+        return
     add("optimizer step", grads_total, 0, 0, step_temp)
     if x.levers.sharded_offload and x.levers.host_temp:
         # The host step's temporaries beside every host shard (the device is idle: nothing there).
