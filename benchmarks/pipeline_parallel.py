@@ -19,7 +19,7 @@ prediction; only the ranking of the model is claimed elsewhere.
 Usage:
     python benchmarks/pipeline_parallel.py                     # every case: JSON, table and summary
     python benchmarks/pipeline_parallel.py --case fp32-1f1b --json out.json
-    python benchmarks/pipeline_parallel.py --write-benchmarks   # also rewrite BENCHMARKS.md's section
+    python benchmarks/pipeline_parallel.py --frontier           # what plan advises for Llama-3-70B (no runs)
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ STEPS = 3  # tracked: losses and peaks
 TIMED_STEPS = 3  # then untracked (MemTracker intercepts every op in Python): step times
 TIMEOUT_S = 240  # the whole torchrun; each collective times out after COLLECTIVE_TIMEOUT_S
 COLLECTIVE_TIMEOUT_S = 120
-HEADING = "## Pipeline parallel"
 
 
 @dataclass(frozen=True)
@@ -179,8 +178,9 @@ def worker(case_name: str, out: Path) -> None:
 # ----------------------------------------------------------------------------------------- reference
 
 
-def reference_losses(case: Case) -> list[float]:
-    """The same steps in one process: the trainer's step over M accumulated micro-batches."""
+def reference_losses(case: Case) -> tuple[list[float], list[float]]:
+    """The same steps in one process (one thread): the trainer's step over M accumulated micro-batches; the
+    per-step losses and wall times."""
     import torch
 
     from fulltune.loss import Targets
@@ -192,7 +192,7 @@ def reference_losses(case: Case) -> list[float]:
     model = _model(case)
     optimizer = optimizer_for(model, settings)
     b, M, s = settings.micro_batch_size, settings.gradient_accumulation_steps, settings.seq_len
-    losses = []
+    losses, seconds = [], []
     with local_parts(model, optimizer, settings, device="cpu", max_grad_norm=1.0) as parts:
         for step in range(1, STEPS + 1):
             input_ids, attention_mask, labels = step_batch(model.config.vocab_size, settings, step)
@@ -204,9 +204,11 @@ def reference_losses(case: Case) -> list[float]:
                           "attention_mask": None if attention_mask is None else attention_mask[rows]}
                 micro.append((inputs, Targets.from_labels(labels[rows])))
             step_targets = sum(len(t) for _, t in micro)
+            start = time.perf_counter()
             outcome = run_step(parts, micro, step, step_targets)
             losses.append(float(outcome.loss_sum) / step_targets)
-    return losses
+            seconds.append(time.perf_counter() - start)
+    return losses, seconds
 
 
 # ----------------------------------------------------------------------------------------- driver
@@ -233,7 +235,7 @@ def run_case(case: Case) -> dict:
         ranks = json.loads(out.read_text())
     settings = settings_of(case)
     estimate = estimate_pipeline(config_of(case), settings, case.stages, case.schedule)
-    reference = reference_losses(case)
+    reference, reference_seconds = reference_losses(case)
     pipelined = ranks[-1]["losses"][:STEPS]
     measured_step = statistics.median(max(r["seconds"][i] for r in ranks) for i in range(STEPS, STEPS + TIMED_STEPS))
     return {
@@ -249,6 +251,7 @@ def run_case(case: Case) -> dict:
         "bubble": estimate.bubble,
         "predicted_step_seconds": estimate.step_seconds,
         "measured_step_seconds": measured_step,
+        "one_process_step_seconds": statistics.median(reference_seconds[1:]),
         "ranks": [
             {"stage": rank, "layers": list(st.layers), "in_flight": st.in_flight, "parameters": r["parameters"],
              "estimate_peak_bytes": st.peak_bytes, "estimate_peak_phase": st.peak_phase,
@@ -275,11 +278,12 @@ def table(results: list[dict]) -> str:
 
 def loss_table(results: list[dict]) -> str:
     lines = ["| case | pipelined losses (steps 1–3) | one process | largest difference | bubble | "
-             "step s predicted / measured |", "|---|---|---|---|---|---|"]
+             "pipelined step s predicted / measured | one process, measured |", "|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['case']} | {', '.join(f'{x:.6f}' for x in r['losses'])} | "
                      f"{', '.join(f'{x:.6f}' for x in r['reference_losses'])} | {r['max_loss_difference']:.1e} | "
-                     f"{r['bubble']:.0%} | {r['predicted_step_seconds']:.3f} / {r['measured_step_seconds']:.3f} |")
+                     f"{r['bubble']:.0%} | {r['predicted_step_seconds']:.3f} / {r['measured_step_seconds']:.3f} | "
+                     f"{r['one_process_step_seconds']:.3f} |")
     return "\n".join(lines)
 
 
@@ -293,15 +297,49 @@ def summary(results: list[dict]) -> str:
             f"losses within {loss:.1e} of one process")
 
 
+def frontier() -> str:
+    """`fulltune plan`'s pipeline advice for Llama-3-70B (seq 4096 packed, effective batch 64, bf16, 1 TiB host RAM)
+    on one GPU of 24 / 40 / 80 GiB, and what 8 stages (one 8-GPU machine) would need per GPU."""
+    from dataclasses import replace
+
+    from fulltune.memory import PlanRequest, format_bytes, plan_memory
+    from fulltune.memory.pipeline import UNSUPPORTED_LEVERS, estimate_pipeline
+    from fulltune.memory.shapes import model_shape
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from frontier_plan import CLUSTER_HOST, GiB, config
+
+    shape = model_shape(config("70B"))
+    lines = ["| GPU | one GPU's plan | pipeline advice (fewest stages that fit, else the least memory) | "
+             "8 stages × 32 micro-batches of 2, all layers checkpointed: worst stage |", "|---|---|---|---|"]
+    for gib in (24, 40, 80):
+        request = PlanRequest(effective_batch_size=64, seq_len=4096, device="cuda", bf16_supported=True,
+                              budget_bytes=gib * GiB, attention_mask=False, host_memory_bytes=CLUSTER_HOST)
+        plan = plan_memory(config("70B"), request)
+        eight = replace(plan.settings, micro_batch_size=2, gradient_accumulation_steps=32, gradient_checkpointing=80,
+                        **{name: False for name in UNSUPPORTED_LEVERS})
+        worst = estimate_pipeline(shape, eight, 8, "1f1b").worst
+        levers = "+".join(name for name, on in plan.settings.levers().items() if on) or "no levers"
+        lines.append(f"| {gib} GiB | {'fits' if plan.fits else 'does not fit'} ({plan.settings.optimizer}, {levers}: "
+                     f"{format_bytes(plan.expected_bytes)}) | {plan.pipeline_parallel['advice']} | "
+                     f"stage {worst.stage}: {format_bytes(worst.device_bytes)} ({eight.optimizer}"
+                     f"{', pure bf16' if eight.pure_bf16 else ''}) |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", action="append", choices=[c.name for c in CASES], help="default: all")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--frontier", action="store_true", help="only print the plan's advice for Llama-3-70B")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker, args.out)
+        return 0
+    if args.frontier:
+        print(frontier())
         return 0
     results = []
     for case in CASES:

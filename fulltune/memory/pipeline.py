@@ -18,8 +18,8 @@ schedule keeps beside it:
   step's first backward the stage has no gradients yet, after it they are accumulated);
 - torch.distributed.pipelining's receive buffers, allocated once for every micro-batch of the step: a
   (b, s, h) activation buffer per micro-batch on every stage but the first, and a (b, s, h) gradient buffer
-  per micro-batch on every stage but the last; a stage's input gradients accumulate in its activation
-  buffers' `.grad` until the next step clears them;
+  per micro-batch on every stage but the last; the input gradients a stage sends back live until their send
+  is waited for (GPipe: after the last backward; 1F1B: one at a time);
 - under GPipe, the last stage's loss graphs: each waiting micro-batch keeps its fp32 log-softmax.
 
 Step time (`pipeline_step_seconds`): the planner's step-time model (`planner.step_seconds`) of each stage's
@@ -99,7 +99,7 @@ class StageEstimate:
     device_bytes: int  # with the runtime overhead (CUDA context and allocator slack, or the CPU process)
     peak_phase: str
     breakdown: dict[str, int]
-    p2p_bytes: int  # the schedule's receive buffers and the input gradients kept in them
+    p2p_bytes: int  # the schedule's receive buffers (activations and gradients, every micro-batch)
 
     def to_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, "layers": list(self.layers), "in_flight": self.in_flight,
@@ -200,17 +200,26 @@ def _stage_estimate(shape: ModelShape, settings: Settings, P: int, s: int, sched
                                                     start, M)
     steady = _single_micro_batch(sub, ss, first, last, start, M)[0] if M > 1 else fresh
     stream = x.bsh4  # one (b, s, h) tensor of the residual stream: what crosses a stage boundary
+    # The schedule keeps a micro-batch's stage output until its backward; on the last stage that is the final
+    # norm's output, which nothing else keeps (on the others it is the last layer's, among its saved tensors).
+    own_output = stream if last else 0
+    per_micro_batch += own_output
     if last and schedule == "gpipe":
         # A waiting micro-batch's loss keeps its fp32 log-softmax (the chunked head: its logsumexp per row).
         per_micro_batch += 4 * x.t if ss.chunked_loss else x.logits32
     receive = (0 if first else M * stream) + (0 if last else M * stream)
-    input_grad = 0 if first else stream  # each backward leaves one in its receive buffer's .grad
-    candidates = [(_largest(steady, "O"), receive + M * input_grad)]
+    input_grad = 0 if first else stream  # each backward of a later stage sends one back
+    largest = {(walk, kind): _largest(phases, kind) for walk, phases in (("fresh", fresh), ("steady", steady))
+               for kind in ("F", "B", "O")}
+    candidates = [(largest["steady", "O"], receive)]
     for action, alive, done in _replay(schedule_order(schedule, s, P, M)):
-        walk = fresh if done == 0 else steady
-        # The other in-flight micro-batches' activations and the input gradients already made, beside this one.
-        others = (alive if action == "F" else alive - 1) * per_micro_batch + done * input_grad
-        candidates.append((_largest(walk, action), receive + others))
+        # Beside this micro-batch: the other in-flight ones' activations, and the input gradients sent back and
+        # still held by their send: GPipe waits for its backward sends at the end of the backwards, 1F1B for
+        # each before the next action (its send op holds the last one until the next backward).
+        sending = done if schedule == "gpipe" else min(done, 1)
+        others = (alive if action == "F" else alive - 1) * per_micro_batch + sending * input_grad
+        others += own_output if action == "B" else 0
+        candidates.append((largest["fresh" if done == 0 else "steady", action], receive + others))
     (name, total, parts), extra = max(candidates, key=lambda c: c[0][1] + c[1])
     peak = total + extra
     breakdown = {key: int(value) for key, value in parts.items() if key != "host"}
@@ -218,7 +227,7 @@ def _stage_estimate(shape: ModelShape, settings: Settings, P: int, s: int, sched
     overhead = _runtime_overhead(ss, peak, STEP, sub)
     breakdown["runtime_overhead"] = int(overhead)
     return StageEstimate(s, tuple(stage_layers(shape.num_layers, P)[s]), in_flight(schedule, s, P, M), int(peak),
-                         int(peak + overhead), name, breakdown, int(receive + M * input_grad))
+                         int(peak + overhead), name, breakdown, int(receive))
 
 
 def _kind(phase: str) -> str:
@@ -351,7 +360,7 @@ def pipeline_advice(shape: ModelShape, request: Any, settings: Settings, usable:
                    **{name: False for name in UNSUPPORTED_LEVERS})
     B = request.effective_batch_size
     best: tuple[PipelineEstimate, int] | None = None
-    smallest: tuple[PipelineEstimate, int] | None = None
+    smallest: tuple[int, PipelineEstimate, int] | None = None  # (planned bytes, ...) of the least demanding
     counts = [n for n in (2, 4, 8, 16, 32, MAX_STAGES) if n <= shape.num_layers]
     for P in counts:
         fitting = []
@@ -367,12 +376,12 @@ def pipeline_advice(shape: ModelShape, request: Any, settings: Settings, usable:
                 planned = worst.device_bytes + margin
                 if planned <= usable:
                     fitting.append((estimate, k))
-                if smallest is None or planned < smallest[0].worst.device_bytes:
-                    smallest = (estimate, k)
+                if smallest is None or planned < smallest[0]:
+                    smallest = (planned, estimate, k)
         if fitting:
             best = min(fitting, key=lambda c: (c[0].step_seconds, c[1]))
             break
-    chosen = best or smallest
+    chosen = best or (smallest[1:] if smallest else None)
     if chosen is None:
         return None
     estimate, k = chosen
@@ -388,16 +397,16 @@ def _advice(shape: ModelShape, e: PipelineEstimate, checkpointing: int, fits: bo
     from fulltune.memory.units import format_bytes
 
     worst = e.worst
-    where = "first stage" if worst.stage == 0 else ("last stage" if worst.stage == e.num_stages - 1
-                                                    else f"stage {worst.stage}")
+    where = "the first stage" if worst.stage == 0 else ("the last stage" if worst.stage == e.num_stages - 1
+                                                        else f"stage {worst.stage}")
     what = (f"pipeline parallel {e.num_stages} ({SCHEDULE_NAMES[e.schedule]}, {e.micro_batches} micro-batches of "
             f"{e.micro_batch_size}, checkpointing {checkpointing} of {shape.num_layers} layers)")
     if fits:
-        text = (f"{what} would fit at {format_bytes(worst.device_bytes)} on the {where}, bubble {e.bubble:.0%}, "
+        text = (f"{what} would fit at {format_bytes(worst.device_bytes)} on {where}, bubble {e.bubble:.0%}, "
                 f"step {e.step_seconds:.3g} s on {e.num_stages} devices")
         if plan_fits and plan_seconds is not None:
             text += f" (the plan: {plan_seconds:.3g} s on one device per process, with its offload)"
     else:
-        text = (f"{what} would not fit either: its {where} needs {format_bytes(worst.device_bytes)} "
+        text = (f"{what} would not fit either: {where} needs {format_bytes(worst.device_bytes)} "
                 f"(pipeline stages alone do not shard a stage's weights, gradients or optimizer states)")
     return {**e.to_dict(), "gradient_checkpointing": checkpointing, "fits": fits, "advice": text}

@@ -116,6 +116,8 @@ def format_plan_table(plan: MemoryPlan) -> str:
     if plan.suggestions:
         lines.append("to make it fit:")
         lines.extend(f"  - {s}" for s in plan.suggestions)
+    if plan.pipeline_parallel:
+        lines.append(plan.pipeline_parallel["advice"])
     if plan.alternatives:
         lines.append("alternatives:")
         for alt in plan.alternatives[:5]:

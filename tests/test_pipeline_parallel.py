@@ -1,0 +1,108 @@
+"""Pipeline parallel: per-stage memory and the bubble (fulltune.memory.pipeline), what `fulltune plan` says about
+it, and a real 2-process 1F1B run (fulltune.pipeline) against one process and against its per-stage estimate."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig
+
+from fulltune.cli import main
+from fulltune.memory import Settings, step_seconds
+from fulltune.memory.errors import MemoryConfigError
+from fulltune.memory.pipeline import bubble_fraction, estimate_pipeline, pipeline_step_seconds
+from fulltune.memory.shapes import model_shape
+
+from pipelines_fixture import TINY_LLAMA, tiny_pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = 0.03
+SMALL = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False)
+
+
+def _benchmark():
+    spec = importlib.util.spec_from_file_location("pipeline_parallel", ROOT / "benchmarks" / "pipeline_parallel.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("pipeline_parallel", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_two_stages_under_1f1b_train_like_one_process_within_3_percent_of_each_stage_estimate():
+    bench = _benchmark()
+    result = bench.run_case(next(c for c in bench.CASES if c.name == "fp32-1f1b"))
+    # fp32: the same weights after every step as one process accumulating the same micro-batches.
+    assert result["max_loss_difference"] < 1e-5, (result["losses"], result["reference_losses"])
+    assert [rank["in_flight"] for rank in result["ranks"]] == [2, 1]
+    for rank in result["ranks"]:
+        assert abs(rank["error"]) <= TOLERANCE, (
+            f"stage {rank['stage']}: estimate {rank['estimate_peak_bytes']} B, "
+            f"measured {rank['measured_peak_bytes']} B ({rank['error']:+.2%})")
+
+
+def test_under_1f1b_the_first_stage_holds_the_most_micro_batches_and_gpipe_holds_them_all():
+    settings = Settings(micro_batch_size=2, seq_len=256, gradient_accumulation_steps=8, attention_mask=False)
+    one_f_one_b = estimate_pipeline(SMALL, settings, 4, "1f1b")
+    gpipe = estimate_pipeline(SMALL, settings, 4, "gpipe")
+    assert [s.in_flight for s in one_f_one_b.stages] == [4, 3, 2, 1]
+    assert [s.in_flight for s in gpipe.stages] == [8, 8, 8, 8]
+    assert one_f_one_b.worst.stage == 0
+    for fill_drain, interleaved in zip(gpipe.stages, one_f_one_b.stages):
+        assert fill_drain.peak_bytes > interleaved.peak_bytes
+    assert [s.layers for s in one_f_one_b.stages] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+
+
+def test_the_bubble_shrinks_with_micro_batches_and_the_step_costs_it():
+    assert bubble_fraction(2, 8) == pytest.approx(1 / 9)
+    assert bubble_fraction(4, 4) > bubble_fraction(4, 16)
+    shape = model_shape(LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256))
+    settings = Settings(micro_batch_size=1, seq_len=4096, gradient_accumulation_steps=8, mixed_precision="bf16",
+                        device="cuda", attention_mask=False)
+    one_device = step_seconds(shape, settings)
+    two_stages, p2p = pipeline_step_seconds(shape, settings, 2)
+    # Two devices share the work but wait through the bubble: between half the time and all of it.
+    assert one_device / 2 < two_stages < one_device
+    assert 0 < p2p < two_stages
+
+
+def test_1f1b_needs_a_micro_batch_per_stage_and_a_layer_per_stage():
+    with pytest.raises(MemoryConfigError, match="at least as many micro-batches as stages"):
+        estimate_pipeline(SMALL, Settings(micro_batch_size=2, seq_len=64, gradient_accumulation_steps=2), 4)
+    with pytest.raises(MemoryConfigError, match="1 to 8"):
+        estimate_pipeline(SMALL, Settings(micro_batch_size=1, seq_len=64, gradient_accumulation_steps=16), 16)
+
+
+def _wide(tmp_path: Path, memory: str) -> Path:
+    """A from_config Llama of 134M parameters planned for one cuda device of `memory`, AdamW fixed."""
+    config = {**TINY_LLAMA, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 8,
+              "num_attention_heads": 8, "num_key_value_heads": 8, "tie_word_embeddings": False}
+    return tiny_pipeline(tmp_path, model={"from_config": config}, budget={"device": "cuda", "memory": memory},
+                         train={"optimizer": "adamw", "mixed_precision": "bf16"})
+
+
+def test_plan_says_what_pipeline_parallel_would_cost_when_one_device_fits_only_with_offload(tmp_path, capsys):
+    path = _wide(tmp_path, "1.5GiB")
+    assert main(["plan", "tiny", "-f", str(path), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["plan"]["offload_optimizer"] is True
+    advice = plan["pipeline_parallel"]
+    assert advice["fits"] is True and advice["num_stages"] == 2 and advice["schedule"] == "1f1b"
+    assert advice["device_bytes"] <= plan["usable_bytes"]
+    assert advice["device_bytes"] == max(stage["device_bytes"] for stage in advice["stages"])
+    assert advice["bubble"] == pytest.approx(1 / (advice["micro_batches"] + 1))
+    assert advice["estimated_step_seconds"] < plan["plan"]["estimated_step_seconds"]
+    assert main(["plan", "tiny", "-f", str(path)]) == 0
+    assert "pipeline parallel 2 (1F1B" in capsys.readouterr().out
+
+
+def test_plan_offers_no_pipeline_when_one_device_fits_without_slow_levers(tmp_path, capsys):
+    assert main(["plan", "tiny", "-f", str(_wide(tmp_path, "8GiB")), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] is True and plan["pipeline_parallel"] is None
