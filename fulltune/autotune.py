@@ -192,8 +192,6 @@ def peak_bytes() -> int:
 
 def hardware(device: str) -> dict[str, Any]:
     """What a measurement's speed depends on besides the step: device name and count, driver and torch."""
-    import platform
-
     import torch
 
     info: dict[str, Any] = {"device": device, "torch": torch.__version__}
@@ -201,8 +199,15 @@ def hardware(device: str) -> dict[str, Any]:
         info.update(name=torch.cuda.get_device_name(0), count=torch.cuda.device_count(), cuda=torch.version.cuda,
                     driver=_nvidia_driver())
     else:
-        info.update(name=_cpu_name(), count=len(os.sched_getaffinity(0)), machine=platform.machine())
+        info.update(_cpu_info())
     return info
+
+
+def _cpu_info() -> dict[str, Any]:
+    """This machine's CPU as `hardware` describes it: model name, the cores this process may use, machine."""
+    import platform
+
+    return {"name": _cpu_name(), "count": len(os.sched_getaffinity(0)), "machine": platform.machine()}
 
 
 def device_kind(info: dict[str, Any]) -> str:
@@ -343,7 +348,9 @@ def calibrated(workdir: str | Path, device: str) -> Iterator[dict[str, float]]:
 def calibration_key(workdir: str | Path, device: str) -> dict[str, float]:
     """What the budget stage's cache key sees of the calibration: the factors, rounded (a new measurement
     that moves a factor by under 1% does not replan)."""
-    return {k: round(v, 2) for k, v in calibration(workdir, device_kind(hardware(device))).items()}
+    # Every run computes this, cached reruns too: a CPU's kind is read without importing torch (seconds).
+    kind = device_kind({"device": device, **_cpu_info()}) if device == "cpu" else device_kind(hardware(device))
+    return {k: round(v, 2) for k, v in calibration(workdir, kind).items()}
 
 
 # ---------------------------------------------------------------------------------------------------

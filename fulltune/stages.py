@@ -503,7 +503,7 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         headroom=budget.headroom,
         strategy=d.strategy,
         num_processes=d.num_processes,
-        tensor_parallel=d.tensor_parallel,
+        tensor_parallel=None if d.tensor_parallel == "auto" else d.tensor_parallel,  # auto: the planner chooses
         bf16_supported=budget.bf16_supported,
         # Packed rows restart position_ids, so transformers builds a block mask per layer; unpacked rows
         # are right-padded and the trainer passes no mask at all (see fulltune/train.py).
@@ -530,11 +530,13 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
 
     budget = resolved_budget(p)
     config = read_model_config(p.spec.model, tokenizer_vocab)
+    check_model_builds(p, remember=True)  # `plan` and a budget stage run by a deployment: no check before them
     check_positions(p, config)
     # Tensor parallel splits heads and MLP columns evenly: refused here, before anything trains.
     from fulltune.parallel import check_model_config
 
-    check_model_config(config, p.spec.distributed.tensor_parallel, f"pipelines.{p.name}.")
+    if p.spec.distributed.tensor_parallel != "auto":  # auto: the planner tries only the degrees that split them
+        check_model_config(config, p.spec.distributed.tensor_parallel, f"pipelines.{p.name}.")
     try:
         request = plan_request(p, seq_len, target_fraction)
     except ValueError as exc:  # the spec validates these fields; a message naming the setting, not a traceback
@@ -572,11 +574,61 @@ def describe_settings(settings: Settings | dict[str, Any], num_layers: int) -> s
             + "".join(f", {lever}" for lever in LEVERS if settings.get(lever)))
 
 
+# Inline model configs this workdir has seen transformers build: `check_model_builds` skips them.
+BUILT_CONFIGS = "built-model-configs.json"
+
+
+def _model_config_identity(from_config: str | dict[str, Any]) -> str:
+    """What decides whether a `model.from_config` builds: its content, the code that turns it into a
+    config (fulltune/models.py) and the installed transformers and torch (read without importing them)."""
+    from importlib.metadata import version
+
+    content: Any = from_config if isinstance(from_config, dict) else tree_sha256(from_config)
+    return hash_json({"config": content, "code": code_version("models.py"),
+                      "transformers": version("transformers"), "torch": version("torch")})
+
+
+def check_model_builds(p: ResolvedPipeline, remember: bool = False) -> None:
+    """Build the pipeline's `model.from_config` on the meta device (`fulltune.models.check_model_config`), so
+    that a config transformers cannot build is a ConfigError naming `pipelines.<name>.model.from_config`
+    before anything is written or trained. Nothing to do for a checkpoint, or a config file that is missing
+    (check_sources reports that).
+
+    With `remember` (a run, not `validate`), a config this workdir has built before
+    (`<workdir>/built-model-configs.json`, keyed by `_model_config_identity`) is not built again, and a
+    successful build is recorded once the workdir exists: the build imports torch and transformers, seconds
+    that a cached rerun would otherwise spend before its first stage.
+    """
+    from_config = p.spec.model.from_config
+    if not (isinstance(from_config, dict) or (isinstance(from_config, str) and Path(from_config).is_file())):
+        return
+    record = Path(p.workdir) / BUILT_CONFIGS
+    identity = _model_config_identity(from_config) if remember else ""
+    try:
+        built = set(json.loads(record.read_text())) if remember else set()
+    except (OSError, ValueError, TypeError):  # none yet, or damaged: build again
+        built = set()
+    if identity in built:
+        return
+    from fulltune.models import check_model_config
+
+    try:
+        check_model_config(from_config)
+    except ConfigError as exc:
+        raise ConfigError(f"pipelines.{p.name}.{exc}") from None
+    if remember and record.parent.is_dir():
+        try:
+            atomic_write_text(record, json.dumps(sorted(built | {identity}), indent=1))
+        except OSError:
+            pass  # a read-only workdir: the next run builds it again
+
+
 def ensure_local_data(p: ResolvedPipeline, check_hub: bool = False) -> None:
     """Fail fast, before any stage runs, on a local file the pipeline names that does not exist (every
     one of them in one message, each with its YAML path); with `check_hub`, also on a hub id that is
-    not in the cache while offline."""
-    problems, _ = check_sources(p, check_hub=check_hub)
+    not in the cache while offline. An inline model config is built unless this workdir built it before
+    (a cached rerun then imports neither torch nor transformers here)."""
+    problems, _ = check_sources(p, check_hub=check_hub, remember=True)
     if problems:
         error = DataError if all(".data." in problem for problem in problems) else ConfigError
         raise error("\n".join(problems) if len(problems) == 1 else
@@ -600,24 +652,22 @@ def _references(p: ResolvedPipeline) -> list[tuple[str, str, str, str | None]]:
     return refs
 
 
-def check_sources(p: ResolvedPipeline, check_hub: bool = True) -> tuple[list[str], list[str]]:
+def check_sources(p: ResolvedPipeline, check_hub: bool = True,
+                  remember: bool = False) -> tuple[list[str], list[str]]:
     """(problems, notes) about the files and hub repositories the pipeline reads, each with its YAML path.
 
     A local file or directory must exist (a model directory must hold config.json). A hub id is looked
     up in the local Hugging Face cache when HF_HUB_OFFLINE=1 (a run could not fetch it); online it is
-    left to run time, which a note says.
+    left to run time, which a note says. A `model.from_config` is built on the meta device
+    (`check_model_builds`; with `remember`, not again when this workdir has built it before).
     """
     from fulltune.tokenizer import TOKENIZER_FILES
 
     problems, notes = [], []
-    from_config = p.spec.model.from_config
-    if isinstance(from_config, dict) or (isinstance(from_config, str) and Path(from_config).is_file()):
-        from fulltune.models import check_model_config
-
-        try:
-            check_model_config(from_config)
-        except ConfigError as exc:
-            problems.append(f"pipelines.{p.name}.{exc}")
+    try:
+        check_model_builds(p, remember=remember)
+    except ConfigError as exc:
+        problems.append(str(exc))
     token_env = p.spec.model.token_env
     if check_hub and token_env and not os.environ.get(token_env) and not hub.offline():
         problems.append(f"pipelines.{p.name}.model.token_env: environment variable {token_env} is not set")

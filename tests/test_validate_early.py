@@ -45,6 +45,42 @@ def test_an_inline_config_transformers_cannot_build_is_a_validate_error(tmp_path
 
 
 @pytest.mark.slow
+def test_run_refuses_an_inline_config_transformers_cannot_build_before_writing_anything(tmp_path: Path) -> None:
+    # The config itself is valid; only building the model finds the unknown activation.
+    path = pipelines_file(tmp_path, {"from_config": {**LLAMA, "hidden_act": "nope"}, "tokenizer": {"vocab_size": 96}})
+    result = fulltune("run", "tiny", "-f", str(path), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "pipelines.tiny.model.from_config: transformers cannot build this llama model" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not (tmp_path / "work").exists()  # nothing written: no workdir, no tracking database, no data
+
+
+def test_a_run_builds_an_inline_config_once_per_workdir_and_each_changed_one_again(tmp_path: Path, monkeypatch) -> None:
+    from fulltune import models
+    from fulltune.errors import ConfigError
+    from fulltune.stages import BUILT_CONFIGS, check_model_builds, resolve_pipeline
+
+    def pipeline(**fields: object):
+        path = pipelines_file(tmp_path, {"from_config": {**LLAMA, **fields}, "tokenizer": {"vocab_size": 96}})
+        return resolve_pipeline(str(path), "tiny")
+
+    builds: list[object] = []
+    build = models.check_model_config
+    monkeypatch.setattr(models, "check_model_config", lambda config: (builds.append(config), build(config)))
+    (tmp_path / "work").mkdir()
+    check_model_builds(pipeline(), remember=True)
+    check_model_builds(pipeline(), remember=True)  # a rerun: built before in this workdir
+    assert len(builds) == 1 and (tmp_path / "work" / BUILT_CONFIGS).is_file()
+    check_model_builds(pipeline(), remember=False)  # `fulltune validate` builds every time
+    assert len(builds) == 2
+    with pytest.raises(ConfigError, match="pipelines.tiny.model.from_config: transformers cannot build"):
+        check_model_builds(pipeline(hidden_act="nope"), remember=True)  # a changed config is built again
+    (tmp_path / "work" / BUILT_CONFIGS).write_text("{not json")  # a damaged record: build again
+    check_model_builds(pipeline(), remember=True)
+    assert len(builds) == 4
+
+
+@pytest.mark.slow
 def test_an_inline_config_written_as_a_user_writes_it_validates_and_plans(tmp_path: Path) -> None:
     # `1e-6` is a float to a user (YAML 1.1 would read it as a string).
     path = tmp_path / "pipelines.yaml"
