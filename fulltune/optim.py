@@ -525,8 +525,9 @@ class InBackwardOptimizer(_GroupedWrapper):
 
     Sharded parameters (FSDP2, `distributed.strategy: fsdp`): FSDP2 calls each sharded parameter's
     post-accumulate-grad hooks right after assigning it its reduce-scattered (averaged) gradient shard
-    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py `foreach_reduce`), so the hook steps the shard
-    with the gradient every process agrees on and frees it; the unit's unsharded gradient is already gone.
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py `foreach_reduce`, on CUDA inside its post-reduce
+    stream, so the update is ordered after the reduce), so the hook steps the shard with the gradient every
+    process agrees on and frees it. Trained on CPU (gloo) only so far.
     The clipping norm is the whole parameter's (reduced over the shards), so the update is one process's.
     Under DDP the hooks see each process's own gradient before the all-reduce: not supported there.
     """
