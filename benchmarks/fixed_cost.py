@@ -3,6 +3,8 @@ what Prefect and transformers cost on their own.
 
     python benchmarks/fixed_cost.py              # the demo at 300 steps, 3 runs of each (~15 min on 2 idle cores)
     python benchmarks/fixed_cost.py --steps 60   # shorter training, same fixed costs
+    git worktree add /tmp/fulltune-base REV      # an earlier commit, then its runs beside this checkout's:
+    python benchmarks/fixed_cost.py --steps 20 --baseline /tmp/fulltune-base
 
 Measured, each in fresh processes, median over `--runs` (the first fulltune run of each round uses a
 new workdir; the cached reruns use it after):
@@ -14,11 +16,15 @@ new workdir; the cached reruns use it after):
     server_start    fulltune's temporary Prefect server (flows/server.py), from start to /health
     imports         `import flows.pipeline` (Prefect, the flow and its tasks) in a fresh interpreter
     first_run       `fulltune run demo` in a new workdir; its training seconds (result.json)
-    cached_rerun    the same command again: every stage cached. Split by the timestamps of its own log:
-                    start (process start to "Beginning flow run": validation, imports, server start,
-                    MLflow's start-up, overlapped), each stage (the previous line to the stage's
-                    "Finished in state"), the MLflow run and summary, and shutdown (the flow's last line
-                    to process exit)
+    cached_rerun    the same command again (`--reruns` times): every stage cached. Split by the timestamps
+                    of its own log: start (process start to "Beginning flow run": validation, imports,
+                    server start, MLflow's start-up, overlapped), each stage (the previous line to the
+                    stage's "Finished in state"), the MLflow run and summary, and shutdown (the flow's
+                    last line to process exit)
+
+With `--baseline DIR` (a checkout of an earlier commit, run with the same interpreter and packages), its
+first run and cached reruns run in its own workdir, in turn with this checkout's in every round, so that
+both see the same machine; the tables then have a column for each.
 
 Wall time on a shared machine moves with other processes' load; each process's CPU time (user + system,
 children included) is printed beside it. The first demo's goal is ≤ 2 × its training time + the server
@@ -109,11 +115,12 @@ def timed(command: list[str], cwd: Path | str = REPO, env: dict | None = None) -
     return wall, cpu, done.stdout + done.stderr
 
 
-def fulltune_run(workdir: Path, steps: int) -> tuple[float, float, str, float]:
-    """`fulltune run demo` in `workdir`: (wall, CPU, output, start time)."""
+def fulltune_run(workdir: Path, steps: int, repo: Path = REPO) -> tuple[float, float, str, float]:
+    """`fulltune run demo` of the checkout `repo` in `workdir`: (wall, CPU, output, start time)."""
     started = time.time()
     wall, cpu, output = timed([sys.executable, "-m", "fulltune.cli", "run", "demo",
-                               "--set", f"train.max_steps={steps}"], env={**ENV, "FULLTUNE_WORKDIR": str(workdir)})
+                               "--set", f"train.max_steps={steps}"], cwd=repo,
+                              env={**ENV, "PYTHONPATH": str(repo), "FULLTUNE_WORKDIR": str(workdir)})
     return wall, cpu, output, started
 
 
@@ -151,16 +158,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=300, help="train.max_steps of the demo (default: its 300)")
+    parser.add_argument("--reruns", type=int, default=1, help="cached reruns after each first run (default 1)")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a checkout of an earlier commit: its first run and cached reruns, in turn with these")
     args = parser.parse_args()
 
+    checkouts = {"this": REPO, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
     rows: dict[str, list[tuple[float, float]]] = {}
-    parts: dict[str, list[float]] = {}
-    training: list[float] = []
+    parts: dict[str, dict[str, list[float]]] = {name: {} for name in checkouts}
+    training: dict[str, list[float]] = {name: [] for name in checkouts}
     trainer_train: list[float] = []
 
     def add(name: str, wall: float, cpu: float) -> None:
         rows.setdefault(name, []).append((wall, cpu))
         print(f"  {name}: {wall:.1f} s wall, {cpu:.1f} s CPU", flush=True)
+
+    def label(row: str, checkout: str) -> str:
+        return row if checkout == "this" else f"{row} ({checkout})"
 
     with tempfile.TemporaryDirectory(prefix="fulltune-fixed-cost-") as scratch:
         flow_file = Path(scratch) / "bare_flow.py"
@@ -174,34 +188,43 @@ def main() -> None:
             seconds = server_start()
             rows.setdefault("server_start", []).append((seconds, float("nan")))
             print(f"  server_start: {seconds:.1f} s", flush=True)
-            workdir = Path(scratch) / f"work-{run}"
-            wall, cpu, output, _ = fulltune_run(workdir, args.steps)
-            add("first_run", wall, cpu)
-            (result,) = workdir.glob("runs/*/result.json")
-            training.append(json.loads(result.read_text())["seconds"])
-            wall, cpu, output, started = fulltune_run(workdir, args.steps)
-            assert "register cached" in output, output[-3000:]
-            add("cached_rerun", wall, cpu)
-            for name, value in split_cached_rerun(output, started, wall).items():
-                parts.setdefault(name, []).append(value)
-            wall, cpu, output = timed([sys.executable, str(trainer_file), str(workdir), str(args.steps)])
+            workdirs = {name: Path(scratch) / f"work-{name}-{run}" for name in checkouts}
+            for name, repo in checkouts.items():
+                wall, cpu, _, _ = fulltune_run(workdirs[name], args.steps, repo)
+                add(label("first_run", name), wall, cpu)
+                (result,) = workdirs[name].glob("runs/*/result.json")
+                training[name].append(json.loads(result.read_text())["seconds"])
+            for _ in range(args.reruns):
+                for name, repo in checkouts.items():  # in turn: both see the same load
+                    wall, cpu, output, started = fulltune_run(workdirs[name], args.steps, repo)
+                    assert "register cached" in output, output[-3000:]
+                    add(label("cached_rerun", name), wall, cpu)
+                    for part, value in split_cached_rerun(output, started, wall).items():
+                        parts[name].setdefault(part, []).append(value)
+            wall, cpu, output = timed([sys.executable, str(trainer_file), str(workdirs["this"]), str(args.steps)])
             add("bare_trainer", wall, cpu)
             trainer_train.append(json.loads(re.search(r'^\{"train_seconds".*$', output, re.M)[0])["train_seconds"])
 
     median = statistics.median
-    print(f"\nmedians over {args.runs} runs (demo at {args.steps} steps)\n")
+    print(f"\nmedians over {args.runs} rounds (demo at {args.steps} steps, {args.reruns} cached rerun(s) a round)\n")
     print("| what | wall s | CPU s |\n|---|---:|---:|")
     for name, values in rows.items():
         cpu = median(c for _, c in values)
         print(f"| {name} | {median(w for w, _ in values):.1f} | {'' if cpu != cpu else f'{cpu:.1f}'} |")
-    print(f"| first_run: training (result.json) | {median(training):.1f} | |")
+    for name in checkouts:
+        print(f"| {label('first_run', name)}: training (result.json) | {median(training[name]):.1f} | |")
     print(f"| bare_trainer: train() | {median(trainer_train):.1f} | |")
-    print("\n| cached rerun, by its log | wall s |\n|---|---:|")
-    for name, values in parts.items():
-        print(f"| {name} | {median(values):.1f} |")
-    goal = 2 * median(training) + median(w for w, _ in rows["server_start"])
-    print(f"\nfirst run {median(w for w, _ in rows['first_run']):.1f} s against 2 × training + server start = "
-          f"{goal:.1f} s; cached rerun {median(w for w, _ in rows['cached_rerun']):.1f} s against 10 s")
+    print("\n| cached rerun, by its log | " + " | ".join(f"{name} wall s" for name in checkouts) + " |")
+    print("|---|" + "---:|" * len(checkouts))
+    for part in parts["this"]:
+        print(f"| {part} | " + " | ".join(f"{median(parts[name][part]):.1f}" if part in parts[name] else ""
+                                          for name in checkouts) + " |")
+    server = median(w for w, _ in rows["server_start"])
+    for name in checkouts:
+        goal = 2 * median(training[name]) + server
+        print(f"\n{name}: first run {median(w for w, _ in rows[label('first_run', name)]):.1f} s against "
+              f"2 × training + server start = {goal:.1f} s; cached rerun "
+              f"{median(w for w, _ in rows[label('cached_rerun', name)]):.1f} s against 10 s")
 
 
 if __name__ == "__main__":
