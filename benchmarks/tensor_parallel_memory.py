@@ -1,67 +1,90 @@
-"""Per-rank peak memory of a tensor-parallel (and FSDP × TP) training step, measured, against the plan.
+"""Per-rank peak memory of a tensor-parallel (and FSDP × TP) training step: the planner's estimate against a
+measurement in every rank.
 
 Each configuration: torchrun starts 2 or 4 CPU processes (gloo) that split a `from_config` Llama with
 `fulltune.parallel.ParallelPlan` (the TP plan per block with sequence-parallel norms, then FSDP2 over the
-data-parallel processes) and run two optimizer steps through the trainer's step (`fulltune/step.py`: the
-TargetHead loss, backward, global-norm clip, fused AdamW, zero_grad) under torch's FSDPMemTracker in every
-rank, as `benchmarks/sharded_memory.py` does for FSDP alone. The peak is compared with what the planner
-estimates today for the same settings (`estimate_memory(..., Settings(strategy="fsdp", num_processes=N,
-tensor_parallel=T))`), which does not model tensor parallel yet: it counts the run as FSDP over all N
-processes. The error column therefore says how far that stand-in is from a TP rank, not how good a TP
-model is.
+data-parallel processes; gradient checkpointing applied first, as the trainer does) and run two optimizer steps
+through the trainer's step (`fulltune/step.py`: the TargetHead loss, backward, global-norm clip, fused AdamW,
+zero_grad) under torch's FSDPMemTracker in every rank. The peak of tracked tensor storage is compared with
+`estimate_memory(config, Settings(strategy="fsdp", num_processes=N, tensor_parallel=T, ...)).peak_bytes`, a
+tensor-parallel rank's own terms (`fulltune/memory/tensor_parallel.py`); the column "as FSDP over all" is what
+the planner counted before it had them (the same run as FSDP over all N processes).
+
+The torchrun driver, the tracker's categories and the rank-0 gather are `benchmarks/sharded_memory.py`'s.
+
+The grid (`_grid`): TP 2 on 2 processes and FSDP 2 × TP 2 on 4, fp32 and the bf16 policy, untied and tied
+(micro-batch 2, seq 128, vocabulary 8,192: the logits decide the peak), then checkpointing, micro-batch 1,
+accumulation, a sequence TP does not divide (padded), and a 1,024-token vocabulary at micro-batch 4 × seq 256
+(the activations decide the peak).
 
 Usage:
-    python benchmarks/tensor_parallel_memory.py                 # table on stdout (~30 s per case on 2 cores)
-    python benchmarks/tensor_parallel_memory.py --json out.json
+    python benchmarks/tensor_parallel_memory.py                 # table and summary on stdout (~10-30 s per case)
+    python benchmarks/tensor_parallel_memory.py --case tp2-fp32-tied --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from sharded_memory import BASE, STEPS, _category  # noqa: E402  (the FSDP benchmark's model and categories)
+from sharded_memory import BASE, STEPS, send_to_driver, summary, torchrun_ranks, tracked_peak  # noqa: E402
 
 TIED = {**BASE, "tie_word_embeddings": True}
+SMALL_VOCAB = {**BASE, "vocab_size": 1024}
 
 
 @dataclass(frozen=True)
 class Case:
     name: str
-    config: dict
+    config: dict  # LlamaConfig keyword arguments
     processes: int
     tensor_parallel: int
-    settings: dict = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)  # Settings fields besides strategy / processes / TP degree
 
 
 def _grid() -> list[Case]:
-    """TP 2 on 2 processes and FSDP 2 × TP 2 on 4, fp32 and the bf16 policy, untied and tied, micro-batch 2."""
+    """TP 2 on 2 processes and FSDP 2 × TP 2 on 4, fp32 and the bf16 policy, untied and tied, micro-batch 2;
+    then checkpointing, micro-batch 1, accumulation, an odd sequence and an activation-bound shape."""
+    two = {"micro_batch_size": 2, "seq_len": 128}
     cases = []
     for processes in (2, 4):
         for precision in ("no", "bf16"):
             for tied, config in (("untied", BASE), ("tied", TIED)):
                 layout = "tp2" if processes == 2 else "fsdp2xtp2"
                 cases.append(Case(f"{layout}-{'fp32' if precision == 'no' else 'bf16'}-{tied}", config, processes, 2,
-                                  {"micro_batch_size": 2, "seq_len": 128, "mixed_precision": precision}))
+                                  {**two, "mixed_precision": precision}))
+    bf16 = {**two, "mixed_precision": "bf16"}
+    wide = {"micro_batch_size": 4, "seq_len": 256}
+    cases += [
+        Case("tp2-fp32-untied-ckpt2", BASE, 2, 2, {**two, "gradient_checkpointing": 2}),
+        Case("tp2-bf16-tied-ckpt4", TIED, 2, 2, {**bf16, "gradient_checkpointing": 4}),
+        Case("fsdp2xtp2-bf16-untied-ckpt2", BASE, 4, 2, {**bf16, "gradient_checkpointing": 2}),
+        Case("tp2-fp32-untied-b1", BASE, 2, 2, {**two, "micro_batch_size": 1}),
+        Case("tp2-fp32-untied-accumulate2", BASE, 2, 2, {**two, "gradient_accumulation_steps": 2}),
+        Case("tp2-fp32-untied-seq127", BASE, 2, 2, {**two, "seq_len": 127}),
+        Case("tp2-fp32-untied-v1k-b4-s256", SMALL_VOCAB, 2, 2, wide),
+        Case("tp2-bf16-untied-v1k-b4-s256", SMALL_VOCAB, 2, 2, {**wide, "mixed_precision": "bf16"}),
+        Case("tp2-fp32-tied-v1k-b4-s256-ckpt2", {**SMALL_VOCAB, "tie_word_embeddings": True}, 2, 2,
+             {**wide, "gradient_checkpointing": 2}),
+        Case("fsdp2xtp2-fp32-untied-v1k-b4-s256", SMALL_VOCAB, 4, 2, wide),
+    ]
     return cases
 
 
 CASES = _grid()
 
 
-def settings_of(case: Case):
+def settings_of(case: Case, tensor_parallel: int | None = None):
     from fulltune.memory import Settings
 
-    return Settings(strategy="fsdp", num_processes=case.processes, tensor_parallel=case.tensor_parallel,
+    return Settings(strategy="fsdp", num_processes=case.processes,
+                    tensor_parallel=case.tensor_parallel if tensor_parallel is None else tensor_parallel,
                     device="cpu", **case.settings)
 
 
@@ -73,6 +96,7 @@ def measure_rank(case: Case) -> dict:
 
     from fulltune import sharding
     from fulltune.loss import TargetHead
+    from fulltune.memory.checkpointing import apply_gradient_checkpointing
     from fulltune.memory.trace import make_batch
     from fulltune.parallel import ParallelPlan
     from fulltune.step import LocalAccelerator, OptimizerStep, StepParts, run_step
@@ -82,71 +106,59 @@ def measure_rank(case: Case) -> dict:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**case.config), attn_implementation="sdpa")
     model.train()
+    apply_gradient_checkpointing(model, settings.gradient_checkpointing)
     head = TargetHead(model)
     ParallelPlan(case.processes // case.tensor_parallel, case.tensor_parallel).apply(
         model, "cpu", settings.mixed_precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     tracker = FSDPMemTracker(model, optimizer)
-    accelerator = LocalAccelerator("cpu", "no", 1)
+    accumulation = settings.gradient_accumulation_steps
+    accelerator = LocalAccelerator("cpu", "no", accumulation)
     parts = StepParts(accelerator, model, head, optimizer, OptimizerStep(accelerator, model, optimizer, None, 1.0),
-                      1, before_micro_batch=tracker.reset_mod_stats)
-    targets = settings.micro_batch_size * settings.targets_per_row
+                      accumulation, before_micro_batch=tracker.reset_mod_stats)
+    targets = settings.micro_batch_size * settings.targets_per_row * accumulation
     with tracker:
         for step in range(1, STEPS + 1):
-            run_step(parts, [make_batch(model.config.vocab_size, settings, "cpu")], step, targets)
-    snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
-    breakdown: dict[str, int] = {}
-    for key, value in snapshot.items():
-        if key != "Total":
-            name = _category(getattr(key, "value", str(key)))
-            breakdown[name] = breakdown.get(name, 0) + int(value)
-    return {"peak_bytes": int(snapshot["Total"]), "breakdown": breakdown}
+            batches = (make_batch(model.config.vocab_size, settings, "cpu") for _ in range(accumulation))
+            run_step(parts, batches, step, targets)
+    return tracked_peak(tracker)
 
 
 def worker(case_name: str, out: Path) -> None:
-    import torch.distributed as dist
-
-    case = next(c for c in CASES if c.name == case_name)
-    measured = measure_rank(case)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, measured)
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(gathered))
-    dist.destroy_process_group()
+    send_to_driver(measure_rank(next(c for c in CASES if c.name == case_name)), out)
 
 
 def run_case(case: Case) -> dict:
+    """Measure `case` in every rank; the estimate (and the FSDP-over-all stand-in) against each rank."""
     from transformers import LlamaConfig
 
     from fulltune.memory import estimate_memory
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "ranks.json"
-        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.processes}",
-                   __file__, "--worker", case.name, "--out", str(out)]
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
-        if not out.exists():
-            raise RuntimeError(f"{case.name}: torchrun failed\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-        ranks = json.loads(out.read_text())
-    estimate = estimate_memory(LlamaConfig(**case.config), settings_of(case))
+    ranks = torchrun_ranks(__file__, case.name, case.processes)
+    config = LlamaConfig(**case.config)
+    estimate = estimate_memory(config, settings_of(case))
+    as_fsdp = estimate_memory(config, settings_of(case, tensor_parallel=1))
     return {"case": case.name, "processes": case.processes, "tensor_parallel": case.tensor_parallel,
-            "settings": settings_of(case).to_dict(), "estimate_peak_bytes": estimate.peak_bytes,
+            "config": case.config, "settings": settings_of(case).to_dict(),
+            "estimate_peak_bytes": estimate.peak_bytes, "estimate_peak_phase": estimate.peak_phase,
+            "as_fsdp_peak_bytes": as_fsdp.peak_bytes,
             "ranks": [{"rank": i, "measured_peak_bytes": r["peak_bytes"], "measured_breakdown": r["breakdown"],
-                       "error": estimate.peak_bytes / r["peak_bytes"] - 1} for i, r in enumerate(ranks)]}
+                       "fsdp_categories": r["raw"], "error": estimate.peak_bytes / r["peak_bytes"] - 1}
+                      for i, r in enumerate(ranks)]}
 
 
 def table(results: list[dict]) -> str:
+    """One row per case: the estimate against the rank furthest from it, and the old FSDP-over-all count."""
     mib = 2**20
-    lines = ["| case | processes | measured per rank (MiB) | plan today (FSDP over all, MiB) | its error |",
-             "|---|---|---|---|---|"]
+    lines = ["| case | processes | estimate | measured (every rank) | error | as FSDP over all | peak during (estimate) |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         peaks = sorted({rank["measured_peak_bytes"] for rank in r["ranks"]})
-        measured = " / ".join(f"{p / mib:.2f}" for p in peaks) + (" (all)" if len(peaks) == 1 else "")
-        worst = max(r["ranks"], key=lambda rank: abs(rank["error"]))["error"]
-        lines.append(f"| {r['case']} | {r['processes']} | {measured} | {r['estimate_peak_bytes'] / mib:.2f} | "
-                     f"{worst:+.1%} |")
+        measured = " / ".join(f"{p / mib:.2f}" for p in peaks) + " MiB" + (" (all)" if len(peaks) == 1 else "")
+        worst = max(r["ranks"], key=lambda rank: abs(rank["error"]))
+        stand_in = r["as_fsdp_peak_bytes"] / worst["measured_peak_bytes"] - 1
+        lines.append(f"| {r['case']} | {r['processes']} | {r['estimate_peak_bytes'] / mib:.2f} MiB | {measured} | "
+                     f"{worst['error']:+.2%} | {stand_in:+.1%} | {r['estimate_peak_phase']} |")
     return "\n".join(lines)
 
 
@@ -168,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     print(table(results))
+    print(summary(results))
     return 0
 
 

@@ -171,12 +171,16 @@ def job_from_pipeline(pipeline: spec.PipelineSpec, plan: Settings, *, model_path
                       train_file: str, output_dir: str, mlflow_tracking_uri: str | None = None,
                       mlflow_run_id: str | None = None) -> TrainJob:
     """The TrainJob for a resolved pipeline spec (`model`, `train`, `distributed`) and the settings its memory
-    plan chose; ConfigError when the plan was made for another strategy, process count or attention."""
+    plan chose; ConfigError when the plan was made for another strategy, process count or attention.
+    `distributed.tensor_parallel: auto` becomes the degree the plan chose."""
+    distributed = pipeline.distributed
+    if distributed.tensor_parallel == "auto":
+        distributed = distributed.model_copy(update={"tensor_parallel": plan.tensor_parallel})
     return _validated({
         "paths": JobPaths(model_path=model_path, tokenizer_path=tokenizer_path, train_file=train_file,
                           output_dir=output_dir),
         "model": pipeline.model, "train": pipeline.train.model_dump(exclude=set(PLANNED_TRAIN_KEYS)),
-        "distributed": pipeline.distributed, "plan": plan,
+        "distributed": distributed, "plan": plan,
         "tracking": Tracking(mlflow_tracking_uri=mlflow_tracking_uri, mlflow_run_id=mlflow_run_id),
     }, "train job")
 

@@ -174,7 +174,8 @@ def from_spec(pipeline: object) -> Combination:
     return Combination(
         levers={name: auto(getattr(train, name)) for name in LEVERS},
         strategy=distributed.strategy, num_processes=distributed.num_processes,
-        tensor_parallel=getattr(distributed, "tensor_parallel", 1), optimizer=auto(train.optimizer),
+        # tensor_parallel auto is read as 1: the planner checks every degree it tries against the table.
+        tensor_parallel=auto(getattr(distributed, "tensor_parallel", 1)) or 1, optimizer=auto(train.optimizer),
         gradient_accumulation_steps=auto(train.gradient_accumulation_steps),
         mixed_precision=auto(train.mixed_precision), gradient_checkpointing=auto(train.gradient_checkpointing),
         device=auto(budget.device))
@@ -186,7 +187,7 @@ def from_settings(settings: object, bf16_supported: bool | None = None) -> Combi
     s = settings
     return Combination(
         levers=s.levers(), strategy=s.strategy, num_processes=s.num_processes,  # type: ignore[attr-defined]
-        tensor_parallel=getattr(s, "tensor_parallel", 1),
+        tensor_parallel=getattr(s, "tensor_parallel", 1) or 1,  # None (auto, a request): as from_spec
         optimizer=s.optimizer, gradient_accumulation_steps=s.gradient_accumulation_steps,  # type: ignore[attr-defined]
         mixed_precision=s.mixed_precision, gradient_checkpointing=s.gradient_checkpointing,  # type: ignore[attr-defined]
         device=s.device, bf16_supported=bf16_supported)  # type: ignore[attr-defined]

@@ -232,10 +232,11 @@ class DistributedSpec(Strict):
     )
     num_processes: int = Field(1, ge=1, le=4096, description="Processes (usually GPUs) in total.")
     num_machines: int = Field(1, ge=1, description="Machines taking part.")
-    tensor_parallel: int = Field(
-        1, ge=1, le=64, description="Processes each layer's matmuls are split over (tensor parallel, with sequence "
-                                    "parallel norms); num_processes / tensor_parallel groups train on different "
-                                    "data with FSDP between them. Needs strategy fsdp; 1 = no tensor parallel."
+    tensor_parallel: int | Auto = Field(
+        1, description="Processes each layer's matmuls are split over (tensor parallel, with sequence parallel "
+                       "norms); num_processes / tensor_parallel groups train on different data with FSDP between "
+                       "them. Needs strategy fsdp; 1 = no tensor parallel; auto: the plan chooses a divisor of the "
+                       "processes on one machine (the fastest that fits)."
     )
 
     @field_validator("strategy", mode="before")
@@ -250,6 +251,10 @@ class DistributedSpec(Strict):
     def _consistent(self) -> DistributedSpec:
         if self.strategy == "none" and self.num_processes != 1:
             raise ValueError("num_processes > 1 needs a strategy (ddp or fsdp)")
+        if self.tensor_parallel == "auto":
+            return self  # the plan chooses a degree that divides the processes (memory/planner.py)
+        if not 1 <= self.tensor_parallel <= 64:
+            raise ValueError(f"tensor_parallel must be auto or from 1 to 64; got {self.tensor_parallel}")
         if self.tensor_parallel > 1 and self.strategy != "fsdp":
             raise ValueError("tensor_parallel > 1 needs strategy fsdp (FSDP over the data-parallel processes)")
         if self.num_processes % self.tensor_parallel:
@@ -258,9 +263,9 @@ class DistributedSpec(Strict):
         return self
 
     @property
-    def data_parallel(self) -> int:
-        """Processes that train on different rows: num_processes / tensor_parallel."""
-        return self.num_processes // self.tensor_parallel
+    def data_parallel(self) -> int | None:
+        """Processes that train on different rows: num_processes / tensor_parallel (None while it is auto)."""
+        return None if self.tensor_parallel == "auto" else self.num_processes // self.tensor_parallel
 
 
 # Metrics every evaluation computes, with the direction in which they improve. A gate may also name an
@@ -443,6 +448,8 @@ class PipelineSpec(Strict):
         who = ("distributed.num_processes" if self.distributed.tensor_parallel == 1
                else "distributed.num_processes / distributed.tensor_parallel")
         micro, accum = t.micro_batch_size, t.gradient_accumulation_steps
+        if processes is None:
+            return self  # tensor_parallel auto: the plan keeps the batch for the degree it chooses
         if isinstance(micro, int) and isinstance(accum, int) and micro * accum * processes != t.effective_batch_size:
             raise ValueError(
                 f"train.micro_batch_size ({micro}) × train.gradient_accumulation_steps ({accum}) × "

@@ -82,6 +82,11 @@ _PCIE_BYTES_PER_S = 25e9
 #   is in that range too), and bitsandbytes' 8-bit AdamW on a CPU is ~20× slower (its scalar fallback);
 _HOST_OPTIMIZER_BYTES_PER_S = 1.5e9
 _HOST_OPTIMIZER_SLOWDOWN = {"adamw": 1.0, "adamw_8bit": 20.0, "adamw_4bit": 1.0, "adafactor": 1.0}
+# - tensor parallel's collectives run inside one machine (parallel.py puts a "tp" group on consecutive ranks):
+#   ~150 GB/s of all-gather / reduce-scatter bandwidth per GPU over NVLink (NCCL's bus bandwidth on A100/H100
+#   machines is 150-350 GB/s), a few GB/s for gloo between CPU processes, and a fixed cost per collective;
+_TP_BYTES_PER_S = {"cuda": 150e9, "cpu": 2e9}
+_COLLECTIVE_SECONDS = {"cuda": 20e-6, "cpu": 100e-6}
 # - the Kahan-compensated update reads and writes one more bf16 buffer: 4 B/param of extra traffic;
 _KAHAN_TRAFFIC = 4
 # - the chunked loss recomputes the head's logits in backward: one more head forward per target;
@@ -106,7 +111,8 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
     Model FLOPs per token from fulltune/flops.py (rows of one document, the output head at the
     `target_fraction` of positions with a target), plus one more forward of each checkpointed layer
     (a third of that layer's training FLOPs) at `_RECOMPUTE_OVERHEAD`; throughput grows with tokens
-    per micro-batch.
+    per micro-batch. Under tensor parallel each rank computes 1/T of every matmul and waits for the TP
+    group's collectives (`tensor_parallel_seconds`).
     """
     from fulltune.flops import from_shape
 
@@ -119,7 +125,7 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
     tokens = b * s
     efficiency = tokens / (tokens + _HALF_EFFICIENCY_TOKENS[settings.device])
     flops = _flops(settings.device, settings.mixed_precision)
-    compute = settings.gradient_accumulation_steps * tokens * per_token / (flops * efficiency)
+    compute = settings.gradient_accumulation_steps * tokens * per_token / (flops * efficiency * settings.tensor_parallel)
     shard = settings.num_processes if settings.strategy in ("fsdp", "deepspeed_zero2", "deepspeed_zero3") else 1
     traffic = (_CPU_OPTIMIZER_TRAFFIC if settings.device == "cpu" else _OPTIMIZER_TRAFFIC)[settings.optimizer]
     if settings.pure_bf16:  # bf16 weights, gradients and (adamw) states: half the traffic, plus Kahan's buffer
@@ -128,6 +134,7 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
     if settings.offload_optimizer:
         optimizer = 0.0
     seconds = (compute + optimizer) * _OPTIMIZER_PENALTY[settings.optimizer] + sum(lever_seconds(shape, settings).values())
+    seconds += tensor_parallel_seconds(shape, settings)
     correction = STEP_TIME_CORRECTION.get()
     return seconds * correction(settings) if correction is not None else seconds
 
@@ -137,6 +144,16 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
 # the constants above stand.
 STEP_TIME_CORRECTION: contextvars.ContextVar[Callable[[Settings], float] | None] = contextvars.ContextVar(
     "step_time_correction", default=None)
+
+
+def tensor_parallel_seconds(shape: ModelShape, settings: Settings) -> float:
+    """Step time of tensor parallel's collectives over the TP group (memory/tensor_parallel.py counts them:
+    the blocks' all-gathers, reduce-scatters and all-reduces of the stream, the logits' all-gather), not
+    overlapped with compute; 0 without tensor parallel."""
+    from fulltune.memory.tensor_parallel import collectives
+
+    traffic = collectives(shape, settings)
+    return traffic.bytes / _TP_BYTES_PER_S[settings.device] + traffic.count * _COLLECTIVE_SECONDS[settings.device]
 
 
 def lever_seconds(shape: ModelShape, settings: Settings) -> dict[str, float]:
@@ -251,9 +268,14 @@ def configured_settings(config: Any, request: PlanRequest) -> Settings:
 
     micro-batch: the whole per-process batch in one pass (accumulation 1), or what the fixed
     accumulation leaves; checkpointing off; mixed precision bf16 on a GPU that supports it, else
-    fp32; optimizer AdamW.
+    fp32; optimizer AdamW; tensor parallel 1.
     """
-    return _configured(model_shape(config), request)
+    return _configured(model_shape(config), _configured_request(request))
+
+
+def _configured_request(request: PlanRequest) -> PlanRequest:
+    """The request with tensor_parallel auto at its naive default, 1 (FSDP alone), as the other auto fields."""
+    return replace(request, tensor_parallel=1) if request.tensor_parallel is None else request
 
 
 def _configured(shape: ModelShape, request: PlanRequest) -> Settings:
@@ -314,16 +336,12 @@ def _options(shape: ModelShape, request: PlanRequest) -> tuple[list[int], list[s
 
 def _lever_sets(request: PlanRequest, stage: int) -> list[dict[str, bool]]:
     """The lever combinations of search stage `stage`: the auto levers among the first `stage` of
-    `LEVERS` (cheapest first) on or off, the later auto ones off, the fixed ones as fixed; only those the
-    lever table allows (fulltune/levers.py)."""
+    `LEVERS` (cheapest first) on or off, the later auto ones off, the fixed ones as fixed. The lever table
+    (fulltune/levers.py) is applied once per choice, with the optimizer, precision and accumulation it goes
+    with (`_allowed_choice`); a combination it refuses whatever those are is refused there too."""
     fixed = {name: bool(value) for name, value in request.levers().items()}
     auto = [name for name in LEVERS[:stage] if request.levers()[name] is None and _may_choose(request, name)]
-    out = []
-    for values in itertools.product((False, True), repeat=len(auto)):
-        chosen = {**fixed, **dict(zip(auto, values))}
-        if not lever_table.problems(replace(_combination(request), levers=chosen)):
-            out.append(chosen)
-    return out
+    return [{**fixed, **dict(zip(auto, values))} for values in itertools.product((False, True), repeat=len(auto))]
 
 
 def _combination(request: PlanRequest) -> lever_table.Combination:
@@ -333,11 +351,10 @@ def _combination(request: PlanRequest) -> lever_table.Combination:
 
 
 def _may_choose(request: PlanRequest, lever: str) -> bool:
-    """Whether the planner may turn an auto lever on for this request: the lever table allows it, and it
-    can save memory here."""
-    if lever in ("offload_optimizer", "offload_activations") and request.device != "cuda":
-        return False  # on a CPU device host RAM is the device memory: offloading saves nothing and costs copies
-    return lever_table.may_turn_on(lever, _combination(request))
+    """Whether turning an auto lever on can save memory for this request (whether the lever table allows it
+    is `_allowed_choice`'s)."""
+    # On a CPU device host RAM is the device memory: offloading saves nothing and costs copies.
+    return not (lever in ("offload_optimizer", "offload_activations") and request.device != "cuda")
 
 
 def _allowed_choice(request: PlanRequest, micro: int, checkpointing: int | None, precision: str, optimizer: str,
@@ -452,7 +469,13 @@ def _per_machine(shape: ModelShape, c: _Candidate, host_budget: int | None, rank
 def _staged_search(shape: ModelShape, request: PlanRequest, usable: int, micros: list[int] | None = None,
                    min_checkpointing: int = 0) -> list[_Candidate]:
     """Search without the auto levers first (today's choices where they fit), then allow them one more at a
-    time, cheapest first (`LEVERS`), until something fits; every candidate seen is returned."""
+    time, cheapest first (`LEVERS`), until something fits; every candidate seen is returned. With
+    `tensor_parallel` auto (None), that search for every degree `tensor_parallel_degrees` allows."""
+    if request.tensor_parallel is None:
+        degrees, _ = tensor_parallel_degrees(shape, request)
+        return [c for degree in degrees
+                for c in _staged_search(shape, replace(request, tensor_parallel=degree), usable, micros,
+                                        min_checkpointing)]
     out: list[_Candidate] = []
     for stage in range(len(LEVERS) + 1):
         if stage > 0 and request.levers()[LEVERS[stage - 1]] is not None:
@@ -463,12 +486,55 @@ def _staged_search(shape: ModelShape, request: PlanRequest, usable: int, micros:
     return out
 
 
+def tensor_parallel_degrees(shape: ModelShape, request: PlanRequest) -> tuple[list[int], dict[int, str]]:
+    """The tensor-parallel degrees `distributed.tensor_parallel: auto` may choose, and why the other divisors
+    of the processes may not: a degree splits the blocks of one machine's processes (parallel.py's "tp" groups
+    are consecutive ranks), the heads, key/value heads and MLP width (`parallel.check_model_config`), keeps the
+    effective batch over the data-parallel processes, and breaks no rule of the lever table with the fixed
+    fields (`levers.from_settings`). 1 is always among them unless the request fixes another degree."""
+    from types import SimpleNamespace
+
+    from fulltune.errors import ConfigError
+    from fulltune.parallel import check_model_config
+
+    if request.tensor_parallel is not None:
+        return [request.tensor_parallel], {}
+    degrees, refused = [1], {}
+    if request.strategy != "fsdp":
+        return degrees, refused
+    config = SimpleNamespace(num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                             intermediate_size=shape.intermediate)
+    for degree in sorted(_divisors(request.num_processes)):
+        if degree == 1:
+            continue
+        if _ranks_per_machine(request) % degree:
+            refused[degree] = f"more than one machine's {_ranks_per_machine(request)} processes"
+            continue
+        if shape.layout != "llama" or shape.qk_norm:
+            refused[degree] = f"{shape.model_type}'s blocks are not split (Llama layout only)"
+            continue
+        try:
+            check_model_config(config, degree)
+            candidate = replace(request, tensor_parallel=degree)
+        except (ConfigError, MemoryConfigError) as exc:
+            refused[degree] = str(exc).split(": ", 1)[-1]
+            continue
+        found = lever_table.problems(_combination(candidate))
+        if found:
+            refused[degree] = found[0]
+            continue
+        degrees.append(degree)
+    return degrees, refused
+
+
 def _host_budget(request: PlanRequest) -> int:
     return request.host_memory_bytes if request.host_memory_bytes is not None else host_ram()
 
 
 def _describe(settings: Settings) -> str:
     parts = [f"micro-batch {settings.micro_batch_size} × accumulation {settings.gradient_accumulation_steps}"]
+    if settings.tensor_parallel > 1:
+        parts.append(f"tensor parallel {settings.tensor_parallel}")
     parts.append(f"checkpointing {settings.gradient_checkpointing} layers")
     parts.append(f"precision {settings.mixed_precision}")
     parts.append(settings.optimizer)
@@ -479,6 +545,7 @@ def _describe(settings: Settings) -> str:
 def _alternative(c: _Candidate, why: str) -> dict[str, Any]:
     return {
         **c.settings.choices(),
+        "tensor_parallel": c.settings.tensor_parallel,
         "peak_bytes": c.estimate.peak_bytes,
         "device_bytes": c.estimate.device_bytes,
         "uncertainty_bytes": c.uncertainty.bytes,
@@ -503,7 +570,7 @@ def plan_memory(config: Any, request: PlanRequest, trace: bool | None = False) -
     (`trace_is_cheap`). The plan's `uncertainty` says which basis it rests on.
     """
     shape = model_shape(config)
-    configured = _configured(shape, request)
+    configured = _configured(shape, _configured_request(request))
     configured_estimate = _estimate(shape, configured)
     if request.budget_bytes is None:
         return MemoryPlan(
@@ -619,6 +686,7 @@ def _finish(
             f"{format_bytes(over)} over budget (peak in {configured_estimate.peak_phase})"
         )
     reasons.extend(_change_reasons(shape, configured, chosen, usable))
+    reasons.extend(_tensor_parallel_reasons(shape, request, candidates, chosen, usable))
     reasons.extend(_host_reasons(request, candidates, chosen, usable))
     suggestions: tuple[str, ...] = ()
     if not fits:
@@ -698,6 +766,43 @@ def _change_reasons(shape: ModelShape, configured: Settings, chosen: _Candidate,
         )
         out.append(f"gradient checkpointing on {s.gradient_checkpointing} of {shape.num_layers} layers: {tail}")
     return out
+
+
+def _tensor_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates: list[_Candidate],
+                             chosen: _Candidate, usable: int) -> list[str]:
+    """With `tensor_parallel` auto: the degree chosen, what it costs, and each other degree's best candidate
+    (the fastest that fits, else the smallest) or why it was not tried."""
+    if request.tensor_parallel is not None:
+        return []
+    from fulltune.memory.tensor_parallel import collectives
+
+    best: dict[int, _Candidate] = {}
+    for c in candidates:
+        degree, rank = c.settings.tensor_parallel, (not _fits(c, usable), c.seconds if _fits(c, usable) else c.planned_bytes)
+        if degree not in best or rank < (not _fits(best[degree], usable),
+                                         best[degree].seconds if _fits(best[degree], usable) else best[degree].planned_bytes):
+            best[degree] = c
+    s = chosen.settings
+    T = s.tensor_parallel
+    if T > 1:
+        traffic = collectives(shape, s)
+        head = (f"tensor parallel {T} ({s.num_processes // T} data-parallel × {T}, distributed.tensor_parallel auto): "
+                f"{format_bytes(chosen.expected_bytes)} per GPU, {chosen.seconds:.3g} s/step, of which "
+                f"{tensor_parallel_seconds(shape, s):.3g} s are its collectives ({format_bytes(int(traffic.bytes))} "
+                f"per rank)")
+    else:
+        head = "tensor parallel 1 (distributed.tensor_parallel auto): FSDP alone"
+    others = []
+    for degree, c in sorted(best.items()):
+        if degree == T:
+            continue
+        if _fits(c, usable):
+            others.append(f"{degree} is slower ({c.seconds:.3g} s/step)")
+        else:
+            others.append(f"{degree} does not fit ({format_bytes(c.expected_bytes)} ± {format_bytes(c.uncertainty.bytes)})")
+    _, refused = tensor_parallel_degrees(shape, request)
+    others += [f"{degree} not tried ({why})" for degree, why in sorted(refused.items())]
+    return [head + ("; " + "; ".join(others) if others else "")]
 
 
 _LEVER_TEXT = {
@@ -832,6 +937,8 @@ def replan_after_oom(
     than micro-batch/accumulation stay fixed; those two must change after an OOM.
     """
     shape = model_shape(config)
+    if request.tensor_parallel is None:  # auto: the degree the run was planned with stays (its processes are set)
+        request = replace(request, tensor_parallel=previous.tensor_parallel)
     previous_estimate = _estimate(shape, previous)
     if observed_peak_bytes is not None and observed_peak_bytes > 0:
         ratio = max(observed_peak_bytes / max(previous_estimate.device_bytes, 1), 1.05)

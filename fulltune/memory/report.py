@@ -15,6 +15,7 @@ def _settings_line(plan: MemoryPlan) -> str:
         f"{s.gradient_accumulation_steps} gradient_checkpointing={s.gradient_checkpointing} "
         f"mixed_precision={s.mixed_precision} optimizer={s.optimizer}"
         + "".join(f" {name}=true" for name, on in s.levers().items() if on)
+        + (f" tensor_parallel={s.tensor_parallel}" if s.tensor_parallel > 1 else "")
     )
 
 
@@ -121,10 +122,11 @@ def format_plan_table(plan: MemoryPlan) -> str:
     if plan.alternatives:
         lines.append("alternatives:")
         for alt in plan.alternatives[:5]:
+            tp = f", tensor parallel {alt['tensor_parallel']}" if alt.get("tensor_parallel", 1) > 1 else ""
             lines.append(
                 f"  - micro {alt['micro_batch_size']} × accum {alt['gradient_accumulation_steps']}, "
                 f"ckpt {alt['gradient_checkpointing']}, {alt['mixed_precision']}, {alt['optimizer']}"
-                f"{''.join(f', {name}' for name in LEVERS if alt.get(name))}: "
+                f"{''.join(f', {name}' for name in LEVERS if alt.get(name))}{tp}: "
                 f"{format_bytes(alt['device_bytes'])} — {alt['rejected_because']}"
             )
     for note in dict.fromkeys(configured.notes + planned.notes):

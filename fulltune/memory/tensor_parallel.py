@@ -297,3 +297,44 @@ def tp_phases(tl: Timeline) -> None:
         largest = max(math.prod(p) for p in shape.param_shapes)
         step_temp = 2 * wb * largest + x.levers.states_temp
     add("optimizer step", grads_total, 0, 0, step_temp)
+
+
+# Collectives of one block per micro-batch, as parallel.py's plan runs them (counted in the op trace of the
+# measured step, benchmarks/tensor_parallel_memory.py): forward, 3 all-gathers of the (b, s, h) stream (the two
+# norms' outputs, the block's output) and 2 reduce-scatters (o and down); backward, 2 all-gathers (the
+# reduce-scatters' gradients) and 5 all-reduces (the input gradients of q, k, v, gate and up, each reduced
+# on its own). In units of one all-gather's traffic: an all-reduce moves twice as much.
+BLOCK_FORWARD_COLLECTIVES = 5
+BLOCK_BACKWARD_COLLECTIVES = 7
+BLOCK_FORWARD_TRAFFIC = 5
+BLOCK_BACKWARD_TRAFFIC = 2 + 2 * 5
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """What one rank sends over its tensor-parallel group in one optimizer step."""
+
+    bytes: float  # ring collectives: an all-gather or reduce-scatter of X bytes moves (T - 1) / T · X per rank
+    count: int  # collectives (each pays a latency)
+
+
+def collectives(shape: ModelShape, settings: Settings) -> Collectives:
+    """The tensor-parallel traffic of one optimizer step of `settings` (none without tensor parallel): every
+    block's (`BLOCK_*`), a checkpointed block's forward again, the embedding's all-reduce, the logits' all-gather
+    and the head input gradient's all-reduce; per micro-batch, times the accumulation."""
+    T = settings.tensor_parallel
+    if T == 1:
+        return Collectives(0.0, 0)
+    act = settings if settings.mixed_precision != "bf16" else replace(settings, pure_bf16=True)
+    c = compute_bytes(act)
+    b, L = settings.micro_batch_size, shape.num_layers
+    s = math.ceil(settings.seq_len / T) * T
+    k = min(settings.gradient_checkpointing, L)
+    t = b * settings.targets_per_row
+    stream = c * b * s * shape.hidden
+    share = (T - 1) / T
+    blocks = L * (BLOCK_FORWARD_TRAFFIC + BLOCK_BACKWARD_TRAFFIC) + k * BLOCK_FORWARD_TRAFFIC
+    per_micro = share * (stream * (blocks + 2) + t * shape.vocab * c + 2 * t * shape.hidden * c)
+    count = L * (BLOCK_FORWARD_COLLECTIVES + BLOCK_BACKWARD_COLLECTIVES) + k * BLOCK_FORWARD_COLLECTIVES + 3
+    ga = settings.gradient_accumulation_steps
+    return Collectives(ga * per_micro, ga * count)

@@ -238,7 +238,7 @@ class PlanRequest:
     headroom: float = 0.05
     strategy: str = "none"
     num_processes: int = 1
-    tensor_parallel: int = 1
+    tensor_parallel: int | None = 1  # None: auto, the planner chooses a degree (memory/planner.py)
     bf16_supported: bool = False
     attention_mask: bool = True
     target_fraction: float = 1.0
@@ -277,6 +277,9 @@ class PlanRequest:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise MemoryConfigError(f"{name} must be an integer >= 1 or None (auto); got {value!r}")
+        if self.tensor_parallel is None:  # auto: the planner checks the batch for each degree it tries
+            _check_request_choices(self)
+            return
         if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) \
                 or self.tensor_parallel < 1 or self.num_processes % self.tensor_parallel:
             raise MemoryConfigError(f"tensor_parallel must divide num_processes ({self.num_processes}); "
@@ -300,20 +303,25 @@ class PlanRequest:
                 raise MemoryConfigError(
                     f"{name} ({value}) must divide effective_batch_size / num_processes ({per_process})"
                 )
-        gc = self.gradient_checkpointing
-        if gc is not None and not isinstance(gc, bool) and (not isinstance(gc, int) or gc < 0):
-            raise MemoryConfigError(f"gradient_checkpointing must be None, a bool or a layer count >= 0; got {gc!r}")
-        if self.mixed_precision is not None:
-            _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
-        if self.optimizer is not None:
-            _check_choice("optimizer", self.optimizer, OPTIMIZERS)
-        _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
-        _check_choice("device", self.device, DEVICES)
-        _check_choice("strategy", self.strategy, STRATEGIES)
-        if self.budget_bytes is not None and (isinstance(self.budget_bytes, bool) or self.budget_bytes <= 0):
-            raise MemoryConfigError(f"budget_bytes must be a positive number of bytes or None; got {self.budget_bytes!r}")
-        if not 0.0 <= self.headroom < 1.0:
-            raise MemoryConfigError(f"headroom must be in [0, 1); got {self.headroom}")
+        _check_request_choices(self)
+
+
+def _check_request_choices(request: PlanRequest) -> None:
+    """The request's fields that do not depend on the tensor-parallel degree."""
+    gc = request.gradient_checkpointing
+    if gc is not None and not isinstance(gc, bool) and (not isinstance(gc, int) or gc < 0):
+        raise MemoryConfigError(f"gradient_checkpointing must be None, a bool or a layer count >= 0; got {gc!r}")
+    if request.mixed_precision is not None:
+        _check_choice("mixed_precision", request.mixed_precision, MIXED_PRECISIONS)
+    if request.optimizer is not None:
+        _check_choice("optimizer", request.optimizer, OPTIMIZERS)
+    _check_choice("attn_implementation", request.attn_implementation, ATTN_IMPLEMENTATIONS)
+    _check_choice("device", request.device, DEVICES)
+    _check_choice("strategy", request.strategy, STRATEGIES)
+    if request.budget_bytes is not None and (isinstance(request.budget_bytes, bool) or request.budget_bytes <= 0):
+        raise MemoryConfigError(f"budget_bytes must be a positive number of bytes or None; got {request.budget_bytes!r}")
+    if not 0.0 <= request.headroom < 1.0:
+        raise MemoryConfigError(f"headroom must be in [0, 1); got {request.headroom}")
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,10 @@ FSDP_MEASURED = (0.0059, "FSDP2 per rank on CPU, fp32, tied embeddings, every la
 # The levers measured under FSDP the same way (`benchmarks/sharded_memory.py --levers`: within 0.17% of every
 # rank); an FSDP step with another lever on (pure bf16, CPU offload) keeps the assumed margin below.
 FSDP_LEVERS_MEASURED = ("chunked_loss", "optimizer_in_backward")
+# A tensor-parallel rank (FSDP × TP, `memory/tensor_parallel.py`), measured the same way
+# (benchmarks/tensor_parallel_memory.py): its step also keeps FSDP's entry when that is larger.
+TP_MEASURED = (0.0009, "tensor parallel 2 per rank on CPU, fp32, micro-batch 1 (worst of 18 configurations, "
+                       "benchmarks/tensor_parallel_memory.py)")
 # Kinds never measured against a real step: a model type modelled as a Llama-like decoder, and the
 # other multi-process strategies (DDP, DeepSpeed ZeRO).
 UNMEASURED = 0.05
@@ -98,6 +102,8 @@ def _describe_kind(shape: ModelShape, settings: Settings) -> str:
     text = f"{name}, checkpointing {checkpointing}"
     if settings.strategy != "none":
         text += f", {settings.strategy}"
+    if settings.tensor_parallel > 1:
+        text += f" × tensor parallel {settings.tensor_parallel}"
     return text
 
 
@@ -116,6 +122,8 @@ def estimate_uncertainty(shape: ModelShape, settings: Settings, peak_bytes: int)
         measured, where = LEVERS_MEASURED
     if settings.strategy == "fsdp" and FSDP_MEASURED[0] > measured:
         measured, where = FSDP_MEASURED
+    if settings.tensor_parallel > 1 and TP_MEASURED[0] > measured:
+        measured, where = TP_MEASURED
     fraction = max(measured, FLOOR)
     evidence = f"largest measured {measured:.2%}: {where}"
     if fraction > measured:
