@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from fulltune.loss import Targets
-from fulltune.memory.pipeline import SCHEDULES, stage_layers
+from fulltune.memory.pipeline import SCHEDULES, UNSUPPORTED_LEVERS, stage_layers
 
 __all__ = ["SCHEDULES", "PipelineRun", "StageModule", "build_stage", "clip_grad_norm_"]
 
@@ -132,6 +132,8 @@ class PipelineRun:
     num_stages: int
     micro_batches: int
     max_grad_norm: float = 1.0
+    micro_batch_shape: tuple[int, int] = (0, 0)  # (b, s) the schedule's buffers are made for
+    step_targets: int = field(default=0, init=False)  # target tokens of the step being run (the loss's divisor)
 
     @classmethod
     def create(cls, model: torch.nn.Module, settings: Any, *, schedule: str = "1f1b", num_micro_batches: int,
@@ -140,7 +142,8 @@ class PipelineRun:
         as the trainer builds it for the planned `settings` (`fulltune.optim.optimizer_for`), and the schedule.
 
         Raises:
-            ValueError: an unknown schedule, or 1F1B with fewer micro-batches than stages.
+            ValueError: an unknown schedule, 1F1B with fewer micro-batches than stages, or a lever the stages do
+                not run (the step in backward, the offloads, the chunked loss).
         """
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -149,6 +152,9 @@ class PipelineRun:
 
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+        refused = [name for name in (*UNSUPPORTED_LEVERS, "chunked_loss") if getattr(settings, name)]
+        if refused:
+            raise ValueError(f"pipeline stages do not run {', '.join(refused)}")
         rank, world = dist.get_rank(), dist.get_world_size()
         stage = build_stage(model, rank, world)
         stage.mixed_precision = settings.mixed_precision
@@ -161,7 +167,7 @@ class PipelineRun:
         tokens = torch.empty((b, s), dtype=torch.long, device="meta")
         pipeline_stage = PipelineStage(stage, rank, world, torch.device(device),
                                        input_args=tokens if stage.first else stream, output_args=stream)
-        run = cls(stage, optimizer, None, rank, world, num_micro_batches, max_grad_norm)
+        run = cls(stage, optimizer, None, rank, world, num_micro_batches, max_grad_norm, (b, s))
         kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
         # Every stage gets the loss function: without one a schedule runs forward only. It is called on the last.
         # The loss is already normalised by the step's target tokens: no second division by the micro-batches.
@@ -169,20 +175,27 @@ class PipelineRun:
         return run
 
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.stage.loss_sum(hidden, labels) / self._step_targets
+        return self.stage.loss_sum(hidden, labels) / self.step_targets
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
              position_ids: torch.Tensor | None = None) -> float | None:
         """One optimizer step over the (B, s) batch: the schedule's forwards and backwards of every
-        micro-batch, the global-norm clip, the optimizer step. Returns the step's loss per target token on the
-        last stage (None on the others)."""
-        import torch.distributed as dist
+        micro-batch, the global-norm clip, the optimizer step (skipped, as the trainer skips it, when the norm is
+        not finite: every stage sees the same norm). Returns the step's loss per target token on the last stage
+        (None on the others).
 
-        b, s = input_ids.shape
+        Raises:
+            ValueError: the batch is not `micro_batches` micro-batches of the shape the stage was built for.
+        """
+        rows, s = input_ids.shape
+        b, expected = self.micro_batch_shape
+        if (rows, s) != (b * self.micro_batches, expected):
+            raise ValueError(f"a step takes {self.micro_batches} micro-batches of {b} × {expected} tokens: "
+                             f"({b * self.micro_batches}, {expected}) rows; got {tuple(input_ids.shape)}")
         if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device).expand(b, s).contiguous()
+            position_ids = torch.arange(s, device=input_ids.device).expand(rows, s).contiguous()
         # Every stage knows the step's target tokens from the labels: no communication.
-        self._step_targets = len(Targets.from_labels(labels.cpu()))
+        self.step_targets = len(Targets.from_labels(labels.cpu()))
         kwargs: dict[str, Any] = {"position_ids": position_ids}
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
@@ -192,8 +205,9 @@ class PipelineRun:
             self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
         else:
             self.schedule.step(*args, return_outputs=False, **kwargs)
-        clip_grad_norm_(self.stage.parameters(), self.max_grad_norm)
-        self.optimizer.step()
+        norm = clip_grad_norm_(self.stage.parameters(), self.max_grad_norm)
+        if bool(torch.isfinite(norm)):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if not self.stage.last:
             return None
