@@ -350,7 +350,8 @@ def pipeline_advice(shape: ModelShape, request: Any, settings: Settings, usable:
     stages would need. `settings` is the plan's choice (its precision, optimizer and pure bf16 / chunked loss
     are kept; the levers pipeline stages do not model are off); the whole effective batch goes through one
     pipeline (no data parallel). A stage fits with the estimate's measured uncertainty for its kind of step
-    on top (`uncertainty.estimate_uncertainty`). None: the request has no budget.
+    on top (`uncertainty.estimate_uncertainty`). None: the request has no budget, or the plan `fits` (with a
+    slow lever) and no number of stages would.
     """
     from fulltune.memory.uncertainty import estimate_uncertainty
 
@@ -381,6 +382,8 @@ def pipeline_advice(shape: ModelShape, request: Any, settings: Settings, usable:
         if fitting:
             best = min(fitting, key=lambda c: (c[0].step_seconds, c[1]))
             break
+    if best is None and fits:
+        return None  # the plan fits, with its offload, and stages alone would not: nothing to compare
     chosen = best or (smallest[1:] if smallest else None)
     if chosen is None:
         return None
