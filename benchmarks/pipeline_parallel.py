@@ -1,7 +1,7 @@
 """Pipeline parallel on CPU: per-stage peak memory against `fulltune.memory.pipeline`, losses against one process.
 
 For each case, torchrun starts one process per stage (gloo, CPU, a timeout on every collective and on the
-whole run). Each builds the same `from_config` Llama, keeps its stage (`fulltune.pipeline.PipelineRun`:
+whole run). Each builds the same `from_config` Llama, keeps its stage (`fulltune.pipeline_parallel.PipelineRun`:
 embedding + first layers / last layers + norm + head) and runs STEPS optimizer steps of M micro-batches
 under torch.distributed.pipelining's 1F1B or GPipe schedule, with the trainer's loss (the head at the
 target positions, Σ loss / the step's targets), global-norm clipping and optimizer. In every rank torch's
@@ -140,7 +140,7 @@ def worker(case_name: str, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from fulltune.pipeline import PipelineRun
+    from fulltune.pipeline_parallel import PipelineRun
 
     case = next(c for c in CASES if c.name == case_name)
     settings = settings_of(case)

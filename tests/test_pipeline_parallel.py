@@ -1,5 +1,5 @@
 """Pipeline parallel: per-stage memory and the bubble (fulltune.memory.pipeline), what `fulltune plan` says about
-it, and a real 2-process 1F1B run (fulltune.pipeline) against one process and against its per-stage estimate."""
+it, and a real 2-process 1F1B run (fulltune.pipeline_parallel) against one process and against its per-stage estimate."""
 
 from __future__ import annotations
 

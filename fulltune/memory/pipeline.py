@@ -4,7 +4,7 @@ P stages over L decoder layers (an even split, `stage_layers`): the input embedd
 final norm, output head and loss on the last (a tied head is a copy there, its gradient summed with the
 embedding's). Each stage is one process; one optimizer step runs M micro-batches of b rows through the
 pipeline (`Settings.micro_batch_size` = b, `gradient_accumulation_steps` = M) under one of two schedules
-(`torch.distributed.pipelining`, as fulltune/pipeline.py runs them):
+(`torch.distributed.pipelining`, as fulltune/pipeline_parallel.py runs them):
 
 - GPipe: every stage runs all M forwards, then all M backwards: it holds M micro-batches' activations.
 - 1F1B: stage s runs min(P − s, M) forwards, then alternates one backward and one forward: it holds at most
