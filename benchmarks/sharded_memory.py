@@ -275,7 +275,8 @@ def table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", action="append", choices=[c.name for c in CASES], help="default: all")
+    parser.add_argument("--case", action="append", choices=[c.name for c in CASES],
+                        help="default: the grid (not the lever cases)")
     parser.add_argument("--levers", action="store_true",
                         help="the lever cases (each beside its case without it) instead of the grid")
     parser.add_argument("--json", type=Path, help="also write the results here")
