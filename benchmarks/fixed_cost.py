@@ -161,7 +161,10 @@ def main() -> None:
     parser.add_argument("--reruns", type=int, default=1, help="cached reruns after each first run (default 1)")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="a checkout of an earlier commit: its first run and cached reruns, in turn with these")
+    parser.add_argument("--logs", type=Path, default=None, help="keep what each fulltune run printed in this folder")
     args = parser.parse_args()
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
 
     checkouts = {"this": REPO, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
     rows: dict[str, list[tuple[float, float]]] = {}
@@ -175,6 +178,10 @@ def main() -> None:
 
     def label(row: str, checkout: str) -> str:
         return row if checkout == "this" else f"{row} ({checkout})"
+
+    def keep(output: str, round_: int, row: str) -> None:
+        if args.logs:
+            (args.logs / f"{round_ + 1}-{row.replace(' ', '_').replace('(', '').replace(')', '')}.log").write_text(output)
 
     with tempfile.TemporaryDirectory(prefix="fulltune-fixed-cost-") as scratch:
         flow_file = Path(scratch) / "bare_flow.py"
@@ -190,8 +197,9 @@ def main() -> None:
             print(f"  server_start: {seconds:.1f} s", flush=True)
             workdirs = {name: Path(scratch) / f"work-{name}-{run}" for name in checkouts}
             for name, repo in checkouts.items():
-                wall, cpu, _, _ = fulltune_run(workdirs[name], args.steps, repo)
+                wall, cpu, output, _ = fulltune_run(workdirs[name], args.steps, repo)
                 add(label("first_run", name), wall, cpu)
+                keep(output, run, label("first_run", name))
                 (result,) = workdirs[name].glob("runs/*/result.json")
                 training[name].append(json.loads(result.read_text())["seconds"])
             for _ in range(args.reruns):
@@ -199,6 +207,7 @@ def main() -> None:
                     wall, cpu, output, started = fulltune_run(workdirs[name], args.steps, repo)
                     assert "register cached" in output, output[-3000:]
                     add(label("cached_rerun", name), wall, cpu)
+                    keep(output, run, label("cached_rerun", name))
                     for part, value in split_cached_rerun(output, started, wall).items():
                         parts[name].setdefault(part, []).append(value)
             wall, cpu, output = timed([sys.executable, str(trainer_file), str(workdirs["this"]), str(args.steps)])

@@ -82,9 +82,9 @@ _exit_status = {"code": 1}
 def _leave_without_teardown() -> None:
     """End the program right after its exit handlers, skipping the interpreter's teardown of its modules.
 
-    Tearing down what a run imports (torch, transformers, Prefect, MLflow, SQLAlchemy: millions of objects
-    for the garbage collector's final passes) took 4–5 s of a cached rerun's ~10 s on a 2-core machine, and
-    does nothing a user needs: outputs are written atomically and fsynced, MLflow's store has committed,
+    Tearing down what a run imports (Prefect, MLflow, SQLAlchemy, pandas, torch: millions of objects for the
+    garbage collector's final passes) took 2.3 s of a cached rerun's 9.4 s on an idle 2-core machine
+    (BENCHMARKS.md, "Fixed cost"), and does nothing a user needs: outputs are written atomically and fsynced, MLflow's store has committed,
     and the exit handlers that matter (Prefect's last states and logs, stopping the temporary server) were
     registered later, so they run before this one. Only logging's own handler came earlier: it runs here.
     """
