@@ -14,24 +14,18 @@ measured peak.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
 from fulltune.memory.process import CPU_LIBRARY_PAGES_SPREAD
+from tiny import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.15
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("cpu_rss", ROOT / "benchmarks" / "cpu_rss.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["cpu_rss"] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("cpu_rss")
 
 
 cpu_rss = _benchmark()

@@ -3,9 +3,7 @@ it, and a real 2-process 1F1B run (fulltune.pipeline_parallel) against one proce
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,19 +16,15 @@ from fulltune.memory.pipeline import bubble_fraction, estimate_pipeline, pipelin
 from fulltune.memory.shapes import model_shape
 
 from pipelines_fixture import TINY_LLAMA, tiny_pipeline
+from tiny import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.03
 SMALL = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False)
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("pipeline_parallel", ROOT / "benchmarks" / "pipeline_parallel.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("pipeline_parallel", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("pipeline_parallel")
 
 
 @pytest.mark.slow

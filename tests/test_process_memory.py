@@ -4,11 +4,8 @@ it in resident memory, levers included."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import transformers
@@ -18,8 +15,8 @@ from fulltune.memory import Settings, estimate_memory
 from fulltune.memory.process import CPU_LIBRARY_PAGES_SPREAD
 from fulltune.memory.process import EVALUATION, LOAD, STEP, TRAINING_PHASES
 from pipelines_fixture import tiny_pipeline
+from tiny import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
 
 
@@ -70,12 +67,7 @@ def test_a_cast_at_load_holds_the_file_beside_the_weights_and_can_be_the_peak():
 
 
 def _benchmark():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("process_memory", ROOT / "benchmarks" / "process_memory.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["process_memory"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("process_memory")
 
 
 @pytest.mark.slow

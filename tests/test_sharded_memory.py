@@ -8,22 +8,16 @@ every rank's peak. ~15 s per configuration on 2 cores.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tiny import load_benchmark
+
 TOLERANCE = 0.03
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("sharded_memory", ROOT / "benchmarks" / "sharded_memory.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("sharded_memory", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("sharded_memory")
 
 
 @pytest.mark.slow

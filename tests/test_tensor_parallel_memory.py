@@ -11,7 +11,6 @@ within 3% of every rank's peak.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,6 +22,7 @@ import transformers
 
 from fulltune.memory import PlanRequest, estimate_memory, plan_memory
 from pipelines_fixture import tiny_pipeline
+from tiny import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.03
@@ -34,12 +34,7 @@ LLAMA_8B_32K = transformers.LlamaConfig(hidden_size=4096, intermediate_size=1433
 
 
 def _benchmark():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("tensor_parallel_memory", ROOT / "benchmarks" / "tensor_parallel_memory.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("tensor_parallel_memory", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("tensor_parallel_memory")
 
 
 @pytest.mark.slow
