@@ -790,6 +790,9 @@ def _tensor_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates
                 f"{format_bytes(chosen.expected_bytes)} per GPU, {chosen.seconds:.3g} s/step, of which "
                 f"{tensor_parallel_seconds(shape, s):.3g} s are its collectives ({format_bytes(int(traffic.bytes))} "
                 f"per rank)")
+    elif request.strategy != "fsdp":
+        head = (f"tensor parallel 1 (distributed.tensor_parallel auto): tensor parallel runs under strategy fsdp, "
+                f"this pipeline's is {request.strategy}")
     else:
         head = "tensor parallel 1 (distributed.tensor_parallel auto): FSDP alone"
     others = []
