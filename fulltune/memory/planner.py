@@ -776,11 +776,14 @@ def _tensor_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates
         return []
     from fulltune.memory.tensor_parallel import collectives
 
+    def rank(c: _Candidate) -> tuple[bool, float]:  # the fastest that fits, else the smallest
+        fits = _fits(c, usable)
+        return not fits, c.seconds if fits else c.planned_bytes
+
     best: dict[int, _Candidate] = {}
     for c in candidates:
-        degree, rank = c.settings.tensor_parallel, (not _fits(c, usable), c.seconds if _fits(c, usable) else c.planned_bytes)
-        if degree not in best or rank < (not _fits(best[degree], usable),
-                                         best[degree].seconds if _fits(best[degree], usable) else best[degree].planned_bytes):
+        degree = c.settings.tensor_parallel
+        if degree not in best or rank(c) < rank(best[degree]):
             best[degree] = c
     s = chosen.settings
     T = s.tensor_parallel
