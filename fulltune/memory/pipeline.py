@@ -353,6 +353,7 @@ def pipeline_advice(shape: ModelShape, request: Any, settings: Settings, usable:
     on top (`uncertainty.estimate_uncertainty`). None: the request has no budget, or the plan `fits` (with a
     slow lever) and no number of stages would.
     """
+    from fulltune.memory.planner import divisors  # the planner imports this module
     from fulltune.memory.uncertainty import estimate_uncertainty
 
     if not usable:
@@ -365,7 +366,7 @@ def pipeline_advice(shape: ModelShape, request: Any, settings: Settings, usable:
     counts = [n for n in (2, 4, 8, 16, 32, MAX_STAGES) if n <= shape.num_layers]
     for P in counts:
         fitting = []
-        for b in (d for d in _divisors(B) if B // d >= P):
+        for b in (d for d in divisors(B) if B // d >= P):
             for k in sorted({0, shape.num_layers // 2, shape.num_layers}):
                 candidate = replace(base, micro_batch_size=b, gradient_accumulation_steps=B // b,
                                     gradient_checkpointing=k)
@@ -389,10 +390,6 @@ def pipeline_advice(shape: ModelShape, request: Any, settings: Settings, usable:
         return None
     estimate, k = chosen
     return _advice(shape, estimate, k, best is not None, plan_seconds, fits)
-
-
-def _divisors(n: int) -> list[int]:
-    return sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True)
 
 
 def _advice(shape: ModelShape, e: PipelineEstimate, checkpointing: int, fits: bool, plan_seconds: float | None,

@@ -243,7 +243,8 @@ def _per_process(request: PlanRequest) -> int:
     return request.effective_batch_size // (request.num_processes // request.tensor_parallel)
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The divisors of `n`, largest first (micro-batches, tensor-parallel degrees, pipeline micro-batches)."""
     return sorted({d for i in range(1, int(math.isqrt(n)) + 1) if n % i == 0 for d in (i, n // i)}, reverse=True)
 
 
@@ -323,7 +324,7 @@ def _options(shape: ModelShape, request: PlanRequest) -> tuple[list[int], list[s
     elif request.gradient_accumulation_steps is not None:
         micros = [per // request.gradient_accumulation_steps]
     else:
-        micros = _divisors(per)
+        micros = divisors(per)
     if request.mixed_precision is not None:
         precisions = [request.mixed_precision]
     elif request.device == "cuda":
@@ -504,7 +505,7 @@ def tensor_parallel_degrees(shape: ModelShape, request: PlanRequest) -> tuple[li
         return degrees, refused
     config = SimpleNamespace(num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
                              intermediate_size=shape.intermediate)
-    for degree in sorted(_divisors(request.num_processes)):
+    for degree in sorted(divisors(request.num_processes)):
         if degree == 1:
             continue
         if _ranks_per_machine(request) % degree:
@@ -955,7 +956,7 @@ def replan_after_oom(
     relaxed = replace(request, budget_bytes=tightened, micro_batch_size=None, gradient_accumulation_steps=None)
     usable = usable_bytes(tightened, request.headroom)
     per = _per_process(request)
-    smaller = [m for m in _divisors(per) if m < previous.micro_batch_size]
+    smaller = [m for m in divisors(per) if m < previous.micro_batch_size]
     reason = (
         f"out of memory with {_describe(previous)}: the estimate was {format_bytes(previous_estimate.device_bytes)}"
         + (f", observed {format_bytes(observed_peak_bytes)}" if observed_peak_bytes else "")
