@@ -104,16 +104,13 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
     summed over the pipeline's processes, as `torch.nn.utils.clip_grad_norm_` computes it for one model."""
     import torch.distributed as dist
 
-    grads = [p.grad for p in parameters if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
-    squared = torch.zeros((), dtype=torch.float32, device=device)
-    for grad in grads:
-        squared += grad.detach().float().pow(2).sum()
+    parameters = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parameters]
+    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    squared = local.float().square()
     dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=group)
     norm = squared.sqrt()
-    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for grad in grads:
-        grad.mul_(coefficient.to(grad.dtype))
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
     return norm
 
 
