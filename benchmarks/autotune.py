@@ -6,7 +6,7 @@ effective batch and a CPU budget leaving 40–90% of the naive step's tensors) t
 
 1. plans with `plan_memory` (the analytic ranking, no calibration) and takes the candidate set of the
    planner-choice benchmark: every configuration the planner could have picked that fits its estimate;
-2. runs every candidate the way autotune does (`fulltune.autotune.measure`): a TrainJob through
+2. runs every candidate the way autotune does (`fulltune.planning.autotune.measure`): a TrainJob through
    `launch.run_training` in its own child process, the trainer's own step on real rows, 1 warm-up and
    `--steps` timed optimizer steps, the child's peak resident memory;
 3. reports whether the analytic pick is the measured-fastest candidate that fits (within 5% counts), the
@@ -45,9 +45,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from fulltune import autotune  # noqa: E402
-from fulltune.launch import job_with  # noqa: E402
-from fulltune.memory import Settings, configured_settings, estimate_memory, plan_memory  # noqa: E402
+from fulltune.planning import autotune  # noqa: E402
+from fulltune.runtime.launch import job_with  # noqa: E402
+from fulltune.memory import Settings, estimate_memory  # noqa: E402
+from fulltune.planning import configured_settings, plan_memory  # noqa: E402
 from fulltune.memory.shapes import model_shape  # noqa: E402
 from fulltune.memory.units import format_bytes  # noqa: E402
 

@@ -3,11 +3,11 @@
 Whether 16-bit compute pays on a CPU depends on the CPU: with bf16 matrix instructions (AVX512-BF16, AMX)
 oneDNN runs bf16 GEMMs natively; without them every bf16 matmul and its backward convert to fp32 and back,
 and the step is several times slower than fp32 (the development CPU of the planner-choice benchmark:
-3.65×). The planner's step-time model (`fulltune.memory.planner.step_seconds`) reads which kind of CPU it
+3.65×). The planner's step-time model (`fulltune.planning.planner.step_seconds`) reads which kind of CPU it
 runs on (`cpu_bf16_units`) and ranks by the ratio measured for that kind.
 
 Each precision trains the same model on the same rows with the trainer's own functions
-(`fulltune.train.setup`, `train_step`), one torch thread, in a fresh process: one warm-up step, then
+(`fulltune.runtime.train.setup`, `train_step`), one torch thread, in a fresh process: one warm-up step, then
 `--steps` timed steps; the median is reported with the planner's predicted ratio to fp32.
 
 Usage:
@@ -50,8 +50,8 @@ PRECISIONS = {
 def _child(job_file: str, steps: int) -> int:
     import torch
 
-    from fulltune import train
-    from fulltune.launch import TrainJob
+    from fulltune.runtime import train
+    from fulltune.runtime.launch import TrainJob
 
     torch.set_num_threads(1)
     job = TrainJob.from_json(Path(job_file).read_text())
@@ -80,7 +80,7 @@ def measure(case: cpu_rss.Case, root: Path, steps: int) -> float:
 
 
 def predicted(case: cpu_rss.Case) -> float:
-    from fulltune.memory import step_seconds
+    from fulltune.planning import step_seconds
     from fulltune.memory.shapes import model_shape
 
     return step_seconds(model_shape(cpu_rss.model_config(case)), cpu_rss.settings_of(case, 1.0))
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         return _child(args.child[0], int(args.child[1]))
-    from fulltune.memory.planner import cpu_bf16_units
+    from fulltune.planning.planner import cpu_bf16_units
 
     base = SHAPES[args.case]
     cases = {name: replace(base, name=f"{base.name}-{name.replace(' ', '-')}", **fields)

@@ -8,8 +8,8 @@ script measures the rest.
 
 For each configuration below (tiny to ~150M parameters, Llama and GPT-2 shapes built from configs,
 fp32 and bf16 autocast, with and without gradient checkpointing, micro-batch 1–8, sequence 128–512)
-it runs the real trainer the way fulltune does: a `TrainJob` given to `fulltune.launch.run_training`,
-which starts `python -m fulltune.train` as a child process. Each run is started from a fresh wrapper
+it runs the real trainer the way fulltune does: a `TrainJob` given to `fulltune.runtime.launch.run_training`,
+which starts `python -m fulltune.runtime.train` as a child process. Each run is started from a fresh wrapper
 process, whose `getrusage(RUSAGE_CHILDREN).ru_maxrss` is then exactly the trainer's peak resident set
 size (the wrapper itself imports neither torch nor transformers and is not counted). A run is short but
 complete: 3 optimizer steps (steady state from the second: optimizer states exist), a checkpoint after
@@ -44,7 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fulltune.launch import TrainJob, job_with, run_training  # noqa: E402  (imports neither torch nor transformers)
+from fulltune.runtime.launch import TrainJob, job_with, run_training  # noqa: E402  (imports neither torch nor transformers)
 
 MIB = 2**20
 # The requirement the fit is held to: the estimate's device_bytes within this of the measured peak RSS.
@@ -291,7 +291,7 @@ def _child(job_file: str) -> int:
 
 def import_footprint(mlflow: bool) -> int:
     """Peak RSS of a process that only imports what the trainer imports (and MLflow's client and monitor)."""
-    code = ("import fulltune.train\n"
+    code = ("import fulltune.runtime.train\n"
             + ("import mlflow\nfrom mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor\n"
                "from mlflow.tracking import MlflowClient\n" if mlflow else "")
             + "import resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")

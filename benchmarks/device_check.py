@@ -2,7 +2,7 @@
 
 For a handful of configurations (the issue-13 step: TinyLlama-1.1B shape, seq 2048, micro 2 × accumulation 4,
 1 of 22 layers checkpointed, bf16, Adafactor, unpacked rows; bf16 steps with and without a mask and
-checkpointing; fp32) it runs two optimizer steps the way fulltune's trainer does (fulltune/memory/trace.py)
+checkpointing; fp32) it runs two optimizer steps the way fulltune's trainer does (fulltune/planning/trace.py)
 and prints, per configuration:
 
 - the analytic estimate (`estimate_memory`: allocated peak and device total),
@@ -12,8 +12,8 @@ and prints, per configuration:
 so the estimate's error and the allocator's slack (`runtime_overhead` assumes 0.6 GiB + 8%) are measured,
 and which of estimate and trace is right on CUDA is settled. Then:
 
-- MFU of a short bf16 training loop (model FLOPs per token of fulltune/flops.py, via `flops_per_token`,
-  against the device's dense bf16 peak from `fulltune.flops.GPU_PEAK_FLOPS` or --peak-tflops),
+- MFU of a short bf16 training loop (model FLOPs per token of fulltune/memory/flops.py, via `flops_per_token`,
+  against the device's dense bf16 peak from `fulltune.memory.flops.GPU_PEAK_FLOPS` or --peak-tflops),
 - fp16 autocast with a `GradScaler`: a few steps with one injected overflow, checking the step is skipped,
   the scale drops and training continues; with its memory peak against the estimate;
 - FSDP's CPU offload on one GPU (world size 1, `fsdp_offload_case`): device peak allocated / reserved and the
@@ -41,10 +41,11 @@ sys.path.insert(0, str(ROOT))
 
 import transformers  # noqa: E402
 
-from fulltune.flops import peak_flops  # noqa: E402
-from fulltune.memory import Settings, estimate_memory, flops_per_token, measure_memory, simulate_memory  # noqa: E402
-from fulltune import optim  # noqa: E402
-from fulltune.memory.trace import build_model, make_batch, measure_cuda, quiet, train_steps  # noqa: E402
+from fulltune.memory.flops import peak_flops  # noqa: E402
+from fulltune.memory import Settings, estimate_memory, flops_per_token  # noqa: E402
+from fulltune.planning import measure_memory, simulate_memory  # noqa: E402
+from fulltune.runtime import optim  # noqa: E402
+from fulltune.planning.trace import build_model, make_batch, measure_cuda, quiet, train_steps  # noqa: E402
 from fulltune.memory.units import format_bytes  # noqa: E402
 
 # What --dry-run assumes for the CPU (only to exercise the arithmetic).
@@ -169,15 +170,15 @@ def mfu_case(config: Any, settings: Settings, steps: int, peak: float) -> dict[s
 
 def fp16_case(config: Any, settings: Settings, steps: int, overflow_at: int) -> dict[str, Any]:
     """The trainer's fp16 path — accelerate's Accelerator and GradScaler around the one training step
-    (fulltune/step.py) — with the loss of step `overflow_at` (0-based) made inf: that step must be skipped, the
+    (fulltune/runtime/step.py) — with the loss of step `overflow_at` (0-based) made inf: that step must be skipped, the
     scale must drop, and the weights must keep changing afterwards. On CPU (--dry-run) the case runs bf16,
     where the non-finite loss is skipped by the step's finite check (no scale)."""
     import torch
     from accelerate import Accelerator
 
-    from fulltune.faults import TrainHooks
-    from fulltune.loss import TargetHead
-    from fulltune.step import OptimizerStep, StepParts, run_step
+    from fulltune.runtime.faults import TrainHooks
+    from fulltune.runtime.loss import TargetHead
+    from fulltune.runtime.step import OptimizerStep, StepParts, run_step
 
     class Overflow(TrainHooks):
         def on_loss(self, step: int, loss: Any) -> Any:
@@ -234,7 +235,7 @@ def _safely(name: str, fn: Any, *args: Any) -> dict[str, Any]:
 
 
 def fsdp_offload_case(dry_run: bool, steps: int = 3) -> dict[str, Any]:
-    """FSDP's CPU offload (`train.offload_optimizer` with strategy fsdp; fulltune/sharding.py) on one GPU, world
+    """FSDP's CPU offload (`train.offload_optimizer` with strategy fsdp; fulltune/runtime/sharding.py) on one GPU, world
     size 1: a few AdamW steps of the TinyLlama-1.1B shape (seq 2048, micro 2, bf16 policy, no checkpointing)
     with every shard and optimizer state in pinned host RAM. Reports the device's peak allocated / reserved
     against the estimate (the HF loss here, not the trainer's target-only head: the logits differ), the
@@ -248,7 +249,7 @@ def fsdp_offload_case(dry_run: bool, steps: int = 3) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from fulltune import sharding
+    from fulltune.runtime import sharding
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

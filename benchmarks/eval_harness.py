@@ -1,7 +1,7 @@
 """What the demo's lm-evaluation-harness task adds to the evaluate stage, per candidate, on CPU.
 
 The demo model (data/demo/model_config.json, with the byte-level BPE tokenizer the tokenize stage trains
-on the demo data) is evaluated as the evaluate stage does (`fulltune.evaluate.evaluate_model` on the
+on the demo data) is evaluated as the evaluate stage does (`fulltune.evaluation.evaluate.evaluate_model` on the
 demo's held-out rows, 64 greedy generations of 8 tokens), and the demo's `evaluate.lm_eval` is run on
 the same loaded model (data/demo/reversal_mc.yaml, limit 50: 200 log-likelihood requests). The weights are
 untrained: the time does not depend on them. Also measured: importing the harness (`lm_eval` and its
@@ -40,9 +40,9 @@ def demo_model(directory: Path) -> tuple[str, list[dict]]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fulltune.evaluate import tokenize_records
+    from fulltune.evaluation.evaluate import tokenize_records
     from fulltune.spec import load_pipelines
-    from fulltune.tokenizer import build_tokenizer
+    from fulltune.data.tokenizer import build_tokenizer
 
     spec = load_pipelines(ROOT / "pipelines.yaml").pipelines["demo"]
     train = [json.loads(line) for line in (ROOT / "data/demo/train.jsonl").read_text().splitlines()]
@@ -70,8 +70,8 @@ def main() -> None:
 
     import torch
 
-    from fulltune.evaluate import evaluate_model
-    from fulltune.harness import Benchmarks
+    from fulltune.evaluation.evaluate import evaluate_model
+    from fulltune.evaluation.harness import Benchmarks
     from fulltune.spec import load_pipelines
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -4,7 +4,7 @@ largest on one machine of 8 × 24 / 40 / 48 / 80 GiB GPUs with FSDP (CPU offload
 Configs are built in code (no downloads): Llama-3 shapes with the 128k vocabulary, untied head, packed rows
 without padding (no attention mask), seq 2048, effective batch 8, optimizer auto, every memory lever auto,
 host RAM 256 GiB per machine. For each GPU size the table shows what the planner chose, the device bytes it
-expects, the host RAM the levers need and its predicted step time (ranking model: fulltune/memory/planner.py;
+expects, the host RAM the levers need and its predicted step time (ranking model: fulltune/planning/planner.py;
 its lever constants, PCIe ~25 GB/s and host AdamW ~1.5 GB/s, are assumptions until measured on a GPU).
 
 Usage:
@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import transformers  # noqa: E402
 
-from fulltune.memory import PlanRequest, format_bytes, plan_memory  # noqa: E402
+from fulltune.memory import PlanRequest, format_bytes  # noqa: E402
+from fulltune.planning import plan_memory  # noqa: E402
 
 GiB = 2**30
 # name: (hidden, intermediate, layers, heads, kv heads) — Llama-3.2 1B/3B, Llama-3.1 8B, a 13B-class and

@@ -1,4 +1,4 @@
-"""Step-time cost of each memory lever (fulltune/optim.py, fulltune/offload.py, fulltune/loss.py) on CPU.
+"""Step-time cost of each memory lever (fulltune/runtime/optim.py, fulltune/runtime/offload.py, fulltune/runtime/loss.py) on CPU.
 
     python benchmarks/levers.py                       # ~5 min on 2 busy CPU cores; prints a table
     python benchmarks/levers.py --json levers.json    # and writes the rows as JSON
@@ -31,12 +31,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from fulltune.loss import Targets  # noqa: E402
+from fulltune.runtime.loss import Targets  # noqa: E402
 from fulltune.memory import Settings  # noqa: E402
-from fulltune.memory.checkpointing import apply_gradient_checkpointing  # noqa: E402
-from fulltune.offload import ActivationOffload  # noqa: E402
-from fulltune.optim import build_optimizer, device_gradient_bytes, device_state_bytes, host_bytes, torchao_available  # noqa: E402
-from fulltune.step import local_parts, run_step  # noqa: E402
+from fulltune.runtime.checkpointing import apply_gradient_checkpointing  # noqa: E402
+from fulltune.runtime.offload import ActivationOffload  # noqa: E402
+from fulltune.runtime.optim import build_optimizer, device_gradient_bytes, device_state_bytes, host_bytes, torchao_available  # noqa: E402
+from fulltune.runtime.step import local_parts, run_step  # noqa: E402
 
 
 @dataclass
@@ -83,7 +83,7 @@ def small_llama() -> torch.nn.Module:
 
 
 class Run:
-    """One lever's model and optimizer, stepped by the trainer's step (fulltune/step.py)."""
+    """One lever's model and optimizer, stepped by the trainer's step (fulltune/runtime/step.py)."""
 
     def __init__(self, lever: Lever, base: torch.nn.Module, batches: list[torch.Tensor]) -> None:
         self.lever, self.batches = lever, batches

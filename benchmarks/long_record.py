@@ -5,7 +5,7 @@ text on a single line (a scraped page, a log pasted into a field). Each measurem
 process, whose peak resident set size is read with `getrusage(RUSAGE_CHILDREN)`:
 
 - `tokenize`: `fulltune.data.tokenize_dataset` with the repository's test BPE tokenizer, max_length 64;
-- `train-tokenizer`: `fulltune.tokenizer.train_tokenizer` (`model.tokenizer: {vocab_size: 96}`).
+- `train-tokenizer`: `fulltune.data.tokenizer.train_tokenizer` (`model.tokenizer: {vocab_size: 96}`).
 
 Usage:
     python benchmarks/long_record.py --megabytes 200
@@ -31,7 +31,7 @@ CHILD = {
         "tokenize_dataset(DataSpec(train={data!r}, format='prompt_completion', max_length=64), tok, {root!r} + '/w', 0)"
     ),
     "train-tokenizer": (
-        "from fulltune.spec import DataSpec, TrainTokenizer; from fulltune.tokenizer import train_tokenizer; "
+        "from fulltune.spec import DataSpec, TrainTokenizer; from fulltune.data.tokenizer import train_tokenizer; "
         "train_tokenizer(DataSpec(train={data!r}, format='prompt_completion', max_length=64), "
         "TrainTokenizer(vocab_size=96), {root!r} + '/wt')"
     ),

@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 import transformers  # noqa: E402
 
-from fulltune.memory import Settings, estimate_memory, measure_memory, simulate_memory  # noqa: E402
+from fulltune.memory import Settings, estimate_memory  # noqa: E402
+from fulltune.planning import measure_memory, simulate_memory  # noqa: E402
 from fulltune.memory.shapes import model_shape  # noqa: E402
 from fulltune.memory.units import format_bytes  # noqa: E402
 from sections import write_section  # noqa: E402  (benchmarks/sections.py, beside this script)

@@ -1,7 +1,7 @@
 """Pipeline parallel on CPU: per-stage peak memory against `fulltune.memory.pipeline`, losses against one process.
 
 For each case, torchrun starts one process per stage (gloo, CPU, a timeout on every collective and on the
-whole run). Each builds the same `from_config` Llama, keeps its stage (`fulltune.pipeline_parallel.PipelineRun`:
+whole run). Each builds the same `from_config` Llama, keeps its stage (`fulltune.runtime.pipeline_parallel.PipelineRun`:
 embedding + first layers / last layers + norm + head) and runs STEPS optimizer steps of M micro-batches
 under torch.distributed.pipelining's 1F1B or GPipe schedule, with the trainer's loss (the head at the
 target positions, Σ loss / the step's targets), global-norm clipping and optimizer. In every rank torch's
@@ -9,7 +9,7 @@ MemTracker records the peak of tracked tensor storage (the stage's weights, grad
 activations, the schedule's receive buffers). That is compared with `estimate_pipeline(...).stages[rank]
 .peak_bytes`, the tensor peak the planner adds its runtime overhead to.
 
-The same steps run in one process (`fulltune.step.run_step` with M accumulated micro-batches, the
+The same steps run in one process (`fulltune.runtime.step.run_step` with M accumulated micro-batches, the
 trainer's step) from the same initial weights on the same batches: the per-step losses must agree.
 
 Measured: every tensor torch allocates on CPU. Not measured: the CPU process itself, gloo's own buffers,
@@ -100,7 +100,7 @@ def _model(case: Case):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fulltune.memory.checkpointing import apply_gradient_checkpointing
+    from fulltune.runtime.checkpointing import apply_gradient_checkpointing
 
     settings = settings_of(case)
     torch.manual_seed(0)
@@ -140,7 +140,7 @@ def worker(case_name: str, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from fulltune.pipeline_parallel import PipelineRun
+    from fulltune.runtime.pipeline_parallel import PipelineRun
 
     case = next(c for c in CASES if c.name == case_name)
     settings = settings_of(case)
@@ -183,9 +183,9 @@ def reference_losses(case: Case) -> tuple[list[float], list[float]]:
     per-step losses and wall times."""
     import torch
 
-    from fulltune.loss import Targets
-    from fulltune.optim import optimizer_for
-    from fulltune.step import local_parts, run_step
+    from fulltune.runtime.loss import Targets
+    from fulltune.runtime.optim import optimizer_for
+    from fulltune.runtime.step import local_parts, run_step
 
     torch.set_num_threads(1)
     settings = settings_of(case)
@@ -302,7 +302,8 @@ def frontier() -> str:
     on one GPU of 24 / 40 / 80 GiB, and what 8 stages (one 8-GPU machine) would need per GPU."""
     from dataclasses import replace
 
-    from fulltune.memory import PlanRequest, format_bytes, plan_memory
+    from fulltune.memory import PlanRequest, format_bytes
+    from fulltune.planning import plan_memory
     from fulltune.memory.pipeline import UNSUPPORTED_LEVERS, estimate_pipeline
     from fulltune.memory.shapes import model_shape
 

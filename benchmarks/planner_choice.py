@@ -14,7 +14,7 @@ vocabulary 1k–8k, sequence 128–512, effective batch 8–32) this script
    (fixed-precision cases: what recomputation really costs); of the bf16 ones, ~3× slower on this
    CPU, only the predicted-fastest; only those whose estimate fits budget × (1 − headroom);
 4. runs every candidate for real on CPU, the step fulltune's trainer runs
-   (`fulltune.memory.trace.train_steps`, the step `measure_memory` runs: forward under the
+   (`fulltune.planning.trace.train_steps`, the step `measure_memory` runs: forward under the
    case's autocast, fp32 cross-entropy summed / tokens, backward per micro-batch, clipping,
    optimizer step, `zero_grad(set_to_none=True)`): one warm-up optimizer step, then one step under
    MemTracker on the real tensors (its peak is the steady-state peak `measure_memory` reports, to
@@ -54,18 +54,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from fulltune.memory import (  # noqa: E402
-    PlanRequest,
-    Settings,
-    configured_settings,
-    estimate_memory,
-    plan_memory,
-    step_seconds,
-)
+from fulltune.memory import PlanRequest, Settings, estimate_memory
+from fulltune.planning import configured_settings, plan_memory, step_seconds
 from fulltune.memory.estimate import CPU_ALLOCATOR_SLACK, CPU_PROCESS_BYTES  # noqa: E402
 from fulltune.memory.shapes import model_shape  # noqa: E402
-from fulltune import optim  # noqa: E402
-from fulltune.memory.trace import build_model, quiet, train_steps  # noqa: E402
+from fulltune.runtime import optim  # noqa: E402
+from fulltune.planning.trace import build_model, quiet, train_steps  # noqa: E402
 from fulltune.memory.units import format_bytes  # noqa: E402
 from sections import write_section  # noqa: E402  (benchmarks/sections.py, beside this script)
 
@@ -312,7 +306,7 @@ def what_if(case: Case, budget: int, measured: list[dict], feasible: list[dict])
     """The planner's choice with another CPU half-efficiency point (patched in, same budget), looked
     up among the measured candidates: its slowdown over the measured-fastest feasible candidate (wall
     and CPU time), None if it was not measured."""
-    from fulltune.memory import planner
+    from fulltune.planning import planner
 
     out = {}
     saved = planner._HALF_EFFICIENCY_TOKENS["cpu"]
@@ -501,7 +495,7 @@ def section(rows: list[dict], diag: dict, command: str, seconds: float, reps: in
             "among them — plus, in the fixed-precision cases, the chosen micro-batch with every layer checkpointed",
             "(what recomputation costs); of the bf16 candidates, ~3× slower on this CPU, only the predicted-fastest. Only",
             "candidates whose estimate fits budget × (1 − headroom) are in the set. Each candidate runs the",
-            "trainer's step (`fulltune.memory.trace.train_steps`, what `measure_memory` runs) on real CPU tensors:",
+            "trainer's step (`fulltune.planning.trace.train_steps`, what `measure_memory` runs) on real CPU tensors:",
             f"one warm-up optimizer step, one step under MemTracker (peak), then {reps} timed optimizer steps",
             "interleaved round-robin with the case's other candidates; median wall time. A candidate is feasible",
             "when its measured peak fits the usable tensor share; the choice counts as fastest when within 5% of",

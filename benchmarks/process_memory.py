@@ -3,7 +3,7 @@
 On a CPU device `budget.memory` is RAM, and the whole training process has to fit in it: not only the
 steady training step the memory model walks, but loading the weights, the first optimizer step (where the
 optimizer allocates its states), a checkpoint save and the final export. This script runs those phases in
-one fresh process with the trainer's own functions (`fulltune.train.setup`, `train_step`,
+one fresh process with the trainer's own functions (`fulltune.runtime.train.setup`, `train_step`,
 `save_checkpoint`, `finish`, logging into an MLflow run as a flow's training does) and records the
 process's resident set size:
 
@@ -99,8 +99,8 @@ def _child(job_file: str) -> int:
         peaks[current[0]] = max(peaks.get(current[0], 0), _rss())
         current[0] = phase
 
-    from fulltune import train
-    from fulltune.launch import TrainJob
+    from fulltune.runtime import train
+    from fulltune.runtime.launch import TrainJob
 
     # What the trainer imports, MLflow's client and system-metrics monitor included (its sink imports them).
     import mlflow  # noqa: F401
@@ -108,9 +108,9 @@ def _child(job_file: str) -> int:
 
     job = TrainJob.from_json(Path(job_file).read_text())
     if os.environ.get("FULLTUNE_DEFAULT_MALLOC") != "1":
-        from fulltune.memory import allocator
+        from fulltune.runtime import allocator
 
-        allocator.return_large_blocks()  # as `python -m fulltune.train` does on CPU
+        allocator.return_large_blocks()  # as `python -m fulltune.runtime.train` does on CPU
     # Mark the phases inside `setup` by wrapping the two functions it calls for the model and the optimizer.
     load, build = train.load_model_with_levers, train.build_optimizer
 

@@ -60,7 +60,7 @@ def worker(checkpoint: Path, way: str, out: Path) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, str(ROOT))
-    from fulltune import sharding
+    from fulltune.runtime import sharding
     from fulltune.models import load_model
 
     # What both ways import, imported before the baseline: loading is what is measured, not imports.

@@ -1,7 +1,7 @@
 """Per-rank peak memory of an FSDP2 training step: the planner's estimate against a measurement.
 
 For each configuration below, two (or four) processes (torchrun, gloo, CPU) shard a `from_config` model with
-`fulltune.sharding.shard_model` and run two optimizer steps the way the trainer does (TargetHead loss
+`fulltune.runtime.sharding.shard_model` and run two optimizer steps the way the trainer does (TargetHead loss
 over the target positions, backward of Σ loss / targets, global-norm clip, fused AdamW, zero_grad). In
 every rank torch's FSDPMemTracker (MemTracker plus FSDP2's all-gather / reduce-scatter buffers, sharded
 and unsharded parameters and gradients) records the peak of tracked tensor storage. That is compared with
@@ -139,11 +139,11 @@ def measure_rank(case: Case) -> dict:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from transformers import AutoModelForCausalLM
 
-    from fulltune import optim, sharding
-    from fulltune.memory.checkpointing import apply_gradient_checkpointing
-    from fulltune.memory.trace import make_batch  # the batch the estimate assumes (padded row, all targets)
-    from fulltune.loss import TargetHead
-    from fulltune.step import LocalAccelerator, OptimizerStep, StepParts, run_step
+    from fulltune.runtime import optim, sharding
+    from fulltune.runtime.checkpointing import apply_gradient_checkpointing
+    from fulltune.planning.trace import make_batch  # the batch the estimate assumes (padded row, all targets)
+    from fulltune.runtime.loss import TargetHead
+    from fulltune.runtime.step import LocalAccelerator, OptimizerStep, StepParts, run_step
 
     settings = settings_of(case)
     sharding.init_process_group("cpu")
@@ -156,7 +156,7 @@ def measure_rank(case: Case) -> dict:
     optimizer = optim.optimizer_for(model, settings)  # the trainer's builder: fused AdamW, or stepped in backward
     vocab, accumulation = model.config.vocab_size, settings.gradient_accumulation_steps
     tracker = FSDPMemTracker(model, optimizer)
-    # The trainer's step (fulltune/step.py); bf16 is FSDP's MixedPrecisionPolicy here, not autocast.
+    # The trainer's step (fulltune/runtime/step.py); bf16 is FSDP's MixedPrecisionPolicy here, not autocast.
     accelerator = LocalAccelerator("cpu", "no", accumulation)
     parts = StepParts(accelerator, model, head, optimizer, OptimizerStep(accelerator, model, optimizer, None, 1.0),
                       accumulation, settings.optimizer_in_backward,

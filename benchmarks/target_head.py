@@ -1,4 +1,4 @@
-"""The output head at target positions only (fulltune/loss.py) against full logits: step time and peak memory.
+"""The output head at target positions only (fulltune/runtime/loss.py) against full logits: step time and peak memory.
 
     python benchmarks/target_head.py            # ~4 min on 2 CPU cores; prints a markdown section
     python benchmarks/target_head.py --write    # and replaces the section in BENCHMARKS.md
@@ -13,7 +13,7 @@ prompt/completion rows, the assistant turns' share of chat rows):
    median process CPU time over `--reps` repetitions. The model has the vocabulary-to-hidden ratio of
    current small LMs (V/h = 64, like Llama-3.2-1B's 128k/2048).
 2. Peak memory of a training step of real model shapes (traced under FakeTensorMode with MemTracker,
-   `fulltune.memory.simulate_memory`) and fulltune's analytic estimate, at target shares 100%, 50%, 25%.
+   `fulltune.planning.simulate_memory`) and fulltune's analytic estimate, at target shares 100%, 50%, 25%.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 
-from fulltune.loss import TargetHead, Targets  # noqa: E402
-from fulltune.memory import Settings, estimate_memory, simulate_memory  # noqa: E402
+from fulltune.runtime.loss import TargetHead, Targets  # noqa: E402
+from fulltune.memory import Settings, estimate_memory  # noqa: E402
+from fulltune.planning import simulate_memory  # noqa: E402
 from fulltune.memory.units import format_bytes  # noqa: E402
 from sections import write_section  # noqa: E402  (benchmarks/sections.py, beside this script)
 
@@ -116,7 +117,7 @@ def section(times: list[dict], memory: list[dict], reps: int, seconds: float) ->
     lines = [
         SECTION,
         "",
-        "fulltune runs the output head only at positions with a target (`fulltune/loss.py`); a full-logits loss",
+        "fulltune runs the output head only at positions with a target (`fulltune/runtime/loss.py`); a full-logits loss",
         "(transformers' `ForCausalLMLoss`, what `Trainer` computes) makes (b, s, V) logits and ignores the positions",
         "without one. Same gradients; the saving is the share of positions without a target (prompts, user turns).",
         "",

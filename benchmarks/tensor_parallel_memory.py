@@ -2,9 +2,9 @@
 measurement in every rank.
 
 Each configuration: torchrun starts 2 or 4 CPU processes (gloo) that split a `from_config` Llama with
-`fulltune.parallel.ParallelPlan` (the TP plan per block with sequence-parallel norms, then FSDP2 over the
+`fulltune.runtime.parallel.ParallelPlan` (the TP plan per block with sequence-parallel norms, then FSDP2 over the
 data-parallel processes; gradient checkpointing applied first, as the trainer does) and run two optimizer steps
-through the trainer's step (`fulltune/step.py`: the TargetHead loss, backward, global-norm clip, fused AdamW,
+through the trainer's step (`fulltune/runtime/step.py`: the TargetHead loss, backward, global-norm clip, fused AdamW,
 zero_grad) under torch's FSDPMemTracker in every rank. The peak of tracked tensor storage is compared with
 `estimate_memory(config, Settings(strategy="fsdp", num_processes=N, tensor_parallel=T, ...)).peak_bytes`, a
 tensor-parallel rank's own terms (`fulltune/memory/tensor_parallel.py`); the column "as FSDP over all" is what
@@ -94,12 +94,12 @@ def measure_rank(case: Case) -> dict:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from fulltune import sharding
-    from fulltune.loss import TargetHead
-    from fulltune.memory.checkpointing import apply_gradient_checkpointing
-    from fulltune.memory.trace import make_batch
-    from fulltune.parallel import ParallelPlan
-    from fulltune.step import LocalAccelerator, OptimizerStep, StepParts, run_step
+    from fulltune.runtime import sharding
+    from fulltune.runtime.loss import TargetHead
+    from fulltune.runtime.checkpointing import apply_gradient_checkpointing
+    from fulltune.planning.trace import make_batch
+    from fulltune.runtime.parallel import ParallelPlan
+    from fulltune.runtime.step import LocalAccelerator, OptimizerStep, StepParts, run_step
 
     settings = settings_of(case)
     sharding.init_process_group("cpu")

@@ -21,9 +21,9 @@ the same model weights, micro-batch, gradient accumulation, optimizer steps, pre
 
 Metric: non-padding tokens per second of the training loop (model loading and saving excluded; the
 Trainer's time runs from on_train_begin to on_train_end), median over runs; and MFU = model FLOPs
-(fulltune/flops.py: 6 per multiplying parameter and token + 12·L·h per attended (query, key) pair, PaLM
+(fulltune/memory/flops.py: 6 per multiplying parameter and token + 12·L·h per attended (query, key) pair, PaLM
 appendix B) per second ÷ peak. On CPU the peak is this machine's measured fp32 GEMM rate (a practical
-ceiling, not a datasheet number); on GPU the datasheet dense bf16 peak (fulltune.flops.GPU_PEAK_FLOPS).
+ceiling, not a datasheet number); on GPU the datasheet dense bf16 peak (fulltune.memory.flops.GPU_PEAK_FLOPS).
 
 On CPU every process runs one thread (`--threads`), and the loop's process CPU time is measured next to
 its wall time: on a shared machine, other processes' load changes wall time from run to run, while
@@ -126,7 +126,7 @@ def prepare_inputs(size: Size, workdir: Path) -> dict[str, Any]:
 
     from fulltune.data import tokenize_dataset
     from fulltune.spec import DataSpec, TrainTokenizer
-    from fulltune.tokenizer import build_tokenizer
+    from fulltune.data.tokenizer import build_tokenizer
 
     workdir.mkdir(parents=True, exist_ok=True)
     records = workdir / "records.jsonl"
@@ -153,12 +153,12 @@ def prepare_inputs(size: Size, workdir: Path) -> dict[str, Any]:
 
 
 def flop_coefficients(model_dir: str) -> tuple[float, float]:
-    """(FLOPs per token, FLOPs per attended pair) of fulltune/flops.py, with the output head at every position,
+    """(FLOPs per token, FLOPs per attended pair) of fulltune/memory/flops.py, with the output head at every position,
     as a full-logits loss runs it: both loops are credited the same work."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fulltune import flops
+    from fulltune.memory import flops
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
@@ -184,7 +184,7 @@ def measured_gemm_peak(seconds: float = 3.0) -> float:
 
 
 class LoopClock:
-    """Stands in for the `time` module inside fulltune.train and records process CPU time at every
+    """Stands in for the `time` module inside fulltune.runtime.train and records process CPU time at every
     perf_counter() call: the loop's first and last calls bracket it (`started` … `seconds`)."""
 
     def __init__(self) -> None:
@@ -199,14 +199,14 @@ class LoopClock:
 
 
 def fulltune_worker(args: argparse.Namespace) -> None:
-    """Runs inside its own process, as `python -m fulltune.train` would: prints one JSON line.
+    """Runs inside its own process, as `python -m fulltune.runtime.train` would: prints one JSON line.
 
     With `--tree DIR` the engine comes from the checkout at DIR (the baseline contenders); the job is
     built here with that checkout's own API, so an earlier release's trainer runs unchanged.
     """
     if args.tree:
         sys.path.insert(0, str(Path(args.tree).resolve()))  # ahead of this checkout
-    from fulltune import launch, train
+    from fulltune.runtime import launch, train
 
     if args.tree:
         assert Path(train.__file__).resolve().is_relative_to(Path(args.tree).resolve()), train.__file__
@@ -353,7 +353,7 @@ def main() -> None:
     if args.gpu:
         import torch
 
-        from fulltune.flops import peak_flops
+        from fulltune.memory.flops import peak_flops
 
         name = torch.cuda.get_device_name()
         peak, peak_label = peak_flops(name), f"{name} dense bf16 datasheet"

@@ -2,7 +2,7 @@
 
 Each stage is an engine function (fulltune/) wrapped by a task (tasks/) that adds its cache policy,
 retries and artifacts; the MLflow run around the stages and the registry questions that decide a
-cache hit are fulltune/tracking.py.
+cache hit are fulltune/tracking/.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field
 
-from fulltune import autotune, stages, tracking
+from fulltune import stages, tracking
+from fulltune.planning import autotune
 from fulltune.logs import quiet_known_noise
-from fulltune.summary import PipelineSummary, summarise
+from fulltune.tracking.summary import PipelineSummary, summarise
 from tasks.budget import memory_budget_task
 from tasks.common import clear_stale_locks, results_dir, stage_policy
 from tasks.evaluate import evaluate_task

@@ -169,12 +169,12 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fulltune.autotune import plan_and_tune
+    from fulltune.planning.autotune import plan_and_tune
     from fulltune.stages import pin_hub_revisions, resolve_pipeline, with_budget
 
     p = with_budget(pin_hub_revisions(resolve_pipeline(args.file, args.name, args.overrides)))
     # --simulate plans for the larger of the estimate and the traced step; otherwise estimate + margin.
-    # --autotune (or budget.autotune: true) measures the top candidates on this machine (fulltune/autotune.py).
+    # --autotune (or budget.autotune: true) measures the top candidates on this machine (fulltune/planning/autotune.py).
     decision = plan_and_tune(p, trace=bool(args.simulate), force=True if args.autotune else None, auto_tunes=False)
     extra: dict[str, Any] = {}
     if args.simulate or args.measure:
@@ -210,7 +210,7 @@ def _comparison_table(analytic: dict[str, Any], extra: dict[str, Any]) -> str:
 
 def _simulate_or_measure(p: Any, decision: Any, vocab: int | None, simulate: bool, measure: bool) -> dict[str, Any]:
     from fulltune.errors import ConfigError
-    from fulltune.memory import measure_memory, simulate_memory
+    from fulltune.planning import measure_memory, simulate_memory
     from fulltune.models import read_model_config
 
     strategy = p.spec.distributed.strategy

@@ -94,7 +94,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("train.optimizer_in_backward", "train.offload_optimizer"),
          lambda c: c.on("optimizer_in_backward") and c.on("offload_optimizer"),
          "choose one: offloading already frees the device's gradients in backward"),
-    # Under FSDP2 the hooks run on each reduce-scattered shard (fulltune/optim.py InBackwardOptimizer).
+    # Under FSDP2 the hooks run on each reduce-scattered shard (fulltune/runtime/optim.py InBackwardOptimizer).
     Rule(("train.optimizer_in_backward", "distributed.strategy"),
          lambda c: c.on("optimizer_in_backward") and c.num_processes > 1 and c.strategy != "fsdp",
          "under DDP its gradient hooks run before the gradients are averaged over processes; train on one "
@@ -106,7 +106,7 @@ RULES: tuple[Rule, ...] = (
          lambda c: c.on("offload_optimizer") and c.num_processes > 1 and c.strategy != "fsdp",
          "its gradient hooks run before the gradients are averaged over processes; train on one process, or "
          "use strategy fsdp on cuda (FSDP's CPU offload)"),
-    # Under FSDP the lever is FSDP2's CPUOffloadPolicy (fulltune/sharding.py), which needs an accelerator.
+    # Under FSDP the lever is FSDP2's CPUOffloadPolicy (fulltune/runtime/sharding.py), which needs an accelerator.
     Rule(("train.offload_optimizer", "budget.device"),
          lambda c: c.on("offload_optimizer") and c.strategy == "fsdp" and c.device == "cpu",
          "with strategy fsdp it is FSDP's CPU offload, which needs CUDA devices (on a CPU device host RAM is "

@@ -101,7 +101,7 @@ class DataSpec(Strict):
 
 
 class AutotuneSpec(Strict):
-    """How autotune measures the planner's top candidates before the run (fulltune/autotune.py)."""
+    """How autotune measures the planner's top candidates before the run (fulltune/planning/autotune.py)."""
 
     enabled: Union[Auto, bool] = Field(
         True, description="`auto`: tune only where the predicted training time is at least 20× the predicted "
@@ -252,7 +252,7 @@ class DistributedSpec(Strict):
         if self.strategy == "none" and self.num_processes != 1:
             raise ValueError("num_processes > 1 needs a strategy (ddp or fsdp)")
         if self.tensor_parallel == "auto":
-            return self  # the plan chooses a degree that divides the processes (memory/planner.py)
+            return self  # the plan chooses a degree that divides the processes (planning/planner.py)
         if not 1 <= self.tensor_parallel <= 64:
             raise ValueError(f"tensor_parallel must be auto or from 1 to 64; got {self.tensor_parallel}")
         if self.tensor_parallel > 1 and self.strategy != "fsdp":

@@ -17,7 +17,7 @@ from fulltune.errors import UserError
 
 
 def cache_key(stage: str):
-    """Cache key = the stage's content key, computed by the flow from fingerprints (fulltune/stages.py)."""
+    """Cache key = the stage's content key, computed by the flow from fingerprints (fulltune/stages/)."""
 
     def key_fn(context: Any, parameters: dict[str, Any]) -> str:
         return f"fulltune-{stage}-{parameters['key']}"

@@ -8,10 +8,10 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from fulltune.data import TokenizedData
-from fulltune.evaluate import EvalReport
+from fulltune.evaluation.evaluate import EvalReport
 from fulltune.storage import atomic_write_text
 from fulltune.stages import EVALUATE, ResolvedPipeline, record_outputs
-from fulltune.registry import Champion
+from fulltune.tracking.registry import Champion
 from tasks.common import stage_policy, retry_unless_user_error
 from tasks.finetune import TrainedModel
 
@@ -20,9 +20,9 @@ from tasks.finetune import TrainedModel
       retry_delay_seconds=[5, 20], retry_condition_fn=retry_unless_user_error)
 def evaluate_task(p: ResolvedPipeline, key: str, data: TokenizedData, trained: TrainedModel,
                   champion: Champion | None, device: str, mlflow_run_id: str) -> EvalReport:
-    """fulltune.evaluate.evaluate_candidates, with its metrics in MLflow, the report on disk and as an artifact."""
-    from fulltune.evaluate import evaluate_candidates
-    from fulltune.registry import comparison_tags, log_metrics, set_run_tags
+    """fulltune.evaluation.evaluate.evaluate_candidates, with its metrics in MLflow, the report on disk and as an artifact."""
+    from fulltune.evaluation.evaluate import evaluate_candidates
+    from fulltune.tracking.registry import comparison_tags, log_metrics, set_run_tags
 
     logger = get_run_logger()
     report = evaluate_candidates(p.spec, eval_file=data.eval_file, base_model=trained.base_model,

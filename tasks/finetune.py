@@ -1,4 +1,4 @@
-"""Stage 3: fine-tune (fulltune/finetune.py) as a Prefect task: retries that resume, a progress artifact."""
+"""Stage 3: fine-tune (fulltune/stages/finetune.py) as a Prefect task: retries that resume, a progress artifact."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from fulltune.data import TokenizedData
-from fulltune.finetune import TrainedModel, fine_tune, training_progress
+from fulltune.stages.finetune import TrainedModel, fine_tune, training_progress
 from fulltune.stages import FINE_TUNE, BudgetDecision, ResolvedPipeline
 from tasks.common import retry_unless_user_error, stage_policy
 

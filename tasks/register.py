@@ -6,9 +6,9 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from fulltune.data import TokenizedData
-from fulltune.evaluate import EvalReport
+from fulltune.evaluation.evaluate import EvalReport
 from fulltune.stages import REGISTER, ResolvedPipeline, record_outputs
-from fulltune.registry import Registration
+from fulltune.tracking.registry import Registration
 from tasks.common import stage_policy, retry_unless_user_error
 from tasks.finetune import TrainedModel
 
@@ -17,8 +17,8 @@ from tasks.finetune import TrainedModel
       retry_delay_seconds=[5, 20], retry_condition_fn=retry_unless_user_error)
 def register_task(p: ResolvedPipeline, key: str, data: TokenizedData, trained: TrainedModel, report: EvalReport,
                   mlflow_run_id: str, flow_run_id: str) -> Registration:
-    """fulltune.registry.register_version, with its decision in the log and as an artifact."""
-    from fulltune.registry import register_version
+    """fulltune.tracking.registry.register_version, with its decision in the log and as an artifact."""
+    from fulltune.tracking.registry import register_version
 
     logger = get_run_logger()
     registration = register_version(

@@ -1,4 +1,4 @@
-"""Stage 1: tokenize (fulltune/tokenize.py) as a Prefect task, with a table artifact of what it made."""
+"""Stage 1: tokenize (fulltune/stages/tokenize.py) as a Prefect task, with a table artifact of what it made."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from prefect.artifacts import create_table_artifact
 
 from fulltune.data import TokenizedData
 from fulltune.stages import TOKENIZE, ResolvedPipeline
-from fulltune.tokenize import summary_row, tokenize
+from fulltune.stages.tokenize import summary_row, tokenize
 from tasks.common import retry_unless_user_error, stage_policy
 
 

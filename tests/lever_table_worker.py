@@ -21,9 +21,9 @@ def train_briefly(job_text: str, steps: int = 2) -> dict:
     import torch
     from accelerate.state import AcceleratorState
 
-    from fulltune import sharding
-    from fulltune.launch import TrainJob, validate_job
-    from fulltune.train import setup, train_step
+    from fulltune.runtime import sharding
+    from fulltune.runtime.launch import TrainJob, validate_job
+    from fulltune.runtime.train import setup, train_step
 
     AcceleratorState._reset_state(reset_partial_state=False)
     job = TrainJob.from_json(job_text)

@@ -41,10 +41,10 @@ def wait_for_checkpoint(run: subprocess.Popen, workdir: Path, log: Path, step: i
 
 
 def trainers_of(pid: int) -> list:
-    """The training processes (`fulltune.train`, or torchrun running it) below process `pid`."""
+    """The training processes (`fulltune.runtime.train`, or torchrun running it) below process `pid`."""
     import psutil
 
-    return [p for p in psutil.Process(pid).children(recursive=True) if "fulltune.train" in " ".join(p.cmdline())]
+    return [p for p in psutil.Process(pid).children(recursive=True) if "fulltune.runtime.train" in " ".join(p.cmdline())]
 
 
 def kill_run(run: subprocess.Popen, timeout_s: float = 60) -> list:

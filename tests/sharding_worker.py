@@ -6,19 +6,19 @@ tests/test_sharded_load.py.
 
 A 2-layer Llama (hidden 64, `from_config`, seed 0) trains on fixed rows: every optimizer step takes the
 next `ROWS_PER_STEP` rows whatever the split into processes and micro-batches (the trainer's
-StepSchedule.micro_batch slicing), through the engine's one training step (`fulltune.step.run_step`: TargetHead,
+StepSchedule.micro_batch slicing), through the engine's one training step (`fulltune.runtime.step.run_step`: TargetHead,
 Σ token losses / the step's target tokens, Accelerate's `backward` / `accumulate` / `reduce`, clipping and the
 optimizer step) on a model Accelerate does not prepare.
 With --load DIR it starts from a saved checkpoint instead: under --shard loaded whole and then sharded
 (`load_model` + `shard_model`), or with --sharded-load straight into shards (`load_sharded_model`).
---pure-bf16 and --optimizer train with fulltune's optimizer builder (fulltune/optim.py) as the trainer does.
+--pure-bf16 and --optimizer train with fulltune's optimizer builder (fulltune/runtime/optim.py) as the trainer does.
 With --shard --rewind-at K the run saves model and optimizer (`sharding.save_sharded_state`) before step K,
 takes step K, loads the saved state back (`load_sharded_state`) and takes step K again: a checkpoint
 round trip that restores everything gives the losses of a run without it.
 
 OUT/result.json (rank 0): {"losses": [mean token loss per step], "grad_norms": [...],
                            "weights": {"parameter": dtype, "sharded": DTensor?, "optimizer": its module}}
-OUT/model/: the final weights as a normal Hugging Face checkpoint (`fulltune.sharding.save_pretrained`).
+OUT/model/: the final weights as a normal Hugging Face checkpoint (`fulltune.runtime.sharding.save_pretrained`).
 OUT/loaded/: with --export-loaded, the weights as loaded, before any step.
 """
 
@@ -66,7 +66,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--micro", type=int, default=1, help="rows per micro-batch per process")
-    parser.add_argument("--shard", action="store_true", help="FSDP2 via fulltune.sharding")
+    parser.add_argument("--shard", action="store_true", help="FSDP2 via fulltune.runtime.sharding")
     parser.add_argument("--mixed-precision", default="no", choices=("no", "bf16"))
     parser.add_argument("--load", type=Path, help="start from this Hugging Face checkpoint instead of from_config")
     parser.add_argument("--sharded-load", action="store_true",
@@ -74,7 +74,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--export-loaded", action="store_true", help="also write the weights as loaded to OUT/loaded/")
     parser.add_argument("--pure-bf16", action="store_true", help="bf16 weights and gradients, no fp32 master")
     parser.add_argument("--optimizer", choices=("adamw", "adafactor"),
-                        help="fulltune.optim.build_optimizer (pure bf16 adamw: Kahan); default torch AdamW")
+                        help="fulltune.runtime.optim.build_optimizer (pure bf16 adamw: Kahan); default torch AdamW")
     parser.add_argument("--rewind-at", type=int, help="with --shard: save before this step, take it, load, take it again")
     parser.add_argument("--tied", action="store_true", help="tie the output head to the input embedding")
     parser.add_argument("--chunked-loss", action="store_true", help="the chunked head (train.chunked_loss)")
@@ -90,8 +90,8 @@ def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, object]:
     (here: no cache, pure bf16 cast, the head's hook), then shards."""
     from transformers import AutoModelForCausalLM
 
-    from fulltune import sharding
-    from fulltune.loss import TargetHead
+    from fulltune.runtime import sharding
+    from fulltune.runtime.loss import TargetHead
     from fulltune.models import load_model
 
     heads = []
@@ -117,7 +117,7 @@ def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, object]:
 def make_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
     if args.optimizer is None and not args.in_backward:
         return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, fused=True)
-    from fulltune.optim import build_optimizer
+    from fulltune.runtime.optim import build_optimizer
 
     return build_optimizer(model, args.optimizer or "adamw", lr=3e-3, weight_decay=0.01, pure_bf16=args.pure_bf16,
                            optimizer_in_backward=args.in_backward, max_grad_norm=1.0 if args.in_backward else None)
@@ -126,7 +126,7 @@ def make_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.op
 def main(argv: list[str] | None = None) -> None:
     from accelerate import Accelerator
 
-    from fulltune import sharding
+    from fulltune.runtime import sharding
 
     args = parse(argv)
     processes = int(os.environ.get("WORLD_SIZE", "1"))
@@ -159,9 +159,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(args: argparse.Namespace, accelerator, model, head, optimizer, accumulation: int) -> tuple[list, list]:
     """`args.steps` optimizer steps; returns (mean token loss, gradient norm) of each."""
-    from fulltune import sharding
-    from fulltune.loss import Targets
-    from fulltune.step import OptimizerStep, StepParts, run_step
+    from fulltune.runtime import sharding
+    from fulltune.runtime.loss import Targets
+    from fulltune.runtime.step import OptimizerStep, StepParts, run_step
 
     processes, rank = accelerator.num_processes, accelerator.process_index
     parts = StepParts(accelerator, model, head, optimizer, OptimizerStep(accelerator, model, optimizer, None, 1.0),
@@ -186,7 +186,7 @@ def train(args: argparse.Namespace, accelerator, model, head, optimizer, accumul
                 mine = rows[start:start + args.micro]
                 yield {"input_ids": input_ids[mine]}, Targets.from_labels(labels[mine])
 
-        # The engine's one training step (fulltune/step.py), as the trainer runs it.
+        # The engine's one training step (fulltune/runtime/step.py), as the trainer runs it.
         outcome = run_step(parts, micro_batches(), step + 1, step_targets)
         step_loss, norm = outcome.loss_sum, outcome.grad_norm
         if first_of_rewound:

@@ -83,7 +83,7 @@ def test_a_candidate_out_of_memory_is_recorded_and_the_analytic_plan_stands(tmp_
 @pytest.fixture()
 def tiny(tmp_path):
     """The tiny pipeline, tokenized, with its budget decision (no tuning yet)."""
-    from fulltune import autotune
+    from fulltune.planning import autotune
     from fulltune.stages import resolve_pipeline
 
     path = tiny_pipeline(tmp_path, data={"packing": False}, budget={"autotune": {"candidates": 3, "steps": 2}})
@@ -94,7 +94,7 @@ def tiny(tmp_path):
 
 
 def test_the_fastest_candidate_within_the_budget_is_chosen_and_failures_are_recorded(tiny, monkeypatch):
-    from fulltune import autotune
+    from fulltune.planning import autotune
 
     p, data, tokenizer, decision = tiny
     usable = decision.plan["usable_bytes"]
@@ -112,7 +112,7 @@ def test_the_fastest_candidate_within_the_budget_is_chosen_and_failures_are_reco
 
 
 def test_the_tuning_stops_at_max_seconds(tiny, monkeypatch):
-    from fulltune import autotune
+    from fulltune.planning import autotune
 
     p, data, tokenizer, decision = tiny
     monkeypatch.setattr(autotune, "measure", lambda *args: pytest.fail("no candidate may start"))
@@ -122,8 +122,9 @@ def test_the_tuning_stops_at_max_seconds(tiny, monkeypatch):
 
 
 def test_measured_step_times_calibrate_the_ranking_for_their_kind_of_step(tmp_path):
-    from fulltune import autotune
-    from fulltune.memory import Settings, planner
+    from fulltune.planning import autotune
+    from fulltune.memory import Settings
+    from fulltune.planning import planner
     from fulltune.memory.shapes import model_shape
     from fulltune.models import config_from_spec
     from pipelines_fixture import TINY_LLAMA
@@ -153,7 +154,7 @@ def test_measured_step_times_calibrate_the_ranking_for_their_kind_of_step(tmp_pa
 @pytest.mark.parametrize("value, mode", [(True, "on"), (False, "off"), ("auto", "auto"),
                                          ({"steps": 2, "max_seconds": 60}, "on"), ({"enabled": "auto"}, "auto")])
 def test_budget_autotune_takes_a_switch_or_a_mapping(tmp_path, value, mode):
-    from fulltune import autotune
+    from fulltune.planning import autotune
     from fulltune.stages import resolve_pipeline
 
     p = resolve_pipeline(str(tiny_pipeline(tmp_path, budget={"autotune": value})), "tiny")
@@ -175,7 +176,7 @@ def test_a_bad_autotune_mapping_names_its_field(tmp_path, capsys):
 
 @pytest.mark.parametrize("packing", [True, False])
 def test_an_explicit_packing_is_obeyed(tmp_path, packing):
-    from fulltune import autotune
+    from fulltune.planning import autotune
     from fulltune.stages import resolve_pipeline
 
     p = resolve_pipeline(str(tiny_pipeline(tmp_path, data={"packing": packing})), "tiny")
@@ -183,7 +184,7 @@ def test_an_explicit_packing_is_obeyed(tmp_path, packing):
 
 
 def test_packing_auto_keeps_one_example_per_row_when_examples_fill_the_row(tmp_path):
-    from fulltune import autotune
+    from fulltune.planning import autotune
     from fulltune.stages import resolve_pipeline
 
     # max_length 8: the examples (≈ 6 tokens) take more than half a row, so no two would share one.
@@ -193,12 +194,12 @@ def test_packing_auto_keeps_one_example_per_row_when_examples_fill_the_row(tmp_p
 
 
 def test_packing_auto_packs_short_examples_when_that_is_predicted_faster(tmp_path):
-    from fulltune import autotune
+    from fulltune.planning import autotune
     from fulltune.stages import resolve_pipeline
 
     # max_length 64 holds ~9 examples per row: far fewer, fuller steps per epoch.
     p = resolve_pipeline(str(tiny_pipeline(tmp_path, data={"max_length": 64})), "tiny")
-    from fulltune.tokenizer import prepare_tokenizer
+    from fulltune.data.tokenizer import prepare_tokenizer
 
     pack, why = autotune.choose_packing(p, prepare_tokenizer(p.spec.model, p.spec.data, p.workdir))
     assert pack is True and "predicted epoch" in why

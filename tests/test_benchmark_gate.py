@@ -88,7 +88,7 @@ def runs(tmp_path_factory, prefect_server):
 def versions(root: Path) -> dict[str, object]:
     from mlflow.tracking import MlflowClient
 
-    from fulltune import registry
+    from fulltune.tracking import registry
 
     registry.configure(root / "work")
     client = MlflowClient()

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from fulltune.cli import main
-from fulltune.registry import decide_gates
+from fulltune.tracking.registry import decide_gates
 from fulltune.spec import PromoteIf
 
 from conftest import ROOT
@@ -123,7 +123,7 @@ def test_a_metric_the_evaluation_did_not_produce_never_promotes():
 
 
 def test_gate_tags_hold_each_condition_and_the_decision():
-    from fulltune.registry import gate_tags
+    from fulltune.tracking.registry import gate_tags
 
     decision = decide_gates({"eval_loss": 0.9, "t/acc": 0.2}, {"eval_loss": 1.0, "t/acc": 0.5}, None,
                             gates({"metric": "eval_loss"}, {"metric": "t/acc", "mode": "max", "max_regression": 0.1}),
@@ -139,7 +139,7 @@ def test_gate_tags_hold_each_condition_and_the_decision():
 
 
 def test_metric_functions_score_completions_and_name_mapping_keys(tmp_path):
-    from fulltune.harness import custom_metrics
+    from fulltune.evaluation.harness import custom_metrics
 
     values = custom_metrics({"ci": "examples.metrics:exact_match_ci", "json": "examples.metrics:json_validity"},
                             ROOT, ["  Paris ", '{"a": 1}', "{bad"], ["paris", '{"a": 2}', '{"b": 1}'])
@@ -149,7 +149,7 @@ def test_metric_functions_score_completions_and_name_mapping_keys(tmp_path):
 
 def test_a_metric_function_returning_text_is_a_user_error(tmp_path):
     from fulltune.errors import ConfigError
-    from fulltune.harness import custom_metrics
+    from fulltune.evaluation.harness import custom_metrics
 
     (tmp_path / "bad_metric.py").write_text("def score(c, r):\n    return 'high'\n")
     with pytest.raises(ConfigError, match=r"evaluate.metrics.score: bad_metric:score returned 'high'"):
@@ -157,7 +157,7 @@ def test_a_metric_function_returning_text_is_a_user_error(tmp_path):
 
 
 def test_harness_results_become_task_slash_metric():
-    from fulltune.harness import harness_metrics
+    from fulltune.evaluation.harness import harness_metrics
 
     results = {"results": {"mc": {"alias": "mc", "acc,none": 0.5, "acc_stderr,none": "N/A", "acc_norm,none": 0.25},
                            "gsm": {"exact_match,strict-match": 0.1, "exact_match_stderr,strict-match": 0.01}}}
@@ -172,7 +172,7 @@ def test_kv_cache_and_harness_logit_terms_are_what_transformers_allocates():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fulltune.evaluate import eval_peak_bytes
+    from fulltune.evaluation.evaluate import eval_peak_bytes
 
     config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)

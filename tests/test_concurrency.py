@@ -86,7 +86,7 @@ def test_concurrent_runs_train_once_and_register_once(tmp_path):
 
     from mlflow.tracking import MlflowClient
 
-    from fulltune import registry
+    from fulltune.tracking import registry
 
     registry.configure(work)
     assert [str(v.version) for v in MlflowClient().search_model_versions("name='tiny-model'")] == ["1"]

@@ -42,7 +42,8 @@ CASES = {
 def test_planned_run_stays_under_the_budget_and_near_the_estimate(name: str, tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from fulltune.memory import PlanRequest, Settings, estimate_memory, plan_memory
+    from fulltune.memory import PlanRequest, Settings, estimate_memory
+    from fulltune.planning import plan_memory
 
     shape = CASES[name]
     effective_batch = shape.micro_batch_size

@@ -27,7 +27,7 @@ from fulltune.data import (
 )
 from fulltune.errors import DataError
 from fulltune.spec import DataSpec, TrainTokenizer
-from fulltune.tokenizer import build_tokenizer
+from fulltune.data.tokenizer import build_tokenizer
 
 TEXTS = ["hello world", "the cat sat on the mat", "12+35=47", "fine tuning is fun", "user asks, model answers"]
 

@@ -3,10 +3,10 @@ every engine module the stage runs (`fulltune.stages.STAGE_CODE`).
 
 The second is read from the source, not from a run: a stage runs the engine names its Prefect task uses
 (tasks/*.py), and those run what they reference, transitively, down to single functions and classes; a
-string naming an engine module (`python -m fulltune.train`, the fine-tune stage's child) runs that module.
+string naming an engine module (`python -m fulltune.runtime.train`, the fine-tune stage's child) runs that module.
 Imports inside functions count as much as those at the top of a module — most of the engine imports lazily,
 so that `fulltune validate` stays light — and a module counts only when something the stage runs is in it:
-`fulltune/stages.py` holds one stage's planning beside every stage's keys, and tokenizing runs none of it.
+`fulltune/stages/` holds one stage's planning beside every stage's keys, and tokenizing runs none of it.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def references(module: Source, node: ast.AST) -> set[Unit]:
     for inner in walk_runtime(node):
         if (isinstance(inner, ast.Constant) and isinstance(inner.value, str) and inner.value.startswith("fulltune.")
                 and module_path(inner.value)):
-            used.add((inner.value, None))  # a module run by name: `python -m fulltune.train`
+            used.add((inner.value, None))  # a module run by name: `python -m fulltune.runtime.train`
         elif isinstance(inner, (ast.Name, ast.Attribute)):
             chain = dotted(inner)
             if not chain:
@@ -226,7 +226,7 @@ def resolve(target: tuple[str, str | None], attributes: list[str]) -> Unit:
     module, name = target
     if name is not None:
         return module, name
-    for attribute in attributes:  # descend through submodules: `fulltune.memory.planner.plan`
+    for attribute in attributes:  # descend through submodules: `fulltune.planning.planner.plan`
         if not module_path(f"{module}.{attribute}"):
             return module, attribute
         module = f"{module}.{attribute}"

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from fulltune.errors import ConfigError
-from fulltune.evaluate import (NOT_COMPARED, PER_BYTE, REFUSED, SAME_TOKENS, EvalReport, ModelMetrics, champion_rows,
+from fulltune.evaluation.evaluate import (NOT_COMPARED, PER_BYTE, REFUSED, SAME_TOKENS, EvalReport, ModelMetrics, champion_rows,
                                evaluate_model, measure_champion, tokenize_records)
-from fulltune.registry import decide_promotion
+from fulltune.tracking.registry import decide_promotion
 from fulltune.spec import DataSpec
 from tests.tiny import make_model, make_tokenizer
 
@@ -71,7 +71,7 @@ def additions(n: int, word: str, seed: int) -> list[dict[str, str]]:
 def trained_tokenizer(directory: Path, records: list[dict[str, str]]) -> str:
     """The byte-level BPE the pipeline trains on its data (`model.tokenizer: {vocab_size: N}`)."""
     from fulltune.spec import TrainTokenizer
-    from fulltune.tokenizer import build_tokenizer
+    from fulltune.data.tokenizer import build_tokenizer
 
     texts = [text for record in records for text in (record["prompt"], record["completion"])]
     build_tokenizer(texts, TrainTokenizer(vocab_size=300)).save_pretrained(directory)
@@ -153,9 +153,9 @@ def test_held_out_text_examples_with_another_tokenizer_refuse_the_comparison(tmp
 
 def test_compare_champion_false_keeps_the_champion(tmp_path: Path) -> None:
     from fulltune.stages import resolve_pipeline
-    from fulltune.registry import Champion
+    from fulltune.tracking.registry import Champion
     from pipelines_fixture import tiny_pipeline
-    from fulltune.evaluate import compare_with_champion
+    from fulltune.evaluation.evaluate import compare_with_champion
 
     p = resolve_pipeline(str(tiny_pipeline(tmp_path, evaluate={"compare_champion": False})), "tiny", None)
     better = {"fine_tuned": ModelMetrics(0.1, math.exp(0.1), 10, target_bytes=20)}

@@ -27,7 +27,7 @@ def chat_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The tests' BPE tokenizer with the chat template fulltune trains tokenizers with."""
     from transformers import AutoTokenizer
 
-    from fulltune.tokenizer import CHAT_TEMPLATE
+    from fulltune.data.tokenizer import CHAT_TEMPLATE
 
     directory = tmp_path_factory.mktemp("chat-tokenizer")
     make_tokenizer(directory)
@@ -208,7 +208,7 @@ def test_a_failed_registration_leaves_no_version_and_no_copy_of_the_model(tmp_pa
     the weights may stay behind, or every retry (Prefect makes two) adds another full copy."""
     from mlflow.tracking import MlflowClient
 
-    from fulltune import registry
+    from fulltune.tracking import registry
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     registry.configure(tmp_path)

@@ -1,11 +1,11 @@
-"""One FLOP formula (fulltune/flops.py): counted from a built model and from the memory model's shape, the
+"""One FLOP formula (fulltune/memory/flops.py): counted from a built model and from the memory model's shape, the
 coefficients are the same, and they are what a hand count gives."""
 
 from __future__ import annotations
 
 import pytest
 
-from fulltune import flops
+from fulltune.memory import flops
 from fulltune.memory.shapes import model_shape
 
 

@@ -29,7 +29,7 @@ def run(path: Path, **overrides):
 def versions(path: Path) -> list[str]:
     from mlflow.tracking import MlflowClient
 
-    from fulltune import registry
+    from fulltune.tracking import registry
 
     registry.configure(path.parent / "work")
     return sorted(str(v.version) for v in MlflowClient().search_model_versions("name='tiny-model'"))
@@ -103,6 +103,6 @@ def test_worse_model_becomes_challenger_not_champion(workspace):
     assert summary.aliases == ("challenger",)
     assert not summary.promoted
     assert versions(workspace) == ["1", "2"]
-    from fulltune import registry
+    from fulltune.tracking import registry
 
     assert registry.current_champion("tiny-model").version == "1"

@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 import transformers
 
-from fulltune.memory import PlanRequest, Settings, estimate_memory, format_plan_table, plan_memory, simulate_memory
+from fulltune.memory import PlanRequest, Settings, estimate_memory, format_plan_table
+from fulltune.planning import plan_memory, simulate_memory
 from fulltune.memory.errors import MemoryConfigError
 
 GiB = 2**30

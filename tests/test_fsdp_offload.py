@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from fulltune import sharding
+from fulltune.runtime import sharding
 from fulltune.errors import ConfigError
 from fulltune.memory import Settings, estimate_memory
 from fulltune.memory.lever_bytes import lever_bytes

@@ -3,7 +3,7 @@
 Every other training test is differential (levers against the plain step, resumed against uninterrupted,
 the trainer against a hand-written step); a change that shifts every run the same way — the loss
 normalisation, the learning-rate schedule, clipping, the data order, how targets are masked — passes
-them all. These runs go through the engine's real loop (`fulltune.train.train` on a `TrainJob`), on CPU,
+them all. These runs go through the engine's real loop (`fulltune.runtime.train.train` on a `TrainJob`), on CPU,
 and compare, per step, what a user reads of the run — the mean token loss (result.json) and the gradient
 norm and learning rate (the MLflow metrics) — and how far the weights moved with the numbers pinned below.
 
@@ -140,8 +140,8 @@ def train_case(case: str, root: Path) -> Golden:
     from accelerate.state import AcceleratorState
     from safetensors.torch import load_file
 
-    from fulltune import train as trainer
-    from fulltune.launch import job_with
+    from fulltune.runtime import train as trainer
+    from fulltune.runtime.launch import job_with
 
     family, fields = CASES[case]
     model_dir, data = root / family, root / "train.parquet"

@@ -324,8 +324,8 @@ def _kubernetes_env(entries: list[dict[str, Any]], downward: dict[str, str]) -> 
 
 def test_kubernetes_template_runs_n_pods_that_meet_through_the_headless_service() -> None:
     """num_nodes pods of one indexed Job; pod i resolves as <job>-i.<service>; every pod runs the flow-run
-    command through fulltune.rendezvous, which gives pod 0 the flow and the others its training."""
-    from fulltune.rendezvous import Rendezvous
+    command through fulltune.runtime.rendezvous, which gives pod 0 the flow and the others its training."""
+    from fulltune.runtime.rendezvous import Rendezvous
 
     template = json.loads(K8S_TEMPLATE.read_text())
     service = yaml.safe_load((INFRA / "kubernetes" / "rendezvous-service.yaml").read_text())
@@ -339,7 +339,7 @@ def test_kubernetes_template_runs_n_pods_that_meet_through_the_headless_service(
     assert pod["spec"]["subdomain"] == service["metadata"]["name"]
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert service["spec"]["ports"][0]["port"] == 29400
-    assert container["command"] == ["python", "-m", "fulltune.rendezvous", "pod", "--"]
+    assert container["command"] == ["python", "-m", "fulltune.runtime.rendezvous", "pod", "--"]
 
     downward = {"metadata.labels['batch.kubernetes.io/job-name']": "demo-x7k2p"}
     for index in (0, 1):
@@ -359,7 +359,7 @@ def test_kubernetes_template_runs_n_pods_that_meet_through_the_headless_service(
 
 def test_rendezvous_environment_errors_name_the_variable() -> None:
     from fulltune.errors import ConfigError
-    from fulltune.rendezvous import Rendezvous, launch_command
+    from fulltune.runtime.rendezvous import Rendezvous, launch_command
 
     assert Rendezvous.from_environment({}) is None
     assert launch_command("JOB.json", 8, 1, {"FULLTUNE_RDZV_ENDPOINT": "h"}) is None
@@ -379,7 +379,7 @@ def test_other_pods_run_each_launch_of_pod_0_and_leave_when_its_flow_ends(
 ) -> None:
     import threading
 
-    from fulltune import rendezvous as rdzv
+    from fulltune.runtime import rendezvous as rdzv
 
     calls: list[list[str]] = []
     monkeypatch.setattr(rdzv.subprocess, "call", lambda command: calls.append(command) or 0)
@@ -456,7 +456,7 @@ def test_accelerate_config_loads_and_launches(name: str, monkeypatch: pytest.Mon
     if num_machines > 1:
         assert config.main_process_ip and config.main_process_port
 
-    # `accelerate launch --config_file PATH -m fulltune.train JOB.json`, up to the point where it would
+    # `accelerate launch --config_file PATH -m fulltune.runtime.train JOB.json`, up to the point where it would
     # start processes. Nested keys become launch arguments; one the launcher does not know would be
     # ignored without a word, so it fails here.
     parser = launch_command_parser()
@@ -464,7 +464,7 @@ def test_accelerate_config_loads_and_launches(name: str, monkeypatch: pytest.Mon
     for section in ("fsdp_config", "deepspeed_config", "dynamo_config", "mpirun_config"):
         for key in getattr(config, section):
             assert key in known, f"{name}: {section}.{key} is not an `accelerate launch` argument"
-    args = parser.parse_args(["--config_file", path, "-m", "fulltune.train", "JOB.json"])
+    args = parser.parse_args(["--config_file", path, "-m", "fulltune.runtime.train", "JOB.json"])
     args, defaults, _ = _validate_launch_command(args)
     monkeypatch.setattr(launch_utils, "is_port_in_use", lambda port: False)
     if args.use_fsdp or args.multi_gpu:

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from fulltune import launch, spec
+from fulltune import spec
+from fulltune.runtime import launch
 from fulltune.errors import ConfigError
-from fulltune.launch import TrainJob, job_from_pipeline
+from fulltune.runtime.launch import TrainJob, job_from_pipeline
 from fulltune.memory import Settings
 from fulltune.stages import resolve_pipeline
 
@@ -24,7 +25,7 @@ from pipelines_fixture import tiny_pipeline
 ROOT = Path(__file__).resolve().parents[1]
 # The modules that read a job: the child, and the launcher that builds its command line.
 # The child reads the plan in the trainer, the job and the one optimizer builder (`optim.optimizer_for(model, plan)`).
-CHILD_MODULES = ("fulltune/train.py", "fulltune/launch.py", "fulltune/optim.py", "fulltune/parallel.py")
+CHILD_MODULES = ("fulltune/runtime/train.py", "fulltune/runtime/launch.py", "fulltune/runtime/optim.py", "fulltune/runtime/parallel.py")
 
 
 def planned(**changes) -> Settings:
@@ -87,7 +88,7 @@ def test_an_old_or_foreign_job_file_is_a_config_error_naming_it(pipeline) -> Non
 def test_the_child_refuses_an_old_job_file_with_exit_2(tmp_path) -> None:
     job_file = tmp_path / "JOB.json"
     job_file.write_text(json.dumps({"model_path": "m", "tokenizer_path": "m", "train_file": "t", "output_dir": "o"}))
-    done = subprocess.run([sys.executable, "-m", "fulltune.train", str(job_file)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "fulltune.runtime.train", str(job_file)], capture_output=True, text=True,
                           cwd=ROOT, timeout=300)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("fulltune train: error: JOB.json")

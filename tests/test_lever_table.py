@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from fulltune import levers, optim
+from fulltune import levers
+from fulltune.runtime import optim
 from fulltune.errors import ConfigError
-from fulltune.launch import job_with
+from fulltune.runtime.launch import job_with
 from fulltune.spec import validate_pipelines
 from test_train import build_model, counting_rows, write_rows
 

@@ -1,4 +1,4 @@
-"""Memory levers (fulltune/optim.py, fulltune/offload.py): what each changes in training, and what it costs in bytes."""
+"""Memory levers (fulltune/runtime/optim.py, fulltune/runtime/offload.py): what each changes in training, and what it costs in bytes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from fulltune.optim import (
+from fulltune.runtime.optim import (
     FakeStatesOptimizer,
     build_optimizer,
     device_gradient_bytes,
@@ -216,8 +216,8 @@ def test_offload_with_bf16_weights_resumes_from_its_fp32_masters() -> None:
 
 
 def test_offloaded_checkpoint_inputs_give_the_same_gradients() -> None:
-    from fulltune.memory.checkpointing import apply_gradient_checkpointing
-    from fulltune.offload import ActivationOffload
+    from fulltune.runtime.checkpointing import apply_gradient_checkpointing
+    from fulltune.runtime.offload import ActivationOffload
 
     model = _llama(layers=3)
     apply_gradient_checkpointing(model, 2)

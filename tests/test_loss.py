@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fulltune.loss import TargetHead, Targets
+from fulltune.runtime.loss import TargetHead, Targets
 
 
 def _model(kind: str) -> torch.nn.Module:
@@ -200,7 +200,7 @@ def test_chunked_head_never_holds_the_whole_targets_by_vocabulary_logits() -> No
 
 
 def test_chunked_head_bytes_count_one_tile() -> None:
-    from fulltune.loss import chunked_head_bytes
+    from fulltune.runtime.loss import chunked_head_bytes
 
     # 16k targets of a 128k vocabulary: the whole head's fp32 logits alone would be 8 GiB.
     counted = chunked_head_bytes(targets=16384, hidden=4096, vocab=128256, compute_bytes=2)

@@ -12,15 +12,14 @@ from fulltune.memory import (
     MemoryPlan,
     PlanRequest,
     Settings,
-    apply_gradient_checkpointing,
     estimate_memory,
     format_plan_table,
     parse_bytes,
-    plan_memory,
     render_breakdown_png,
-    replan_after_oom,
     resolve_budget,
 )
+from fulltune.planning import plan_memory, replan_after_oom
+from fulltune.runtime.checkpointing import apply_gradient_checkpointing
 from fulltune.memory.shapes import model_shape
 from fulltune.memory.types import LEVERS
 
@@ -407,7 +406,7 @@ def test_format_plan_table_and_png(tmp_path):
 def test_apply_gradient_checkpointing_first_k_layers(config):
     import torch
 
-    from fulltune.memory.checkpointing import decoder_layers
+    from fulltune.runtime.checkpointing import decoder_layers
 
     model = transformers.AutoModelForCausalLM.from_config(config)
     assert apply_gradient_checkpointing(model, 2) == 2

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from fulltune.memory import Settings, estimate_memory, measure_memory, simulate_memory
+from fulltune.memory import Settings, estimate_memory
+from fulltune.planning import measure_memory, simulate_memory
 
 TOLERANCE = 0.02
 
@@ -53,7 +54,7 @@ CASES = [
         Settings(micro_batch_size=2, seq_len=112, gradient_checkpointing=2, optimizer="adafactor", attention_mask=False),
     ),
     (
-        # Prompt/completion data: the head runs on 30% of the positions (fulltune/loss.py), and the
+        # Prompt/completion data: the head runs on 30% of the positions (fulltune/runtime/loss.py), and the
         # logits shrink with it (64% of the peak with every position).
         "llama-targets-30pct",
         transformers.LlamaConfig(

@@ -1,5 +1,5 @@
 """Out-of-memory survival: training replans a smaller micro-batch with the same effective batch and tries
-again, at most twice (fulltune/replan.py), and the fine-tune task says why in the log and in MLflow. The
+again, at most twice (fulltune/planning/replan.py), and the fine-tune task says why in the log and in MLflow. The
 replanned run resumes from the newest checkpoint unless its settings make the checkpoints unusable."""
 
 from __future__ import annotations
@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from fulltune import launch, registry
+from fulltune.runtime import launch
+from fulltune.tracking import registry
 from fulltune.data import tokenize_dataset
-from fulltune.launch import OutOfMemory, TrainResult
+from fulltune.runtime.launch import OutOfMemory, TrainResult
 from fulltune.stages import plan_budget, resolve_pipeline
-from fulltune.replan import train_with_oom_replans
-from fulltune.tokenizer import prepare_tokenizer
+from fulltune.planning.replan import train_with_oom_replans
+from fulltune.data.tokenizer import prepare_tokenizer
 
 from pipelines_fixture import tiny_pipeline
 

@@ -1,5 +1,5 @@
 """Pipeline parallel: per-stage memory and the bubble (fulltune.memory.pipeline), what `fulltune plan` says about
-it, and a real 2-process 1F1B run (fulltune.pipeline_parallel) against one process and against its per-stage estimate."""
+it, and a real 2-process 1F1B run (fulltune.runtime.pipeline_parallel) against one process and against its per-stage estimate."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 from transformers import LlamaConfig
 
 from fulltune.cli import main
-from fulltune.memory import Settings, step_seconds
+from fulltune.memory import Settings
+from fulltune.planning import step_seconds
 from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.pipeline import bubble_fraction, estimate_pipeline, pipeline_step_seconds
 from fulltune.memory.shapes import model_shape

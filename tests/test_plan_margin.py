@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import transformers
 
-from fulltune.memory import PlanRequest, Settings, format_plan_table, measure_memory, plan_memory, simulate_memory
-from fulltune.memory import planner as planner_module
+from fulltune.memory import PlanRequest, Settings, format_plan_table
+from fulltune.planning import measure_memory, plan_memory, simulate_memory
+from fulltune.planning import planner as planner_module
 from fulltune.memory.types import MemoryEstimate
 
 GiB = 2**30
@@ -91,7 +92,7 @@ def test_a_traced_plan_plans_for_the_larger_of_estimate_and_trace(monkeypatch):
         peak = int(estimate_memory(model_source, settings).peak_bytes * 1.05)  # 1 GiB above the estimate
         return MemoryEstimate(peak_bytes=peak, device_bytes=peak, breakdown={}, peak_phase="traced step")
 
-    monkeypatch.setattr("fulltune.memory.trace.simulate_memory", fake_trace)
+    monkeypatch.setattr("fulltune.planning.trace.simulate_memory", fake_trace)
     traced = plan_memory(config, issue13_request(24), trace=True)
     assert calls[0] == untraced.settings  # the first choice was traced ...
     assert traced.settings != untraced.settings  # ... did not fit at its traced peak, so another was chosen

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from fulltune import registry
-from fulltune.registry import GateDecision, decide_promotion
+from fulltune.tracking import registry
+from fulltune.tracking.registry import GateDecision, decide_promotion
 
 from tiny import make_model, make_tokenizer
 

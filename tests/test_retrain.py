@@ -65,7 +65,7 @@ def run(path: Path, **overrides):
 def test_retraining_with_a_new_vocabulary_keeps_the_better_champion(tmp_path, prefect_server):
     from mlflow.tracking import MlflowClient
 
-    from fulltune import registry
+    from fulltune.tracking import registry
 
     pipelines = retrain_pipeline(tmp_path)
     first = run(pipelines)

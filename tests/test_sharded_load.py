@@ -1,4 +1,4 @@
-"""FSDP2 sharded loading (fulltune.sharding.load_sharded_model): every process builds the model on the
+"""FSDP2 sharded loading (fulltune.runtime.sharding.load_sharded_model): every process builds the model on the
 meta device, shards it and reads only its own shards from the checkpoint, and gets the same model as
 loading it whole and sharding it afterwards (`load_model` + `shard_model`, what every process did before).
 

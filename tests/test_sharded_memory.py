@@ -1,6 +1,6 @@
 """The planner's per-rank FSDP estimate against the peak each rank measures.
 
-Two torchrun processes (gloo, CPU) shard a tiny Llama with fulltune.sharding and run two optimizer steps
+Two torchrun processes (gloo, CPU) shard a tiny Llama with fulltune.runtime.sharding and run two optimizer steps
 as the trainer does, each rank under FSDPMemTracker (benchmarks/sharded_memory.py, whose full grid is in
 BENCHMARKS.md); `estimate_memory(..., Settings(strategy="fsdp", num_processes=2))` must be within 3% of
 every rank's peak. ~15 s per configuration on 2 cores.

@@ -1,4 +1,4 @@
-"""FSDP2 (fulltune.sharding) below the trainer: two torchrun "machines" that meet through a c10d
+"""FSDP2 (fulltune.runtime.sharding) below the trainer: two torchrun "machines" that meet through a c10d
 rendezvous train like one process, their exported checkpoint loads in one process like the unsharded
 one, and bf16 FSDP stays near one autocast process. `fulltune run` with `strategy: fsdp` (1 vs 2
 processes, a killed run resumed bit for bit, registration) is tests/test_fsdp_run.py; sharded loading is
@@ -86,8 +86,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One process, and two torchrun agents with one process each, as two Kubernetes pods would start
-    them (fulltune.rendezvous), meeting through a c10d rendezvous on localhost."""
-    from fulltune.rendezvous import Rendezvous
+    them (fulltune.runtime.rendezvous), meeting through a c10d rendezvous on localhost."""
+    from fulltune.runtime.rendezvous import Rendezvous
 
     root = tmp_path_factory.mktemp("sharding")
     one_process(root / "one")

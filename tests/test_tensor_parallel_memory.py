@@ -1,7 +1,7 @@
 """Tensor parallel in the memory model and the planner.
 
 The per-rank estimate against the peak each rank measures: torchrun starts the ranks (gloo, CPU) of TP 2 on 2
-processes and FSDP 2 × TP 2 on 4; each splits a tiny Llama with fulltune.parallel and runs two optimizer steps of
+processes and FSDP 2 × TP 2 on 4; each splits a tiny Llama with fulltune.runtime.parallel and runs two optimizer steps of
 the trainer's step under FSDPMemTracker (benchmarks/tensor_parallel_memory.py, whose full grid is in
 BENCHMARKS.md). `estimate_memory(..., Settings(strategy="fsdp", num_processes=N, tensor_parallel=2))` must be
 within 3% of every rank's peak.
@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import transformers
 
-from fulltune.memory import PlanRequest, estimate_memory, plan_memory
+from fulltune.memory import PlanRequest, estimate_memory
+from fulltune.planning import plan_memory
 from pipelines_fixture import tiny_pipeline
 from tiny import load_benchmark
 

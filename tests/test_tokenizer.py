@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from fulltune import tokenizer as tokenizer_module
+from fulltune.data import tokenizer as tokenizer_module
 from fulltune.errors import ConfigError, DataError
 from fulltune.spec import DataSpec, ModelSpec, TrainTokenizer
-from fulltune.tokenizer import BOS, CHAT_TEMPLATE, EOS, PAD, prepare_tokenizer
+from fulltune.data.tokenizer import BOS, CHAT_TEMPLATE, EOS, PAD, prepare_tokenizer
 
 from tiny import fake_hub_repo
 

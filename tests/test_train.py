@@ -1,6 +1,6 @@
 """The training loop and its launcher, on CPU with a 2-layer Llama (hidden 32, vocab 64).
 
-Every training run goes through `run_training`, i.e. a real child process (`python -m fulltune.train`
+Every training run goes through `run_training`, i.e. a real child process (`python -m fulltune.runtime.train`
 or torchrun), exactly as the flow runs it. Children get OMP_NUM_THREADS=1: on a shared 2-core machine
 OpenMP's thread hand-offs stall for ~100 ms per op, and results must not depend on the thread count.
 """
@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from fulltune.errors import ConfigError, DataError, TrainingError
-from fulltune.launch import (OutOfMemory, TrainJob, TrainResult, _outcome, generate_accelerate_config, job_with,
+from fulltune.runtime.launch import (OutOfMemory, TrainJob, TrainResult, _outcome, generate_accelerate_config, job_with,
                              run_training, training_command, validate_job)
 from tiny import tiny_config, word_level_tokenizer
 
@@ -306,7 +306,7 @@ def test_out_of_memory_exits_3_and_raises_out_of_memory(assets: dict[str, Path],
     out = Path(job.paths.output_dir)
     assert json.loads((out / "oom.json").read_text())["peak_bytes"] == raised.value.observed_peak_bytes
     assert not (out / "model").exists()
-    child = subprocess.run([sys.executable, "-m", "fulltune.train", str(out / "JOB.json")],
+    child = subprocess.run([sys.executable, "-m", "fulltune.runtime.train", str(out / "JOB.json")],
                            capture_output=True, text=True, check=False)
     assert child.returncode == 3 and "out of memory" in child.stderr
 
@@ -341,7 +341,7 @@ def fp16_accelerator():
 def test_fp16_overflow_is_skipped_the_scale_drops_and_training_goes_on(fp16_accelerator) -> None:
     import torch
 
-    from fulltune.train import OptimizerStep
+    from fulltune.runtime.train import OptimizerStep
 
     accelerator = fp16_accelerator
     torch.manual_seed(0)
@@ -384,9 +384,9 @@ def test_train_step_computes_the_token_mean_loss_and_takes_the_adamw_step(assets
     from accelerate.state import AcceleratorState
     from transformers import AutoModelForCausalLM
 
-    from fulltune.batching import StepSchedule
+    from fulltune.data.batching import StepSchedule
     from fulltune.data import collate
-    from fulltune.train import setup, train_step
+    from fulltune.runtime.train import setup, train_step
 
     job = make_job(assets, tmp_path / "run", learning_rate=1e-2, warmup_ratio=0.0, lr_scheduler="constant",
                    max_grad_norm=0.5)
@@ -422,7 +422,7 @@ def test_train_step_computes_the_token_mean_loss_and_takes_the_adamw_step(assets
 
 
 def test_step_schedule_is_deterministic_and_independent_of_the_split() -> None:
-    from fulltune.train import StepSchedule
+    from fulltune.runtime.train import StepSchedule
 
     lengths = np.random.default_rng(0).integers(4, 40, size=50)
     schedule = StepSchedule(lengths, rows_per_step=8, seed=5)
@@ -440,7 +440,7 @@ def test_step_schedule_is_deterministic_and_independent_of_the_split() -> None:
 
 
 def test_tokenized_rows_counts_targets_tokens_and_attention_pairs(tmp_path: Path) -> None:
-    from fulltune.train import TokenizedRows
+    from fulltune.runtime.train import TokenizedRows
 
     write_rows(tmp_path / "t.parquet", [
         ([5, 6, 7, 8, 9], [-100, 6, 7, -100, 9], [0, 1, 2, 0, 1]),  # two documents: 3 + 2 tokens
@@ -454,7 +454,7 @@ def test_tokenized_rows_counts_targets_tokens_and_attention_pairs(tmp_path: Path
 
 
 def test_tokenized_rows_reject_bad_files(tmp_path: Path) -> None:
-    from fulltune.train import TokenizedRows
+    from fulltune.runtime.train import TokenizedRows
 
     pq.write_table(pa.table({"input_ids": pa.array([[1, 2]], type=pa.list_(pa.int32()))}), tmp_path / "a.parquet")
     with pytest.raises(DataError, match=r"missing column\(s\) \['labels', 'position_ids'\]"):
@@ -497,9 +497,9 @@ def test_generated_accelerate_config_is_read_by_accelerate(strategy: str, tmp_pa
     assert loaded.num_processes == 4 and loaded.mixed_precision == "bf16"
     assert loaded.distributed_type.value == {"ddp": "MULTI_GPU", "fsdp": "FSDP"}[strategy]
     command = training_command(job, tmp_path / "JOB.json")
-    # FSDP2 is driven by fulltune itself (fulltune/sharding.py), so torchrun starts it, not accelerate launch.
+    # FSDP2 is driven by fulltune itself (fulltune/runtime/sharding.py), so torchrun starts it, not accelerate launch.
     launcher = "torch.distributed.run" if strategy == "fsdp" else "accelerate.commands.launch"
-    assert command[1:3] == ["-m", launcher] and "fulltune.train" in command
+    assert command[1:3] == ["-m", launcher] and "fulltune.runtime.train" in command
 
 
 def test_multi_machine_config_needs_the_rendezvous_address(monkeypatch: pytest.MonkeyPatch) -> None:

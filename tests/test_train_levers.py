@@ -67,7 +67,7 @@ def test_pure_bf16_kahan_adamw_tracks_the_fp32_run(assets: dict[str, Path], tmp_
 
 def test_impossible_lever_combinations_are_config_errors(assets: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
     from fulltune.errors import ConfigError
-    from fulltune.launch import validate_job
+    from fulltune.runtime.launch import validate_job
 
     job = make_job(assets, tmp_path / "run")
     for bad in (dict(optimizer_in_backward=True, offload_optimizer=True),

@@ -214,7 +214,7 @@ def _write_rows(path: Path, table: pa.Table, *, packing: bool, max_length: int, 
                 columns += [pa.array(prompts[first:last], pa.string()), pa.array(completions[first:last], pa.string())]
             writer.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=_ROW_CHUNK)
     row_lengths = np.diff(row_offsets)
-    # The most loss terms in one row bounds the output head's work per micro-batch (fulltune/loss.py).
+    # The most loss terms in one row bounds the output head's work per micro-batch (fulltune/runtime/loss.py).
     row_targets = row_target_counts(flat_labels, row_offsets)
     return {
         "examples": int(len(lengths)),
@@ -248,7 +248,7 @@ def tokenize_dataset(data: DataSpec, tokenizer: str, workdir: str | Path, seed: 
                      trust_remote_code: bool = False) -> TokenizedData:
     """Tokenize (and pack) `data` into `<workdir>/tokenized/<fingerprint>/`; a cache hit does no work.
 
-    `tokenizer` is what `fulltune.tokenizer.prepare_tokenizer` returned (a directory, for hub tokenizers
+    `tokenizer` is what `fulltune.data.tokenizer.prepare_tokenizer` returned (a directory, for hub tokenizers
     the snapshot's); `token` reads private hub datasets; `trust_remote_code` is `model.trust_remote_code`.
 
     Raises DataError for every problem with the data (missing/empty/broken files, missing columns,
@@ -256,7 +256,7 @@ def tokenize_dataset(data: DataSpec, tokenizer: str, workdir: str | Path, seed: 
     cannot be loaded or lacks what the format needs (eos token, chat template).
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if data.packing == "auto":  # the tokenize stage resolves `auto` first (fulltune/autotune.py resolve_packing)
+    if data.packing == "auto":  # the tokenize stage resolves `auto` first (fulltune/planning/autotune.py resolve_packing)
         data = data.model_copy(update={"packing": False})
     fingerprint = fingerprint_data(data, tokenizer, seed, token=token, workdir=workdir)
     root = Path(workdir) / "tokenized"

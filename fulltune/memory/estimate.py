@@ -1,9 +1,9 @@
 """Analytic peak memory of one training step, as fulltune's trainer runs it.
 
-The trainer (fulltune/train.py) runs, per optimizer step and per process:
+The trainer (fulltune/runtime/train.py) runs, per optimizer step and per process:
 
     for each of gradient_accumulation_steps micro-batches:
-        # lm_head runs on the t positions that have a target (fulltune/loss.py): a forward
+        # lm_head runs on the t positions that have a target (fulltune/runtime/loss.py): a forward
         # pre-hook gathers its input (b, s, h) → (t, h); t ≤ b·(s-1)
         logits = model(input_ids, position_ids, attention_mask).logits.float()   # (t, V)
         loss = cross_entropy(logits, targets, reduction="sum") / tokens  # logits freed on return
@@ -57,7 +57,7 @@ CUDA_CONTEXT_BYTES = 600 * 2**20
 CUDA_ALLOCATOR_SLACK = 0.08
 # A CPU training process, measured (benchmarks/cpu_rss.py and benchmarks/process_memory.py: peak RSS of real
 # runs, MLflow on, one OpenMP thread, 0.02M-124M parameters, with the trainer's allocator setting,
-# memory/allocator.py): 590-635 MiB beside the step's tensors (interpreter, torch, transformers, accelerate,
+# runtime/allocator.py): 590-635 MiB beside the step's tensors (interpreter, torch, transformers, accelerate,
 # MLflow, the accelerator, tokenizer and rows, kernels' workspaces), and what the heap keeps of freed
 # tensors below the mmap threshold: a few % of the tensor peak. Computing in bf16 with the optimizer
 # stepped in backward, the process holds about one more bf16 copy of the weights than its tensors (76M
@@ -228,7 +228,7 @@ def num_parameters(config: Any) -> int:
 
 def flops_per_token(config: Any, seq_len: int) -> float:
     """Training FLOPs per token of rows of one `seq_len`-token document with a target at every position
-    (fulltune/flops.py; no recompute)."""
-    from fulltune import flops
+    (fulltune/memory/flops.py; no recompute)."""
+    from fulltune.memory import flops
 
     return flops.from_shape(model_shape(config)).per_token_of_rows(seq_len)

@@ -7,7 +7,7 @@ RAM (`lever_bytes.sharded_offload_bytes`), so a rank's device holds the gathered
 gradients and reduce-scatter buffers, the activations and the batch. The host parts of each phase are
 this process's shards; a node's host RAM is `process.node_host_bytes`.
 
-FSDP (fulltune/sharding.py) is walked unit by unit: what is gathered, and which unsharded gradients and
+FSDP (fulltune/runtime/sharding.py) is walked unit by unit: what is gathered, and which unsharded gradients and
 reduce-scatter buffers exist, depends on the phase; checked per rank on CPU (benchmarks/sharded_memory.py).
 NCCL's own buffers are not tensors and are not counted.
 """
@@ -48,7 +48,7 @@ def fsdp_walk(settings: Settings) -> bool:
 
 
 def activation_settings(settings: Settings) -> Settings:
-    """The settings whose activations the step makes: FSDP's bf16 policy (fulltune/sharding.py) gathers
+    """The settings whose activations the step makes: FSDP's bf16 policy (fulltune/runtime/sharding.py) gathers
     bf16 weights and runs the model on them without autocast, so its activations, residual stream and
     logits are those of bf16 weights (`pure_bf16`), while the sharded masters, gradients and optimizer
     states stay fp32 (measured per rank on CPU: benchmarks/sharded_memory.py)."""
@@ -88,12 +88,12 @@ def persistent(x: StepTerms) -> Persistent:
 
 
 def _chunked_head(tl: Timeline, done: int, in_head: int, gathered_head: int, head_grad: int) -> None:
-    """The chunked head (fulltune/loss.py) under FSDP2: `memory/head.py`'s tiles, with the head's units.
+    """The chunked head (fulltune/runtime/loss.py) under FSDP2: `memory/head.py`'s tiles, with the head's units.
 
     Its loss flows through the model's output, so the root (and an untied head, kept since its forward) is
     gathered again before the recompute reads the weight; the unsharded weight gradient exists from the
     backward's start (the tiles fill it). The gathered weight is in the compute dtype: no tile casts."""
-    from fulltune.loss import ROW_CHUNK, VOCAB_CHUNK, chunked_head_bytes
+    from fulltune.runtime.loss import ROW_CHUNK, VOCAB_CHUNK, chunked_head_bytes
 
     x = tl.terms
     t, h, V, c, sb = x.t, x.shape.hidden, x.shape.vocab, x.c, x.sb
@@ -111,7 +111,7 @@ def _chunked_head(tl: Timeline, done: int, in_head: int, gathered_head: int, hea
 
 
 def fsdp_phases(tl: Timeline) -> None:
-    """The step as FSDP2 runs it in every rank (fulltune/sharding.py), phase by phase.
+    """The step as FSDP2 runs it in every rank (fulltune/runtime/sharding.py), phase by phase.
 
     Units: each decoder layer; the input embedding and the output head when untied (the head keeps its
     gathered weight from its forward to its backward); the root (final norm, and a tied embedding).
@@ -150,11 +150,11 @@ def fsdp_phases(tl: Timeline) -> None:
         reduce = rb * numel + int(rb * numel / n)
         if not settings.optimizer_in_backward or not shapes:
             return reduce
-        # Stepping in backward (fulltune/optim.py InBackwardOptimizer on the shards), the unit's hooks update
+        # Stepping in backward (fulltune/runtime/optim.py InBackwardOptimizer on the shards), the unit's hooks update
         # its parameters (`shapes`) one at a time once the sharded output exists, the extra unit-sized tensor
         # gone: fused or Kahan AdamW in place; Adafactor gathered (`GatheredAdafactor`: the whole weight and
         # gradient) with its temporaries (measured per rank: benchmarks/sharded_memory.py --levers).
-        from fulltune import optim
+        from fulltune.runtime import optim
 
         largest = max(shapes, key=math.prod)
         gathered = 2 * wb * math.prod(largest) if settings.optimizer == "adafactor" else 0
@@ -236,7 +236,7 @@ def fsdp_phases(tl: Timeline) -> None:
         add("backward of the embeddings", done, acts_now, 0, post_backward(vh, [(V, h)]),
             unsharded=(0, pb * vh + rb * vh))
     # The step runs on the shards (AdamW: in place). Adafactor's factored statistics need whole rows and
-    # columns, so fulltune/optim.py's GatheredAdafactor gathers one parameter's weight and gradient at a
+    # columns, so fulltune/runtime/optim.py's GatheredAdafactor gathers one parameter's weight and gradient at a
     # time and runs the unsharded update on them: the largest parameter's pair plus its temporaries.
     # Under FSDP's CPU offload the step runs on the host shards: the device holds nothing of it (the
     # host's temporaries are in the phase's host parts).

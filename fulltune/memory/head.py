@@ -1,6 +1,6 @@
 """The output head and the loss: the (t, V) logits, their fp32 upcast, log_softmax and its backward.
 
-The trainer runs the head only at the t positions with a target (fulltune/loss.py): a forward pre-hook
+The trainer runs the head only at the t positions with a target (fulltune/runtime/loss.py): a forward pre-hook
 gathers its input (b, s, h) → (t, h). The loss upcasts the logits to fp32 and `log_softmax` keeps its fp32
 output; its backward holds three fp32 (t, V) tensors at once (saved output, grad of nll, grad of
 log_softmax): the usual peak for vocabularies over ~30k (the Liger and Cut-Cross-Entropy papers measure the
@@ -38,8 +38,8 @@ def head_phases(tl: Timeline) -> None:
 
 
 def chunked_head_phases(tl: Timeline) -> None:
-    """The chunked head (fulltune/loss.py): a per-row logsumexp kept, one (rows × vocabulary) tile at a time."""
-    from fulltune.loss import ROW_CHUNK, VOCAB_CHUNK, chunked_head_bytes
+    """The chunked head (fulltune/runtime/loss.py): a per-row logsumexp kept, one (rows × vocabulary) tile at a time."""
+    from fulltune.runtime.loss import ROW_CHUNK, VOCAB_CHUNK, chunked_head_bytes
 
     x = tl.terms
     t, h, V, c, sb = x.t, x.shape.hidden, x.shape.vocab, x.c, x.sb

@@ -1,6 +1,6 @@
 """Bytes the memory levers decide: weight dtype, optimizer states and their temporaries, host RAM.
 
-The counts are fulltune/optim.py's own (`device_state_bytes`, `optimizer_state_bytes`, `host_bytes`), so the
+The counts are fulltune/runtime/optim.py's own (`device_state_bytes`, `optimizer_state_bytes`, `host_bytes`), so the
 estimate and the optimizer that allocates the states cannot disagree.
 """
 
@@ -15,7 +15,7 @@ from fulltune.memory.types import Settings
 
 @dataclass(frozen=True)
 class LeverBytes:
-    """Per-step byte counts the levers decide, as fulltune/optim.py counts them."""
+    """Per-step byte counts the levers decide, as fulltune/runtime/optim.py counts them."""
 
     weight_bytes: int  # per parameter element of the device weights and gradients
     states: int  # optimizer states on the device (whole model, unsharded)
@@ -55,11 +55,11 @@ def lever_bytes(shape: ModelShape, settings: Settings) -> LeverBytes:
 
 
 def sharded_offload_bytes(shape: ModelShape, optimizer: str, pure_bf16: bool, num_processes: int) -> LeverBytes:
-    """FSDP's CPU offload (fulltune/sharding.py, `CPUOffloadPolicy`): nothing of the optimizer on the device;
+    """FSDP's CPU offload (fulltune/runtime/sharding.py, `CPUOffloadPolicy`): nothing of the optimizer on the device;
     one process's shards of the parameters (weight dtype: fp32, bf16 under pure bf16) in pinned host RAM, and
     the optimizer's states and temporaries over them, as the plain optimizer (compensated under pure bf16)
     allocates them there. The gradients' shards are counted per phase (`host_parts`)."""
-    from fulltune import optim
+    from fulltune.runtime import optim
 
     wb = optim.weight_bytes(pure_bf16)
     states, temp = optim.device_state_bytes(optimizer, shape.param_shapes, pure_bf16=pure_bf16)
@@ -70,8 +70,8 @@ def sharded_offload_bytes(shape: ModelShape, optimizer: str, pure_bf16: bool, nu
 @functools.lru_cache(maxsize=256)
 def _lever_bytes_cached(shape: ModelShape, optimizer: str, pure_bf16: bool, in_backward: bool, offload: bool,
                         accumulation: int, sharded_processes: int = 0) -> LeverBytes:
-    # fulltune.optim imports torch: imported here so that importing the memory model does not.
-    from fulltune import optim
+    # fulltune.runtime.optim imports torch: imported here so that importing the memory model does not.
+    from fulltune.runtime import optim
 
     if offload and sharded_processes:
         return sharded_offload_bytes(shape, optimizer, pure_bf16, sharded_processes)

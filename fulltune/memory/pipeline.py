@@ -4,14 +4,14 @@ P stages over L decoder layers (an even split, `stage_layers`): the input embedd
 final norm, output head and loss on the last (a tied head is a copy there, its gradient summed with the
 embedding's). Each stage is one process; one optimizer step runs M micro-batches of b rows through the
 pipeline (`Settings.micro_batch_size` = b, `gradient_accumulation_steps` = M) under one of two schedules
-(`torch.distributed.pipelining`, as fulltune/pipeline_parallel.py runs them):
+(`torch.distributed.pipelining`, as fulltune/runtime/pipeline_parallel.py runs them):
 
 - GPipe: every stage runs all M forwards, then all M backwards: it holds M micro-batches' activations.
 - 1F1B: stage s runs min(P − s, M) forwards, then alternates one backward and one forward: it holds at most
   min(P − s, M) micro-batches' activations, so the first stage holds the most.
 
 A stage's memory is the single-process step's, walked over that stage's own layers (`fulltune.memory.activations`,
-`timeline`, `head`, and the optimizer's bytes from `fulltune.optim` through `lever_bytes`), plus what the
+`timeline`, `head`, and the optimizer's bytes from `fulltune.runtime.optim` through `lever_bytes`), plus what the
 schedule keeps beside it:
 
 - the other in-flight micro-batches' saved activations (`_replay` follows the schedule's order; before the
@@ -314,7 +314,7 @@ def pipeline_step_seconds(shape: ModelShape, settings: Settings, num_stages: int
     stage's optimizer pass; each slot also sends one (b, s, h) activation forward and one gradient back.
     """
     from fulltune.memory.activations import stream_bytes
-    from fulltune.memory.planner import step_seconds
+    from fulltune.planning.planner import step_seconds
 
     M, P = settings.gradient_accumulation_steps, num_stages
     per_micro_batch, optimizer = [], []
@@ -353,7 +353,7 @@ def pipeline_advice(shape: ModelShape, request: Any, settings: Settings, usable:
     on top (`uncertainty.estimate_uncertainty`). None: the request has no budget, or the plan `fits` (with a
     slow lever) and no number of stages would.
     """
-    from fulltune.memory.planner import divisors  # the planner imports this module
+    from fulltune.planning.planner import divisors  # the planner imports this module
     from fulltune.memory.uncertainty import estimate_uncertainty
 
     if not usable:

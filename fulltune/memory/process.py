@@ -12,7 +12,7 @@ phase on CPU, where `budget.memory` is the process's resident memory (benchmarks
   steady step's (measured: within 1% of the second step's RSS).
 - **checkpoint save** and **final export**: safetensors writes tensors by pointer and torch.save streams
   the optimizer states, so beside the weights and states only one tensor-sized buffer is new.
-- **evaluation** runs in the evaluate stage's own process (fulltune/evaluate.py): fp32 weights as it
+- **evaluation** runs in the evaluate stage's own process (fulltune/evaluation/evaluate.py): fp32 weights as it
   loads them (beside the exported file's pages when the run trained another dtype), one held-out batch's
   forward and the KV cache of greedy generation. It is reported, not planned for: its size does not depend
   on the settings the planner chooses.

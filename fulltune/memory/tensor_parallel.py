@@ -1,4 +1,4 @@
-"""Per-rank memory of tensor parallel and FSDP × TP (fulltune/parallel.py), phase by phase.
+"""Per-rank memory of tensor parallel and FSDP × TP (fulltune/runtime/parallel.py), phase by phase.
 
 With `distributed.tensor_parallel: T` and `num_processes: N`, each rank holds 1/T of every block's matmuls
 and of the vocabulary, and FSDP2 then shards that over the dp = N / T data-parallel ranks. So a rank is FSDP
@@ -18,7 +18,7 @@ What tensor parallel changes is the activations, the logits and the collectives'
     output      all-gathered to the whole (b, s, h) for the next block (not kept: the next block keeps
                 its own s/T copy)
     head        vocabulary-parallel (t, V/T) logits, all-gathered to (t, V) on every rank: the loss runs
-                on whole logits (fulltune/loss.py's TargetHead sees a plain tensor), so the three fp32
+                on whole logits (fulltune/runtime/loss.py's TargetHead sees a plain tensor), so the three fp32
                 (t, V) tensors of its backward are whole, as without TP
     embedding   a masked lookup of the rank's V/T rows, its (b, s, h) partial sums all-reduced
 
@@ -45,7 +45,7 @@ from fulltune.memory.types import Settings
 
 
 def rank_shape(shape: ModelShape, tensor_parallel: int) -> ModelShape:
-    """The parameters one tensor-parallel rank holds before FSDP shards them (fulltune/parallel.py's plan)."""
+    """The parameters one tensor-parallel rank holds before FSDP shards them (fulltune/runtime/parallel.py's plan)."""
     T = tensor_parallel
     if T == 1:
         return shape

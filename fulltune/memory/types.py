@@ -52,17 +52,17 @@ class Settings:
         device: `cpu` or `cuda`; decides the attention kernel and the runtime overhead.
         strategy: how parameters, gradients and optimizer states are split over processes.
         num_processes: processes (GPUs) taking part; the estimate is per process.
-        tensor_parallel: processes each layer's matmuls are split over (fulltune/parallel.py); the
+        tensor_parallel: processes each layer's matmuls are split over (fulltune/runtime/parallel.py); the
             data-parallel degree is num_processes / tensor_parallel.
         attention_mask: True when the model receives an explicit attention mask — padded batches,
             or packed rows whose position_ids restart (transformers then builds a block-diagonal
             mask). A mask makes SDPA keep a (b, 1, s, s) mask per layer and repeat grouped
             key/value heads; without one (a causal row with no padding) neither happens.
         target_fraction: share of the positions that can have a target (all but each row's last)
-            that do. The trainer runs the output head only at those positions (`fulltune.loss`),
+            that do. The trainer runs the output head only at those positions (`fulltune.runtime.loss`),
             so the logits are (t, V) with t = micro_batch_size · round(target_fraction ·
             (seq_len - 1)). 1.0, the default, is the most any batch can have.
-        pure_bf16: bf16 weights and gradients, no fp32 master (`fulltune.optim`); the update is
+        pure_bf16: bf16 weights and gradients, no fp32 master (`fulltune.runtime.optim`); the update is
             compensated (Kahan buffer for adamw, stochastic rounding for adamw_4bit); activations are
             bf16 whatever `mixed_precision` says.
         optimizer_in_backward: each parameter is stepped and its gradient freed in backward; only with
@@ -124,7 +124,7 @@ class Settings:
     @property
     def targets_per_row(self) -> int:
         """Positions with a target in a row of the micro-batch, at most: the output head's rows are
-        micro_batch_size × this (`fulltune.loss`)."""
+        micro_batch_size × this (`fulltune.runtime.loss`)."""
         return round(self.target_fraction * (self.seq_len - 1))
 
     def choices(self) -> dict[str, Any]:
@@ -183,7 +183,7 @@ class MemoryEstimate:
     (`fulltune.memory.process`: load, first step, step, checkpoint save, final export, and the evaluate
     stage's own process); `device_bytes` is the largest of the training process's, in `process_peak_phase`:
     what must fit. `host_bytes` is the host RAM the
-    offload levers need beyond the process (fulltune/optim.py `host_bytes` plus offloaded
+    offload levers need beyond the process (fulltune/runtime/optim.py `host_bytes` plus offloaded
     activations); on a CPU device host RAM is the device memory, so there it is inside `peak_bytes`.
     """
 
@@ -238,7 +238,7 @@ class PlanRequest:
     headroom: float = 0.05
     strategy: str = "none"
     num_processes: int = 1
-    tensor_parallel: int | None = 1  # None: auto, the planner chooses a degree (memory/planner.py)
+    tensor_parallel: int | None = 1  # None: auto, the planner chooses a degree (planning/planner.py)
     bf16_supported: bool = False
     attention_mask: bool = True
     target_fraction: float = 1.0

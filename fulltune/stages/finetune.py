@@ -1,6 +1,6 @@
 """Stage 3: fine-tune with the planned settings in a child process; what the fine-tune task wraps.
 
-The stage prepares the base weights, trains through `fulltune.replan` (which replans after an
+The stage prepares the base weights, trains through `fulltune.planning.replan` (which replans after an
 out-of-memory crash), records its outputs and returns a `TrainedModel`. Ctrl-C stops the child with
 the launcher and becomes `errors.Interrupted`, whose message names the step a rerun resumes from.
 """
@@ -37,19 +37,19 @@ def fine_tune(p: ResolvedPipeline, key: str, data: Any, tokenizer: str, decision
               watch: Callable[[Path], AbstractContextManager[Any]] = lambda output_dir: nullcontext()) -> TrainedModel:
     """Train `data` (a TokenizedData) with `decision`'s settings under `<workdir>/runs/<key>`.
 
-    On an out-of-memory crash the run is replanned and resumed, at most twice (fulltune/replan.py); each
+    On an out-of-memory crash the run is replanned and resumed, at most twice (fulltune/planning/replan.py); each
     replan is logged (`warn`, default `log`) and tagged on MLflow run `mlflow_run_id`. `watch(output_dir)` is entered around
     each training attempt (the task mirrors progress.json into a progress artifact there).
 
     Raises:
         Interrupted: Ctrl-C; the message says which step a rerun resumes from.
-        UserError, OutOfMemory, RuntimeError: as fulltune.launch.run_training.
+        UserError, OutOfMemory, RuntimeError: as fulltune.runtime.launch.run_training.
     """
-    from fulltune import launch
+    from fulltune.runtime import launch
     from fulltune.memory import Settings
     from fulltune.models import prepare_base_model
-    from fulltune.registry import set_run_tags
-    from fulltune.replan import train_with_oom_replans
+    from fulltune.tracking.registry import set_run_tags
+    from fulltune.planning.replan import train_with_oom_replans
 
     base_model = prepare_base_model(p.spec.model, tokenizer, p.workdir, p.spec.train.seed)
 
@@ -86,7 +86,7 @@ def fine_tune(p: ResolvedPipeline, key: str, data: Any, tokenizer: str, decision
 
 def training_progress(output_dir: Path) -> tuple[int, int] | None:
     """(step, total steps) from the child's progress.json, or None before its first report."""
-    from fulltune.launch import PROGRESS_FILE
+    from fulltune.runtime.launch import PROGRESS_FILE
 
     try:
         progress = json.loads((output_dir / PROGRESS_FILE).read_text())
@@ -97,7 +97,7 @@ def training_progress(output_dir: Path) -> tuple[int, int] | None:
 
 def resume_step(output_dir: Path) -> int | None:
     """The step of the newest checkpoint under `output_dir`, which a rerun resumes from; None if none."""
-    from fulltune.train import CHECKPOINT_DIR, latest_checkpoint
+    from fulltune.runtime.train import CHECKPOINT_DIR, latest_checkpoint
 
     newest = latest_checkpoint(output_dir / CHECKPOINT_DIR) if (output_dir / CHECKPOINT_DIR).is_dir() else None
     return int(newest.name.removeprefix("step-")) if newest is not None else None

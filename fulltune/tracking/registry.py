@@ -16,7 +16,7 @@ from fulltune.storage import code_version
 
 if TYPE_CHECKING:
     from fulltune.data import TokenizedData
-    from fulltune.evaluate import EvalReport
+    from fulltune.evaluation.evaluate import EvalReport
     from fulltune.spec import PipelineSpec, PromoteIf, RegisterSpec
 
 CHALLENGER = "challenger"
@@ -29,7 +29,7 @@ TAG_CONFIG = "fulltune.config_hash"
 TAG_VERSION = "fulltune.version"
 TAG_TRAIN_KEY = "fulltune.train_key"
 TAG_FLOW_RUN = "fulltune.flow_run_id"
-# How the new version was compared with the champion (fulltune/evaluate.py), and why.
+# How the new version was compared with the champion (fulltune/evaluation/evaluate.py), and why.
 TAG_COMPARISON = "fulltune.comparison"
 TAG_COMPARISON_REASON = "fulltune.comparison_reason"
 # Why the version was or was not promoted; `fulltune.gate.<metric>` per condition of register.promote_if.
@@ -225,7 +225,7 @@ def decide_gates(candidate: dict[str, float], champion: dict[str, float] | None,
     every non-guard metric must also beat the base model.
 
     All values come from one evaluation on the same held-out examples and benchmarks, the champion's in
-    the candidate's units (fulltune/evaluate.py), so they are comparable. `keep_champion` is the reason a
+    the candidate's units (fulltune/evaluation/evaluate.py), so they are comparable. `keep_champion` is the reason a
     champion exists but was not compared (`evaluate.compare_champion: false`, or no comparable
     measurement): the candidate is then never promoted over it.
     """
@@ -280,7 +280,7 @@ def _check(gate: PromoteIf, candidate: dict[str, float], champion: dict[str, flo
 
 def promotion_decision(register: RegisterSpec, report: EvalReport) -> GateDecision:
     """The gate of `register.promote_if` applied to an evaluation report."""
-    from fulltune.evaluate import PER_BYTE
+    from fulltune.evaluation.evaluate import PER_BYTE
 
     champion = report.candidates.get("champion")
     decision = decide_gates(
@@ -518,7 +518,7 @@ def describe_version(spec: PipelineSpec, pipeline: str, *, base_model: str, mode
 
 
 def _metrics_table(report: EvalReport) -> str:
-    from fulltune.evaluate import metric_names
+    from fulltune.evaluation.evaluate import metric_names
 
     columns = dict(report.candidates)
     if "champion" in columns and report.champion_version is not None:

@@ -84,12 +84,12 @@ class FaultInjection(TrainHooks):
 
 def hooks_from_env() -> TrainHooks:
     """FaultInjection when FULLTUNE_TEST_FAULT is set, else the hooks that do nothing; under autotune's
-    probe (fulltune/autotune.py PROBE_ENV) those hooks wrapped in the probe that times the steps."""
+    probe (fulltune/planning/autotune.py PROBE_ENV) those hooks wrapped in the probe that times the steps."""
     spec = os.environ.get(FAULT_ENV)
     hooks = FaultInjection(spec) if spec else TrainHooks()
     probe = os.environ.get("FULLTUNE_AUTOTUNE_PROBE")
     if probe:
-        from fulltune.autotune import StepProbe
+        from fulltune.planning.autotune import StepProbe
 
         return StepProbe(probe, hooks)
     return hooks

@@ -12,7 +12,7 @@ the same modules in the same order as `LlamaModel.forward`. Each stage builds it
 causal mask from the position ids and attention mask every stage receives (they are not sent between
 stages: only the residual stream is).
 
-The loss is the trainer's (`fulltune.loss`): the output head runs only at the positions with a target, the
+The loss is the trainer's (`fulltune.runtime.loss`): the output head runs only at the positions with a target, the
 token losses are summed and divided by the target tokens of the whole optimizer step, so the schedule must
 not scale the gradients again (`scale_grads=False`). The gradient norm is clipped over every stage's
 parameters together (one all-reduce of the squared norms), as one process clips the whole model.
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fulltune.loss import Targets
+from fulltune.runtime.loss import Targets
 from fulltune.memory.pipeline import SCHEDULES, UNSUPPORTED_LEVERS, stage_layers
 
 __all__ = ["SCHEDULES", "PipelineRun", "StageModule", "build_stage", "clip_grad_norm_"]
@@ -77,14 +77,14 @@ class StageModule(torch.nn.Module):
             return self.norm(hidden) if self.last else hidden
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """Autocast around the forward only, as Accelerate and `fulltune.step.LocalAccelerator` apply it (the
+        """Autocast around the forward only, as Accelerate and `fulltune.runtime.step.LocalAccelerator` apply it (the
         schedule runs the backward outside it)."""
         if self.mixed_precision == "bf16":
             return torch.autocast(device_type=next(self.parameters()).device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Σ of the fp32 token losses of a micro-batch: the head at the target positions (`fulltune.loss.TargetHead`)."""
+        """Σ of the fp32 token losses of a micro-batch: the head at the target positions (`fulltune.runtime.loss.TargetHead`)."""
         targets = Targets.from_labels(labels.cpu()).to(hidden.device)
         with self._autocast():
             rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets.index)
@@ -136,7 +136,7 @@ class PipelineRun:
     def create(cls, model: torch.nn.Module, settings: Any, *, schedule: str = "1f1b", num_micro_batches: int,
                device: str = "cpu", lr: float = 1e-4, max_grad_norm: float = 1.0) -> PipelineRun:
         """This process's stage of `model` (rank r of the default process group is stage r), its optimizer
-        as the trainer builds it for the planned `settings` (`fulltune.optim.optimizer_for`), and the schedule.
+        as the trainer builds it for the planned `settings` (`fulltune.runtime.optim.optimizer_for`), and the schedule.
 
         Raises:
             ValueError: an unknown schedule, 1F1B with fewer micro-batches than stages, or a lever the stages do
@@ -145,7 +145,7 @@ class PipelineRun:
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        from fulltune.optim import optimizer_for
+        from fulltune.runtime.optim import optimizer_for
 
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")

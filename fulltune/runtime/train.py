@@ -1,14 +1,14 @@
-"""The training loop: `python -m fulltune.train JOB.json`, alone, under torchrun or under accelerate launch.
+"""The training loop: `python -m fulltune.runtime.train JOB.json`, alone, under torchrun or under accelerate launch.
 
 One explicit loop over `accelerate` (nanoGPT's train.py, torchtune's full-finetune recipe), in the
 stages torchtitan's trainer names:
 
-    setup       seed; Accelerator; data order (fulltune/batching.py); model in fp32; memory levers
+    setup       seed; Accelerator; data order (fulltune/data/batching.py); model in fp32; memory levers
                 (gradient checkpointing on k of L layers, pure bf16, activation offload, chunked loss);
                 optimizer; LR schedule; torch.compile; accelerate's prepare
     resume      the newest complete checkpoint: weights, optimizer, schedule, grad scaler, every process's
                 RNG states (accelerate's save_state) and the data position and counters (trainer_state.json)
-    train_step  one optimizer step through fulltune/step.py (the step the memory trace, the device check and
+    train_step  one optimizer step through fulltune/runtime/step.py (the step the memory trace, the device check and
                 the benchmarks run too): the step's micro-batches → forward/backward each, loss summed over
                 tokens and divided by the step's target tokens → clip → step, or skip a non-finite step
                 (OptimizerStep; under fp16 the grad scaler skips and lowers its scale)
@@ -22,7 +22,7 @@ CPU, and the same loss history as a run that was never interrupted: the data ord
 
 Exit codes: 0 done; 2 user error (one line on stderr, output_dir/error.json); 3 out of device memory
 (output_dir/oom.json). Only the main process writes checkpoints' metadata, the model and the results.
-Tests inject faults at named hook points (fulltune/faults.py); real runs' hooks do nothing.
+Tests inject faults at named hook points (fulltune/runtime/faults.py); real runs' hooks do nothing.
 
 Host syncs are labelled `# Sync point`: one boolean per optimizer step (the finite check), the metrics
 every `log_every_steps`, and checkpoints.
@@ -52,19 +52,20 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
-from fulltune import flops, sharding
-from fulltune.batching import StepSchedule, TokenizedRows, micro_batch_inputs
+from fulltune.memory import flops
+from fulltune.runtime import sharding
+from fulltune.data.batching import StepSchedule, TokenizedRows, micro_batch_inputs
 from fulltune.data import pad_token_id_of
 from fulltune.errors import ConfigError, DataError, TrainingError, UserError
-from fulltune.faults import TrainHooks, hooks_from_env
+from fulltune.runtime.faults import TrainHooks, hooks_from_env
 from fulltune.storage import atomic_dir, atomic_write_text, fsync_dir, fsync_tree
-from fulltune.loss import TargetHead
-from fulltune.memory import allocator
-from fulltune.offload import ActivationOffload
-from fulltune.parallel import ParallelPlan
-from fulltune.step import OptimizerStep, StepOutcome, StepParts, run_step
+from fulltune.runtime.loss import TargetHead
+from fulltune.runtime import allocator
+from fulltune.runtime.offload import ActivationOffload
+from fulltune.runtime.parallel import ParallelPlan
+from fulltune.runtime.step import OptimizerStep, StepOutcome, StepParts, run_step
 from fulltune.logs import quiet_known_noise
-from fulltune.launch import (ERROR_FILE, LAUNCHER_ENV, MODEL_DIR, OOM_FILE, PROGRESS_FILE, RESULT_FILE, TrainJob,
+from fulltune.runtime.launch import (ERROR_FILE, LAUNCHER_ENV, MODEL_DIR, OOM_FILE, PROGRESS_FILE, RESULT_FILE, TrainJob,
                              TrainResult, completed_result, process_gone, validate_job)
 
 __all__ = ["StepSchedule", "TokenizedRows", "TrainingRun", "setup", "resume", "train_step", "TrainMetrics",
@@ -83,12 +84,12 @@ CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 
 
 def build_optimizer(job: TrainJob, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The job's optimizer from the one builder (fulltune/optim.py) with the plan's levers.
+    """The job's optimizer from the one builder (fulltune/runtime/optim.py) with the plan's levers.
 
     Raises:
         ConfigError: a combination the optimizer's library cannot do, naming the setting.
     """
-    from fulltune import optim
+    from fulltune.runtime import optim
 
     try:
         return optim.optimizer_for(model, job.plan, lr=job.train.learning_rate, weight_decay=job.train.weight_decay,
@@ -98,7 +99,7 @@ def build_optimizer(job: TrainJob, model: torch.nn.Module) -> torch.optim.Optimi
 
 
 def peak_flops(job: TrainJob) -> float | None:
-    """The GPU's dense 16-bit peak for MFU (fulltune/flops.py); None for fp32 runs, CPUs and unknown GPUs."""
+    """The GPU's dense 16-bit peak for MFU (fulltune/memory/flops.py); None for fp32 runs, CPUs and unknown GPUs."""
     if job.plan.device != "cuda" or job.plan.mixed_precision == "no":
         return None
     return flops.peak_flops(torch.cuda.get_device_name())
@@ -180,20 +181,20 @@ class TrainingRun:
     tokenizer: Any
     pad_token_id: int
     model: torch.nn.Module  # as prepared (DDP/compiled wrapper), or FSDP2-sharded / tensor parallel
-    head: TargetHead  # runs the output head at the target positions only (fulltune/loss.py)
-    optimizer: Any  # accelerate's AcceleratedOptimizer around the fulltune/optim.py optimizer
+    head: TargetHead  # runs the output head at the target positions only (fulltune/runtime/loss.py)
+    optimizer: Any  # accelerate's AcceleratedOptimizer around the fulltune/runtime/optim.py optimizer
     scheduler: Any
     step_optimizer: OptimizerStep
     hooks: TrainHooks
     use_cache: bool | None  # the model's own setting, restored in the exported config
     checkpointed_layers: int
     num_layers: int
-    flops: flops.FlopCoefficients  # of the model, for MFU (fulltune/flops.py)
+    flops: flops.FlopCoefficients  # of the model, for MFU (fulltune/memory/flops.py)
 
     @property
     def processes(self) -> int:
         """Processes that train on different rows: all of them, except that the tensor-parallel processes
-        of a group (fulltune/parallel.py) share theirs."""
+        of a group (fulltune/runtime/parallel.py) share theirs."""
         return self.parallel.data_parallel
 
     @property
@@ -207,7 +208,7 @@ class TrainingRun:
 
     @property
     def step_parts(self) -> StepParts:
-        """What the one training step (fulltune/step.py) runs on."""
+        """What the one training step (fulltune/runtime/step.py) runs on."""
         plan = self.job.plan
         return StepParts(self.accelerator, self.model, self.head, self.optimizer, self.step_optimizer,
                          plan.gradient_accumulation_steps, plan.optimizer_in_backward, self.hooks)
@@ -235,7 +236,7 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
     if job.plan.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("budget.device: cuda was planned but this machine has no usable CUDA device")
     if job.distributed.strategy == "fsdp" and job.plan.offload_optimizer and "WORLD_SIZE" in os.environ:
-        # FSDP's CPU offload reduces the gradient norm over host shards: gloo beside NCCL (fulltune/sharding.py).
+        # FSDP's CPU offload reduces the gradient norm over host shards: gloo beside NCCL (fulltune/runtime/sharding.py).
         sharding.init_process_group(job.plan.device, cpu_offload=True)
     # The scheduler steps once per optimizer step: total_steps already counts every process's
     # micro-batches (accelerate would otherwise step it num_processes times).
@@ -291,7 +292,7 @@ def load_model_with_levers(job: TrainJob) -> tuple[torch.nn.Module, Any, tuple[i
     under FSDP; returns (model, the config's use_cache, (checkpointed layers, loss head), FLOP coefficients).
 
     Under FSDP every process builds the model empty, applies the levers, shards it and reads only its own
-    shards from the checkpoint (fulltune/sharding.py `load_sharded_model`), so no process holds the whole
+    shards from the checkpoint (fulltune/runtime/sharding.py `load_sharded_model`), so no process holds the whole
     model. FSDP2 is driven directly: Accelerate's CPU mode is DDP only, and a model kept out of prepare keeps
     its gradients sharded while accumulating; bf16 is FSDP's policy, not autocast.
     """
@@ -309,7 +310,7 @@ def load_model_with_levers(job: TrainJob) -> tuple[torch.nn.Module, Any, tuple[i
 
     if job.distributed.strategy == "fsdp":
         # With distributed.tensor_parallel > 1: the TP plan on each block, then FSDP over the data-parallel
-        # processes (fulltune/parallel.py).
+        # processes (fulltune/runtime/parallel.py).
         model = sharding.load_sharded_model(job.paths.model_path, device=job.plan.device,
                                             mixed_precision=job.plan.mixed_precision, before_shard=before_shard,
                                             parallel=ParallelPlan.from_job(job),
@@ -325,7 +326,7 @@ def apply_levers(job: TrainJob, model: torch.nn.Module) -> tuple[int, TargetHead
 
     The optimizer-side levers (pure bf16 updates, step in backward, optimizer offload) are build_optimizer's.
     """
-    from fulltune.memory.checkpointing import apply_gradient_checkpointing
+    from fulltune.runtime.checkpointing import apply_gradient_checkpointing
 
     try:
         # Recompute the first k layers' activations in backward: ~1/3 more compute for those layers,
@@ -334,9 +335,9 @@ def apply_levers(job: TrainJob, model: torch.nn.Module) -> tuple[int, TargetHead
     except ValueError as exc:
         raise ConfigError(f"train.gradient_checkpointing: {exc}") from None
     if job.plan.pure_bf16:
-        model.to(torch.bfloat16)  # no fp32 master copy: the optimizer compensates its updates (fulltune/optim.py)
+        model.to(torch.bfloat16)  # no fp32 master copy: the optimizer compensates its updates (fulltune/runtime/optim.py)
     if job.plan.offload_activations:
-        # The checkpointed layers' saved inputs wait in host RAM for their recompute (fulltune/offload.py).
+        # The checkpointed layers' saved inputs wait in host RAM for their recompute (fulltune/runtime/offload.py).
         ActivationOffload().install(model)
     model.config.use_cache = False
     # The output head runs at target positions only; chunked, no (targets × vocabulary) tensor is ever whole.
@@ -529,7 +530,7 @@ def save_checkpoint(run: TrainingRun, state: TrainState, counters: dict[str, Any
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(tmp))
-        if sharding.is_sharded(run.model):  # FSDP2 outside prepare: each process writes its shards (fulltune/sharding.py)
+        if sharding.is_sharded(run.model):  # FSDP2 outside prepare: each process writes its shards (fulltune/runtime/sharding.py)
             sharding.save_sharded_state(tmp / sharding.SHARDED_STATE_DIR, run.model, run.optimizer)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
@@ -576,7 +577,7 @@ def _disk_full(exc: BaseException) -> bool:
 
 def train_step(run: TrainingRun, step_rows: np.ndarray, step: int) -> StepOutcome:
     """Optimizer step `step` (1-based) on `step_rows`: this process's micro-batches of them through the one
-    training step (fulltune/step.py), the loss normalised by the target tokens of the whole optimizer step (all
+    training step (fulltune/runtime/step.py), the loss normalised by the target tokens of the whole optimizer step (all
     micro-batches, all processes), which every process knows from the data without communicating."""
     plan, accelerator = run.job.plan, run.accelerator
     micro, processes = plan.micro_batch_size, run.processes
@@ -758,7 +759,7 @@ def finish(run: TrainingRun, state: TrainState, metrics: TrainMetrics, resumed_f
 def train(job: TrainJob, hooks: TrainHooks | None = None) -> TrainResult:
     """Train `job` to the end, resuming from its newest checkpoint; returns what result.json holds.
 
-    `hooks` default to FULLTUNE_TEST_FAULT's (fulltune/faults.py), which do nothing in real runs.
+    `hooks` default to FULLTUNE_TEST_FAULT's (fulltune/runtime/faults.py), which do nothing in real runs.
 
     Raises:
         ConfigError: the device or a setting cannot work (e.g. CUDA requested but absent).
@@ -827,10 +828,10 @@ def _write_marker(path: Path, payload: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m fulltune.train JOB.json`: 0 done, 2 user error, 3 out of memory."""
+    """`python -m fulltune.runtime.train JOB.json`: 0 done, 2 user error, 3 out of memory."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m fulltune.train JOB.json", file=sys.stderr)
+        print("usage: python -m fulltune.runtime.train JOB.json", file=sys.stderr)
         return EXIT_USER_ERROR
     job_file = Path(args[0])
     if not job_file.is_file():
@@ -844,7 +845,7 @@ def main(argv: list[str] | None = None) -> int:
         output_dir = Path(job.paths.output_dir)
         validate_job(job)
         if job.plan.device == "cpu":
-            allocator.return_large_blocks()  # resident memory follows the live tensors (fulltune/memory/allocator.py)
+            allocator.return_large_blocks()  # resident memory follows the live tensors (fulltune/runtime/allocator.py)
         if completed_result(output_dir) is not None:
             print(f"fulltune train: {output_dir / MODEL_DIR} is already complete", file=sys.stderr)
             return 0

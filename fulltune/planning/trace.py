@@ -1,10 +1,10 @@
 """Run the trainer's step on a real model and read its memory: traced (no memory spent) or measured.
 
-Both run the trainer's own step, `fulltune.step.run_step` (see `estimate.py`): the optimizer from
-`fulltune.optim.optimizer_for`, autocast for mixed precision with the logits upcast to fp32, the summed
-cross-entropy of the target positions normalised by the step's targets (`fulltune.loss`), clipping, the
+Both run the trainer's own step, `fulltune.runtime.step.run_step` (see `estimate.py`): the optimizer from
+`fulltune.runtime.optim.optimizer_for`, autocast for mixed precision with the logits upcast to fp32, the summed
+cross-entropy of the target positions normalised by the step's targets (`fulltune.runtime.loss`), clipping, the
 optimizer step and `zero_grad(set_to_none=True)`, with the levers' hooks. Accelerate's `Accelerator` is
-replaced by `fulltune.step.LocalAccelerator`: its process-wide state cannot change mixed precision between
+replaced by `fulltune.runtime.step.LocalAccelerator`: its process-wide state cannot change mixed precision between
 two measurements in one process.
 
 - `simulate_memory` builds the model under `FakeTensorMode` and records every storage with
@@ -36,7 +36,7 @@ def make_batch(vocab: int, settings: Settings, device: str) -> tuple[dict[str, A
     worst case the estimate assumes) unless `settings.target_fraction` leaves the first ones out."""
     import torch
 
-    from fulltune.loss import Targets
+    from fulltune.runtime.loss import Targets
 
     b, s = settings.micro_batch_size, settings.seq_len
     input_ids = torch.randint(0, vocab, (b, s), device=device)
@@ -71,7 +71,7 @@ def _micro_batches(settings: Settings, steps: int, short: bool) -> list[int]:
 
 def train_steps(model: Any, optimizer: Any, settings: Settings, steps: int, device: str, tracker: Any = None,
                 short: bool = False) -> None:
-    """`steps` optimizer steps of the one training step (fulltune/step.py) on micro-batches of `settings`' shape.
+    """`steps` optimizer steps of the one training step (fulltune/runtime/step.py) on micro-batches of `settings`' shape.
 
     Under FakeTensorMode (`tracker` given on fake tensors) nothing can be read back: the step's finite checks
     pass without a sync. MemTracker refuses a second forward of the root module unless its module stats are
@@ -79,7 +79,7 @@ def train_steps(model: Any, optimizer: Any, settings: Settings, steps: int, devi
     """
     from torch._subclasses.fake_tensor import is_fake
 
-    from fulltune.step import local_parts, run_step
+    from fulltune.runtime.step import local_parts, run_step
 
     fake = is_fake(next(model.parameters()))
     reset = tracker.reset_mod_stats if tracker is not None else None
@@ -104,11 +104,11 @@ def _check_single_process(settings: Settings) -> None:
 def build_model(config: Any, settings: Settings) -> Any:
     from transformers import AutoModelForCausalLM
 
-    from fulltune.memory.checkpointing import apply_gradient_checkpointing
+    from fulltune.runtime.checkpointing import apply_gradient_checkpointing
 
     import torch
 
-    from fulltune.offload import ActivationOffload
+    from fulltune.runtime.offload import ActivationOffload
 
     # bf16 weights are made bf16 from the start: `model.to` cannot swap FakeTensor parameters, and the
     # trainer's cast of a fp32 model ends in the same tensors.
@@ -117,7 +117,7 @@ def build_model(config: Any, settings: Settings) -> Any:
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=settings.attn_implementation,
                                              **dtype)
     model.train()
-    # In the trainer's order (fulltune/train.py): checkpointing, bf16 weights, activation offload.
+    # In the trainer's order (fulltune/runtime/train.py): checkpointing, bf16 weights, activation offload.
     apply_gradient_checkpointing(model, settings.gradient_checkpointing)
     if settings.offload_activations:
         ActivationOffload().install(model)
@@ -202,7 +202,7 @@ def _static_nonzero() -> Iterator[None]:
     """Under FakeTensorMode, `Tensor.nonzero` returns its largest possible result (one index per element).
 
     A FakeTensor has no values, so an op whose output size depends on them cannot be traced; the chunked
-    head's backward (fulltune/loss.py) finds each tile's target columns with `nonzero` on a (rows,) mask.
+    head's backward (fulltune/runtime/loss.py) finds each tile's target columns with `nonzero` on a (rows,) mask.
     The worst case (every row) is rows × 8 bytes: the same memory to within a few KiB.
     """
     import torch
@@ -235,7 +235,7 @@ def simulate_memory(model_source: Any, settings: Settings, steps: int = 2, short
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from fulltune import optim
+    from fulltune.runtime import optim
 
     _check_single_process(settings)
     traced = settings if settings.device == "cpu" else _on_cpu(settings)
@@ -277,7 +277,7 @@ def measure_memory(config: Any, settings: Settings, steps: int = 2) -> int:
         return measure_cuda(config, settings, steps)["allocated"]
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from fulltune import optim
+    from fulltune.runtime import optim
 
     torch.manual_seed(0)
     with quiet():
@@ -298,7 +298,7 @@ def measure_cuda(config: Any, settings: Settings, steps: int = 2) -> dict[str, i
     (`torch.cuda.max_memory_allocated`), "reserved": the allocator's reserved peak (`max_memory_reserved`)}."""
     import torch
 
-    from fulltune import optim
+    from fulltune.runtime import optim
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()

@@ -142,7 +142,7 @@ def shard_model(model: Any, device: str = "cpu", mixed_precision: str = "no", me
     """
     from torch.distributed.fsdp import fully_shard
 
-    from fulltune.memory.checkpointing import decoder_layers
+    from fulltune.runtime.checkpointing import decoder_layers
 
     mesh = mesh if mesh is not None else device_mesh(device)
     # Every unit gets the same policies: FSDP2 moves a unit's shards per its own policy, and a unit left
@@ -175,7 +175,7 @@ def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision
     2. `before_shard(model)` applies what must precede sharding: gradient checkpointing, the TargetHead
        hook, a pure-bf16 cast (`model.to(torch.bfloat16)` on meta parameters is free).
     3. `shard_model` (the same units as for a loaded model), or with `parallel` (a
-       `fulltune.parallel.ParallelPlan` with tensor parallel) its TP plan and FSDP over its "dp" mesh;
+       `fulltune.runtime.parallel.ParallelPlan` with tensor parallel) its TP plan and FSDP over its "dp" mesh;
        then `to_empty` on the mesh's device: each process allocates its own shards only, and the buffers
        get their values back.
     4. Each process reads only its shards' slices from the checkpoint's safetensors files
@@ -359,7 +359,7 @@ def clip_grad_norm_(model: Any, max_norm: float) -> Any:
 
     `torch.nn.utils.clip_grad_norm_` handles DTensor gradients (the norm's reduction over shards is a
     DTensor collective; torch 2.13); its result is a replicated DTensor, which the trainer cannot mix
-    with plain tensors, hence `full_tensor()`. Under tensor parallel (fulltune/parallel.py) the gradients
+    with plain tensors, hence `full_tensor()`. Under tensor parallel (fulltune/runtime/parallel.py) the gradients
     have several layouts (split by rows, by columns, replicated), whose norms DTensor cannot stack: each
     layout's norm is taken apart, made a plain number, and the total formed from those.
     """

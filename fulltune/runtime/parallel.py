@@ -99,7 +99,7 @@ class ParallelPlan:
     def check_model(self, model: Any) -> None:
         """ConfigError naming distributed.tensor_parallel when `model` cannot be split T ways."""
         check_model_config(model.config, self.tensor_parallel)
-        from fulltune.memory.checkpointing import decoder_layers
+        from fulltune.runtime.checkpointing import decoder_layers
 
         for layer in decoder_layers(model):
             attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -122,7 +122,7 @@ class ParallelPlan:
         FSDP2 over the "dp" mesh. Call it where
         `sharding.shard_model` would be called: after the levers, before the optimizer, on a model on the
         meta device or with the same weights in every process."""
-        from fulltune import sharding
+        from fulltune.runtime import sharding
 
         self.check_model(model)
         mesh = mesh if mesh is not None else self.mesh(device)
@@ -130,7 +130,7 @@ class ParallelPlan:
         # FSDP2 also over a "dp" mesh of one process (pure TP): it then shards nothing, but its mixed-precision
         # policy casts the gathered weights to bf16 as under FSDP, and checkpoints and the export take one path.
         sharding.shard_model(model, device=device, mixed_precision=mixed_precision, mesh=mesh["dp"])
-        # The training step (fulltune/step.py) scales every process's loss by the number of processes, as data
+        # The training step (fulltune/runtime/step.py) scales every process's loss by the number of processes, as data
         # parallel needs; the processes of a tp group train on the same rows, so the gradients are divided by
         # all processes, not by the dp ones only. Over several dp processes: a plain sum, then the division
         # (gloo has no pre-scaled sum); over one, FSDP2 divides its copy itself (a forced sum would divide twice).
@@ -164,7 +164,7 @@ def tensor_parallelize(model: Any, mesh: Any) -> None:
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                    RowwiseParallel, SequenceParallel, parallelize_module)
 
-    from fulltune.memory.checkpointing import decoder_layers
+    from fulltune.runtime.checkpointing import decoder_layers
 
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embedding.weight

@@ -41,8 +41,8 @@ from fulltune.errors import ConfigError, DataError, UserError
 from fulltune.spec import DataSpec
 
 if TYPE_CHECKING:
-    from fulltune.harness import Benchmarks
-    from fulltune.registry import Champion
+    from fulltune.evaluation.harness import Benchmarks
+    from fulltune.tracking.registry import Champion
     from fulltune.spec import PipelineSpec
 
 Progress = Callable[[str], None]
@@ -63,7 +63,7 @@ class ModelMetrics:
     generated_examples: int = 0
     samples: tuple[tuple[str, str, str], ...] = ()  # (prompt, expected, generated) for the report
     target_bytes: int = 0  # UTF-8 bytes of the text the target tokens decode to
-    # lm-evaluation-harness (`<task>/<metric>`) and evaluate.metrics values (fulltune/harness.py)
+    # lm-evaluation-harness (`<task>/<metric>`) and evaluate.metrics values (fulltune/evaluation/harness.py)
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -158,7 +158,7 @@ def evaluate_model(model_path: str, tokenizer_path: str, rows: list[dict[str, An
     import torch
 
     from fulltune.data import collate
-    from fulltune.loss import TargetHead, Targets
+    from fulltune.runtime.loss import TargetHead, Targets
     from fulltune.models import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_path, revision=load_kwargs.get("revision"),
@@ -448,7 +448,7 @@ def evaluate_candidates(spec: PipelineSpec, *, eval_file: str, base_model: str, 
     `base_dir` is the pipelines file's directory (task YAMLs and metric modules are found from there);
     the champion's checkpoint is downloaded under `<workdir>/champions/`.
     """
-    from fulltune.harness import Benchmarks
+    from fulltune.evaluation.harness import Benchmarks
     from fulltune.models import hub_token
 
     e, m = spec.evaluate, spec.model
@@ -475,7 +475,7 @@ def compare_with_champion(spec: PipelineSpec, rows: list[dict[str, Any]], metric
     from pathlib import Path
 
     from fulltune.models import hub_token, load_tokenizer
-    from fulltune.registry import download_version
+    from fulltune.tracking.registry import download_version
 
     if champion is None:
         return EvalReport(metrics, len(rows))

@@ -47,10 +47,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from fulltune.faults import TrainHooks
+from fulltune.runtime.faults import TrainHooks
 
 if TYPE_CHECKING:
-    from fulltune.launch import TrainJob
+    from fulltune.runtime.launch import TrainJob
     from fulltune.memory.shapes import ModelShape
     from fulltune.memory.types import Settings
     from fulltune.stages import BudgetDecision, ResolvedPipeline
@@ -116,7 +116,7 @@ def options(value: Any) -> Options:
 class StepProbe(TrainHooks):
     """Times the trainer's optimizer steps and reads the peak memory, in the training child.
 
-    `hooks_from_env` (fulltune/faults.py) returns it when PROBE_ENV is set. At the start of every step it
+    `hooks_from_env` (fulltune/runtime/faults.py) returns it when PROBE_ENV is set. At the start of every step it
     records `time.perf_counter()` and the peak so far into `<dir>/probe-<rank>.json`; at the start of step
     `stop_at` the steps before it are complete, and it ends the process (exit 0) before the trainer exports
     anything. Past `deadline` (Unix time) it records the timeout and kills the process. Other hooks (a test's
@@ -281,7 +281,7 @@ def _write_measurement(workdir: str | Path, key: str, entry: dict[str, Any]) -> 
 
 def analytic_step_seconds(shape: ModelShape, settings: Settings) -> float:
     """The planner's step time without any calibration."""
-    from fulltune.memory import planner
+    from fulltune.planning import planner
 
     token = planner.STEP_TIME_CORRECTION.set(None)
     try:
@@ -331,7 +331,7 @@ def calibration(workdir: str | Path, kind: str) -> dict[str, float]:
 def calibrated(workdir: str | Path, device: str) -> Iterator[dict[str, float]]:
     """Within the block the planner's `step_seconds` reads this device kind's measured corrections
     (`calibration`); yields the factors (empty: the analytic model as it is)."""
-    from fulltune.memory import planner
+    from fulltune.planning import planner
 
     factors = calibration(workdir, device_kind(hardware(device)))
     correction = None
@@ -425,7 +425,7 @@ def measure(job: TrainJob, opts: Options, timeout: float, step_tokens: list[int]
     non-padding tokens of the timed steps."""
     import shutil
 
-    from fulltune import launch
+    from fulltune.runtime import launch
     from fulltune.errors import UserError
 
     stop_at = opts.warmup_steps + opts.steps + 1
@@ -476,7 +476,7 @@ def _probe_records(output_dir: Path) -> list[dict[str, Any]]:
 
 def _step_tokens(train_file: str, rows_per_step: int, seed: int, first: int, count: int) -> list[int]:
     """Non-padding tokens of optimizer steps first … first + count − 1 (0-based), as the trainer orders them."""
-    from fulltune.batching import StepSchedule, TokenizedRows
+    from fulltune.data.batching import StepSchedule, TokenizedRows
 
     rows = TokenizedRows(train_file)
     schedule = StepSchedule(rows.lengths, rows_per_step, seed)
@@ -520,7 +520,7 @@ def tune(p: ResolvedPipeline, decision: BudgetDecision, data: Any, tokenizer: st
     time, each with an equal share of what is left of `opts.max_seconds`. Never raises for a candidate:
     an out-of-memory, a failure or a timeout is recorded in its Trial.
     """
-    from fulltune import launch
+    from fulltune.runtime import launch
     from fulltune.memory.shapes import model_shape
     from fulltune.models import prepare_base_model, read_model_config
 
@@ -709,7 +709,7 @@ def tokenized(p: ResolvedPipeline) -> tuple[Any, str]:
     """(TokenizedData, tokenizer directory): the tokenize stage's cached outputs, else built by the stage's
     own function (same fingerprinted directory and marker, so the stage finds them done)."""
     from fulltune.stages import tokenize_key
-    from fulltune.tokenize import tokenize
+    from fulltune.stages.tokenize import tokenize
 
     cached = _cached_data(p, with_tokenizer=True)
     if cached is not None:
@@ -784,7 +784,7 @@ def choose_packing(p: ResolvedPipeline, tokenizer: str) -> tuple[bool, str]:
     """
     import numpy as np
 
-    from fulltune.batching import TokenizedRows
+    from fulltune.data.batching import TokenizedRows
     from fulltune.data.store import _pack
 
     spec = p.spec.data

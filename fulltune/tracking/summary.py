@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fulltune import registry
+from fulltune.tracking import registry
 
 
 @dataclass(frozen=True)

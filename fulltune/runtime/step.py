@@ -1,6 +1,6 @@
 """One training step — forward of each micro-batch → loss normalised by the step's target tokens → backward →
-clip → optimizer step — with the levers' hooks. The trainer (fulltune/train.py), the memory trace and
-`measure_memory` (fulltune/memory/trace.py), the device check and the benchmarks all run this function, so
+clip → optimizer step — with the levers' hooks. The trainer (fulltune/runtime/train.py), the memory trace and
+`measure_memory` (fulltune/planning/trace.py), the device check and the benchmarks all run this function, so
 the memory model is checked against the step that trains.
 
     run_step(parts, micro_batches, step, step_targets)
@@ -21,9 +21,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from fulltune import sharding
-from fulltune.faults import TrainHooks
-from fulltune.loss import TargetHead, Targets
+from fulltune.runtime import sharding
+from fulltune.runtime.faults import TrainHooks
+from fulltune.runtime.loss import TargetHead, Targets
 
 MicroBatch = tuple[dict[str, Any], Targets]
 
@@ -120,7 +120,7 @@ class OptimizerStep:
         """Clip the (all-reduced) gradients; under fp16 this unscales them first."""
         wrapper = getattr(self.optimizer, "optimizer", self.optimizer)  # under accelerate's AcceleratedOptimizer
         if hasattr(wrapper, "clip_grad_norm_"):
-            # Step in backward / host offload: the gradients are not on the parameters (fulltune/optim.py).
+            # Step in backward / host offload: the gradients are not on the parameters (fulltune/runtime/optim.py).
             norm = wrapper.clip_grad_norm_(self.max_grad_norm)
         elif sharding.is_sharded(self.model):
             norm = sharding.clip_grad_norm_(self.model, self.max_grad_norm)
@@ -140,7 +140,7 @@ class OptimizerStep:
 
 @dataclass
 class StepParts:
-    """What a step runs on, built once per run (`fulltune.train.setup`, `fulltune.memory.trace`)."""
+    """What a step runs on, built once per run (`fulltune.runtime.train.setup`, `fulltune.planning.trace`)."""
 
     accelerator: Any  # accelerate.Accelerator or LocalAccelerator
     model: torch.nn.Module  # as prepared (DDP wrapper, compiled) or FSDP2-sharded

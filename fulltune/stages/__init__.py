@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fulltune import harness, hub, levers
+from fulltune import hub, levers
+from fulltune.evaluation import harness
 from fulltune.errors import BudgetError, ConfigError, DataError
 from fulltune.memory.budget import Budget, resolve_budget
 from fulltune.memory.types import Settings
@@ -34,17 +35,16 @@ STAGES = (TOKENIZE, MEMORY_BUDGET, FINE_TUNE, EVALUATE, REGISTER)
 
 # The engine modules each stage runs: their source is part of the stage's cache key.
 STAGE_CODE = {
-    TOKENIZE: ("tokenize.py", "data", "tokenizer.py", "storage.py", "hub.py", "models.py"),
-    # autotune.py: the budget stage measures candidates with it, in child runs of the trainer on the data
-    # tokenized both ways (everything from "batching.py" on).
-    MEMORY_BUDGET: ("memory", "flops.py", "loss.py", "optim.py", "offload.py", "models.py", "stages.py", "autotune.py",
-                    "levers.py", "batching.py", "train.py", "step.py", "launch.py", "faults.py", "sharding.py",
-                    "rendezvous.py", "data", "tokenizer.py", "storage.py", "hub.py", "parallel.py", "tokenize.py"),
-    FINE_TUNE: ("finetune.py", "train.py", "step.py", "launch.py", "batching.py", "faults.py", "replan.py", "loss.py", "optim.py",
-                "offload.py", "sharding.py", "rendezvous.py", "storage.py", "models.py", "flops.py", "data", "memory",
-                "levers.py", "hub.py", "stages.py", "parallel.py"),  # stages.py: an out-of-memory replan plans with it
-    EVALUATE: ("evaluate.py", "harness.py", "loss.py", "data", "models.py", "hub.py", "registry.py"),
-    REGISTER: ("registry.py", "evaluate.py"),
+    TOKENIZE: ("stages/tokenize.py", "data", "storage.py", "hub.py", "models.py"),
+    # The budget stage measures candidates (planning/autotune.py) in child runs of the trainer on the data
+    # tokenized both ways: the whole runtime and the tokenize stage.
+    MEMORY_BUDGET: ("memory", "planning", "runtime", "data", "stages/__init__.py", "stages/tokenize.py", "models.py",
+                    "levers.py", "storage.py", "hub.py"),
+    # An out-of-memory replan plans with the planner and the stages' planning inputs.
+    FINE_TUNE: ("stages/finetune.py", "stages/__init__.py", "runtime", "planning/replan.py", "planning/planner.py",
+                "planning/trace.py", "memory", "data", "models.py", "levers.py", "hub.py", "storage.py"),
+    EVALUATE: ("evaluation", "runtime/loss.py", "data", "models.py", "hub.py", "tracking/registry.py"),
+    REGISTER: ("tracking/registry.py", "evaluation/evaluate.py"),
 }
 
 
@@ -191,7 +191,7 @@ def model_config_key(p: ResolvedPipeline) -> str | None:
 
 
 def tokenize_key(p: ResolvedPipeline) -> str:
-    from fulltune.tokenizer import tokenizer_revision
+    from fulltune.data.tokenizer import tokenizer_revision
 
     spec = p.spec
     tokenizer = spec.model.tokenizer if spec.model.tokenizer is not None else spec.model.name_or_path
@@ -209,8 +209,8 @@ def tokenize_key(p: ResolvedPipeline) -> str:
 
 
 def _packing_choice_key(p: ResolvedPipeline) -> dict[str, Any]:
-    """What `data.packing: auto` is decided by (fulltune/autotune.py `choose_packing`)."""
-    from fulltune.autotune import packing_choice_key
+    """What `data.packing: auto` is decided by (fulltune/planning/autotune.py `choose_packing`)."""
+    from fulltune.planning.autotune import packing_choice_key
 
     return packing_choice_key(p)
 
@@ -242,13 +242,13 @@ def budget_key(p: ResolvedPipeline, train_fingerprint: str) -> str:
         "budget": spec.budget.model_dump(mode="json"), "train": spec.train.model_dump(mode="json"),
         "distributed": spec.distributed.model_dump(mode="json"),
         "resolved": asdict(resolved_budget(p)),
-        # Step times measured on this kind of device rerank the candidates (fulltune/autotune.py).
+        # Step times measured on this kind of device rerank the candidates (fulltune/planning/autotune.py).
         "step_time_calibration": _calibration_key(p, resolved_budget(p).device),
     })
 
 
 def _calibration_key(p: ResolvedPipeline, device: str) -> dict[str, float]:
-    from fulltune.autotune import calibration_key
+    from fulltune.planning.autotune import calibration_key
 
     return calibration_key(p.workdir, device)
 
@@ -436,7 +436,7 @@ class BudgetDecision:
 def planned_rows(p: ResolvedPipeline, data: Any) -> tuple[int, float]:
     """(seq_len, target_fraction) to plan for, from the tokenized data: packed rows are padded to
     data.max_length, unpacked micro-batches to their longest row; a row never has more positions with
-    a target than the most in the data (the output head's share, fulltune/loss.py)."""
+    a target than the most in the data (the output head's share, fulltune/runtime/loss.py)."""
     seq_len = p.spec.data.max_length if data.packing else data.max_row_length
     if not data.max_row_targets or seq_len < 2:
         return seq_len, 1.0
@@ -471,7 +471,7 @@ def _planned_vocab(p: ResolvedPipeline, tokenizer: str | None) -> int | None:
     if tokenizer is None:
         if not isinstance(model.tokenizer, str):  # {vocab_size: N}, trained by the tokenize stage
             return getattr(model.tokenizer, "vocab_size", None)
-        from fulltune.tokenizer import prepare_tokenizer
+        from fulltune.data.tokenizer import prepare_tokenizer
 
         tokenizer = prepare_tokenizer(model, p.spec.data, p.workdir)
     return len(load_tokenizer(tokenizer, trust_remote_code=model.trust_remote_code))
@@ -506,7 +506,7 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         tensor_parallel=None if d.tensor_parallel == "auto" else d.tensor_parallel,  # auto: the planner chooses
         bf16_supported=budget.bf16_supported,
         # Packed rows restart position_ids, so transformers builds a block mask per layer; unpacked rows
-        # are right-padded and the trainer passes no mask at all (see fulltune/train.py).
+        # are right-padded and the trainer passes no mask at all (see fulltune/runtime/train.py).
         attention_mask=p.spec.data.packing is not False,  # `auto` not yet resolved: plan for the mask
         target_fraction=target_fraction,
         **{lever: None if getattr(t, lever) == "auto" else bool(getattr(t, lever)) for lever in LEVERS},
@@ -525,7 +525,8 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
     Raises BudgetError (exit 2, with the breakdown) when nothing fits, or when the configured settings
     do not fit and `budget.on_overflow` is `fail`.
     """
-    from fulltune.memory import format_plan_table, plan_memory, render_breakdown_png
+    from fulltune.memory import format_plan_table, render_breakdown_png
+    from fulltune.planning import plan_memory
     from fulltune.models import read_model_config
 
     budget = resolved_budget(p)
@@ -533,7 +534,7 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
     check_model_builds(p, remember=True)  # `plan` and a budget stage run by a deployment: no check before them
     check_positions(p, config)
     # Tensor parallel splits heads and MLP columns evenly: refused here, before anything trains.
-    from fulltune.parallel import check_model_config
+    from fulltune.runtime.parallel import check_model_config
 
     if p.spec.distributed.tensor_parallel != "auto":  # auto: the planner tries only the degrees that split them
         check_model_config(config, p.spec.distributed.tensor_parallel, f"pipelines.{p.name}.")
@@ -637,7 +638,7 @@ def ensure_local_data(p: ResolvedPipeline, check_hub: bool = False) -> None:
 
 def _references(p: ResolvedPipeline) -> list[tuple[str, str, str, str | None]]:
     """(YAML field, reference, kind, hub revision) of every file or repository the pipeline reads."""
-    from fulltune.tokenizer import tokenizer_revision
+    from fulltune.data.tokenizer import tokenizer_revision
 
     m, d = p.spec.model, p.spec.data
     refs = [("data.train", d.train, "data", None)]
@@ -661,7 +662,7 @@ def check_sources(p: ResolvedPipeline, check_hub: bool = True,
     left to run time, which a note says. A `model.from_config` is built on the meta device
     (`check_model_builds`; with `remember`, not again when this workdir has built it before).
     """
-    from fulltune.tokenizer import TOKENIZER_FILES
+    from fulltune.data.tokenizer import TOKENIZER_FILES
 
     problems, notes = [], []
     try:

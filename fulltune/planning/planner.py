@@ -108,13 +108,13 @@ def cpu_bf16_units() -> bool:
 def step_seconds(shape: ModelShape, settings: Settings) -> float:
     """Estimated wall time of one optimizer step (ranking only, not a promise).
 
-    Model FLOPs per token from fulltune/flops.py (rows of one document, the output head at the
+    Model FLOPs per token from fulltune/memory/flops.py (rows of one document, the output head at the
     `target_fraction` of positions with a target), plus one more forward of each checkpointed layer
     (a third of that layer's training FLOPs) at `_RECOMPUTE_OVERHEAD`; throughput grows with tokens
     per micro-batch. Under tensor parallel each rank computes 1/T of every matmul and waits for the TP
     group's collectives (`tensor_parallel_seconds`).
     """
-    from fulltune.flops import from_shape
+    from fulltune.memory.flops import from_shape
 
     s, b = settings.seq_len, settings.micro_batch_size
     k = min(settings.gradient_checkpointing, shape.num_layers)
@@ -140,7 +140,7 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
 
 
 # Measured corrections of this model for the machine at hand: a factor per kind of step, set by
-# fulltune/autotune.py (`calibrated`) from the step times it measured on this kind of device. Unset,
+# fulltune/planning/autotune.py (`calibrated`) from the step times it measured on this kind of device. Unset,
 # the constants above stand.
 STEP_TIME_CORRECTION: contextvars.ContextVar[Callable[[Settings], float] | None] = contextvars.ContextVar(
     "step_time_correction", default=None)
@@ -158,7 +158,7 @@ def tensor_parallel_seconds(shape: ModelShape, settings: Settings) -> float:
 
 def lever_seconds(shape: ModelShape, settings: Settings) -> dict[str, float]:
     """Step time the levers add beyond compute and the device optimizer (assumed constants above)."""
-    from fulltune.flops import from_shape
+    from fulltune.memory.flops import from_shape
 
     s, b, ga = settings.seq_len, settings.micro_batch_size, settings.gradient_accumulation_steps
     h, P = shape.hidden, shape.num_params
@@ -189,7 +189,7 @@ def lever_seconds(shape: ModelShape, settings: Settings) -> dict[str, float]:
 
 
 def _lever_host_traffic(shape: ModelShape, settings: Settings) -> float:
-    """Bytes the host optimizer reads and writes per step: masters, gradients and states (fulltune.optim)."""
+    """Bytes the host optimizer reads and writes per step: masters, gradients and states (fulltune.runtime.optim)."""
     from fulltune.memory.lever_bytes import lever_bytes
 
     levers = lever_bytes(shape, settings)
@@ -382,7 +382,7 @@ def _lever_options(shape: ModelShape, request: PlanRequest, levers: dict[str, bo
 
 
 def _torchao_available() -> bool:
-    from fulltune.optim import torchao_available
+    from fulltune.runtime.optim import torchao_available
 
     return torchao_available()
 
@@ -496,7 +496,7 @@ def tensor_parallel_degrees(shape: ModelShape, request: PlanRequest) -> tuple[li
     from types import SimpleNamespace
 
     from fulltune.errors import ConfigError
-    from fulltune.parallel import check_model_config
+    from fulltune.runtime.parallel import check_model_config
 
     if request.tensor_parallel is not None:
         return [request.tensor_parallel], {}
@@ -627,7 +627,7 @@ def trace_is_cheap(shape: ModelShape, request: PlanRequest) -> bool:
 def _traced(config: Any, shape: ModelShape, candidates: list[_Candidate], usable: int
             ) -> tuple[list[_Candidate], tuple[str, ...]]:
     """Trace the fastest fitting candidate; while the larger of estimate and trace does not fit, the next."""
-    from fulltune.memory.trace import simulate_memory
+    from fulltune.planning.trace import simulate_memory
 
     candidates = list(candidates)
     reasons = []
@@ -828,7 +828,7 @@ _FSDP_OFFLOAD_TEXT = ("FSDP's CPU offload (every rank's parameter, gradient and 
 
 def _pure_bf16_text(settings: Settings) -> str:
     """What pure bf16 means for the chosen optimizer: whether small updates survive the rounding."""
-    from fulltune.optim import default_compensation
+    from fulltune.runtime.optim import default_compensation
 
     if settings.offload_optimizer and settings.strategy != "fsdp":
         return "pure bf16 weights and gradients on the device; the fp32 masters on the host keep small updates"

@@ -1,7 +1,7 @@
 """Train a planned job, replanning a smaller step when the device runs out of memory.
 
 The memory plan is an estimate; when the child still runs out of memory (exit 3), the planner is asked
-again with the observed peak (fulltune.memory.replan_after_oom): a smaller micro-batch with the same
+again with the observed peak (fulltune.planning.replan_after_oom): a smaller micro-batch with the same
 effective batch, more checkpointed layers, or a cheaper lever. At most MAX_OOM_REPLANS times. The
 replanned run resumes from the failed run's newest checkpoint when it can (launch.resume_conflict).
 
@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from fulltune import launch
-from fulltune.launch import OutOfMemory, TrainJob, TrainResult, resume_conflict
+from fulltune.runtime import launch
+from fulltune.runtime.launch import OutOfMemory, TrainJob, TrainResult, resume_conflict
 from fulltune.memory.types import Settings
 
 MAX_OOM_REPLANS = 2
@@ -85,7 +85,7 @@ def replan_output_dir(p: Any, key: str, failed: TrainJob, replanned: TrainJob, r
 
 def replan_settings(p: Any, decision: Any, settings: Settings, peak: int | None) -> Settings:
     """The planner's next settings after `settings` ran out of memory at `peak` bytes (None: unknown)."""
-    from fulltune.memory import replan_after_oom
+    from fulltune.planning import replan_after_oom
     from fulltune.models import read_model_config
     from fulltune.stages import plan_request
 

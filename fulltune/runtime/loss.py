@@ -190,7 +190,7 @@ class TargetHead:
     (`ChunkedLinearCrossEntropy`) and hands the model an empty (t, 0) logits tensor computed from that loss.
     The recompute reads the head's weight (and backward the final norm's) after the forward: under FSDP2 the
     returned loss depends on the model's output, whose pre-backward hooks gather those units again first, tied
-    embedding or not (fulltune/sharding.py). A model that bypasses its head module falls back to whole logits.
+    embedding or not (fulltune/runtime/sharding.py). A model that bypasses its head module falls back to whole logits.
     """
 
     def __init__(self, model: torch.nn.Module, chunked: bool = False, row_chunk: int = ROW_CHUNK,

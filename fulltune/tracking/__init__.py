@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fulltune import registry
+from fulltune.tracking import registry
 from fulltune.errors import ConfigError
 from fulltune.stages import REGISTER, ResolvedPipeline, read_marker
 

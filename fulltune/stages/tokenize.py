@@ -15,11 +15,11 @@ def tokenize(p: ResolvedPipeline, key: str) -> tuple[Any, str]:
     """Prepare the tokenizer and tokenize the data; returns (TokenizedData, tokenizer path or hub id)."""
     from fulltune.data import tokenize_dataset
     from fulltune.models import hub_token
-    from fulltune.tokenizer import prepare_tokenizer
+    from fulltune.data.tokenizer import prepare_tokenizer
 
     m = p.spec.model
     tokenizer = prepare_tokenizer(m, p.spec.data, p.workdir)
-    from fulltune.autotune import resolve_packing
+    from fulltune.planning.autotune import resolve_packing
 
     # `data.packing: auto` becomes true or false here, whichever layout trains faster.
     data = tokenize_dataset(resolve_packing(p, tokenizer), tokenizer, p.workdir, p.spec.train.seed,

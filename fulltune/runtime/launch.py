@@ -6,9 +6,9 @@ the flow process, and one process, several processes and several GPUs are the sa
     run_training(job)
       ├─ output_dir/model/ + result.json present → return the saved TrainResult (nothing runs)
       ├─ write output_dir/JOB.json (and output_dir/accelerate.yaml for accelerate launch)
-      ├─ one process:          python -m fulltune.train JOB.json
-      │  several on CPU, fsdp: torchrun --standalone --nproc_per_node N -m fulltune.train JOB.json
-      │  ddp on CUDA:          accelerate launch --config_file accelerate.yaml -m fulltune.train JOB.json
+      ├─ one process:          python -m fulltune.runtime.train JOB.json
+      │  several on CPU, fsdp: torchrun --standalone --nproc_per_node N -m fulltune.runtime.train JOB.json
+      │  ddp on CUDA:          accelerate launch --config_file accelerate.yaml -m fulltune.runtime.train JOB.json
       └─ exit 0 → TrainResult; 2 → UserError (the child's message); 3 → OutOfMemory; else RuntimeError
 
 The child runs in its own session and ends itself when this process is gone (LAUNCHER_ENV), so a
@@ -93,7 +93,7 @@ PLAN_ONLY_SETTINGS = ("seq_len", "attention_mask", "target_fraction")
 
 
 class TrainJob(Strict):
-    """Everything the child needs: `python -m fulltune.train JOB.json`.
+    """Everything the child needs: `python -m fulltune.runtime.train JOB.json`.
 
     Where the child reads each thing, one place each:
     - `plan` (fulltune.memory.Settings, what the memory plan chose): micro_batch_size,
@@ -353,23 +353,23 @@ def training_command(job: TrainJob, job_file: Path) -> list[str]:
     """The command line that runs the child (see the module docstring)."""
     distributed = job.distributed
     if distributed.num_processes == 1 and distributed.strategy == "none":
-        return [sys.executable, "-m", "fulltune.train", str(job_file)]
+        return [sys.executable, "-m", "fulltune.runtime.train", str(job_file)]
     if distributed.strategy in ("ddp", "fsdp"):
-        from fulltune.rendezvous import launch_command
+        from fulltune.runtime.rendezvous import launch_command
 
         # several machines: c10d
         command = launch_command(job_file, distributed.num_processes, distributed.num_machines)
         if command is not None:
             return command
     if job.plan.device == "cpu" or distributed.strategy == "fsdp":
-        # FSDP shards the model itself (fulltune/sharding.py) on CPU and CUDA alike.
+        # FSDP shards the model itself (fulltune/runtime/sharding.py) on CPU and CUDA alike.
         # `accelerate launch --cpu --num_processes 2` ran a single process (accelerate 1.x);
         # torchrun gives Accelerate a MULTI_CPU (gloo) run.
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={distributed.num_processes}", "--module", "fulltune.train", str(job_file)]
+                f"--nproc_per_node={distributed.num_processes}", "--module", "fulltune.runtime.train", str(job_file)]
     config_file = job_file.parent / ACCELERATE_CONFIG_FILE
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
-            "--module", "fulltune.train", str(job_file)]
+            "--module", "fulltune.runtime.train", str(job_file)]
 
 
 def run_training(job: TrainJob, on_output: Callable[[str], None] | None = None,

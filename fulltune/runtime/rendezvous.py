@@ -15,13 +15,13 @@ machine needs from its environment:
                             publishes there which job the others start (`publish_launch` / `follow`)
 
 Machine 0 runs the Prefect flow; when the flow reaches training, `launch_command` publishes the job file
-and returns machine 0's torchrun command. Every pod runs `python -m fulltune.rendezvous pod -- <the
+and returns machine 0's torchrun command. Every pod runs `python -m fulltune.runtime.rendezvous pod -- <the
 flow-run command>`: on machine 0 that runs the flow and then tells the others it ended; on the other
 machines it waits for each published launch, runs the same torchrun with its own rank, and leaves when
 machine 0's flow has ended.
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint job-0.fulltune-rdzv:29400
-             --rdzv-id <flow run> --rdzv-conf is_host=1 --max-restarts 0 --module fulltune.train JOB.json
+             --rdzv-id <flow run> --rdzv-conf is_host=1 --max-restarts 0 --module fulltune.runtime.train JOB.json
 
 `is_host` is set explicitly (1 on machine 0, 0 elsewhere) rather than guessed from the host name, so two
 agents on one host (the CI test) or a service name that differs from the pod's host name both work.
@@ -86,9 +86,9 @@ class Rendezvous:
                 "--rdzv-conf", f"is_host={1 if self.node_rank == 0 else 0}", "--max-restarts", "0"]
 
     def training_command(self, job_file: str | Path, nnodes: int, nproc_per_node: int) -> list[str]:
-        """The command that runs this machine's share of `python -m fulltune.train JOB.json`."""
+        """The command that runs this machine's share of `python -m fulltune.runtime.train JOB.json`."""
         return [sys.executable, "-m", "torch.distributed.run", *self.torchrun_args(nnodes, nproc_per_node),
-                "--module", "fulltune.train", str(job_file)]
+                "--module", "fulltune.runtime.train", str(job_file)]
 
     def publish_launch(self, job_file: str | Path, nnodes: int, nproc_per_node: int) -> Path:
         """Machine 0: tell the waiting machines to start `job_file` (a new file per launch: a retry
@@ -143,7 +143,7 @@ def _int(env: Mapping[str, str], name: str, default: str) -> int:
 
 def launch_command(job_file: str | Path, num_processes: int, num_machines: int,
                    env: Mapping[str, str] | None = None) -> list[str] | None:
-    """For fulltune.launch: this machine's torchrun command for a `num_machines` job, after publishing
+    """For fulltune.runtime.launch: this machine's torchrun command for a `num_machines` job, after publishing
     the launch to the other machines; None for one machine or without FULLTUNE_RDZV_ENDPOINT.
 
     Raises:
@@ -169,7 +169,7 @@ def pod_main(command: list[str], env: Mapping[str, str] | None = None) -> int:
     if rendezvous is not None and rendezvous.node_rank > 0:
         return rendezvous.follow()
     if not command:
-        print("usage: python -m fulltune.rendezvous pod -- COMMAND...", file=sys.stderr)
+        print("usage: python -m fulltune.runtime.rendezvous pod -- COMMAND...", file=sys.stderr)
         return 2
     code = subprocess.call(command)
     if rendezvous is not None and rendezvous.directory is not None:
@@ -179,10 +179,10 @@ def pod_main(command: list[str], env: Mapping[str, str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m fulltune.rendezvous pod -- COMMAND...` (see the module docstring)."""
+    """`python -m fulltune.runtime.rendezvous pod -- COMMAND...` (see the module docstring)."""
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] != "pod":
-        print("usage: python -m fulltune.rendezvous pod -- COMMAND...", file=sys.stderr)
+        print("usage: python -m fulltune.runtime.rendezvous pod -- COMMAND...", file=sys.stderr)
         return 2
     command = args[1:]
     if command[:1] == ["--"]:

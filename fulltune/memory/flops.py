@@ -4,7 +4,7 @@
 
 - per_token = 6 · (N − N_head − N_lookup): forward (2 per parameter and token) and backward (4) of every
   weight that multiplies, at every position (PaLM appendix B's 6N);
-- per_target = 6 · N_head: the output head runs only at the positions with a target (fulltune/loss.py);
+- per_target = 6 · N_head: the output head runs only at the positions with a target (fulltune/runtime/loss.py);
 - per_pair = 12 · L · a·d: the attention scores and their weighted sum (a heads of width d; PaLM's
   12·L·H·Q·T per token with T summed per document, since packed documents do not attend to each other).
 

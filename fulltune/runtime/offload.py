@@ -1,6 +1,6 @@
 """Checkpointed activations in host RAM: the inputs a checkpointed layer keeps for its recompute.
 
-A checkpointed decoder layer (fulltune/memory/checkpointing.py) keeps only its inputs for backward (the
+A checkpointed decoder layer (fulltune/runtime/checkpointing.py) keeps only its inputs for backward (the
 hidden states and the rotary tables, ~b·s·h in the compute dtype); with L layers checkpointed that is
 what remains of the activations. `ActivationOffload.install(model)` runs each checkpointed layer's
 checkpoint call under saved-tensor hooks that copy those inputs to host memory (pinned when CUDA is
@@ -55,7 +55,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         transformers runs a checkpointed layer's forward through the layer's `_gradient_checkpointing_func`
         (torch.utils.checkpoint); the hooks are pushed around that call.
         """
-        from fulltune.memory.checkpointing import decoder_layers
+        from fulltune.runtime.checkpointing import decoder_layers
 
         wrapped = 0
         for layer in decoder_layers(model):

@@ -219,9 +219,9 @@ def optimizer_for(model: torch.nn.Module, plan: Any, *, lr: float = 1e-4, weight
     """`build_optimizer` for planned settings (`plan`, a `fulltune.memory.Settings`): its optimizer and levers.
     The trainer, the memory trace, the device check and the benchmarks build their optimizers with this.
 
-    `offload_optimizer` on an FSDP2-sharded model is FSDP's CPU offload (fulltune/sharding.py), which already
+    `offload_optimizer` on an FSDP2-sharded model is FSDP's CPU offload (fulltune/runtime/sharding.py), which already
     keeps the shards and their gradients in host RAM: the plain optimizer, built on them, steps them there."""
-    from fulltune import sharding
+    from fulltune.runtime import sharding
 
     offload = plan.offload_optimizer and not sharding.is_sharded(model)
     return build_optimizer(model, plan.optimizer, lr=lr, weight_decay=weight_decay, pure_bf16=plan.pure_bf16,
@@ -409,7 +409,7 @@ class GatheredAdafactor(torch.optim.Optimizer):
 
     `param_groups` are this optimizer's own (an LR scheduler's writes reach the inner one at each step)
     and `state` holds the inner states keyed by the sharded parameters, so torch.distributed.checkpoint's
-    get_state_dict / set_state_dict (`fulltune.sharding.save_sharded_state`) save and restore them as
+    get_state_dict / set_state_dict (`fulltune.runtime.sharding.save_sharded_state`) save and restore them as
     replicated plain tensors.
     """
 
@@ -532,7 +532,7 @@ class InBackwardOptimizer(_GroupedWrapper):
     Under DDP the hooks see each process's own gradient before the all-reduce: not supported there.
     """
 
-    steps_in_backward = True  # its states are the inner optimizers' (fulltune/sharding.py saves those)
+    steps_in_backward = True  # its states are the inner optimizers' (fulltune/runtime/sharding.py saves those)
 
     def __init__(self, groups: list[dict[str, Any]], make: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
                  accumulation_steps: int = 1, max_grad_norm: float | None = None, skip_nonfinite: bool = True) -> None:
