@@ -37,3 +37,11 @@ class Interrupted(KeyboardInterrupt):
     """
 
     exit_code = 130
+
+
+def root_message(exc: BaseException) -> str:
+    """The innermost cause of an exception chain: what a library's wrapped error actually says."""
+    seen = exc
+    while seen.__cause__ is not None or seen.__context__ is not None:
+        seen = seen.__cause__ or seen.__context__
+    return str(seen) or type(seen).__name__

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fulltune.errors import ConfigError
+from fulltune.errors import ConfigError, root_message
 from fulltune.storage import atomic_dir, tree_sha256
 from fulltune.spec import ModelSpec
 
@@ -104,8 +104,6 @@ def load_tokenizer(path_or_id: str, *, revision: str | None = None, trust_remote
 
     Raises ConfigError naming the tokenizer when it cannot be loaded."""
     from transformers import AutoTokenizer
-
-    from fulltune.data.files import root_message
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(

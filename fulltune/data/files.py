@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fulltune import hub
-from fulltune.errors import DataError
+from fulltune.errors import DataError, root_message
 
 if TYPE_CHECKING:
     import datasets
@@ -271,14 +271,6 @@ def _diagnose_load_error(files: list[Path], builder: str, what: str, exc: BaseEx
                 return DataError(f"{what}: {problem}")
     where = files[0] if len(files) == 1 else f"{files[0].parent} ({len(files)} files)"
     return DataError(f"{what}: could not read {where} as {builder}: {root_message(exc)}; fix the file")
-
-
-def root_message(exc: BaseException) -> str:
-    """The innermost cause of an exception chain: what a library's wrapped error actually says."""
-    seen = exc
-    while seen.__cause__ is not None or seen.__context__ is not None:
-        seen = seen.__cause__ or seen.__context__
-    return str(seen) or type(seen).__name__
 
 
 def _json_kind(value: Any) -> str:

@@ -28,7 +28,7 @@ than one candidate fits. The whole tuning is capped at `max_seconds` of wall tim
 `data.packing: auto` is decided here too (`choose_packing`): by the predicted epoch time of each layout, or
 by measuring both under `budget.autotune: true`.
 
-This module never imports Prefect; the trainer's child imports it only for `StepProbe`.
+This module never imports Prefect; the trainer's child never imports it (its probe is `fulltune.runtime.faults.StepProbe`).
 """
 
 from __future__ import annotations
@@ -37,9 +37,7 @@ import contextlib
 import json
 import math
 import os
-import signal
 import statistics
-import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -47,7 +45,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from fulltune.runtime.faults import TrainHooks
+from fulltune.runtime.faults import PROBE_ENV
 
 if TYPE_CHECKING:
     from fulltune.runtime.launch import TrainJob
@@ -55,8 +53,6 @@ if TYPE_CHECKING:
     from fulltune.memory.types import Settings
     from fulltune.stages import BudgetDecision, ResolvedPipeline
 
-# The child's probe: JSON {"dir", "stop_at", "deadline"} (see StepProbe).
-PROBE_ENV = "FULLTUNE_AUTOTUNE_PROBE"
 AUTOTUNE_DIR = "autotune"  # under the workdir: measurements/, scratch/, pictures
 CACHE_VERSION = 1  # bump when what a measurement means changes: older ones are ignored
 
@@ -111,79 +107,6 @@ def options(value: Any) -> Options:
 
 # ---------------------------------------------------------------------------------------------------
 # The child's side: a probe at the trainer's hook points
-
-
-class StepProbe(TrainHooks):
-    """Times the trainer's optimizer steps and reads the peak memory, in the training child.
-
-    `hooks_from_env` (fulltune/runtime/faults.py) returns it when PROBE_ENV is set. At the start of every step it
-    records `time.perf_counter()` and the peak so far into `<dir>/probe-<rank>.json`; at the start of step
-    `stop_at` the steps before it are complete, and it ends the process (exit 0) before the trainer exports
-    anything. Past `deadline` (Unix time) it records the timeout and kills the process. Other hooks (a test's
-    fault injection) run as they would without it.
-    """
-
-    def __init__(self, config: str, inner: TrainHooks | None = None) -> None:
-        probe = json.loads(config)
-        self.inner = inner or TrainHooks()
-        self.stop_at = int(probe["stop_at"])
-        rank = int(os.environ.get("RANK", "0"))
-        self.file = Path(probe["dir"]) / f"probe-{rank}.json"
-        self.record: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "step_starts": [], "cpu_starts": [],
-                                       "peak_bytes": None, "done": False, "timed_out": False}
-        self._write()
-        deadline = probe.get("deadline")
-        if deadline is not None:
-            timer = threading.Timer(max(0.0, float(deadline) - time.time()), self._time_out)
-            timer.daemon = True
-            timer.start()
-
-    def _write(self) -> None:
-        # Scratch bookkeeping read after the child ends: a rename keeps it whole, no fsync needed.
-        tmp = self.file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.record))
-        os.replace(tmp, self.file)
-
-    def _time_out(self) -> None:
-        self.record["timed_out"] = True
-        self._write()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def before_step(self, step: int) -> None:
-        self.record["step_starts"].append(time.perf_counter())
-        # The process's CPU time too: on cores shared with other jobs it is the steadier figure.
-        self.record["cpu_starts"].append(time.process_time())
-        self.record["peak_bytes"] = peak_bytes()
-        if step >= self.stop_at:
-            self.record["done"] = True
-            self._write()
-            os._exit(0)  # the measured steps are done; exporting a model nobody keeps would only cost time
-        self._write()
-        self.inner.before_step(step)
-
-    def on_loss(self, step: int, loss: Any) -> Any:
-        return self.inner.on_loss(step, loss)
-
-    def after_micro_batch(self, micro_step: int) -> None:
-        self.inner.after_micro_batch(micro_step)
-
-    def checkpoint_written(self, step: int) -> None:
-        self.inner.checkpoint_written(step)
-
-    def checkpoint_published(self, step: int) -> None:
-        self.inner.checkpoint_published(step)
-
-
-def peak_bytes() -> int:
-    """This process's peak memory so far: CUDA's reserved peak (what the caching allocator held from the
-    device) where CUDA is in use, else the resident high-water mark (ru_maxrss, KiB on Linux)."""
-    import resource
-
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return int(torch.cuda.max_memory_reserved())
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 # ---------------------------------------------------------------------------------------------------

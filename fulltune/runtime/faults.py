@@ -1,4 +1,5 @@
-"""Named points in the training loop where a test can inject a fault; no-ops in real runs.
+"""The training loop's hook points: where a test can inject a fault (no-ops in real runs), and autotune's
+probe that times the steps of a short training child (`StepProbe`).
 
 The loop calls a `TrainHooks` at five named points. Real runs get `TrainHooks` itself, whose hooks do
 nothing; tests set FULLTUNE_TEST_FAULT=<point>:<n> and get a `FaultInjection` that kills the process,
@@ -16,9 +17,12 @@ stalls it, raises an out-of-memory error or poisons a loss at that point:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 FAULT_ENV = "FULLTUNE_TEST_FAULT"
@@ -84,12 +88,87 @@ class FaultInjection(TrainHooks):
 
 def hooks_from_env() -> TrainHooks:
     """FaultInjection when FULLTUNE_TEST_FAULT is set, else the hooks that do nothing; under autotune's
-    probe (fulltune/planning/autotune.py PROBE_ENV) those hooks wrapped in the probe that times the steps."""
+    probe (PROBE_ENV) those hooks wrapped in the probe that times the steps."""
     spec = os.environ.get(FAULT_ENV)
     hooks = FaultInjection(spec) if spec else TrainHooks()
-    probe = os.environ.get("FULLTUNE_AUTOTUNE_PROBE")
+    probe = os.environ.get(PROBE_ENV)
     if probe:
-        from fulltune.planning.autotune import StepProbe
-
         return StepProbe(probe, hooks)
     return hooks
+
+
+# The child's probe: JSON {"dir", "stop_at", "deadline"} (see StepProbe).
+PROBE_ENV = "FULLTUNE_AUTOTUNE_PROBE"
+
+
+class StepProbe(TrainHooks):
+    """Times the trainer's optimizer steps and reads the peak memory, in the training child.
+
+    `hooks_from_env` (fulltune/runtime/faults.py) returns it when PROBE_ENV is set. At the start of every step it
+    records `time.perf_counter()` and the peak so far into `<dir>/probe-<rank>.json`; at the start of step
+    `stop_at` the steps before it are complete, and it ends the process (exit 0) before the trainer exports
+    anything. Past `deadline` (Unix time) it records the timeout and kills the process. Other hooks (a test's
+    fault injection) run as they would without it.
+    """
+
+    def __init__(self, config: str, inner: TrainHooks | None = None) -> None:
+        probe = json.loads(config)
+        self.inner = inner or TrainHooks()
+        self.stop_at = int(probe["stop_at"])
+        rank = int(os.environ.get("RANK", "0"))
+        self.file = Path(probe["dir"]) / f"probe-{rank}.json"
+        self.record: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "step_starts": [], "cpu_starts": [],
+                                       "peak_bytes": None, "done": False, "timed_out": False}
+        self._write()
+        deadline = probe.get("deadline")
+        if deadline is not None:
+            timer = threading.Timer(max(0.0, float(deadline) - time.time()), self._time_out)
+            timer.daemon = True
+            timer.start()
+
+    def _write(self) -> None:
+        # Scratch bookkeeping read after the child ends: a rename keeps it whole, no fsync needed.
+        tmp = self.file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.record))
+        os.replace(tmp, self.file)
+
+    def _time_out(self) -> None:
+        self.record["timed_out"] = True
+        self._write()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def before_step(self, step: int) -> None:
+        self.record["step_starts"].append(time.perf_counter())
+        # The process's CPU time too: on cores shared with other jobs it is the steadier figure.
+        self.record["cpu_starts"].append(time.process_time())
+        self.record["peak_bytes"] = peak_bytes()
+        if step >= self.stop_at:
+            self.record["done"] = True
+            self._write()
+            os._exit(0)  # the measured steps are done; exporting a model nobody keeps would only cost time
+        self._write()
+        self.inner.before_step(step)
+
+    def on_loss(self, step: int, loss: Any) -> Any:
+        return self.inner.on_loss(step, loss)
+
+    def after_micro_batch(self, micro_step: int) -> None:
+        self.inner.after_micro_batch(micro_step)
+
+    def checkpoint_written(self, step: int) -> None:
+        self.inner.checkpoint_written(step)
+
+    def checkpoint_published(self, step: int) -> None:
+        self.inner.checkpoint_published(step)
+
+
+def peak_bytes() -> int:
+    """This process's peak memory so far: CUDA's reserved peak (what the caching allocator held from the
+    device) where CUDA is in use, else the resident high-water mark (ru_maxrss, KiB on Linux)."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_reserved())
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
