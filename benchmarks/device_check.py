@@ -178,7 +178,7 @@ def fp16_case(config: Any, settings: Settings, steps: int, overflow_at: int) -> 
 
     from fulltune.runtime.faults import TrainHooks
     from fulltune.runtime.loss import TargetHead
-    from fulltune.runtime.step import OptimizerStep, StepParts, run_step
+    from fulltune.runtime.step import StepParts, run_step
 
     class Overflow(TrainHooks):
         def on_loss(self, step: int, loss: Any) -> Any:
@@ -199,8 +199,7 @@ def fp16_case(config: Any, settings: Settings, steps: int, overflow_at: int) -> 
         head = TargetHead(model, chunked=settings.chunked_loss)
         optimizer = optim.optimizer_for(model, settings)
         model, optimizer = accelerator.prepare(model, optimizer)
-        parts = StepParts(accelerator, model, head, optimizer, OptimizerStep(accelerator, model, optimizer, None, 1.0),
-                          settings.gradient_accumulation_steps, settings.optimizer_in_backward, Overflow())
+        parts = StepParts.assemble(accelerator, model, head, optimizer, settings, hooks=Overflow())
         first = next(model.parameters())
         targets = settings.micro_batch_size * settings.targets_per_row * settings.gradient_accumulation_steps
         log = []

@@ -143,7 +143,7 @@ def measure_rank(case: Case) -> dict:
     from fulltune.runtime.checkpointing import apply_gradient_checkpointing
     from fulltune.planning.trace import make_batch  # the batch the estimate assumes (padded row, all targets)
     from fulltune.runtime.loss import TargetHead
-    from fulltune.runtime.step import LocalAccelerator, OptimizerStep, StepParts, run_step
+    from fulltune.runtime.step import LocalAccelerator, StepParts, run_step
 
     settings = settings_of(case)
     sharding.init_process_group("cpu")
@@ -158,9 +158,8 @@ def measure_rank(case: Case) -> dict:
     tracker = FSDPMemTracker(model, optimizer)
     # The trainer's step (fulltune/runtime/step.py); bf16 is FSDP's MixedPrecisionPolicy here, not autocast.
     accelerator = LocalAccelerator("cpu", "no", accumulation)
-    parts = StepParts(accelerator, model, head, optimizer, OptimizerStep(accelerator, model, optimizer, None, 1.0),
-                      accumulation, settings.optimizer_in_backward,
-                      before_micro_batch=tracker.reset_mod_stats)  # the tracker needs the reset
+    parts = StepParts.assemble(accelerator, model, head, optimizer, settings,
+                               before_micro_batch=tracker.reset_mod_stats)  # the tracker needs the reset
     targets = settings.micro_batch_size * settings.targets_per_row * accumulation * accelerator.num_processes
     with tracker:
         for step in range(1, STEPS + 1):

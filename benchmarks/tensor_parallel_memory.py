@@ -2,7 +2,7 @@
 measurement in every rank.
 
 Each configuration: torchrun starts 2 or 4 CPU processes (gloo) that split a `from_config` Llama with
-`fulltune.runtime.parallel.ParallelPlan` (the TP plan per block with sequence-parallel norms, then FSDP2 over the
+`fulltune.runtime.parallel.apply` (the TP plan per block with sequence-parallel norms, then FSDP2 over the
 data-parallel processes; gradient checkpointing applied first, as the trainer does) and run two optimizer steps
 through the trainer's step (`fulltune/runtime/step.py`: the TargetHead loss, backward, global-norm clip, fused AdamW,
 zero_grad) under torch's FSDPMemTracker in every rank. The peak of tracked tensor storage is compared with
@@ -98,8 +98,8 @@ def measure_rank(case: Case) -> dict:
     from fulltune.runtime.loss import TargetHead
     from fulltune.runtime.checkpointing import apply_gradient_checkpointing
     from fulltune.planning.trace import make_batch
-    from fulltune.runtime.parallel import ParallelPlan
-    from fulltune.runtime.step import LocalAccelerator, OptimizerStep, StepParts, run_step
+    from fulltune.runtime import parallel
+    from fulltune.runtime.step import LocalAccelerator, StepParts, run_step
 
     settings = settings_of(case)
     sharding.init_process_group("cpu")
@@ -108,14 +108,12 @@ def measure_rank(case: Case) -> dict:
     model.train()
     apply_gradient_checkpointing(model, settings.gradient_checkpointing)
     head = TargetHead(model)
-    ParallelPlan(case.processes // case.tensor_parallel, case.tensor_parallel).apply(
-        model, "cpu", settings.mixed_precision)
+    parallel.apply(model, settings.dims, "cpu", settings.mixed_precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     tracker = FSDPMemTracker(model, optimizer)
     accumulation = settings.gradient_accumulation_steps
     accelerator = LocalAccelerator("cpu", "no", accumulation)
-    parts = StepParts(accelerator, model, head, optimizer, OptimizerStep(accelerator, model, optimizer, None, 1.0),
-                      accumulation, before_micro_batch=tracker.reset_mod_stats)
+    parts = StepParts.assemble(accelerator, model, head, optimizer, settings, before_micro_batch=tracker.reset_mod_stats)
     targets = settings.micro_batch_size * settings.targets_per_row * accumulation
     with tracker:
         for step in range(1, STEPS + 1):

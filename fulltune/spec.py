@@ -18,6 +18,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fulltune import yamlio
+from fulltune.degrees import ParallelDims
 from fulltune.errors import ConfigError
 
 SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([KMGT]i?B|[KMGT]|B)?\s*$", re.IGNORECASE)
@@ -257,15 +258,13 @@ class DistributedSpec(Strict):
             raise ValueError(f"tensor_parallel must be auto or from 1 to 64; got {self.tensor_parallel}")
         if self.tensor_parallel > 1 and self.strategy != "fsdp":
             raise ValueError("tensor_parallel > 1 needs strategy fsdp (FSDP over the data-parallel processes)")
-        if self.num_processes % self.tensor_parallel:
-            raise ValueError(f"num_processes ({self.num_processes}) must be a multiple of tensor_parallel "
-                             f"({self.tensor_parallel})")
+        ParallelDims.from_spec(self)  # DegreesError (a ValueError) unless the degree divides the processes
         return self
 
     @property
-    def data_parallel(self) -> int | None:
-        """Processes that train on different rows: num_processes / tensor_parallel (None while it is auto)."""
-        return None if self.tensor_parallel == "auto" else self.num_processes // self.tensor_parallel
+    def dims(self) -> ParallelDims:
+        """The parallel degrees these settings ask for (`tp` None while tensor_parallel is auto)."""
+        return ParallelDims.from_spec(self)
 
 
 # Metrics every evaluation computes, with the direction in which they improve. A gate may also name an
@@ -373,10 +372,6 @@ class PromoteIf(Strict):
             raise ValueError("set min_delta (must improve) or max_regression (must not regress), not both")
         return self
 
-    @property
-    def is_guard(self) -> bool:
-        return self.max_regression is not None
-
 
 class RegisterSpec(Strict):
     """The MLflow registered model the result lands in."""
@@ -443,25 +438,11 @@ class PipelineSpec(Strict):
 
     @model_validator(mode="after")
     def _batch(self) -> PipelineSpec:
-        # Tensor-parallel processes share their rows: only the data-parallel ones multiply the batch.
-        t, processes = self.train, self.distributed.data_parallel
-        who = ("distributed.num_processes" if self.distributed.tensor_parallel == 1
-               else "distributed.num_processes / distributed.tensor_parallel")
-        micro, accum = t.micro_batch_size, t.gradient_accumulation_steps
-        if processes is None:
-            return self  # tensor_parallel auto: the plan keeps the batch for the degree it chooses
-        if isinstance(micro, int) and isinstance(accum, int) and micro * accum * processes != t.effective_batch_size:
-            raise ValueError(
-                f"train.micro_batch_size ({micro}) × train.gradient_accumulation_steps ({accum}) × "
-                f"{who} ({processes}) must equal train.effective_batch_size "
-                f"({t.effective_batch_size})"
-            )
-        per_process = t.effective_batch_size / processes
-        if per_process != int(per_process):
-            raise ValueError(f"train.effective_batch_size must be a multiple of {who} ({processes})")
-        for name, value in (("micro_batch_size", micro), ("gradient_accumulation_steps", accum)):
-            if isinstance(value, int) and int(per_process) % value:
-                raise ValueError(f"train.{name} ({value}) must divide the per-process batch ({int(per_process)})")
+        # micro × accumulation × data-parallel processes = effective (fulltune/degrees.py holds the rule).
+        t = self.train
+        micro, accumulation = (None if value == "auto" else value
+                               for value in (t.micro_batch_size, t.gradient_accumulation_steps))
+        self.distributed.dims.check_batch(t.effective_batch_size, micro, accumulation)
         return self
 
     @model_validator(mode="after")

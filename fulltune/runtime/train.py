@@ -62,7 +62,6 @@ from fulltune.storage import atomic_dir, atomic_write_text, fsync_dir, fsync_tre
 from fulltune.runtime.loss import TargetHead
 from fulltune.runtime import allocator
 from fulltune.runtime.offload import ActivationOffload
-from fulltune.runtime.parallel import ParallelPlan
 from fulltune.runtime.step import OptimizerStep, StepOutcome, StepParts, run_step
 from fulltune.logs import quiet_known_noise
 from fulltune.runtime.launch import (ERROR_FILE, LAUNCHER_ENV, MODEL_DIR, OOM_FILE, PROGRESS_FILE, RESULT_FILE, TrainJob,
@@ -194,17 +193,13 @@ class TrainingRun:
     @property
     def processes(self) -> int:
         """Processes that train on different rows: all of them, except that the tensor-parallel processes
-        of a group (fulltune/runtime/parallel.py) share theirs."""
-        return self.parallel.data_parallel
+        of a group (fulltune/degrees.py) share theirs."""
+        return self.job.dims.dp
 
     @property
     def data_rank(self) -> int:
         """Which of the `processes` row shares of a micro-batch this process trains on."""
-        return self.parallel.data_rank(self.accelerator.process_index)
-
-    @property
-    def parallel(self) -> ParallelPlan:
-        return ParallelPlan.from_job(self.job)
+        return self.job.dims.data_rank(self.accelerator.process_index)
 
     @property
     def step_parts(self) -> StepParts:
@@ -244,7 +239,7 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
                               gradient_accumulation_steps=job.plan.gradient_accumulation_steps,
                               step_scheduler_with_optimizer=False)
     set_seed(job.train.seed)
-    data, schedule, total_steps = setup_data(job, ParallelPlan.from_job(job).data_parallel)
+    data, schedule, total_steps = setup_data(job, job.dims.dp)
     tokenizer = load_job_tokenizer(job)
     model, use_cache, (checkpointed, head), coefficients = load_model_with_levers(job)
     model_layers = model.config.num_hidden_layers
@@ -313,7 +308,7 @@ def load_model_with_levers(job: TrainJob) -> tuple[torch.nn.Module, Any, tuple[i
         # processes (fulltune/runtime/parallel.py).
         model = sharding.load_sharded_model(job.paths.model_path, device=job.plan.device,
                                             mixed_precision=job.plan.mixed_precision, before_shard=before_shard,
-                                            parallel=ParallelPlan.from_job(job),
+                                            dims=job.dims,
                                             offload=job.plan.offload_optimizer, **options)
     else:
         model = load_model(job.paths.model_path, **options)
@@ -588,8 +583,8 @@ def train_step(run: TrainingRun, step_rows: np.ndarray, step: int) -> StepOutcom
             yield micro_batch_inputs(run.data, rows, run.pad_token_id, accelerator.device)
 
     outcome = run_step(run.step_parts, micro_batches(), step, int(run.data.targets[step_rows].sum()))
-    if run.parallel.tensor_parallel > 1:  # the step's loss was summed over every process of a tp group too
-        outcome.loss_sum = outcome.loss_sum / run.parallel.tensor_parallel
+    if run.job.dims.tp > 1:  # the step's loss was summed over every process of a tp group too
+        outcome.loss_sum = outcome.loss_sum / run.job.dims.tp
     return outcome
 
 

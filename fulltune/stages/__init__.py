@@ -22,6 +22,7 @@ from typing import Any
 
 from fulltune import hub, levers
 from fulltune.evaluation import harness
+from fulltune.degrees import DegreesError
 from fulltune.errors import BudgetError, ConfigError, DataError
 from fulltune.memory.budget import Budget, resolve_budget
 from fulltune.memory.types import Settings
@@ -310,12 +311,6 @@ def record_outputs(workdir: str, stage: str, key: str, paths: list[str], extra: 
                       json.dumps({"paths": paths, "files": files, **(extra or {})}, indent=1))
 
 
-def output_problems(workdir: str, stage: str, key: str) -> list[str]:
-    """What keeps a cached result of `stage` from being used: a missing marker, a missing output, or a
-    file that is not the size or the bytes it was written with ([] when everything is whole)."""
-    return [f"{path} {reason}" for path, reason in _damage(workdir, stage, key)[1]]
-
-
 def outputs_present(workdir: str, stage: str, key: str) -> bool:
     """Whether the outputs a cached result of `stage` points to are all on disk and whole.
 
@@ -387,6 +382,30 @@ def check_positions(p: ResolvedPipeline, config: Any) -> None:
             else f"model {p.spec.model.name_or_path}"
         raise ConfigError(f"pipelines.{p.name}.data.max_length: {p.spec.data.max_length} is more than the {limit} "
                           f"positions {model} has (max_position_embeddings); set data.max_length to at most {limit}")
+
+
+def check_model_split(p: ResolvedPipeline, config: Any) -> None:
+    """Refuse a `distributed.tensor_parallel` that does not split the model's attention heads, key/value heads
+    or MLP width evenly (`degrees.ParallelDims`), naming the field, before anything trains. With auto the
+    planner tries only the degrees that split them."""
+    p.spec.distributed.dims.check_split(config, f"pipelines.{p.name}.")
+
+
+def _split_problems(p: ResolvedPipeline) -> list[str]:
+    """`check_model_split` for `validate`, on the config of a local model (a hub model's is left to `plan`;
+    a config that cannot be read is the source checks' to report)."""
+    from fulltune.models import read_model_config
+
+    model = p.spec.model
+    if p.spec.distributed.dims.tp in (None, 1) or (model.from_config is None and is_hub(model.name_or_path)):
+        return []
+    try:
+        check_model_split(p, read_model_config(model))
+    except DegreesError as exc:
+        return [str(exc)]
+    except ConfigError:
+        return []  # the config cannot be read: check_model_builds or the source checks say why
+    return []
 
 
 def ensure_workdir(p: ResolvedPipeline) -> None:
@@ -503,7 +522,7 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         headroom=budget.headroom,
         strategy=d.strategy,
         num_processes=d.num_processes,
-        tensor_parallel=None if d.tensor_parallel == "auto" else d.tensor_parallel,  # auto: the planner chooses
+        tensor_parallel=d.dims.tp,  # None (auto): the planner chooses
         bf16_supported=budget.bf16_supported,
         # Packed rows restart position_ids, so transformers builds a block mask per layer; unpacked rows
         # are right-padded and the trainer passes no mask at all (see fulltune/runtime/train.py).
@@ -533,11 +552,7 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
     config = read_model_config(p.spec.model, tokenizer_vocab)
     check_model_builds(p, remember=True)  # `plan` and a budget stage run by a deployment: no check before them
     check_positions(p, config)
-    # Tensor parallel splits heads and MLP columns evenly: refused here, before anything trains.
-    from fulltune.runtime.parallel import check_model_config
-
-    if p.spec.distributed.tensor_parallel != "auto":  # auto: the planner tries only the degrees that split them
-        check_model_config(config, p.spec.distributed.tensor_parallel, f"pipelines.{p.name}.")
+    check_model_split(p, config)
     try:
         request = plan_request(p, seq_len, target_fraction)
     except ValueError as exc:  # the spec validates these fields; a message naming the setting, not a traceback
@@ -660,7 +675,8 @@ def check_sources(p: ResolvedPipeline, check_hub: bool = True,
     A local file or directory must exist (a model directory must hold config.json). A hub id is looked
     up in the local Hugging Face cache when HF_HUB_OFFLINE=1 (a run could not fetch it); online it is
     left to run time, which a note says. A `model.from_config` is built on the meta device
-    (`check_model_builds`; with `remember`, not again when this workdir has built it before).
+    (`check_model_builds`; with `remember`, not again when this workdir has built it before). Without
+    `remember` (`validate`), a tensor-parallel degree must split a local model (`check_model_split`).
     """
     from fulltune.data.tokenizer import TOKENIZER_FILES
 
@@ -669,6 +685,8 @@ def check_sources(p: ResolvedPipeline, check_hub: bool = True,
         check_model_builds(p, remember=remember)
     except ConfigError as exc:
         problems.append(str(exc))
+    if not remember:  # a run checks the split in its budget stage, on the config it reads there
+        problems += _split_problems(p)
     token_env = p.spec.model.token_env
     if check_hub and token_env and not os.environ.get(token_env) and not hub.offline():
         problems.append(f"pipelines.{p.name}.model.token_env: environment variable {token_env} is not set")
