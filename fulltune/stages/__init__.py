@@ -40,10 +40,10 @@ STAGE_CODE = {
     # The budget stage measures candidates (planning/autotune.py) in child runs of the trainer on the data
     # tokenized both ways: the whole runtime and the tokenize stage.
     MEMORY_BUDGET: ("memory", "planning", "runtime", "data", "stages/__init__.py", "stages/tokenize.py", "models.py",
-                    "levers.py", "storage.py", "hub.py"),
+                    "levers.py", "degrees.py", "storage.py", "hub.py"),
     # An out-of-memory replan plans with the planner and the stages' planning inputs.
     FINE_TUNE: ("stages/finetune.py", "stages/__init__.py", "runtime", "planning/replan.py", "planning/planner.py",
-                "planning/trace.py", "memory", "data", "models.py", "levers.py", "hub.py", "storage.py"),
+                "planning/trace.py", "memory", "data", "models.py", "levers.py", "degrees.py", "hub.py", "storage.py"),
     EVALUATE: ("evaluation", "runtime/loss.py", "data", "models.py", "hub.py", "tracking/registry.py"),
     REGISTER: ("tracking/registry.py", "evaluation/evaluate.py"),
 }
