@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -42,7 +41,8 @@ def send_to_driver(measured: dict, out: Path) -> None:
 
 def torchrun_ranks(module: str, case: str, processes: int, *options: str, timeout_s: float = TIMEOUT_S) -> list[dict]:
     """`python -m module --worker case --out FILE *options` in `processes` torchrun ranks: what every rank sent
-    (`send_to_driver`), in rank order. Raises RuntimeError with torchrun's output when no result came back."""
+    (`send_to_driver`), in rank order. Raises RuntimeError with torchrun's output when no result came back,
+    subprocess.TimeoutExpired past `timeout_s`."""
     with tempfile.TemporaryDirectory(prefix="fulltune-ranks-") as tmp:
         out = Path(tmp) / "ranks.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
@@ -58,15 +58,15 @@ def torchrun_ranks(module: str, case: str, processes: int, *options: str, timeou
 
 
 def _run(command: list[str], timeout_s: float) -> tuple[int, str]:
-    """(exit status, stdout + stderr) of `command` run from the repository root; past `timeout_s` the whole
-    process group (torchrun and its ranks) is killed."""
+    """(exit status, stdout + stderr) of `command` run from the repository root. Past `timeout_s`, torchrun
+    gets SIGTERM (it stops its ranks before it exits) and subprocess.TimeoutExpired is raised: no second try."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True) as process:
+    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as process:
         try:
             output, _ = process.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-            return -signal.SIGKILL, f"{output}\n(killed after {timeout_s:.0f} s)"
+            process.terminate()
+            process.communicate()
+            raise
     return process.returncode, output
