@@ -10,7 +10,8 @@ zero_grad) under torch's FSDPMemTracker in every rank. The peak of tracked tenso
 tensor-parallel rank's own terms (`fulltune/memory/tensor_parallel.py`); the column "as FSDP over all" is what
 the planner counted before it had them (the same run as FSDP over all N processes).
 
-The torchrun driver, the tracker's categories and the rank-0 gather are `benchmarks/sharded_memory.py`'s.
+The torchrun driver and the rank-0 gather are `benchmarks/ranks.py`'s, the tracker's categories
+`benchmarks/sharded_memory.py`'s.
 
 The grid (`_grid`): TP 2 on 2 processes and FSDP 2 × TP 2 on 4, fp32 and the bf16 policy, untied and tied
 (micro-batch 2, seq 128, vocabulary 8,192: the logits decide the peak), then checkpointing, micro-batch 1,
@@ -18,8 +19,8 @@ accumulation, a sequence TP does not divide (padded), and a 1,024-token vocabula
 (the activations decide the peak).
 
 Usage:
-    python benchmarks/tensor_parallel_memory.py                 # table and summary on stdout (~10-30 s per case)
-    python benchmarks/tensor_parallel_memory.py --case tp2-fp32-tied --json out.json
+    python -m benchmarks.tensor_parallel_memory                 # table and summary on stdout (~10-30 s per case)
+    python -m benchmarks.tensor_parallel_memory --case tp2-fp32-tied --json out.json
 """
 
 from __future__ import annotations
@@ -30,10 +31,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-
-from sharded_memory import BASE, STEPS, send_to_driver, summary, torchrun_ranks, tracked_peak  # noqa: E402
+from benchmarks.ranks import add_worker_arguments, send_to_driver, torchrun_ranks
+from benchmarks.sharded_memory import BASE, STEPS, summary, tracked_peak
 
 TIED = {**BASE, "tie_word_embeddings": True}
 SMALL_VOCAB = {**BASE, "vocab_size": 1024}
@@ -132,7 +131,7 @@ def run_case(case: Case) -> dict:
 
     from fulltune.memory import estimate_memory
 
-    ranks = torchrun_ranks(__file__, case.name, case.processes)
+    ranks = torchrun_ranks("benchmarks.tensor_parallel_memory", case.name, case.processes)
     config = LlamaConfig(**case.config)
     estimate = estimate_memory(config, settings_of(case))
     as_fsdp = estimate_memory(config, settings_of(case, tensor_parallel=1))
@@ -164,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", action="append", choices=[c.name for c in CASES], help="default: all")
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    add_worker_arguments(parser, [c.name for c in CASES])
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker, args.out)
