@@ -37,11 +37,11 @@ class Combination:
     """What the rules read, from a pipeline spec, a plan request, planned settings or a train job.
 
     `None` means "auto": not decided yet (a lever, the optimizer, accumulation, precision, checkpointing,
-    the device, the tensor-parallel degree). `bf16_supported` is None unless the device is a known GPU.
+    the device, the tensor-parallel degree, the strategy). `bf16_supported` is None unless the device is a known GPU.
     """
 
     levers: Mapping[str, bool | None]
-    strategy: str = "none"
+    strategy: str | None = "none"
     num_processes: int = 1
     tensor_parallel: int | None = 1
     optimizer: str | None = "adamw"
@@ -54,6 +54,11 @@ class Combination:
     def on(self, lever: str) -> bool:
         """The lever is turned on (not auto, not off)."""
         return self.levers.get(lever) is True
+
+    @property
+    def fixed_not_fsdp(self) -> bool:
+        """The strategy is fixed and is not fsdp (auto may still choose fsdp)."""
+        return self.strategy is not None and self.strategy != "fsdp"
 
     @property
     def tensor_parallel_on(self) -> bool:
@@ -96,14 +101,14 @@ RULES: tuple[Rule, ...] = (
          "choose one: offloading already frees the device's gradients in backward"),
     # Under FSDP2 the hooks run on each reduce-scattered shard (fulltune/runtime/optim.py InBackwardOptimizer).
     Rule(("train.optimizer_in_backward", "distributed.strategy"),
-         lambda c: c.on("optimizer_in_backward") and c.num_processes > 1 and c.strategy != "fsdp",
+         lambda c: c.on("optimizer_in_backward") and c.num_processes > 1 and c.fixed_not_fsdp,
          "under DDP its gradient hooks run before the gradients are averaged over processes; train on one "
          "process or use strategy fsdp (which steps each parameter's shard once its gradient is reduced)"),
     Rule(("train.optimizer_in_backward", "distributed.tensor_parallel"),
          lambda c: c.on("optimizer_in_backward") and c.tensor_parallel_on,
          "stepping in backward is not combined with tensor parallel; set tensor_parallel to 1 or turn it off"),
     Rule(("train.offload_optimizer", "distributed.num_processes"),
-         lambda c: c.on("offload_optimizer") and c.num_processes > 1 and c.strategy != "fsdp",
+         lambda c: c.on("offload_optimizer") and c.num_processes > 1 and c.fixed_not_fsdp,
          "its gradient hooks run before the gradients are averaged over processes; train on one process, or "
          "use strategy fsdp on cuda (FSDP's CPU offload)"),
     # Under FSDP the lever is FSDP2's CPUOffloadPolicy (fulltune/runtime/sharding.py), which needs an accelerator.
@@ -167,7 +172,7 @@ def from_spec(pipeline: object) -> Combination:
 
     return Combination(
         levers={name: auto(getattr(train, name)) for name in LEVERS},
-        strategy=distributed.strategy, num_processes=distributed.num_processes,
+        strategy=auto(distributed.strategy), num_processes=distributed.num_processes,  # type: ignore[arg-type]
         # tensor_parallel auto is None: the planner checks every degree it tries against the table.
         tensor_parallel=distributed.dims.tp, optimizer=auto(train.optimizer),
         gradient_accumulation_steps=auto(train.gradient_accumulation_steps),
@@ -180,7 +185,8 @@ def from_settings(settings: object, bf16_supported: bool | None = None) -> Combi
     whose levers map name → True / False (None: auto, in a request)."""
     s = settings
     return Combination(
-        levers=s.levers(), strategy=s.strategy, num_processes=s.num_processes,  # type: ignore[attr-defined]
+        levers=s.levers(), num_processes=s.num_processes,  # type: ignore[attr-defined]
+        strategy=None if s.strategy == "auto" else s.strategy,  # type: ignore[attr-defined]  # a request's auto
         tensor_parallel=s.tensor_parallel,  # type: ignore[attr-defined]  # None: auto, in a request
         optimizer=s.optimizer, gradient_accumulation_steps=s.gradient_accumulation_steps,  # type: ignore[attr-defined]
         mixed_precision=s.mixed_precision, gradient_checkpointing=s.gradient_checkpointing,  # type: ignore[attr-defined]

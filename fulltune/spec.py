@@ -37,7 +37,7 @@ Device = Literal["cpu", "cuda"]
 MixedPrecision = Literal["bf16", "fp16", "no"]
 Optimizer = Literal["adamw", "adamw_8bit", "adamw_4bit", "adafactor"]
 LrScheduler = Literal["cosine", "linear", "constant"]
-Strategy = Literal["none", "ddp", "fsdp"]
+Strategy = Literal["none", "ddp", "fsdp", "auto"]
 
 
 class Strict(BaseModel):
@@ -229,7 +229,10 @@ class DistributedSpec(Strict):
 
     strategy: Strategy = Field(
         "none", description="`none` trains in one process; `ddp` replicates the model in every process; `fsdp` "
-                            "shards weights, gradients and optimizer states over the data-parallel processes (FSDP2)."
+                            "shards weights, gradients and optimizer states over the data-parallel processes (FSDP2); `auto`: the "
+                            "plan chooses the fastest that fits: for one process `none` or `fsdp` over it (with "
+                            "train.offload_optimizer, FSDP2's CPU offload keeps the parameters in host RAM), for "
+                            "several `ddp` or `fsdp`."
     )
     num_processes: int = Field(1, ge=1, le=4096, description="Processes (usually GPUs) in total.")
     num_machines: int = Field(1, ge=1, description="Machines taking part.")

@@ -15,7 +15,8 @@ MIXED_PRECISIONS = get_args(spec.MixedPrecision)
 OPTIMIZERS = get_args(spec.Optimizer)
 ATTN_IMPLEMENTATIONS = get_args(spec.AttnImplementation)
 DEVICES = get_args(spec.Device)
-STRATEGIES = get_args(spec.Strategy)
+# What a step runs under; a request may also leave it to the planner ("auto": planning/strategy.py).
+STRATEGIES = tuple(s for s in get_args(spec.Strategy) if s != "auto")
 BREAKDOWN_KEYS = (
     "parameters",
     "gradients",
@@ -303,7 +304,7 @@ def _check_request_choices(request: PlanRequest) -> None:
         _check_choice("optimizer", request.optimizer, OPTIMIZERS)
     _check_choice("attn_implementation", request.attn_implementation, ATTN_IMPLEMENTATIONS)
     _check_choice("device", request.device, DEVICES)
-    _check_choice("strategy", request.strategy, STRATEGIES)
+    _check_choice("strategy", request.strategy, (*STRATEGIES, "auto"))
     if request.budget_bytes is not None and (isinstance(request.budget_bytes, bool) or request.budget_bytes <= 0):
         raise MemoryConfigError(f"budget_bytes must be a positive number of bytes or None; got {request.budget_bytes!r}")
     if not 0.0 <= request.headroom < 1.0:

@@ -28,6 +28,7 @@ from fulltune.memory.types import LEVERS, MemoryEstimate, MemoryPlan, PlanReques
 from fulltune.memory.uncertainty import Uncertainty, estimate_uncertainty, traced_uncertainty
 from fulltune.memory.budget import host_ram, usable_bytes
 from fulltune.memory.units import format_bytes
+from fulltune.planning.strategy import host_parameter_suggestion, naive_strategy, strategy_choices, strategy_reasons
 
 # --- step-time model --------------------------------------------------------------------------
 # Only the ranking of candidates matters, so the constants are round numbers:
@@ -81,6 +82,9 @@ _PCIE_BYTES_PER_S = 25e9
 #   is in that range too), and bitsandbytes' 8-bit AdamW on a CPU is ~20× slower (its scalar fallback);
 _HOST_OPTIMIZER_BYTES_PER_S = 1.5e9
 _HOST_OPTIMIZER_SLOWDOWN = {"adamw": 1.0, "adamw_8bit": 20.0, "adamw_4bit": 1.0, "adafactor": 1.0}
+# - under FSDP's CPU offload the parameter and gradient copies of one unit overlap the compute of its neighbour
+#   (FSDP2 prefetches the next all-gather); assumed: 80% of the compute time hides copies, the rest is exposed;
+_OFFLOAD_OVERLAP = 0.8
 # - tensor parallel's collectives run inside one machine (parallel.py puts a "tp" group on consecutive ranks):
 #   ~150 GB/s of all-gather / reduce-scatter bandwidth per GPU over NVLink (NCCL's bus bandwidth on A100/H100
 #   machines is 150-350 GB/s), a few GB/s for gloo between CPU processes, and a fixed cost per collective;
@@ -113,18 +117,7 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
     per micro-batch. Under tensor parallel each rank computes 1/T of every matmul and waits for the TP
     group's collectives (`tensor_parallel_seconds`).
     """
-    from fulltune.memory.flops import from_shape
-
-    s, b = settings.seq_len, settings.micro_batch_size
-    k = min(settings.gradient_checkpointing, shape.num_layers)
-    c = from_shape(shape)
-    per_token = c.per_token_of_rows(s, settings.target_fraction)
-    # The layers' share of the per-token FLOPs (all but the final norm), a third of it per forward.
-    per_token += _RECOMPUTE_OVERHEAD * (k / shape.num_layers) * (c.per_token + c.per_pair * s) / 3.0
-    tokens = b * s
-    efficiency = tokens / (tokens + _HALF_EFFICIENCY_TOKENS[settings.device])
-    flops = _flops(settings.device, settings.mixed_precision)
-    compute = settings.gradient_accumulation_steps * tokens * per_token / (flops * efficiency * settings.tensor_parallel)
+    compute = compute_seconds(shape, settings)
     shard = settings.num_processes if settings.strategy in ("fsdp", "deepspeed_zero2", "deepspeed_zero3") else 1
     traffic = (_CPU_OPTIMIZER_TRAFFIC if settings.device == "cpu" else _OPTIMIZER_TRAFFIC)[settings.optimizer]
     if settings.pure_bf16:  # bf16 weights, gradients and (adamw) states: half the traffic, plus Kahan's buffer
@@ -136,6 +129,22 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
     seconds += tensor_parallel_seconds(shape, settings)
     correction = STEP_TIME_CORRECTION.get()
     return seconds * correction(settings) if correction is not None else seconds
+
+
+def compute_seconds(shape: ModelShape, settings: Settings) -> float:
+    """The matmul time of one optimizer step: every micro-batch's forward, backward and recomputed layers."""
+    from fulltune.memory.flops import from_shape
+
+    s, b = settings.seq_len, settings.micro_batch_size
+    k = min(settings.gradient_checkpointing, shape.num_layers)
+    c = from_shape(shape)
+    per_token = c.per_token_of_rows(s, settings.target_fraction)
+    # The layers' share of the per-token FLOPs (all but the final norm), a third of it per forward.
+    per_token += _RECOMPUTE_OVERHEAD * (k / shape.num_layers) * (c.per_token + c.per_pair * s) / 3.0
+    tokens = b * s
+    efficiency = tokens / (tokens + _HALF_EFFICIENCY_TOKENS[settings.device])
+    flops = _flops(settings.device, settings.mixed_precision)
+    return settings.gradient_accumulation_steps * tokens * per_token / (flops * efficiency * settings.tensor_parallel)
 
 
 # Measured corrections of this model for the machine at hand: a factor per kind of step, set by
@@ -167,13 +176,8 @@ def lever_seconds(shape: ModelShape, settings: Settings) -> dict[str, float]:
         head_forward = from_shape(shape).per_target / 3.0  # the head's logits once more, per target
         out["chunked_loss"] = ga * b * settings.targets_per_row * head_forward / flops
     if settings.offload_optimizer and settings.strategy == "fsdp":
-        weight = 2 if settings.pure_bf16 else 4
-        # FSDP's CPU offload, per rank: each micro-batch copies its parameter shards up for the forward's and
-        # the backward's all-gathers and its gradient shards down; the host steps its shards.
-        n = settings.num_processes
-        pcie = ga * 3 * weight * P / n / _PCIE_BYTES_PER_S
-        host = _lever_host_traffic(shape, settings) / _HOST_OPTIMIZER_BYTES_PER_S
-        out["offload_optimizer"] = pcie + host * _HOST_OPTIMIZER_SLOWDOWN[settings.optimizer]
+        terms = fsdp_offload_terms(shape, settings)
+        out["offload_optimizer"] = terms["exposed_pcie_s"] + terms["host_step_s"]
     elif settings.offload_optimizer:
         weight = 2 if settings.pure_bf16 else 4
         # Each micro-batch's gradients go to the host; the fp32 masters come back once per step.
@@ -185,6 +189,25 @@ def lever_seconds(shape: ModelShape, settings: Settings) -> dict[str, float]:
         stream = 2 if settings.pure_bf16 else 4
         out["offload_activations"] = ga * 2 * k * stream * b * s * h / _PCIE_BYTES_PER_S
     return out
+
+
+def fsdp_offload_terms(shape: ModelShape, settings: Settings) -> dict[str, float]:
+    """The step-time terms of FSDP2's CPU offload (`offload_optimizer` under fsdp), per rank; over one process
+    these are the parameters in host RAM. Each micro-batch copies every unit's parameter shard up for the
+    forward's all-gather and again for the backward's (FSDP2 reshards after forward; a checkpointed layer
+    recomputes inside that backward unit, so recompute brings no third copy) and its gradient shard down:
+    3 × weight bytes × P / n over `_PCIE_BYTES_PER_S`. The copies run on FSDP2's all-gather and reduce-scatter
+    streams while the previous unit computes (prefetch), so `_OFFLOAD_OVERLAP` of the compute time hides them;
+    the host optimizer step waits for the last gradient and runs alone (`_lever_host_traffic` at
+    `_HOST_OPTIMIZER_BYTES_PER_S`). Every constant is an assumption until benchmarks/device_check.py measures it."""
+    weight = 2 if settings.pure_bf16 else 4
+    pcie = settings.gradient_accumulation_steps * 3 * weight * shape.num_params / settings.num_processes
+    pcie_s = pcie / _PCIE_BYTES_PER_S
+    compute_s = compute_seconds(shape, settings)
+    host = _lever_host_traffic(shape, settings) / _HOST_OPTIMIZER_BYTES_PER_S
+    return {"compute_s": compute_s, "pcie_bytes": pcie, "pcie_s": pcie_s,
+            "exposed_pcie_s": max(0.0, pcie_s - _OFFLOAD_OVERLAP * compute_s),
+            "host_step_s": host * _HOST_OPTIMIZER_SLOWDOWN[settings.optimizer]}
 
 
 def _lever_host_traffic(shape: ModelShape, settings: Settings) -> float:
@@ -274,7 +297,9 @@ def configured_settings(config: Any, request: PlanRequest) -> Settings:
 
 
 def _configured_request(request: PlanRequest) -> PlanRequest:
-    """The request with tensor_parallel auto at its naive default, 1 (FSDP alone), as the other auto fields."""
+    """The request with tensor_parallel auto at its naive default, 1 (FSDP alone), and strategy auto at its
+    own (`strategy.naive_strategy`), as the other auto fields."""
+    request = naive_strategy(request)
     return replace(request, tensor_parallel=1) if request.tensor_parallel is None else request
 
 
@@ -470,7 +495,12 @@ def _staged_search(shape: ModelShape, request: PlanRequest, usable: int, micros:
                    min_checkpointing: int = 0) -> list[_Candidate]:
     """Search without the auto levers first (today's choices where they fit), then allow them one more at a
     time, cheapest first (`LEVERS`), until something fits; every candidate seen is returned. With
-    `tensor_parallel` auto (None), that search for every degree `tensor_parallel_degrees` allows."""
+    `strategy` auto, that search for every strategy `strategy.strategy_choices` offers; with
+    `tensor_parallel` auto (None), for every degree `tensor_parallel_degrees` allows."""
+    if request.strategy == "auto":
+        return [c for strategy in strategy_choices(request)
+                for c in _staged_search(shape, replace(request, strategy=strategy), usable, micros,
+                                        min_checkpointing)]
     if request.tensor_parallel is None:
         degrees, _ = tensor_parallel_degrees(shape, request)
         return [c for degree in degrees
@@ -615,7 +645,7 @@ CHEAP_TRACE_SECONDS = 10.0
 
 def trace_is_cheap(shape: ModelShape, request: PlanRequest) -> bool:
     """Whether tracing a step of this model costs under `CHEAP_TRACE_SECONDS` (one process only)."""
-    if request.strategy != "none" or request.num_processes != 1:
+    if request.strategy not in ("none", "auto") or request.num_processes != 1:
         return False
     return shape.num_layers * 3 * TRACE_SECONDS_PER_LAYER_PASS <= CHEAP_TRACE_SECONDS
 
@@ -683,7 +713,9 @@ def _finish(
             f"{format_bytes(over)} over budget (peak in {configured_estimate.peak_phase})"
         )
     reasons.extend(_change_reasons(shape, configured, chosen, usable))
-    reasons.extend(_tensor_parallel_reasons(shape, request, candidates, chosen, usable))
+    reasons.extend(strategy_reasons(shape, request, candidates, chosen, usable))
+    reasons.extend(_tensor_parallel_reasons(shape, replace(request, strategy=chosen.settings.strategy), candidates,
+                                            chosen, usable))
     reasons.extend(_host_reasons(request, candidates, chosen, usable))
     suggestions: tuple[str, ...] = ()
     if not fits:
@@ -900,6 +932,9 @@ def _suggestions(shape: ModelShape, request: PlanRequest, smallest: _Candidate) 
         f"a budget of {format_bytes(need)} per device would fit {_describe(smallest.settings)} "
         f"(peak {format_bytes(smallest.estimate.peak_bytes)})"
     )
+    one_gpu = host_parameter_suggestion(shape, request)
+    if one_gpu:
+        out.append(one_gpu)
     if request.strategy in ("none", "ddp", "deepspeed_zero2"):
         # Shard over the processes already there first, then over more GPUs.
         counts = sorted({n for n in (2, 4, 8, 16, 32, 64) if n >= request.num_processes} | {request.num_processes})
@@ -942,6 +977,8 @@ def replan_after_oom(
     shape = model_shape(config)
     if request.tensor_parallel is None:  # auto: the degree the run was planned with stays (its processes are set)
         request = replace(request, tensor_parallel=previous.tensor_parallel)
+    if request.strategy == "auto":  # and so does the strategy the run was planned with
+        request = replace(request, strategy=previous.strategy)
     previous_estimate = _estimate(shape, previous)
     if observed_peak_bytes is not None and observed_peak_bytes > 0:
         ratio = max(observed_peak_bytes / max(previous_estimate.device_bytes, 1), 1.05)

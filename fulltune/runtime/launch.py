@@ -188,12 +188,16 @@ def job_from_pipeline(pipeline: spec.PipelineSpec, plan: Settings, *, model_path
                       mlflow_run_id: str | None = None) -> TrainJob:
     """The TrainJob for a resolved pipeline spec (`model`, `train`, `distributed`) and the settings its memory
     plan chose; ConfigError when the plan was made for another strategy, process count or attention.
-    The tensor-parallel degree is the plan's (for `distributed.tensor_parallel: auto`, the one it chose)."""
+    The tensor-parallel degree is the plan's (for `distributed.tensor_parallel: auto`, the one it chose), and so
+    is the strategy for `distributed.strategy: auto`."""
+    distributed = pipeline.distributed.model_dump(exclude=set(PLANNED_DISTRIBUTED_KEYS))
+    if distributed["strategy"] == "auto":
+        distributed["strategy"] = plan.strategy
     return _validated({
         "paths": JobPaths(model_path=model_path, tokenizer_path=tokenizer_path, train_file=train_file,
                           output_dir=output_dir),
         "model": pipeline.model, "train": pipeline.train.model_dump(exclude=set(PLANNED_TRAIN_KEYS)),
-        "distributed": pipeline.distributed.model_dump(exclude=set(PLANNED_DISTRIBUTED_KEYS)), "plan": plan,
+        "distributed": distributed, "plan": plan,
         "tracking": Tracking(mlflow_tracking_uri=mlflow_tracking_uri, mlflow_run_id=mlflow_run_id),
     }, "train job")
 
