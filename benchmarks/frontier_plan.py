@@ -80,6 +80,29 @@ def eight_gpus(budget_gib: int) -> tuple[str | None, list[str]]:
     return largest, lines
 
 
+# Parameters in host RAM on one GPU (`distributed.strategy: auto`, seq 4096 packed, effective batch 64): Llama-3-70B
+# on 80 GiB with 1 TiB of host RAM, and a 120B Llama shape (~116B parameters) on one 141 GiB H200 with 1.5 TiB
+# (MegaTrain's record, arXiv 2604.05091).
+HOST_PARAMETER_CASES = {
+    "70B on 1×80 GiB, 1 TiB host": ((8192, 28672, 80, 64, 8), 80 * GiB, 1024 * GiB),
+    "120B on 1×141 GiB, 1.5 TiB host": ((12288, 33792, 72, 96, 8), 141 * GiB, 1536 * GiB),
+}
+
+
+def host_parameter_rows() -> list[str]:
+    """One GPU, strategy auto: what the planner chose, device and host bytes, predicted step time and tokens/s."""
+    lines = []
+    for name, ((h, i, layers, heads, kv), budget, host) in HOST_PARAMETER_CASES.items():
+        shape = transformers.LlamaConfig(hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
+                                         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=128256)
+        request = PlanRequest(effective_batch_size=64, seq_len=4096, device="cuda", bf16_supported=True,
+                              budget_bytes=budget, attention_mask=False, strategy="auto", host_memory_bytes=host)
+        plan = plan_memory(shape, request)
+        tokens = 64 * 4096 / plan.estimated_step_seconds
+        lines.append(f"{row(name, plan)[:-1]} {plan.settings.strategy} | {tokens:.0f} |")
+    return lines
+
+
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; no options
     print("| model / GPU | plan fits | chosen | device (expected) | host RAM | step (predicted) |")
@@ -106,6 +129,14 @@ def main() -> None:
     print()
     for gib, name in largest.items():
         print(f"largest Llama-3 shape that fits 8×{gib} GiB: {name}")
+    print()
+    print("One GPU, distributed.strategy auto, seq 4096 packed, effective batch 64 (predictions)")
+    print()
+    print("| model / GPU | plan fits | chosen | device (expected) | host RAM | step (predicted) | strategy | "
+          "tokens/s (predicted) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for line in host_parameter_rows():
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

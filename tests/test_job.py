@@ -138,3 +138,11 @@ def test_the_train_section_is_the_spec_without_what_the_plan_decides() -> None:
     assert options | planned_keys == set(spec.TrainSpec.model_fields) and not options & planned_keys
     assert planned_keys - {"effective_batch_size"} <= {f.name for f in fields(Settings)}
     assert options <= attributes_read("train")  # every optimisation key reaches the child
+
+
+def test_strategy_auto_becomes_the_strategy_the_plan_chose(tmp_path) -> None:
+    path = tiny_pipeline(tmp_path, distributed={"strategy": "auto"})
+    pipeline = resolve_pipeline(str(path), "tiny").spec
+    job = build(pipeline, planned(strategy="fsdp", num_processes=1, optimizer="adamw", gradient_accumulation_steps=1))
+    assert job.distributed.strategy == "fsdp" == job.plan.strategy
+    assert TrainJob.from_json(job.to_json()).distributed.strategy == "fsdp"

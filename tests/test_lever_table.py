@@ -148,3 +148,18 @@ def test_plan_applies_the_table_once_budget_device_auto_has_a_device() -> None:
     assert result.returncode == 2, result.stderr
     assert "pipelines.demo.train.offload_optimizer with budget.device" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_strategy_auto_is_not_decided_for_the_table() -> None:
+    """`distributed.strategy: auto` may still choose fsdp: the rules that need fsdp are not broken by it."""
+    from dataclasses import replace
+
+    from fulltune.spec import validate_pipelines
+
+    body = {"model": {"name_or_path": "m"}, "data": {"train": "t.jsonl"},
+            "train": {"offload_optimizer": True, "effective_batch_size": 8},
+            "distributed": {"strategy": "auto", "num_processes": 2}}
+    spec = validate_pipelines({"pipelines": {"a": body}}).pipelines["a"]
+    combination = levers.from_spec(spec)
+    assert combination.strategy is None and levers.problems(combination) == []
+    assert levers.problems(replace(combination, strategy="ddp"))  # fixed ddp breaks the offload rule

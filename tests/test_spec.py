@@ -139,3 +139,9 @@ def test_parse_size(text, expected):
 
 def test_apply_overrides_creates_missing_sections():
     assert apply_overrides({}, ["budget.memory=4GiB"]) == {"budget": {"memory": "4GiB"}}
+
+
+def test_strategy_auto_is_accepted_and_none_stays_the_default():
+    assert validate_pipelines({"pipelines": {"a": MINIMAL}}).pipelines["a"].distributed.strategy == "none"
+    body = {**MINIMAL, "distributed": {"strategy": "auto", "num_processes": 2}}
+    assert validate_pipelines({"pipelines": {"a": body}}).pipelines["a"].distributed.strategy == "auto"

@@ -65,7 +65,8 @@ def strategy_reasons(shape: ModelShape, request: PlanRequest, candidates: list[_
         if name == s.strategy:
             continue
         if _fits(c, usable):
-            others.append(f"{name} is slower ({c.seconds:.3g} s/step)")
+            verdict = "is slower" if c.seconds > chosen.seconds else "is no faster"
+            others.append(f"{name} {verdict} ({c.seconds:.3g} s/step)")
         else:
             others.append(f"{name} does not fit ({format_bytes(c.expected_bytes)} ± {format_bytes(c.uncertainty.bytes)})")
     out = [f"strategy {s.strategy} (distributed.strategy auto): {chosen.seconds:.3g} s/step"
