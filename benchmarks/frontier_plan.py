@@ -99,7 +99,7 @@ def host_parameter_rows() -> list[str]:
                               budget_bytes=budget, attention_mask=False, strategy="auto", host_memory_bytes=host)
         plan = plan_memory(shape, request)
         tokens = 64 * 4096 / plan.estimated_step_seconds
-        lines.append(f"{row(name, plan)[:-1]} {plan.settings.strategy} | {tokens:.0f} |")
+        lines.append(f"{row(name, plan)} {plan.settings.strategy} | {tokens:.0f} |")
     return lines
 
 
