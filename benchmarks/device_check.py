@@ -230,15 +230,35 @@ def _safely(name: str, fn: Any, *args: Any) -> dict[str, Any]:
         return {"name": name, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=3)}
 
 
+def host_parameter_plan(config: Any, settings: Settings) -> dict[str, Any]:
+    """What the planner predicts for parameters in host RAM (FSDP2 CPU offload over one GPU): step time and its
+    assumed terms (planner.fsdp_offload_terms), device and host bytes; the measured case is set against it.
+    Runs on CPU too (--dry-run checks the arithmetic)."""
+    from fulltune.memory.shapes import model_shape
+    from fulltune.planning.planner import fsdp_offload_terms, step_seconds
+
+    shape = model_shape(config)
+    estimate = estimate_memory(config, settings)
+    return {"predicted_seconds_per_step": step_seconds(shape, settings),
+            "predicted_terms": fsdp_offload_terms(shape, settings),
+            "planned_device": estimate.device_bytes, "planned_host": estimate.host_bytes}
+
+
 def fsdp_offload_case(dry_run: bool, steps: int = 3) -> dict[str, Any]:
     """FSDP's CPU offload (`train.offload_optimizer` with strategy fsdp; fulltune/runtime/sharding.py) on one GPU, world
     size 1: a few AdamW steps of the TinyLlama-1.1B shape (seq 2048, micro 2, bf16 policy, no checkpointing)
     with every shard and optimizer state in pinned host RAM. Reports the device's peak allocated / reserved
     against the estimate (the HF loss here, not the trainer's target-only head: the logits differ), the
-    process's peak RSS against the estimate's host bytes, and the losses. GPU-only: CPUOffloadPolicy refuses
-    to run without an accelerator, so --dry-run skips it."""
+    process's peak RSS against the estimate's host bytes, the step time against the plan's prediction and its
+    assumed terms (`host_parameter_plan`: the parameters-in-host-RAM case of `distributed.strategy: auto`), and
+    the losses. GPU-only: CPUOffloadPolicy refuses to run without an accelerator, so --dry-run only plans it."""
+    config = _llama(2048, 5632, 22, 32, 4, 32000)
+    settings = Settings(micro_batch_size=2, seq_len=2048, mixed_precision="bf16", device="cuda", strategy="fsdp",
+                        num_processes=1, attention_mask=False, offload_optimizer=True)
+    plan = host_parameter_plan(config, settings)
     if dry_run:
-        return {"skipped": "CPUOffloadPolicy needs CUDA (\"Cannot access accelerator device when none is available\")"}
+        return {"skipped": "CPUOffloadPolicy needs CUDA (\"Cannot access accelerator device when none is available\")",
+                **plan}
     import resource
     import socket
 
@@ -255,9 +275,6 @@ def fsdp_offload_case(dry_run: bool, steps: int = 3) -> dict[str, Any]:
         os.environ.setdefault(key, value)
     sharding.init_process_group("cuda", cpu_offload=True)
     try:
-        config = _llama(2048, 5632, 22, 32, 4, 32000)
-        settings = Settings(micro_batch_size=2, seq_len=2048, mixed_precision="bf16", device="cuda", strategy="fsdp",
-                            num_processes=1, attention_mask=False, offload_optimizer=True)
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         model.config.use_cache = False
@@ -285,7 +302,8 @@ def fsdp_offload_case(dry_run: bool, steps: int = 3) -> dict[str, Any]:
                 "estimate_peak": estimate.peak_bytes, "estimate_device": estimate.step_device_bytes,
                 "estimate_error": estimate.peak_bytes / allocated - 1,
                 "host_rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                "estimate_host": estimate.host_bytes}
+                "estimate_host": estimate.host_bytes, **plan,
+                "step_time_error": plan["predicted_seconds_per_step"] / seconds - 1}
     finally:
         dist.destroy_process_group()
 
@@ -374,7 +392,8 @@ def summary(report: dict[str, Any]) -> str:
                      f"(estimate {format_bytes(offload['estimate_peak'])}, {_pct(offload['estimate_error'])}), "
                      f"reserved {format_bytes(offload['measured_reserved'])}, host RSS "
                      f"{format_bytes(offload['host_rss_peak'])} (offloaded tensors estimated "
-                     f"{format_bytes(offload['estimate_host'])}), {offload['seconds_per_step']:.3g} s/step, "
+                     f"{format_bytes(offload['estimate_host'])}), {offload['seconds_per_step']:.3g} s/step "
+                     f"(plan {offload['predicted_seconds_per_step']:.3g} s, {_pct(offload['step_time_error'])}), "
                      f"shards pinned: {offload['shards_pinned']}")
     return "\n".join(lines)
 

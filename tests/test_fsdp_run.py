@@ -61,3 +61,28 @@ def test_two_fsdp_processes_train_like_one_and_resume_bit_exact_after_a_kill(tmp
     (model_dir,) = (clean / "work").glob("runs/*/model")
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     assert type(model).__name__ == "LlamaForCausalLM"
+
+
+def test_fsdp_over_one_process_trains_bit_exact_like_strategy_auto_which_chose_none(tmp_path: Path) -> None:
+    """On CPU fsdp over one process (no offload: CPUOffloadPolicy needs an accelerator) holds the bytes of
+    `none`, so `strategy: auto` keeps `none`; FSDP2 over the one process trains the same losses and weights."""
+    import json
+
+    import torch
+
+    auto, sharded = tmp_path / "auto", tmp_path / "fsdp"
+    for directory in (auto, sharded):
+        directory.mkdir()
+    plain = fulltune_run(tiny_pipeline(auto, train=ONE, distributed={"strategy": "auto"}), auto / "run.log")
+    one_shard = fulltune_run(tiny_pipeline(sharded, train=ONE, distributed={"strategy": "fsdp"}),
+                             sharded / "run.log")
+    finish(plain, auto / "run.log")
+    finish(one_shard, sharded / "run.log")
+    jobs = {name: json.loads(next((d / "work").rglob("JOB.json")).read_text()) for name, d in
+            (("auto", auto), ("fsdp", sharded))}
+    assert jobs["auto"]["distributed"]["strategy"] == jobs["auto"]["plan"]["strategy"] == "none"
+    assert jobs["fsdp"]["distributed"]["strategy"] == "fsdp" and jobs["fsdp"]["plan"]["num_processes"] == 1
+    assert loss_history(sharded / "work") == loss_history(auto / "work")
+    got, want = saved_model(sharded / "work"), saved_model(auto / "work")
+    assert got.keys() == want.keys()
+    assert [name for name in want if not torch.equal(got[name], want[name])] == []

@@ -143,5 +143,9 @@ def test_device_check_dry_run_writes_its_report(tmp_path):
     assert levers["measured_allocated"] < 0.8 * plain["measured_allocated"]
     assert levers["trace_peak"] == pytest.approx(levers["measured_allocated"], rel=0.02)
     assert report["mfu"]["tokens_per_second"] > 0
+    # The host-parameter case is GPU-only; the dry run plans it: the predicted step time and its assumed terms.
+    offload = report["fsdp_offload"]
+    assert "skipped" in offload and offload["predicted_seconds_per_step"] > 0
+    assert {"compute_s", "pcie_s", "exposed_pcie_s", "host_step_s"} <= set(offload["predicted_terms"])
     assert report["fp16_loss_scaling"]["overflow_step_skipped_and_recovered"] is True
     assert "est err" in result.stdout

@@ -783,6 +783,7 @@ def _epoch_seconds(p: ResolvedPipeline, tokenizer: str, packing: bool, rows: int
     from fulltune.memory.shapes import model_shape
     from fulltune.memory.types import Settings
     from fulltune.models import read_model_config
+    from fulltune.planning.strategy import choices
     from fulltune.stages import _planned_vocab
 
     t, d, device = p.spec.train, p.spec.distributed, resolved_device(p)
@@ -791,7 +792,8 @@ def _epoch_seconds(p: ResolvedPipeline, tokenizer: str, packing: bool, rows: int
     settings = Settings(
         micro_batch_size=t.effective_batch_size // d.num_processes, seq_len=seq_len, mixed_precision=precision,
         optimizer=t.optimizer if t.optimizer != "auto" else "adamw", attn_implementation=p.spec.model.attn_implementation,
-        device=device, strategy=d.strategy, num_processes=d.num_processes, attention_mask=packing,
+        device=device, strategy=choices(d.strategy, d.num_processes)[0], num_processes=d.num_processes,
+        attention_mask=packing,  # strategy auto: its naive default, as for the other auto fields
         # the output head runs at the positions with a target: the same tokens in either layout
         target_fraction=min(1.0, label_tokens / max(1, rows * (seq_len - 1))))
     return analytic_step_seconds(shape, settings) * max(1, rows // t.effective_batch_size)

@@ -22,11 +22,16 @@ if TYPE_CHECKING:
     from fulltune.planning.planner import _Candidate
 
 
+def choices(strategy: str, num_processes: int) -> tuple[str, ...]:
+    """The strategies `strategy` (auto or fixed) may be for that many processes, the unsharded one first."""
+    if strategy != "auto":
+        return (strategy,)
+    return ("none", "fsdp") if num_processes == 1 else ("ddp", "fsdp")
+
+
 def strategy_choices(request: PlanRequest) -> tuple[str, ...]:
     """The strategies `auto` may choose for the request's processes, the unsharded one first."""
-    if request.strategy != "auto":
-        return (request.strategy,)
-    return ("none", "fsdp") if request.num_processes == 1 else ("ddp", "fsdp")
+    return choices(request.strategy, request.num_processes)
 
 
 def naive_strategy(request: PlanRequest) -> PlanRequest:
