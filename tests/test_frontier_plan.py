@@ -59,6 +59,34 @@ def test_a_small_host_memory_budget_refuses_offload_and_says_so():
     assert any("budget.host_memory" in r and "refused" in r for r in plan.reasons)
 
 
+def test_strategy_auto_keeps_the_parameters_on_one_gpu_where_they_fit():
+    # Both fit without a lever or checkpointing, in the same step time: the unsharded strategy stays.
+    plan = plan_memory(LLAMA_8B, gpu_request(budget_bytes=80 * GiB, strategy="auto", effective_batch_size=1,
+                                             seq_len=512))
+    assert plan.fits and plan.settings.strategy == "none"
+    assert plan.to_dict()["plan"]["strategy"] == "none"
+    assert any(r.startswith("strategy none (distributed.strategy auto)") for r in plan.reasons)
+
+
+@pytest.mark.slow
+def test_strategy_auto_puts_the_parameters_in_host_ram_where_only_that_fits_one_gpu():
+    request = gpu_request(budget_bytes=12 * GiB, optimizer=None)
+    unsharded = plan_memory(LLAMA_8B, request)
+    assert not unsharded.fits  # 16 GiB of bf16 weights alone
+    advice = [s for s in unsharded.suggestions if s.startswith("distributed.strategy: fsdp (or auto)")]
+    assert advice and "parameters in host RAM" in advice[0]
+
+    plan = plan_memory(LLAMA_8B, replace(request, strategy="auto"))
+    s = plan.settings
+    assert plan.fits and (s.strategy, s.num_processes, s.offload_optimizer) == ("fsdp", 1, True)
+    assert plan.to_dict()["plan"]["strategy"] == "fsdp"
+    assert plan.expected_bytes <= plan.usable_bytes and plan.plan_estimate.host_bytes <= 256 * GiB
+    line = next(r for r in plan.reasons if r.startswith("parameters in host RAM (FSDP2 CPU offload over one GPU)"))
+    assert "strategy none needs" in line
+    terms = next(r for r in plan.reasons if r.startswith("step-time terms (assumed, not measured)"))
+    assert "PCIe" in terms and "host optimizer step" in terms and "overlap" in terms
+
+
 def test_levers_fixed_off_are_never_turned_on():
     plan = plan_memory(LLAMA_8B, gpu_request(offload_optimizer=False, pure_bf16=False))
     assert not plan.fits and not plan.settings.offload_optimizer and not plan.settings.pure_bf16
@@ -144,31 +172,3 @@ def test_estimate_is_within_3_percent_of_the_traced_step_for_each_lever(case):
     estimate = estimate_memory(TINY, settings).peak_bytes
     traced = simulate_memory(TINY, settings).peak_bytes
     assert abs(estimate / traced - 1) <= 0.03, (case, estimate, traced)
-
-
-def test_strategy_auto_keeps_the_parameters_on_one_gpu_where_they_fit():
-    # Both fit without a lever or checkpointing, in the same step time: the unsharded strategy stays.
-    plan = plan_memory(LLAMA_8B, gpu_request(budget_bytes=80 * GiB, strategy="auto", effective_batch_size=1,
-                                             seq_len=512))
-    assert plan.fits and plan.settings.strategy == "none"
-    assert plan.to_dict()["plan"]["strategy"] == "none"
-    assert any(r.startswith("strategy none (distributed.strategy auto)") for r in plan.reasons)
-
-
-@pytest.mark.slow
-def test_strategy_auto_puts_the_parameters_in_host_ram_where_only_that_fits_one_gpu():
-    request = gpu_request(budget_bytes=12 * GiB, optimizer=None)
-    unsharded = plan_memory(LLAMA_8B, request)
-    assert not unsharded.fits  # 16 GiB of bf16 weights alone
-    advice = [s for s in unsharded.suggestions if s.startswith("distributed.strategy: fsdp (or auto)")]
-    assert advice and "parameters in host RAM" in advice[0]
-
-    plan = plan_memory(LLAMA_8B, replace(request, strategy="auto"))
-    s = plan.settings
-    assert plan.fits and (s.strategy, s.num_processes, s.offload_optimizer) == ("fsdp", 1, True)
-    assert plan.to_dict()["plan"]["strategy"] == "fsdp"
-    assert plan.expected_bytes <= plan.usable_bytes and plan.plan_estimate.host_bytes <= 256 * GiB
-    line = next(r for r in plan.reasons if r.startswith("parameters in host RAM (FSDP2 CPU offload over one GPU)"))
-    assert "strategy none needs" in line
-    terms = next(r for r in plan.reasons if r.startswith("step-time terms (assumed, not measured)"))
-    assert "PCIe" in terms and "host optimizer step" in terms and "overlap" in terms
