@@ -272,8 +272,21 @@ class DistributedSpec(Strict):
 BUILTIN_METRICS: dict[str, Literal["min", "max"]] = {
     "eval_loss": "min", "perplexity": "min", "bits_per_byte": "min", "exact_match": "max",
 }
+DEFAULT_METRIC_TIMEOUT = 600.0  # seconds, evaluate.metric_timeout
 CALLABLE_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 METRIC_NAME_PATTERN = re.compile(r"^[A-Za-z_][\w.-]*$")
+
+
+# Fields a run started from a deployment may never override, even where a pipeline's `run_overrides`
+# names them: they run code (remote model code, metric modules, task files with `!function`), load
+# pickles, read a secret, or choose where outputs go.
+NEVER_RUN_OVERRIDES = ("model.trust_remote_code", "model.allow_pickle_weights", "model.token_env",
+                       "evaluate.metrics", "evaluate.lm_eval.tasks", "run_overrides", "workdir")
+
+
+def covers(entry: str, key: str) -> bool:
+    """Whether the dotted `entry` is `key` or one of the sections above it (`train` covers `train.seed`)."""
+    return key == entry or key.startswith(entry + ".")
 
 
 def lm_eval_installed() -> bool:
@@ -312,6 +325,9 @@ class EvaluateSpec(Strict):
     max_new_tokens: int = Field(32, ge=1, description="Tokens generated per example.")
     compare_champion: bool = Field(True, description="Also evaluate the current champion on the same data.")
     lm_eval: LmEvalSpec | None = Field(None, description="lm-evaluation-harness tasks; metrics `<task>/<metric>`.")
+    metric_timeout: float = Field(
+        DEFAULT_METRIC_TIMEOUT, gt=0, description="Seconds each metric function of `metrics` may run on one "
+                                                  "model's completions; one that runs longer stops the run, named.")
     metrics: dict[str, str] = Field(
         default_factory=dict,
         description="The team's own metrics: name → `module:function` (a list of `module:function` names each "
@@ -428,6 +444,22 @@ class PipelineSpec(Strict):
     # `register` is the YAML key; the attribute name avoids shadowing BaseModel.register.
     registration: RegisterSpec = Field(default_factory=RegisterSpec, alias="register")
     schedule: str | None = Field(None, description="Cron expression for scheduled retraining (`fulltune serve`).")
+    run_overrides: list[str] = Field(
+        default_factory=list,
+        description="Fields (dotted keys, or a section such as `evaluate`) that a run started from a deployment "
+                    "(the Prefect UI, the API, a schedule) may override besides the training knobs it always may "
+                    "(fulltune/run_overrides.py). Never the fields that run code, load pickles, read secrets or "
+                    f"choose where outputs go: {', '.join(NEVER_RUN_OVERRIDES)}. `fulltune run --set` is not "
+                    "limited.")
+
+    @field_validator("run_overrides")
+    @classmethod
+    def _never(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            clash = next((k for k in NEVER_RUN_OVERRIDES if covers(entry, k) or covers(k, entry)), None)
+            if clash:
+                raise ValueError(f"{entry!r}: a run parameter may never set {clash}")
+        return value
 
     @field_validator("schedule")
     @classmethod
@@ -461,7 +493,8 @@ class PipelineSpec(Strict):
 
     def config_hash(self) -> str:
         """sha256 of the resolved pipeline, stable across runs and key order."""
-        text = json.dumps(self.model_dump(mode="json", by_alias=True), sort_keys=True)
+        # run_overrides says who may change the pipeline, not what it computes.
+        text = json.dumps(self.model_dump(mode="json", by_alias=True, exclude={"run_overrides"}), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -530,10 +563,19 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | dict[str, Any]) 
     return result
 
 
+# A value that fits none of a union's members: pydantic reports each scalar member too
+# ("should be a valid boolean", "should be 'auto'") beside the mapping member's real problems.
+SCALAR_MISMATCH = {"bool_type", "bool_parsing", "literal_error", "int_type", "int_parsing", "float_type",
+                   "float_parsing", "string_type"}
+
+
 def _format_errors(error: ValidationError, prefix: str) -> list[str]:
+    items = [(tuple(str(p) for p in item["loc"] if not _is_union_tag(p)), item) for item in error.errors()]
+    deeper = {loc[:n] for loc, _ in items for n in range(len(loc))}
     lines = []
-    for item in error.errors():
-        loc = [str(p) for p in item["loc"] if not _is_union_tag(p)]
+    for loc, item in items:
+        if item["type"] in SCALAR_MISMATCH and loc in deeper:
+            continue  # the union's scalar members, when a mapping member says what is wrong inside
         path = ".".join([prefix, *loc]) if prefix else ".".join(loc)
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":

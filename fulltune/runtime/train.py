@@ -31,7 +31,6 @@ every `log_every_steps`, and checkpoints.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import os
@@ -56,7 +55,7 @@ from fulltune.memory import flops
 from fulltune.runtime import sharding
 from fulltune.data.batching import StepSchedule, TokenizedRows, micro_batch_inputs
 from fulltune.data import pad_token_id_of
-from fulltune.errors import ConfigError, DataError, TrainingError, UserError
+from fulltune.errors import ConfigError, DataError, TrainingError, UserError, disk_full
 from fulltune.runtime.faults import TrainHooks, hooks_from_env
 from fulltune.storage import atomic_dir, atomic_write_text, fsync_dir, fsync_tree
 from fulltune.runtime.loss import TargetHead
@@ -535,7 +534,7 @@ def save_checkpoint(run: TrainingRun, state: TrainState, counters: dict[str, Any
             fsync_tree(tmp)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back; the older checkpoints stand
-        if _disk_full(exc):
+        if disk_full(exc):
             older = latest_checkpoint(root)
             raise TrainingError(
                 f"{root}: the disk filled up while writing checkpoint step-{state.step} "
@@ -551,19 +550,6 @@ def save_checkpoint(run: TrainingRun, state: TrainState, counters: dict[str, Any
         for old in steps[:-run.job.train.keep_checkpoints]:
             shutil.rmtree(root / f"step-{old}", ignore_errors=True)
     accelerator.wait_for_everyone()
-
-
-def _disk_full(exc: BaseException) -> bool:
-    """Whether a write failed for want of space: OSError ENOSPC/EDQUOT, or the same wrapped by torch's
-    or safetensors' writers, which raise RuntimeError / SafetensorError with the OS message inside."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if any(text in str(seen) for text in ("No space left on device", "StorageFull", "Disk quota exceeded")):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 # ---------------------------------------------------------------------------------------------------

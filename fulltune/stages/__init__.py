@@ -243,12 +243,13 @@ def budget_key(p: ResolvedPipeline, train_fingerprint: str) -> str:
         "budget": spec.budget.model_dump(mode="json"), "train": spec.train.model_dump(mode="json"),
         "distributed": spec.distributed.model_dump(mode="json"),
         "resolved": asdict(resolved_budget(p)),
-        # Step times measured on this kind of device rerank the candidates (fulltune/planning/autotune.py).
+        # The kind of device (its name and count), and the step times measured on it, which rerank the
+        # candidates and whose measurements a tuning chooses from (fulltune/planning/autotune.py).
         "step_time_calibration": _calibration_key(p, resolved_budget(p).device),
     })
 
 
-def _calibration_key(p: ResolvedPipeline, device: str) -> dict[str, float]:
+def _calibration_key(p: ResolvedPipeline, device: str) -> dict[str, Any]:
     from fulltune.planning.autotune import calibration_key
 
     return calibration_key(p.workdir, device)
@@ -272,7 +273,8 @@ def evaluate_key(p: ResolvedPipeline, trained_key: str, data_fingerprint: str, c
     return hash_json({
         "stage": EVALUATE, "code": code_version(*STAGE_CODE[EVALUATE]), "train": trained_key,
         "data": data_fingerprint,
-        "evaluate": p.spec.evaluate.model_dump(mode="json"), "champion": champion_version,
+        # how long a metric function may run does not change what it computes
+        "evaluate": p.spec.evaluate.model_dump(mode="json", exclude={"metric_timeout"}), "champion": champion_version,
         # version numbers count per registered model: two pipelines sharing a workdir may both have a "3"
         "champion_of": p.model_name,
         # the content of the lm_eval task files, their data and the metric functions' modules
