@@ -324,6 +324,9 @@ class EvaluateSpec(Strict):
     max_generate_examples: int = Field(32, ge=0, description="Greedy generations for exact match (prompt_completion).")
     max_new_tokens: int = Field(32, ge=1, description="Tokens generated per example.")
     compare_champion: bool = Field(True, description="Also evaluate the current champion on the same data.")
+    precision: Literal["trained", "fp32"] = Field(
+        "trained", description="The dtype every candidate is evaluated in: `trained`, the one the run's forward "
+                               "computed in (bf16 under bf16 autocast or pure bf16), or `fp32`.")
     lm_eval: LmEvalSpec | None = Field(None, description="lm-evaluation-harness tasks; metrics `<task>/<metric>`.")
     metric_timeout: float = Field(
         DEFAULT_METRIC_TIMEOUT, gt=0, description="Seconds each metric function of `metrics` may run on one "

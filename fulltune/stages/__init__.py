@@ -242,6 +242,7 @@ def budget_key(p: ResolvedPipeline, train_fingerprint: str) -> str:
         "model": spec.model.model_dump(mode="json"), "model_source": _model_source(p),
         "budget": spec.budget.model_dump(mode="json"), "train": spec.train.model_dump(mode="json"),
         "distributed": spec.distributed.model_dump(mode="json"),
+        "evaluation": asdict(evaluation_request(spec)),  # the evaluate stage is planned here too
         "resolved": asdict(resolved_budget(p)),
         # The kind of device (its name and count), and the step times measured on it, which rerank the
         # candidates and whose measurements a tuning chooses from (fulltune/planning/autotune.py).
@@ -268,9 +269,13 @@ def train_key(p: ResolvedPipeline, train_fingerprint: str, settings: Settings | 
     })[:24]
 
 
-def evaluate_key(p: ResolvedPipeline, trained_key: str, data_fingerprint: str, champion_version: str | None) -> str:
-    """`data_fingerprint` is the whole one (TokenizedData.fingerprint): it covers the held-out data."""
+def evaluate_key(p: ResolvedPipeline, trained_key: str, data_fingerprint: str, champion_version: str | None,
+                 evaluation: dict[str, Any] | None = None) -> str:
+    """`data_fingerprint` is the whole one (TokenizedData.fingerprint): it covers the held-out data;
+    `evaluation` the plan's evaluate stage: its dtype and batches decide the metrics, not its byte counts."""
     return hash_json({
+        "evaluation": {name: evaluation[name] for name in ("dtype", "loss_batch", "generation_batch", "harness_batch")}
+        if evaluation else None,
         "stage": EVALUATE, "code": code_version(*STAGE_CODE[EVALUATE]), "train": trained_key,
         "data": data_fingerprint,
         # how long a metric function may run does not change what it computes
@@ -533,7 +538,20 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         **{lever: None if getattr(t, lever) == "auto" else bool(getattr(t, lever)) for lever in LEVERS},
         host_memory_bytes=budget.host_bytes,
         num_machines=d.num_machines,
+        evaluation=evaluation_request(p.spec),
+        host_memory_assumed=budget.host_assumed,
     )
+
+
+def evaluation_request(spec: PipelineSpec) -> Any:
+    """The evaluate stage as `evaluate.*` configures it, for the plan (memory/evaluation.py)."""
+    from fulltune.memory.evaluation import EvalRequest
+
+    e = spec.evaluate
+    return EvalRequest(batch_size=e.batch_size, max_new_tokens=e.max_new_tokens,
+                       generate=e.max_generate_examples > 0 and spec.data.format == "prompt_completion",
+                       harness_batch_size=(e.lm_eval.batch_size or e.batch_size) if e.lm_eval else None,
+                       precision=e.precision)
 
 
 def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
