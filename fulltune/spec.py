@@ -451,7 +451,7 @@ class PipelineSpec(Strict):
         default_factory=list,
         description="Fields (dotted keys, or a section such as `evaluate`) that a run started from a deployment "
                     "(the Prefect UI, the API, a schedule) may override besides the training knobs it always may "
-                    "(fulltune/run_overrides.py). Never the fields that run code, load pickles, read secrets or "
+                    "(fulltune/stages/run_overrides.py). Never the fields that run code, load pickles, read secrets or "
                     f"choose where outputs go: {', '.join(NEVER_RUN_OVERRIDES)}. `fulltune run --set` is not "
                     "limited.")
 
