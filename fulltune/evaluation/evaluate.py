@@ -372,8 +372,13 @@ def raw_eval_records(data: DataSpec, rows: list[dict[str, Any]], max_examples: i
     """The eval examples as records of the training data (the columns `data.format` reads), or None.
 
     prompt_completion rows carry their prompt and completion strings. For the other formats only
-    `data.eval` has the raw examples; examples held out of `data.train` are kept as tokens only.
+    `data.eval` has the raw examples; examples held out of `data.train` are kept as tokens only. Sources
+    given as lists may each have their own format and fields: None (fulltune/data/sources.py).
     """
+    from fulltune.data.sources import is_single
+
+    if not (is_single(data.train) and is_single(data.eval)):
+        return None
     if data.format == "prompt_completion":
         return [{data.prompt_field: row["prompt"], data.completion_field: row["completion"]} for row in rows]
     if data.eval is None:

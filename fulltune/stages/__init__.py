@@ -18,7 +18,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fulltune import hub, levers
 from fulltune.evaluation import harness
@@ -85,6 +85,7 @@ def _absolute_paths(spec: PipelineSpec, base: Path) -> PipelineSpec:
     """Make local file references absolute so stages do not depend on the current directory; hub ids
     stay as they are (fulltune/hub.py tells them apart: after this, a reference is local iff absolute)."""
     from fulltune.data import SUFFIX_BUILDERS
+    from fulltune.data.sources import map_references
 
     def local(value: str | None, data: bool = False, always: bool = False) -> str | None:
         if value is None:
@@ -97,7 +98,8 @@ def _absolute_paths(spec: PipelineSpec, base: Path) -> PipelineSpec:
             return str(base / candidate)
         return value
 
-    data = spec.data.model_copy(update={"train": local(spec.data.train, True), "eval": local(spec.data.eval, True)})
+    data = spec.data.model_copy(update={split: map_references(getattr(spec.data, split), lambda v: local(v, True))
+                                        for split in ("train", "eval")})
     model_updates: dict[str, Any] = {}
     if spec.model.name_or_path is not None:
         model_updates["name_or_path"] = local(spec.model.name_or_path)
@@ -199,14 +201,24 @@ def tokenize_key(p: ResolvedPipeline) -> str:
     field = "model.tokenizer" if spec.model.tokenizer is not None else "model.name_or_path"
     return hash_json({
         "stage": TOKENIZE, "code": code_version(*STAGE_CODE[TOKENIZE]), "workdir": p.workdir,
-        "data": spec.data.model_dump(mode="json"),
-        "train": _source_key(p, spec.data.train, "data.train", "dataset"),
-        "eval": _source_key(p, spec.data.eval, "data.eval", "dataset"),
+        "data": spec.data.model_dump(mode="json", exclude={"num_workers"}),  # the output is the same for any
+        **{split: _data_key(p, split) for split in ("train", "eval")},
         "tokenizer": tokenizer if not isinstance(tokenizer, str)
         else _source_key(p, tokenizer, field, revision=tokenizer_revision(spec.model)),
         "seed": spec.train.seed,
         "packing_choice": _packing_choice_key(p) if spec.data.packing == "auto" else None,
     })
+
+
+def _data_key(p: ResolvedPipeline, split: Literal["train", "eval"]) -> Any:
+    """What the tokenize key sees of data.train or data.eval: `_source_key` of the reference, or of each
+    source in a list."""
+    from fulltune.data.sources import sources
+
+    value = getattr(p.spec.data, split)
+    if not isinstance(value, list):
+        return _source_key(p, value, f"data.{split}", "dataset")
+    return [_source_key(p, s.reference, s.what, "dataset") for s in sources(p.spec.data, split)]
 
 
 def _packing_choice_key(p: ResolvedPipeline) -> dict[str, Any]:
@@ -673,12 +685,11 @@ def ensure_local_data(p: ResolvedPipeline, check_hub: bool = False) -> None:
 
 def _references(p: ResolvedPipeline) -> list[tuple[str, str, str, str | None]]:
     """(YAML field, reference, kind, hub revision) of every file or repository the pipeline reads."""
+    from fulltune.data.sources import sources
     from fulltune.data.tokenizer import tokenizer_revision
 
     m, d = p.spec.model, p.spec.data
-    refs = [("data.train", d.train, "data", None)]
-    if d.eval is not None:
-        refs.append(("data.eval", d.eval, "data", None))
+    refs = [(s.what, s.reference, "data", None) for split in ("train", "eval") for s in sources(d, split)]
     if m.name_or_path is not None:
         refs.append(("model.name_or_path", m.name_or_path, "model", m.revision))
     if isinstance(m.from_config, str):
