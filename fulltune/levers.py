@@ -16,7 +16,8 @@ would satisfy it — the planner, which fills the `auto` fields, keeps only cand
                                                                                   or FSDP (not DDP), not with
                                                                                   offload_optimizer or tensor
                                                                                   parallel
-    offload_activations    checkpointed layers' saved inputs wait in host RAM    checkpointed layers
+    offload_activations    checkpointed layers' saved inputs wait in host RAM    checkpointed layers; not
+                                                                                  FSDP on cuda (unmeasured)
     offload_optimizer      masters, gradients and states in host RAM              one process, or FSDP on
                                                                                   cuda (CPUOffloadPolicy)
 """
@@ -124,6 +125,13 @@ RULES: tuple[Rule, ...] = (
     Rule(("train.pure_bf16", "budget.device"),
          lambda c: c.on("pure_bf16") and c.bf16_supported is False,
          "this GPU has no bf16 support; turn pure_bf16 off"),
+    # Under FSDP2 a checkpointed layer's offloaded input comes back to the device for its recompute beside the
+    # gathered unit: the memory model counts that (memory/walk.py), but no FSDP step with offloaded activations
+    # has been measured on a GPU (on a CPU device nothing is offloaded, so none can be measured there).
+    Rule(("train.offload_activations", "distributed.strategy", "budget.device"),
+         lambda c: c.on("offload_activations") and c.strategy == "fsdp" and c.device == "cuda",
+         "activation offload under FSDP on CUDA has never been measured against the memory model, so its plan "
+         "could not be trusted; turn offload_activations off (or auto) or use strategy none"),
     Rule(("train.offload_activations", "train.gradient_checkpointing"),
          lambda c: c.on("offload_activations") and _no_checkpointing(c),
          "it moves the saved inputs of checkpointed layers to host RAM, and no layer is checkpointed; set "

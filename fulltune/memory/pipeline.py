@@ -257,11 +257,12 @@ def _single_micro_batch(sub: ModelShape, ss: Settings, first: bool, last: bool, 
     """One micro-batch's forward and backward through a stage, and the optimizer step: the phases, the
     micro-batch's saved activations, and the step's terms. With `ss.gradient_accumulation_steps` above 1 the
     stage's gradients exist from the start (an earlier micro-batch made them); at 1 they appear during its
-    backward. Mirrors the single-process walk (`estimate._backward_phases`) on the stage's layers; the step's
-    batch has `micro_batches` micro-batches."""
+    backward. The single-process walk (`walk.walk` with `estimate.replicated`) on the stage's layers, with the
+    embedding on the first stage and the head on the last; the step's batch has `micro_batches` micro-batches."""
+    from fulltune.memory.estimate import replicated
     from fulltune.memory.fsdp import persistent
-    from fulltune.memory.head import chunked_head_phases, head_gradient, head_phases
     from fulltune.memory.timeline import Timeline, step_terms
+    from fulltune.memory.walk import walk
 
     x = step_terms(sub, ss, ss)
     acts = x.acts
@@ -277,31 +278,7 @@ def _single_micro_batch(sub: ModelShape, ss: Settings, first: bool, last: bool, 
     # labels and one micro-batch's target index and tokens (int64).
     batch = 8 * rows * s * (1 + int(ss.attention_mask) + int(first) + int(last)) + (2 * 8 * x.t if last else 0)
     tl = Timeline(x, replace(p, batch=batch))
-    layer, wb, accumulating = x.layer, x.levers.weight_bytes, x.accumulating
-    tl.add("forward", x.grads_before, acts.below_head, 0, layer.forward_transient + acts.mask_bool, backward=False)
-    if last:
-        (chunked_head_phases if ss.chunked_loss else head_phases)(tl)
-    head_grad = head_gradient(tl) if last else 0
-    norm_grad = wb * sum(n for (n,) in (sh for sh in sub.other_params if len(sh) == 1)) if last else 0
-    grads_now = x.grads_before if accumulating else head_grad + norm_grad
-    acts_now = acts.below_head
-    layer_grads = layer.grads * wb // 4
-    first_grad = layer.mlp_first_grad * wb // 4
-    for i in reversed(range(sub.num_layers)):
-        below = acts_now - acts.saved_by_layer[i]
-        grad_mlp = 0 if accumulating else layer.mlp_grads * wb // 4
-        tl.add(f"backward of layer {start + i}", grads_now + (0 if accumulating else first_grad), below, 0,
-               layer.saved + layer.mlp_backward + (first_grad if x.new_grad_added else 0))
-        tl.add(f"backward of layer {start + i}", grads_now + grad_mlp, below, 0,
-               layer.attn_saved + layer.attn_backward)
-        grads_now += 0 if accumulating else layer_grads
-        acts_now = below
-    if first:
-        # The embedding's dense (V, h) gradient, added into the accumulated one.
-        vocab_rows = next((r for r, _ in (sh for sh in sub.other_params if len(sh) == 2)), 0)
-        emb_grad = wb * vocab_rows * sub.hidden
-        tl.add("backward of the embeddings", x.grads_total, max(acts_now, 0), 0, emb_grad if x.new_grad_added else 0)
-    tl.add("optimizer step", x.grads_total, 0, 0, x.levers.states_temp)
+    walk(tl, replicated(tl, layers=(start, start + sub.num_layers), embedding=first, head=last))
     return tl.phases, acts.total, x
 
 
