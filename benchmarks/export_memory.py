@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 SHAPE = dict(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False)

@@ -139,11 +139,9 @@ def test_the_export_streams_file_by_file_within_the_plans_host_figure(tmp_path: 
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from export_memory import SHAPE
+    from benchmarks.export_memory import SHAPE
 
-    benchmark = ROOT / "benchmarks" / "export_memory.py"
-    run(_torchrun("--standalone", "--nproc_per_node", "2", str(benchmark), str(tmp_path)))
+    run(_torchrun("--standalone", "--nproc_per_node", "2", "--module", "benchmarks.export_memory", str(tmp_path)))
     measured = json.loads((tmp_path / "export.json").read_text())
     assert measured["added_bytes"] <= measured["planned_rank0_bytes"] < measured["model_bytes"] / 2, measured
     files = sorted(path.name for path in (tmp_path / "model").glob("*.safetensors"))
