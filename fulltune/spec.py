@@ -37,6 +37,7 @@ MixedPrecision = Literal["bf16", "fp16", "no"]
 Optimizer = Literal["adamw", "adamw_8bit", "adamw_4bit", "adafactor"]
 LrScheduler = Literal["cosine", "linear", "constant"]
 Strategy = Literal["none", "ddp", "fsdp"]
+PipelineSchedule = Literal["1f1b", "gpipe"]
 
 
 class Strict(BaseModel):
@@ -238,6 +239,18 @@ class DistributedSpec(Strict):
                        "them. Needs strategy fsdp; 1 = no tensor parallel; auto: the plan chooses a divisor of the "
                        "processes on one machine (the fastest that fits)."
     )
+    pipeline_parallel: int = Field(
+        1, ge=1, le=64, description="Pipeline stages: the decoder layers split evenly over this many processes, "
+                                    "one stage each (the embedding on the first, the head on the last); "
+                                    "num_processes = pipeline_parallel × data parallel × tensor_parallel. 1 = none. "
+                                    "Each optimizer step's gradient_accumulation_steps micro-batches flow through "
+                                    "the stages. Needs strategy none and no other parallelism (for now)."
+    )
+    pipeline_schedule: PipelineSchedule = Field(
+        "1f1b", description="The order a stage runs its micro-batches: `1f1b` (one forward, one backward: stage s "
+                            "holds at most P − s micro-batches' activations; needs gradient_accumulation_steps ≥ "
+                            "pipeline_parallel) or `gpipe` (all forwards, then all backwards: holds all of them)."
+    )
 
     @field_validator("strategy", mode="before")
     @classmethod
@@ -249,8 +262,15 @@ class DistributedSpec(Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> DistributedSpec:
-        if self.strategy == "none" and self.num_processes != 1:
-            raise ValueError("num_processes > 1 needs a strategy (ddp or fsdp)")
+        if self.strategy == "none" and self.num_processes != self.pipeline_parallel:
+            raise ValueError("num_processes > 1 needs a strategy (ddp or fsdp)"
+                             + (" or num_processes = pipeline_parallel" if self.pipeline_parallel > 1 else ""))
+        if self.num_processes % self.pipeline_parallel:
+            raise ValueError(f"pipeline_parallel ({self.pipeline_parallel}) must divide num_processes "
+                             f"({self.num_processes})")
+        if self.pipeline_parallel > 1 and self.tensor_parallel != 1:
+            raise ValueError("pipeline_parallel > 1 is not combined with tensor_parallel (not built); set one of "
+                             "them to 1")
         if self.tensor_parallel == "auto":
             return self  # the plan chooses a degree that divides the processes (planning/planner.py)
         if not 1 <= self.tensor_parallel <= 64:
@@ -264,8 +284,11 @@ class DistributedSpec(Strict):
 
     @property
     def data_parallel(self) -> int | None:
-        """Processes that train on different rows: num_processes / tensor_parallel (None while it is auto)."""
-        return None if self.tensor_parallel == "auto" else self.num_processes // self.tensor_parallel
+        """Processes that train on different rows: num_processes / (tensor_parallel × pipeline_parallel) (None
+        while tensor_parallel is auto)."""
+        if self.tensor_parallel == "auto":
+            return None
+        return self.num_processes // (self.tensor_parallel * self.pipeline_parallel)
 
 
 # Metrics every evaluation computes, with the direction in which they improve. A gate may also name an
@@ -445,8 +468,9 @@ class PipelineSpec(Strict):
     def _batch(self) -> PipelineSpec:
         # Tensor-parallel processes share their rows: only the data-parallel ones multiply the batch.
         t, processes = self.train, self.distributed.data_parallel
-        who = ("distributed.num_processes" if self.distributed.tensor_parallel == 1
-               else "distributed.num_processes / distributed.tensor_parallel")
+        who = ("distributed.num_processes" + ("" if self.distributed.tensor_parallel == 1
+                                               else " / distributed.tensor_parallel")
+               + ("" if self.distributed.pipeline_parallel == 1 else " / distributed.pipeline_parallel"))
         micro, accum = t.micro_batch_size, t.gradient_accumulation_steps
         if processes is None:
             return self  # tensor_parallel auto: the plan keeps the batch for the degree it chooses

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from fulltune.levers import PIPELINE_REFUSED_LEVERS
 from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.shapes import ModelShape, model_shape
 from fulltune.memory.types import Settings
@@ -43,8 +44,8 @@ SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe"}
 # constants: GPUs without NVLink, or on two machines, move ~25 GB/s (PCIe 4.0 x16, a 200 Gb/s NIC); gloo
 # between two CPU processes of one machine copies through loopback TCP.
 P2P_BYTES_PER_S = {"cuda": 25e9, "cpu": 2e9}
-# The levers that change the step's gradient flow or move tensors off the device: not modelled per stage.
-UNSUPPORTED_LEVERS = ("optimizer_in_backward", "offload_optimizer", "offload_activations")
+# The levers pipeline stages do not run: rules of the lever table (fulltune/levers.py).
+UNSUPPORTED_LEVERS = tuple(PIPELINE_REFUSED_LEVERS)
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:

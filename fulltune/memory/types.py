@@ -53,7 +53,9 @@ class Settings:
         strategy: how parameters, gradients and optimizer states are split over processes.
         num_processes: processes (GPUs) taking part; the estimate is per process.
         tensor_parallel: processes each layer's matmuls are split over (fulltune/runtime/parallel.py); the
-            data-parallel degree is num_processes / tensor_parallel.
+            data-parallel degree is num_processes / (tensor_parallel × pipeline_parallel).
+        pipeline_parallel, pipeline_schedule: pipeline stages (one process each) and their schedule
+            (fulltune/runtime/pipeline_parallel.py); the step's micro-batches flow through them.
         attention_mask: True when the model receives an explicit attention mask — padded batches,
             or packed rows whose position_ids restart (transformers then builds a block-diagonal
             mask). A mask makes SDPA keep a (b, 1, s, s) mask per layer and repeat grouped
@@ -83,6 +85,8 @@ class Settings:
     strategy: str = "none"
     num_processes: int = 1
     tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1f1b"
     attention_mask: bool = True
     target_fraction: float = 1.0
     pure_bf16: bool = False
@@ -109,8 +113,8 @@ class Settings:
         _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
         _check_choice("device", self.device, DEVICES)
         _check_choice("strategy", self.strategy, STRATEGIES)
-        if self.strategy == "none" and self.num_processes != 1:
-            raise MemoryConfigError("num_processes > 1 needs a strategy (ddp or fsdp)")
+        if self.strategy == "none" and self.num_processes != self.pipeline_parallel:
+            raise MemoryConfigError("num_processes > 1 needs a strategy (ddp or fsdp) or pipeline stages")
         if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) \
                 or self.tensor_parallel < 1 or self.num_processes % self.tensor_parallel:
             raise MemoryConfigError(f"tensor_parallel must divide num_processes ({self.num_processes}); "
@@ -239,6 +243,8 @@ class PlanRequest:
     strategy: str = "none"
     num_processes: int = 1
     tensor_parallel: int | None = 1  # None: auto, the planner chooses a degree (planning/planner.py)
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1f1b"
     bf16_supported: bool = False
     attention_mask: bool = True
     target_fraction: float = 1.0
@@ -285,7 +291,7 @@ class PlanRequest:
             raise MemoryConfigError(f"tensor_parallel must divide num_processes ({self.num_processes}); "
                                     f"got {self.tensor_parallel!r}")
         # The processes of a tensor-parallel group share their rows: only the data-parallel ones split the batch.
-        data_parallel = self.num_processes // self.tensor_parallel
+        data_parallel = self.num_processes // (self.tensor_parallel * self.pipeline_parallel)
         if self.effective_batch_size % data_parallel:
             raise MemoryConfigError(
                 f"effective_batch_size ({self.effective_batch_size}) must be a multiple of the "

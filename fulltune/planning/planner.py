@@ -240,7 +240,8 @@ def _fits(c: _Candidate, usable: int) -> bool:
 
 
 def _per_process(request: PlanRequest) -> int:
-    return request.effective_batch_size // (request.num_processes // request.tensor_parallel)
+    return request.effective_batch_size // (request.num_processes // (request.tensor_parallel
+                                                                      * request.pipeline_parallel))
 
 
 def divisors(n: int) -> list[int]:
@@ -311,6 +312,8 @@ def _settings(request: PlanRequest, micro: int, checkpointing: int, precision: s
         strategy=request.strategy,
         num_processes=request.num_processes,
         tensor_parallel=request.tensor_parallel,
+        pipeline_parallel=request.pipeline_parallel,
+        pipeline_schedule=request.pipeline_schedule,
         attention_mask=request.attention_mask,
         target_fraction=request.target_fraction,
         **(levers or {}),
@@ -743,7 +746,7 @@ def _change_reasons(shape: ModelShape, configured: Settings, chosen: _Candidate,
         out.append(
             f"micro-batch {configured.micro_batch_size} → {s.micro_batch_size} with gradient accumulation "
             f"{configured.gradient_accumulation_steps} → {s.gradient_accumulation_steps}: the effective batch "
-            f"stays {s.micro_batch_size * s.gradient_accumulation_steps * s.num_processes // s.tensor_parallel}"
+            f"stays {s.micro_batch_size * s.gradient_accumulation_steps * s.num_processes // (s.tensor_parallel * s.pipeline_parallel)}"
         )
     if s.mixed_precision != configured.mixed_precision:
         out.append(f"mixed precision {configured.mixed_precision} → {s.mixed_precision}")

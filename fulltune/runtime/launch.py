@@ -87,7 +87,8 @@ TrainOptions = create_model(
 # Settings the plan echoes from the spec (it planned for them): the spec sections are their source, and a job
 # whose plan disagrees is refused.
 PLAN_ECHOES = {"attn_implementation": "model", "strategy": "distributed", "num_processes": "distributed",
-               "tensor_parallel": "distributed"}
+               "tensor_parallel": "distributed", "pipeline_parallel": "distributed",
+               "pipeline_schedule": "distributed"}
 # Settings that describe what the plan assumed about the data; the child does not read them.
 PLAN_ONLY_SETTINGS = ("seq_len", "attention_mask", "target_fraction")
 
@@ -361,8 +362,9 @@ def training_command(job: TrainJob, job_file: Path) -> list[str]:
         command = launch_command(job_file, distributed.num_processes, distributed.num_machines)
         if command is not None:
             return command
-    if job.plan.device == "cpu" or distributed.strategy == "fsdp":
-        # FSDP shards the model itself (fulltune/runtime/sharding.py) on CPU and CUDA alike.
+    if job.plan.device == "cpu" or distributed.strategy == "fsdp" or distributed.pipeline_parallel > 1:
+        # FSDP shards the model itself (fulltune/runtime/sharding.py) on CPU and CUDA alike; pipeline stages
+        # are built by the trainer (fulltune/runtime/pipeline_parallel.py).
         # `accelerate launch --cpu --num_processes 2` ran a single process (accelerate 1.x);
         # torchrun gives Accelerate a MULTI_CPU (gloo) run.
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -64,12 +64,13 @@ class ParallelPlan:
 
     data_parallel: int = 1
     tensor_parallel: int = 1
+    pipeline_parallel: int = 1  # the stages of one data-parallel replica train on the same rows
 
     @classmethod
     def from_job(cls, job: Any) -> ParallelPlan:
         """The plan of a TrainJob's `distributed` section (FSDP alone is tensor_parallel 1)."""
         distributed = job.distributed
-        return cls(distributed.num_processes // distributed.tensor_parallel, distributed.tensor_parallel)
+        return cls(distributed.data_parallel, distributed.tensor_parallel, distributed.pipeline_parallel)
 
     @property
     def processes(self) -> int:
@@ -82,7 +83,7 @@ class ParallelPlan:
 
     def data_rank(self, rank: int) -> int:
         """The data-parallel index of global `rank`: which rows of a step it trains on."""
-        return rank // self.tensor_parallel
+        return rank // (self.tensor_parallel * self.pipeline_parallel)
 
     def mesh(self, device: str) -> Any:
         """The 2-D ("dp", "tp") mesh over the default process group; "tp" groups are consecutive ranks

@@ -504,6 +504,8 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         strategy=d.strategy,
         num_processes=d.num_processes,
         tensor_parallel=None if d.tensor_parallel == "auto" else d.tensor_parallel,  # auto: the planner chooses
+        pipeline_parallel=d.pipeline_parallel,
+        pipeline_schedule=d.pipeline_schedule,
         bf16_supported=budget.bf16_supported,
         # Packed rows restart position_ids, so transformers builds a block mask per layer; unpacked rows
         # are right-padded and the trainer passes no mask at all (see fulltune/runtime/train.py).
@@ -538,6 +540,9 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
 
     if p.spec.distributed.tensor_parallel != "auto":  # auto: the planner tries only the degrees that split them
         check_model_config(config, p.spec.distributed.tensor_parallel, f"pipelines.{p.name}.")
+    from fulltune.runtime import pipeline_parallel  # fewer layers than stages, a tied head: refused here too
+
+    pipeline_parallel.check_model_config(config, p.spec.distributed.pipeline_parallel, f"pipelines.{p.name}.")
     try:
         request = plan_request(p, seq_len, target_fraction)
     except ValueError as exc:  # the spec validates these fields; a message naming the setting, not a traceback
