@@ -20,9 +20,9 @@ would satisfy it — the planner, which fills the `auto` fields, keeps only cand
     offload_optimizer      masters, gradients and states in host RAM              one process, or FSDP on
                                                                                   cuda (CPUOffloadPolicy)
 
-Pipeline stages (`distributed.pipeline_parallel` > 1, fulltune/runtime/pipeline_parallel.py) run none of the
-levers above (PIPELINE_REFUSED_LEVERS), nor fp16's grad scaler, nor data parallel beside the stages yet; 1F1B
-needs a micro-batch per stage.
+Pipeline stages (`distributed.pipeline_parallel` > 1, fulltune/runtime/pipeline_parallel.py) run the chunked
+loss and pure bf16, not the step in backward or the offloads (PIPELINE_REFUSED_LEVERS), nor fp16's grad scaler,
+nor data parallel beside the stages yet; 1F1B needs a micro-batch per stage.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ from fulltune.errors import ConfigError
 LEVERS = ("chunked_loss", "pure_bf16", "optimizer_in_backward", "offload_activations", "offload_optimizer")
 # What a pipeline stage does not run, and why: each is a rule of the table below.
 PIPELINE_REFUSED_LEVERS = {
-    "chunked_loss": "the last stage runs the output head at the target positions unchunked",
-    "pure_bf16": "bf16 weights are not run through pipeline stages yet",
     "optimizer_in_backward": "the schedule runs every micro-batch's backward before the step",
     "offload_activations": "the stages keep the schedule's in-flight activations on the device",
     "offload_optimizer": "each stage steps its own optimizer on the device",

@@ -33,7 +33,8 @@ def _validate(tmp_path: Path, capsys, **sections) -> tuple[int, str]:
     ({**ONE, "effective_batch_size": 2, "micro_batch_size": 2, "gradient_accumulation_steps": 1}, STAGES,
      "train.gradient_accumulation_steps with distributed.pipeline_schedule",
      "1F1B needs at least as many micro-batches as stages"),
-    ({**ONE, "chunked_loss": True}, STAGES, "train.chunked_loss with distributed.pipeline_parallel", ""),
+    ({**ONE, "offload_activations": True}, STAGES, "train.offload_activations with distributed.pipeline_parallel",
+     "keep the schedule's in-flight activations"),
     (ONE, {**STAGES, "strategy": "fsdp"}, "distributed.strategy with distributed.pipeline_parallel",
      "data parallel beside pipeline stages is not built yet"),
 ])

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from fulltune.data import IGNORE_INDEX
 from fulltune.errors import ConfigError
 from fulltune.memory.pipeline import SCHEDULES, stage_layers
-from fulltune.runtime.loss import Targets
+from fulltune.runtime.loss import (ROW_CHUNK, VOCAB_CHUNK, ChunkedLinearCrossEntropy, Targets,
+                                   logit_postprocessing)
 
 __all__ = ["SCHEDULES", "PipelineRun", "StageModule", "build_stage", "check_model_config", "clip_grad_norm_",
            "export_stage", "is_stage", "load_stage_state", "save_stage_state"]
@@ -78,6 +79,7 @@ class StageModule(torch.nn.Module):
         self.model.norm = body.norm if last else None
         self.lm_head = model.get_output_embeddings() if last else None
         self.mixed_precision = "no"  # "bf16": the forward runs under autocast (`PipelineRun.create` sets it)
+        self.chunked = False  # the loss's head in tiles (train.chunked_loss; `PipelineRun.create` sets it)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -102,13 +104,19 @@ class StageModule(torch.nn.Module):
 
     def loss_sum(self, hidden: torch.Tensor, shifted: torch.Tensor) -> torch.Tensor:
         """Σ of the fp32 token losses of a micro-batch whose targets are `shifted` (a label per position, the
-        next token's, IGNORE_INDEX where none): the head at the target positions (`fulltune.runtime.loss`)."""
+        next token's, IGNORE_INDEX where none): the head at the target positions only, whole or in tiles
+        (`chunked`), as `fulltune.runtime.loss.TargetHead` runs it in one process."""
         flat = shifted.reshape(-1)
         index = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+        tokens = flat.index_select(0, index)
         with self._autocast():
             rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+            if self.chunked:
+                head = self.lm_head
+                return ChunkedLinearCrossEntropy.apply(rows, head.weight, getattr(head, "bias", None), tokens,
+                                                       *logit_postprocessing(self.config), ROW_CHUNK, VOCAB_CHUNK)
             logits = self.lm_head(rows).float()  # fp32, as Accelerate returns them under mixed precision
-        return F.cross_entropy(logits, flat.index_select(0, index), reduction="sum")
+        return F.cross_entropy(logits, tokens, reduction="sum")
 
 
 def build_stage(model: torch.nn.Module, stage: int, num_stages: int) -> StageModule:
@@ -153,18 +161,23 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
 
 
 def _padded(inputs: dict[str, torch.Tensor], targets: Targets, length: int, pad_token_id: int
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A micro-batch (input_ids and position_ids (b, s), its targets) right-padded to `length` columns, the
-    schedule's fixed shape: (input_ids, position_ids, the shifted labels (b, length), IGNORE_INDEX on padding).
-    Padding comes after every real token, so a causal model's real positions do not see it."""
+            ) -> dict[str, torch.Tensor]:
+    """A micro-batch (input_ids, position_ids and an attention mask if it has one, (b, s); its targets)
+    right-padded to `length` columns, the schedule's fixed shape, with its targets as `shifted` labels (b, length):
+    the next token at each position with a target, IGNORE_INDEX elsewhere. Padding comes after every real
+    token, so a causal model's real positions do not see it."""
     input_ids, positions = inputs["input_ids"], inputs["position_ids"]
     b, s = input_ids.shape
     pad = length - s
-    input_ids = F.pad(input_ids, (0, pad), value=pad_token_id)
-    positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1, device=positions.device)], 1)
     shifted = torch.full((b * length,), IGNORE_INDEX, dtype=torch.long, device=input_ids.device)
     shifted[targets.index // s * length + targets.index % s] = targets.tokens
-    return input_ids, positions, shifted.view(b, length)
+    padded = {"input_ids": F.pad(input_ids, (0, pad), value=pad_token_id),
+              "position_ids": torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1,
+                                                                                      device=positions.device)], 1),
+              "shifted": shifted.view(b, length)}
+    if inputs.get("attention_mask") is not None:
+        padded["attention_mask"] = F.pad(inputs["attention_mask"], (0, pad), value=0)
+    return padded
 
 
 @dataclass
@@ -203,7 +216,7 @@ class PipelineRun:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
         rank, world = dist.get_rank(), dist.get_world_size()
         stage = build_stage(model, rank, world).to(device)
-        stage.mixed_precision = settings.mixed_precision
+        stage.mixed_precision, stage.chunked = settings.mixed_precision, settings.chunked_loss
         # The shapes crossing each boundary are known from the plan: given up front, the schedule needs no
         # metadata pass (an extra forward and backward of micro-batch 0 before the first step).
         b, h = settings.micro_batch_size, int(model.config.hidden_size)
@@ -242,14 +255,13 @@ class PipelineRun:
         padded = [_padded(inputs, targets, self.length, self.pad_token_id) for inputs, targets in micro_batches]
         if len(padded) != self.micro_batches:
             raise ValueError(f"a step takes {self.micro_batches} micro-batches; got {len(padded)}")
-        input_ids, position_ids, shifted = (torch.cat(parts) for parts in zip(*padded))
+        batch = {name: torch.cat([micro[name] for micro in padded]) for name in padded[0]}
+        input_ids, shifted = batch.pop("input_ids"), batch.pop("shifted")
         self.step, self.step_targets = step, step_targets
         self.step_loss = torch.zeros((), device=input_ids.device)
         args = (input_ids,) if self.stage.first else ()
-        if self.stage.last:
-            self.schedule.step(*args, target=shifted, return_outputs=False, position_ids=position_ids)
-        else:
-            self.schedule.step(*args, return_outputs=False, position_ids=position_ids)
+        target = {"target": shifted} if self.stage.last else {}
+        self.schedule.step(*args, **target, return_outputs=False, **batch)  # position ids (and a mask): every stage
         step_loss = self.step_loss
         dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
         if self.hooks is not None:
