@@ -61,6 +61,24 @@ def test_plan_refuses_more_stages_than_layers_and_a_tied_head(tmp_path, capsys):
     assert "tie_word_embeddings" in capsys.readouterr().err
 
 
+def _plan(path: Path, capsys) -> dict:
+    assert main(["plan", "tiny", "-f", str(path), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_fits_the_largest_stage_and_chooses_a_micro_batch_per_stage_at_least(tmp_path, capsys):
+    auto = {**ONE, "micro_batch_size": "auto", "gradient_accumulation_steps": "auto"}
+    staged = _plan(tiny_pipeline(tmp_path, model=UNTIED, train=auto, distributed=STAGES), capsys)
+    whole = _plan(tiny_pipeline(tmp_path, model=UNTIED, train=auto), capsys)
+    plan, estimate = staged["plan"], staged["plan"]["estimate"]
+    # 1F1B: the first stage holds two micro-batches in flight, the embedding and half the layers.
+    assert estimate["peak_phase"].startswith("stage 0: ")
+    assert estimate["peak_bytes"] < whole["plan"]["estimate"]["peak_bytes"]
+    assert (plan["pipeline_parallel"], plan["pipeline_schedule"]) == (2, "1f1b")
+    assert plan["gradient_accumulation_steps"] >= 2
+    assert all(a["gradient_accumulation_steps"] >= 2 for a in staged["alternatives"])
+
+
 def _exported(workdir: Path) -> dict:
     """The exported model's tensors, read shard by shard through its index."""
     from safetensors.torch import load_file

@@ -36,7 +36,7 @@ from typing import Any
 from fulltune.levers import PIPELINE_REFUSED_LEVERS
 from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.shapes import ModelShape, model_shape
-from fulltune.memory.types import Settings
+from fulltune.memory.types import MemoryEstimate, Settings
 
 SCHEDULES = ("1f1b", "gpipe")
 SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe"}
@@ -150,6 +150,23 @@ def estimate_pipeline(config: Any, settings: Settings, num_stages: int, schedule
     seconds, p2p = pipeline_step_seconds(shape, settings, num_stages)
     return PipelineEstimate(num_stages, schedule, settings.gradient_accumulation_steps, settings.micro_batch_size,
                             stages, bubble_fraction(num_stages, settings.gradient_accumulation_steps), seconds, p2p)
+
+
+def stage_memory_estimate(shape: ModelShape, settings: Settings) -> MemoryEstimate:
+    """The plan's estimate of pipelined `settings` (`pipeline_parallel` P > 1, one process per stage): the
+    largest stage of `estimate_pipeline` is the figure per device, its peak phase named with its stage.
+
+    Only the step is counted: every process builds the whole model before it keeps its stage, which this does
+    not see (a process's load phase; on CPU the step's peak is the larger for any model that trains)."""
+    one = replace(settings, num_processes=settings.num_processes // settings.pipeline_parallel, pipeline_parallel=1)
+    worst = estimate_pipeline(shape, one, settings.pipeline_parallel, settings.pipeline_schedule).worst
+    first, last = worst.layers
+    note = (f"pipeline stage {worst.stage} of {settings.pipeline_parallel} (layers {first}–{last - 1}, "
+            f"{worst.in_flight} micro-batches in flight) is the largest: its peak is the device figure")
+    return MemoryEstimate(worst.peak_bytes, worst.device_bytes, dict(worst.breakdown),
+                          f"stage {worst.stage}: {worst.peak_phase}", notes=(note,),
+                          step_device_bytes=worst.device_bytes, phases={"training step": worst.device_bytes},
+                          process_peak_phase="training step")
 
 
 def _check(shape: ModelShape, settings: Settings, num_stages: int, schedule: str) -> None:
@@ -359,7 +376,7 @@ def pipeline_advice(shape: ModelShape, request: Any, settings: Settings, usable:
 
     if not usable:
         return None
-    base = replace(settings, strategy="none", num_processes=1, tensor_parallel=1,
+    base = replace(settings, strategy="none", num_processes=1, tensor_parallel=1, pipeline_parallel=1,
                    **{name: False for name in UNSUPPORTED_LEVERS})
     B = request.effective_batch_size
     best: tuple[PipelineEstimate, int] | None = None

@@ -376,6 +376,8 @@ class MemoryPlan:
                 "strategy": s.strategy,
                 "num_processes": s.num_processes,
                 "tensor_parallel": s.tensor_parallel,
+                "pipeline_parallel": s.pipeline_parallel,
+                "pipeline_schedule": s.pipeline_schedule,
                 "estimated_step_seconds": self.estimated_step_seconds,
                 "host_bytes": int(self.plan_estimate.host_bytes),
                 "estimate": self.plan_estimate.to_dict(),
