@@ -21,10 +21,10 @@ effective batch and a CPU budget leaving 40–90% of the naive step's tensors) t
 runs that path's code on CPU with tiny shapes.
 
 Usage:
-    python benchmarks/autotune.py                       # the 12 CPU cases (~25 min on 2 shared cores)
-    python benchmarks/autotune.py --cases 1,10 --no-write
-    python benchmarks/autotune.py --big                 # one case with 3–16 s steps: the tuning's wall time
-    python benchmarks/autotune.py --device cuda --json gpu_autotune.json
+    python -m benchmarks.autotune                       # the 12 CPU cases (~25 min on 2 shared cores)
+    python -m benchmarks.autotune --cases 1,10 --no-write
+    python -m benchmarks.autotune --big                 # one case with 3–16 s steps: the tuning's wall time
+    python -m benchmarks.autotune --device cuda --json gpu_autotune.json
 """
 
 from __future__ import annotations
@@ -41,16 +41,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from fulltune.planning import autotune
+from fulltune.runtime.launch import job_with
+from fulltune.memory import Settings, estimate_memory
+from fulltune.planning import configured_settings, plan_memory
+from fulltune.memory.shapes import model_shape
+from fulltune.memory.units import format_bytes
 
-from fulltune.planning import autotune  # noqa: E402
-from fulltune.runtime.launch import job_with  # noqa: E402
-from fulltune.memory import Settings, estimate_memory  # noqa: E402
-from fulltune.planning import configured_settings, plan_memory  # noqa: E402
-from fulltune.memory.shapes import model_shape  # noqa: E402
-from fulltune.memory.units import format_bytes  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SECTION = "## Autotune"
 TIE = 0.05
@@ -367,7 +365,7 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(_plain(rows), indent=1, default=str))
     seconds = time.perf_counter() - started
-    command = "python benchmarks/autotune.py" + (" --big" if args.big else "")
+    command = "python -m benchmarks.autotune" + (" --big" if args.big else "")
     text = section(rows, calibration_report(rows), command, seconds, opts)
     print(text)
     if not args.no_write and not args.cases and not args.big:

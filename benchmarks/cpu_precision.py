@@ -11,8 +11,8 @@ Each precision trains the same model on the same rows with the trainer's own fun
 `--steps` timed steps; the median is reported with the planner's predicted ratio to fp32.
 
 Usage:
-    python benchmarks/cpu_precision.py                       # a 6.5M Llama (hidden 384, 4 layers), ~2 min
-    python benchmarks/cpu_precision.py --case llama-76m --steps 2   # the 76M frontier shape
+    python -m benchmarks.cpu_precision                       # a 6.5M Llama (hidden 384, 4 layers), ~2 min
+    python -m benchmarks.cpu_precision --case llama-76m --steps 2   # the 76M frontier shape
 """
 
 from __future__ import annotations
@@ -28,11 +28,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import cpu_rss
 
-import cpu_rss  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SHAPES = {
     "llama-6m": cpu_rss.Case("llama-6m", "llama", 384, 4, 6, 512, 128, 4, intermediate=1024, kv_heads=2, tied=True,
@@ -72,8 +70,8 @@ def measure(case: cpu_rss.Case, root: Path, steps: int) -> float:
     job_file = root / f"{case.name}.job.json"
     job_file.write_text(job.to_json())
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(job_file), str(steps)],
-                          capture_output=True, text=True, env=env)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.cpu_precision", "--child", str(job_file), str(steps)],
+                          cwd=ROOT, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-3000:])
     return statistics.median(json.loads(done.stdout.strip().splitlines()[-1])["seconds"])

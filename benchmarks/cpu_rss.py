@@ -20,10 +20,10 @@ the estimate never below the measured RSS, and the fraction chosen so that the l
 smallest. The constant is checked against the import footprint measured on its own.
 
 Usage:
-    python benchmarks/cpu_rss.py --json cpu_rss.json              # all configurations (~30 min, 2 cores)
-    python benchmarks/cpu_rss.py --quick                          # the three smallest (~3 min)
-    python benchmarks/cpu_rss.py --only llama-7m-fp32 --json cpu_rss.json   # re-measure one, keep the rest
-    python benchmarks/cpu_rss.py --no-mlflow                      # the trainer without an MLflow run
+    python -m benchmarks.cpu_rss --json cpu_rss.json              # all configurations (~30 min, 2 cores)
+    python -m benchmarks.cpu_rss --quick                          # the three smallest (~3 min)
+    python -m benchmarks.cpu_rss --only llama-7m-fp32 --json cpu_rss.json   # re-measure one, keep the rest
+    python -m benchmarks.cpu_rss --no-mlflow                      # the trainer without an MLflow run
 """
 
 from __future__ import annotations
@@ -37,14 +37,13 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from fulltune.runtime.launch import TrainJob, job_with, run_training  # imports neither torch nor transformers
 
-from fulltune.runtime.launch import TrainJob, job_with, run_training  # noqa: E402  (imports neither torch nor transformers)
+ROOT = Path(__file__).resolve().parents[1]
 
 MIB = 2**20
 # The requirement the fit is held to: the estimate's device_bytes within this of the measured peak RSS.
@@ -226,8 +225,8 @@ def measure_peak_rss(job: TrainJob, omp_threads: int | None = 1) -> dict[str, An
     if omp_threads is not None:
         env["OMP_NUM_THREADS"] = str(omp_threads)
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(job_file)],
-                          capture_output=True, text=True, env=env)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.cpu_rss", "--child", str(job_file)],
+                          cwd=ROOT, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"training {job.paths.output_dir} failed (exit {done.returncode}):\n{done.stdout[-3000:]}"
                            f"\n{done.stderr[-3000:]}")

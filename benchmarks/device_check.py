@@ -20,8 +20,8 @@ and which of estimate and trace is right on CUDA is settled. Then:
   process's host RSS against the estimate; the GPU-only path of `train.offload_optimizer` under fsdp.
 
 Usage (a few minutes on one H100/H200; each case is independent and a failing one is reported, not fatal):
-    python benchmarks/device_check.py --out device_check.json
-    python benchmarks/device_check.py --dry-run --out /tmp/dry.json   # CPU, tiny shapes: checks the script
+    python -m benchmarks.device_check --out device_check.json
+    python -m benchmarks.device_check --dry-run --out /tmp/dry.json   # CPU, tiny shapes: checks the script
 """
 
 from __future__ import annotations
@@ -36,17 +36,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import transformers
 
-import transformers  # noqa: E402
-
-from fulltune.memory.flops import peak_flops  # noqa: E402
-from fulltune.memory import Settings, estimate_memory, flops_per_token  # noqa: E402
-from fulltune.planning import measure_memory, simulate_memory  # noqa: E402
-from fulltune.runtime import optim  # noqa: E402
-from fulltune.planning.trace import build_model, make_batch, measure_cuda, quiet, train_steps  # noqa: E402
-from fulltune.memory.units import format_bytes  # noqa: E402
+from fulltune.memory.flops import peak_flops
+from fulltune.memory import Settings, estimate_memory, flops_per_token
+from fulltune.planning import measure_memory, simulate_memory
+from fulltune.runtime import optim
+from fulltune.planning.trace import build_model, make_batch, measure_cuda, quiet, train_steps
+from fulltune.memory.units import format_bytes
 
 # What --dry-run assumes for the CPU (only to exercise the arithmetic).
 CPU_NOMINAL_FLOPS = 1e11
@@ -178,7 +175,7 @@ def fp16_case(config: Any, settings: Settings, steps: int, overflow_at: int) -> 
 
     from fulltune.runtime.faults import TrainHooks
     from fulltune.runtime.loss import TargetHead
-    from fulltune.runtime.step import OptimizerStep, StepParts, run_step
+    from fulltune.runtime.step import StepParts, run_step
 
     class Overflow(TrainHooks):
         def on_loss(self, step: int, loss: Any) -> Any:
@@ -199,8 +196,7 @@ def fp16_case(config: Any, settings: Settings, steps: int, overflow_at: int) -> 
         head = TargetHead(model, chunked=settings.chunked_loss)
         optimizer = optim.optimizer_for(model, settings)
         model, optimizer = accelerator.prepare(model, optimizer)
-        parts = StepParts(accelerator, model, head, optimizer, OptimizerStep(accelerator, model, optimizer, None, 1.0),
-                          settings.gradient_accumulation_steps, settings.optimizer_in_backward, Overflow())
+        parts = StepParts.assemble(accelerator, model, head, optimizer, settings, hooks=Overflow())
         first = next(model.parameters())
         targets = settings.micro_batch_size * settings.targets_per_row * settings.gradient_accumulation_steps
         log = []
@@ -341,7 +337,7 @@ def run(dry_run: bool, peak_tflops: float | None, mfu_steps: int) -> dict[str, A
     print("[fp16] done", file=sys.stderr, flush=True)
     report["fsdp_offload"] = _safely("fsdp_offload", fsdp_offload_case, dry_run)
     print("[fsdp offload] done", file=sys.stderr, flush=True)
-    from autotune import gpu_check  # benchmarks/autotune.py: the plan's top candidates measured in training children
+    from benchmarks.autotune import gpu_check  # the plan's top candidates measured in training children
 
     report["autotune"] = _safely("autotune", gpu_check, dry_run)
     print("[autotune] done", file=sys.stderr, flush=True)

@@ -12,8 +12,8 @@ inflates far less than wall time; on an idle machine with torch's threads busy, 
 CPU time divided by the threads in use.
 
 Usage:
-    python benchmarks/eval_harness.py                # 3 repeats, prints a markdown table
-    python benchmarks/eval_harness.py --repeats 5
+    python -m benchmarks.eval_harness                # 3 repeats, prints a markdown table
+    python -m benchmarks.eval_harness --repeats 5
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

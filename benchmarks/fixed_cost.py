@@ -1,10 +1,10 @@
 """Fixed cost: where the time of `fulltune run demo` goes when there is (almost) nothing to do, beside
 what Prefect and transformers cost on their own.
 
-    python benchmarks/fixed_cost.py              # the demo at 300 steps, 3 runs of each (~15 min on 2 idle cores)
-    python benchmarks/fixed_cost.py --steps 60   # shorter training, same fixed costs
+    python -m benchmarks.fixed_cost              # the demo at 300 steps, 3 runs of each (~15 min on 2 idle cores)
+    python -m benchmarks.fixed_cost --steps 60   # shorter training, same fixed costs
     git worktree add /tmp/fulltune-base REV      # an earlier commit, then its runs beside this checkout's:
-    python benchmarks/fixed_cost.py --steps 20 --baseline /tmp/fulltune-base
+    python -m benchmarks.fixed_cost --steps 20 --baseline /tmp/fulltune-base
 
 Measured, each in fresh processes, median over `--runs` (the first fulltune run of each round uses a
 new workdir; the cached reruns use it after):
@@ -47,7 +47,6 @@ from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
        "TOKENIZERS_PARALLELISM": "false", "DO_NOT_TRACK": "1"}

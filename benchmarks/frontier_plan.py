@@ -8,20 +8,17 @@ expects, the host RAM the levers need and its predicted step time (ranking model
 its lever constants, PCIe ~25 GB/s and host AdamW ~1.5 GB/s, are assumptions until measured on a GPU).
 
 Usage:
-    python benchmarks/frontier_plan.py
+    python -m benchmarks.frontier_plan
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import argparse
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import transformers
 
-import transformers  # noqa: E402
-
-from fulltune.memory import PlanRequest, format_bytes  # noqa: E402
-from fulltune.planning import plan_memory  # noqa: E402
+from fulltune.memory import PlanRequest, format_bytes
+from fulltune.planning import plan_memory
 
 GiB = 2**30
 # name: (hidden, intermediate, layers, heads, kv heads) — Llama-3.2 1B/3B, Llama-3.1 8B, a 13B-class and
@@ -84,6 +81,7 @@ def eight_gpus(budget_gib: int) -> tuple[str | None, list[str]]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; no options
     print("| model / GPU | plan fits | chosen | device (expected) | host RAM | step (predicted) |")
     print("|---|---|---|---|---|---|")
     for gib in (24, 48, 80):

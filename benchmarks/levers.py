@@ -1,7 +1,7 @@
 """Step-time cost of each memory lever (fulltune/runtime/optim.py, fulltune/runtime/offload.py, fulltune/runtime/loss.py) on CPU.
 
-    python benchmarks/levers.py                       # ~5 min on 2 busy CPU cores; prints a table
-    python benchmarks/levers.py --json levers.json    # and writes the rows as JSON
+    python -m benchmarks.levers                       # ~5 min on 2 busy CPU cores; prints a table
+    python -m benchmarks.levers --json levers.json    # and writes the rows as JSON
 
 One small Llama shape (h 256, 4 layers, vocabulary 8192, 2 rows of 128 tokens, every position a target),
 the trainer's optimizer step (micro-batches through the target-position head under bf16 autocast or in
@@ -26,17 +26,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from fulltune.runtime.loss import Targets  # noqa: E402
-from fulltune.memory import Settings  # noqa: E402
-from fulltune.runtime.checkpointing import apply_gradient_checkpointing  # noqa: E402
-from fulltune.runtime.offload import ActivationOffload  # noqa: E402
-from fulltune.runtime.optim import build_optimizer, device_gradient_bytes, device_state_bytes, host_bytes, torchao_available  # noqa: E402
-from fulltune.runtime.step import local_parts, run_step  # noqa: E402
+from fulltune.runtime.loss import Targets
+from fulltune.memory import Settings
+from fulltune.runtime.checkpointing import apply_gradient_checkpointing
+from fulltune.runtime.offload import ActivationOffload
+from fulltune.runtime.optim import build_optimizer, device_gradient_bytes, device_state_bytes, host_bytes, torchao_available
+from fulltune.runtime.step import local_parts, run_step
 
 
 @dataclass

@@ -8,7 +8,7 @@ process, whose peak resident set size is read with `getrusage(RUSAGE_CHILDREN)`:
 - `train-tokenizer`: `fulltune.data.tokenizer.train_tokenizer` (`model.tokenizer: {vocab_size: 96}`).
 
 Usage:
-    python benchmarks/long_record.py --megabytes 200
+    python -m benchmarks.long_record --megabytes 200
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = {
     "tokenize": (
-        "import sys; sys.path.insert(0, {tests!r}); from pathlib import Path; from tiny import make_tokenizer; "
+        "from pathlib import Path; from tiny import make_tokenizer; "
         "from fulltune.data import tokenize_dataset; from fulltune.spec import DataSpec; "
         "tok = make_tokenizer(Path({root!r}) / 'tok'); "
         "tokenize_dataset(DataSpec(train={data!r}, format='prompt_completion', max_length=64), tok, {root!r} + '/w', 0)"
@@ -40,12 +40,13 @@ CHILD = {
 
 def measure(name: str, data: Path, root: Path) -> tuple[float, float]:
     """(seconds, peak RSS in GiB) of one measurement in a fresh child process."""
-    code = CHILD[name].format(tests=str(ROOT / "tests"), root=str(root), data=str(data))
+    code = CHILD[name].format(root=str(root), data=str(data))
     wrapper = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
                f"subprocess.run([sys.executable, '-c', {code!r}], check=True); "
                "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
-    out = subprocess.run([sys.executable, "-c", wrapper], check=True, capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}  # this checkout, tests/tiny.py
+    out = subprocess.run([sys.executable, "-c", wrapper], check=True, capture_output=True, text=True, cwd=ROOT, env=env)
     seconds, rss_kib = out.stdout.split()[-2:]
     return float(seconds), int(rss_kib) / 2**20
 

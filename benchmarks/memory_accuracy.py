@@ -13,10 +13,10 @@ The peer column is what `accelerate estimate-memory` reports for training: 4× t
 i.e. 16 B/param in fp32 and 8 B/param for the 16-bit row; it ignores activations and logits.
 
 Usage:
-    python benchmarks/memory_accuracy.py            # full grid (~10 min on 2 cores), updates BENCHMARKS.md
-    python benchmarks/memory_accuracy.py --quick    # only the real-tensor rows
-    python benchmarks/memory_accuracy.py --no-write # print only
-    python benchmarks/memory_accuracy.py --disagreement [--trace]  # estimate vs real step (vs trace), per
+    python -m benchmarks.memory_accuracy            # full grid (~10 min on 2 cores), updates BENCHMARKS.md
+    python -m benchmarks.memory_accuracy --quick    # only the real-tensor rows
+    python -m benchmarks.memory_accuracy --no-write # print only
+    python -m benchmarks.memory_accuracy --disagreement [--trace]  # estimate vs real step (vs trace), per
                                                                    # kind: fulltune/memory/uncertainty.py
 """
 
@@ -29,16 +29,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import transformers
+
+from fulltune.memory import Settings, estimate_memory
+from fulltune.planning import measure_memory, simulate_memory
+from fulltune.memory.shapes import model_shape
+from fulltune.memory.units import format_bytes
+from benchmarks.sections import write_section
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import transformers  # noqa: E402
-
-from fulltune.memory import Settings, estimate_memory  # noqa: E402
-from fulltune.planning import measure_memory, simulate_memory  # noqa: E402
-from fulltune.memory.shapes import model_shape  # noqa: E402
-from fulltune.memory.units import format_bytes  # noqa: E402
-from sections import write_section  # noqa: E402  (benchmarks/sections.py, beside this script)
 
 SECTION = "## Memory accuracy"
 
@@ -298,7 +297,7 @@ def main() -> int:
     started = time.perf_counter()
     rows = run(cases)
     seconds = time.perf_counter() - started
-    command = "python benchmarks/memory_accuracy.py" + (" --quick" if args.quick else "")
+    command = "python -m benchmarks.memory_accuracy" + (" --quick" if args.quick else "")
     text = section(rows, command, seconds)
     print(text)
     if not args.no_write:

@@ -17,26 +17,22 @@ CUDA. The step times are this machine's (2 processes on a shared 2-core VM), bes
 prediction; only the ranking of the model is claimed elsewhere.
 
 Usage:
-    python benchmarks/pipeline_parallel.py                     # every case: JSON, table and summary
-    python benchmarks/pipeline_parallel.py --case fp32-1f1b --json out.json
-    python benchmarks/pipeline_parallel.py --frontier           # what plan advises for Llama-3-70B (no runs)
+    python -m benchmarks.pipeline_parallel                     # every case: JSON, table and summary
+    python -m benchmarks.pipeline_parallel --case fp32-1f1b --json out.json
+    python -m benchmarks.pipeline_parallel --frontier           # what plan advises for Llama-3-70B (no runs)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.ranks import add_worker_arguments, send_to_driver, torchrun_ranks
 
 STEPS = 3  # tracked: losses and peaks
 TIMED_STEPS = 3  # then untracked (MemTracker intercepts every op in Python): step times
@@ -174,13 +170,8 @@ def worker(case_name: str, out: Path) -> None:
         losses = [step_of(step) for step in range(1, STEPS + 1)]
     for step in range(STEPS + 1, STEPS + TIMED_STEPS + 1):
         step_of(step)
-    result = {"peak_bytes": int(max(tracker._peak_mem.values())), "losses": losses, "seconds": seconds,
-              "parameters": sum(p.numel() for p in run.stage.parameters())}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result)
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(gathered))
-    dist.destroy_process_group()
+    send_to_driver({"peak_bytes": int(max(tracker._peak_mem.values())), "losses": losses, "seconds": seconds,
+                    "parameters": sum(p.numel() for p in run.stage.parameters())}, out)
 
 
 # ----------------------------------------------------------------------------------------- reference
@@ -234,22 +225,9 @@ def reference_losses(case: Case) -> tuple[list[float], list[float]]:
 def run_case(case: Case) -> dict:
     from fulltune.memory.pipeline import estimate_pipeline
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "ranks.json"
-        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.stages}",
-                   __file__, "--worker", case.name, "--out", str(out)]
-        started = time.perf_counter()
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-        if done.returncode != 0 and not out.exists():
-            # gloo sometimes aborts a rank at exit on this VM ("terminate called without an active exception")
-            # before the result is written: one more try.
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-        if not out.exists():
-            raise RuntimeError(f"{case.name}: torchrun failed\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-        wall = time.perf_counter() - started
-        ranks = json.loads(out.read_text())
+    started = time.perf_counter()
+    ranks = torchrun_ranks("benchmarks.pipeline_parallel", case.name, case.stages, timeout_s=TIMEOUT_S)
+    wall = time.perf_counter() - started
     settings = settings_of(case)
     estimate = estimate_pipeline(config_of(case), settings, case.stages, case.schedule)
     reference, reference_seconds = reference_losses(case)
@@ -324,8 +302,7 @@ def frontier() -> str:
     from fulltune.memory.pipeline import UNSUPPORTED_LEVERS, estimate_pipeline
     from fulltune.memory.shapes import model_shape
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from frontier_plan import CLUSTER_HOST, GiB, config
+    from benchmarks.frontier_plan import CLUSTER_HOST, GiB, config
 
     shape = model_shape(config("70B"))
     lines = ["| GPU | one GPU's plan | pipeline advice (fewest stages that fit, else the least memory) | "
@@ -350,8 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--case", action="append", choices=[c.name for c in CASES], help="default: all")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--frontier", action="store_true", help="only print the plan's advice for Llama-3-70B")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    add_worker_arguments(parser, [c.name for c in CASES])
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker, args.out)

@@ -30,9 +30,9 @@ and MemTracker measures tensors only; so the check is on the tensors' share of t
 (budget × (1 − headroom) − 1 GiB) / 1.05 is the chosen fraction of the naive peak.
 
 Usage:
-    python benchmarks/planner_choice.py              # ~10 min on 2 shared cores; updates BENCHMARKS.md
-    python benchmarks/planner_choice.py --no-write   # print only
-    python benchmarks/planner_choice.py --plan-only  # the grid, budgets and candidates, no runs
+    python -m benchmarks.planner_choice              # ~10 min on 2 shared cores; updates BENCHMARKS.md
+    python -m benchmarks.planner_choice --no-write   # print only
+    python -m benchmarks.planner_choice --plan-only  # the grid, budgets and candidates, no runs
 """
 
 from __future__ import annotations
@@ -48,20 +48,19 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import torch
+import transformers
 
 from fulltune.memory import PlanRequest, Settings, estimate_memory
 from fulltune.planning import configured_settings, plan_memory, step_seconds
-from fulltune.memory.estimate import CPU_ALLOCATOR_SLACK, CPU_PROCESS_BYTES  # noqa: E402
-from fulltune.memory.shapes import model_shape  # noqa: E402
-from fulltune.runtime import optim  # noqa: E402
-from fulltune.planning.trace import build_model, quiet, train_steps  # noqa: E402
-from fulltune.memory.units import format_bytes  # noqa: E402
-from sections import write_section  # noqa: E402  (benchmarks/sections.py, beside this script)
+from fulltune.memory.estimate import CPU_ALLOCATOR_SLACK, CPU_PROCESS_BYTES
+from fulltune.memory.shapes import model_shape
+from fulltune.runtime import optim
+from fulltune.planning.trace import build_model, quiet, train_steps
+from fulltune.memory.units import format_bytes
+from benchmarks.sections import write_section
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SECTION = "## Planner choice"
 TIE = 0.05  # within 5% of the measured-fastest counts as the fastest
@@ -214,7 +213,6 @@ def measure_case(case: Case, cands: list[Settings], reps: int) -> list[dict]:
     """Peak (MemTracker, steady-state step) and interleaved step times of every candidate."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    vocab = case.config.vocab_size
     runs = []
     with quiet():
         for s in cands:
@@ -322,7 +320,6 @@ def what_if(case: Case, budget: int, measured: list[dict], feasible: list[dict])
     finally:
         planner._HALF_EFFICIENCY_TOKENS["cpu"] = saved
     return out
-
 
 
 def diagnostics(rows: list[dict]) -> dict:
@@ -567,7 +564,7 @@ def main() -> int:
         return 0
     seconds = time.perf_counter() - started
     diag = diagnostics(rows)
-    command = "python benchmarks/planner_choice.py" + (f" --reps {args.reps}" if args.reps != 5 else "")
+    command = "python -m benchmarks.planner_choice" + (f" --reps {args.reps}" if args.reps != 5 else "")
     text = section(rows, diag, command, seconds, args.reps, args.threads)
     print(text)
     if args.json:

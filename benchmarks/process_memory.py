@@ -14,9 +14,9 @@ Each phase's measured peak is printed beside the estimate's phase (`estimate_mem
 reader sees which phase sets the process's peak and how far the plan is from it.
 
 Usage:
-    python benchmarks/process_memory.py --case llama-76m-frontier       # the 76M Llama under 1 GiB (~10 min)
-    python benchmarks/process_memory.py --case llama-6m-frontier       # same shape family, 4 layers (~1 min)
-    python benchmarks/process_memory.py --case llama-6m-frontier --json phases.json
+    python -m benchmarks.process_memory --case llama-76m-frontier       # the 76M Llama under 1 GiB (~10 min)
+    python -m benchmarks.process_memory --case llama-6m-frontier       # same shape family, 4 layers (~1 min)
+    python -m benchmarks.process_memory --case llama-6m-frontier --json phases.json
 """
 
 from __future__ import annotations
@@ -32,11 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import cpu_rss  # the assets and jobs of the RSS benchmark
 
-import cpu_rss  # noqa: E402  (the assets and jobs of the RSS benchmark)
+ROOT = Path(__file__).resolve().parents[1]
 
 MIB = 2**20
 # The frontier case of the memory levers on CPU: a 76M-parameter Llama planned under `budget.memory: 1GiB`
@@ -156,8 +154,8 @@ def measure(case: cpu_rss.Case, root: Path, omp_threads: int = 1) -> dict[str, A
     job_file.write_text(job.to_json())
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(omp_threads))
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(job_file)],
-                          capture_output=True, text=True, env=env)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.process_memory", "--child", str(job_file)],
+                          cwd=ROOT, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{case.name} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     measured = json.loads(done.stdout.strip().splitlines()[-1])

@@ -13,7 +13,7 @@ the Llama modeling code imported, process group up) and its peak (`getrusage(RUS
 difference is what loading cost it. Each way runs in fresh processes, so one cannot lower the other's peak.
 
 Usage:
-    OMP_NUM_THREADS=1 python benchmarks/sharded_load.py [--json sharded_load.json] [--layers 8]
+    python -m benchmarks.sharded_load [--json sharded_load.json] [--layers 8]   # each process on one thread
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import argparse
 import json
 import os
 import resource
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.ranks import add_worker_arguments, send_to_driver, torchrun_ranks
+
+WAYS = ("whole-then-shard", "sharded")
 MIB = 2**20
 
 
@@ -59,7 +59,6 @@ def worker(checkpoint: Path, way: str, out: Path) -> None:
     """One torchrun process: load `checkpoint` into FSDP2 shards `way` ("whole-then-shard" or "sharded")."""
     import torch.distributed as dist
 
-    sys.path.insert(0, str(ROOT))
     from fulltune.runtime import sharding
     from fulltune.models import load_model
 
@@ -80,18 +79,13 @@ def worker(checkpoint: Path, way: str, out: Path) -> None:
     local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     peak, after = _peak_mib(), _rss_mib()
     dist.barrier()
-    record = {"rank": dist.get_rank(), "before_mib": before, "peak_mib": peak, "after_mib": after,
-              "local_shards_mib": local / MIB, "dtype": str(next(model.parameters()).dtype)}
-    (out / f"{way}-rank{dist.get_rank()}.json").write_text(json.dumps(record))
-    dist.destroy_process_group()
+    send_to_driver({"rank": dist.get_rank(), "before_mib": before, "peak_mib": peak, "after_mib": after,
+                    "local_shards_mib": local / MIB, "dtype": str(next(model.parameters()).dtype)}, out)
 
 
-def measure(checkpoint: Path, way: str, out: Path, processes: int) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-               __file__, "--worker", way, "--checkpoint", str(checkpoint), "--out", str(out)]
-    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
-    return [json.loads((out / f"{way}-rank{rank}.json").read_text()) for rank in range(processes)]
+def measure(checkpoint: Path, way: str, processes: int) -> list[dict]:
+    """Every process's record of loading `checkpoint` `way`, in fresh torchrun processes."""
+    return torchrun_ranks("benchmarks.sharded_load", way, processes, "--checkpoint", str(checkpoint))
 
 
 def main() -> None:
@@ -99,9 +93,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--worker", choices=("whole-then-shard", "sharded"), help=argparse.SUPPRESS)
+    add_worker_arguments(parser, WAYS)
     parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.checkpoint, args.worker, args.out)
@@ -110,7 +103,7 @@ def main() -> None:
         checkpoint = Path(tmp) / "model"
         parameters = save_checkpoint(checkpoint, args.layers)
         size = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors")) / MIB
-        results = {way: measure(checkpoint, way, Path(tmp), args.processes) for way in ("whole-then-shard", "sharded")}
+        results = {way: measure(checkpoint, way, args.processes) for way in WAYS}
     print(f"{parameters / 1e6:.0f}M parameters, bf16 checkpoint {size:.0f} MiB, fp32 model {4 * parameters / MIB:.0f} MiB, "
           f"{args.processes} processes")
     print(f"{'way':<18}{'rank':>5}{'RSS before':>12}{'peak RSS':>10}{'loading cost':>14}{'own shards':>12}")

@@ -19,24 +19,20 @@ FSDPMemTracker's categories per rank; they are for reading only (the tracker fil
 category of the hook that first sees it), the totals are what is compared.
 
 Usage:
-    python benchmarks/sharded_memory.py            # JSON, table and summary on stdout (~15 s per case on 2 cores)
-    python benchmarks/sharded_memory.py --case fp32-untied-ckpt0-b2 --json out.json
-    python benchmarks/sharded_memory.py --levers   # chunked_loss and optimizer_in_backward under FSDP, on and off
+    python -m benchmarks.sharded_memory            # JSON, table and summary on stdout (~15 s per case on 2 cores)
+    python -m benchmarks.sharded_memory --case fp32-untied-ckpt0-b2 --json out.json
+    python -m benchmarks.sharded_memory --levers   # chunked_loss and optimizer_in_backward under FSDP, on and off
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.ranks import add_worker_arguments, send_to_driver, torchrun_ranks
 
 STEPS = 2
 
@@ -143,7 +139,7 @@ def measure_rank(case: Case) -> dict:
     from fulltune.runtime.checkpointing import apply_gradient_checkpointing
     from fulltune.planning.trace import make_batch  # the batch the estimate assumes (padded row, all targets)
     from fulltune.runtime.loss import TargetHead
-    from fulltune.runtime.step import LocalAccelerator, OptimizerStep, StepParts, run_step
+    from fulltune.runtime.step import LocalAccelerator, StepParts, run_step
 
     settings = settings_of(case)
     sharding.init_process_group("cpu")
@@ -158,9 +154,8 @@ def measure_rank(case: Case) -> dict:
     tracker = FSDPMemTracker(model, optimizer)
     # The trainer's step (fulltune/runtime/step.py); bf16 is FSDP's MixedPrecisionPolicy here, not autocast.
     accelerator = LocalAccelerator("cpu", "no", accumulation)
-    parts = StepParts(accelerator, model, head, optimizer, OptimizerStep(accelerator, model, optimizer, None, 1.0),
-                      accumulation, settings.optimizer_in_backward,
-                      before_micro_batch=tracker.reset_mod_stats)  # the tracker needs the reset
+    parts = StepParts.assemble(accelerator, model, head, optimizer, settings,
+                               before_micro_batch=tracker.reset_mod_stats)  # the tracker needs the reset
     targets = settings.micro_batch_size * settings.targets_per_row * accumulation * accelerator.num_processes
     with tracker:
         for step in range(1, STEPS + 1):
@@ -185,17 +180,6 @@ def worker(case_name: str, out: Path) -> None:
     send_to_driver(measure_rank(next(c for c in CASES if c.name == case_name)), out)
 
 
-def send_to_driver(measured: dict, out: Path) -> None:
-    """Every rank's `measured`, written to `out` by rank 0 (in rank order); ends the process group."""
-    import torch.distributed as dist
-
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, measured)
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(gathered))
-    dist.destroy_process_group()
-
-
 # ----------------------------------------------------------------------------------------- driver
 
 
@@ -205,30 +189,10 @@ def estimate_parts(estimate) -> dict[str, int]:
             "activations_logits_temporary": b["activations"] + b["logits"] + b["temporary"]}
 
 
-def torchrun_ranks(script: str | Path, case_name: str, processes: int) -> list[dict]:
-    """`script --worker case_name` in `processes` torchrun ranks (gloo, CPU, one thread each): what every rank
-    sent (`send_to_driver`), in rank order."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "ranks.json"
-        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-                   str(script), "--worker", case_name, "--out", str(out)]
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
-        if done.returncode != 0 and not out.exists():
-            # gloo sometimes aborts a rank at exit on this VM ("terminate called without an active
-            # exception") before the result is written: one more try.
-            done = subprocess.run(command, env=env, capture_output=True, text=True)
-        if not out.exists():
-            raise RuntimeError(f"{case_name}: torchrun failed\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-        ranks = json.loads(out.read_text())
-    return ranks
-
-
 def run_case(case: Case) -> dict:
     from fulltune.memory import estimate_memory
 
-    ranks = torchrun_ranks(__file__, case.name, case.processes)
+    ranks = torchrun_ranks("benchmarks.sharded_memory", case.name, case.processes)
     estimate = estimate_memory(config_of(case), settings_of(case))
     return {
         "case": case.name,
@@ -280,8 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--levers", action="store_true",
                         help="the lever cases (each beside its case without it) instead of the grid")
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    add_worker_arguments(parser, [c.name for c in CASES])
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker, args.out)

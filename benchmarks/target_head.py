@@ -1,7 +1,7 @@
 """The output head at target positions only (fulltune/runtime/loss.py) against full logits: step time and peak memory.
 
-    python benchmarks/target_head.py            # ~4 min on 2 CPU cores; prints a markdown section
-    python benchmarks/target_head.py --write    # and replaces the section in BENCHMARKS.md
+    python -m benchmarks.target_head            # ~4 min on 2 CPU cores; prints a markdown section
+    python -m benchmarks.target_head --write    # and replaces the section in BENCHMARKS.md
 
 A full-logits loss (transformers' `ForCausalLMLoss`, used by `Trainer`) computes the (b, s, V) logits and
 then ignores the positions without a target; fulltune gathers the target positions before the head.
@@ -25,18 +25,17 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+import transformers
+
+from fulltune.runtime.loss import TargetHead, Targets
+from fulltune.memory import Settings, estimate_memory
+from fulltune.planning import simulate_memory
+from fulltune.memory.units import format_bytes
+from benchmarks.sections import write_section
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import transformers  # noqa: E402
-
-from fulltune.runtime.loss import TargetHead, Targets  # noqa: E402
-from fulltune.memory import Settings, estimate_memory  # noqa: E402
-from fulltune.planning import simulate_memory  # noqa: E402
-from fulltune.memory.units import format_bytes  # noqa: E402
-from sections import write_section  # noqa: E402  (benchmarks/sections.py, beside this script)
 
 SECTION = "## Output head at target positions"
 SHARES = (1.0, 0.5, 0.25)
@@ -121,7 +120,7 @@ def section(times: list[dict], memory: list[dict], reps: int, seconds: float) ->
         "(transformers' `ForCausalLMLoss`, what `Trainer` computes) makes (b, s, V) logits and ignores the positions",
         "without one. Same gradients; the saving is the share of positions without a target (prompts, user turns).",
         "",
-        f"Reproduce: `python benchmarks/target_head.py` (took {seconds / 60:.1f} min; torch {torch.__version__}, "
+        f"Reproduce: `python -m benchmarks.target_head` (took {seconds / 60:.1f} min; torch {torch.__version__}, "
         f"transformers {transformers.__version__}, CPU, {torch.get_num_threads()} thread(s)).",
         "",
         "Step time, forward + backward of one micro-batch (4 × 256 tokens, 2-layer Llama, hidden 256, vocabulary",

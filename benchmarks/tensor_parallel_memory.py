@@ -2,7 +2,7 @@
 measurement in every rank.
 
 Each configuration: torchrun starts 2 or 4 CPU processes (gloo) that split a `from_config` Llama with
-`fulltune.runtime.parallel.ParallelPlan` (the TP plan per block with sequence-parallel norms, then FSDP2 over the
+`fulltune.runtime.parallel.apply` (the TP plan per block with sequence-parallel norms, then FSDP2 over the
 data-parallel processes; gradient checkpointing applied first, as the trainer does) and run two optimizer steps
 through the trainer's step (`fulltune/runtime/step.py`: the TargetHead loss, backward, global-norm clip, fused AdamW,
 zero_grad) under torch's FSDPMemTracker in every rank. The peak of tracked tensor storage is compared with
@@ -10,7 +10,8 @@ zero_grad) under torch's FSDPMemTracker in every rank. The peak of tracked tenso
 tensor-parallel rank's own terms (`fulltune/memory/tensor_parallel.py`); the column "as FSDP over all" is what
 the planner counted before it had them (the same run as FSDP over all N processes).
 
-The torchrun driver, the tracker's categories and the rank-0 gather are `benchmarks/sharded_memory.py`'s.
+The torchrun driver and the rank-0 gather are `benchmarks/ranks.py`'s, the tracker's categories
+`benchmarks/sharded_memory.py`'s.
 
 The grid (`_grid`): TP 2 on 2 processes and FSDP 2 × TP 2 on 4, fp32 and the bf16 policy, untied and tied
 (micro-batch 2, seq 128, vocabulary 8,192: the logits decide the peak), then checkpointing, micro-batch 1,
@@ -18,8 +19,8 @@ accumulation, a sequence TP does not divide (padded), and a 1,024-token vocabula
 (the activations decide the peak).
 
 Usage:
-    python benchmarks/tensor_parallel_memory.py                 # table and summary on stdout (~10-30 s per case)
-    python benchmarks/tensor_parallel_memory.py --case tp2-fp32-tied --json out.json
+    python -m benchmarks.tensor_parallel_memory                 # table and summary on stdout (~10-30 s per case)
+    python -m benchmarks.tensor_parallel_memory --case tp2-fp32-tied --json out.json
 """
 
 from __future__ import annotations
@@ -30,10 +31,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-
-from sharded_memory import BASE, STEPS, send_to_driver, summary, torchrun_ranks, tracked_peak  # noqa: E402
+from benchmarks.ranks import add_worker_arguments, send_to_driver, torchrun_ranks
+from benchmarks.sharded_memory import BASE, STEPS, summary, tracked_peak
 
 TIED = {**BASE, "tie_word_embeddings": True}
 SMALL_VOCAB = {**BASE, "vocab_size": 1024}
@@ -98,8 +97,8 @@ def measure_rank(case: Case) -> dict:
     from fulltune.runtime.loss import TargetHead
     from fulltune.runtime.checkpointing import apply_gradient_checkpointing
     from fulltune.planning.trace import make_batch
-    from fulltune.runtime.parallel import ParallelPlan
-    from fulltune.runtime.step import LocalAccelerator, OptimizerStep, StepParts, run_step
+    from fulltune.runtime import parallel
+    from fulltune.runtime.step import LocalAccelerator, StepParts, run_step
 
     settings = settings_of(case)
     sharding.init_process_group("cpu")
@@ -108,14 +107,12 @@ def measure_rank(case: Case) -> dict:
     model.train()
     apply_gradient_checkpointing(model, settings.gradient_checkpointing)
     head = TargetHead(model)
-    ParallelPlan(case.processes // case.tensor_parallel, case.tensor_parallel).apply(
-        model, "cpu", settings.mixed_precision)
+    parallel.apply(model, settings.dims, "cpu", settings.mixed_precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     tracker = FSDPMemTracker(model, optimizer)
     accumulation = settings.gradient_accumulation_steps
     accelerator = LocalAccelerator("cpu", "no", accumulation)
-    parts = StepParts(accelerator, model, head, optimizer, OptimizerStep(accelerator, model, optimizer, None, 1.0),
-                      accumulation, before_micro_batch=tracker.reset_mod_stats)
+    parts = StepParts.assemble(accelerator, model, head, optimizer, settings, before_micro_batch=tracker.reset_mod_stats)
     targets = settings.micro_batch_size * settings.targets_per_row * accumulation
     with tracker:
         for step in range(1, STEPS + 1):
@@ -134,7 +131,7 @@ def run_case(case: Case) -> dict:
 
     from fulltune.memory import estimate_memory
 
-    ranks = torchrun_ranks(__file__, case.name, case.processes)
+    ranks = torchrun_ranks("benchmarks.tensor_parallel_memory", case.name, case.processes)
     config = LlamaConfig(**case.config)
     estimate = estimate_memory(config, settings_of(case))
     as_fsdp = estimate_memory(config, settings_of(case, tensor_parallel=1))
@@ -166,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", action="append", choices=[c.name for c in CASES], help="default: all")
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    add_worker_arguments(parser, [c.name for c in CASES])
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker, args.out)

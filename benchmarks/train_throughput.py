@@ -1,9 +1,9 @@
 """Training throughput: fulltune's loop against transformers' Trainer on the same data, model and settings.
 
-    python benchmarks/train_throughput.py              # CPU: ~1M-parameter Llama, seq ≤ 256, fp32 (~6 min; --runs 5: ~9 min)
-    python benchmarks/train_throughput.py --size zipf  # CPU: 4-layer Llama h256 V8192, Zipf lengths, micro-batch 8
-    python benchmarks/train_throughput.py --gpu        # CUDA: ~1.1B Llama from a config, bf16, seq ≤ 2048
-    python benchmarks/train_throughput.py --baseline DIR   # also fulltune from another checkout (A/B)
+    python -m benchmarks.train_throughput              # CPU: ~1M-parameter Llama, seq ≤ 256, fp32 (~6 min; --runs 5: ~9 min)
+    python -m benchmarks.train_throughput --size zipf  # CPU: 4-layer Llama h256 V8192, Zipf lengths, micro-batch 8
+    python -m benchmarks.train_throughput --gpu        # CUDA: ~1.1B Llama from a config, bf16, seq ≤ 2048
+    python -m benchmarks.train_throughput --baseline DIR   # also fulltune from another checkout (A/B)
 
 Contenders, each in a fresh process, interleaved run by run (`--runs`, default 3):
 
@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 CONTENDERS = ("trainer", "trainer_grouped", "fulltune", "fulltune_packed")
 BASELINES = ("baseline", "baseline_packed")  # fulltune from another checkout (--baseline)
@@ -291,10 +290,10 @@ def run_contender(name: str, inputs: dict[str, Any], size: Size, args: argparse.
     else:
         data = inputs["packed" if name.endswith("_packed") else "unpacked"]
         command = ["--worker", "fulltune", "--train-file", data.train_file, *common,
-                   *(["--tree", args.baseline] if name in BASELINES else [])]
+                   *(["--tree", str(Path(args.baseline).resolve())] if name in BASELINES else [])]
+    command = [sys.executable, "-m", "benchmarks.train_throughput", *command, *(["--gpu"] if args.gpu else [])]
     before, started = os.times(), time.perf_counter()
-    done = subprocess.run([sys.executable, __file__, *command, *(["--gpu"] if args.gpu else [])],
-                          capture_output=True, text=True, check=False, env=env)
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False, env=env)
     after = os.times()
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{done.stderr[-3000:]}")
@@ -344,7 +343,7 @@ def main() -> None:
     size = SIZES[args.size]
     if args.steps:
         size = dataclasses.replace(size, steps=args.steps)
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fulltune-bench-"))
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fulltune-bench-")).resolve()  # the runs start in REPO
     inputs = prepare_inputs(size, workdir)
     if size.steps is None:
         rows_per_step = size.micro_batch_size * size.gradient_accumulation_steps

@@ -47,13 +47,13 @@ class Combination:
     """What the rules read, from a pipeline spec, a plan request, planned settings or a train job.
 
     `None` means "auto": not decided yet (a lever, the optimizer, accumulation, precision, checkpointing,
-    the device). `bf16_supported` is None unless the device is a known GPU.
+    the device, the tensor-parallel degree). `bf16_supported` is None unless the device is a known GPU.
     """
 
     levers: Mapping[str, bool | None]
     strategy: str = "none"
     num_processes: int = 1
-    tensor_parallel: int = 1
+    tensor_parallel: int | None = 1
     pipeline_parallel: int = 1
     pipeline_schedule: str = "1f1b"
     optimizer: str | None = "adamw"
@@ -67,10 +67,10 @@ class Combination:
         """The lever is turned on (not auto, not off)."""
         return self.levers.get(lever) is True
 
-    def with_lever(self, lever: str, value: bool | None) -> Combination:
-        from dataclasses import replace
-
-        return replace(self, levers={**self.levers, lever: value})
+    @property
+    def tensor_parallel_on(self) -> bool:
+        """Tensor parallel is fixed above 1 (auto may still choose 1)."""
+        return self.tensor_parallel is not None and self.tensor_parallel > 1
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ RULES: tuple[Rule, ...] = (
          "under DDP its gradient hooks run before the gradients are averaged over processes; train on one "
          "process or use strategy fsdp (which steps each parameter's shard once its gradient is reduced)"),
     Rule(("train.optimizer_in_backward", "distributed.tensor_parallel"),
-         lambda c: c.on("optimizer_in_backward") and c.tensor_parallel > 1,
+         lambda c: c.on("optimizer_in_backward") and c.tensor_parallel_on,
          "stepping in backward is not combined with tensor parallel; set tensor_parallel to 1 or turn it off"),
     Rule(("train.offload_optimizer", "distributed.num_processes"),
          lambda c: c.on("offload_optimizer") and c.num_processes > 1 and c.strategy != "fsdp",
@@ -149,10 +149,10 @@ RULES: tuple[Rule, ...] = (
          "with strategy fsdp it is FSDP's CPU offload, which needs CUDA devices (on a CPU device host RAM is "
          "the device memory: there is nothing to offload to); set budget.device to cuda or turn it off"),
     Rule(("train.offload_optimizer", "distributed.tensor_parallel"),
-         lambda c: c.on("offload_optimizer") and c.tensor_parallel > 1,
+         lambda c: c.on("offload_optimizer") and c.tensor_parallel_on,
          "FSDP's CPU offload is not combined with tensor parallel; set tensor_parallel to 1 or turn it off"),
     Rule(("train.chunked_loss", "distributed.tensor_parallel"),
-         lambda c: c.on("chunked_loss") and c.tensor_parallel > 1,
+         lambda c: c.on("chunked_loss") and c.tensor_parallel_on,
          "tensor parallel splits the output head's weight over the vocabulary, and the chunked head reads whole "
          "vocabulary tiles of it; set tensor_parallel to 1 or turn chunked_loss off (or auto)"),
     Rule(("train.pure_bf16", "train.mixed_precision"),
@@ -195,12 +195,6 @@ def check(c: Combination, where: str = "", error: type[ConfigError] = ConfigErro
         raise error("; ".join(f"{where}{problem}" for problem in found))
 
 
-def may_turn_on(lever: str, c: Combination) -> bool:
-    """Whether the planner may turn an auto `lever` on: no rule breaks once it is on (the other auto
-    fields stay auto, to be chosen to fit)."""
-    return not problems(c.with_lever(lever, True))
-
-
 def from_spec(pipeline: object) -> Combination:
     """The combination a `spec.PipelineSpec` asks for: `auto` fields are None; the device only when the
     budget names it."""
@@ -212,8 +206,8 @@ def from_spec(pipeline: object) -> Combination:
     return Combination(
         levers={name: auto(getattr(train, name)) for name in LEVERS},
         strategy=distributed.strategy, num_processes=distributed.num_processes,
-        # tensor_parallel auto is read as 1: the planner checks every degree it tries against the table.
-        tensor_parallel=auto(getattr(distributed, "tensor_parallel", 1)) or 1, optimizer=auto(train.optimizer),
+        # tensor_parallel auto is None: the planner checks every degree it tries against the table.
+        tensor_parallel=distributed.dims.tp, optimizer=auto(train.optimizer),
         pipeline_parallel=distributed.pipeline_parallel, pipeline_schedule=distributed.pipeline_schedule,
         gradient_accumulation_steps=auto(train.gradient_accumulation_steps),
         mixed_precision=auto(train.mixed_precision), gradient_checkpointing=auto(train.gradient_checkpointing),
@@ -226,7 +220,7 @@ def from_settings(settings: object, bf16_supported: bool | None = None) -> Combi
     s = settings
     return Combination(
         levers=s.levers(), strategy=s.strategy, num_processes=s.num_processes,  # type: ignore[attr-defined]
-        tensor_parallel=getattr(s, "tensor_parallel", 1) or 1,  # None (auto, a request): as from_spec
+        tensor_parallel=s.tensor_parallel,  # type: ignore[attr-defined]  # None: auto, in a request
         pipeline_parallel=getattr(s, "pipeline_parallel", 1), pipeline_schedule=getattr(s, "pipeline_schedule", "1f1b"),
         optimizer=s.optimizer, gradient_accumulation_steps=s.gradient_accumulation_steps,  # type: ignore[attr-defined]
         mixed_precision=s.mixed_precision, gradient_checkpointing=s.gradient_checkpointing,  # type: ignore[attr-defined]

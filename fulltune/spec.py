@@ -18,6 +18,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fulltune import yamlio
+from fulltune.degrees import ParallelDims
 from fulltune.errors import ConfigError
 
 SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([KMGT]i?B|[KMGT]|B)?\s*$", re.IGNORECASE)
@@ -265,9 +266,6 @@ class DistributedSpec(Strict):
         if self.strategy == "none" and self.num_processes != self.pipeline_parallel:
             raise ValueError("num_processes > 1 needs a strategy (ddp or fsdp)"
                              + (" or num_processes = pipeline_parallel" if self.pipeline_parallel > 1 else ""))
-        if self.num_processes % self.pipeline_parallel:
-            raise ValueError(f"pipeline_parallel ({self.pipeline_parallel}) must divide num_processes "
-                             f"({self.num_processes})")
         if self.pipeline_parallel > 1 and self.tensor_parallel != 1:
             raise ValueError("pipeline_parallel > 1 is not combined with tensor_parallel (not built); set one of "
                              "them to 1")
@@ -277,18 +275,13 @@ class DistributedSpec(Strict):
             raise ValueError(f"tensor_parallel must be auto or from 1 to 64; got {self.tensor_parallel}")
         if self.tensor_parallel > 1 and self.strategy != "fsdp":
             raise ValueError("tensor_parallel > 1 needs strategy fsdp (FSDP over the data-parallel processes)")
-        if self.num_processes % self.tensor_parallel:
-            raise ValueError(f"num_processes ({self.num_processes}) must be a multiple of tensor_parallel "
-                             f"({self.tensor_parallel})")
+        ParallelDims.from_spec(self)  # DegreesError (a ValueError) unless the degree divides the processes
         return self
 
     @property
-    def data_parallel(self) -> int | None:
-        """Processes that train on different rows: num_processes / (tensor_parallel × pipeline_parallel) (None
-        while tensor_parallel is auto)."""
-        if self.tensor_parallel == "auto":
-            return None
-        return self.num_processes // (self.tensor_parallel * self.pipeline_parallel)
+    def dims(self) -> ParallelDims:
+        """The parallel degrees these settings ask for (`tp` None while tensor_parallel is auto)."""
+        return ParallelDims.from_spec(self)
 
 
 # Metrics every evaluation computes, with the direction in which they improve. A gate may also name an
@@ -296,8 +289,21 @@ class DistributedSpec(Strict):
 BUILTIN_METRICS: dict[str, Literal["min", "max"]] = {
     "eval_loss": "min", "perplexity": "min", "bits_per_byte": "min", "exact_match": "max",
 }
+DEFAULT_METRIC_TIMEOUT = 600.0  # seconds, evaluate.metric_timeout
 CALLABLE_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 METRIC_NAME_PATTERN = re.compile(r"^[A-Za-z_][\w.-]*$")
+
+
+# Fields a run started from a deployment may never override, even where a pipeline's `run_overrides`
+# names them: they run code (remote model code, metric modules, task files with `!function`), load
+# pickles, read a secret, or choose where outputs go.
+NEVER_RUN_OVERRIDES = ("model.trust_remote_code", "model.allow_pickle_weights", "model.token_env",
+                       "evaluate.metrics", "evaluate.lm_eval.tasks", "run_overrides", "workdir")
+
+
+def covers(entry: str, key: str) -> bool:
+    """Whether the dotted `entry` is `key` or one of the sections above it (`train` covers `train.seed`)."""
+    return key == entry or key.startswith(entry + ".")
 
 
 def lm_eval_installed() -> bool:
@@ -336,6 +342,9 @@ class EvaluateSpec(Strict):
     max_new_tokens: int = Field(32, ge=1, description="Tokens generated per example.")
     compare_champion: bool = Field(True, description="Also evaluate the current champion on the same data.")
     lm_eval: LmEvalSpec | None = Field(None, description="lm-evaluation-harness tasks; metrics `<task>/<metric>`.")
+    metric_timeout: float = Field(
+        DEFAULT_METRIC_TIMEOUT, gt=0, description="Seconds each metric function of `metrics` may run on one "
+                                                  "model's completions; one that runs longer stops the run, named.")
     metrics: dict[str, str] = Field(
         default_factory=dict,
         description="The team's own metrics: name → `module:function` (a list of `module:function` names each "
@@ -396,10 +405,6 @@ class PromoteIf(Strict):
             raise ValueError("set min_delta (must improve) or max_regression (must not regress), not both")
         return self
 
-    @property
-    def is_guard(self) -> bool:
-        return self.max_regression is not None
-
 
 class RegisterSpec(Strict):
     """The MLflow registered model the result lands in."""
@@ -456,6 +461,22 @@ class PipelineSpec(Strict):
     # `register` is the YAML key; the attribute name avoids shadowing BaseModel.register.
     registration: RegisterSpec = Field(default_factory=RegisterSpec, alias="register")
     schedule: str | None = Field(None, description="Cron expression for scheduled retraining (`fulltune serve`).")
+    run_overrides: list[str] = Field(
+        default_factory=list,
+        description="Fields (dotted keys, or a section such as `evaluate`) that a run started from a deployment "
+                    "(the Prefect UI, the API, a schedule) may override besides the training knobs it always may "
+                    "(fulltune/run_overrides.py). Never the fields that run code, load pickles, read secrets or "
+                    f"choose where outputs go: {', '.join(NEVER_RUN_OVERRIDES)}. `fulltune run --set` is not "
+                    "limited.")
+
+    @field_validator("run_overrides")
+    @classmethod
+    def _never(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            clash = next((k for k in NEVER_RUN_OVERRIDES if covers(entry, k) or covers(k, entry)), None)
+            if clash:
+                raise ValueError(f"{entry!r}: a run parameter may never set {clash}")
+        return value
 
     @field_validator("schedule")
     @classmethod
@@ -466,26 +487,11 @@ class PipelineSpec(Strict):
 
     @model_validator(mode="after")
     def _batch(self) -> PipelineSpec:
-        # Tensor-parallel processes share their rows: only the data-parallel ones multiply the batch.
-        t, processes = self.train, self.distributed.data_parallel
-        who = ("distributed.num_processes" + ("" if self.distributed.tensor_parallel == 1
-                                               else " / distributed.tensor_parallel")
-               + ("" if self.distributed.pipeline_parallel == 1 else " / distributed.pipeline_parallel"))
-        micro, accum = t.micro_batch_size, t.gradient_accumulation_steps
-        if processes is None:
-            return self  # tensor_parallel auto: the plan keeps the batch for the degree it chooses
-        if isinstance(micro, int) and isinstance(accum, int) and micro * accum * processes != t.effective_batch_size:
-            raise ValueError(
-                f"train.micro_batch_size ({micro}) × train.gradient_accumulation_steps ({accum}) × "
-                f"{who} ({processes}) must equal train.effective_batch_size "
-                f"({t.effective_batch_size})"
-            )
-        per_process = t.effective_batch_size / processes
-        if per_process != int(per_process):
-            raise ValueError(f"train.effective_batch_size must be a multiple of {who} ({processes})")
-        for name, value in (("micro_batch_size", micro), ("gradient_accumulation_steps", accum)):
-            if isinstance(value, int) and int(per_process) % value:
-                raise ValueError(f"train.{name} ({value}) must divide the per-process batch ({int(per_process)})")
+        # micro × accumulation × data-parallel processes = effective (fulltune/degrees.py holds the rule).
+        t = self.train
+        micro, accumulation = (None if value == "auto" else value
+                               for value in (t.micro_batch_size, t.gradient_accumulation_steps))
+        self.distributed.dims.check_batch(t.effective_batch_size, micro, accumulation)
         return self
 
     @model_validator(mode="after")
@@ -504,7 +510,8 @@ class PipelineSpec(Strict):
 
     def config_hash(self) -> str:
         """sha256 of the resolved pipeline, stable across runs and key order."""
-        text = json.dumps(self.model_dump(mode="json", by_alias=True), sort_keys=True)
+        # run_overrides says who may change the pipeline, not what it computes.
+        text = json.dumps(self.model_dump(mode="json", by_alias=True, exclude={"run_overrides"}), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -573,10 +580,19 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | dict[str, Any]) 
     return result
 
 
+# A value that fits none of a union's members: pydantic reports each scalar member too
+# ("should be a valid boolean", "should be 'auto'") beside the mapping member's real problems.
+SCALAR_MISMATCH = {"bool_type", "bool_parsing", "literal_error", "int_type", "int_parsing", "float_type",
+                   "float_parsing", "string_type"}
+
+
 def _format_errors(error: ValidationError, prefix: str) -> list[str]:
+    items = [(tuple(str(p) for p in item["loc"] if not _is_union_tag(p)), item) for item in error.errors()]
+    deeper = {loc[:n] for loc, _ in items for n in range(len(loc))}
     lines = []
-    for item in error.errors():
-        loc = [str(p) for p in item["loc"] if not _is_union_tag(p)]
+    for loc, item in items:
+        if item["type"] in SCALAR_MISMATCH and loc in deeper:
+            continue  # the union's scalar members, when a mapping member says what is wrong inside
         path = ".".join([prefix, *loc]) if prefix else ".".join(loc)
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":

@@ -161,11 +161,13 @@ def train(args: argparse.Namespace, accelerator, model, head, optimizer, accumul
     """`args.steps` optimizer steps; returns (mean token loss, gradient norm) of each."""
     from fulltune.runtime import sharding
     from fulltune.runtime.loss import Targets
-    from fulltune.runtime.step import OptimizerStep, StepParts, run_step
+    from fulltune.memory import Settings
+    from fulltune.runtime.step import StepParts, run_step
 
     processes, rank = accelerator.num_processes, accelerator.process_index
-    parts = StepParts(accelerator, model, head, optimizer, OptimizerStep(accelerator, model, optimizer, None, 1.0),
-                      accumulation, optimizer_in_backward=args.in_backward)
+    plan = Settings(micro_batch_size=args.micro, seq_len=SEQ_LEN, gradient_accumulation_steps=accumulation,
+                    optimizer_in_backward=args.in_backward)
+    parts = StepParts.assemble(accelerator, model, head, optimizer, plan)
     input_ids, labels = fixed_rows(args.steps)
     losses, norms = [], []
     # Step `rewind_at` runs twice; the first run is undone by loading what was saved before it.

@@ -19,16 +19,10 @@ from pathlib import Path
 import pytest
 
 from fulltune.memory.process import CPU_LIBRARY_PAGES_SPREAD
-from tiny import load_benchmark
+from benchmarks import cpu_rss
 
 TOLERANCE = 0.15
 
-
-def _benchmark():
-    return load_benchmark("cpu_rss")
-
-
-cpu_rss = _benchmark()
 
 # The model shape and sequence length; the effective batch is the case's micro-batch.
 CASES = {

@@ -97,9 +97,31 @@ def test_held_out_data_with_nothing_to_score_is_a_user_error_and_registers_nothi
     assert versions(workspace) == ["1"]
 
 
-def test_worse_model_becomes_challenger_not_champion(workspace):
-    summary = run(workspace, **{"train.max_steps": 1, "train.learning_rate": 1e-6})
-    assert summary.stages["fine-tune"] == "ran"
+def test_worse_model_becomes_challenger_not_champion(workspace, monkeypatch):
+    import sqlite3
+
+    import mlflow
+    from sqlalchemy.exc import OperationalError
+
+    from fulltune.errors import DiskFull
+
+    worse = {"train.max_steps": 1, "train.learning_rate": 1e-6}
+    # First the registry's SQLite database fills up while the version is logged: one line, no retries,
+    # nothing half-registered; the rerun then registers from the cached training and evaluation.
+    uploads = []
+
+    def full(*args, **kwargs):
+        uploads.append(1)
+        raise OperationalError("INSERT INTO model_versions", {}, sqlite3.OperationalError("database or disk is full"))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(mlflow.transformers, "log_model", full)
+        with pytest.raises(DiskFull, match=r"the filesystem is full .* rerun: training and evaluation are cached"):
+            run(workspace, **worse)
+    assert len(uploads) == 1, "a full disk is not retried"
+    assert versions(workspace) == ["1"]
+    summary = run(workspace, **worse)
+    assert summary.stages["fine-tune"] == "cached" and summary.stages["register"] == "ran"
     assert summary.aliases == ("challenger",)
     assert not summary.promoted
     assert versions(workspace) == ["1", "2"]

@@ -5,7 +5,7 @@ the lever table (validate refuses it on a CPU device naming budget.device, accep
 (every unit `fully_shard`s with `CPUOffloadPolicy(pin_memory=True)`, checked with `fully_shard` patched;
 loading refuses a CPU device before reading anything), and the memory model (no shard on the device,
 every rank's shards in host RAM, a machine's host RAM counts all its ranks and rank 0's export). The CUDA
-step itself is `benchmarks/device_check.py --fsdp-offload`.
+step itself is `python -m benchmarks.device_check --fsdp-offload`.
 """
 
 from __future__ import annotations

@@ -305,7 +305,7 @@ def test_levers_run_under_the_memory_trace() -> None:
 @pytest.mark.parametrize(("levers", "message"), [
     ({"name": "adafactor", "pure_bf16": True, "compensation": "kahan"}, "compensation"),
     ({"name": "adamw_8bit", "pure_bf16": True, "compensation": "kahan"}, "compensation"),
-    ({"name": "adamw", "optimizer_in_backward": True, "offload_optimizer": True}, "pick one"),
+    ({"name": "adamw", "optimizer_in_backward": True, "offload_optimizer": True}, "choose one"),
     ({"name": "lion"}, "optimizer"),
 ])
 def test_impossible_lever_combinations_are_refused(levers: dict, message: str) -> None:

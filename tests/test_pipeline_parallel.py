@@ -17,20 +17,15 @@ from fulltune.memory.pipeline import bubble_fraction, estimate_pipeline, pipelin
 from fulltune.memory.shapes import model_shape
 
 from pipelines_fixture import TINY_LLAMA, tiny_pipeline
-from tiny import load_benchmark
+from benchmarks import pipeline_parallel as bench
 
 TOLERANCE = 0.03
 SMALL = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False)
 
 
-def _benchmark():
-    return load_benchmark("pipeline_parallel")
-
-
 @pytest.mark.slow
 def test_two_stages_under_1f1b_train_like_one_process_within_3_percent_of_each_stage_estimate():
-    bench = _benchmark()
     result = bench.run_case(next(c for c in bench.CASES if c.name == "fp32-1f1b"))
     # fp32: the same weights after every step as one process accumulating the same micro-batches.
     assert result["max_loss_difference"] < 1e-5, (result["losses"], result["reference_losses"])

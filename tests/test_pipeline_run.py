@@ -27,7 +27,7 @@ def _validate(tmp_path: Path, capsys, **sections) -> tuple[int, str]:
 
 @pytest.mark.parametrize(("train", "distributed", "field", "says"), [
     (ONE, {"num_processes": 3, "pipeline_parallel": 2, "strategy": "ddp"}, "distributed",
-     "pipeline_parallel (2) must divide num_processes (3)"),
+     "num_processes (3) must be a multiple of pipeline_parallel (2)"),
     (ONE, {"strategy": "fsdp", "num_processes": 2, "pipeline_parallel": 2, "tensor_parallel": 2}, "distributed",
      "not combined with tensor_parallel"),
     ({**ONE, "effective_batch_size": 2, "micro_batch_size": 2, "gradient_accumulation_steps": 1}, STAGES,

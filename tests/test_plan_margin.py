@@ -127,10 +127,9 @@ def test_trace_of_unpacked_rows_agrees_with_the_real_step():
 @pytest.mark.slow
 def test_device_check_dry_run_writes_its_report(tmp_path):
     """benchmarks/device_check.py is the one script a GPU session runs; --dry-run checks it on CPU."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "device_check.py"
     out = tmp_path / "report.json"
-    result = subprocess.run([sys.executable, str(script), "--dry-run", "--out", str(out)], capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-m", "benchmarks.device_check", "--dry-run", "--out", str(out)],
+                            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
     assert [r.get("error") for r in report["memory"]] == [None] * len(report["memory"])

@@ -15,7 +15,7 @@ from fulltune.memory import Settings, estimate_memory
 from fulltune.memory.process import CPU_LIBRARY_PAGES_SPREAD
 from fulltune.memory.process import EVALUATION, LOAD, STEP, TRAINING_PHASES
 from pipelines_fixture import tiny_pipeline
-from tiny import load_benchmark
+from benchmarks import process_memory
 
 MiB = 2**20
 
@@ -66,15 +66,10 @@ def test_a_cast_at_load_holds_the_file_beside_the_weights_and_can_be_the_peak():
     assert fp32.process_peak_phase == STEP
 
 
-def _benchmark():
-    return load_benchmark("process_memory")
-
-
 @pytest.mark.slow
 def test_a_lever_run_on_cpu_stays_under_its_whole_process_estimate(tmp_path):
     """Pure bf16 + Adafactor stepped in backward + checkpointing, on the trainer's own functions: the peak RSS
     of every phase is at most the plan's whole-process estimate, and that estimate is within 15% of it."""
-    process_memory = _benchmark()
     case = process_memory.CASES["llama-6m-frontier"]
     measured = process_memory.measure(case, tmp_path)
     estimated = process_memory.estimated_phases(case, measured["target_fraction"])

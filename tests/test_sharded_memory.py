@@ -11,19 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-from tiny import load_benchmark
+from benchmarks import sharded_memory as bench
 
 TOLERANCE = 0.03
-
-
-def _benchmark():
-    return load_benchmark("sharded_memory")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["fp32-tied-ckpt0-b2", "bf16-untied-ckpt2-b2"])
 def test_fsdp_per_rank_estimate_is_within_3_percent_of_the_measured_peak(case):
-    bench = _benchmark()
     result = bench.run_case(next(c for c in bench.CASES if c.name == case))
     assert len(result["ranks"]) == 2
     for rank in result["ranks"]:

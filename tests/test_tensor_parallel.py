@@ -1,7 +1,8 @@
 """`distributed.tensor_parallel` on CPU processes through `fulltune run`, as a user runs it: tensor parallel
 on 2 processes and FSDP 2 × TP 2 on 4 train like one process, the 2-D run survives a kill of its whole
 process tree bit-exactly, and the registered model is a plain Hugging Face checkpoint. Also what validate
-refuses: DeepSpeed strategies, a tensor-parallel degree that does not divide the processes."""
+refuses: DeepSpeed strategies, a tensor-parallel degree that does not divide the processes or the model's
+heads."""
 
 from __future__ import annotations
 
@@ -47,6 +48,15 @@ def test_a_tensor_parallel_degree_must_divide_the_processes_and_needs_fsdp(tmp_p
     # The tensor-parallel processes share their rows: 8 = micro 2 × accumulation 2 × 2 data-parallel groups.
     ok = validate(tiny_pipeline(tmp_path, train=TWO_D, distributed=FSDP_TP))
     assert ok.returncode == 0, ok.stderr[-2000:]
+
+
+def test_validate_refuses_a_tensor_parallel_degree_the_heads_do_not_split(tmp_path: Path) -> None:
+    # 3 processes, all one tensor-parallel group: 3 divides the processes but not the 4 heads of the model.
+    result = validate(tiny_pipeline(tmp_path, train=ONE,
+                                    distributed={"strategy": "fsdp", "num_processes": 3, "tensor_parallel": 3}))
+    assert result.returncode == 2 and "Traceback" not in result.stderr + result.stdout, result.stderr[-2000:]
+    assert ("pipelines.tiny.distributed.tensor_parallel: 3 does not divide the model's num_attention_heads (4), "
+            "num_key_value_heads (2), intermediate_size (64)") in result.stderr
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ import transformers
 from fulltune.memory import PlanRequest, estimate_memory
 from fulltune.planning import plan_memory
 from pipelines_fixture import tiny_pipeline
-from tiny import load_benchmark
+from benchmarks import tensor_parallel_memory as bench
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.03
@@ -34,14 +34,9 @@ LLAMA_8B_32K = transformers.LlamaConfig(hidden_size=4096, intermediate_size=1433
                                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)
 
 
-def _benchmark():
-    return load_benchmark("tensor_parallel_memory")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["tp2-fp32-tied", "fsdp2xtp2-bf16-untied-ckpt2"])
 def test_tensor_parallel_per_rank_estimate_is_within_3_percent_of_the_measured_peak(case):
-    bench = _benchmark()
     chosen = next(c for c in bench.CASES if c.name == case)
     result = bench.run_case(chosen)
     assert len(result["ranks"]) == chosen.processes

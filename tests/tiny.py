@@ -2,27 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-
-def load_benchmark(name: str) -> ModuleType:
-    """The script `benchmarks/<name>.py` as a module, registered under `name` (its dataclasses look their module
-    up while the class is made) with `benchmarks/` importable, as it is when the script runs."""
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 WORDS = ["12+35=47", "hello world", "the cat sat on the mat", "fine tuning", "0123456789", "+-=*/"]
 

@@ -189,7 +189,7 @@ def evaluate_model(model_path: str, tokenizer_path: str, rows: list[dict[str, An
                                       report)
         generated = min(generate_examples, len(rows))
         if benchmarks is not None:
-            extra.update(benchmarks.on_generations([s[2] for s in samples], [s[1] for s in samples]))
+            extra.update(benchmarks.on_generations([s[2] for s in samples], [s[1] for s in samples], progress, name))
     if benchmarks is not None and benchmarks.tasks:
         if progress is not None:
             progress(f"{name}: lm-evaluation-harness tasks {', '.join(t.name for t in benchmarks.tasks)}")

@@ -73,7 +73,7 @@ def rank_shape(shape: ModelShape, tensor_parallel: int) -> ModelShape:
 
 def rank_settings(settings: Settings) -> Settings:
     """A rank's settings as FSDP over the data-parallel processes (num_processes / tensor_parallel)."""
-    return replace(settings, num_processes=settings.num_processes // settings.tensor_parallel, tensor_parallel=1)
+    return replace(settings, num_processes=settings.dims.dp, tensor_parallel=1)
 
 
 @dataclass(frozen=True)
@@ -84,11 +84,6 @@ class TensorParallelTerms(StepTerms):
     tensor_parallel: int
     full_vocab: int  # the logits the loss sees are whole
     padded_seq: int  # a block's positions: the micro-batch padded to a multiple of T (parallel.py)
-
-    @property
-    def local_seq(self) -> int:
-        """Positions a rank's norms and residual stream hold inside a block."""
-        return self.padded_seq // self.tensor_parallel
 
     @property
     def whole_logits_c(self) -> int:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, get_args
 
 from fulltune import spec
+from fulltune.degrees import ParallelDims
 from fulltune.levers import LEVERS  # the lever table's names, in the order the planner tries them
 from fulltune.memory.errors import MemoryConfigError
 
@@ -96,7 +97,8 @@ class Settings:
     chunked_loss: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "num_processes"):
+        for name in ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "num_processes",
+                     "tensor_parallel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MemoryConfigError(f"{name} must be an integer >= 1; got {value!r}")
@@ -115,11 +117,14 @@ class Settings:
         _check_choice("strategy", self.strategy, STRATEGIES)
         if self.strategy == "none" and self.num_processes != self.pipeline_parallel:
             raise MemoryConfigError("num_processes > 1 needs a strategy (ddp or fsdp) or pipeline stages")
-        if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) \
-                or self.tensor_parallel < 1 or self.num_processes % self.tensor_parallel:
-            raise MemoryConfigError(f"tensor_parallel must divide num_processes ({self.num_processes}); "
-                                    f"got {self.tensor_parallel!r}")
+        ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel)  # DegreesError unless they divide
         _check_levers(self)
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The parallel degrees the step runs with: num_processes as data parallel × tensor_parallel ×
+        pipeline_parallel."""
+        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel)
 
     def levers(self) -> dict[str, bool]:
         """The memory levers, name → on."""
@@ -283,33 +288,15 @@ class PlanRequest:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise MemoryConfigError(f"{name} must be an integer >= 1 or None (auto); got {value!r}")
-        if self.tensor_parallel is None:  # auto: the planner checks the batch for each degree it tries
-            _check_request_choices(self)
-            return
-        if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) \
-                or self.tensor_parallel < 1 or self.num_processes % self.tensor_parallel:
-            raise MemoryConfigError(f"tensor_parallel must divide num_processes ({self.num_processes}); "
-                                    f"got {self.tensor_parallel!r}")
-        # The processes of a tensor-parallel group share their rows: only the data-parallel ones split the batch.
-        data_parallel = self.num_processes // (self.tensor_parallel * self.pipeline_parallel)
-        if self.effective_batch_size % data_parallel:
-            raise MemoryConfigError(
-                f"effective_batch_size ({self.effective_batch_size}) must be a multiple of the "
-                f"data-parallel processes ({data_parallel})"
-            )
-        per_process = self.effective_batch_size // data_parallel
-        micro, accum = self.micro_batch_size, self.gradient_accumulation_steps
-        if micro is not None and accum is not None and micro * accum != per_process:
-            raise MemoryConfigError(
-                f"micro_batch_size ({micro}) × gradient_accumulation_steps ({accum}) × data-parallel processes "
-                f"({data_parallel}) must equal effective_batch_size ({self.effective_batch_size})"
-            )
-        for name, value in (("micro_batch_size", micro), ("gradient_accumulation_steps", accum)):
-            if value is not None and per_process % value:
-                raise MemoryConfigError(
-                    f"{name} ({value}) must divide effective_batch_size / num_processes ({per_process})"
-                )
+        # The processes of a tensor-parallel group share their rows: only the data-parallel ones split the batch
+        # (with tensor_parallel auto, the planner checks it for each degree it tries).
+        self.dims.check_batch(self.effective_batch_size, self.micro_batch_size, self.gradient_accumulation_steps)
         _check_request_choices(self)
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The parallel degrees asked for: `tp` None while tensor_parallel is auto."""
+        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel)
 
 
 def _check_request_choices(request: PlanRequest) -> None:

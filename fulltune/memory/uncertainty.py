@@ -8,7 +8,7 @@ Each entry is the largest |estimate / truth − 1| of the allocated peak measure
 where truth is the real step on CPU tensors under MemTracker (`measure_memory`) or its FakeTensor
 trace (`simulate_memory`), which agree to the byte on CPU since the trace sees unpacked rows as the
 real step does (trace.py, `_rows_known_unpacked`). Measured with torch 2.13 / transformers 5.24 on
-CPU: `python benchmarks/memory_accuracy.py --disagreement` (a 4-layer Llama with grouped-query
+CPU: `python -m benchmarks.memory_accuracy --disagreement` (a 4-layer Llama with grouped-query
 attention, GPT-2 and GPT-NeoX, micro-batch 2, seq 256, bf16/fp32, accumulation 1/4, with and without
 a mask), tests/test_memory_accuracy.py, the 17 configurations of BENCHMARKS.md's memory-accuracy
 table and the issue-13 step (TinyLlama-1.1B shape, seq 2048, micro 2 × accumulation 4, 1 of 22

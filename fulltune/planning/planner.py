@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 from collections.abc import Callable
 from typing import Any
 
-from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.estimate import _estimate
 from fulltune.memory.process import node_host_bytes
 from fulltune.memory.shapes import ModelShape, model_shape
@@ -246,8 +245,7 @@ def _fits(c: _Candidate, usable: int) -> bool:
 
 
 def _per_process(request: PlanRequest) -> int:
-    return request.effective_batch_size // (request.num_processes // (request.tensor_parallel
-                                                                      * request.pipeline_parallel))
+    return request.dims.per_process(request.effective_batch_size)
 
 
 def divisors(n: int) -> list[int]:
@@ -501,21 +499,14 @@ def _staged_search(shape: ModelShape, request: PlanRequest, usable: int, micros:
 def tensor_parallel_degrees(shape: ModelShape, request: PlanRequest) -> tuple[list[int], dict[int, str]]:
     """The tensor-parallel degrees `distributed.tensor_parallel: auto` may choose, and why the other divisors
     of the processes may not: a degree splits the blocks of one machine's processes (parallel.py's "tp" groups
-    are consecutive ranks), the heads, key/value heads and MLP width (`parallel.check_model_config`), keeps the
-    effective batch over the data-parallel processes, and breaks no rule of the lever table with the fixed
+    are consecutive ranks), the heads, key/value heads and MLP width and keeps the effective batch over the
+    data-parallel processes (`degrees.ParallelDims`), and breaks no rule of the lever table with the fixed
     fields (`levers.from_settings`). 1 is always among them unless the request fixes another degree."""
-    from types import SimpleNamespace
-
-    from fulltune.errors import ConfigError
-    from fulltune.runtime.parallel import check_model_config
-
     if request.tensor_parallel is not None:
         return [request.tensor_parallel], {}
     degrees, refused = [1], {}
     if request.strategy != "fsdp":
         return degrees, refused
-    config = SimpleNamespace(num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                             intermediate_size=shape.intermediate)
     for degree in sorted(divisors(request.num_processes)):
         if degree == 1:
             continue
@@ -525,10 +516,14 @@ def tensor_parallel_degrees(shape: ModelShape, request: PlanRequest) -> tuple[li
         if shape.layout != "llama" or shape.qk_norm:
             refused[degree] = f"{shape.model_type}'s blocks are not split (Llama layout only)"
             continue
-        try:
-            check_model_config(config, degree)
+        split = request.dims.with_tp(degree).split_problem(shape.heads, shape.kv_heads, shape.intermediate,
+                                                           shape.num_layers)
+        if split:
+            refused[degree] = split
+            continue
+        try:  # the request checks the batch rule and the lever table's rules for the degree
             candidate = replace(request, tensor_parallel=degree)
-        except (ConfigError, MemoryConfigError) as exc:
+        except ValueError as exc:
             refused[degree] = str(exc).split(": ", 1)[-1]
             continue
         found = lever_table.problems(_combination(candidate))
@@ -754,7 +749,7 @@ def _change_reasons(shape: ModelShape, configured: Settings, chosen: _Candidate,
         out.append(
             f"micro-batch {configured.micro_batch_size} → {s.micro_batch_size} with gradient accumulation "
             f"{configured.gradient_accumulation_steps} → {s.gradient_accumulation_steps}: the effective batch "
-            f"stays {s.micro_batch_size * s.gradient_accumulation_steps * s.num_processes // (s.tensor_parallel * s.pipeline_parallel)}"
+            f"stays {s.micro_batch_size * s.gradient_accumulation_steps * s.dims.dp}"
         )
     if s.mixed_precision != configured.mixed_precision:
         out.append(f"mixed precision {configured.mixed_precision} → {s.mixed_precision}")
@@ -801,7 +796,7 @@ def _tensor_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates
     T = s.tensor_parallel
     if T > 1:
         traffic = collectives(shape, s)
-        head = (f"tensor parallel {T} ({s.num_processes // T} data-parallel × {T}, distributed.tensor_parallel auto): "
+        head = (f"tensor parallel {T} ({s.dims.dp} data-parallel × {T}, distributed.tensor_parallel auto): "
                 f"{format_bytes(chosen.expected_bytes)} per GPU, {chosen.seconds:.3g} s/step, of which "
                 f"{tensor_parallel_seconds(shape, s):.3g} s are its collectives ({format_bytes(int(traffic.bytes))} "
                 f"per rank)")

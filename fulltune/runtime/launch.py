@@ -34,6 +34,7 @@ from typing import Any
 from pydantic import Field, ValidationError, create_model, model_validator
 
 from fulltune import errors, spec
+from fulltune.degrees import ParallelDims
 from fulltune.errors import ConfigError, DataError, TrainingError, UserError
 from fulltune import levers
 from fulltune.memory.types import LEVERS, Settings
@@ -84,11 +85,18 @@ TrainOptions = create_model(
     __doc__="The pipeline's `train:` section without PLANNED_TRAIN_KEYS: the optimisation the plan does not decide.",
     **{name: (info.annotation, info) for name, info in spec.TrainSpec.model_fields.items()
        if name not in PLANNED_TRAIN_KEYS})
+# The distributed.* key the memory plan resolves (`auto` becomes a degree): the plan's tensor_parallel is the
+# job's one copy of it, read through `TrainJob.dims`.
+PLANNED_DISTRIBUTED_KEYS = ("tensor_parallel",)
+DistributedOptions = create_model(
+    "DistributedOptions", __base__=Strict, __module__=__name__,
+    __doc__="The pipeline's `distributed:` section without PLANNED_DISTRIBUTED_KEYS: how the processes start.",
+    **{name: (info.annotation, info) for name, info in spec.DistributedSpec.model_fields.items()
+       if name not in PLANNED_DISTRIBUTED_KEYS})
 # Settings the plan echoes from the spec (it planned for them): the spec sections are their source, and a job
 # whose plan disagrees is refused.
 PLAN_ECHOES = {"attn_implementation": "model", "strategy": "distributed", "num_processes": "distributed",
-               "tensor_parallel": "distributed", "pipeline_parallel": "distributed",
-               "pipeline_schedule": "distributed"}
+               "pipeline_parallel": "distributed", "pipeline_schedule": "distributed"}
 # Settings that describe what the plan assumed about the data; the child does not read them.
 PLAN_ONLY_SETTINGS = ("seq_len", "attention_mask", "target_fraction")
 
@@ -104,16 +112,19 @@ class TrainJob(Strict):
       seed, checkpoints, logging, compile, non-finite tolerance.
     - `model` (the pipeline's `model:`): trust_remote_code, allow_pickle_weights, attn_implementation,
       revision, token_env; the weights come from `paths.model_path`.
-    - `distributed` (the pipeline's `distributed:`): strategy, num_processes, num_machines, tensor_parallel.
+    - `distributed` (DistributedOptions, the pipeline's `distributed:` without PLANNED_DISTRIBUTED_KEYS):
+      strategy, num_processes, num_machines.
+    - `dims` (fulltune.degrees.ParallelDims): the data-parallel × tensor-parallel degrees, from the processes
+      and the plan's tensor_parallel (the degree the plan chose for `auto`).
     - `paths`, `tracking`: set per run by whoever runs the job.
-    The plan echoes attn_implementation, strategy and num_processes (PLAN_ECHOES); they must agree with the
-    spec sections. JOB.json is `to_json()`, read back by `from_json()`.
+    The plan echoes attn_implementation, strategy, num_processes and the pipeline stages (PLAN_ECHOES); they must
+    agree with the spec sections. JOB.json is `to_json()`, read back by `from_json()`.
     """
 
     paths: JobPaths
     model: spec.ModelSpec
     train: TrainOptions  # type: ignore[valid-type]
-    distributed: spec.DistributedSpec
+    distributed: DistributedOptions  # type: ignore[valid-type]
     plan: Settings
     tracking: Tracking = Field(default_factory=Tracking)
 
@@ -125,6 +136,11 @@ class TrainJob(Strict):
                 raise ValueError(f"plan.{name} is {planned!r} but {section}.{name} is {declared!r}: the plan was "
                                  "made for other settings")
         return self
+
+    @property
+    def dims(self) -> ParallelDims:
+        """How the job's processes split the work; the plan checked the degrees against the processes."""
+        return ParallelDims(self.distributed.num_processes, self.plan.tensor_parallel, self.distributed.pipeline_parallel)
 
     def to_json(self) -> str:
         """JOB.json: one object per section, indented for a person to read."""
@@ -173,15 +189,12 @@ def job_from_pipeline(pipeline: spec.PipelineSpec, plan: Settings, *, model_path
                       mlflow_run_id: str | None = None) -> TrainJob:
     """The TrainJob for a resolved pipeline spec (`model`, `train`, `distributed`) and the settings its memory
     plan chose; ConfigError when the plan was made for another strategy, process count or attention.
-    `distributed.tensor_parallel: auto` becomes the degree the plan chose."""
-    distributed = pipeline.distributed
-    if distributed.tensor_parallel == "auto":
-        distributed = distributed.model_copy(update={"tensor_parallel": plan.tensor_parallel})
+    The tensor-parallel degree is the plan's (for `distributed.tensor_parallel: auto`, the one it chose)."""
     return _validated({
         "paths": JobPaths(model_path=model_path, tokenizer_path=tokenizer_path, train_file=train_file,
                           output_dir=output_dir),
         "model": pipeline.model, "train": pipeline.train.model_dump(exclude=set(PLANNED_TRAIN_KEYS)),
-        "distributed": distributed, "plan": plan,
+        "distributed": pipeline.distributed.model_dump(exclude=set(PLANNED_DISTRIBUTED_KEYS)), "plan": plan,
         "tracking": Tracking(mlflow_tracking_uri=mlflow_tracking_uri, mlflow_run_id=mlflow_run_id),
     }, "train job")
 
@@ -194,7 +207,7 @@ def job_with(model_path: str, train_file: str, output_dir: str, tokenizer_path: 
                      output_dir=output_dir)
     # seq_len is what the plan assumed about the rows; the child does not read it (PLAN_ONLY_SETTINGS).
     job = TrainJob(paths=paths, model=spec.ModelSpec(name_or_path=model_path), train=TrainOptions(),
-                   distributed=spec.DistributedSpec(), plan=Settings(micro_batch_size=1, seq_len=1))
+                   distributed=DistributedOptions(), plan=Settings(micro_batch_size=1, seq_len=1))
     return job.replace(**fields)
 
 

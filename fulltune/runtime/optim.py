@@ -54,6 +54,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from fulltune import levers
+
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adafactor")
 COMPENSATIONS = ("kahan", "stochastic_rounding", "none")
 
@@ -263,9 +265,11 @@ def build_optimizer(model_or_params: torch.nn.Module | Iterable[Any], name: str 
         ValueError: an impossible combination (see `check_levers` and fulltune/levers.py).
     """
     compensation = check_levers(name, pure_bf16, compensation, offload_optimizer)
-    if optimizer_in_backward and offload_optimizer:
-        raise ValueError("optimizer_in_backward and offload_optimizer: pick one (offloading already frees device "
-                         "gradients in backward)")
+    # Which optimizer levers combine is the lever table's (fulltune/levers.py).
+    found = levers.problems(levers.Combination({"pure_bf16": pure_bf16, "optimizer_in_backward": optimizer_in_backward,
+                                                "offload_optimizer": offload_optimizer}))
+    if found:
+        raise ValueError("; ".join(found))
     # The model's parameter order, which clipping over all gradients sums in (as the trainer's clip does).
     order = list(model_or_params.parameters()) if isinstance(model_or_params, torch.nn.Module) else None
     groups = parameter_groups(model_or_params, weight_decay)

@@ -4,9 +4,9 @@
 ("dp", "tp") of shape (N/T, T): the T processes of a "tp" row split every decoder block's matmuls and
 see the same rows of data; the N/T rows train on different data and shard what is left with FSDP2.
 
-    plan = ParallelPlan.from_job(job)            # dp × tp degrees, validated against the model
-    model = ...built on meta, levers applied...  # gradient checkpointing, TargetHead, pure bf16
-    plan.apply(model, device, mixed_precision)   # 1. TP plan per block  2. FSDP2 over "dp"
+    dims = job.dims                                # dp × tp degrees (fulltune/degrees.py)
+    model = ...built on meta, levers applied...    # gradient checkpointing, TargetHead, pure bf16
+    apply(model, dims, device, mixed_precision)    # 1. TP plan per block  2. FSDP2 over "dp"
 
 The order is torchtitan's (TP plan on each block → activation checkpointing → FSDP over the dp mesh):
 transformers' checkpointing wraps a block's `__call__`, so the TP hooks below run inside the recomputed
@@ -42,121 +42,64 @@ Torch is imported inside the functions so that importing this module stays cheap
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from fulltune.degrees import TENSOR_PARALLEL, ParallelDims
 from fulltune.errors import ConfigError
 
 # The modules of a block that the plan splits, by their transformers names (Llama layout).
 ATTENTION_COLUMNS = ("q_proj", "k_proj", "v_proj")
 MLP_COLUMNS = ("gate_proj", "up_proj")
 BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm")
-FIELD = "distributed.tensor_parallel"
 
 
-@dataclass(frozen=True)
-class ParallelPlan:
-    """How `num_processes` processes split the work: `data_parallel` × `tensor_parallel` = processes.
+def check_model(model: Any, dims: ParallelDims) -> None:
+    """ConfigError naming distributed.tensor_parallel when `model` cannot be split `dims.tp` ways: its heads or
+    MLP width (`ParallelDims.check_split`), or blocks outside the Llama layout."""
+    dims.check_split(model.config)
+    from fulltune.runtime.checkpointing import decoder_layers
 
-    `data_parallel` processes train on different rows (FSDP2 shards over them); the
-    `tensor_parallel` processes of a group split each block's matmuls and train on the same rows.
-    """
-
-    data_parallel: int = 1
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1  # the stages of one data-parallel replica train on the same rows
-
-    @classmethod
-    def from_job(cls, job: Any) -> ParallelPlan:
-        """The plan of a TrainJob's `distributed` section (FSDP alone is tensor_parallel 1)."""
-        distributed = job.distributed
-        return cls(distributed.data_parallel, distributed.tensor_parallel, distributed.pipeline_parallel)
-
-    @property
-    def processes(self) -> int:
-        return self.data_parallel * self.tensor_parallel
-
-    @property
-    def enabled(self) -> bool:
-        """Tensor parallel is on (otherwise sharding.shard_model alone is the FSDP plan)."""
-        return self.tensor_parallel > 1
-
-    def data_rank(self, rank: int) -> int:
-        """The data-parallel index of global `rank`: which rows of a step it trains on."""
-        return rank // (self.tensor_parallel * self.pipeline_parallel)
-
-    def mesh(self, device: str) -> Any:
-        """The 2-D ("dp", "tp") mesh over the default process group; "tp" groups are consecutive ranks
-        (on one machine first, where the per-block collectives are cheapest)."""
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
-        if not dist.is_initialized():
-            raise RuntimeError("tensor parallel needs a process group: run under torchrun")
-        if dist.get_world_size() != self.processes:
-            raise ConfigError(f"{FIELD}: {self.processes} processes planned, {dist.get_world_size()} started")
-        return init_device_mesh(device, (self.data_parallel, self.tensor_parallel), mesh_dim_names=("dp", "tp"))
-
-    def check_model(self, model: Any) -> None:
-        """ConfigError naming distributed.tensor_parallel when `model` cannot be split T ways."""
-        check_model_config(model.config, self.tensor_parallel)
-        from fulltune.runtime.checkpointing import decoder_layers
-
-        for layer in decoder_layers(model):
-            attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-            names = [f"self_attn.{n}" for n in (*ATTENTION_COLUMNS, "o_proj") if not hasattr(attention, n)]
-            names += [f"mlp.{n}" for n in (*MLP_COLUMNS, "down_proj") if not hasattr(mlp, n)]
-            names += [n for n in BLOCK_NORMS if not hasattr(layer, n)]
-            own = {name for name, _ in layer.named_parameters()}
-            planned = {f"self_attn.{n}.{p}" for n in (*ATTENTION_COLUMNS, "o_proj") for p in ("weight", "bias")}
-            planned |= {f"mlp.{n}.{p}" for n in (*MLP_COLUMNS, "down_proj") for p in ("weight", "bias")}
-            planned |= {f"{n}.weight" for n in BLOCK_NORMS}
-            extra = sorted(own - planned)
-            if names or extra:
-                raise ConfigError(f"{FIELD}: {type(model).__name__}'s blocks are not in the Llama layout that "
-                                  f"tensor parallel splits (missing {names or 'nothing'}, unplanned parameters "
-                                  f"{extra or 'none'}); use tensor_parallel 1")
-            break
-
-    def apply(self, model: Any, device: str, mixed_precision: str = "no", mesh: Any = None) -> Any:
-        """Split `model` in place: the TP plan on every block, the embedding, final norm and head, then
-        FSDP2 over the "dp" mesh. Call it where
-        `sharding.shard_model` would be called: after the levers, before the optimizer, on a model on the
-        meta device or with the same weights in every process."""
-        from fulltune.runtime import sharding
-
-        self.check_model(model)
-        mesh = mesh if mesh is not None else self.mesh(device)
-        tensor_parallelize(model, mesh["tp"])
-        # FSDP2 also over a "dp" mesh of one process (pure TP): it then shards nothing, but its mixed-precision
-        # policy casts the gathered weights to bf16 as under FSDP, and checkpoints and the export take one path.
-        sharding.shard_model(model, device=device, mixed_precision=mixed_precision, mesh=mesh["dp"])
-        # The training step (fulltune/runtime/step.py) scales every process's loss by the number of processes, as data
-        # parallel needs; the processes of a tp group train on the same rows, so the gradients are divided by
-        # all processes, not by the dp ones only. Over several dp processes: a plain sum, then the division
-        # (gloo has no pre-scaled sum); over one, FSDP2 divides its copy itself (a forced sum would divide twice).
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(float(self.processes))
-                module.set_force_sum_reduction_for_comms(self.data_parallel > 1)
-        return model
+    for layer in decoder_layers(model):
+        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        names = [f"self_attn.{n}" for n in (*ATTENTION_COLUMNS, "o_proj") if not hasattr(attention, n)]
+        names += [f"mlp.{n}" for n in (*MLP_COLUMNS, "down_proj") if not hasattr(mlp, n)]
+        names += [n for n in BLOCK_NORMS if not hasattr(layer, n)]
+        own = {name for name, _ in layer.named_parameters()}
+        planned = {f"self_attn.{n}.{p}" for n in (*ATTENTION_COLUMNS, "o_proj") for p in ("weight", "bias")}
+        planned |= {f"mlp.{n}.{p}" for n in (*MLP_COLUMNS, "down_proj") for p in ("weight", "bias")}
+        planned |= {f"{n}.weight" for n in BLOCK_NORMS}
+        extra = sorted(own - planned)
+        if names or extra:
+            raise ConfigError(f"{TENSOR_PARALLEL}: {type(model).__name__}'s blocks are not in the Llama layout that "
+                              f"tensor parallel splits (missing {names or 'nothing'}, unplanned parameters "
+                              f"{extra or 'none'}); use tensor_parallel 1")
+        break
 
 
-def check_model_config(config: Any, tensor_parallel: int, where: str = "") -> None:
-    """ConfigError naming distributed.tensor_parallel (after `where`, e.g. `pipelines.demo.`) when the
-    attention heads, key/value heads or MLP width of `config` do not split `tensor_parallel` ways."""
-    if tensor_parallel == 1:
-        return
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    problems = [f"{what} ({value})" for what, value in (("num_attention_heads", heads),
-                                                        ("num_key_value_heads", kv_heads),
-                                                        ("intermediate_size", getattr(config, "intermediate_size", None)))
-                if not isinstance(value, int) or value % tensor_parallel]
-    if problems:
-        raise ConfigError(f"{where}{FIELD}: {tensor_parallel} does not divide the model's {', '.join(problems)}")
+def apply(model: Any, dims: ParallelDims, device: str, mixed_precision: str = "no", mesh: Any = None) -> Any:
+    """Split `model` in place over `dims`: the TP plan on every block, the embedding, final norm and head,
+    then FSDP2 over the "dp" mesh (`dims.mesh(device)` unless `mesh` is given). Call it where
+    `sharding.shard_model` would be called: after the levers, before the optimizer, on a model on the
+    meta device or with the same weights in every process."""
+    from fulltune.runtime import sharding
+
+    check_model(model, dims)
+    mesh = mesh if mesh is not None else dims.mesh(device)
+    tensor_parallelize(model, mesh["tp"])
+    # FSDP2 also over a "dp" mesh of one process (pure TP): it then shards nothing, but its mixed-precision
+    # policy casts the gathered weights to bf16 as under FSDP, and checkpoints and the export take one path.
+    sharding.shard_model(model, device=device, mixed_precision=mixed_precision, mesh=mesh["dp"])
+    # The training step (fulltune/runtime/step.py) scales every process's loss by the number of processes, as data
+    # parallel needs; the processes of a tp group train on the same rows, so the gradients are divided by
+    # all processes, not by the dp ones only. Over several dp processes: a plain sum, then the division
+    # (gloo has no pre-scaled sum); over one, FSDP2 divides its copy itself (a forced sum would divide twice).
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(float(dims.world_size))
+            module.set_force_sum_reduction_for_comms(dims.dp > 1)
+    return model
 
 
 def tensor_parallelize(model: Any, mesh: Any) -> None:
@@ -192,7 +135,7 @@ def tensor_parallelize(model: Any, mesh: Any) -> None:
     parallelize_module(embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     norm = _final_norm(model)
     if norm is None:
-        raise ConfigError(f"{FIELD}: {type(model).__name__} has no final norm where the padded positions end")
+        raise ConfigError(f"{TENSOR_PARALLEL}: {type(model).__name__} has no final norm where the padded positions end")
     # Sequence parallel splits the positions evenly: each micro-batch is padded at the end to a multiple of
     # T, which changes no real position's output (causal attention looks back only), and the padding is cut
     # off after the final norm, before the loss head selects its target positions.
@@ -236,7 +179,7 @@ class _SequencePadding:
 
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
-            raise ConfigError(f"{FIELD}: tensor parallel runs take input_ids")
+            raise ConfigError(f"{TENSOR_PARALLEL}: tensor parallel runs take input_ids")
         self.length = length = ids.shape[1]
         extra = -length % self.multiple
         if not extra:
@@ -273,14 +216,3 @@ class _TiedColumnHead:
 
         return TiedColumnHead(input_layouts=Replicate(), output_layouts=Replicate())
 
-
-def is_tensor_parallel(model: Any) -> bool:
-    """Whether `model`'s parameters are DTensors on a mesh with a "tp" dimension of more than one process."""
-    from torch.distributed.tensor import DTensor
-
-    for param in model.parameters():
-        if isinstance(param, DTensor):
-            names = param.device_mesh.mesh_dim_names or ()
-            return "tp" in names and param.device_mesh.size(names.index("tp")) > 1
-        return False
-    return False

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from fulltune.data import IGNORE_INDEX
-from fulltune.errors import ConfigError
+from fulltune.degrees import DegreesError
 from fulltune.memory.pipeline import SCHEDULES, stage_layers
 from fulltune.runtime.loss import (ROW_CHUNK, VOCAB_CHUNK, ChunkedLinearCrossEntropy, Targets,
                                    logit_postprocessing)
@@ -130,17 +130,17 @@ def is_stage(model: Any) -> bool:
 
 
 def check_model_config(config: Any, num_stages: int, where: str = "") -> None:
-    """ConfigError naming distributed.pipeline_parallel (after `where`) when `config` cannot be split into
+    """DegreesError (a ConfigError) naming distributed.pipeline_parallel (after `where`) when `config` cannot be split into
     `num_stages` stages: fewer decoder layers than stages, or an output head tied to the input embedding
     (the first and the last stage would each train a copy; not built)."""
     if num_stages == 1:
         return
     layers = getattr(config, "num_hidden_layers", None)
     if not isinstance(layers, int) or layers < num_stages:
-        raise ConfigError(f"{where}{FIELD}: {num_stages} stages need at least one decoder layer each; the model "
+        raise DegreesError(f"{where}{FIELD}: {num_stages} stages need at least one decoder layer each; the model "
                           f"has {layers}")
     if getattr(config, "tie_word_embeddings", False):
-        raise ConfigError(f"{where}{FIELD}: the model ties its output head to its input embedding "
+        raise DegreesError(f"{where}{FIELD}: the model ties its output head to its input embedding "
                           "(tie_word_embeddings), which pipeline stages do not train yet; set pipeline_parallel to 1")
 
 

@@ -163,7 +163,7 @@ def shard_model(model: Any, device: str = "cpu", mixed_precision: str = "no", me
 
 def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision: str = "no", dtype: Any = None,
                        before_shard: Callable[[Any], None] | None = None, mesh: Any = None,
-                       reshard_after_forward: bool = True, parallel: Any = None, revision: str | None = None,
+                       reshard_after_forward: bool = True, dims: Any = None, revision: str | None = None,
                        trust_remote_code: bool = False, allow_pickle_weights: bool = False,
                        attn_implementation: str = "sdpa", token: str | None = None,
                        offload: bool = False) -> Any:
@@ -174,8 +174,8 @@ def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision
        are built for real, so non-persistent ones (rotary `inv_freq`) keep their computed values.
     2. `before_shard(model)` applies what must precede sharding: gradient checkpointing, the TargetHead
        hook, a pure-bf16 cast (`model.to(torch.bfloat16)` on meta parameters is free).
-    3. `shard_model` (the same units as for a loaded model), or with `parallel` (a
-       `fulltune.runtime.parallel.ParallelPlan` with tensor parallel) its TP plan and FSDP over its "dp" mesh;
+    3. `shard_model` (the same units as for a loaded model), or with `dims` (a `fulltune.degrees.ParallelDims`
+       with tensor parallel) its TP plan and FSDP over its "dp" mesh (`fulltune.runtime.parallel.apply`);
        then `to_empty` on the mesh's device: each process allocates its own shards only, and the buffers
        get their values back.
     4. Each process reads only its shards' slices from the checkpoint's safetensors files
@@ -214,10 +214,12 @@ def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision
         before_shard(model)
     if offload and device != "cuda":
         raise ValueError("FSDP's CPU offload needs a CUDA device (CPUOffloadPolicy refuses to run without one)")
-    if parallel is not None and parallel.enabled:
+    if dims is not None and dims.tp > 1:
         if offload:
             raise ValueError("FSDP's CPU offload does not combine with tensor parallel here")
-        parallel.apply(model, device, mixed_precision, mesh=mesh)
+        from fulltune.runtime import parallel
+
+        parallel.apply(model, dims, device, mixed_precision, mesh=mesh)
     else:
         shard_model(model, device=device, mixed_precision=mixed_precision, mesh=mesh,
                     reshard_after_forward=reshard_after_forward, offload=offload)

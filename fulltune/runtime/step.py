@@ -155,6 +155,16 @@ class StepParts:
     before_micro_batch: Callable[[], None] | None = None  # the memory trace resets its tracker's module stats
     pipeline: Any = None  # pipeline_parallel.PipelineRun: its schedule runs the step's micro-batches
 
+    @classmethod
+    def assemble(cls, accelerator: Any, model: torch.nn.Module, head: TargetHead, optimizer: Any, plan: Any,
+                 scheduler: Any = None, max_grad_norm: float = 1.0, **hooks: Any) -> StepParts:
+        """The parts of a step of planned settings `plan` (a `fulltune.memory.Settings`, or anything with its
+        gradient_accumulation_steps and optimizer_in_backward): the optimizer step clips to `max_grad_norm`
+        and steps `scheduler` (None: no schedule); `hooks` sets `hooks` and `before_micro_batch`."""
+        return cls(accelerator, model, head, optimizer,
+                   OptimizerStep(accelerator, model, optimizer, scheduler, max_grad_norm),
+                   plan.gradient_accumulation_steps, plan.optimizer_in_backward, **hooks)
+
     @property
     def in_backward(self) -> Any:
         """The optimizer-in-backward wrapper (inside accelerate's AcceleratedOptimizer), or None."""
@@ -237,9 +247,7 @@ def local_parts(model: torch.nn.Module, optimizer: Any, settings: Any, *, device
     accelerator = LocalAccelerator(device, settings.mixed_precision, settings.gradient_accumulation_steps, can_sync)
     head = TargetHead(model, chunked=settings.chunked_loss)
     try:
-        yield StepParts(accelerator, model, head, optimizer, OptimizerStep(accelerator, model, optimizer, None,
-                                                                          max_grad_norm),
-                        settings.gradient_accumulation_steps, settings.optimizer_in_backward,
-                        before_micro_batch=before_micro_batch)
+        yield StepParts.assemble(accelerator, model, head, optimizer, settings, max_grad_norm=max_grad_norm,
+                                 before_micro_batch=before_micro_batch)
     finally:
         head.remove()

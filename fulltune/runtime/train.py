@@ -31,7 +31,6 @@ every `log_every_steps`, and checkpoints.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import os
@@ -56,14 +55,13 @@ from fulltune.memory import flops
 from fulltune.runtime import sharding
 from fulltune.data.batching import StepSchedule, TokenizedRows, micro_batch_inputs
 from fulltune.data import pad_token_id_of
-from fulltune.errors import ConfigError, DataError, TrainingError, UserError
+from fulltune.errors import ConfigError, DataError, TrainingError, UserError, disk_full
 from fulltune.runtime.faults import TrainHooks, hooks_from_env
 from fulltune.storage import atomic_dir, atomic_write_text, fsync_dir, fsync_tree
 from fulltune.runtime.loss import TargetHead
 from fulltune.runtime import allocator
 from fulltune.runtime.offload import ActivationOffload
 from fulltune.runtime import pipeline_parallel
-from fulltune.runtime.parallel import ParallelPlan
 from fulltune.runtime.pipeline_parallel import PipelineRun
 from fulltune.runtime.step import OptimizerStep, StepOutcome, StepParts, run_step
 from fulltune.logs import quiet_known_noise
@@ -197,17 +195,13 @@ class TrainingRun:
     @property
     def processes(self) -> int:
         """Processes that train on different rows: all of them, except that the tensor-parallel processes
-        of a group (fulltune/runtime/parallel.py) share theirs."""
-        return self.parallel.data_parallel
+        of a group (fulltune/degrees.py) share theirs."""
+        return self.job.dims.dp
 
     @property
     def data_rank(self) -> int:
         """Which of the `processes` row shares of a micro-batch this process trains on."""
-        return self.parallel.data_rank(self.accelerator.process_index)
-
-    @property
-    def parallel(self) -> ParallelPlan:
-        return ParallelPlan.from_job(self.job)
+        return self.job.dims.data_rank(self.accelerator.process_index)
 
     @property
     def step_parts(self) -> StepParts:
@@ -248,7 +242,7 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
                               gradient_accumulation_steps=job.plan.gradient_accumulation_steps,
                               step_scheduler_with_optimizer=False)
     set_seed(job.train.seed)
-    data, schedule, total_steps = setup_data(job, ParallelPlan.from_job(job).data_parallel)
+    data, schedule, total_steps = setup_data(job, job.dims.dp)
     tokenizer = load_job_tokenizer(job)
     model, use_cache, (checkpointed, head), coefficients = load_model_with_levers(job)
     model_layers = model.config.num_hidden_layers
@@ -345,7 +339,7 @@ def load_model_with_levers(job: TrainJob) -> tuple[torch.nn.Module, Any, tuple[i
         # processes (fulltune/runtime/parallel.py).
         model = sharding.load_sharded_model(job.paths.model_path, device=job.plan.device,
                                             mixed_precision=job.plan.mixed_precision, before_shard=before_shard,
-                                            parallel=ParallelPlan.from_job(job),
+                                            dims=job.dims,
                                             offload=job.plan.offload_optimizer, **options)
     else:
         model = load_model(job.paths.model_path, **options)
@@ -577,7 +571,7 @@ def save_checkpoint(run: TrainingRun, state: TrainState, counters: dict[str, Any
             fsync_tree(tmp)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back; the older checkpoints stand
-        if _disk_full(exc):
+        if disk_full(exc):
             older = latest_checkpoint(root)
             raise TrainingError(
                 f"{root}: the disk filled up while writing checkpoint step-{state.step} "
@@ -593,19 +587,6 @@ def save_checkpoint(run: TrainingRun, state: TrainState, counters: dict[str, Any
         for old in steps[:-run.job.train.keep_checkpoints]:
             shutil.rmtree(root / f"step-{old}", ignore_errors=True)
     accelerator.wait_for_everyone()
-
-
-def _disk_full(exc: BaseException) -> bool:
-    """Whether a write failed for want of space: OSError ENOSPC/EDQUOT, or the same wrapped by torch's
-    or safetensors' writers, which raise RuntimeError / SafetensorError with the OS message inside."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if any(text in str(seen) for text in ("No space left on device", "StorageFull", "Disk quota exceeded")):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -625,8 +606,8 @@ def train_step(run: TrainingRun, step_rows: np.ndarray, step: int) -> StepOutcom
             yield micro_batch_inputs(run.data, rows, run.pad_token_id, accelerator.device)
 
     outcome = run_step(run.step_parts, micro_batches(), step, int(run.data.targets[step_rows].sum()))
-    if run.parallel.tensor_parallel > 1:  # the step's loss was summed over every process of a tp group too
-        outcome.loss_sum = outcome.loss_sum / run.parallel.tensor_parallel
+    if run.job.dims.tp > 1:  # the step's loss was summed over every process of a tp group too
+        outcome.loss_sum = outcome.loss_sum / run.job.dims.tp
     return outcome
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from fulltune import hub, levers
 from fulltune.evaluation import harness
+from fulltune.degrees import DegreesError
 from fulltune.errors import BudgetError, ConfigError, DataError
 from fulltune.memory.budget import Budget, resolve_budget
 from fulltune.memory.types import Settings
@@ -39,10 +40,10 @@ STAGE_CODE = {
     # The budget stage measures candidates (planning/autotune.py) in child runs of the trainer on the data
     # tokenized both ways: the whole runtime and the tokenize stage.
     MEMORY_BUDGET: ("memory", "planning", "runtime", "data", "stages/__init__.py", "stages/tokenize.py", "models.py",
-                    "levers.py", "storage.py", "hub.py"),
+                    "levers.py", "degrees.py", "storage.py", "hub.py"),
     # An out-of-memory replan plans with the planner and the stages' planning inputs.
     FINE_TUNE: ("stages/finetune.py", "stages/__init__.py", "runtime", "planning/replan.py", "planning/planner.py",
-                "planning/trace.py", "memory", "data", "models.py", "levers.py", "hub.py", "storage.py"),
+                "planning/trace.py", "memory", "data", "models.py", "levers.py", "degrees.py", "hub.py", "storage.py"),
     EVALUATE: ("evaluation", "runtime/loss.py", "data", "models.py", "hub.py", "tracking/registry.py"),
     REGISTER: ("tracking/registry.py", "evaluation/evaluate.py"),
 }
@@ -242,12 +243,13 @@ def budget_key(p: ResolvedPipeline, train_fingerprint: str) -> str:
         "budget": spec.budget.model_dump(mode="json"), "train": spec.train.model_dump(mode="json"),
         "distributed": spec.distributed.model_dump(mode="json"),
         "resolved": asdict(resolved_budget(p)),
-        # Step times measured on this kind of device rerank the candidates (fulltune/planning/autotune.py).
+        # The kind of device (its name and count), and the step times measured on it, which rerank the
+        # candidates and whose measurements a tuning chooses from (fulltune/planning/autotune.py).
         "step_time_calibration": _calibration_key(p, resolved_budget(p).device),
     })
 
 
-def _calibration_key(p: ResolvedPipeline, device: str) -> dict[str, float]:
+def _calibration_key(p: ResolvedPipeline, device: str) -> dict[str, Any]:
     from fulltune.planning.autotune import calibration_key
 
     return calibration_key(p.workdir, device)
@@ -271,7 +273,8 @@ def evaluate_key(p: ResolvedPipeline, trained_key: str, data_fingerprint: str, c
     return hash_json({
         "stage": EVALUATE, "code": code_version(*STAGE_CODE[EVALUATE]), "train": trained_key,
         "data": data_fingerprint,
-        "evaluate": p.spec.evaluate.model_dump(mode="json"), "champion": champion_version,
+        # how long a metric function may run does not change what it computes
+        "evaluate": p.spec.evaluate.model_dump(mode="json", exclude={"metric_timeout"}), "champion": champion_version,
         # version numbers count per registered model: two pipelines sharing a workdir may both have a "3"
         "champion_of": p.model_name,
         # the content of the lm_eval task files, their data and the metric functions' modules
@@ -308,12 +311,6 @@ def record_outputs(workdir: str, stage: str, key: str, paths: list[str], extra: 
                     files[str(file)] = [file.stat().st_size, hashes.sha256(file)]
     atomic_write_text(marker_path(workdir, stage, key),
                       json.dumps({"paths": paths, "files": files, **(extra or {})}, indent=1))
-
-
-def output_problems(workdir: str, stage: str, key: str) -> list[str]:
-    """What keeps a cached result of `stage` from being used: a missing marker, a missing output, or a
-    file that is not the size or the bytes it was written with ([] when everything is whole)."""
-    return [f"{path} {reason}" for path, reason in _damage(workdir, stage, key)[1]]
 
 
 def outputs_present(workdir: str, stage: str, key: str) -> bool:
@@ -387,6 +384,35 @@ def check_positions(p: ResolvedPipeline, config: Any) -> None:
             else f"model {p.spec.model.name_or_path}"
         raise ConfigError(f"pipelines.{p.name}.data.max_length: {p.spec.data.max_length} is more than the {limit} "
                           f"positions {model} has (max_position_embeddings); set data.max_length to at most {limit}")
+
+
+def check_model_split(p: ResolvedPipeline, config: Any) -> None:
+    """Refuse a `distributed.tensor_parallel` that does not split the model's attention heads, key/value heads
+    or MLP width evenly (`degrees.ParallelDims`), naming the field, before anything trains. With auto the
+    planner tries only the degrees that split them. Pipeline stages need a decoder layer each and an untied head
+    (`runtime.pipeline_parallel.check_model_config`)."""
+    from fulltune.runtime import pipeline_parallel
+
+    pipeline_parallel.check_model_config(config, p.spec.distributed.pipeline_parallel, f"pipelines.{p.name}.")
+    p.spec.distributed.dims.check_split(config, f"pipelines.{p.name}.")
+
+
+def _split_problems(p: ResolvedPipeline) -> list[str]:
+    """`check_model_split` for `validate`, on the config of a local model (a hub model's is left to `plan`;
+    a config that cannot be read is the source checks' to report)."""
+    from fulltune.models import read_model_config
+
+    model = p.spec.model
+    dims = p.spec.distributed.dims
+    if (dims.tp in (None, 1) and dims.pp == 1) or (model.from_config is None and is_hub(model.name_or_path)):
+        return []
+    try:
+        check_model_split(p, read_model_config(model))
+    except DegreesError as exc:
+        return [str(exc)]
+    except ConfigError:
+        return []  # the config cannot be read: check_model_builds or the source checks say why
+    return []
 
 
 def ensure_workdir(p: ResolvedPipeline) -> None:
@@ -503,7 +529,7 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         headroom=budget.headroom,
         strategy=d.strategy,
         num_processes=d.num_processes,
-        tensor_parallel=None if d.tensor_parallel == "auto" else d.tensor_parallel,  # auto: the planner chooses
+        tensor_parallel=d.dims.tp,  # None (auto): the planner chooses
         pipeline_parallel=d.pipeline_parallel,
         pipeline_schedule=d.pipeline_schedule,
         bf16_supported=budget.bf16_supported,
@@ -535,14 +561,7 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
     config = read_model_config(p.spec.model, tokenizer_vocab)
     check_model_builds(p, remember=True)  # `plan` and a budget stage run by a deployment: no check before them
     check_positions(p, config)
-    # Tensor parallel splits heads and MLP columns evenly: refused here, before anything trains.
-    from fulltune.runtime.parallel import check_model_config
-
-    if p.spec.distributed.tensor_parallel != "auto":  # auto: the planner tries only the degrees that split them
-        check_model_config(config, p.spec.distributed.tensor_parallel, f"pipelines.{p.name}.")
-    from fulltune.runtime import pipeline_parallel  # fewer layers than stages, a tied head: refused here too
-
-    pipeline_parallel.check_model_config(config, p.spec.distributed.pipeline_parallel, f"pipelines.{p.name}.")
+    check_model_split(p, config)
     try:
         request = plan_request(p, seq_len, target_fraction)
     except ValueError as exc:  # the spec validates these fields; a message naming the setting, not a traceback
@@ -665,7 +684,8 @@ def check_sources(p: ResolvedPipeline, check_hub: bool = True,
     A local file or directory must exist (a model directory must hold config.json). A hub id is looked
     up in the local Hugging Face cache when HF_HUB_OFFLINE=1 (a run could not fetch it); online it is
     left to run time, which a note says. A `model.from_config` is built on the meta device
-    (`check_model_builds`; with `remember`, not again when this workdir has built it before).
+    (`check_model_builds`; with `remember`, not again when this workdir has built it before). Without
+    `remember` (`validate`), a tensor-parallel degree must split a local model (`check_model_split`).
     """
     from fulltune.data.tokenizer import TOKENIZER_FILES
 
@@ -674,6 +694,8 @@ def check_sources(p: ResolvedPipeline, check_hub: bool = True,
         check_model_builds(p, remember=remember)
     except ConfigError as exc:
         problems.append(str(exc))
+    if not remember:  # a run checks the split in its budget stage, on the config it reads there
+        problems += _split_problems(p)
     token_env = p.spec.model.token_env
     if check_hub and token_env and not os.environ.get(token_env) and not hub.offline():
         problems.append(f"pipelines.{p.name}.model.token_env: environment variable {token_env} is not set")

@@ -1,0 +1,141 @@
+"""The parallel degrees of a run: how its processes split the work (torchtitan's `ParallelDims`).
+
+    world_size = dp × tp × pp            distributed.num_processes
+    tp  tensor parallel                  distributed.tensor_parallel (auto: None until the plan chooses)
+    pp  pipeline stages                  distributed.pipeline_parallel (fulltune/runtime/pipeline_parallel.py)
+    dp  data parallel                    the rest: processes that train on different rows (FSDP2 over them)
+
+One frozen object, checked once where it is built, read everywhere the degrees matter: the spec's batch
+rule (`distributed`, `train`), the memory plan (`memory.Settings.dims`, `memory.PlanRequest.dims`), the train
+job (`launch.TrainJob.dims`) and the trainer's mesh (fulltune/runtime/parallel.py). `distributed.tensor_parallel:
+auto` is read here only (`from_spec`); the planner chooses a degree, and everything after the plan sees a
+number.
+
+Importing this module imports no torch: the planner and cached reruns read it; `mesh` imports torch when
+called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fulltune.errors import ConfigError
+
+TENSOR_PARALLEL = "distributed.tensor_parallel"
+
+
+class DegreesError(ConfigError, ValueError):
+    """Degrees that do not split the processes, the batch or the model; the message names the field.
+    A ValueError too, so that pydantic validators and the memory model's callers report it as theirs."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """`world_size` processes as dp × tp × pp; `tp` None is `distributed.tensor_parallel: auto`."""
+
+    world_size: int = 1
+    tp: int | None = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        degrees = {"num_processes": self.world_size, "pipeline_parallel": self.pp}
+        if self.tp is not None:
+            degrees["tensor_parallel"] = self.tp
+        for name, value in degrees.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DegreesError(f"{name} must be an integer >= 1; got {value!r}")
+        split = [f"tensor_parallel ({self.tp})"] if self.tp is not None and (self.tp > 1 or self.pp == 1) else []
+        split += [f"pipeline_parallel ({self.pp})"] if self.pp > 1 else []
+        if self.world_size % ((self.tp or 1) * self.pp):
+            raise DegreesError(f"num_processes ({self.world_size}) must be a multiple of {' × '.join(split)}")
+
+    @classmethod
+    def from_spec(cls, distributed: Any) -> ParallelDims:
+        """The degrees a `spec.DistributedSpec` asks for; `tensor_parallel: auto` is `tp` None."""
+        tp = distributed.tensor_parallel
+        return cls(distributed.num_processes, None if tp == "auto" else tp, distributed.pipeline_parallel)
+
+    @property
+    def dp(self) -> int | None:
+        """Processes that train on different rows: the tensor-parallel processes of a group and the stages of a
+        pipeline share theirs (None while tp is auto)."""
+        return None if self.tp is None else self.world_size // (self.tp * self.pp)
+
+    def with_tp(self, tp: int) -> ParallelDims:
+        """These degrees with tensor parallel `tp` (the degree the plan chose for auto)."""
+        return replace(self, tp=tp)
+
+    def data_rank(self, rank: int) -> int:
+        """The data-parallel index of global `rank`, which rows of a step it trains on: the "tp" groups are
+        consecutive ranks (`mesh`)."""
+        return rank // self.tp % self.dp
+
+    # -- the batch rule ---------------------------------------------------------------------------------
+
+    def check_batch(self, effective: int, micro: int | None, accumulation: int | None) -> None:
+        """DegreesError unless `micro` × `accumulation` × dp can make the effective batch (None fields are
+        auto, left to the plan), naming the `train:` and `distributed:` YAML fields."""
+        dp = self.dp
+        if dp is None:
+            return  # tensor_parallel auto: the plan keeps the batch for each degree it tries
+        who = "distributed.num_processes" + ("" if self.tp == 1 else " / distributed.tensor_parallel") + (
+            "" if self.pp == 1 else " / distributed.pipeline_parallel")
+        if micro is not None and accumulation is not None and micro * accumulation * dp != effective:
+            raise DegreesError(f"train.micro_batch_size ({micro}) × train.gradient_accumulation_steps "
+                               f"({accumulation}) × {who} ({dp}) must equal train.effective_batch_size ({effective})")
+        if effective % dp:
+            raise DegreesError(f"train.effective_batch_size ({effective}) must be a multiple of {who} ({dp})")
+        found = [f"train.{name} ({value}) must divide the per-process batch ({effective // dp})"
+                 for name, value in (("micro_batch_size", micro), ("gradient_accumulation_steps", accumulation))
+                 if value is not None and (effective // dp) % value]
+        if found:
+            raise DegreesError("; ".join(found))
+
+    def per_process(self, effective: int) -> int:
+        """Rows of an optimizer step that one data-parallel process trains on."""
+        return effective // self.dp
+
+    # -- the model split --------------------------------------------------------------------------------
+
+    def split_problem(self, heads: Any, kv_heads: Any, intermediate: Any, layers: Any) -> str | None:
+        """What tp and pp do not split evenly (None when they do): attention heads, key/value heads and MLP
+        width over tp (each process computes whole heads and MLP columns), decoder layers over pp (one layer
+        or more a stage)."""
+        tp = self.tp or 1
+        found = [f"{what} ({value})" for what, value in (("num_attention_heads", heads),
+                                                         ("num_key_value_heads", kv_heads),
+                                                         ("intermediate_size", intermediate))
+                 if tp > 1 and (not isinstance(value, int) or value % tp)]
+        if self.pp > 1 and (not isinstance(layers, int) or layers < self.pp):
+            found.append(f"num_hidden_layers ({layers}, fewer than {self.pp} pipeline stages)")
+        return f"{tp} does not divide the model's {', '.join(found)}" if found else None
+
+    def check_split(self, config: Any, where: str = "") -> None:
+        """DegreesError naming distributed.tensor_parallel (after `where`, e.g. `pipelines.demo.`) when the
+        degrees do not split `config` (a transformers config) evenly (`split_problem`)."""
+        heads = getattr(config, "num_attention_heads", None)
+        problem = self.split_problem(heads, getattr(config, "num_key_value_heads", None) or heads,
+                                     getattr(config, "intermediate_size", None),
+                                     getattr(config, "num_hidden_layers", None))
+        if problem:
+            raise DegreesError(f"{where}{TENSOR_PARALLEL}: {problem}")
+
+    # -- the device mesh --------------------------------------------------------------------------------
+
+    def mesh(self, device: str) -> Any:
+        """The device mesh over the default process group: ("dp", "tp"), with "pp" first when there are
+        stages; a "tp" group is consecutive ranks (on one machine first, where the per-block collectives are
+        cheapest)."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not dist.is_initialized():
+            raise RuntimeError("a device mesh needs a process group: run under torchrun")
+        if dist.get_world_size() != self.world_size:
+            raise DegreesError(f"{TENSOR_PARALLEL}: {self.world_size} processes planned, "
+                               f"{dist.get_world_size()} started")
+        shape, names = (self.dp, self.tp), ("dp", "tp")
+        if self.pp > 1:
+            shape, names = (self.pp, *shape), ("pp", *names)
+        return init_device_mesh(device, shape, mesh_dim_names=names)
