@@ -143,9 +143,11 @@ def finetune_pipeline(pipeline: str = "demo", overrides: Overrides | None = None
             key = stages.train_key(p, data.training_fingerprint, decision.settings)
             trained = run(finetune_task, stages.FINE_TUNE, key, data, tokenizer, decision, uri, run_id)
             champion = tracking.champion_to_compare(p.model_name, trained.key)
-            key = stages.evaluate_key(p, trained.key, data.fingerprint, champion.version if champion else None)
+            evaluation = decision.plan.get("evaluation")  # the evaluate stage's dtype, batches and placement
+            key = stages.evaluate_key(p, trained.key, data.fingerprint, champion.version if champion else None,
+                                      evaluation)
             report = run(evaluate_task, stages.EVALUATE, key, data, trained, champion, decision.settings.device,
-                         run_id)
+                         run_id, evaluation)
             key = stages.register_key(p, trained.key, key, uri)
             registration = run(register_task, stages.REGISTER, key, data, trained, report, run_id, flow_run_id,
                                present=tracking.registration_present(p.workdir, key, trained.key))

@@ -5,7 +5,7 @@ the worker's files. A run parameter therefore changes only what the pipelines fi
 
 - the pipelines file is the deployment's own (`fulltune serve -f FILE`, or `pipelines.yaml` in the
   working directory of the deployments in infra/prefect.yaml); a run naming another one is refused;
-- `overrides` may change only what fulltune/run_overrides.py allows: the training knobs, the fields the
+- `overrides` may change only what fulltune/stages/run_overrides.py allows: the training knobs, the fields the
   pipeline lists under `run_overrides`, never what runs code, loads pickles, reads a secret or chooses
   where outputs go, and local paths only inside the pipelines file's folder.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from fulltune.errors import ConfigError
-from fulltune.run_overrides import check_overrides, flatten
+from fulltune.stages.run_overrides import check_overrides, flatten
 
 # The flow's default `pipelines_file`: relative to the working directory of the run.
 PIPELINES_FILE = "pipelines.yaml"

@@ -161,13 +161,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    from fulltune.data.sources import describe
     from fulltune.spec import load_pipelines
 
     pipelines = load_pipelines(args.file)
     for name, spec in pipelines.pipelines.items():
         source = spec.model.name_or_path or "from_config"
         schedule = f"  schedule: {spec.schedule}" if spec.schedule else ""
-        print(f"{name:20s} model: {source}  data: {spec.data.train}{schedule}")
+        print(f"{name:20s} model: {source}  data: {describe(spec.data.train)}{schedule}")
         if spec.description:
             print(f"{'':20s} {spec.description}")
     return 0

@@ -13,9 +13,10 @@ import json
 import posixpath
 import re
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError,
+                      field_validator, model_validator)
 
 from fulltune import yamlio
 from fulltune.degrees import ParallelDims
@@ -83,11 +84,47 @@ class ModelSpec(Strict):
         return self
 
 
+class EvalSource(Strict):
+    """One item of a `data.eval` list: a file, directory or hub id, with the `data.` options it overrides."""
+
+    path: str = Field(description="A .jsonl/.json/.csv/.parquet/.txt file, a directory, or a hub id.")
+    split: str | None = Field(None, description="The split of a hub dataset (as `org/name:split` names it).")
+    format: DataFormat | None = Field(None, description="How this source's records become text (default data.format).")
+    text_field: str | None = Field(None, description="Column with the text (default data.text_field).")
+    prompt_field: str | None = Field(None, description="Column with the prompt (default data.prompt_field).")
+    completion_field: str | None = Field(None, description="Column with the completion (default data.completion_field).")
+    messages_field: str | None = Field(None, description="Column with the chat messages (default data.messages_field).")
+
+
+class TrainSource(EvalSource):
+    """One item of a `data.train` list: an EvalSource with a weight."""
+
+    weight: float = Field(1.0, gt=0, le=1000, description="Times each of this source's examples is seen per epoch "
+                                                          "on average: 2 twice, 0.5 a seeded half.")
+
+
+def _source_list(item_type: type[EvalSource]) -> Any:
+    """`str | list[item_type]`, the list's plain strings read as `{path: ...}`; errors name `[n]`, not the union."""
+    def as_items(value: Any) -> Any:
+        return [{"path": v} if isinstance(v, str) else v for v in value] if isinstance(value, list) else value
+
+    sources = Annotated[list[item_type], Field(min_length=1), BeforeValidator(as_items)]  # type: ignore[valid-type]
+    return Annotated[Union[Annotated[str, Tag("Path")], Annotated[sources, Tag("Sources")]],
+                     Discriminator(lambda v: "Path" if isinstance(v, str) else "Sources")]
+
+
+TrainSources = _source_list(TrainSource)
+EvalSources = _source_list(EvalSource)
+
+
 class DataSpec(Strict):
     """Where the examples come from and how they become token sequences."""
 
-    train: str = Field(description="Training data: a .jsonl/.json/.csv/.parquet/.txt file, a directory, or a hub id.")
-    eval: str | None = Field(None, description="Held-out data; when absent, `eval_split` of train is held out.")
+    train: TrainSources = Field(description="Training data: a .jsonl/.json/.csv/.parquet/.txt file, a directory, or a "
+                                            "hub id; or a list of them, each a reference or a mapping {path, weight, "
+                                            "split, format, <field>_field} overriding these options for that source.")
+    eval: EvalSources | None = Field(None, description="Held-out data (one source or a list, as train but without "
+                                                       "weight); when absent, `eval_split` of train is held out.")
     eval_split: float = Field(0.1, gt=0, lt=1, description="Fraction of train held out when `eval` is absent.")
     format: DataFormat = Field("text", description="How records become text.")
     text_field: str = Field("text", description="Column with the text (format `text`).")
@@ -95,11 +132,22 @@ class DataSpec(Strict):
     completion_field: str = Field("completion", description="Column with the completion (format `prompt_completion`).")
     messages_field: str = Field("messages", description="Column with the chat messages (format `chat`).")
     max_length: int = Field(512, ge=8, le=1_048_576, description="Sequences are truncated to this many tokens.")
+    num_workers: Union[Auto, int] = Field(
+        "auto", description="Processes the tokenize stage formats and tokenizes with (each source cut into shards; "
+                            "the output is the same for any number). `auto`: the CPUs this process may use."
+    )
     packing: Union[bool, Auto] = Field(
         "auto", description="Pack several examples into each max_length row (positions restart). `auto`: pack "
                             "when that trains faster (predicted per epoch, or measured under budget.autotune: "
                             "true); examples longer than half of max_length are never packed."
     )
+
+    @field_validator("num_workers")
+    @classmethod
+    def _workers(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be >= 1 or 'auto'")
+        return value
 
 
 class AutotuneSpec(Strict):
@@ -341,6 +389,9 @@ class EvaluateSpec(Strict):
     max_generate_examples: int = Field(32, ge=0, description="Greedy generations for exact match (prompt_completion).")
     max_new_tokens: int = Field(32, ge=1, description="Tokens generated per example.")
     compare_champion: bool = Field(True, description="Also evaluate the current champion on the same data.")
+    precision: Literal["trained", "fp32"] = Field(
+        "trained", description="The dtype every candidate is evaluated in: `trained`, the one the run's forward "
+                               "computed in (bf16 under bf16 autocast or pure bf16), or `fp32`.")
     lm_eval: LmEvalSpec | None = Field(None, description="lm-evaluation-harness tasks; metrics `<task>/<metric>`.")
     metric_timeout: float = Field(
         DEFAULT_METRIC_TIMEOUT, gt=0, description="Seconds each metric function of `metrics` may run on one "
@@ -465,7 +516,7 @@ class PipelineSpec(Strict):
         default_factory=list,
         description="Fields (dotted keys, or a section such as `evaluate`) that a run started from a deployment "
                     "(the Prefect UI, the API, a schedule) may override besides the training knobs it always may "
-                    "(fulltune/run_overrides.py). Never the fields that run code, load pickles, read secrets or "
+                    "(fulltune/stages/run_overrides.py). Never the fields that run code, load pickles, read secrets or "
                     f"choose where outputs go: {', '.join(NEVER_RUN_OVERRIDES)}. `fulltune run --set` is not "
                     "limited.")
 
@@ -587,13 +638,16 @@ SCALAR_MISMATCH = {"bool_type", "bool_parsing", "literal_error", "int_type", "in
 
 
 def _format_errors(error: ValidationError, prefix: str) -> list[str]:
-    items = [(tuple(str(p) for p in item["loc"] if not _is_union_tag(p)), item) for item in error.errors()]
+    items = [(tuple(p for p in item["loc"] if not _is_union_tag(p)), item) for item in error.errors()]
     deeper = {loc[:n] for loc, _ in items for n in range(len(loc))}
     lines = []
     for loc, item in items:
         if item["type"] in SCALAR_MISMATCH and loc in deeper:
             continue  # the union's scalar members, when a mapping member says what is wrong inside
-        path = ".".join([prefix, *loc]) if prefix else ".".join(loc)
+        path = ""
+        for part in [prefix, *loc]:
+            # A list position reads as YAML paths are written elsewhere: data.train[2].messages_field.
+            path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown key"

@@ -149,6 +149,21 @@ def test_broken_data_exits_2_and_registers_nothing(tmp_path, content, needles):
     assert registered_versions(tmp_path / "work" / "mlflow.db") == 0
 
 
+@pytest.mark.slow
+def test_a_broken_record_in_the_third_source_exits_2_naming_it_and_registers_nothing(tmp_path):
+    from pipelines_fixture import write_addition_data
+
+    write_addition_data(tmp_path / "more.jsonl", 8, seed=1)
+    (tmp_path / "third.jsonl").write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": "2+2=", "completion": 4}\n')
+    path = tiny_pipeline(tmp_path, data={"train": ["train.jsonl", {"path": "more.jsonl", "weight": 2}, "third.jsonl"]})
+    result = run_cli("run", "tiny", "-f", str(path), cwd=tmp_path)
+    assert_user_error(result, "data.train[2]: ", "third.jsonl line 2: column 'completion' is a number")
+    assert not list((tmp_path / "work").glob("tokenized/[!.]*"))
+    assert registered_versions(tmp_path / "work" / "mlflow.db") == 0
+    (tmp_path / "third.jsonl").unlink()
+    assert_user_error(run_cli("validate", str(path), cwd=tmp_path), "pipelines.tiny.data.train[2]: file not found")
+
+
 def registered_versions(database: Path) -> int:
     """Model versions in a tracking database (MLflow's store opens it as the run starts, before any stage)."""
     import sqlite3

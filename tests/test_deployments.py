@@ -96,7 +96,7 @@ def test_run_parameters_cannot_widen_what_the_pipeline_may_do(tmp_path, prefect_
 
 
 def test_run_parameters_may_set_the_training_knobs_and_what_the_pipeline_opts_in(tmp_path):
-    from fulltune.run_overrides import check_overrides, flatten
+    from fulltune.stages.run_overrides import check_overrides, flatten
     from fulltune.errors import ConfigError
 
     path = tiny_pipeline(tmp_path)

@@ -161,7 +161,7 @@ def test_compare_champion_false_keeps_the_champion(tmp_path: Path) -> None:
     p = resolve_pipeline(str(tiny_pipeline(tmp_path, evaluate={"compare_champion": False})), "tiny", None)
     better = {"fine_tuned": ModelMetrics(0.1, math.exp(0.1), 10, target_bytes=20)}
     report = compare_with_champion(p.spec, [{}], better, Champion("tiny-model", "4", "models:/tiny-model/4", "k"),
-                                   model_dir="unused", workdir=p.workdir, options={})
+                                   model_dir="unused", workdir=p.workdir, options={}, load={})
     assert report.comparison == NOT_COMPARED and report.keeps_champion and "compare_champion" in report.markdown()
     decision = decide_promotion(better["fine_tuned"].as_dict(), None, None, "eval_loss", "min", 0.0, False,
                                 keep_champion=report.comparison_reason)
@@ -278,3 +278,42 @@ def test_the_evaluate_key_sees_every_file_a_task_reads(tmp_path: Path) -> None:
             handle.write(text)
         keys.append(key())
     assert len(set(keys)) == len(keys), "each edit re-evaluates"
+
+
+def test_layer_offloaded_loading_measures_the_same_and_every_model_is_freed(tmp_path: Path, monkeypatch) -> None:
+    """accelerate's big-model loading (`max_memory` smaller than the weights: the rest offloaded) gives the
+    metrics of the model on one device, and no candidate outlives its evaluation."""
+    import gc
+    import weakref
+
+    from fulltune import models
+    from fulltune.models import Placement
+
+    tokenizer_dir = make_tokenizer(tmp_path / "tok")
+    model_dir = make_model(tmp_path / "model", tokenizer_dir, hidden=64)
+    tokenizer = models.load_tokenizer(tokenizer_dir)
+    rows = tokenize_records(additions(12, "add", seed=1), tokenizer, DATA)
+    loaded, device_maps = [], []
+    load = models.load_model
+
+    def tracked(*args, **kwargs):
+        model = load(*args, **kwargs)
+        loaded.append(weakref.ref(model))
+        device_maps.append(getattr(model, "hf_device_map", None))
+        return model
+
+    monkeypatch.setattr(models, "load_model", tracked)
+    options = {"batch_size": 4, "generate_examples": 6, "max_new_tokens": 3, "device": "cpu"}
+    whole = evaluate_model(model_dir, model_dir, rows, load_kwargs={"dtype": "fp32"}, **options)
+    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    placement = Placement("cpu", {"cpu": weights // 3}, str(tmp_path / "offload"))
+    offloaded = evaluate_model(model_dir, model_dir, rows, load_kwargs={"dtype": "fp32", "placement": placement},
+                               generation_batch_size=2, **options)
+    assert device_maps[0] is None and "disk" in device_maps[1].values(), "the layers beyond max_memory offloaded"
+    assert math.isclose(offloaded.eval_loss, whole.eval_loss, rel_tol=1e-5)
+    assert offloaded.samples == whole.samples and offloaded.exact_match == whole.exact_match
+    gc.disable()  # freed by evaluate_model itself, not by a collection that happens to run later
+    try:
+        assert len(loaded) == 2 and all(ref() is None for ref in loaded)
+    finally:
+        gc.enable()

@@ -55,8 +55,9 @@ def test_unchanged_rerun_is_all_cached_and_registers_nothing(workspace):
 
 
 def test_changing_evaluation_reruns_only_evaluate_and_register(workspace):
+    # The plan fits the evaluate stage's batches to the budget: it is planned again (in seconds), training is not.
     summary = run(workspace, **{"evaluate.max_new_tokens": 2})
-    assert summary.stages == {"tokenize": "cached", "memory-budget": "cached", "fine-tune": "cached",
+    assert summary.stages == {"tokenize": "cached", "memory-budget": "ran", "fine-tune": "cached",
                               "evaluate": "ran", "register": "ran"}
     assert versions(workspace) == ["1"], "the same weights are not registered twice"
 
@@ -128,3 +129,18 @@ def test_worse_model_becomes_challenger_not_champion(workspace, monkeypatch):
     from fulltune.tracking import registry
 
     assert registry.current_champion("tiny-model").version == "1"
+
+
+def test_a_list_of_weighted_sources_trains_and_registers(workspace):
+    """data.train as a list (a reference and a weighted mapping, relative to the pipelines file) runs
+    every stage; the registered description names both sources."""
+    from mlflow.tracking import MlflowClient
+
+    from pipelines_fixture import write_addition_data
+
+    write_addition_data(workspace.parent / "more.jsonl", 16, seed=2)
+    summary = run(workspace, **{"data.train": ["train.jsonl", {"path": "more.jsonl", "weight": 2}],
+                                "train.max_steps": 2})
+    assert summary.stages == {stage: "ran" for stage in ALL_STAGES}
+    description = MlflowClient().get_model_version("tiny-model", summary.version).description
+    assert "train.jsonl, " in description and "more.jsonl (weight 2)" in description

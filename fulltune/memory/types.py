@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from fulltune import spec
 from fulltune.degrees import ParallelDims
 from fulltune.levers import LEVERS  # the lever table's names, in the order the planner tries them
 from fulltune.memory.errors import MemoryConfigError
+
+if TYPE_CHECKING:
+    from fulltune.memory.evaluation import EvalRequest
 
 # The choices are the spec's (fulltune/spec.py), defined once there.
 MIXED_PRECISIONS = get_args(spec.MixedPrecision)
@@ -260,6 +263,10 @@ class PlanRequest:
     chunked_loss: bool | None = None
     host_memory_bytes: int | None = None
     num_machines: int = 1  # the processes are spread evenly over them; host_memory_bytes is per machine
+    # The evaluate stage (`evaluate.*`): planned beside training and part of `fits`; None: not planned.
+    evaluation: EvalRequest | None = None
+    # Where `host_memory_bytes` came from when it was not given: a line the plan shows (memory/budget.py).
+    host_memory_assumed: str | None = None
 
     def levers(self) -> dict[str, bool | None]:
         """The memory levers, name → True / False / None (auto)."""
@@ -341,6 +348,7 @@ class MemoryPlan:
     uncertainty: dict[str, Any] | None = None
     expected_bytes: int | None = None
     pipeline_parallel: dict[str, Any] | None = None  # what P pipeline stages would need (memory/pipeline.py)
+    evaluation: dict[str, Any] | None = None  # the evaluate stage's plan (memory/evaluation.py EvalPlan.to_dict)
 
     @property
     def spare_bytes(self) -> int | None:
@@ -374,6 +382,7 @@ class MemoryPlan:
             "smallest_peak_bytes": self.smallest_peak_bytes,
             "suggestions": list(self.suggestions),
             "pipeline_parallel": self.pipeline_parallel,
+            "evaluation": self.evaluation,
             # How sure the plan is: `bytes` either way around `expected_bytes` (the larger of estimate and
             # trace, as device bytes), what it rests on, and what is left of the usable budget.
             "uncertainty": {

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fulltune.memory.estimate import _estimate
+from fulltune.memory.evaluation import with_evaluation
 from fulltune.memory.process import node_host_bytes
 from fulltune.memory.shapes import ModelShape, model_shape
 from fulltune import levers as lever_table
@@ -580,7 +581,7 @@ def plan_memory(config: Any, request: PlanRequest, trace: bool | None = False) -
     configured = _configured(shape, _configured_request(request))
     configured_estimate = _estimate(shape, configured)
     if request.budget_bytes is None:
-        return MemoryPlan(
+        return with_evaluation(shape, request, _host_budget(request), MemoryPlan(
             device=request.device,
             budget_bytes=None,
             fits=True,
@@ -595,13 +596,14 @@ def plan_memory(config: Any, request: PlanRequest, trace: bool | None = False) -
             estimated_step_seconds=step_seconds(shape, configured),
             uncertainty=_candidate(shape, configured).uncertainty.to_dict(),
             expected_bytes=configured_estimate.device_bytes,
-        )
+        ))
     usable = request.usable_bytes
     candidates = _staged_search(shape, request, usable)
     reasons: tuple[str, ...] = ()
     if trace or (trace is None and trace_is_cheap(shape, request)):
         candidates, reasons = _traced(config, shape, candidates, usable)
-    return _finish(shape, request, usable, configured, configured_estimate, candidates, reasons)
+    return with_evaluation(shape, request, _host_budget(request),
+                           _finish(shape, request, usable, configured, configured_estimate, candidates, reasons))
 
 
 # --- tracing the chosen step ------------------------------------------------------------------
@@ -679,6 +681,7 @@ def _finish(
     reasons = [
         f"budget {format_bytes(budget)} per {request.device} device; planning for {format_bytes(usable)} "
         f"({request.headroom:.0%} headroom)",
+        *((request.host_memory_assumed,) if request.host_memory_assumed else ()),
         *extra_reasons,
     ]
     over = configured_estimate.device_bytes - usable
@@ -881,7 +884,7 @@ def _lever_reasons(shape: ModelShape, configured: Settings, chosen: _Candidate) 
             what.append(f"{format_bytes(parts['shards'])} of offloaded shards over its ranks "
                         f"({format_bytes(parts['pinned'])} of them pinned)")
         if parts["export"]:
-            what.append(f"rank 0 gathers the whole model ({format_bytes(parts['export'])}) at the final export")
+            what.append(f"the final export streams file by file: {format_bytes(parts['export'])} of gathered tensors")
         offload = " under FSDP's CPU offload (the step on the host)" if s.offload_optimizer else ""
         out.append(f"host RAM per machine: {format_bytes(chosen.estimate.host_bytes)}{budget}{offload}: "
                    + "; ".join(what))
@@ -906,8 +909,12 @@ def _host_reasons(request: PlanRequest, candidates: list[_Candidate], chosen: _C
 def _suggestions(shape: ModelShape, request: PlanRequest, smallest: _Candidate) -> tuple[str, ...]:
     out = []
     need = smallest.planned_bytes / (1.0 - request.headroom)
+    # Every constraint the configuration needs: host RAM too, when it is over budget.host_memory.
+    host = "" if smallest.host_fits else (
+        f" and budget.host_memory of {format_bytes(smallest.estimate.host_bytes)} per machine (it is "
+        f"{format_bytes(smallest.host_budget or 0)})")
     out.append(
-        f"a budget of {format_bytes(need)} per device would fit {_describe(smallest.settings)} "
+        f"a budget of {format_bytes(need)} per device{host} would fit {_describe(smallest.settings)} "
         f"(peak {format_bytes(smallest.estimate.peak_bytes)})"
     )
     if request.strategy in ("none", "ddp", "deepspeed_zero2"):

@@ -508,12 +508,13 @@ def describe_version(spec: PipelineSpec, pipeline: str, *, base_model: str, mode
     the evaluation of base, fine-tuned and champion side by side, and the gate's decision."""
     import json as json_module
 
+    from fulltune.data.sources import describe
     from fulltune.stages import describe_settings
 
     source = f"`{spec.model.name_or_path}`" if spec.model.name_or_path else "a new model from `model.from_config`"
     if spec.model.revision and spec.model.name_or_path:
         source += f" @ {spec.model.revision[:12]}"
-    held_out = (f"`{spec.data.eval}`" if spec.data.eval else
+    held_out = (f"`{describe(spec.data.eval)}`" if spec.data.eval else
                 f"{spec.data.eval_split:.0%} of the training examples held out (seed {spec.train.seed})")
     try:
         layers = int(json_module.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])
@@ -523,7 +524,7 @@ def describe_version(spec: PipelineSpec, pipeline: str, *, base_model: str, mode
     trained = f"{steps} optimizer steps" + (f", final train loss {train_metrics['train_loss']:.4f}"
                                             if "train_loss" in train_metrics else "")
     lines = [
-        f"Pipeline `{pipeline}`: {source} fully fine-tuned on `{spec.data.train}` (format {data.format}, "
+        f"Pipeline `{pipeline}`: {source} fully fine-tuned on `{describe(spec.data.train)}` (format {data.format}, "
         f"{data.num_train_examples} examples, {data.train_label_tokens} target tokens per epoch"
         f"{', packed' if data.packing else ''}; data fingerprint {data.fingerprint[:12]}).",
         "",
