@@ -20,6 +20,10 @@ would satisfy it — the planner, which fills the `auto` fields, keeps only cand
                                                                                   FSDP on cuda (unmeasured)
     offload_optimizer      masters, gradients and states in host RAM              one process, or FSDP on
                                                                                   cuda (CPUOffloadPolicy)
+
+Pipeline stages (`distributed.pipeline_parallel` > 1, fulltune/runtime/pipeline_parallel.py) run the chunked
+loss and pure bf16, not the step in backward or the offloads (PIPELINE_REFUSED_LEVERS), nor fp16's grad scaler,
+nor data parallel beside the stages yet; 1F1B needs a micro-batch per stage.
 """
 
 from __future__ import annotations
@@ -31,6 +35,12 @@ from fulltune.errors import ConfigError
 
 # In the order the planner tries them: cheapest in step time first.
 LEVERS = ("chunked_loss", "pure_bf16", "optimizer_in_backward", "offload_activations", "offload_optimizer")
+# What a pipeline stage does not run, and why: each is a rule of the table below.
+PIPELINE_REFUSED_LEVERS = {
+    "optimizer_in_backward": "the schedule runs every micro-batch's backward before the step",
+    "offload_activations": "the stages keep the schedule's in-flight activations on the device",
+    "offload_optimizer": "each stage steps its own optimizer on the device",
+}
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,8 @@ class Combination:
     strategy: str = "none"
     num_processes: int = 1
     tensor_parallel: int | None = 1
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1f1b"
     optimizer: str | None = "adamw"
     gradient_accumulation_steps: int | None = None
     mixed_precision: str | None = None
@@ -85,6 +97,31 @@ def _torchao_missing() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("torchao") is None
+
+
+def _pipeline_rules() -> tuple[Rule, ...]:
+    """The pipeline stages' rules: the levers they do not run, fp16, data parallel beside them, 1F1B's
+    micro-batches."""
+    def refuses(lever: str) -> Callable[[Combination], bool]:
+        return lambda c: c.pipeline_parallel > 1 and c.on(lever)
+
+    return (
+        *(Rule((f"train.{lever}", "distributed.pipeline_parallel"), refuses(lever),
+               f"{why}; set pipeline_parallel to 1 or turn {lever} off")
+          for lever, why in PIPELINE_REFUSED_LEVERS.items()),
+        Rule(("train.mixed_precision", "distributed.pipeline_parallel"),
+             lambda c: c.pipeline_parallel > 1 and c.mixed_precision == "fp16",
+             "pipeline stages have no grad scaler across stages; set mixed_precision to bf16, no or auto"),
+        Rule(("distributed.strategy", "distributed.pipeline_parallel"),
+             lambda c: c.pipeline_parallel > 1 and c.strategy != "none",
+             "data parallel beside pipeline stages is not built yet; set strategy none and num_processes to "
+             "pipeline_parallel"),
+        Rule(("train.gradient_accumulation_steps", "distributed.pipeline_schedule"),
+             lambda c: c.pipeline_parallel > 1 and c.pipeline_schedule == "1f1b"
+             and c.gradient_accumulation_steps is not None and c.gradient_accumulation_steps < c.pipeline_parallel,
+             "1F1B needs at least as many micro-batches as stages (gradient_accumulation_steps ≥ "
+             "pipeline_parallel); raise it, or use pipeline_schedule gpipe"),
+    )
 
 
 RULES: tuple[Rule, ...] = (
@@ -149,6 +186,7 @@ RULES: tuple[Rule, ...] = (
          lambda c: c.strategy == "fsdp" and c.optimizer in ("adamw_8bit", "adamw_4bit"),
          "the 8-bit and 4-bit updates have no sharding rule for FSDP2's DTensor shards (bitsandbytes' "
          "optimizer_update_32bit refuses them); use adamw or adafactor with fsdp"),
+    *_pipeline_rules(),
 )
 
 
@@ -178,6 +216,7 @@ def from_spec(pipeline: object) -> Combination:
         strategy=distributed.strategy, num_processes=distributed.num_processes,
         # tensor_parallel auto is None: the planner checks every degree it tries against the table.
         tensor_parallel=distributed.dims.tp, optimizer=auto(train.optimizer),
+        pipeline_parallel=distributed.pipeline_parallel, pipeline_schedule=distributed.pipeline_schedule,
         gradient_accumulation_steps=auto(train.gradient_accumulation_steps),
         mixed_precision=auto(train.mixed_precision), gradient_checkpointing=auto(train.gradient_checkpointing),
         device=auto(budget.device))
@@ -190,6 +229,7 @@ def from_settings(settings: object, bf16_supported: bool | None = None) -> Combi
     return Combination(
         levers=s.levers(), strategy=s.strategy, num_processes=s.num_processes,  # type: ignore[attr-defined]
         tensor_parallel=s.tensor_parallel,  # type: ignore[attr-defined]  # None: auto, in a request
+        pipeline_parallel=getattr(s, "pipeline_parallel", 1), pipeline_schedule=getattr(s, "pipeline_schedule", "1f1b"),
         optimizer=s.optimizer, gradient_accumulation_steps=s.gradient_accumulation_steps,  # type: ignore[attr-defined]
         mixed_precision=s.mixed_precision, gradient_checkpointing=s.gradient_checkpointing,  # type: ignore[attr-defined]
         device=s.device, bf16_supported=bf16_supported)  # type: ignore[attr-defined]

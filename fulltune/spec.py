@@ -39,6 +39,7 @@ MixedPrecision = Literal["bf16", "fp16", "no"]
 Optimizer = Literal["adamw", "adamw_8bit", "adamw_4bit", "adafactor"]
 LrScheduler = Literal["cosine", "linear", "constant"]
 Strategy = Literal["none", "ddp", "fsdp"]
+PipelineSchedule = Literal["1f1b", "gpipe"]
 
 
 class Strict(BaseModel):
@@ -287,6 +288,18 @@ class DistributedSpec(Strict):
                        "them. Needs strategy fsdp; 1 = no tensor parallel; auto: the plan chooses a divisor of the "
                        "processes on one machine (the fastest that fits)."
     )
+    pipeline_parallel: int = Field(
+        1, ge=1, le=64, description="Pipeline stages: the decoder layers split evenly over this many processes, "
+                                    "one stage each (the embedding on the first, the head on the last); "
+                                    "num_processes = pipeline_parallel × data parallel × tensor_parallel. 1 = none. "
+                                    "Each optimizer step's gradient_accumulation_steps micro-batches flow through "
+                                    "the stages. Needs strategy none and no other parallelism (for now)."
+    )
+    pipeline_schedule: PipelineSchedule = Field(
+        "1f1b", description="The order a stage runs its micro-batches: `1f1b` (one forward, one backward: stage s "
+                            "holds at most P − s micro-batches' activations; needs gradient_accumulation_steps ≥ "
+                            "pipeline_parallel) or `gpipe` (all forwards, then all backwards: holds all of them)."
+    )
 
     @field_validator("strategy", mode="before")
     @classmethod
@@ -298,8 +311,12 @@ class DistributedSpec(Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> DistributedSpec:
-        if self.strategy == "none" and self.num_processes != 1:
-            raise ValueError("num_processes > 1 needs a strategy (ddp or fsdp)")
+        if self.strategy == "none" and self.num_processes != self.pipeline_parallel:
+            raise ValueError("num_processes > 1 needs a strategy (ddp or fsdp)"
+                             + (" or num_processes = pipeline_parallel" if self.pipeline_parallel > 1 else ""))
+        if self.pipeline_parallel > 1 and self.tensor_parallel != 1:
+            raise ValueError("pipeline_parallel > 1 is not combined with tensor_parallel (not built); set one of "
+                             "them to 1")
         if self.tensor_parallel == "auto":
             return self  # the plan chooses a degree that divides the processes (planning/planner.py)
         if not 1 <= self.tensor_parallel <= 64:

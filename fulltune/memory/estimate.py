@@ -93,6 +93,10 @@ def estimate_memory(config: Any, settings: Settings) -> MemoryEstimate:
 
 def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = None) -> MemoryEstimate:
     """`estimate_memory` on a parsed shape; `timeline` (if given) receives every (phase, bytes, parts)."""
+    if settings.pipeline_parallel > 1:  # the largest pipeline stage (memory/pipeline.py, which imports this module)
+        from fulltune.memory.pipeline import stage_memory_estimate
+
+        return stage_memory_estimate(shape, settings)
     if settings.tensor_parallel > 1:
         # A tensor-parallel rank: FSDP over the data-parallel processes of the rank's own shape, with the
         # sequence-parallel blocks' activations and the vocabulary-parallel head (memory/tensor_parallel.py).

@@ -33,9 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from fulltune.levers import PIPELINE_REFUSED_LEVERS
 from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.shapes import ModelShape, model_shape
-from fulltune.memory.types import Settings
+from fulltune.memory.types import MemoryEstimate, Settings
 
 SCHEDULES = ("1f1b", "gpipe")
 SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe"}
@@ -43,8 +44,8 @@ SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe"}
 # constants: GPUs without NVLink, or on two machines, move ~25 GB/s (PCIe 4.0 x16, a 200 Gb/s NIC); gloo
 # between two CPU processes of one machine copies through loopback TCP.
 P2P_BYTES_PER_S = {"cuda": 25e9, "cpu": 2e9}
-# The levers that change the step's gradient flow or move tensors off the device: not modelled per stage.
-UNSUPPORTED_LEVERS = ("optimizer_in_backward", "offload_optimizer", "offload_activations")
+# The levers pipeline stages do not run: rules of the lever table (fulltune/levers.py).
+UNSUPPORTED_LEVERS = tuple(PIPELINE_REFUSED_LEVERS)
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
@@ -149,6 +150,23 @@ def estimate_pipeline(config: Any, settings: Settings, num_stages: int, schedule
     seconds, p2p = pipeline_step_seconds(shape, settings, num_stages)
     return PipelineEstimate(num_stages, schedule, settings.gradient_accumulation_steps, settings.micro_batch_size,
                             stages, bubble_fraction(num_stages, settings.gradient_accumulation_steps), seconds, p2p)
+
+
+def stage_memory_estimate(shape: ModelShape, settings: Settings) -> MemoryEstimate:
+    """The plan's estimate of pipelined `settings` (`pipeline_parallel` P > 1, one process per stage): the
+    largest stage of `estimate_pipeline` is the figure per device, its peak phase named with its stage.
+
+    Only the step is counted: every process builds the whole model before it keeps its stage, which this does
+    not see (a process's load phase; on CPU the step's peak is the larger for any model that trains)."""
+    one = replace(settings, num_processes=settings.num_processes // settings.pipeline_parallel, pipeline_parallel=1)
+    worst = estimate_pipeline(shape, one, settings.pipeline_parallel, settings.pipeline_schedule).worst
+    first, last = worst.layers
+    note = (f"pipeline stage {worst.stage} of {settings.pipeline_parallel} (layers {first}–{last - 1}, "
+            f"{worst.in_flight} micro-batches in flight) is the largest: its peak is the device figure")
+    return MemoryEstimate(worst.peak_bytes, worst.device_bytes, dict(worst.breakdown),
+                          f"stage {worst.stage}: {worst.peak_phase}", notes=(note,),
+                          step_device_bytes=worst.device_bytes, phases={"training step": worst.device_bytes},
+                          process_peak_phase="training step")
 
 
 def _check(shape: ModelShape, settings: Settings, num_stages: int, schedule: str) -> None:
@@ -335,7 +353,7 @@ def pipeline_advice(shape: ModelShape, request: Any, settings: Settings, usable:
 
     if not usable:
         return None
-    base = replace(settings, strategy="none", num_processes=1, tensor_parallel=1,
+    base = replace(settings, strategy="none", num_processes=1, tensor_parallel=1, pipeline_parallel=1,
                    **{name: False for name in UNSUPPORTED_LEVERS})
     B = request.effective_batch_size
     best: tuple[PipelineEstimate, int] | None = None

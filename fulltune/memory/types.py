@@ -57,7 +57,9 @@ class Settings:
         strategy: how parameters, gradients and optimizer states are split over processes.
         num_processes: processes (GPUs) taking part; the estimate is per process.
         tensor_parallel: processes each layer's matmuls are split over (fulltune/runtime/parallel.py); the
-            data-parallel degree is num_processes / tensor_parallel.
+            data-parallel degree is num_processes / (tensor_parallel × pipeline_parallel).
+        pipeline_parallel, pipeline_schedule: pipeline stages (one process each) and their schedule
+            (fulltune/runtime/pipeline_parallel.py); the step's micro-batches flow through them.
         attention_mask: True when the model receives an explicit attention mask — padded batches,
             or packed rows whose position_ids restart (transformers then builds a block-diagonal
             mask). A mask makes SDPA keep a (b, 1, s, s) mask per layer and repeat grouped
@@ -87,6 +89,8 @@ class Settings:
     strategy: str = "none"
     num_processes: int = 1
     tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1f1b"
     attention_mask: bool = True
     target_fraction: float = 1.0
     pure_bf16: bool = False
@@ -114,15 +118,16 @@ class Settings:
         _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
         _check_choice("device", self.device, DEVICES)
         _check_choice("strategy", self.strategy, STRATEGIES)
-        if self.strategy == "none" and self.num_processes != 1:
-            raise MemoryConfigError("num_processes > 1 needs a strategy (ddp or fsdp)")
-        ParallelDims(self.num_processes, self.tensor_parallel)  # DegreesError unless the degree divides them
+        if self.strategy == "none" and self.num_processes != self.pipeline_parallel:
+            raise MemoryConfigError("num_processes > 1 needs a strategy (ddp or fsdp) or pipeline stages")
+        ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel)  # DegreesError unless they divide
         _check_levers(self)
 
     @property
     def dims(self) -> ParallelDims:
-        """The parallel degrees the step runs with: num_processes as data parallel × tensor_parallel."""
-        return ParallelDims(self.num_processes, self.tensor_parallel)
+        """The parallel degrees the step runs with: num_processes as data parallel × tensor_parallel ×
+        pipeline_parallel."""
+        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel)
 
     def levers(self) -> dict[str, bool]:
         """The memory levers, name → on."""
@@ -246,6 +251,8 @@ class PlanRequest:
     strategy: str = "none"
     num_processes: int = 1
     tensor_parallel: int | None = 1  # None: auto, the planner chooses a degree (planning/planner.py)
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1f1b"
     bf16_supported: bool = False
     attention_mask: bool = True
     target_fraction: float = 1.0
@@ -296,7 +303,7 @@ class PlanRequest:
     @property
     def dims(self) -> ParallelDims:
         """The parallel degrees asked for: `tp` None while tensor_parallel is auto."""
-        return ParallelDims(self.num_processes, self.tensor_parallel)
+        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel)
 
 
 def _check_request_choices(request: PlanRequest) -> None:
@@ -364,6 +371,8 @@ class MemoryPlan:
                 "strategy": s.strategy,
                 "num_processes": s.num_processes,
                 "tensor_parallel": s.tensor_parallel,
+                "pipeline_parallel": s.pipeline_parallel,
+                "pipeline_schedule": s.pipeline_schedule,
                 "estimated_step_seconds": self.estimated_step_seconds,
                 "host_bytes": int(self.plan_estimate.host_bytes),
                 "estimate": self.plan_estimate.to_dict(),

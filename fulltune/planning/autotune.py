@@ -829,12 +829,13 @@ def _epoch_seconds(p: ResolvedPipeline, tokenizer: str, packing: bool, rows: int
     from fulltune.stages import _planned_vocab
 
     t, d, device = p.spec.train, p.spec.distributed, resolved_device(p)
+    processes = d.num_processes // d.pipeline_parallel  # the stages of a pipeline share its rows and time
     shape = model_shape(read_model_config(p.spec.model, _planned_vocab(p, tokenizer)))
     precision = t.mixed_precision if t.mixed_precision != "auto" else ("bf16" if device == "cuda" else "no")
     settings = Settings(
-        micro_batch_size=t.effective_batch_size // d.num_processes, seq_len=seq_len, mixed_precision=precision,
+        micro_batch_size=t.effective_batch_size // processes, seq_len=seq_len, mixed_precision=precision,
         optimizer=t.optimizer if t.optimizer != "auto" else "adamw", attn_implementation=p.spec.model.attn_implementation,
-        device=device, strategy=d.strategy, num_processes=d.num_processes, attention_mask=packing,
+        device=device, strategy=d.strategy, num_processes=processes, attention_mask=packing,
         # the output head runs at the positions with a target: the same tokens in either layout
         target_fraction=min(1.0, label_tokens / max(1, rows * (seq_len - 1))))
     return analytic_step_seconds(shape, settings) * max(1, rows // t.effective_batch_size)

@@ -116,6 +116,12 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
     """
     from fulltune.memory.flops import from_shape
 
+    if settings.pipeline_parallel > 1:  # the slowest stage through the fill, the steady state and the drain
+        from fulltune.memory.pipeline import pipeline_step_seconds
+
+        one = replace(settings, num_processes=settings.num_processes // settings.pipeline_parallel,
+                      pipeline_parallel=1)
+        return pipeline_step_seconds(shape, one, settings.pipeline_parallel)[0]
     s, b = settings.seq_len, settings.micro_batch_size
     k = min(settings.gradient_checkpointing, shape.num_layers)
     c = from_shape(shape)
@@ -285,6 +291,8 @@ def _configured(shape: ModelShape, request: PlanRequest) -> Settings:
         micro = request.micro_batch_size
     elif request.gradient_accumulation_steps is not None:
         micro = per // request.gradient_accumulation_steps
+    elif request.pipeline_parallel > 1 and per % request.pipeline_parallel == 0:
+        micro = per // request.pipeline_parallel  # a micro-batch per stage: the fewest 1F1B runs
     else:
         micro = per
     checkpointing = _fixed_checkpointing(request.gradient_checkpointing, shape.num_layers)
@@ -311,6 +319,8 @@ def _settings(request: PlanRequest, micro: int, checkpointing: int, precision: s
         strategy=request.strategy,
         num_processes=request.num_processes,
         tensor_parallel=request.tensor_parallel,
+        pipeline_parallel=request.pipeline_parallel,
+        pipeline_schedule=request.pipeline_schedule,
         attention_mask=request.attention_mask,
         target_fraction=request.target_fraction,
         **(levers or {}),

@@ -406,7 +406,11 @@ def check_positions(p: ResolvedPipeline, config: Any) -> None:
 def check_model_split(p: ResolvedPipeline, config: Any) -> None:
     """Refuse a `distributed.tensor_parallel` that does not split the model's attention heads, key/value heads
     or MLP width evenly (`degrees.ParallelDims`), naming the field, before anything trains. With auto the
-    planner tries only the degrees that split them."""
+    planner tries only the degrees that split them. Pipeline stages need a decoder layer each and an untied head
+    (`runtime.pipeline_parallel.check_model_config`)."""
+    from fulltune.runtime import pipeline_parallel
+
+    pipeline_parallel.check_model_config(config, p.spec.distributed.pipeline_parallel, f"pipelines.{p.name}.")
     p.spec.distributed.dims.check_split(config, f"pipelines.{p.name}.")
 
 
@@ -416,7 +420,8 @@ def _split_problems(p: ResolvedPipeline) -> list[str]:
     from fulltune.models import read_model_config
 
     model = p.spec.model
-    if p.spec.distributed.dims.tp in (None, 1) or (model.from_config is None and is_hub(model.name_or_path)):
+    dims = p.spec.distributed.dims
+    if (dims.tp in (None, 1) and dims.pp == 1) or (model.from_config is None and is_hub(model.name_or_path)):
         return []
     try:
         check_model_split(p, read_model_config(model))
@@ -542,6 +547,8 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         strategy=d.strategy,
         num_processes=d.num_processes,
         tensor_parallel=d.dims.tp,  # None (auto): the planner chooses
+        pipeline_parallel=d.pipeline_parallel,
+        pipeline_schedule=d.pipeline_schedule,
         bf16_supported=budget.bf16_supported,
         # Packed rows restart position_ids, so transformers builds a block mask per layer; unpacked rows
         # are right-padded and the trainer passes no mask at all (see fulltune/runtime/train.py).
