@@ -249,6 +249,11 @@ def _per_process(request: PlanRequest) -> int:
     return request.dims.per_process(request.effective_batch_size)
 
 
+def _device_word(device: str) -> str:
+    """What one process's device is called in a plan's reasons: a GPU on cuda, a process on a CPU."""
+    return "GPU" if device == "cuda" else "process"
+
+
 def divisors(n: int) -> list[int]:
     """The divisors of `n`, largest first (micro-batches, tensor-parallel degrees, pipeline micro-batches)."""
     return sorted({d for i in range(1, int(math.isqrt(n)) + 1) if n % i == 0 for d in (i, n // i)}, reverse=True)
@@ -800,7 +805,8 @@ def _tensor_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates
     if T > 1:
         traffic = collectives(shape, s)
         head = (f"tensor parallel {T} ({s.dims.dp} data-parallel × {T}, distributed.tensor_parallel auto): "
-                f"{format_bytes(chosen.expected_bytes)} per GPU, {chosen.seconds:.3g} s/step, of which "
+                f"{format_bytes(chosen.expected_bytes)} per {_device_word(s.device)}, {chosen.seconds:.3g} s/step, "
+                f"of which "
                 f"{tensor_parallel_seconds(shape, s):.3g} s are its collectives ({format_bytes(int(traffic.bytes))} "
                 f"per rank)")
     elif request.strategy != "fsdp":
@@ -930,8 +936,9 @@ def _suggestions(shape: ModelShape, request: PlanRequest, smallest: _Candidate) 
             if candidates:
                 best = min(candidates, key=lambda c: c.seconds)
                 out.append(
-                    f"{n} GPUs with FSDP full shard (distributed.strategy: fsdp, "
-                    f"num_processes: {n}) would fit: {format_bytes(best.estimate.device_bytes)} per GPU"
+                    f"{n} {_device_word(request.device)}s with FSDP full shard (distributed.strategy: fsdp, "
+                    f"num_processes: {n}) would fit: {format_bytes(best.estimate.device_bytes)} per "
+                    f"{_device_word(request.device)}"
                 )
                 break
     usable = request.usable_bytes or 0
