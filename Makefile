@@ -24,8 +24,9 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/fulltune run demo
 
+# Two workers (pytest-xdist), a test file each at a time: most tests wait on child processes and servers.
 test: install
-	$(BIN)/python -m pytest -q -m "not heavy"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not heavy"
 
 test-all: install
 	$(BIN)/python -m pytest -q

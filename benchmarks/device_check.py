@@ -17,7 +17,9 @@ and which of estimate and trace is right on CUDA is settled. Then:
 - fp16 autocast with a `GradScaler`: a few steps with one injected overflow, checking the step is skipped,
   the scale drops and training continues; with its memory peak against the estimate;
 - FSDP's CPU offload on one GPU (world size 1, `fsdp_offload_case`): device peak allocated / reserved and the
-  process's host RSS against the estimate; the GPU-only path of `train.offload_optimizer` under fsdp.
+  process's host RSS against the estimate; the GPU-only path of `train.offload_optimizer` under fsdp;
+- the evaluate stage at the Llama-3.1-8B-on-24 GiB plan's settings, on the 8B shape cut to 4 layers
+  (`eval_memory.device_case`): peak allocated against the memory model and the budget.
 
 Usage (a few minutes on one H100/H200; each case is independent and a failing one is reported, not fatal):
     python -m benchmarks.device_check --out device_check.json
@@ -355,6 +357,10 @@ def run(dry_run: bool, peak_tflops: float | None, mfu_steps: int) -> dict[str, A
     print("[fp16] done", file=sys.stderr, flush=True)
     report["fsdp_offload"] = _safely("fsdp_offload", fsdp_offload_case, dry_run)
     print("[fsdp offload] done", file=sys.stderr, flush=True)
+    from benchmarks.eval_memory import device_case  # the 8B plan's evaluate stage, 4 layers
+
+    report["evaluation"] = _safely("evaluation", device_case, dry_run)
+    print("[evaluation] done", file=sys.stderr, flush=True)
     from benchmarks.autotune import gpu_check  # the plan's top candidates measured in training children
 
     report["autotune"] = _safely("autotune", gpu_check, dry_run)

@@ -1,11 +1,15 @@
 """The largest Llama shape `fulltune plan` fits on one 24 / 48 / 80 GiB GPU, Llama-3-70B on 8×80 GiB, and the
-largest on one machine of 8 × 24 / 40 / 48 / 80 GiB GPUs with FSDP (CPU offload allowed, 1 TiB host RAM).
+largest on one machine of 8 × 24 / 40 / 48 / 80 GiB GPUs with FSDP (CPU offload allowed, 1 TiB host RAM): the
+whole pipeline, training, the final export and the evaluate stage, each within its budget or the plan refuses.
 
 Configs are built in code (no downloads): Llama-3 shapes with the 128k vocabulary, untied head, packed rows
 without padding (no attention mask), seq 2048, effective batch 8, optimizer auto, every memory lever auto,
 host RAM 256 GiB per machine. For each GPU size the table shows what the planner chose, the device bytes it
 expects, the host RAM the levers need and its predicted step time (ranking model: fulltune/planning/planner.py;
-its lever constants, PCIe ~25 GB/s and host AdamW ~1.5 GB/s, are assumptions until measured on a GPU).
+its lever constants, PCIe ~25 GB/s and host AdamW ~1.5 GB/s, are assumptions until measured on a GPU), the
+host RAM of the final export (FSDP: rank 0's streamed files, memory/process.py) and the evaluate stage with
+evaluate.*'s defaults (batch 8, 32 new tokens, rows of the training length; memory/evaluation.py): its dtype,
+fitted loss / generation batches and device bytes, layer-offloaded where one GPU cannot hold the weights.
 
 Usage:
     python -m benchmarks.frontier_plan
@@ -18,6 +22,9 @@ import argparse
 import transformers
 
 from fulltune.memory import PlanRequest, format_bytes
+from fulltune.memory.evaluation import EvalRequest
+from fulltune.memory.process import node_host_bytes
+from fulltune.memory.shapes import model_shape
 from fulltune.planning import plan_memory
 
 GiB = 2**30
@@ -32,6 +39,7 @@ SHAPES = {
     "70B": (8192, 28672, 80, 64, 8),
 }
 HOST = 256 * GiB
+EVALUATION = EvalRequest()  # evaluate.* defaults: batch 8, 32 new tokens, rows of the training length
 
 
 def config(name: str) -> transformers.LlamaConfig:
@@ -48,18 +56,29 @@ def describe(plan) -> str:
             f"{s.optimizer}, {'+'.join(levers) or 'no levers'}")
 
 
-def row(name: str, plan) -> str:
+def evaluation(plan) -> str:
+    e = plan.evaluation
+    where = "" if e["offload"] is None else f", {format_bytes(e['offload']['host_bytes'])} offloaded to host"
+    return (f"{e['dtype']}, batch {e['loss_batch']}/{e['generation_batch']}: {format_bytes(e['device_bytes'])}"
+            f"{where}{'' if e['fits'] else ' (does not fit)'}")
+
+
+def row(name: str, plan, config) -> str:  # noqa: ANN001 - a transformers config
+    ranks = plan.settings.num_processes
+    export = node_host_bytes(model_shape(config), plan.settings, 0, ranks)["export"]
     return (f"| {name} | {'fits' if plan.fits else 'no'} | {describe(plan)} | {format_bytes(plan.expected_bytes)} | "
-            f"{format_bytes(plan.plan_estimate.host_bytes)} | {plan.estimated_step_seconds:.3g} s |")
+            f"{format_bytes(plan.plan_estimate.host_bytes)} | {format_bytes(export)} | {evaluation(plan)} | "
+            f"{plan.estimated_step_seconds:.3g} s |")
 
 
 def single_gpu(budget_gib: int) -> list[str]:
     lines = []
     for name in SHAPES:
         request = PlanRequest(effective_batch_size=8, seq_len=2048, device="cuda", bf16_supported=True,
-                              budget_bytes=budget_gib * GiB, attention_mask=False, host_memory_bytes=HOST)
+                              budget_bytes=budget_gib * GiB, attention_mask=False, host_memory_bytes=HOST,
+                              evaluation=EVALUATION)
         plan = plan_memory(config(name), request)
-        lines.append(row(f"{name} on 1×{budget_gib} GiB", plan))
+        lines.append(row(f"{name} on 1×{budget_gib} GiB", plan, config(name)))
     return lines
 
 
@@ -73,10 +92,10 @@ def eight_gpus(budget_gib: int) -> tuple[str | None, list[str]]:
     for name in SHAPES:
         request = PlanRequest(effective_batch_size=64, seq_len=4096, device="cuda", bf16_supported=True,
                               budget_bytes=budget_gib * GiB, attention_mask=False, strategy="fsdp",
-                              num_processes=8, host_memory_bytes=CLUSTER_HOST)
+                              num_processes=8, host_memory_bytes=CLUSTER_HOST, evaluation=EVALUATION)
         plan = plan_memory(config(name), request)
         largest = name if plan.fits else largest
-        lines.append(row(f"{name} on 8×{budget_gib} GiB FSDP", plan))
+        lines.append(row(f"{name} on 8×{budget_gib} GiB FSDP", plan, config(name)))
     return largest, lines
 
 
@@ -105,22 +124,23 @@ def host_parameter_rows() -> list[str]:
 
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; no options
-    print("| model / GPU | plan fits | chosen | device (expected) | host RAM | step (predicted) |")
-    print("|---|---|---|---|---|---|")
+    print("| model / GPU | plan fits | chosen | device (expected) | host RAM | export host | evaluation | "
+          "step (predicted) |")
+    print("|---|---|---|---|---|---|---|---|")
     for gib in (24, 48, 80):
         for line in single_gpu(gib):
             print(line, flush=True)
     request = PlanRequest(effective_batch_size=64, seq_len=4096, device="cuda", bf16_supported=True,
                           budget_bytes=80 * GiB, attention_mask=False, strategy="fsdp", num_processes=8,
-                          host_memory_bytes=HOST)
-    print(row("70B on 8×80 GiB FSDP (seq 4096, batch 64)", plan_memory(config("70B"), request)))
+                          host_memory_bytes=HOST, evaluation=EVALUATION)
+    print(row("70B on 8×80 GiB FSDP (seq 4096, batch 64)", plan_memory(config("70B"), request), config("70B")))
     print()
     print("8 GPUs, FSDP, seq 4096 packed, effective batch 64, host RAM 1 TiB per machine "
           "(host RAM column: one machine's)")
     print()
-    print("| model / cluster | plan fits | chosen | device per GPU (expected) | host RAM per machine | "
-          "step (predicted) |")
-    print("|---|---|---|---|---|---|")
+    print("| model / cluster | plan fits | chosen | device per GPU (expected) | host RAM per machine | export host | "
+          "evaluation | step (predicted) |")
+    print("|---|---|---|---|---|---|---|---|")
     largest = {}
     for gib in (24, 40, 48, 80):
         largest[gib], lines = eight_gpus(gib)

@@ -61,6 +61,8 @@ CASES = [
     Case("bf16-gpipe-ckpt4", {**SHAPE, "mixed_precision": "bf16", "gradient_checkpointing": 4}, "gpipe"),
     Case("fp32-1f1b-m8-b1", {**SHAPE, "micro_batch_size": 1, "gradient_accumulation_steps": 8}),
     Case("fp32-1f1b-4stages", {**SHAPE, "gradient_accumulation_steps": 8}, stages=4),
+    Case("fp32-1f1b-chunked", {**SHAPE, "chunked_loss": True}),
+    Case("purebf16-1f1b", {**SHAPE, "mixed_precision": "bf16", "pure_bf16": True}),
 ]
 
 
@@ -103,6 +105,8 @@ def _model(case: Case):
     model = AutoModelForCausalLM.from_config(config_of(case), attn_implementation=settings.attn_implementation)
     model.train()
     apply_gradient_checkpointing(model, settings.gradient_checkpointing)
+    if settings.pure_bf16:
+        model.to(torch.bfloat16)  # as the trainer's levers do (fulltune/runtime/train.py apply_levers)
     return model
 
 
@@ -135,32 +139,37 @@ def worker(case_name: str, out: Path) -> None:
 
     import torch.distributed as dist
 
+    from fulltune.runtime.optim import optimizer_for
     from fulltune.runtime.pipeline_parallel import PipelineRun
+    from fulltune.runtime.step import LocalAccelerator, OptimizerStep, StepParts, run_step
 
     case = next(c for c in CASES if c.name == case_name)
     settings = settings_of(case)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     model = _model(case)
-    run = PipelineRun.create(model, settings, schedule=case.schedule,
-                             num_micro_batches=settings.gradient_accumulation_steps)
+    run = PipelineRun.create(model, settings, schedule=case.schedule, length=settings.seq_len)
     del model  # this process keeps only its stage's modules
+    optimizer = optimizer_for(run.stage, settings)
+    accelerator = LocalAccelerator("cpu", settings.mixed_precision, settings.gradient_accumulation_steps)
+    # The trainer's step: the schedule in place of the micro-batch loop, then its OptimizerStep.
+    parts = StepParts(accelerator, run.stage, None, optimizer, OptimizerStep(accelerator, run.stage, optimizer, None, 1.0),
+                      settings.gradient_accumulation_steps, pipeline=run)
     tracker = _peak_tracker()
-    tracker.track_external(run.stage, run.optimizer)
+    tracker.track_external(run.stage, optimizer)
     losses, seconds = [], []
-    with tracker:
-        for step in range(1, STEPS + 1):
-            input_ids, attention_mask, labels = step_batch(config_of(case).vocab_size, settings, step)
-            dist.barrier()
-            start = time.perf_counter()
-            losses.append(run.step(input_ids, labels, attention_mask=attention_mask))
-            seconds.append(time.perf_counter() - start)
-            del input_ids, attention_mask, labels
-    for step in range(STEPS + 1, STEPS + TIMED_STEPS + 1):
-        input_ids, attention_mask, labels = step_batch(config_of(case).vocab_size, settings, step)
+
+    def step_of(step: int) -> float:
+        micro, step_targets = micro_batches(config_of(case).vocab_size, settings, step)
         dist.barrier()
         start = time.perf_counter()
-        run.step(input_ids, labels, attention_mask=attention_mask)
+        outcome = run_step(parts, micro, step, step_targets)
         seconds.append(time.perf_counter() - start)
+        return float(outcome.loss_sum) / step_targets
+
+    with tracker:
+        losses = [step_of(step) for step in range(1, STEPS + 1)]
+    for step in range(STEPS + 1, STEPS + TIMED_STEPS + 1):
+        step_of(step)
     send_to_driver({"peak_bytes": int(max(tracker._peak_mem.values())), "losses": losses, "seconds": seconds,
                     "parameters": sum(p.numel() for p in run.stage.parameters())}, out)
 
@@ -168,12 +177,30 @@ def worker(case_name: str, out: Path) -> None:
 # ----------------------------------------------------------------------------------------- reference
 
 
+def micro_batches(vocab: int, settings, step: int) -> tuple[list, int]:
+    """The step's M micro-batches as the trainer's step takes them ((inputs, targets) each) and its target tokens."""
+    import torch
+
+    from fulltune.runtime.loss import Targets
+
+    input_ids, attention_mask, labels = step_batch(vocab, settings, step)
+    b, M, s = settings.micro_batch_size, settings.gradient_accumulation_steps, settings.seq_len
+    position_ids = torch.arange(s).expand(b, s).contiguous()
+    micro = []
+    for j in range(M):
+        rows = slice(j * b, (j + 1) * b)
+        inputs = {"input_ids": input_ids[rows], "position_ids": position_ids}
+        if attention_mask is not None:
+            inputs["attention_mask"] = attention_mask[rows]
+        micro.append((inputs, Targets.from_labels(labels[rows])))
+    return micro, sum(len(t) for _, t in micro)
+
+
 def reference_losses(case: Case) -> tuple[list[float], list[float]]:
     """The same steps in one process (one thread): the trainer's step over M accumulated micro-batches; the
     per-step losses and wall times."""
     import torch
 
-    from fulltune.runtime.loss import Targets
     from fulltune.runtime.optim import optimizer_for
     from fulltune.runtime.step import local_parts, run_step
 
@@ -181,19 +208,10 @@ def reference_losses(case: Case) -> tuple[list[float], list[float]]:
     settings = settings_of(case)
     model = _model(case)
     optimizer = optimizer_for(model, settings)
-    b, M, s = settings.micro_batch_size, settings.gradient_accumulation_steps, settings.seq_len
     losses, seconds = [], []
     with local_parts(model, optimizer, settings, device="cpu", max_grad_norm=1.0) as parts:
         for step in range(1, STEPS + 1):
-            input_ids, attention_mask, labels = step_batch(model.config.vocab_size, settings, step)
-            position_ids = torch.arange(s).expand(b, s).contiguous()
-            micro = []
-            for j in range(M):
-                rows = slice(j * b, (j + 1) * b)
-                inputs = {"input_ids": input_ids[rows], "position_ids": position_ids,
-                          "attention_mask": None if attention_mask is None else attention_mask[rows]}
-                micro.append((inputs, Targets.from_labels(labels[rows])))
-            step_targets = sum(len(t) for _, t in micro)
+            micro, step_targets = micro_batches(model.config.vocab_size, settings, step)
             start = time.perf_counter()
             outcome = run_step(parts, micro, step, step_targets)
             losses.append(float(outcome.loss_sum) / step_targets)

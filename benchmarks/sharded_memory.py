@@ -13,7 +13,7 @@ planner): CUDA's context and caching-allocator slack, NCCL's internal buffers an
 CPU process itself (interpreter, libraries).
 
 The grid (`_grid`): fp32 and bf16 policy, tied and untied embeddings, no / half / every layer checkpointed,
-micro-batch 1 and 2, then accumulation, a 32k tied vocabulary and four processes. Each row is the
+micro-batch 1 and 2, then accumulation, a 32k tied vocabulary, four processes and one. Each row is the
 estimate against the rank furthest from it (the ranks measure the same to the byte here). The JSON keeps
 FSDPMemTracker's categories per rank; they are for reading only (the tracker files a buffer under the
 category of the hook that first sees it), the totals are what is compared.
@@ -53,7 +53,7 @@ TIED = {**BASE, "tie_word_embeddings": True}
 
 def _grid() -> list[Case]:
     """fp32 / bf16 policy × untied / tied × checkpointing none / 2 / all 4 layers × micro-batch 1 / 2 on 2
-    processes, then accumulation, a 32k tied vocabulary and 4 processes."""
+    processes, then accumulation, a 32k tied vocabulary, 4 processes and 1."""
     cases = []
     for precision in ("no", "bf16"):
         for tied, config in (("untied", BASE), ("tied", TIED)):
@@ -73,6 +73,14 @@ def _grid() -> list[Case]:
         Case("fp32-untied-4proc", BASE, two, processes=4),
         Case("bf16-tied-ckpt2-4proc", TIED, {**two, "mixed_precision": "bf16", "gradient_checkpointing": 2},
              processes=4),
+        # FSDP2 over one process: a unit's gathered weight is its all-gather buffer, nothing is prefetched.
+        Case("fp32-untied-1proc", BASE, two, processes=1),
+        Case("fp32-tied-ckpt4-b1-1proc", TIED, {"micro_batch_size": 1, "seq_len": 128, "gradient_checkpointing": 4},
+             processes=1),
+        Case("bf16-untied-b1-1proc", BASE, {"micro_batch_size": 1, "seq_len": 128, "mixed_precision": "bf16"},
+             processes=1),
+        Case("bf16-tied-ckpt2-1proc", TIED, {**two, "mixed_precision": "bf16", "gradient_checkpointing": 2},
+             processes=1),
     ]
     return cases + _lever_cases()
 

@@ -9,7 +9,8 @@ from fulltune.spec import load_pipelines
 
 def build_deployments(pipelines_file: str) -> list[Any]:
     """One deployment per pipeline; the Prefect UI lists them and starts them with a typed form:
-    the pipeline as a dropdown of the file's pipelines, the overrides as fields the server validates."""
+    the pipeline as a dropdown of the file's pipelines, the overrides as fields the server validates, the
+    pipelines file fixed (the only value the server accepts)."""
     from flows.pipeline import finetune_pipeline
 
     pipelines = load_pipelines(pipelines_file)
@@ -25,7 +26,8 @@ def build_deployments(pipelines_file: str) -> list[Any]:
         )
         properties = deployment._parameter_openapi_schema.properties
         properties["pipeline"].update({"enum": names, "default": name})
-        properties["pipelines_file"].update({"readOnly": True, "default": pipelines_file})
+        # The server refuses a run naming another file (the flow checks it again: flows/run_parameters.py).
+        properties["pipelines_file"].update({"readOnly": True, "default": pipelines_file, "enum": [pipelines_file]})
         deployments.append(deployment)
     return deployments
 

@@ -32,6 +32,8 @@ from fulltune.errors import ConfigError
 
 # Prefect's default (20 s) is too short for a busy 2-core machine; the CLI sets the same variable.
 STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+# How long `stop` lets a server that is still starting finish before it stops it.
+STOP_WAIT_SECONDS = 30.0
 # uvicorn exits with 3 when its port was taken between choosing it and binding it.
 PORT_IN_USE = 3
 
@@ -97,9 +99,15 @@ class TemporaryServer:
                            f"(raise {STARTUP_TIMEOUT_ENV})")
 
     def stop(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL after 5 s)."""
+        """Stop the server (SIGTERM, then SIGKILL after 5 s). One still starting is let finish first (up
+        to STOP_WAIT_SECONDS): Prefect's server stopped before its services start fails its own shutdown
+        with a traceback on the terminal ("Reactive triggers not started"), after a user error's message."""
         if self.process is None or self.process.poll() is not None:
             return
+        deadline = time.monotonic() + STOP_WAIT_SECONDS
+        while (time.monotonic() < deadline and self.process.poll() is None
+               and not _answers(f"{self.api_url}/health", timeout=1.0)):
+            time.sleep(0.05)
         self.process.terminate()
         try:
             self.process.wait(timeout=5)

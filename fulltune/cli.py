@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fulltune.errors import Interrupted, UserError
+from fulltune.errors import DiskFull, Interrupted, UserError, disk_full, disk_full_error
 
 DEFAULT_FILE = "pipelines.yaml"
 
@@ -129,6 +129,11 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a full disk before or after the stages (the flow words the stages' own)
+        if not disk_full(exc):
+            raise
+        print(f"error: {disk_full_error(exc, Path.cwd(), 'the stages that finished are cached')}", file=sys.stderr)
+        return DiskFull.exit_code
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -156,13 +161,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    from fulltune.data.sources import describe
     from fulltune.spec import load_pipelines
 
     pipelines = load_pipelines(args.file)
     for name, spec in pipelines.pipelines.items():
         source = spec.model.name_or_path or "from_config"
         schedule = f"  schedule: {spec.schedule}" if spec.schedule else ""
-        print(f"{name:20s} model: {source}  data: {spec.data.train}{schedule}")
+        print(f"{name:20s} model: {source}  data: {describe(spec.data.train)}{schedule}")
         if spec.description:
             print(f"{'':20s} {spec.description}")
     return 0

@@ -2,7 +2,7 @@
 
     world_size = dp × tp × pp            distributed.num_processes
     tp  tensor parallel                  distributed.tensor_parallel (auto: None until the plan chooses)
-    pp  pipeline stages                  1 (pipeline parallel through `fulltune run` is not offered yet)
+    pp  pipeline stages                  distributed.pipeline_parallel (fulltune/runtime/pipeline_parallel.py)
     dp  data parallel                    the rest: processes that train on different rows (FSDP2 over them)
 
 One frozen object, checked once where it is built, read everywhere the degrees matter: the spec's batch
@@ -39,14 +39,14 @@ class ParallelDims:
     pp: int = 1
 
     def __post_init__(self) -> None:
-        degrees = {"num_processes": self.world_size, "pipeline stages": self.pp}
+        degrees = {"num_processes": self.world_size, "pipeline_parallel": self.pp}
         if self.tp is not None:
             degrees["tensor_parallel"] = self.tp
         for name, value in degrees.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DegreesError(f"{name} must be an integer >= 1; got {value!r}")
-        split = [f"tensor_parallel ({self.tp})"] if self.tp is not None else []
-        split += [f"pipeline stages ({self.pp})"] if self.pp > 1 else []
+        split = [f"tensor_parallel ({self.tp})"] if self.tp is not None and (self.tp > 1 or self.pp == 1) else []
+        split += [f"pipeline_parallel ({self.pp})"] if self.pp > 1 else []
         if self.world_size % ((self.tp or 1) * self.pp):
             raise DegreesError(f"num_processes ({self.world_size}) must be a multiple of {' × '.join(split)}")
 
@@ -54,7 +54,7 @@ class ParallelDims:
     def from_spec(cls, distributed: Any) -> ParallelDims:
         """The degrees a `spec.DistributedSpec` asks for; `tensor_parallel: auto` is `tp` None."""
         tp = distributed.tensor_parallel
-        return cls(distributed.num_processes, None if tp == "auto" else tp)
+        return cls(distributed.num_processes, None if tp == "auto" else tp, distributed.pipeline_parallel)
 
     @property
     def dp(self) -> int | None:
@@ -79,8 +79,8 @@ class ParallelDims:
         dp = self.dp
         if dp is None:
             return  # tensor_parallel auto: the plan keeps the batch for each degree it tries
-        who = "distributed.num_processes" if self.tp == 1 else \
-            "distributed.num_processes / distributed.tensor_parallel"
+        who = "distributed.num_processes" + ("" if self.tp == 1 else " / distributed.tensor_parallel") + (
+            "" if self.pp == 1 else " / distributed.pipeline_parallel")
         if micro is not None and accumulation is not None and micro * accumulation * dp != effective:
             raise DegreesError(f"train.micro_batch_size ({micro}) × train.gradient_accumulation_steps "
                                f"({accumulation}) × {who} ({dp}) must equal train.effective_batch_size ({effective})")

@@ -16,9 +16,14 @@ would satisfy it — the planner, which fills the `auto` fields, keeps only cand
                                                                                   or FSDP (not DDP), not with
                                                                                   offload_optimizer or tensor
                                                                                   parallel
-    offload_activations    checkpointed layers' saved inputs wait in host RAM    checkpointed layers
+    offload_activations    checkpointed layers' saved inputs wait in host RAM    checkpointed layers; not
+                                                                                  FSDP on cuda (unmeasured)
     offload_optimizer      masters, gradients and states in host RAM              one process, or FSDP on
                                                                                   cuda (CPUOffloadPolicy)
+
+Pipeline stages (`distributed.pipeline_parallel` > 1, fulltune/runtime/pipeline_parallel.py) run the chunked
+loss and pure bf16, not the step in backward or the offloads (PIPELINE_REFUSED_LEVERS), nor fp16's grad scaler,
+nor data parallel beside the stages yet; 1F1B needs a micro-batch per stage.
 """
 
 from __future__ import annotations
@@ -30,6 +35,12 @@ from fulltune.errors import ConfigError
 
 # In the order the planner tries them: cheapest in step time first.
 LEVERS = ("chunked_loss", "pure_bf16", "optimizer_in_backward", "offload_activations", "offload_optimizer")
+# What a pipeline stage does not run, and why: each is a rule of the table below.
+PIPELINE_REFUSED_LEVERS = {
+    "optimizer_in_backward": "the schedule runs every micro-batch's backward before the step",
+    "offload_activations": "the stages keep the schedule's in-flight activations on the device",
+    "offload_optimizer": "each stage steps its own optimizer on the device",
+}
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,8 @@ class Combination:
     strategy: str | None = "none"
     num_processes: int = 1
     tensor_parallel: int | None = 1
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1f1b"
     optimizer: str | None = "adamw"
     gradient_accumulation_steps: int | None = None
     mixed_precision: str | None = None
@@ -91,6 +104,31 @@ def _torchao_missing() -> bool:
     return importlib.util.find_spec("torchao") is None
 
 
+def _pipeline_rules() -> tuple[Rule, ...]:
+    """The pipeline stages' rules: the levers they do not run, fp16, data parallel beside them, 1F1B's
+    micro-batches."""
+    def refuses(lever: str) -> Callable[[Combination], bool]:
+        return lambda c: c.pipeline_parallel > 1 and c.on(lever)
+
+    return (
+        *(Rule((f"train.{lever}", "distributed.pipeline_parallel"), refuses(lever),
+               f"{why}; set pipeline_parallel to 1 or turn {lever} off")
+          for lever, why in PIPELINE_REFUSED_LEVERS.items()),
+        Rule(("train.mixed_precision", "distributed.pipeline_parallel"),
+             lambda c: c.pipeline_parallel > 1 and c.mixed_precision == "fp16",
+             "pipeline stages have no grad scaler across stages; set mixed_precision to bf16, no or auto"),
+        Rule(("distributed.strategy", "distributed.pipeline_parallel"),
+             lambda c: c.pipeline_parallel > 1 and c.strategy != "none",
+             "data parallel beside pipeline stages is not built yet; set strategy none and num_processes to "
+             "pipeline_parallel"),
+        Rule(("train.gradient_accumulation_steps", "distributed.pipeline_schedule"),
+             lambda c: c.pipeline_parallel > 1 and c.pipeline_schedule == "1f1b"
+             and c.gradient_accumulation_steps is not None and c.gradient_accumulation_steps < c.pipeline_parallel,
+             "1F1B needs at least as many micro-batches as stages (gradient_accumulation_steps ≥ "
+             "pipeline_parallel); raise it, or use pipeline_schedule gpipe"),
+    )
+
+
 RULES: tuple[Rule, ...] = (
     Rule(("train.optimizer_in_backward", "train.gradient_accumulation_steps"),
          lambda c: c.on("optimizer_in_backward") and c.gradient_accumulation_steps not in (None, 1),
@@ -129,6 +167,13 @@ RULES: tuple[Rule, ...] = (
     Rule(("train.pure_bf16", "budget.device"),
          lambda c: c.on("pure_bf16") and c.bf16_supported is False,
          "this GPU has no bf16 support; turn pure_bf16 off"),
+    # Under FSDP2 a checkpointed layer's offloaded input comes back to the device for its recompute beside the
+    # gathered unit: the memory model counts that (memory/walk.py), but no FSDP step with offloaded activations
+    # has been measured on a GPU (on a CPU device nothing is offloaded, so none can be measured there).
+    Rule(("train.offload_activations", "distributed.strategy", "budget.device"),
+         lambda c: c.on("offload_activations") and c.strategy == "fsdp" and c.device == "cuda",
+         "activation offload under FSDP on CUDA has never been measured against the memory model, so its plan "
+         "could not be trusted; turn offload_activations off (or auto) or use strategy none"),
     Rule(("train.offload_activations", "train.gradient_checkpointing"),
          lambda c: c.on("offload_activations") and _no_checkpointing(c),
          "it moves the saved inputs of checkpointed layers to host RAM, and no layer is checkpointed; set "
@@ -146,6 +191,7 @@ RULES: tuple[Rule, ...] = (
          lambda c: c.strategy == "fsdp" and c.optimizer in ("adamw_8bit", "adamw_4bit"),
          "the 8-bit and 4-bit updates have no sharding rule for FSDP2's DTensor shards (bitsandbytes' "
          "optimizer_update_32bit refuses them); use adamw or adafactor with fsdp"),
+    *_pipeline_rules(),
 )
 
 
@@ -175,6 +221,7 @@ def from_spec(pipeline: object) -> Combination:
         strategy=auto(distributed.strategy), num_processes=distributed.num_processes,  # type: ignore[arg-type]
         # tensor_parallel auto is None: the planner checks every degree it tries against the table.
         tensor_parallel=distributed.dims.tp, optimizer=auto(train.optimizer),
+        pipeline_parallel=distributed.pipeline_parallel, pipeline_schedule=distributed.pipeline_schedule,
         gradient_accumulation_steps=auto(train.gradient_accumulation_steps),
         mixed_precision=auto(train.mixed_precision), gradient_checkpointing=auto(train.gradient_checkpointing),
         device=auto(budget.device))
@@ -188,6 +235,7 @@ def from_settings(settings: object, bf16_supported: bool | None = None) -> Combi
         levers=s.levers(), num_processes=s.num_processes,  # type: ignore[attr-defined]
         strategy=None if s.strategy == "auto" else s.strategy,  # type: ignore[attr-defined]  # a request's auto
         tensor_parallel=s.tensor_parallel,  # type: ignore[attr-defined]  # None: auto, in a request
+        pipeline_parallel=getattr(s, "pipeline_parallel", 1), pipeline_schedule=getattr(s, "pipeline_schedule", "1f1b"),
         optimizer=s.optimizer, gradient_accumulation_steps=s.gradient_accumulation_steps,  # type: ignore[attr-defined]
         mixed_precision=s.mixed_precision, gradient_checkpointing=s.gradient_checkpointing,  # type: ignore[attr-defined]
         device=s.device, bf16_supported=bf16_supported)  # type: ignore[attr-defined]

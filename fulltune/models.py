@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -117,13 +118,36 @@ def load_tokenizer(path_or_id: str, *, revision: str | None = None, trust_remote
     return tokenizer
 
 
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a loaded model's weights go: all on `device`, or with `max_memory` (accelerate's bytes per device,
+    e.g. {0: 20 GiB, "cpu": 200 GiB}) by `device_map="auto"`: the layers that do not fit the device stay in host
+    RAM, beyond that on disk under `offload_folder`, and are brought to the device for their forward
+    (accelerate's big-model inference)."""
+
+    device: str = "cpu"
+    max_memory: dict[int | str, int] | None = None
+    offload_folder: str | None = None
+
+    def from_pretrained_kwargs(self) -> dict[str, Any]:
+        if self.max_memory is None:
+            return {}
+        return {"device_map": "auto", "max_memory": self.max_memory, "offload_folder": self.offload_folder}
+
+
 def load_model(path_or_id: str, *, revision: str | None = None, trust_remote_code: bool = False,
                allow_pickle_weights: bool = False, attn_implementation: str = "sdpa",
-               token: str | None = None, dtype: Any = None) -> Any:
-    """AutoModelForCausalLM in fp32 (mixed precision is autocast's job, not the weights')."""
+               token: str | None = None, dtype: Any = None, placement: Placement = Placement()) -> Any:
+    """AutoModelForCausalLM placed as `placement` says, in `dtype` (a torch dtype or `fp32`/`bf16`/`fp16`;
+    None: fp32, the trainer's masters: mixed precision is autocast's job, not the weights')."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    if isinstance(dtype, str):
+        dtype = getattr(torch, DTYPES[dtype])
     try:
         model, loading = AutoModelForCausalLM.from_pretrained(
             path_or_id,
@@ -136,6 +160,7 @@ def load_model(path_or_id: str, *, revision: str | None = None, trust_remote_cod
             # Mismatches are collected and refused below, in one message, instead of a RuntimeError.
             ignore_mismatched_sizes=True,
             output_loading_info=True,
+            **placement.from_pretrained_kwargs(),
         )
     except (OSError, ValueError) as exc:
         hint = ""
@@ -143,7 +168,19 @@ def load_model(path_or_id: str, *, revision: str | None = None, trust_remote_cod
             hint = " (only safetensors weights load unless model.allow_pickle_weights: true)"
         raise ConfigError(f"model.name_or_path: cannot load {path_or_id!r}{hint}: {exc}") from None
     check_weights_fit(path_or_id, loading)
-    return model
+    return model if placement.max_memory is not None or placement.device == "cpu" else model.to(placement.device)
+
+
+def release_memory() -> None:
+    """Collect what dropped models leave behind, before the next one loads: the objects their reference cycles
+    keep alive (modules, hooks) and, on a GPU, the caching allocator's blocks."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def check_weights_fit(path_or_id: str, loading: dict[str, Any]) -> None:

@@ -13,9 +13,10 @@ import json
 import posixpath
 import re
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError,
+                      field_validator, model_validator)
 
 from fulltune import yamlio
 from fulltune.degrees import ParallelDims
@@ -38,6 +39,7 @@ MixedPrecision = Literal["bf16", "fp16", "no"]
 Optimizer = Literal["adamw", "adamw_8bit", "adamw_4bit", "adafactor"]
 LrScheduler = Literal["cosine", "linear", "constant"]
 Strategy = Literal["none", "ddp", "fsdp", "auto"]
+PipelineSchedule = Literal["1f1b", "gpipe"]
 
 
 class Strict(BaseModel):
@@ -82,11 +84,47 @@ class ModelSpec(Strict):
         return self
 
 
+class EvalSource(Strict):
+    """One item of a `data.eval` list: a file, directory or hub id, with the `data.` options it overrides."""
+
+    path: str = Field(description="A .jsonl/.json/.csv/.parquet/.txt file, a directory, or a hub id.")
+    split: str | None = Field(None, description="The split of a hub dataset (as `org/name:split` names it).")
+    format: DataFormat | None = Field(None, description="How this source's records become text (default data.format).")
+    text_field: str | None = Field(None, description="Column with the text (default data.text_field).")
+    prompt_field: str | None = Field(None, description="Column with the prompt (default data.prompt_field).")
+    completion_field: str | None = Field(None, description="Column with the completion (default data.completion_field).")
+    messages_field: str | None = Field(None, description="Column with the chat messages (default data.messages_field).")
+
+
+class TrainSource(EvalSource):
+    """One item of a `data.train` list: an EvalSource with a weight."""
+
+    weight: float = Field(1.0, gt=0, le=1000, description="Times each of this source's examples is seen per epoch "
+                                                          "on average: 2 twice, 0.5 a seeded half.")
+
+
+def _source_list(item_type: type[EvalSource]) -> Any:
+    """`str | list[item_type]`, the list's plain strings read as `{path: ...}`; errors name `[n]`, not the union."""
+    def as_items(value: Any) -> Any:
+        return [{"path": v} if isinstance(v, str) else v for v in value] if isinstance(value, list) else value
+
+    sources = Annotated[list[item_type], Field(min_length=1), BeforeValidator(as_items)]  # type: ignore[valid-type]
+    return Annotated[Union[Annotated[str, Tag("Path")], Annotated[sources, Tag("Sources")]],
+                     Discriminator(lambda v: "Path" if isinstance(v, str) else "Sources")]
+
+
+TrainSources = _source_list(TrainSource)
+EvalSources = _source_list(EvalSource)
+
+
 class DataSpec(Strict):
     """Where the examples come from and how they become token sequences."""
 
-    train: str = Field(description="Training data: a .jsonl/.json/.csv/.parquet/.txt file, a directory, or a hub id.")
-    eval: str | None = Field(None, description="Held-out data; when absent, `eval_split` of train is held out.")
+    train: TrainSources = Field(description="Training data: a .jsonl/.json/.csv/.parquet/.txt file, a directory, or a "
+                                            "hub id; or a list of them, each a reference or a mapping {path, weight, "
+                                            "split, format, <field>_field} overriding these options for that source.")
+    eval: EvalSources | None = Field(None, description="Held-out data (one source or a list, as train but without "
+                                                       "weight); when absent, `eval_split` of train is held out.")
     eval_split: float = Field(0.1, gt=0, lt=1, description="Fraction of train held out when `eval` is absent.")
     format: DataFormat = Field("text", description="How records become text.")
     text_field: str = Field("text", description="Column with the text (format `text`).")
@@ -94,11 +132,22 @@ class DataSpec(Strict):
     completion_field: str = Field("completion", description="Column with the completion (format `prompt_completion`).")
     messages_field: str = Field("messages", description="Column with the chat messages (format `chat`).")
     max_length: int = Field(512, ge=8, le=1_048_576, description="Sequences are truncated to this many tokens.")
+    num_workers: Union[Auto, int] = Field(
+        "auto", description="Processes the tokenize stage formats and tokenizes with (each source cut into shards; "
+                            "the output is the same for any number). `auto`: the CPUs this process may use."
+    )
     packing: Union[bool, Auto] = Field(
         "auto", description="Pack several examples into each max_length row (positions restart). `auto`: pack "
                             "when that trains faster (predicted per epoch, or measured under budget.autotune: "
                             "true); examples longer than half of max_length are never packed."
     )
+
+    @field_validator("num_workers")
+    @classmethod
+    def _workers(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be >= 1 or 'auto'")
+        return value
 
 
 class AutotuneSpec(Strict):
@@ -242,6 +291,18 @@ class DistributedSpec(Strict):
                        "them. Needs strategy fsdp; 1 = no tensor parallel; auto: the plan chooses a divisor of the "
                        "processes on one machine (the fastest that fits)."
     )
+    pipeline_parallel: int = Field(
+        1, ge=1, le=64, description="Pipeline stages: the decoder layers split evenly over this many processes, "
+                                    "one stage each (the embedding on the first, the head on the last); "
+                                    "num_processes = pipeline_parallel × data parallel × tensor_parallel. 1 = none. "
+                                    "Each optimizer step's gradient_accumulation_steps micro-batches flow through "
+                                    "the stages. Needs strategy none and no other parallelism (for now)."
+    )
+    pipeline_schedule: PipelineSchedule = Field(
+        "1f1b", description="The order a stage runs its micro-batches: `1f1b` (one forward, one backward: stage s "
+                            "holds at most P − s micro-batches' activations; needs gradient_accumulation_steps ≥ "
+                            "pipeline_parallel) or `gpipe` (all forwards, then all backwards: holds all of them)."
+    )
 
     @field_validator("strategy", mode="before")
     @classmethod
@@ -253,8 +314,15 @@ class DistributedSpec(Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> DistributedSpec:
-        if self.strategy == "none" and self.num_processes != 1:
-            raise ValueError("num_processes > 1 needs a strategy (ddp or fsdp)")
+        if self.strategy == "none" and self.num_processes != self.pipeline_parallel:
+            raise ValueError("num_processes > 1 needs a strategy (ddp or fsdp)"
+                             + (" or num_processes = pipeline_parallel" if self.pipeline_parallel > 1 else ""))
+        if self.pipeline_parallel > 1 and self.strategy == "auto":
+            raise ValueError("pipeline_parallel > 1 runs under strategy none (auto is not combined with pipeline "
+                             "stages yet)")
+        if self.pipeline_parallel > 1 and self.tensor_parallel != 1:
+            raise ValueError("pipeline_parallel > 1 is not combined with tensor_parallel (not built); set one of "
+                             "them to 1")
         if self.tensor_parallel == "auto":
             return self  # the plan chooses a degree that divides the processes (planning/planner.py)
         if not 1 <= self.tensor_parallel <= 64:
@@ -275,8 +343,21 @@ class DistributedSpec(Strict):
 BUILTIN_METRICS: dict[str, Literal["min", "max"]] = {
     "eval_loss": "min", "perplexity": "min", "bits_per_byte": "min", "exact_match": "max",
 }
+DEFAULT_METRIC_TIMEOUT = 600.0  # seconds, evaluate.metric_timeout
 CALLABLE_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 METRIC_NAME_PATTERN = re.compile(r"^[A-Za-z_][\w.-]*$")
+
+
+# Fields a run started from a deployment may never override, even where a pipeline's `run_overrides`
+# names them: they run code (remote model code, metric modules, task files with `!function`), load
+# pickles, read a secret, or choose where outputs go.
+NEVER_RUN_OVERRIDES = ("model.trust_remote_code", "model.allow_pickle_weights", "model.token_env",
+                       "evaluate.metrics", "evaluate.lm_eval.tasks", "run_overrides", "workdir")
+
+
+def covers(entry: str, key: str) -> bool:
+    """Whether the dotted `entry` is `key` or one of the sections above it (`train` covers `train.seed`)."""
+    return key == entry or key.startswith(entry + ".")
 
 
 def lm_eval_installed() -> bool:
@@ -314,7 +395,13 @@ class EvaluateSpec(Strict):
     max_generate_examples: int = Field(32, ge=0, description="Greedy generations for exact match (prompt_completion).")
     max_new_tokens: int = Field(32, ge=1, description="Tokens generated per example.")
     compare_champion: bool = Field(True, description="Also evaluate the current champion on the same data.")
+    precision: Literal["trained", "fp32"] = Field(
+        "trained", description="The dtype every candidate is evaluated in: `trained`, the one the run's forward "
+                               "computed in (bf16 under bf16 autocast or pure bf16), or `fp32`.")
     lm_eval: LmEvalSpec | None = Field(None, description="lm-evaluation-harness tasks; metrics `<task>/<metric>`.")
+    metric_timeout: float = Field(
+        DEFAULT_METRIC_TIMEOUT, gt=0, description="Seconds each metric function of `metrics` may run on one "
+                                                  "model's completions; one that runs longer stops the run, named.")
     metrics: dict[str, str] = Field(
         default_factory=dict,
         description="The team's own metrics: name → `module:function` (a list of `module:function` names each "
@@ -431,6 +518,22 @@ class PipelineSpec(Strict):
     # `register` is the YAML key; the attribute name avoids shadowing BaseModel.register.
     registration: RegisterSpec = Field(default_factory=RegisterSpec, alias="register")
     schedule: str | None = Field(None, description="Cron expression for scheduled retraining (`fulltune serve`).")
+    run_overrides: list[str] = Field(
+        default_factory=list,
+        description="Fields (dotted keys, or a section such as `evaluate`) that a run started from a deployment "
+                    "(the Prefect UI, the API, a schedule) may override besides the training knobs it always may "
+                    "(fulltune/stages/run_overrides.py). Never the fields that run code, load pickles, read secrets or "
+                    f"choose where outputs go: {', '.join(NEVER_RUN_OVERRIDES)}. `fulltune run --set` is not "
+                    "limited.")
+
+    @field_validator("run_overrides")
+    @classmethod
+    def _never(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            clash = next((k for k in NEVER_RUN_OVERRIDES if covers(entry, k) or covers(k, entry)), None)
+            if clash:
+                raise ValueError(f"{entry!r}: a run parameter may never set {clash}")
+        return value
 
     @field_validator("schedule")
     @classmethod
@@ -464,7 +567,8 @@ class PipelineSpec(Strict):
 
     def config_hash(self) -> str:
         """sha256 of the resolved pipeline, stable across runs and key order."""
-        text = json.dumps(self.model_dump(mode="json", by_alias=True), sort_keys=True)
+        # run_overrides says who may change the pipeline, not what it computes.
+        text = json.dumps(self.model_dump(mode="json", by_alias=True, exclude={"run_overrides"}), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -533,11 +637,23 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | dict[str, Any]) 
     return result
 
 
+# A value that fits none of a union's members: pydantic reports each scalar member too
+# ("should be a valid boolean", "should be 'auto'") beside the mapping member's real problems.
+SCALAR_MISMATCH = {"bool_type", "bool_parsing", "literal_error", "int_type", "int_parsing", "float_type",
+                   "float_parsing", "string_type"}
+
+
 def _format_errors(error: ValidationError, prefix: str) -> list[str]:
+    items = [(tuple(p for p in item["loc"] if not _is_union_tag(p)), item) for item in error.errors()]
+    deeper = {loc[:n] for loc, _ in items for n in range(len(loc))}
     lines = []
-    for item in error.errors():
-        loc = [str(p) for p in item["loc"] if not _is_union_tag(p)]
-        path = ".".join([prefix, *loc]) if prefix else ".".join(loc)
+    for loc, item in items:
+        if item["type"] in SCALAR_MISMATCH and loc in deeper:
+            continue  # the union's scalar members, when a mapping member says what is wrong inside
+        path = ""
+        for part in [prefix, *loc]:
+            # A list position reads as YAML paths are written elsewhere: data.train[2].messages_field.
+            path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown key"

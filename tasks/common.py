@@ -13,7 +13,7 @@ from typing import Any
 
 from prefect.locking.filesystem import FileSystemLockManager
 
-from fulltune.errors import UserError
+from fulltune.errors import UserError, disk_full
 
 
 def cache_key(stage: str):
@@ -156,13 +156,14 @@ def clear_stale_locks(workdir: str) -> list[Path]:
 
 
 def retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:
-    """Retry crashes and flaky I/O, never a user error: retrying a bad config changes nothing."""
+    """Retry crashes and flaky I/O, never a user error nor a full disk: retrying a bad config, or a
+    write to a filesystem with no space left, changes nothing (the flow says which: flows/pipeline.py)."""
     try:
         state.result()
     except UserError:
         return False
-    except Exception:  # noqa: BLE001 - any other failure is what retries are for
-        return True
+    except Exception as exc:  # noqa: BLE001 - any other failure is what retries are for
+        return not disk_full(exc)
     return True
 
 

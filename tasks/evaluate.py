@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -19,8 +20,10 @@ from tasks.finetune import TrainedModel
 @task(name=EVALUATE, cache_policy=stage_policy(EVALUATE), persist_result=True, retries=2,
       retry_delay_seconds=[5, 20], retry_condition_fn=retry_unless_user_error)
 def evaluate_task(p: ResolvedPipeline, key: str, data: TokenizedData, trained: TrainedModel,
-                  champion: Champion | None, device: str, mlflow_run_id: str) -> EvalReport:
-    """fulltune.evaluation.evaluate.evaluate_candidates, with its metrics in MLflow, the report on disk and as an artifact."""
+                  champion: Champion | None, device: str, mlflow_run_id: str,
+                  evaluation: dict[str, Any] | None = None) -> EvalReport:
+    """fulltune.evaluation.evaluate.evaluate_candidates in the plan's `evaluation` (dtype, fitted batches, placement), with
+    its metrics in MLflow, the report on disk and as an artifact."""
     from fulltune.evaluation.evaluate import evaluate_candidates
     from fulltune.tracking.registry import comparison_tags, log_metrics, set_run_tags
 
@@ -28,7 +31,7 @@ def evaluate_task(p: ResolvedPipeline, key: str, data: TokenizedData, trained: T
     report = evaluate_candidates(p.spec, eval_file=data.eval_file, base_model=trained.base_model,
                                  model_dir=trained.model_dir, tokenizer=trained.tokenizer, champion=champion,
                                  workdir=p.workdir, base_dir=str(Path(p.pipelines_file).parent), device=device,
-                                 progress=logger.info)
+                                 progress=logger.info, evaluation=evaluation)
     for name, values in {**report.candidates, "champion_own_tokenizer": report.champion_own_tokens}.items():
         if values is not None:
             logger.info("%s: %s", name, values.as_dict())

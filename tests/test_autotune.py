@@ -121,6 +121,62 @@ def test_the_tuning_stops_at_max_seconds(tiny, monkeypatch):
     assert {t.outcome for t in tuning.trials} == {"timeout"} and tuning.chosen is None
 
 
+def test_a_candidate_beats_the_plan_only_by_beating_its_measured_time(tiny, monkeypatch):
+    from fulltune.planning import autotune
+
+    p, data, tokenizer, decision = tiny
+    usable = decision.plan["usable_bytes"]
+    # The plan ran out of time (never measured); candidate 1 fits: nothing shows it is faster than the plan.
+    results = iter([autotune._Measured("timeout", detail="stopped after 4 s"),
+                    autotune._Measured("measured", 0.2, usable // 2, 100.0),
+                    autotune._Measured("measured", 0.3, usable // 2, 80.0)])
+    monkeypatch.setattr(autotune, "measure", lambda *args: next(results))
+    tuning = autotune.tune(p, decision, data, tokenizer, autotune.options(p.spec.budget.autotune))
+    assert tuning.chosen is None and "the planned settings were not measured (timeout)" in tuning.reason
+
+
+def test_time_a_candidate_does_not_use_flows_to_the_next_and_none_gets_less_than_it_needs(tiny, monkeypatch):
+    from fulltune.planning import autotune
+
+    p, data, tokenizer, decision = tiny
+    given = []
+
+    def quick(job, opts, timeout, step_tokens):
+        given.append(timeout)
+        return autotune._Measured("failed", detail="quick")
+
+    monkeypatch.setattr(autotune, "measure", quick)
+    opts = replace(autotune.options(p.spec.budget.autotune), max_seconds=24.0)
+    autotune.tune(p, decision, data, tokenizer, opts)
+    # A CPU child needs ~12 s to start: each candidate may use it, not an even third (8 s) of 24 s.
+    assert len(given) == 3 and all(t > 12 for t in given), given
+
+
+def test_durations_and_throughput_read_as_measured(tiny, monkeypatch):
+    from fulltune.planning import autotune
+
+    p, data, tokenizer, decision = tiny
+    monkeypatch.setattr(autotune, "measure", lambda *args: pytest.fail("no candidate may start"))
+    tuning = autotune.tune(p, decision, data, tokenizer,
+                           replace(autotune.options(p.spec.budget.autotune), max_seconds=0.5))
+    table = autotune.format_table(tuning)
+    assert "of at most 0.5 s" in table and "the tuning's 0.5 s were spent" in table, table
+    # tokens/s is the median step's tokens over the median step's time, like the step time beside it
+    assert autotune.throughput([100, 100, 400], [1.0, 1.0, 10.0]) == 100.0
+
+
+def test_the_budget_key_carries_the_hardware_the_tuning_measured(tiny, monkeypatch):
+    from fulltune import stages
+    from fulltune.planning import autotune
+
+    p, data, _, _ = tiny
+    keys = {}
+    for cores in (2, 1):
+        monkeypatch.setattr(autotune, "_cpu_info", lambda: {"name": "cpu", "count": cores, "machine": "x86_64"})
+        keys[cores] = stages.budget_key(p, data.training_fingerprint)
+    assert keys[1] != keys[2]
+
+
 def test_measured_step_times_calibrate_the_ranking_for_their_kind_of_step(tmp_path):
     from fulltune.planning import autotune
     from fulltune.memory import Settings
@@ -169,6 +225,8 @@ def test_a_bad_autotune_mapping_names_its_field(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "pipelines.tiny.budget.autotune.candidates: must be >= 1" in err
     assert "pipelines.tiny.budget.autotune.step: unknown key" in err
+    # only those two: not the switch forms the mapping is not ("should be a valid boolean", "'auto'")
+    assert "2 problem(s)" in err and "Input should be" not in err, err
 
 
 # --- data.packing: auto ----------------------------------------------------------------------------

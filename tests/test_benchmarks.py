@@ -172,7 +172,8 @@ def test_kv_cache_and_harness_logit_terms_are_what_transformers_allocates():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fulltune.evaluation.evaluate import eval_peak_bytes
+    from fulltune.memory.evaluation import eval_memory
+    from fulltune.memory.shapes import model_shape
 
     config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -187,8 +188,8 @@ def test_kv_cache_and_harness_logit_terms_are_what_transformers_allocates():
     cache = out.past_key_values
     cached = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     # The cache holds every position but the last generated one (it is never fed back).
-    memory = eval_peak_bytes(config, batch_size=batch, seq_len=prompt, max_new_tokens=new,
-                             harness_batch_size=batch, harness_seq_len=prompt)
+    memory = eval_memory(model_shape(config), weight_bytes=4, batches=(batch, batch, batch), seq_len=prompt,
+                         max_new_tokens=new, harness_seq_len=prompt)
     kv_term = 2 * 2 * batch * (prompt + new) * 2 * 8 * 4
     assert cached == kv_term * (prompt + new - 1) // (prompt + new)
     assert memory.weights == sum(p.numel() * p.element_size() for p in model.parameters())

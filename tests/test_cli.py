@@ -85,6 +85,10 @@ def test_plan_json_keeps_the_contract(tmp_path, capsys):
     for key in ("gradient_checkpointing", "mixed_precision", "optimizer"):
         assert key in chosen
     assert isinstance(plan["alternatives"], list)
+    # Before the data is tokenized the logits are sized for every position; the plan says so.
+    assert plan["planned_on"].startswith("planned before the data is tokenized: every row at data.max_length (16)")
+    assert main(["plan", "tiny", "-f", str(path)]) == 0
+    assert "`fulltune run` tokenizes first" in capsys.readouterr().out
 
 
 def test_impossible_budget_with_fail_exits_2_with_breakdown(tmp_path):
@@ -145,6 +149,21 @@ def test_broken_data_exits_2_and_registers_nothing(tmp_path, content, needles):
     assert registered_versions(tmp_path / "work" / "mlflow.db") == 0
 
 
+@pytest.mark.slow
+def test_a_broken_record_in_the_third_source_exits_2_naming_it_and_registers_nothing(tmp_path):
+    from pipelines_fixture import write_addition_data
+
+    write_addition_data(tmp_path / "more.jsonl", 8, seed=1)
+    (tmp_path / "third.jsonl").write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": "2+2=", "completion": 4}\n')
+    path = tiny_pipeline(tmp_path, data={"train": ["train.jsonl", {"path": "more.jsonl", "weight": 2}, "third.jsonl"]})
+    result = run_cli("run", "tiny", "-f", str(path), cwd=tmp_path)
+    assert_user_error(result, "data.train[2]: ", "third.jsonl line 2: column 'completion' is a number")
+    assert not list((tmp_path / "work").glob("tokenized/[!.]*"))
+    assert registered_versions(tmp_path / "work" / "mlflow.db") == 0
+    (tmp_path / "third.jsonl").unlink()
+    assert_user_error(run_cli("validate", str(path), cwd=tmp_path), "pipelines.tiny.data.train[2]: file not found")
+
+
 def registered_versions(database: Path) -> int:
     """Model versions in a tracking database (MLflow's store opens it as the run starts, before any stage)."""
     import sqlite3
@@ -154,3 +173,30 @@ def registered_versions(database: Path) -> int:
     with sqlite3.connect(database) as connection:
         tables = {name for (name,) in connection.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         return connection.execute("SELECT COUNT(*) FROM model_versions").fetchone()[0] if "model_versions" in tables else 0
+
+
+def test_a_full_disk_outside_the_stages_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    import errno
+    import sqlite3
+
+    from sqlalchemy.exc import OperationalError
+
+    from fulltune import cli
+
+    path = tiny_pipeline(tmp_path)
+
+    def full(args):
+        raise OperationalError("CREATE TABLE", {}, sqlite3.OperationalError("database or disk is full"))
+
+    monkeypatch.setitem(cli.COMMANDS, "run", full)
+    assert main(["run", "tiny", "-f", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: /") and "the filesystem is full" in err and "Traceback" not in err
+    assert err.rstrip().endswith("rerun: the stages that finished are cached")
+
+    def no_space(args):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "work" / "mlflow.db"))
+
+    monkeypatch.setitem(cli.COMMANDS, "run", no_space)
+    assert main(["run", "tiny", "-f", str(path)]) == 2
+    assert f"while writing {tmp_path / 'work' / 'mlflow.db'}" in capsys.readouterr().err

@@ -6,7 +6,6 @@ Everything is built locally: a tokenizer trained in a second on a few strings, t
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pyarrow.parquet as pq

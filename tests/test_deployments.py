@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from flows.deployments import build_deployments
@@ -33,3 +34,89 @@ def test_overrides_form_maps_to_dotted_keys_and_rejects_bad_values():
         Overrides(learning_rate=-1)
     with pytest.raises(ValidationError):
         Overrides(learnign_rate=1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# What a run started from a deployment may change
+
+
+def _opt_in(path, *fields):
+    config = yaml.safe_load(path.read_text())
+    config["pipelines"]["tiny"]["run_overrides"] = list(fields)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def _run_from_deployment(client, deployment_id, **parameters):
+    """Create the flow run on the server, as the UI or `prefect deployment run` does, and execute it as
+    the deployment's runner does (the flow loaded, the run's parameters read from the server)."""
+    from prefect.flow_engine import run_flow
+
+    from flows.pipeline import finetune_pipeline
+
+    flow_run = client.create_flow_run_from_deployment(deployment_id, parameters=parameters)
+    return run_flow(finetune_pipeline, flow_run=client.read_flow_run(flow_run.id), return_type="state")
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_run_parameters_cannot_widen_what_the_pipeline_may_do(tmp_path, prefect_server):
+    from prefect.client.orchestration import get_client
+
+    from flows.pipeline import finetune_pipeline
+
+    project = tmp_path / "project"
+    project.mkdir()
+    path = tiny_pipeline(project)
+    _opt_in(path, "data.train")
+    outside = tmp_path / "private.jsonl"
+    outside.write_text((project / "train.jsonl").read_text())
+    (deployment,) = build_deployments(str(path))
+    deployment_id = deployment.apply()
+    # A deployment as infra/prefect.yaml declares one: the file is the flow's default, pipelines.yaml.
+    bare_id = finetune_pipeline.to_deployment(name="bare", parameters={"pipeline": "tiny"}).apply()
+    refused = {
+        "model.trust_remote_code": {"extra": {"model.trust_remote_code": True}},
+        "model.allow_pickle_weights": {"extra": {"model": {"allow_pickle_weights": True}}},
+        "evaluate.metrics": {"extra": {"evaluate.metrics": {"x": "os:getcwd"}}},
+        "evaluate.lm_eval.tasks": {"extra": {"evaluate": {"lm_eval": {"tasks": ["t.yaml"]}}}},
+        "model.token_env": {"extra": {"model.token_env": "MLFLOW_TRACKING_TOKEN"}},
+        "data.eval": {"extra": {"data.eval": "train.jsonl"}},  # not in the pipeline's run_overrides
+        "data.train": {"extra": {"data.train": str(outside)}},  # opted in, but outside the project
+    }
+    with get_client(sync_client=True) as client:
+        with pytest.raises(Exception, match="pipelines_file"):  # the server's schema check refuses it
+            client.create_flow_run_from_deployment(deployment_id, parameters={"pipelines_file": str(outside)})
+        for field, overrides in refused.items():
+            state = _run_from_deployment(client, deployment_id, overrides=overrides)
+            assert state.is_failed(), field
+            assert f"overrides.{field}" in state.message, state.message
+        state = _run_from_deployment(client, bare_id, pipelines_file=str(path))
+        assert state.is_failed() and "pipelines_file: deployment" in state.message, state.message
+    assert not (project / "work").exists(), "refused before any stage ran"
+
+
+def test_run_parameters_may_set_the_training_knobs_and_what_the_pipeline_opts_in(tmp_path):
+    from fulltune.stages.run_overrides import check_overrides, flatten
+    from fulltune.errors import ConfigError
+
+    path = tiny_pipeline(tmp_path)
+    _opt_in(path, "evaluate.compare_champion", "data.eval")
+    (tmp_path / "held_out.jsonl").write_text((tmp_path / "train.jsonl").read_text())
+    fields = flatten(Overrides(max_steps=2, budget_memory="1GiB", extra={
+        "distributed.strategy": "ddp", "distributed": {"num_processes": 2}, "evaluate.compare_champion": False,
+        "data.eval": "held_out.jsonl"}).dotted())
+    assert fields["distributed.num_processes"] == 2  # a nested mapping sets its fields, not the whole section
+    check_overrides(str(path), "tiny", fields)  # nothing refused
+    with pytest.raises(ConfigError, match=r"overrides\.model\.revision: pipeline tiny does not let"):
+        check_overrides(str(path), "tiny", flatten({"model": {"revision": "main"}}))
+
+
+def test_a_pipeline_cannot_opt_in_to_what_runs_code(tmp_path):
+    from fulltune.errors import ConfigError
+    from fulltune.spec import load_pipelines
+
+    path = tiny_pipeline(tmp_path)
+    _opt_in(path, "model")
+    with pytest.raises(ConfigError, match=r"pipelines\.tiny\.run_overrides: 'model': a run parameter may never set "
+                                          r"model\.trust_remote_code"):
+        load_pipelines(path)

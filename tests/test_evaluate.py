@@ -14,6 +14,7 @@ from fulltune.errors import ConfigError
 from fulltune.evaluation.evaluate import (NOT_COMPARED, PER_BYTE, REFUSED, SAME_TOKENS, EvalReport, ModelMetrics, champion_rows,
                                evaluate_model, measure_champion, tokenize_records)
 from fulltune.tracking.registry import decide_promotion
+from fulltune.models import load_tokenizer
 from fulltune.spec import DataSpec
 from tests.tiny import make_model, make_tokenizer
 
@@ -160,8 +161,159 @@ def test_compare_champion_false_keeps_the_champion(tmp_path: Path) -> None:
     p = resolve_pipeline(str(tiny_pipeline(tmp_path, evaluate={"compare_champion": False})), "tiny", None)
     better = {"fine_tuned": ModelMetrics(0.1, math.exp(0.1), 10, target_bytes=20)}
     report = compare_with_champion(p.spec, [{}], better, Champion("tiny-model", "4", "models:/tiny-model/4", "k"),
-                                   model_dir="unused", workdir=p.workdir, options={})
+                                   model_dir="unused", workdir=p.workdir, options={}, load={})
     assert report.comparison == NOT_COMPARED and report.keeps_champion and "compare_champion" in report.markdown()
     decision = decide_promotion(better["fine_tuned"].as_dict(), None, None, "eval_loss", "min", 0.0, False,
                                 keep_champion=report.comparison_reason)
     assert not decision.promote and "keeps its alias" in decision.reason
+
+
+# ---------------------------------------------------------------------------------------------------
+# The team's metric functions, run on each model's generations
+
+
+METRICS = '''
+import sys
+import time
+
+import numpy as np
+
+
+def count(completions, references):
+    return np.int64(len(completions))
+
+
+def parts(completions, references):
+    return {"n": np.float32(1.5), "k": np.int32(2)}
+
+
+def leaves(completions, references):
+    sys.exit(3)
+
+
+def hangs(completions, references):
+    time.sleep(60)
+'''
+
+
+def _evaluate_with(tmp_path: Path, metrics: dict[str, str], lines: list[str], timeout: float = 600.0) -> ModelMetrics:
+    """evaluate_model of a tiny model with `metrics` (functions of the module above); its progress lines
+    go to `lines`."""
+    from fulltune.evaluation.harness import Benchmarks
+
+    _team_metrics(tmp_path, [])
+    tokenizer_dir = make_tokenizer(tmp_path / "tok")
+    model_dir = make_model(tmp_path / "model", tokenizer_dir)
+    rows = tokenize_records([{"prompt": "1+2=", "completion": "3"}, {"prompt": "2+2=", "completion": "4"}],
+                            load_tokenizer(tokenizer_dir), DATA)
+    benchmarks = Benchmarks((), None, None, 2, tuple((k, f"team_metrics:{v}") for k, v in metrics.items()),
+                            str(tmp_path), timeout)
+    return evaluate_model(model_dir, tokenizer_dir, rows, batch_size=2, generate_examples=2, max_new_tokens=2,
+                          device="cpu", load_kwargs={}, benchmarks=benchmarks, progress=lines.append,
+                          name="fine_tuned")
+
+
+@pytest.mark.slow
+def test_metric_functions_may_return_numpy_numbers_and_say_when_they_run(tmp_path: Path) -> None:
+    lines: list[str] = []
+    metrics = _evaluate_with(tmp_path, {"count": "count", "parts": "parts"}, lines)
+    assert metrics.extra == {"count": 2.0, "parts/n": 1.5, "parts/k": 2.0}
+    assert "fine_tuned: metric count (team_metrics:count) on 2 completions" in lines
+
+
+def _team_metrics(tmp_path: Path, names: list[str]) -> dict[str, str]:
+    (tmp_path / "team_metrics.py").write_text(METRICS)
+    return {name: f"team_metrics:{name}" for name in names}
+
+
+def test_a_metric_that_exits_is_a_user_error_naming_it(tmp_path: Path) -> None:
+    from fulltune.evaluation.harness import custom_metrics
+
+    with pytest.raises(ConfigError, match=r"^evaluate\.metrics\.leaves: team_metrics:leaves raised SystemExit: 3$"):
+        custom_metrics(_team_metrics(tmp_path, ["leaves"]), tmp_path, ["a"], ["a"])
+
+
+def test_a_metric_that_hangs_says_so_and_stops_at_its_time_limit(tmp_path: Path, monkeypatch) -> None:
+    from fulltune.evaluation import harness
+
+    monkeypatch.setattr(harness, "PROGRESS_SECONDS", 0.1)
+    lines: list[str] = []
+    with pytest.raises(ConfigError, match=r"evaluate\.metrics\.hangs: team_metrics:hangs ran longer than "
+                                          r"evaluate\.metric_timeout \(0\.5 s\)"):
+        harness.custom_metrics(_team_metrics(tmp_path, ["hangs"]), tmp_path, ["a"], ["a"], timeout=0.5,
+                               progress=lines.append, label="fine_tuned")
+    assert lines[0] == "fine_tuned: metric hangs (team_metrics:hangs) on 1 completions"
+    assert any(line.startswith("fine_tuned: metric hangs still running after") for line in lines[1:]), lines
+
+
+def test_the_evaluate_key_sees_every_file_a_task_reads(tmp_path: Path) -> None:
+    pytest.importorskip("lm_eval")
+    import yaml
+
+    from fulltune import stages
+
+    from pipelines_fixture import tiny_pipeline
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "rows.jsonl").write_text('{"q": "1+1=", "a": "2"}\n')
+    (tasks / "utils.py").write_text("def process(dataset):\n    return dataset\n")
+    (tasks / "base.yaml").write_text("output_type: generate_until\ntest_split: test\nprocess_docs: !function "
+                                     "utils.process\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n")
+    (tasks / "sums.yaml").write_text(yaml.safe_dump({
+        "include": "base.yaml", "task": "sums", "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": "rows.jsonl"}},
+        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}]}))
+    path = tiny_pipeline(tmp_path, evaluate={"lm_eval": {"tasks": ["tasks/sums.yaml"]}},
+                         register={"promote_if": {"metric": "eval_loss"}})
+
+    def key() -> str:
+        return stages.evaluate_key(stages.resolve_pipeline(str(path), "tiny"), "trained", "data", None)
+
+    keys = [key()]
+    for name, text in [("base.yaml", "\ngeneration_kwargs: {until: ['\\n']}\n"),  # an included YAML
+                       ("utils.py", "\ndef other(dataset):\n    return dataset\n"),  # a !function module
+                       ("rows.jsonl", '{"q": "2+2=", "a": "4"}\n')]:  # the task's data
+        with open(tasks / name, "a") as handle:
+            handle.write(text)
+        keys.append(key())
+    assert len(set(keys)) == len(keys), "each edit re-evaluates"
+
+
+def test_layer_offloaded_loading_measures_the_same_and_every_model_is_freed(tmp_path: Path, monkeypatch) -> None:
+    """accelerate's big-model loading (`max_memory` smaller than the weights: the rest offloaded) gives the
+    metrics of the model on one device, and no candidate outlives its evaluation."""
+    import gc
+    import weakref
+
+    from fulltune import models
+    from fulltune.models import Placement
+
+    tokenizer_dir = make_tokenizer(tmp_path / "tok")
+    model_dir = make_model(tmp_path / "model", tokenizer_dir, hidden=64)
+    tokenizer = models.load_tokenizer(tokenizer_dir)
+    rows = tokenize_records(additions(12, "add", seed=1), tokenizer, DATA)
+    loaded, device_maps = [], []
+    load = models.load_model
+
+    def tracked(*args, **kwargs):
+        model = load(*args, **kwargs)
+        loaded.append(weakref.ref(model))
+        device_maps.append(getattr(model, "hf_device_map", None))
+        return model
+
+    monkeypatch.setattr(models, "load_model", tracked)
+    options = {"batch_size": 4, "generate_examples": 6, "max_new_tokens": 3, "device": "cpu"}
+    whole = evaluate_model(model_dir, model_dir, rows, load_kwargs={"dtype": "fp32"}, **options)
+    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    placement = Placement("cpu", {"cpu": weights // 3}, str(tmp_path / "offload"))
+    offloaded = evaluate_model(model_dir, model_dir, rows, load_kwargs={"dtype": "fp32", "placement": placement},
+                               generation_batch_size=2, **options)
+    assert device_maps[0] is None and "disk" in device_maps[1].values(), "the layers beyond max_memory offloaded"
+    assert math.isclose(offloaded.eval_loss, whole.eval_loss, rel_tol=1e-5)
+    assert offloaded.samples == whole.samples and offloaded.exact_match == whole.exact_match
+    gc.disable()  # freed by evaluate_model itself, not by a collection that happens to run later
+    try:
+        assert len(loaded) == 2 and all(ref() is None for ref in loaded)
+    finally:
+        gc.enable()

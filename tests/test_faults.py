@@ -240,3 +240,33 @@ def test_two_pipelines_sharing_a_workdir_never_share_an_evaluation_against_their
     assert tiny.workdir == second.workdir
     assert evaluate_key(tiny, "k", "d", "1") != evaluate_key(second, "k", "d", "1")
     assert evaluate_key(tiny, "k", "d", None) == evaluate_key(tiny, "k", "d", None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A full disk
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_a_full_disk_while_tokenizing_exits_2_once_naming_the_filesystem(tmp_path: Path, capsys, monkeypatch) -> None:
+    import errno
+    import os
+
+    from fulltune.data import store
+
+    calls = []
+
+    def full(data, tokenizer, seed, fingerprint, out, *args):
+        calls.append(out)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out / "train.parquet"))
+
+    monkeypatch.setattr(store, "_build", full)
+    path = tiny_pipeline(tmp_path)
+    assert main(["run", "tiny", "-f", str(path)]) == 2
+    err = capsys.readouterr().err  # the run's log, then one line
+    assert len(calls) == 1, "a full disk is not retried"
+    assert "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: /") and "the filesystem is full" in line and "train.parquet" in line
+    assert line.endswith("free some space, then rerun: it tokenizes again")
+    assert not list((tmp_path / "work" / "tokenized").iterdir()), "nothing half-written stays"

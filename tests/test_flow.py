@@ -55,8 +55,9 @@ def test_unchanged_rerun_is_all_cached_and_registers_nothing(workspace):
 
 
 def test_changing_evaluation_reruns_only_evaluate_and_register(workspace):
+    # The plan fits the evaluate stage's batches to the budget: it is planned again (in seconds), training is not.
     summary = run(workspace, **{"evaluate.max_new_tokens": 2})
-    assert summary.stages == {"tokenize": "cached", "memory-budget": "cached", "fine-tune": "cached",
+    assert summary.stages == {"tokenize": "cached", "memory-budget": "ran", "fine-tune": "cached",
                               "evaluate": "ran", "register": "ran"}
     assert versions(workspace) == ["1"], "the same weights are not registered twice"
 
@@ -97,12 +98,49 @@ def test_held_out_data_with_nothing_to_score_is_a_user_error_and_registers_nothi
     assert versions(workspace) == ["1"]
 
 
-def test_worse_model_becomes_challenger_not_champion(workspace):
-    summary = run(workspace, **{"train.max_steps": 1, "train.learning_rate": 1e-6})
-    assert summary.stages["fine-tune"] == "ran"
+def test_worse_model_becomes_challenger_not_champion(workspace, monkeypatch):
+    import sqlite3
+
+    import mlflow
+    from sqlalchemy.exc import OperationalError
+
+    from fulltune.errors import DiskFull
+
+    worse = {"train.max_steps": 1, "train.learning_rate": 1e-6}
+    # First the registry's SQLite database fills up while the version is logged: one line, no retries,
+    # nothing half-registered; the rerun then registers from the cached training and evaluation.
+    uploads = []
+
+    def full(*args, **kwargs):
+        uploads.append(1)
+        raise OperationalError("INSERT INTO model_versions", {}, sqlite3.OperationalError("database or disk is full"))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(mlflow.transformers, "log_model", full)
+        with pytest.raises(DiskFull, match=r"the filesystem is full .* rerun: training and evaluation are cached"):
+            run(workspace, **worse)
+    assert len(uploads) == 1, "a full disk is not retried"
+    assert versions(workspace) == ["1"]
+    summary = run(workspace, **worse)
+    assert summary.stages["fine-tune"] == "cached" and summary.stages["register"] == "ran"
     assert summary.aliases == ("challenger",)
     assert not summary.promoted
     assert versions(workspace) == ["1", "2"]
     from fulltune.tracking import registry
 
     assert registry.current_champion("tiny-model").version == "1"
+
+
+def test_a_list_of_weighted_sources_trains_and_registers(workspace):
+    """data.train as a list (a reference and a weighted mapping, relative to the pipelines file) runs
+    every stage; the registered description names both sources."""
+    from mlflow.tracking import MlflowClient
+
+    from pipelines_fixture import write_addition_data
+
+    write_addition_data(workspace.parent / "more.jsonl", 16, seed=2)
+    summary = run(workspace, **{"data.train": ["train.jsonl", {"path": "more.jsonl", "weight": 2}],
+                                "train.max_steps": 2})
+    assert summary.stages == {stage: "ran" for stage in ALL_STAGES}
+    description = MlflowClient().get_model_version("tiny-model", summary.version).description
+    assert "train.jsonl, " in description and "more.jsonl (weight 2)" in description

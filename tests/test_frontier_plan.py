@@ -12,6 +12,7 @@ import transformers
 from fulltune.memory import PlanRequest, Settings, estimate_memory, format_plan_table
 from fulltune.planning import plan_memory, simulate_memory
 from fulltune.memory.errors import MemoryConfigError
+from fulltune.memory.shapes import model_shape
 
 GiB = 2**30
 
@@ -172,3 +173,74 @@ def test_estimate_is_within_3_percent_of_the_traced_step_for_each_lever(case):
     estimate = estimate_memory(TINY, settings).peak_bytes
     traced = simulate_memory(TINY, settings).peak_bytes
     assert abs(estimate / traced - 1) <= 0.03, (case, estimate, traced)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The whole pipeline: training, the streamed export and the evaluate stage inside the budget
+
+
+def test_the_8b_evaluate_stage_runs_in_bf16_with_its_batches_fitted_to_the_24gib_gpu():
+    """fp32 copies with a generous batch needed ~3× the GPU; the plan evaluates in the trained bf16 and
+    lowers each phase's batch to what fits beside the weights."""
+    from fulltune.memory.evaluation import EvalRequest
+
+    generous = EvalRequest(batch_size=64, seq_len=2048, max_new_tokens=256)
+    plan = plan_memory(LLAMA_8B, gpu_request(evaluation=generous))
+    evaluation = plan.evaluation
+    assert plan.fits and evaluation["fits"] and evaluation["dtype"] == "bf16" and evaluation["offload"] is None
+    assert 1 <= evaluation["loss_batch"] < 64 and 1 <= evaluation["generation_batch"] < 64
+    assert evaluation["device_bytes"] <= plan.usable_bytes
+    assert plan.plan_estimate.phases["evaluation"] == evaluation["device_bytes"]
+    fp32 = plan_memory(LLAMA_8B, gpu_request(budget_bytes=None, evaluation=replace(generous, precision="fp32")))
+    assert fp32.evaluation["device_bytes"] > 3 * 24 * GiB
+    assert "evaluation (the evaluate stage's own process, bf16 weights)" in format_plan_table(plan)
+
+
+def test_the_70b_evaluate_stage_is_layer_offloaded_where_one_gpu_cannot_hold_its_weights():
+    from fulltune.memory.evaluation import EvalRequest
+
+    request = replace(fsdp_70b_request(80), evaluation=EvalRequest(batch_size=8, seq_len=4096))
+    plan = plan_memory(LLAMA_70B, request)
+    offload = plan.evaluation["offload"]
+    assert plan.fits and plan.evaluation["dtype"] == "bf16" and offload is not None
+    assert offload["device_bytes"] + offload["host_bytes"] == 2 * LLAMA_70B_PARAMS
+    assert plan.evaluation["device_bytes"] <= plan.usable_bytes
+    assert "layer-offloaded" in plan.evaluation["reason"]
+    # Without the host RAM to hold the rest, the plan refuses before training, and says why.
+    refused = plan_memory(LLAMA_70B, replace(request, evaluation=replace(request.evaluation, precision="fp32"),
+                                             host_memory_bytes=160 * GiB))
+    assert not refused.fits and "evaluation does not fit even layer-offloaded" in refused.evaluation["reason"]
+
+
+def test_the_70b_export_streams_its_host_ram_is_one_file_not_the_model():
+    from fulltune.memory.process import node_host_bytes
+
+    plan = plan_memory(LLAMA_70B, replace(fsdp_70b_request(80), host_memory_bytes=int(23.5 * GiB)))
+    rank = plan.plan_estimate.host_bytes
+    export = node_host_bytes(model_shape(LLAMA_70B), plan.settings, 0, 8)["export"]
+    assert export <= 2 * 128256 * 8192 * 2 < 2 * LLAMA_70B_PARAMS / 30  # the bf16 embedding, not 131 GiB
+    assert not any("host_memory" in r and "refused" in r for r in plan.reasons) and rank <= 23.5 * GiB
+
+
+def test_advice_names_the_host_ram_its_configuration_needs_when_none_fits_budget_host_memory():
+    # Every FSDP configuration needs host RAM at the export; 1 GiB holds none of them.
+    plan = plan_memory(LLAMA_70B, replace(fsdp_70b_request(80), host_memory_bytes=GiB))
+    assert not plan.fits
+    assert "budget.host_memory of" in plan.suggestions[0] and "per machine" in plan.suggestions[0]
+
+
+def test_a_gpu_plan_made_without_a_gpu_says_what_host_memory_auto_assumed(tmp_path, capsys):
+    import json
+
+    from fulltune.memory.budget import _gpu_visible
+
+    if _gpu_visible():
+        pytest.skip("this machine has a GPU: host_memory auto is its own RAM")
+    from fulltune.cli import main
+    from pipelines_fixture import tiny_pipeline
+
+    path = tiny_pipeline(tmp_path, budget={"device": "cuda", "memory": "24GiB"})
+    assert main(["plan", "tiny", "-f", str(path), "--json"]) == 0
+    reasons = json.loads(capsys.readouterr().out)["reasons"]
+    assert any("host_memory is auto and this machine has no GPU" in r and "set budget.host_memory" in r
+               for r in reasons), reasons

@@ -164,6 +164,37 @@ def test_checkpointing_more_layers_never_needs_more_memory():
     assert peaks[-1] < 0.5 * peaks[0]
 
 
+@pytest.mark.parametrize("layout, tensor_parallel", [({}, 1), ({"strategy": "fsdp", "num_processes": 2}, 1),
+                                                     ({"strategy": "fsdp", "num_processes": 4, "tensor_parallel": 2}, 2)])
+def test_offloaded_activations_save_all_but_the_input_a_layer_recomputes_under_every_layout(layout, tensor_parallel):
+    """Offloading k checkpointed layers' inputs saves k − 1 of them at a layer's backward: the input the layer
+    recomputes from is back on the device (one process, FSDP, FSDP × TP alike: one walk, memory/walk.py)."""
+    cfg = tiny_llama(num_hidden_layers=4)
+    b, s, k = 2, 256, 4
+    peaks = [estimate_memory(cfg, Settings(micro_batch_size=b, seq_len=s, gradient_checkpointing=k, device="cuda",
+                                           offload_activations=offload, **layout)) for offload in (False, True)]
+    assert all(p.peak_phase.startswith("backward of layer") for p in peaks)
+    layer_input = 4 * b * (s // tensor_parallel) * cfg.hidden_size  # a rank's fp32 (b, s/T, h) block input
+    assert peaks[0].peak_bytes - peaks[1].peak_bytes == (k - 1) * layer_input
+
+
+def test_validate_refuses_offloaded_activations_under_fsdp_on_cuda_naming_the_fields():
+    """Unmeasured on a GPU, the combination is refused (the lever table); on a CPU device nothing is offloaded."""
+    from fulltune.errors import ConfigError
+    from fulltune.spec import validate_pipelines
+
+    def pipelines(device):
+        return {"pipelines": {"t": {
+            "model": {"name_or_path": "local/model"}, "data": {"train": "train.jsonl"}, "budget": {"device": device},
+            "train": {"effective_batch_size": 4, "offload_activations": True, "gradient_checkpointing": True,
+                      "mixed_precision": "bf16"},
+            "distributed": {"strategy": "fsdp", "num_processes": 2}}}}
+
+    with pytest.raises(ConfigError, match=r"train.offload_activations with distributed.strategy with budget.device"):
+        validate_pipelines(pipelines("cuda"))
+    validate_pipelines(pipelines("cpu"))
+
+
 def test_sharding_strategies_divide_per_process_states():
     cfg = small_llama()
     one = estimate_memory(cfg, Settings(micro_batch_size=1, seq_len=256))

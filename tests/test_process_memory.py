@@ -1,6 +1,6 @@
 """The plan covers the whole training process, not one step: loading, the first step, a checkpoint, the final
-export (and reports the evaluate stage's own peak), names the phase of the peak, and on CPU a run stays under
-it in resident memory, levers included."""
+export, names the phase of the peak, and on CPU a run stays under it in resident memory, levers included; and
+the evaluate stage after it, fitted to the budget and part of what fits."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from fulltune.cli import main
 from fulltune.memory import Settings, estimate_memory
 from fulltune.memory.process import CPU_LIBRARY_PAGES_SPREAD
 from fulltune.memory.process import EVALUATION, LOAD, STEP, TRAINING_PHASES
-from pipelines_fixture import tiny_pipeline
-from benchmarks import process_memory
+from pipelines_fixture import TINY_LLAMA, tiny_pipeline
+from benchmarks import eval_memory, process_memory
 
 MiB = 2**20
 
@@ -77,3 +77,55 @@ def test_a_lever_run_on_cpu_stays_under_its_whole_process_estimate(tmp_path):
     numbers = json.dumps({"measured": measured, "estimated": estimated})
     # Never below; within 15% beyond what the libraries' resident file pages vary between installations.
     assert peak <= estimated["device_bytes"] <= 1.15 * peak + CPU_LIBRARY_PAGES_SPREAD, numbers
+
+
+# ---------------------------------------------------------------------------------------------------
+# The evaluate stage inside the budget (memory/evaluation.py)
+
+
+def test_a_generous_eval_batch_is_fitted_to_the_budget_in_the_trained_precision(tmp_path, capsys):
+    """bf16 training evaluates in bf16, and evaluate.batch_size is an upper bound the plan lowers to what the
+    budget holds beside the weights; the evaluate stage's phase is the plan's evaluation."""
+    path = tiny_pipeline(tmp_path, train={"mixed_precision": "bf16"}, budget={"device": "cpu", "memory": "1GiB"},
+                         evaluate={"batch_size": 100_000})
+    assert main(["plan", "tiny", "-f", str(path), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    evaluation = plan["evaluation"]
+    assert plan["fits"] and evaluation["fits"] and evaluation["dtype"] == "bf16"
+    assert 1 <= evaluation["loss_batch"] < 100_000 and evaluation["generation_batch"] < 100_000
+    assert evaluation["device_bytes"] <= plan["usable_bytes"]
+    assert plan["plan"]["estimate"]["phases"][EVALUATION] == evaluation["device_bytes"]
+    assert main(["plan", "tiny", "-f", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "evaluation (the evaluate stage's own process, bf16 weights)" in text and "lowered to fit" in text
+
+
+def test_a_run_whose_evaluation_cannot_fit_is_refused_before_training(tmp_path, capsys):
+    """Training fits, but on CPU the evaluate stage loads the fp32 base checkpoint as bf16 (its file's pages
+    beside the cast) and cannot: `plan` exits 2 with the evaluation's breakdown, nothing trained."""
+    wide = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 8, "num_key_value_heads": 4}
+    path = tiny_pipeline(tmp_path, model={"from_config": {**TINY_LLAMA, **wide}},
+                         budget={"device": "cpu", "memory": "950MiB"},
+                         train={"mixed_precision": "bf16", "pure_bf16": True, "optimizer": "adafactor"})
+    assert main(["plan", "tiny", "-f", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "budget.memory" in err and "Traceback" not in err
+    assert "training fits, but its evaluate stage does not" in err and "evaluation (the evaluate stage" in err
+    assert not (tmp_path / "work" / "runs").exists()
+
+
+@pytest.mark.slow
+def test_the_evaluate_stage_stays_inside_its_planned_phase_where_fp32_copies_exceeded_the_budget(tmp_path):
+    """A pure-bf16-trained 19M Llama with a 32k vocabulary and a generous eval batch (32) on a 1.25 GiB budget:
+    the evaluate stage as it was (fp32 copies, the configured batch) is planned over the budget (measured
+    1.65 GiB, benchmarks/eval_memory.py); planned (bf16, batches fitted), the process's peak RSS is within its
+    planned evaluation phase, which is within the budget."""
+    from fulltune.memory.units import parse_bytes
+
+    budget = parse_bytes(eval_memory.BUDGET)
+    assert eval_memory.evaluation_plan(None)["device_bytes"] > budget  # fp32 copies, the configured batch
+    assets = eval_memory.make_assets(tmp_path)
+    measured = eval_memory.measure(assets, eval_memory.BUDGET)
+    planned = measured["evaluation"]
+    assert planned["dtype"] == "bf16" and planned["loss_batch"] < eval_memory.BATCH
+    assert measured["peak_rss"] <= planned["device_bytes"] <= 0.95 * budget, json.dumps(measured)

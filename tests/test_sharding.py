@@ -1,6 +1,7 @@
 """FSDP2 (fulltune.runtime.sharding) below the trainer: two torchrun "machines" that meet through a c10d
 rendezvous train like one process, their exported checkpoint loads in one process like the unsharded
-one, and bf16 FSDP stays near one autocast process. `fulltune run` with `strategy: fsdp` (1 vs 2
+one, the export streams file by file within the plan's host figure, and bf16 FSDP stays near one autocast
+process. `fulltune run` with `strategy: fsdp` (1 vs 2
 processes, a killed run resumed bit for bit, registration) is tests/test_fsdp_run.py; sharded loading is
 tests/test_sharded_load.py.
 
@@ -129,3 +130,24 @@ def test_bf16_fsdp_loss_is_within_two_percent_of_one_autocast_process(tmp_path: 
     fsdp = two_sharded(tmp_path / "fsdp", "--mixed-precision", "bf16")
     assert fsdp["losses"][-1] < fsdp["losses"][0]
     assert fsdp["losses"] == pytest.approx(one["losses"], rel=0.02)
+
+
+def test_the_export_streams_file_by_file_within_the_plans_host_figure(tmp_path: Path) -> None:
+    """Two FSDP processes export a 31M Llama (126 MB fp32) in 16 MiB files: what the export adds to rank 0's
+    resident memory stays within the plan's figure (one file and a CPU all-gather's buffers), far from the
+    whole model that rank 0 used to gather, and the files load in one process as the model's exact weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from benchmarks.export_memory import SHAPE
+
+    run(_torchrun("--standalone", "--nproc_per_node", "2", "--module", "benchmarks.export_memory", str(tmp_path)))
+    measured = json.loads((tmp_path / "export.json").read_text())
+    assert measured["added_bytes"] <= measured["planned_rank0_bytes"] < measured["model_bytes"] / 2, measured
+    files = sorted(path.name for path in (tmp_path / "model").glob("*.safetensors"))
+    assert len(files) > 2 and (tmp_path / "model" / "model.safetensors.index.json").is_file()
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(LlamaConfig(**SHAPE)).state_dict()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
+    assert exported.keys() == reference.keys()
+    assert [name for name in reference if not torch.equal(exported[name], reference[name])] == []

@@ -115,3 +115,37 @@ def test_names_mlflow_accepts_are_accepted(name: str) -> None:
 def test_the_cli_refuses_a_bad_model_name_before_anything_runs(tmp_path: Path) -> None:
     result = fulltune("validate", str(ROOT / "pipelines.yaml"), "--set", "register.model_name=../x", cwd=ROOT)
     assert result.returncode == 2 and "pipelines.demo.register.model_name" in result.stderr, result.stderr
+
+
+ARC_LIKE = {"task": "arc_like", "dataset_path": "someorg/arc_like", "dataset_name": "Easy", "output_type":
+            "multiple_choice", "test_split": "test", "doc_to_text": "{{question}}", "doc_to_target": "label",
+            "doc_to_choice": "{{choices}}", "metric_list": [{"metric": "acc"}]}
+
+
+@pytest.mark.slow
+def test_validate_offline_refuses_a_registered_task_whose_dataset_is_not_cached(tmp_path: Path, monkeypatch,
+                                                                                 capsys, hf_home) -> None:
+    pytest.importorskip("lm_eval")
+    from fulltune.evaluation import harness
+    from fulltune.cli import main
+
+    from tiny import fake_hub_repo
+
+    # A registered task as the harness ships them: a YAML naming a hub dataset (scanning the harness's
+    # real index takes a minute; this one holds the task alone).
+    task_yaml = tmp_path / "arc_like.yaml"
+    task_yaml.write_text(yaml.safe_dump(ARC_LIKE))
+    monkeypatch.setattr(harness, "_registered_index", lambda: {"arc_like": str(task_yaml)})
+    path = pipelines_file(tmp_path, {"from_config": LLAMA, "tokenizer": {"vocab_size": 96}})
+    config = yaml.safe_load(path.read_text())
+    config["pipelines"]["tiny"]["evaluate"] = {"lm_eval": {"tasks": ["arc_like"]}}
+    path.write_text(yaml.safe_dump(config))
+
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "pipelines.tiny.evaluate.lm_eval.tasks.0: task arc_like reads the hub dataset someorg/arc_like" in err
+    assert "HF_HUB_OFFLINE=1" in err and "hf download someorg/arc_like --repo-type dataset" in err
+    assert not (tmp_path / "work").exists()
+
+    fake_hub_repo(hf_home, "someorg/arc_like", "c" * 40, repo_type="dataset")
+    assert main(["validate", str(path)]) == 0, capsys.readouterr().err

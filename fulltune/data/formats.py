@@ -12,14 +12,17 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
-from fulltune.data.files import RecordLocator, quiet_datasets, transient_fingerprint
+from fulltune.data.files import RecordLocator
+from fulltune.data.sources import option_path
 from fulltune.errors import ConfigError, DataError
 from fulltune.spec import DataSpec
 
 if TYPE_CHECKING:
     import datasets
+    import numpy as np
     import pyarrow as pa
 
 IGNORE_INDEX = -100
@@ -63,7 +66,7 @@ def require_columns(dataset: datasets.Dataset, data: DataSpec, *, source: str, w
             have = ", ".join(dataset.column_names) or "none"
             raise DataError(
                 f"{what}: {source} has no column '{column}' (columns: {have}); format {data.format} reads "
-                f"data.{option} — set it to the column that holds the data"
+                f"{option_path(what, option)} — set it to the column that holds the data"
             )
 
 
@@ -183,10 +186,19 @@ def _max_chars(tokenizer: Any, max_length: int) -> int | None:
     return (max_length + 1) * max(longest, 1) + 4096
 
 
+def _encode(enc: Encoder, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, no special tokens: the fast tokenizer's backend directly (what
+    `tokenizer(texts)` runs, without building its BatchEncoding), a slow tokenizer through its call."""
+    backend = getattr(enc.tok, "backend_tokenizer", None)
+    if backend is None:
+        return enc.tok(texts, add_special_tokens=False)["input_ids"]
+    return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
+
+
 def _text(enc: Encoder, batch: dict[str, list[Any]], indices: list[int]) -> tuple[list[Example], list, list]:
     """bos? + text + eos, every token a target."""
     texts = enc.strings(batch, enc.data.text_field, indices)
-    encoded = enc.tok(texts, add_special_tokens=False)["input_ids"]
+    encoded = _encode(enc, texts)
     nothing = [None] * len(texts)
     return [(enc.bos + ids + enc.eos, 0) for ids in encoded], nothing, nothing
 
@@ -198,8 +210,7 @@ def _prompt_completion(enc: Encoder, batch: dict[str, list[Any]],
     completions = enc.strings(batch, enc.data.completion_field, indices)
     # Separately tokenized, then concatenated: the prompt/completion boundary is exact and matches
     # generation, which starts from the prompt's tokens.
-    p_ids = enc.tok(prompts, add_special_tokens=False)["input_ids"]
-    c_ids = enc.tok(completions, add_special_tokens=False)["input_ids"]
+    p_ids, c_ids = _encode(enc, prompts), _encode(enc, completions)
     examples = [(enc.bos + p + c + enc.eos, len(enc.bos) + len(p)) for p, c in zip(p_ids, c_ids)]
     return examples, prompts, completions
 
@@ -324,22 +335,30 @@ def _assistant_spans(enc: Encoder, messages: list[dict[str, str]]) -> tuple[str,
 # Labels and truncation, the same for every format
 
 
-def _labelled(examples: list[Example], max_length: int) -> dict[str, list[Any]]:
-    """input_ids and labels cut to max_length, with the number of targets and whether it was cut."""
-    out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "num_labels": [], "truncated": []}
-    for ids, targets in examples:
-        if isinstance(targets, list):  # a per-token mask
-            labels = [t if m else IGNORE_INDEX for t, m in zip(ids, targets)]
-        else:
-            labels = [IGNORE_INDEX] * targets + ids[targets:]
-        if labels:
-            labels[0] = IGNORE_INDEX  # never predicted: see the module docstring
-        out["truncated"].append(len(ids) > max_length)
-        ids, labels = ids[:max_length], labels[:max_length]
-        out["input_ids"].append(ids)
-        out["labels"].append(labels)
-        out["num_labels"].append(len(labels) - labels.count(IGNORE_INDEX))
-    return out
+def _labelled(examples: list[Example], max_length: int) -> tuple[pa.Array, pa.Array, np.ndarray, np.ndarray]:
+    """(input_ids, labels, targets per example, truncated per example): list<int32> arrays cut to max_length.
+
+    One flat numpy pass over the batch's tokens rather than a Python list per example."""
+    import numpy as np
+    import pyarrow as pa
+
+    lengths = np.fromiter((len(ids) for ids, _ in examples), np.int64, len(examples))
+    total = int(lengths.sum())
+    ids = np.fromiter(chain.from_iterable(ids for ids, _ in examples), np.int32, total)
+    starts = np.repeat(np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64), lengths)
+    position = np.arange(total, dtype=np.int64) - starts
+    if examples and isinstance(examples[0][1], list):  # a per-token mask
+        trained = np.fromiter(chain.from_iterable(mask for _, mask in examples), bool, total)
+    else:  # the index where the trained part starts
+        trained = position >= np.repeat(np.fromiter((t for _, t in examples), np.int64, len(examples)), lengths)
+    trained &= position > 0  # never predicted: see the module docstring
+    kept = position < max_length
+    cut = np.minimum(lengths, max_length)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(cut)]).astype(np.int32))
+    labels = np.where(trained, ids, IGNORE_INDEX).astype(np.int32)[kept]
+    targets = np.bincount(np.repeat(np.arange(len(examples)), cut), weights=trained[kept], minlength=len(examples))
+    return (pa.ListArray.from_arrays(offsets, pa.array(ids[kept])), pa.ListArray.from_arrays(offsets, pa.array(labels)),
+            targets.astype(np.int64), lengths > max_length)
 
 
 def has_target_text(data: DataSpec, batch: dict[str, list[Any]]) -> list[bool]:
@@ -353,43 +372,86 @@ def has_target_text(data: DataSpec, batch: dict[str, list[Any]]) -> list[bool]:
             for messages in batch[data.messages_field]]
 
 
-def tokenize_split(records: datasets.Dataset | list[dict[str, Any]], tokenizer: Any, data: DataSpec, *,
-                     source: str, what: str, reference: str | None = None,
-                     locate: RecordLocator | None = None) -> tuple[pa.Table, int, int]:
-    """Format and tokenize records as `data.format` reads them (never packed).
+@dataclass(frozen=True)
+class Encoded:
+    """Records formatted and tokenized: the examples with a target (EXAMPLE_COLUMNS), and what was counted."""
 
-    Returns (table, truncated, dropped): an Arrow table with input_ids, labels, num_labels, truncated,
-    has_target_text (see `has_target_text`), prompt and completion (null outside prompt_completion),
-    without the examples left with no target. `source` and `what` (the YAML field) name the data in
-    errors, `locate` the file and line of a record; `reference` the tokenizer.
+    table: pa.Table
+    truncated: int  # examples cut to max_length
+    dropped: int  # examples left with no target after truncation
+    has_target_text: bool  # some record's target holds text (see `has_target_text`)
 
-    Raises DataError for missing columns, malformed records, or records none of which has any text in its
-    target (an eval set of empty completions would score every model 1.0); ConfigError for a tokenizer
-    that lacks what the format needs.
-    """
-    import datasets
-    import pyarrow.compute as pc
 
-    if isinstance(records, list):
-        records = datasets.Dataset.from_list(records)
+# The columns of tokenized examples: list<int32> ids and labels, the record's target-text flag, and the
+# prompt and completion strings (format prompt_completion; null for the others).
+EXAMPLE_COLUMNS = ("input_ids", "labels", "has_target_text", "prompt", "completion")
+BATCH = 1000  # records formatted and tokenized at a time
+
+
+def encode_range(encoder: Encoder, records: datasets.Dataset, start: int, stop: int) -> Encoded:
+    """Records `start`..`stop` as examples, BATCH at a time; an example's content does not depend on the
+    batches, so ranges tokenized apart and concatenated equal the whole tokenized at once."""
+    import pyarrow as pa
+
+    data, tables, truncated, dropped, any_text = encoder.data, [], 0, 0, False
+    for first in range(start, stop, BATCH):
+        batch = records[first:min(first + BATCH, stop)]
+        indices = list(range(first, min(first + BATCH, stop)))
+        examples, prompts, completions = FORMATS[data.format](encoder, batch, indices)
+        input_ids, labels, targets, cut = _labelled(examples, data.max_length)
+        text = has_target_text(data, batch)
+        table = pa.Table.from_arrays([input_ids, labels, pa.array(text, pa.bool_()),
+                                      pa.array(list(prompts), pa.string()), pa.array(list(completions), pa.string())],
+                                     schema=example_schema())
+        keep = targets > 0
+        tables.append(table.filter(pa.array(keep)))
+        truncated, dropped, any_text = truncated + int(cut.sum()), dropped + int((~keep).sum()), any_text or any(text)
+    return Encoded(pa.concat_tables(tables) if tables else example_schema().empty_table(), truncated, dropped,
+                   any_text)
+
+
+def example_schema() -> pa.Schema:
+    """The Arrow schema of EXAMPLE_COLUMNS."""
+    import pyarrow as pa
+
+    ids = pa.list_(pa.int32())
+    return pa.schema(list(zip(EXAMPLE_COLUMNS, (ids, ids, pa.bool_(), pa.string(), pa.string()))))
+
+
+def check_target_text(has_text: bool, data: DataSpec, *, source: str, what: str) -> None:
+    """DataError when no record of a split has any text in its target (`Encoded.has_target_text`: an eval
+    set of empty completions would score every model 1.0)."""
+    if not has_text:
+        raise DataError(no_target_text_message(what, source, data))
+
+
+def start_encoding(records: datasets.Dataset, tokenizer: Any, data: DataSpec, *, source: str, what: str,
+                   reference: str | None = None, locate: RecordLocator | None = None) -> Encoder:
+    """The Encoder for `records`, once their columns are checked (DataError) and the tokenizer has what the
+    format needs (ConfigError)."""
     encoder = make_encoder(tokenizer, data, source, reference or getattr(tokenizer, "name_or_path", "tokenizer"),
                            what=what, locate=locate)
     require_columns(records, data, source=source, what=what)
-    format_batch = FORMATS[data.format]
+    return encoder
 
-    def encode(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
-        examples, prompts, completions = format_batch(encoder, batch, indices)
-        return {**_labelled(examples, data.max_length), "has_target_text": has_target_text(data, batch),
-                "prompt": list(prompts), "completion": list(completions)}
 
-    with quiet_datasets():
-        tokenized = records.map(encode, batched=True, with_indices=True, remove_columns=records.column_names,
-                                keep_in_memory=True, load_from_cache_file=False,
-                                new_fingerprint=transient_fingerprint())
-    table = tokenized.with_format("arrow")[:]
-    if not pc.any(table["has_target_text"]).as_py():
-        raise DataError(no_target_text_message(what, source, data))
-    truncated = int(pc.sum(table["truncated"]).as_py() or 0)
-    keep = pc.greater(table["num_labels"], 0)
-    dropped = len(table) - int(pc.sum(keep).as_py() or 0)
-    return table.filter(keep), truncated, dropped
+def tokenize_split(records: datasets.Dataset | list[dict[str, Any]], tokenizer: Any, data: DataSpec, *,
+                   source: str, what: str, reference: str | None = None,
+                   locate: RecordLocator | None = None) -> tuple[pa.Table, int, int]:
+    """Format and tokenize records as `data.format` reads them (never packed), in this process.
+
+    Returns (table, truncated, dropped): the EXAMPLE_COLUMNS of the examples left with a target.
+    `source` and `what` (the YAML field) name the data in errors, `locate` the file and line of a record;
+    `reference` the tokenizer. (The tokenize stage runs the same on every core: fulltune/data/workers.py.)
+
+    Raises DataError for missing columns, malformed records, or records none of which has any text in its
+    target; ConfigError for a tokenizer that lacks what the format needs.
+    """
+    import datasets
+
+    if isinstance(records, list):
+        records = datasets.Dataset.from_list(records)
+    encoder = start_encoding(records, tokenizer, data, source=source, what=what, reference=reference, locate=locate)
+    encoded = encode_range(encoder, records, 0, len(records))
+    check_target_text(encoded.has_target_text, data, source=source, what=what)
+    return encoded.table, encoded.truncated, encoded.dropped

@@ -26,15 +26,15 @@ import fnmatch
 import hashlib
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fulltune import hub
-from fulltune.data.files import hub_dataset_key, load_records, local_data_files, record_locator
-from fulltune.data.formats import (IGNORE_INDEX, format_columns, no_labels_message, no_target_text_message,
-                                   pad_token_id_of, tokenize_split)
+from fulltune.data.files import hub_dataset_key, local_data_files
+from fulltune.data.formats import IGNORE_INDEX, format_columns, no_target_text_message, pad_token_id_of
+from fulltune.data.mix import SourceExamples, source_examples, source_fingerprint, weighted_rows
+from fulltune.data.sources import Source, describe, is_single, sources
 from fulltune.errors import DataError
 from fulltune.spec import DataSpec
 from fulltune.storage import FileHashes, atomic_dir, file_sha256, hash_parts, remove_stale_temp_dirs
@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 # Bump when the on-disk layout or the tokenization rules change: every cached dataset is rebuilt.
 DATA_FORMAT_VERSION = 1
 TOKENIZED_FILES = ("train.parquet", "eval.parquet")
-_ROW_CHUNK = 8192  # rows per Parquet row group
+_ROW_CHUNK = 8192  # rows per Parquet row group, at most
+_CHUNK_TOKENS = 1 << 20  # tokens per row group, at most (rows of max_length): what writing holds at a time
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,10 @@ def fingerprint_data(data: DataSpec, tokenizer: str, seed: int, *, token: str | 
     max_length, packing, eval_split), the seed and DATA_FORMAT_VERSION. With `include_eval=False`, what
     `train.parquet` alone depends on: `data.eval` is left out (a held-out split of train is not).
     With `workdir`, file digests are remembered there. Raises DataError when a data file is missing.
+    A list of sources is fingerprinted by each source's fingerprint and weight (`_mix_fingerprint`).
     """
+    if not (is_single(data.train) and is_single(data.eval)):
+        return _mix_fingerprint(data, tokenizer, seed, token=token, include_eval=include_eval, workdir=workdir)
     h = hashlib.sha256()
     hash_parts(h, "fulltune-data", str(DATA_FORMAT_VERSION))
     with FileHashes(workdir) as hashes:
@@ -152,6 +156,32 @@ def fingerprint_data(data: DataSpec, tokenizer: str, seed: int, *, token: str | 
         hash_parts(h, "tokenizer")
         _update_hash_with_tokenizer(h, tokenizer, hashes)
     hash_parts(h, "options", json.dumps(_format_options(data), sort_keys=True), "seed", str(seed))
+    return h.hexdigest()
+
+
+def source_fingerprints(data: DataSpec, tokenizer: str, *, token: str | None = None,
+                        workdir: str | Path | None = None) -> dict[str, list[tuple[Source, str]]]:
+    """{"train": [(source, its fingerprint)], "eval": [...]}: what each source's cached examples are named by."""
+    with FileHashes(workdir) as hashes:
+        h = hashlib.sha256()
+        _update_hash_with_tokenizer(h, tokenizer, hashes)
+        digest = h.hexdigest()
+        return {split: [(s, source_fingerprint(s, digest, DATA_FORMAT_VERSION, token=token, hashes=hashes))
+                        for s in sources(data, split)] for split in ("train", "eval")}
+
+
+def _mix_fingerprint(data: DataSpec, tokenizer: str, seed: int, *, token: str | None, include_eval: bool,
+                     workdir: str | Path | None) -> str:
+    h = hashlib.sha256()
+    hash_parts(h, "fulltune-data-mix", str(DATA_FORMAT_VERSION))
+    fingerprints = source_fingerprints(data, tokenizer, token=token, workdir=workdir)
+    for source, fingerprint in fingerprints["train"]:
+        hash_parts(h, "train", fingerprint, repr(source.weight))
+    for source, fingerprint in fingerprints["eval"] if include_eval else []:
+        hash_parts(h, "eval", fingerprint)
+    options = {"max_length": data.max_length, "packing": data.packing,
+               "eval_split": data.eval_split if data.eval is None else None}
+    hash_parts(h, "options", json.dumps(options, sort_keys=True), "seed", str(seed))
     return h.hexdigest()
 
 
@@ -174,55 +204,84 @@ def _pack(lengths: np.ndarray, max_length: int) -> np.ndarray:
     return np.asarray(starts, dtype=np.int64)
 
 
-def _write_rows(path: Path, table: pa.Table, *, packing: bool, max_length: int, with_text: bool) -> dict[str, int]:
-    """Write examples as Parquet rows (concatenating consecutive documents when packing). Returns counts."""
+def _write_rows(path: Path, examples: pa.Table, order: np.ndarray, *, packing: bool, max_length: int,
+                with_text: bool) -> dict[str, int]:
+    """Write examples `order` (indices into `examples`) as Parquet rows, concatenating consecutive
+    documents when packing. Rows are packed from the examples' lengths alone and written a row group at a
+    time (_ROW_CHUNK rows, fewer where max_length would make it more than _CHUNK_TOKENS tokens), each
+    group's examples taken from `examples` (memory-mapped) only then: memory holds one group, not the
+    data. Returns counts."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    ids_col = table["input_ids"].combine_chunks() if len(table) else pa.array([], pa.list_(pa.int64()))
-    labels_col = table["labels"].combine_chunks() if len(table) else pa.array([], pa.list_(pa.int64()))
+    all_lengths = np.concatenate([pc.list_value_length(c).to_numpy(zero_copy_only=False)
+                                  for c in examples["input_ids"].chunks] or [np.zeros(0, np.int32)])
+    lengths = all_lengths.astype(np.int64)[order]
+    row_docs = _pack(lengths, max_length) if packing else np.arange(len(lengths) + 1, dtype=np.int64)
+    columns = ["input_ids", "labels", *(("prompt", "completion") if with_text else ())]
+    schema = pa.schema([(name, pa.list_(pa.int32())) for name in ("input_ids", "labels", "position_ids")]
+                       + [(name, pa.string()) for name in columns[2:]])
+    num_rows = len(row_docs) - 1
+    counts = {"examples": int(len(lengths)), "rows": int(num_rows), "tokens": int(lengths.sum()), "label_tokens": 0,
+              "max_row_length": 0, "max_row_targets": 0}
+    with pq.ParquetWriter(path, schema) as writer:
+        group = max(1, min(_ROW_CHUNK, _CHUNK_TOKENS // max_length))
+        for first in range(0, max(num_rows, 1), group):
+            last = min(first + group, num_rows)
+            chunk = _take(examples.select(columns), order[row_docs[first]:row_docs[last]])
+            table, chunk_counts = _packed_chunk(chunk, row_docs[first:last + 1] - row_docs[first], schema)
+            writer.write_table(table, row_group_size=group)
+            counts["label_tokens"] += chunk_counts["label_tokens"]
+            for key in ("max_row_length", "max_row_targets"):
+                counts[key] = max(counts[key], chunk_counts[key])
+    return counts
+
+
+def _take(table: pa.Table, indices: np.ndarray) -> pa.Table:
+    """`table.take(indices)`, gathered one record batch at a time: pyarrow's take over a table of many
+    batches (the sources' memory-mapped shards) costs a pass over every batch per call."""
+    import numpy as np
+    import pyarrow as pa
+
+    bounds = np.cumsum([0] + [batch.num_rows for batch in table.to_batches()])
+    batch_of = np.searchsorted(bounds, indices, side="right") - 1
+    order = np.argsort(batch_of, kind="stable")
+    parts = [table.slice(bounds[b], bounds[b + 1] - bounds[b]).take(indices[order][batch_of[order] == b] - bounds[b])
+             for b in np.unique(batch_of)]
+    if not parts:
+        return table.slice(0, 0)
+    return pa.concat_tables(parts).combine_chunks().take(np.argsort(order, kind="stable"))
+
+
+def _packed_chunk(chunk: pa.Table, row_docs: np.ndarray, schema: pa.Schema) -> tuple[pa.Table, dict[str, int]]:
+    """One chunk of rows: documents `row_docs[r]`..`row_docs[r + 1]` of `chunk` make row r, position_ids
+    restarting at 0 at every document. Returns the table and its label tokens, longest row, most targets."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    ids_col = chunk["input_ids"].combine_chunks() if len(chunk) else pa.array([], pa.list_(pa.int32()))
+    labels_col = chunk["labels"].combine_chunks() if len(chunk) else pa.array([], pa.list_(pa.int32()))
     lengths = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False).astype(np.int64)
-    flat_ids = ids_col.flatten().to_numpy(zero_copy_only=False).astype(np.int32)
-    flat_labels = labels_col.flatten().to_numpy(zero_copy_only=False).astype(np.int32)
+    flat_ids = ids_col.flatten().to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+    flat_labels = labels_col.flatten().to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
     doc_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    # position_ids restart at 0 at every document: 0..n-1 per document.
     starts = np.repeat(doc_offsets[:-1], lengths)
     flat_positions = (np.arange(doc_offsets[-1], dtype=np.int64) - starts).astype(np.int32)
-    row_docs = _pack(lengths, max_length) if packing else np.arange(len(lengths) + 1, dtype=np.int64)
     row_offsets = doc_offsets[row_docs]
-
-    schema = [(name, pa.list_(pa.int32())) for name in ("input_ids", "labels", "position_ids")]
-    if with_text:
-        schema += [("prompt", pa.string()), ("completion", pa.string())]
-    schema = pa.schema(schema)
-    prompts = table["prompt"].to_pylist() if with_text else None
-    completions = table["completion"].to_pylist() if with_text else None
-
-    num_rows = len(row_offsets) - 1
-    with pq.ParquetWriter(path, schema) as writer:
-        for first in range(0, max(num_rows, 1), _ROW_CHUNK):
-            last = min(first + _ROW_CHUNK, num_rows)
-            begin, end = int(row_offsets[first]), int(row_offsets[last])
-            offsets = pa.array((row_offsets[first : last + 1] - begin).astype(np.int32))
-            columns = [
-                pa.ListArray.from_arrays(offsets, pa.array(flat[begin:end]))
-                for flat in (flat_ids, flat_labels, flat_positions)
-            ]
-            if with_text:  # eval rows are never packed: row n is example n
-                columns += [pa.array(prompts[first:last], pa.string()), pa.array(completions[first:last], pa.string())]
-            writer.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=_ROW_CHUNK)
-    row_lengths = np.diff(row_offsets)
+    offsets = pa.array(row_offsets.astype(np.int32))
+    columns = [pa.ListArray.from_arrays(offsets, pa.array(flat)) for flat in (flat_ids, flat_labels, flat_positions)]
+    # Text columns only for eval rows, which are never packed: row n is example n.
+    columns += [chunk[name].combine_chunks() if len(chunk) else pa.array([], pa.string())
+                for name in schema.names[3:]]
     # The most loss terms in one row bounds the output head's work per micro-batch (fulltune/runtime/loss.py).
     row_targets = row_target_counts(flat_labels, row_offsets)
-    return {
-        "examples": int(len(lengths)),
-        "rows": int(num_rows),
-        "tokens": int(doc_offsets[-1]),
+    return pa.Table.from_arrays(columns, schema=schema), {
         "label_tokens": int(np.count_nonzero(flat_labels != IGNORE_INDEX)),
-        "max_row_length": int(row_lengths.max()) if num_rows else 0,
-        "max_row_targets": int(row_targets.max()) if num_rows else 0,
+        "max_row_length": int(np.diff(row_offsets).max()) if len(row_offsets) > 1 else 0,
+        "max_row_targets": int(row_targets.max()) if len(row_targets) else 0,
     }
 
 
@@ -276,18 +335,19 @@ def _build(data: DataSpec, tokenizer_ref: str, seed: int, fingerprint: str, out:
     from fulltune.models import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_ref, trust_remote_code=trust_remote_code)
-    arrow_cache = out / "datasets-cache"  # datasets' Arrow copy of the local files; deleted with the build
-    train_table, eval_table, truncated, dropped = _split_tables(data, tokenizer, tokenizer_ref, seed, arrow_cache,
-                                                                token)
-    train = _write_rows(out / "train.parquet", train_table, packing=data.packing, max_length=data.max_length,
+    parts = {split: [source_examples(source, source_fp, tokenizer, tokenizer_ref, workdir, token)
+                     for source, source_fp in pairs]
+             for split, pairs in source_fingerprints(data, tokenizer_ref, token=token, workdir=workdir).items()}
+    train_split, eval_split, mixed = _split_tables(data, parts["train"], parts["eval"], seed)
+    train = _write_rows(out / "train.parquet", *train_split, packing=data.packing, max_length=data.max_length,
                         with_text=False)
-    evaluation = _write_rows(out / "eval.parquet", eval_table, packing=False, max_length=data.max_length,
+    evaluation = _write_rows(out / "eval.parquet", *eval_split, packing=False, max_length=data.max_length,
                              with_text=True)
-    shutil.rmtree(arrow_cache, ignore_errors=True)
+    every = parts["train"] + parts["eval"]
     record = TokenizedData(
         path=str(out),
         fingerprint=fingerprint,
-        format=data.format,
+        format="+".join(dict.fromkeys(part.source.data.format for part in every)),
         packing=data.packing,
         num_train_examples=train["examples"],
         num_eval_examples=evaluation["examples"],
@@ -295,11 +355,11 @@ def _build(data: DataSpec, tokenizer_ref: str, seed: int, fingerprint: str, out:
         train_tokens=train["tokens"],
         train_label_tokens=train["label_tokens"],
         max_row_length=train["max_row_length"],
-        truncated_examples=truncated,
+        truncated_examples=sum(part.truncated for part in every),
         tokenizer=tokenizer_ref,
         max_length=data.max_length,
         pad_token_id=pad_token_id_of(tokenizer),
-        dropped_examples=dropped,
+        dropped_examples=sum(part.dropped for part in every),
         eval_tokens=evaluation["tokens"],
         eval_label_tokens=evaluation["label_tokens"],
         max_row_targets=train["max_row_targets"],
@@ -310,62 +370,87 @@ def _build(data: DataSpec, tokenizer_ref: str, seed: int, fingerprint: str, out:
     meta.pop("path")
     meta["data_format_version"] = DATA_FORMAT_VERSION
     meta["num_eval_rows"] = evaluation["rows"]
+    meta["sources"] = _source_counts(parts, mixed)
     meta["files"] = {name: (out / name).stat().st_size for name in TOKENIZED_FILES}
     meta["sha256"] = {name: file_sha256(out / name) for name in TOKENIZED_FILES}
     (out / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
-def _tokenize_source(spec: str, what: str, tokenizer: Any, data: DataSpec, reference: str, arrow_cache: Path,
-                     token: str | None) -> tuple[pa.Table, int, int, str]:
-    """Load and tokenize one of data.train / data.eval: (table, truncated, dropped, source name)."""
-    local = Path(spec).expanduser().exists()
-    source = spec if local else f"hub dataset {spec}"
-    records = load_records(spec, what=what, cache_dir=arrow_cache, token=token)
-    locate = record_locator(spec, what) if local else None
-    return (*tokenize_split(records, tokenizer, data, source=source, what=what, reference=reference, locate=locate),
-            source)
+def _source_counts(parts: dict[str, list[SourceExamples]], mixed: list[int]) -> dict[str, list[dict[str, Any]]]:
+    """Per source, for meta.json: its examples, and for train sources the examples of one epoch it gives
+    (after the hold-out and its weight); eval sources' rows follow each other in list order in eval.parquet."""
+    def row(part: SourceExamples) -> dict[str, Any]:
+        return {"what": part.source.what, "reference": part.source.reference, "examples": len(part.table),
+                "fingerprint": part.fingerprint}
+
+    return {"train": [{**row(part), "weight": part.source.weight, "per_epoch": n}
+                      for part, n in zip(parts["train"], mixed)],
+            "eval": [row(part) for part in parts["eval"]]}
 
 
-def _split_tables(data: DataSpec, tokenizer: Any, reference: str, seed: int, arrow_cache: Path,
-                  token: str | None) -> tuple[pa.Table, pa.Table, int, int]:
-    """(train table, eval table, truncated, dropped): data.eval, or data.eval_split of data.train held
-    out; the train table shuffled before packing so a sorted file does not pack similar examples together."""
+_Split = tuple["pa.Table", "np.ndarray"]  # examples, and the indices of a split's rows among them, in order
+
+
+def _concat(tables: list[pa.Table]) -> pa.Table:
+    """The sources' examples one after another (columns a format leaves null take the others' type)."""
+    import pyarrow as pa
+
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables, promote_options="default")
+
+
+def _split_tables(data: DataSpec, train_parts: list[SourceExamples], eval_parts: list[SourceExamples],
+                  seed: int) -> tuple[_Split, _Split, list[int]]:
+    """(train, eval, each train source's examples per epoch): data.eval, or data.eval_split of data.train
+    held out; train sources mixed by weight (fulltune/data/mix.py), the train rows shuffled before packing
+    so a sorted file does not pack similar examples together. The sources' examples stay memory-mapped:
+    the hold-out, the weights and the shuffle compose into one index per split (`_write_rows` takes it)."""
+    import numpy as np
+
+    examples = _concat([part.table for part in train_parts])
+    counts = [len(part.table) for part in train_parts]
+    rng = np.random.default_rng(seed)
+    if eval_parts:
+        held_out = _concat([part.table for part in eval_parts])
+        evaluation, rows = (held_out, np.arange(len(held_out))), np.arange(len(examples))
+    else:
+        eval_rows, rows, counts = _hold_out(data, examples, counts, train_parts, rng)
+        evaluation = (examples, eval_rows)
+    weights = [part.source.weight for part in train_parts]
+    keep = weighted_rows(counts, weights, [[seed, int(part.fingerprint[:15], 16)] for part in train_parts])
+    if keep is not None:
+        rows = rows[keep]
+        counts = np.bincount(np.searchsorted(np.cumsum(counts), keep, side="right"),
+                             minlength=len(counts)).tolist()
+    if len(rows) == 0:
+        raise DataError(f"data.train: the weights leave no example to train on ({describe(data.train)}); "
+                        "raise the weights")
+    if data.packing:
+        rows = rows[rng.permutation(len(rows))]
+    return (examples, rows), evaluation, counts
+
+
+def _hold_out(data: DataSpec, table: pa.Table, counts: list[int], parts: list[SourceExamples],
+              rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """(the rows held out, the rows left to train on, their count per source): data.eval_split of the
+    train sources' examples, at least one held out and one left; each source keeps its examples in order."""
     import numpy as np
     import pyarrow.compute as pc
 
-    train_table, truncated, dropped, train_source = _tokenize_source(data.train, "data.train", tokenizer, data,
-                                                                     reference, arrow_cache, token)
-    rng = np.random.default_rng(seed)
-    if data.eval is not None:
-        eval_table, eval_truncated, eval_dropped, eval_source = _tokenize_source(
-            data.eval, "data.eval", tokenizer, data, reference, arrow_cache, token)
-        truncated += eval_truncated
-        dropped += eval_dropped
-        if len(eval_table) == 0:
-            raise DataError(no_labels_message("data.eval", eval_source, data))
-    else:
-        n = len(train_table)
-        if n == 0:
-            raise DataError(no_labels_message("data.train", train_source, data))
-        if n < 2:
-            raise DataError(
-                f"data.train: {train_source} has only {n} usable example; holding out data.eval_split needs at "
-                "least 2 — add examples or set data.eval"
-            )
-        # At least one example held out, at least one left for training.
-        num_eval = min(max(1, round(n * data.eval_split)), n - 1)
-        order = rng.permutation(n)
-        eval_table = train_table.take(np.sort(order[:num_eval]))
-        train_table = train_table.take(np.sort(order[num_eval:]))
-        if not pc.any(eval_table["has_target_text"]).as_py():
-            raise DataError(no_target_text_message("data.eval", f"the {num_eval} example(s) data.eval_split held out "
-                                                   f"of {train_source}", data).replace(
-                "point data.eval at another file", "set data.eval"))
-    if len(train_table) == 0:
-        raise DataError(no_labels_message("data.train", train_source, data))
-    if data.packing:
-        train_table = train_table.take(rng.permutation(len(train_table)))
-    return train_table, eval_table, truncated, dropped
+    n = len(table)
+    name = parts[0].name if len(parts) == 1 else f"the {len(parts)} sources"
+    if n < 2:
+        raise DataError(f"data.train: {name} has only {n} usable example; holding out data.eval_split needs at "
+                        "least 2 — add examples or set data.eval")
+    num_eval = min(max(1, round(n * data.eval_split)), n - 1)
+    order = rng.permutation(n)
+    held_out, kept = np.sort(order[:num_eval]), np.sort(order[num_eval:])
+    if not pc.any(table["has_target_text"].take(held_out)).as_py():
+        raise DataError(no_target_text_message("data.eval", f"the {num_eval} example(s) data.eval_split held out "
+                                               f"of {name}", data).replace(
+            "point data.eval at another file", "set data.eval"))
+    source_of = np.repeat(np.arange(len(counts)), counts)
+    return held_out, kept, np.bincount(source_of[kept], minlength=len(counts)).tolist()
+
 
 def _read_meta(path: Path) -> dict[str, Any]:
     meta_file = path / "meta.json"

@@ -30,6 +30,7 @@ from typing import Any
 
 from fulltune.data.files import load_records, local_data_files
 from fulltune.data.formats import format_columns, require_columns
+from fulltune.data.sources import Source, sources
 from fulltune.data.store import update_hash_with_source
 from fulltune import hub
 from fulltune.errors import ConfigError
@@ -111,22 +112,29 @@ def tokenizer_key(data: DataSpec, options: TrainTokenizer, token: str | None = N
     h = hashlib.sha256()
     hash_parts(h, "fulltune-tokenizer", str(TOKENIZER_FORMAT_VERSION))
     with FileHashes(workdir) as hashes:
-        update_hash_with_source(h, data.train, what="data.train", token=token, hashes=hashes)
-    settings = {"format": data.format, "fields": list(format_columns(data).values()),
-                "vocab_size": options.vocab_size, "min_frequency": options.min_frequency}
-    hash_parts(h, json.dumps(settings, sort_keys=True))
+        for source in sources(data, "train"):  # one source keys as data.train alone always has
+            update_hash_with_source(h, source.reference, what=source.what, token=token, hashes=hashes)
+            settings = {"format": source.data.format, "fields": list(format_columns(source.data).values()),
+                        "vocab_size": options.vocab_size, "min_frequency": options.min_frequency}
+            hash_parts(h, json.dumps(settings, sort_keys=True))
     return h.hexdigest()
 
 
 def training_texts(data: DataSpec, cache_dir: str | Path | None = None, token: str | None = None) -> Iterator[str]:
     """The strings the tokenizer is trained on, as tokenize_dataset will tokenize them: texts; prompts and
-    completions separately; chat message contents (role markers are special tokens)."""
-    records = load_records(data.train, what="data.train", cache_dir=cache_dir, token=token)
-    require_columns(records, data, source=data.train, what="data.train")
-    columns = list(format_columns(data).values())
+    completions separately; chat message contents (role markers are special tokens). Every source of
+    data.train once, whatever its weight."""
+    for source in sources(data, "train"):
+        yield from _source_texts(source, cache_dir, token)
+
+
+def _source_texts(source: Source, cache_dir: str | Path | None, token: str | None) -> Iterator[str]:
+    records = load_records(source.reference, what=source.what, cache_dir=cache_dir, token=token)
+    require_columns(records, source.data, source=source.reference, what=source.what)
+    columns = list(format_columns(source.data).values())
     # Only a record's first max_length tokens are ever trained on; a 200 MB record would otherwise cost
     # the BPE trainer minutes and tens of GB. 64 characters a token is more than a learned vocabulary holds.
-    most = (data.max_length + 1) * 64 + 4096
+    most = (source.data.max_length + 1) * 64 + 4096
     for batch in records.select_columns(columns).iter(batch_size=1000):
         for column in columns:
             for value in batch[column]:
@@ -142,7 +150,8 @@ def train_tokenizer(data: DataSpec, options: TrainTokenizer, workdir: str | Path
     """Train (or reuse) the byte-level BPE tokenizer for `data`; returns its directory."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Checks data.train exists before anything is created (DataError otherwise).
-    local_data_files(data.train, "data.train")
+    for source in sources(data, "train"):
+        local_data_files(source.reference, source.what)
     root = Path(workdir) / "tokenizers"
     final = root / tokenizer_key(data, options, token, workdir)
     if _is_intact(final):

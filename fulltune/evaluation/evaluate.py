@@ -30,7 +30,8 @@ import hashlib
 import json
 import math
 import tempfile
-from dataclasses import dataclass, field
+from pathlib import Path
+from dataclasses import dataclass, field, replace
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -150,52 +151,69 @@ def read_eval_rows(eval_file: str, max_examples: int | None) -> list[dict[str, A
 def evaluate_model(model_path: str, tokenizer_path: str, rows: list[dict[str, Any]], *, batch_size: int,
                    generate_examples: int, max_new_tokens: int, device: str, load_kwargs: dict[str, Any],
                    benchmarks: Benchmarks | None = None, progress: Progress | None = None,
-                   name: str = "model") -> ModelMetrics:
+                   name: str = "model", generation_batch_size: int | None = None) -> ModelMetrics:
     """Token-weighted mean loss over every labelled token, perplexity = exp(loss), bits per byte of target
     text, exact match, and the benchmarks (lm-evaluation-harness tasks, metric functions) with the same
     loaded model. `rows` must be tokenized with the tokenizer at `tokenizer_path`, which the harness also
-    uses. `progress` gets a line at most every PROGRESS_SECONDS while a phase runs; `name` labels it."""
-    import torch
-
-    from fulltune.data import collate
-    from fulltune.runtime.loss import TargetHead, Targets
-    from fulltune.models import load_model, load_tokenizer
+    uses. `batch_size` is the loss batch, `generation_batch_size` generation's (None: `batch_size`);
+    `load_kwargs` are `models.load_model`'s (the dtype, a `max_memory` device map). `progress` gets a line at
+    most every PROGRESS_SECONDS while a phase runs; `name` labels it. The model is freed before this returns."""
+    from fulltune.models import Placement, load_model, load_tokenizer, release_memory
 
     tokenizer = load_tokenizer(tokenizer_path, revision=load_kwargs.get("revision"),
                                trust_remote_code=load_kwargs.get("trust_remote_code", False),
                                token=load_kwargs.get("token"))
-    model = load_model(model_path, **load_kwargs).to(device).eval()
-    _check_ids_fit(model, rows, model_path, tokenizer_path)
-    report = _Reporter(progress, name)
-    head = TargetHead(model)  # the loss as training computes it: logits only where there is a target
-    total_loss = torch.zeros((), dtype=torch.float64)
-    total_tokens = 0
-    with torch.inference_mode():
-        for start in range(0, len(rows), batch_size):
-            batch = collate(rows[start:start + batch_size], tokenizer.pad_token_id)
-            targets = Targets.from_labels(batch.pop("labels"))
-            inputs = {key: tensor.to(device) for key, tensor in batch.items()}
-            total_loss += head.loss_sum(model, inputs, targets.to(device)).double().cpu()
-            total_tokens += len(targets)
-            report("loss", min(start + batch_size, len(rows)), len(rows))
-    head.remove()
-    if total_tokens == 0:
-        raise DataError("data.eval: the eval examples have no labelled tokens; check the eval data and data.max_length")
-    eval_loss = float(total_loss) / total_tokens
-    exact, samples, generated = None, (), 0
-    extra: dict[str, float] = {}
-    if generate_examples > 0 and rows and rows[0].get("completion") is not None:
-        exact, samples = _exact_match(model, tokenizer, rows[:generate_examples], max_new_tokens, device, batch_size,
-                                      report)
-        generated = min(generate_examples, len(rows))
-        if benchmarks is not None:
-            extra.update(benchmarks.on_generations([s[2] for s in samples], [s[1] for s in samples]))
-    if benchmarks is not None and benchmarks.tasks:
-        if progress is not None:
-            progress(f"{name}: lm-evaluation-harness tasks {', '.join(t.name for t in benchmarks.tasks)}")
-        extra.update(benchmarks.on_model(model, tokenizer, device))
+    model = load_model(model_path, **{"placement": Placement(device), **load_kwargs}).eval()
+    try:
+        _check_ids_fit(model, rows, model_path, tokenizer_path)
+        report = _Reporter(progress, name)
+        eval_loss, total_tokens = _held_out_loss(model, tokenizer, rows, batch_size, device, report)
+        exact, samples, generated = None, (), 0
+        extra: dict[str, float] = {}
+        if generate_examples > 0 and rows and rows[0].get("completion") is not None:
+            exact, samples = _exact_match(model, tokenizer, rows[:generate_examples], max_new_tokens, device,
+                                          generation_batch_size or batch_size, report)
+            generated = min(generate_examples, len(rows))
+            if benchmarks is not None:
+                extra.update(benchmarks.on_generations([s[2] for s in samples], [s[1] for s in samples],
+                                                        progress, name))
+        if benchmarks is not None and benchmarks.tasks:
+            if progress is not None:
+                progress(f"{name}: lm-evaluation-harness tasks {', '.join(t.name for t in benchmarks.tasks)}")
+            extra.update(benchmarks.on_model(model, tokenizer, device))
+    finally:
+        del model  # freed before the next candidate loads: nothing here keeps a reference
+        release_memory()
     return ModelMetrics(eval_loss, math.exp(min(eval_loss, 700.0)), total_tokens, exact, generated, samples,
                         target_bytes(tokenizer, rows), extra)
+
+
+def _held_out_loss(model: Any, tokenizer: Any, rows: list[dict[str, Any]], batch_size: int, device: str,
+                   report: Callable[[str, int, int], None]) -> tuple[float, int]:
+    """(mean loss per target token, target tokens): the loss as training computes it, logits only where
+    there is a target (TargetHead)."""
+    import torch
+
+    from fulltune.data import collate
+    from fulltune.runtime.loss import TargetHead, Targets
+
+    head = TargetHead(model)
+    total_loss = torch.zeros((), dtype=torch.float64)
+    total_tokens = 0
+    try:
+        with torch.inference_mode():
+            for start in range(0, len(rows), batch_size):
+                batch = collate(rows[start:start + batch_size], tokenizer.pad_token_id)
+                targets = Targets.from_labels(batch.pop("labels"))
+                inputs = {key: tensor.to(device) for key, tensor in batch.items()}
+                total_loss += head.loss_sum(model, inputs, targets.to(device)).double().cpu()
+                total_tokens += len(targets)
+                report("loss", min(start + batch_size, len(rows)), len(rows))
+    finally:
+        head.remove()
+    if total_tokens == 0:
+        raise DataError("data.eval: the eval examples have no labelled tokens; check the eval data and data.max_length")
+    return float(total_loss) / total_tokens, total_tokens
 
 
 # A phase of evaluation that runs longer than this logs how far it got, so a long one is visibly alive.
@@ -354,8 +372,13 @@ def raw_eval_records(data: DataSpec, rows: list[dict[str, Any]], max_examples: i
     """The eval examples as records of the training data (the columns `data.format` reads), or None.
 
     prompt_completion rows carry their prompt and completion strings. For the other formats only
-    `data.eval` has the raw examples; examples held out of `data.train` are kept as tokens only.
+    `data.eval` has the raw examples; examples held out of `data.train` are kept as tokens only. Sources
+    given as lists may each have their own format and fields: None (fulltune/data/sources.py).
     """
+    from fulltune.data.sources import is_single
+
+    if not (is_single(data.train) and is_single(data.eval)):
+        return None
     if data.format == "prompt_completion":
         return [{data.prompt_field: row["prompt"], data.completion_field: row["completion"]} for row in rows]
     if data.eval is None:
@@ -441,12 +464,15 @@ def comparable_champion(tuned: ModelMetrics, own: ModelMetrics) -> ModelMetrics:
 
 def evaluate_candidates(spec: PipelineSpec, *, eval_file: str, base_model: str, model_dir: str, tokenizer: str,
                         champion: Champion | None, workdir: str, base_dir: str, device: str,
-                        progress: Progress | None = None) -> EvalReport:
+                        progress: Progress | None = None, evaluation: dict[str, Any] | None = None) -> EvalReport:
     """Stage 4: the base model (with the run's tokenizer), the fine-tuned model and the current champion
-    (each with its own tokenizer) on the same held-out examples and the same benchmarks.
+    (each with its own tokenizer) on the same held-out examples and the same benchmarks, one after another,
+    each freed before the next loads.
 
-    `base_dir` is the pipelines file's directory (task YAMLs and metric modules are found from there);
-    the champion's checkpoint is downloaded under `<workdir>/champions/`.
+    `evaluation` is the plan's evaluate stage (memory/evaluation.py `EvalPlan.to_dict`): every candidate loads
+    in its dtype (the trained precision), placed as it says, and runs its fitted batches. None: fp32 and the
+    `evaluate.*` batches. `base_dir` is the pipelines file's directory (task YAMLs and metric modules are
+    found from there); the champion's checkpoint is downloaded under `<workdir>/champions/`.
     """
     from fulltune.evaluation.harness import Benchmarks
     from fulltune.models import hub_token
@@ -454,26 +480,30 @@ def evaluate_candidates(spec: PipelineSpec, *, eval_file: str, base_model: str, 
     e, m = spec.evaluate, spec.model
     rows = read_eval_rows(eval_file, e.max_examples)
     benchmarks = Benchmarks.from_spec(spec, base_dir)
+    if benchmarks is not None and evaluation is not None and evaluation.get("harness_batch"):
+        benchmarks = replace(benchmarks, batch_size=evaluation["harness_batch"])
     load = {"revision": m.revision, "trust_remote_code": m.trust_remote_code,
             "allow_pickle_weights": m.allow_pickle_weights, "attn_implementation": m.attn_implementation,
-            "token": hub_token(m.token_env)}
-    options = {"batch_size": e.batch_size, "generate_examples": e.max_generate_examples,
+            "token": hub_token(m.token_env),
+            **planned_loading(evaluation, device, str(Path(workdir) / "evals" / "offload"))}
+    options = {"batch_size": evaluation["loss_batch"] if evaluation else e.batch_size,
+               "generation_batch_size": (evaluation["generation_batch"] or None) if evaluation else None,
+               "generate_examples": e.max_generate_examples,
                "max_new_tokens": e.max_new_tokens, "device": device, "benchmarks": benchmarks, "progress": progress}
     candidates = {"base": (base_model, tokenizer, load),
                   "fine_tuned": (model_dir, model_dir, {**load, "revision": None})}
     metrics = {name: evaluate_model(path, tokenizer_path, rows, load_kwargs=kwargs, name=name, **options)
                for name, (path, tokenizer_path, kwargs) in candidates.items()}
     return compare_with_champion(spec, rows, metrics, champion, model_dir=model_dir, workdir=workdir,
-                                 options=options)
+                                 options=options, load=load)
 
 
 def compare_with_champion(spec: PipelineSpec, rows: list[dict[str, Any]], metrics: dict[str, ModelMetrics],
                           champion: Champion | None, *, model_dir: str, workdir: str,
-                          options: dict[str, Any]) -> EvalReport:
+                          options: dict[str, Any], load: dict[str, Any]) -> EvalReport:
     """The report of `metrics` (base and fine-tuned), with the champion measured on its own tokens when
-    there is one to compare; `options` are evaluate_model's keyword arguments."""
-    from pathlib import Path
-
+    there is one to compare; `options` are evaluate_model's keyword arguments, `load` the base model's
+    `load_kwargs` (the champion loads in the same dtype and placement, without the base's hub revision)."""
     from fulltune.models import hub_token, load_tokenizer
     from fulltune.tracking.registry import download_version
 
@@ -488,9 +518,7 @@ def compare_with_champion(spec: PipelineSpec, rows: list[dict[str, Any]], metric
     result = measure_champion(
         rows, metrics["fine_tuned"], tuned_tokenizer, local, spec.data, champion.version,
         max_examples=spec.evaluate.max_examples, data_token=hub_token(spec.model.token_env),
-        load_kwargs={"revision": None, "trust_remote_code": False,
-                     "allow_pickle_weights": spec.model.allow_pickle_weights,
-                     "attn_implementation": spec.model.attn_implementation},
+        load_kwargs={**load, "revision": None, "trust_remote_code": False, "token": None},
         name=f"champion v{champion.version}", **options)
     if result.gate is not None:
         metrics = {**metrics, "champion": result.gate}
@@ -498,73 +526,16 @@ def compare_with_champion(spec: PipelineSpec, rows: list[dict[str, Any]], metric
                       champion_own_tokens=result.own)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Peak memory of evaluation, for the plan
+def planned_loading(evaluation: dict[str, Any] | None, device: str, offload_folder: str) -> dict[str, Any]:
+    """`load_model`'s dtype and placement as the plan's evaluation says: its dtype on `device`, or where the plan
+    layer-offloads (a GPU that cannot hold the weights), accelerate's device map over the GPU's planned bytes
+    and host RAM (on disk under `offload_folder` what a layer's granularity leaves over). None: fp32."""
+    from fulltune.models import Placement
 
-
-@dataclass(frozen=True)
-class EvalMemory:
-    """Device bytes of the evaluate stage for one candidate, by phase; only one phase runs at a time, so
-    the peak is the weights plus the largest phase. The champion is evaluated after the fine-tuned model
-    is freed, so the stage's peak is the larger of the two candidates' (the same shape: the same peak)."""
-
-    weights: int
-    loss: int  # one batch of the held-out loss: transient activations + the target-position head
-    generation: int  # the KV cache of one generation batch + the prefill transient + last-position logits
-    harness: int  # one lm-evaluation-harness log-likelihood batch: full-vocabulary logits and their log-softmax
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.weights + max(self.loss, self.generation, self.harness)
-
-    def as_dict(self) -> dict[str, int]:
-        return {"weights": self.weights, "loss": self.loss, "generation": self.generation, "harness": self.harness,
-                "peak_bytes": self.peak_bytes}
-
-
-def eval_peak_bytes(config: Any, *, batch_size: int, seq_len: int, max_new_tokens: int = 0, generate: bool = True,
-                    harness_batch_size: int | None = None, harness_seq_len: int | None = None,
-                    weight_bytes: int = 4, activation_bytes: int | None = None,
-                    attn_implementation: str = "sdpa") -> EvalMemory:
-    """Analytic device peak of evaluating one model of `config` (a transformers config) with these settings.
-
-    `seq_len` is the longest eval row (data.max_length at most); `batch_size` evaluate.batch_size, which the
-    generation batches use too, each holding a KV cache of prompt + max_new_tokens positions;
-    `harness_batch_size` / `harness_seq_len` the lm-evaluation-harness batch and its longest request
-    (None: no harness tasks). Weights load in fp32 (`weight_bytes` 4) unless the caller loads them in
-    16 bit; activations have the weights' width unless `activation_bytes` says otherwise. Logits are fp32.
-
-    Inference keeps no activations for backward, so a forward pass's transient is one layer's: the
-    residual stream and its normed copy, q/k/v and the attention output, the MLP's intermediate
-    tensors, and with eager attention the (heads × s × s) scores and their softmax.
-    """
-    from fulltune.memory.shapes import model_shape
-
-    shape = model_shape(config)
-    act = activation_bytes or weight_bytes
-    weights = shape.num_params * weight_bytes
-
-    def layer_transient(batch: int, positions: int, attended: int) -> int:
-        kv = 2 * shape.kv_heads * shape.head_dim
-        per_position = 4 * shape.hidden + shape.heads * shape.head_dim + kv + 3 * shape.intermediate
-        scores = 2 * batch * shape.heads * positions * attended if attn_implementation == "eager" else 0
-        return (batch * positions * per_position + scores) * act
-
-    def kv_cache(batch: int, positions: int) -> int:
-        return 2 * shape.num_layers * batch * positions * shape.kv_heads * shape.head_dim * act
-
-    # Held-out loss: every position may be a target (logits fp32, then their log-softmax in cross-entropy).
-    loss = layer_transient(batch_size, seq_len, seq_len) + 2 * batch_size * seq_len * shape.vocab * 4
-    generation = 0
-    if generate and max_new_tokens > 0:
-        total = seq_len + max_new_tokens
-        # the cache of every layer, one layer's prefill transient, the last position's logits and the
-        # logits processors' fp32 copies of them
-        generation = (kv_cache(batch_size, total) + layer_transient(batch_size, seq_len, seq_len)
-                      + 3 * batch_size * shape.vocab * 4)
-    harness = 0
-    if harness_batch_size and harness_seq_len:
-        # HFLM scores a padded batch with the model's full logits and a log-softmax over them (both fp32)
-        harness = (layer_transient(harness_batch_size, harness_seq_len, harness_seq_len)
-                   + 2 * harness_batch_size * harness_seq_len * shape.vocab * 4)
-    return EvalMemory(weights, loss, generation, harness)
+    if evaluation is None:
+        return {"dtype": "fp32", "placement": Placement(device)}
+    offload = evaluation.get("offload")
+    if offload is None:
+        return {"dtype": evaluation["dtype"], "placement": Placement(device)}
+    memory = {0: offload["device_bytes"], "cpu": offload["host_bytes"]}
+    return {"dtype": evaluation["dtype"], "placement": Placement(device, memory, offload_folder)}

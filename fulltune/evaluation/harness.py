@@ -9,8 +9,9 @@
 - `evaluate.metrics` names Python callables `module:function` that get the generated completions and
   their references and return a number (metric `<name>`) or a mapping of numbers (`<name>/<key>`).
 
-`check_benchmarks` is what `fulltune validate` adds: the files exist, registered names are known, the
-callables import, and every metric `register.promote_if` names is one the evaluation will produce.
+`check_benchmarks` is what `fulltune validate` (and `fulltune run`, before any stage) adds: the files
+exist, registered names are known and, offline, their hub datasets are cached, the callables import,
+and every metric `register.promote_if` names is one the evaluation will produce.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import hashlib
 import importlib
 import importlib.util
 import math
+import numbers
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +34,7 @@ from typing import Any
 import yaml
 
 from fulltune.errors import ConfigError
-from fulltune.spec import BUILTIN_METRICS, PipelineSpec
+from fulltune.spec import BUILTIN_METRICS, DEFAULT_METRIC_TIMEOUT, PipelineSpec
 
 YAML_SUFFIXES = (".yaml", ".yml")
 # `datasets` builders that read `data_files` from disk; any other dataset_path is a hub dataset.
@@ -58,19 +62,63 @@ def read_task_yaml(path: Path, _seen: frozenset[Path] = frozenset()) -> dict[str
     path = path.resolve()
     if path in _seen:
         raise ConfigError(f"{path}: task YAML includes itself")
+    config = _read_one_task_yaml(path)
+    include = config.pop("include", None)
+    if include is None:
+        return config
+    merged: dict[str, Any] = {}
+    for name in _names(include):
+        merged.update(read_task_yaml(path.parent / name, _seen | {path}))
+    return {**merged, **config}
+
+
+def _read_one_task_yaml(path: Path) -> dict[str, Any]:
     try:
         config = yaml.load(path.read_text(), Loader=_TaskYamlLoader)  # noqa: S506 (a SafeLoader subclass)
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"{path}: cannot read the task YAML: {exc}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: a task YAML is a mapping with a `task` key")
-    include = config.pop("include", None)
-    if include is None:
-        return config
-    merged: dict[str, Any] = {}
-    for name in [include] if isinstance(include, str) else list(include):
-        merged.update(read_task_yaml(path.parent / name, _seen | {path}))
-    return {**merged, **config}
+    return config
+
+
+def _names(include: str | list[str]) -> list[str]:
+    return [include] if isinstance(include, str) else list(include)
+
+
+def task_files(path: Path, _seen: frozenset[Path] = frozenset()) -> list[str]:
+    """Every file besides its data that a task YAML makes the harness read: the YAML, the YAMLs it
+    includes, and the module of each `!function` tag, found as the harness finds it (a `.py` beside the
+    YAML that names it, else an importable module)."""
+    path = path.resolve()
+    if path in _seen:
+        return []
+    config = _read_one_task_yaml(path)
+    files = [str(path), *(module for tag in _function_tags(config)
+                          if (module := _function_module(tag, path.parent)) is not None)]
+    for name in _names(config.get("include") or []):
+        files += task_files(path.parent / name, _seen | {path})
+    return list(dict.fromkeys(files))
+
+
+def _function_tags(value: Any) -> list[str]:
+    """The `module.function` of every `!function` tag in a task config (as _TaskYamlLoader keeps them)."""
+    if isinstance(value, str):
+        return [value.removeprefix("!function ").strip()] if value.startswith("!function ") else []
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else []
+    return [tag for item in items for tag in _function_tags(item)]
+
+
+def _function_module(tag: str, directory: Path) -> str | None:
+    module = tag.rpartition(".")[0]
+    beside = directory / f"{module.replace('.', '/')}.py"
+    if beside.is_file():
+        return str(beside.resolve())
+    try:
+        origin = getattr(importlib.util.find_spec(module), "origin", None) if module else None
+    except (ImportError, ValueError):  # not importable: the harness will say so when it runs the task
+        return None
+    return origin if origin and Path(origin).is_file() else None
 
 
 def _data_files(config: dict[str, Any]) -> list[str]:
@@ -131,6 +179,7 @@ class HarnessTask:
     path: str | None  # the YAML file, absolute; None for a registered task
     metrics: frozenset[str] | None  # declared metric names; None: not known before running
     higher_is_better: tuple[tuple[str, bool], ...] = ()
+    hub_dataset: str | None = None  # the hub dataset a registered task reads, when its YAML names one
 
 
 def resolve_tasks(spec: PipelineSpec, base_dir: str | Path, field: str = "evaluate.lm_eval.tasks") -> list[HarnessTask]:
@@ -185,12 +234,36 @@ def _resolve_tasks(spec: PipelineSpec, base_dir: str | Path, field: str) -> tupl
                 problems.append(f"{where}: {entry!r} is not a registered lm-evaluation-harness task (nor a path "
                                 "ending in .yaml)")
                 continue
-            declared = None
+            config: dict[str, Any] = {}
             if found is not True:
                 with contextlib.suppress(ConfigError):
-                    declared = _declared_metrics(read_task_yaml(Path(found)))
-            tasks.append(HarnessTask(entry, entry, None, frozenset(declared) if declared is not None else None))
+                    config = read_task_yaml(Path(found))
+            declared = _declared_metrics(config) if config else None
+            tasks.append(HarnessTask(entry, entry, None, frozenset(declared) if declared is not None else None,
+                                     hub_dataset=_hub_dataset(config)))
     return tasks, problems
+
+
+def _hub_dataset(config: dict[str, Any]) -> str | None:
+    """The hub dataset a task config reads (`dataset_path`), or None for local files or a group."""
+    path = config.get("dataset_path")
+    if not isinstance(path, str) or path in LOCAL_BUILDERS or _data_files(config) or Path(path).exists():
+        return None
+    return path
+
+
+def _offline_problems(tasks: list[HarnessTask], entries: list[str], field: str) -> list[str]:
+    """With HF_HUB_OFFLINE=1, each registered task whose hub dataset is not in the local cache: the run
+    could not read it, and would find out only after training."""
+    from fulltune import hub
+
+    if not hub.offline():
+        return []
+    return [f"{field}.{entries.index(task.entry)}: task {task.name} reads the hub dataset {task.hub_dataset}, "
+            f"which is not in the Hugging Face cache ({hub.cache_dir()}) while HF_HUB_OFFLINE=1; download it once "
+            f"(`hf download {task.hub_dataset} --repo-type dataset`, or run online), or give the task as a YAML "
+            "over local files"
+            for task in tasks if task.hub_dataset and hub.cached_commit(task.hub_dataset, None, "dataset") is None]
 
 
 @functools.lru_cache(maxsize=1)
@@ -207,6 +280,8 @@ def check_benchmarks(spec: PipelineSpec, base_dir: str | Path, prefix: str) -> l
     """Problems with `evaluate.lm_eval`, `evaluate.metrics` and the metrics `register.promote_if` names,
     each with its YAML path under `prefix` (`pipelines.<name>`)."""
     tasks, problems = _resolve_tasks(spec, base_dir, f"{prefix}.evaluate.lm_eval.tasks")
+    if spec.evaluate.lm_eval is not None:
+        problems += _offline_problems(tasks, spec.evaluate.lm_eval.tasks, f"{prefix}.evaluate.lm_eval.tasks")
     custom = spec.evaluate.metrics
     for name, target in custom.items():
         try:
@@ -257,8 +332,9 @@ def _wrong_direction(metric: str, mode: str | None, tasks: list[HarnessTask]) ->
 
 
 def sources_key(spec: PipelineSpec, base_dir: str | Path) -> dict[str, Any]:
-    """What the evaluate stage's cache key must see besides the spec: the content of each task YAML and
-    its data files, and the source of each metric function's module (a changed task re-evaluates)."""
+    """What the evaluate stage's cache key must see besides the spec: the content of each task YAML, the
+    YAMLs it includes, its `!function` modules and its data files, and the source of each metric
+    function's module (a changed task re-evaluates)."""
     key: dict[str, Any] = {}
     if spec.evaluate.lm_eval is not None:
         import lm_eval
@@ -267,7 +343,7 @@ def sources_key(spec: PipelineSpec, base_dir: str | Path) -> dict[str, Any]:
         for task in resolve_tasks(spec, base_dir):
             if task.path is not None:
                 config = _with_local_files(read_task_yaml(Path(task.path)), Path(task.path).parent)
-                files = [task.path, *sorted(f for f in _data_files(config) if Path(f).is_file())]
+                files = [*task_files(Path(task.path)), *sorted(f for f in _data_files(config) if Path(f).is_file())]
                 key[task.entry] = [_file_sha256(f) for f in files]
     for name, target in spec.evaluate.metrics.items():
         module = target.partition(":")[0]
@@ -317,22 +393,70 @@ def load_callable(target: str, base_dir: str | Path) -> Callable[..., Any]:
 
 
 def custom_metrics(spec_metrics: Mapping[str, str], base_dir: str | Path, completions: list[str],
-                   references: list[str]) -> dict[str, float]:
-    """Each metric function on the completions and their references, as `{name or name/key: value}`."""
+                   references: list[str], *, timeout: float = DEFAULT_METRIC_TIMEOUT,
+                   progress: Callable[[str], None] | None = None, label: str = "model") -> dict[str, float]:
+    """Each metric function on the completions and their references, as `{name or name/key: value}`.
+
+    Any number passes (numpy's too). A function that raises (SystemExit included), returns something
+    else or runs past `timeout` seconds (`evaluate.metric_timeout`) stops the evaluation with a
+    ConfigError naming the metric: it is the team's code to fix, and a retry would fail the same way.
+    `progress` gets a line when each function starts and every PROGRESS_SECONDS while it runs.
+    """
     values: dict[str, float] = {}
     for name, target in spec_metrics.items():
         function = load_callable(target, base_dir)
+        where = f"evaluate.metrics.{name}: {target}"
+        say = progress or (lambda line: None)
+        say(f"{label}: metric {name} ({target}) on {len(completions)} completions")
         try:
-            result = function(list(completions), list(references))
-        except Exception as exc:  # a bug in the team's metric: stop with its message, never retry
-            raise ConfigError(f"evaluate.metrics.{name}: {target} raised {type(exc).__name__}: {exc}") from None
+            result = _call_with_limit(function, (list(completions), list(references)), timeout,
+                                      lambda seconds: say(f"{label}: metric {name} still running after "
+                                                          f"{seconds:.0f} s (evaluate.metric_timeout {timeout:g} s)"))
+        except TimeoutError:
+            raise ConfigError(f"{where} ran longer than evaluate.metric_timeout ({timeout:g} s); make it faster or "
+                              "raise evaluate.metric_timeout") from None
+        except (Exception, SystemExit) as exc:  # a bug in the team's metric: stop with its message, never retry
+            raise ConfigError(f"{where} raised {type(exc).__name__}: {exc}") from None
         items = result.items() if isinstance(result, Mapping) else [(None, result)]
         for key, value in items:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"evaluate.metrics.{name}: {target} returned {value!r}; return a number or a "
-                                  "mapping of numbers")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ConfigError(f"{where} returned {value!r}; return a number or a mapping of numbers")
             values[name if key is None else f"{name}/{key}"] = float(value)
     return values
+
+
+# A metric function running longer than this says so, so a slow one is visibly alive.
+PROGRESS_SECONDS = 10.0
+
+
+def _call_with_limit(function: Callable[..., Any], args: tuple[Any, ...], limit: float,
+                     tick: Callable[[float], None]) -> Any:
+    """`function(*args)` in a daemon thread, waited for at most `limit` seconds (TimeoutError after), with
+    `tick(elapsed)` every PROGRESS_SECONDS. Python cannot stop a thread: one that runs over is left
+    behind, and the process ends with the error rather than waiting for it."""
+    outcome: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            outcome["value"] = function(*args)
+        except BaseException as exc:  # handed to the waiting thread, which decides
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=call, name="fulltune-metric", daemon=True)
+    started = time.monotonic()
+    thread.start()
+    while True:
+        elapsed = time.monotonic() - started
+        thread.join(max(0.0, min(PROGRESS_SECONDS, limit - elapsed)))
+        if not thread.is_alive():
+            break
+        elapsed = time.monotonic() - started
+        if elapsed >= limit:
+            raise TimeoutError
+        tick(elapsed)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -420,6 +544,7 @@ class Benchmarks:
     batch_size: int
     metrics: tuple[tuple[str, str], ...]  # (name, module:function)
     base_dir: str
+    metric_timeout: float = DEFAULT_METRIC_TIMEOUT  # seconds each metric function may run
 
     @classmethod
     def from_spec(cls, spec: PipelineSpec, base_dir: str | Path) -> Benchmarks | None:
@@ -429,7 +554,7 @@ class Benchmarks:
             return None
         return cls(tuple(resolve_tasks(spec, base_dir)), lm.limit if lm else None, lm.num_fewshot if lm else None,
                    (lm.batch_size if lm and lm.batch_size else spec.evaluate.batch_size),
-                   tuple(spec.evaluate.metrics.items()), str(base_dir))
+                   tuple(spec.evaluate.metrics.items()), str(base_dir), spec.evaluate.metric_timeout)
 
     def on_model(self, model: Any, tokenizer: Any, device: str) -> dict[str, float]:
         if not self.tasks:
@@ -437,5 +562,9 @@ class Benchmarks:
         return run_harness(model, tokenizer, list(self.tasks), limit=self.limit, num_fewshot=self.num_fewshot,
                            batch_size=self.batch_size, device=device)
 
-    def on_generations(self, completions: list[str], references: list[str]) -> dict[str, float]:
-        return custom_metrics(dict(self.metrics), self.base_dir, completions, references) if self.metrics else {}
+    def on_generations(self, completions: list[str], references: list[str],
+                       progress: Callable[[str], None] | None = None, label: str = "model") -> dict[str, float]:
+        if not self.metrics:
+            return {}
+        return custom_metrics(dict(self.metrics), self.base_dir, completions, references,
+                              timeout=self.metric_timeout, progress=progress, label=label)

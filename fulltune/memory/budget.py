@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from fulltune.memory.errors import MemoryConfigError
-from fulltune.memory.units import parse_bytes
+from fulltune.memory.units import format_bytes, parse_bytes
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
@@ -35,6 +35,9 @@ class Budget:
         host_bytes: host RAM the offload levers may use (`budget.host_memory`; `auto`: this machine's RAM).
         bf16_supported: the device computes in bf16 (CPU autocast always can; slower without bf16 matrix
             units, which the step-time model knows).
+        host_assumed: what `host_memory: auto` was taken to mean when it cannot mean the RAM of the machine that
+            runs the plan (`device: cuda` planned on a machine without a GPU), and how to say it instead; None
+            when `host_bytes` is this machine's and this machine runs it, or was given.
     """
 
     device: str
@@ -42,6 +45,7 @@ class Budget:
     headroom: float = 0.05
     host_bytes: int | None = None
     bf16_supported: bool = True
+    host_assumed: str | None = None
 
     @property
     def usable_bytes(self) -> int:
@@ -76,9 +80,14 @@ def resolve_budget(device: str = "auto", memory: int | str = "auto", headroom: f
     else:
         total = _parse(memory, f"{where}.memory")
     host = host_ram() if host_memory == "auto" else _parse(host_memory, f"{where}.host_memory")
+    assumed = None
+    if host_memory == "auto" and resolved == "cuda" and not has_cuda:
+        assumed = (f"{where}.host_memory is auto and this machine has no GPU: the plan assumed the GPU machine has "
+                   f"this machine's RAM ({format_bytes(host)}); set {where.rsplit('.', 1)[-1]}.host_memory to the RAM "
+                   "of the machine that trains (e.g. host_memory: 512GiB)")
     if not 0.0 <= headroom < 1.0:
         raise MemoryConfigError(f"{where}.headroom: must be in [0, 1); got {headroom}")
-    return Budget(resolved, total, headroom, host, bf16)
+    return Budget(resolved, total, headroom, host, bf16, assumed)
 
 
 def _torch():  # noqa: ANN202 - the torch module

@@ -18,9 +18,10 @@ part is counted:
 | activations of a decoder layer and of the whole model | `fulltune/memory/activations.py` |
 | the output head's logits and the loss (whole or chunked) | `fulltune/memory/head.py` |
 | bytes the levers decide (weight dtype, optimizer states, host RAM) | `fulltune/memory/lever_bytes.py` |
-| sharded shares, DDP/ZeRO buckets, FSDP2's per-unit phases | `fulltune/memory/fsdp.py` |
+| sharded shares, DDP buckets, FSDP2's units (gathers, reduce-scatters, its head) | `fulltune/memory/fsdp.py` |
 | the shared per-step numbers and the phase records | `fulltune/memory/timeline.py` |
-| the decoder layers' backward, the embeddings, the optimizer step | here (`_backward_phases`) |
+| the one walk of the step, driven by each layout's description | `fulltune/memory/walk.py` |
+| gradients into `.grad` (one process, DDP, a pipeline stage): the replicated layout | here (`replicated`) |
 | the whole process: loading, first step, checkpoint, export, evaluation | `fulltune/memory/process.py` |
 
 Every byte count comes from the tensors autograd saves in the transformers 5 implementations (checked
@@ -42,13 +43,14 @@ from __future__ import annotations
 from typing import Any
 
 from fulltune.memory.activations import compute_bytes
-from fulltune.memory.fsdp import activation_settings, fsdp_phases, fsdp_walk, persistent
+from fulltune.memory.fsdp import activation_settings, fsdp_layout, fsdp_walk, persistent
 from fulltune.memory.head import chunked_head_phases, head_gradient, head_phases
 from fulltune.memory.process import CPU_LIBRARY_PAGES_SPREAD, CPU_LOAD_PROCESS_BYTES, LOAD, STEP, TRAINING_PHASES, phase_tensors
 from fulltune.memory.shapes import ModelShape, model_shape
-from fulltune.memory.tensor_parallel import step_terms_tp, tp_phases
+from fulltune.memory.tensor_parallel import step_terms_tp, tp_layout
 from fulltune.memory.timeline import Timeline, step_terms
 from fulltune.memory.types import MemoryEstimate, Settings
+from fulltune.memory.walk import Layout, walk
 
 # CUDA context + cuBLAS workspace on a recent GPU with lazy module loading (torch 2.x): ~0.5 GiB.
 CUDA_CONTEXT_BYTES = 600 * 2**20
@@ -91,80 +93,99 @@ def estimate_memory(config: Any, settings: Settings) -> MemoryEstimate:
 
 def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = None) -> MemoryEstimate:
     """`estimate_memory` on a parsed shape; `timeline` (if given) receives every (phase, bytes, parts)."""
+    if settings.pipeline_parallel > 1:  # the largest pipeline stage (memory/pipeline.py, which imports this module)
+        from fulltune.memory.pipeline import stage_memory_estimate
+
+        return stage_memory_estimate(shape, settings)
     if settings.tensor_parallel > 1:
         # A tensor-parallel rank: FSDP over the data-parallel processes of the rank's own shape, with the
         # sequence-parallel blocks' activations and the vocabulary-parallel head (memory/tensor_parallel.py).
         x = step_terms_tp(shape, settings, activation_settings(settings))
         tl = Timeline(x, persistent(x))
-        tp_phases(tl)
+        walk(tl, tp_layout(tl))
         return _result(x.shape, tl.phases, timeline, x.settings, _notes(shape, settings))
     x = step_terms(shape, settings, activation_settings(settings))
     tl = Timeline(x, persistent(x))
-    if fsdp_walk(settings):
-        fsdp_phases(tl)
-    else:
-        # Forward: the last layer's forward peak with everything below it saved.
-        tl.add("forward", x.grads_before, x.acts.below_head, 0, x.layer.forward_transient + x.acts.mask_bool,
-               backward=False)
-        (chunked_head_phases if settings.chunked_loss else head_phases)(tl)
-        _backward_phases(tl)
+    walk(tl, fsdp_layout(tl) if fsdp_walk(settings) else replicated(tl))
     return _result(shape, tl.phases, timeline, settings, _notes(shape, settings))
 
 
-def _backward_phases(tl: Timeline) -> None:
-    """The decoder layers' backward, last to first, the embeddings' backward and the optimizer step."""
+class ReplicatedGradients:
+    """Gradients into `.grad` on a process holding every parameter it trains (one process, DDP, a pipeline
+    stage): with `zero_grad(set_to_none=True)` and no accumulation they appear layer by layer; accumulating,
+    they exist through the step and each new one is a temporary added into them; with the gradient hooks
+    (step in backward, optimizer offload) a hook takes each one as it is made."""
+
+    def __init__(self, tl: Timeline) -> None:
+        x = tl.terms
+        shape, wb = x.shape, x.levers.weight_bytes
+        self.first = x.layer.mlp_first_grad * wb // 4  # the down/output projection's weight gradient
+        head_grad = head_gradient(tl)  # 0 on a rank without the head (its vocabulary is 0)
+        # After the head's backward: its weight gradient and the final norm's.
+        norms = wb * sum(p[0] for p in shape.other_params if len(p) == 1)
+        self.grads = x.grads_before if x.accumulating else head_grad + norms
+        # Tied: the head's weight gradient waits in autograd's input buffer for the embedding's share
+        # (when accumulating it is not yet added into .grad, so it is extra; with the gradient hooks it
+        # is not a .grad yet, so the hook has not taken it).
+        self.waiting = head_grad if shape.tied and (x.accumulating or x.hooks) else 0
+        self.grads += self.waiting if not x.hooks else 0
+
+    def partial(self, tl: Timeline, i: int, first: bool) -> dict:
+        x = tl.terms
+        if first:
+            # Made before the MLP backward peak; when accumulating, a new tensor added into the existing .grad.
+            made = int(self.first * x.grad_shard)
+            return {"grads": self.grads + (0 if x.accumulating else made), "now": self.waiting + made,
+                    "temp": self.first if x.new_grad_added else 0}
+        mlp = 0 if x.accumulating else int(x.layer.mlp_grads * x.grad_shard * x.levers.weight_bytes // 4)
+        return {"grads": self.grads + mlp, "now": self.waiting, "temp": 0}
+
+    def finish(self, tl: Timeline, name: str, i: int, acts: int) -> None:
+        x = tl.terms
+        self.grads += 0 if x.accumulating else int(x.layer.grads * x.grad_shard * x.levers.weight_bytes // 4)
+
+    def embeddings(self, tl: Timeline, acts: int) -> None:
+        """A dense (V, h) gradient. Tied, autograd then sums it with the waiting head gradient out of place
+        (three (V, h) tensors at once, .grad not yet among them unless accumulating); untied and accumulating,
+        it is added into the existing .grad. At the end of backward every gradient exists."""
+        x = tl.terms
+        shape, settings = x.shape, x.settings
+        rows = next(p[0] for p in shape.other_params if len(p) == 2)  # the embedding table's
+        emb_grad = int(x.levers.weight_bytes * rows * shape.hidden * x.grad_shard)
+        if shape.tied:
+            emb_tmp = (3 if x.new_grad_added else 2) * emb_grad
+        else:
+            emb_tmp = emb_grad if x.new_grad_added else 0
+        # With the hooks: the embedding's gradient (tied: the sum) is the one the hook takes; stepping
+        # inside backward adds the optimizer's own temporaries there.
+        hook_tmp = x.levers.states_temp if settings.optimizer_in_backward else 0
+        tl.add("backward of the embeddings", x.grads_total, acts, 0,
+               emb_tmp if not x.hooks else (emb_tmp if shape.tied else 0) + hook_tmp,
+               now=0 if shape.tied else emb_grad)
+
+    def step(self, tl: Timeline) -> None:
+        """All gradients, states, the optimizer's own temporaries (on the host when offloaded; nothing left to
+        do when stepped in backward)."""
+        x = tl.terms
+        settings = x.settings
+        if not settings.optimizer_in_backward:
+            step_temp = x.levers.host_temp if settings.offload_optimizer else x.levers.states_temp
+            tl.add("optimizer step", x.grads_total, 0, 0,
+                   step_temp if (settings.device == "cpu" or not settings.offload_optimizer) else 0)
+
+
+def replicated(tl: Timeline, layers: tuple[int, int] | None = None, embedding: bool = True,
+               head: bool = True) -> Layout:
+    """The walk of a process that holds every parameter it trains: nothing gathered, gradients into `.grad`.
+    A pipeline stage owns `layers` and the embedding or the head or neither."""
     x = tl.terms
-    shape, settings, layer = x.shape, x.settings, x.layer
-    wb, grad_shard, accumulating, hooks = x.levers.weight_bytes, x.grad_shard, x.accumulating, x.hooks
-    k = min(settings.gradient_checkpointing, shape.num_layers)
-    on_host = settings.device == "cpu"
-    head_grad = head_gradient(tl)
-    # Each layer has two peaks: the MLP backward (everything of the layer still saved, plus the grads of
-    # the (b, s, I) tensors) and the attention backward (the MLP part freed, its weight gradients made,
-    # grads of q, k, v).
-    layer_grads = int(layer.grads * grad_shard * wb // 4)
-    grads_now = x.grads_before if accumulating else head_grad + wb * shape.hidden * (2 if shape.layout != "llama" else 1)
-    # Tied: the head's weight gradient waits in autograd's input buffer for the embedding's share
-    # (when accumulating it is not yet added into .grad, so it is extra; with the gradient hooks it
-    # is not a .grad yet, so the hook has not taken it).
-    waiting = head_grad if shape.tied and (accumulating or hooks) else 0
-    grads_now += waiting if not hooks else 0
-    acts_now = x.acts.below_head
-    first = layer.mlp_first_grad * wb // 4
-    for i in reversed(range(shape.num_layers)):
-        below = acts_now - x.acts.saved_by_layer[i]
-        # A checkpointed layer first rebuilds the same activations (non-reentrant checkpoint
-        # with early stop: its output is not rebuilt); an offloaded input comes back first.
-        back = x.bsh4 if settings.offload_activations and i < k and not on_host else 0
-        grad_mlp = 0 if accumulating else int(layer.mlp_grads * grad_shard * wb // 4)
-        # The down/output projection's weight gradient is made before the MLP backward peak;
-        # when accumulating it is a new tensor added into the existing .grad.
-        tl.add(f"backward of layer {i}", grads_now + (0 if accumulating else int(first * grad_shard)), below + back, 0,
-               layer.saved + layer.mlp_backward + (first if x.new_grad_added else 0),
-               now=waiting + int(first * grad_shard))
-        tl.add(f"backward of layer {i}", grads_now + grad_mlp, below + back, 0, layer.attn_saved + layer.attn_backward,
-               now=waiting)
-        grads_now += 0 if accumulating else layer_grads
-        acts_now = below
-    # Embedding backward: a dense (V, h) gradient. Tied, autograd then sums it with the waiting head
-    # gradient out of place (three (V, h) tensors at once, .grad not yet among them unless
-    # accumulating); untied and accumulating, it is added into the existing .grad.
-    # At the end of backward every gradient exists.
-    emb_grad = int(wb * shape.vocab * shape.hidden * grad_shard)
-    if shape.tied:
-        emb_tmp = (3 if x.new_grad_added else 2) * emb_grad
-    else:
-        emb_tmp = emb_grad if x.new_grad_added else 0
-    # With the hooks: the embedding's gradient (tied: the sum) is the one the hook takes; stepping
-    # inside backward adds the optimizer's own temporaries there.
-    hook_tmp = x.levers.states_temp if settings.optimizer_in_backward else 0
-    tl.add("backward of the embeddings", x.grads_total, max(acts_now, 0), 0,
-           emb_tmp if not hooks else (emb_tmp if shape.tied else 0) + hook_tmp, now=0 if shape.tied else emb_grad)
-    # Optimizer step: all gradients, states, the optimizer's own temporaries (on the host when offloaded;
-    # nothing left to do when stepped in backward).
-    if not settings.optimizer_in_backward:
-        step_temp = x.levers.host_temp if settings.offload_optimizer else x.levers.states_temp
-        tl.add("optimizer step", x.grads_total, 0, 0, step_temp if (on_host or not settings.offload_optimizer) else 0)
+    return Layout(layers=layers or (0, x.shape.num_layers), embedding=embedding,
+                  head=_replicated_head if head else None, gradients=ReplicatedGradients(tl))
+
+
+def _replicated_head(tl: Timeline, gradients: object) -> int:
+    (chunked_head_phases if tl.terms.settings.chunked_loss else head_phases)(tl)
+    return tl.terms.acts.below_head
 
 
 def _result(shape: ModelShape, phases: list, timeline: list | None, settings: Settings,

@@ -1,5 +1,5 @@
-"""Sharding: the share of weights, gradients and optimizer states each process keeps, the communication
-buffers of DDP and ZeRO, and the step as FSDP2 runs it (`fsdp_phases`), unit by unit.
+"""Sharding: the share of weights, gradients and optimizer states each process keeps, DDP's gradient
+buckets, and FSDP2's units (`Units`): the description `walk.walk` walks an FSDP2 rank's step by.
 
 Under FSDP's CPU offload (`train.offload_optimizer` with strategy fsdp, CUDA only) the same walk holds on
 the device without the persistent shards: every parameter, gradient and optimizer-state shard is in host
@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from fulltune.memory.timeline import Persistent, StepTerms, Timeline
 from fulltune.memory.types import Settings
+from fulltune.memory.walk import Layout
 
 
 @dataclass(frozen=True)
@@ -31,19 +32,16 @@ class Shares:
 
 
 def shares(settings: Settings) -> Shares:
-    """FSDP and ZeRO-3 shard all three over the processes, ZeRO-2 gradients and states; DDP none."""
+    """FSDP shards all three over the processes; DDP none."""
     n = settings.num_processes
-    if settings.strategy in ("fsdp", "deepspeed_zero3"):
+    if settings.strategy == "fsdp":
         return Shares(1.0 / n, 1.0 / n, 1.0 / n)
-    if settings.strategy == "deepspeed_zero2":
-        return Shares(1.0, 1.0 / n, 1.0 / n)
     return Shares(1.0, 1.0, 1.0)
 
 
 def fsdp_walk(settings: Settings) -> bool:
-    """Whether the step is walked as FSDP2 runs it (per unit gathers, reduce-scatters; `fsdp_phases`), the
-    chunked head and the step in backward included; DeepSpeed ZeRO-3 keeps the per-step formula (two layers
-    gathered, one layer's gradient bucket)."""
+    """Whether the step is walked as FSDP2 runs it (per unit gathers, reduce-scatters; `Units`), the
+    chunked head and the step in backward included."""
     return settings.strategy == "fsdp"
 
 
@@ -58,22 +56,13 @@ def activation_settings(settings: Settings) -> Settings:
 
 
 def persistent(x: StepTerms) -> Persistent:
-    """What persists through the step on one process: its weights, states and communication buffers."""
+    """What persists through the step on one process: its weights, states and DDP's gradient buckets (FSDP2's
+    gathered units and reduce-scatter buffers change phase by phase: `Units`)."""
     shape, settings = x.shape, x.settings
     share = shares(settings)
-    wb, n = x.levers.weight_bytes, settings.num_processes
-    gathered = buckets = 0
-    if settings.strategy == "ddp":
-        # DDP keeps flat gradient buckets besides .grad (gradient_as_bucket_view=False default).
-        buckets = wb * shape.num_params
-    elif settings.strategy in ("fsdp", "deepspeed_zero3") and not fsdp_walk(settings):
-        # Two layers' full parameters are gathered at a time (current + prefetch), the embedding
-        # while it is used, plus one layer's unsharded gradients before reduce-scatter.
-        gathered = 2 * wb * shape.layer_numel + (wb * shape.embedding_numel if n > 1 else 0)
-        buckets = wb * shape.layer_numel
-    elif settings.strategy == "deepspeed_zero2":
-        # Gradients are reduced in buckets about two layers large before being partitioned.
-        buckets = 2 * wb * shape.layer_numel
+    wb = x.levers.weight_bytes
+    # DDP keeps flat gradient buckets besides .grad (gradient_as_bucket_view=False default).
+    buckets = wb * shape.num_params if settings.strategy == "ddp" else 0
     b, s, t = settings.micro_batch_size, settings.seq_len, x.t
     # FSDP's CPU offload: the parameter shards live in host RAM (`lever_bytes.sharded_offload_bytes`).
     on_device = 0 if x.levers.sharded_offload else 1
@@ -81,13 +70,207 @@ def persistent(x: StepTerms) -> Persistent:
         params=int(wb * shape.num_params * share.params) * on_device,
         buffers=4 * (shape.rotary_dim // 2) if shape.rotary_dim else 0,
         states=int(x.levers.states * share.states),
-        gathered=gathered,
         buckets=buckets,
         batch=2 * 8 * b * s + 2 * 8 * t,  # input_ids, position_ids; target index and tokens (int64)
     )
 
 
-def _chunked_head(tl: Timeline, done: int, in_head: int, gathered_head: int, head_grad: int) -> None:
+class Units:
+    """FSDP2's units on one rank (fulltune/runtime/sharding.py): where each unit's gradient goes and what the unit and
+    the collectives hold, phase by phase (`walk.Gradients`).
+
+    Units: each decoder layer; the input embedding and the output head when untied (the head keeps its
+    gathered weight from its forward to its backward); the root (final norm, and a tied embedding). What is
+    unsharded depends on the phase: a unit's full weight exists while it computes (plus the all-gather buffer
+    FSDP2 keeps until the next unit's gather: `copies`, and in backward the next unit's prefetched gather:
+    `prefetching`); the root frees its gathered weights after the forward (a tied embedding is not gathered in
+    the loss) and gathers them again for the backward. A unit's gradient is unsharded (the gathered dtype)
+    until its post-backward copies it into a fp32 reduce-scatter buffer, which FSDP2 keeps until the next
+    unit's reduce-scatter; only the sharded result stays. A tied head's unsharded gradient waits in autograd
+    for the embedding's share. `masked`: what the embedding's backward adds (tensor parallel's masked copy).
+    Checked per phase against FSDPMemTracker in each rank (benchmarks/sharded_memory.py)."""
+
+    def __init__(self, tl: Timeline, copies: int = 2, prefetching: bool = True, masked: int = 0) -> None:
+        x = tl.terms
+        shape, settings = x.shape, x.settings
+        policy_bf16 = settings.mixed_precision == "bf16"
+        self.wb = 2 if settings.pure_bf16 else 4  # the sharded weights and gradients
+        self.pb = 2 if policy_bf16 else self.wb  # gathered weights and unsharded gradients
+        self.rb = 4 if policy_bf16 else self.wb  # reduce-scatter buffers (the policy reduces in fp32)
+        self.n, self.copies, self.prefetching = settings.num_processes, copies, prefetching
+        self.lay, self.vh, self.tied = shape.layer_numel, shape.vocab * shape.hidden, shape.tied
+        # The root: the final norm (+ a tied embedding, positions).
+        self.root = shape.num_params - shape.num_layers * self.lay - (0 if self.tied else 2 * self.vh)
+        self.root_g = self.pb * self.root  # its gathered weights (forward, and backward from the head on)
+        self.masked = masked * self.pb * self.vh
+        # Sharded gradients as the backward finishes units (all of them when accumulating).
+        self.done = x.grads_total if x.accumulating else 0
+        self.waiting = 0  # a tied head's unsharded gradient, waiting for the embedding's
+        self.kept_rs = 0  # the last unit's reduce-scatter buffer, kept until the next one
+
+    def gathered_embedding(self) -> int:
+        """The input embedding's gathered weight and all-gather buffer in its forward (tied: the root's)."""
+        pb, vh, root_g = self.pb, self.vh, self.root_g
+        return self.copies * pb * vh + root_g if not self.tied else self.copies * root_g
+
+    def gathered_last_layer(self) -> int:
+        """The last layer gathered in its forward (the previous gather's buffer kept), the root gathered."""
+        return self.copies * self.pb * self.lay + self.root_g
+
+    def in_head(self) -> int:
+        """Gathered in the head's forward: untied, its weight and its all-gather buffer; tied, the root's."""
+        pb = self.pb
+        return self.copies * pb * self.vh + self.root_g if not self.tied else self.root_g + (self.copies - 1) * pb * self.lay
+
+    def kept_head(self) -> int:
+        """Gathered in the loss, after the root's forward: only an untied head stays gathered."""
+        return 0 if self.tied else self.pb * self.vh
+
+    def gathered_head(self) -> int:
+        """Gathered in the head's backward: its weight (tied: the root gathered again), the last layer's gather
+        prefetched."""
+        return (self.pb * self.vh if not self.tied else self.root_g) + self._next_layer()
+
+    def _next_layer(self) -> int:
+        return self.pb * self.lay if self.prefetching else 0
+
+    def _prefetch(self, i: int) -> int:
+        """The unit below layer `i`, prefetched during its backward: layer 0 prefetches an untied embedding."""
+        if not self.prefetching:
+            return 0
+        return self.pb * self.lay if i > 0 else (0 if self.tied else self.pb * self.vh)
+
+    def shard(self, numel: int) -> int:
+        return int(self.wb * numel / self.n)
+
+    def post_backward(self, tl: Timeline, numel: int, shapes: list[tuple[int, ...]]) -> int:
+        """A unit's post-backward: besides its unsharded gradient and the reduce-scatter buffer, one more
+        unit-sized tensor in the reduce dtype and the sharded output (FSDPMemTracker, every rank).
+
+        Stepping in backward (fulltune/runtime/optim.py InBackwardOptimizer on the shards), the unit's hooks update its
+        parameters (`shapes`) one at a time once the sharded output exists, the extra unit-sized tensor gone:
+        fused or Kahan AdamW in place; Adafactor gathered (`GatheredAdafactor`: the whole weight and gradient)
+        with its temporaries (measured per rank: benchmarks/sharded_memory.py --levers)."""
+        from fulltune.runtime import optim
+
+        settings, rb = tl.terms.settings, self.rb
+        reduce = rb * numel + int(rb * numel / self.n)
+        if not settings.optimizer_in_backward:
+            return reduce
+        largest = max(shapes, key=math.prod)
+        gathered = 2 * self.wb * math.prod(largest) if settings.optimizer == "adafactor" else 0
+        step = gathered + optim.optimizer_state_bytes(settings.optimizer, [largest], self.wb)[1]
+        return max(reduce, int(rb * numel / self.n) + step)
+
+    def head_end(self, tl: Timeline, acts: int, temp: int, after_temp: int) -> int:
+        """The head's last phases: untied, its post-backward (`acts` saved, `temp` beside it: the gradient
+        copied into the reduce-scatter buffer, the weight resharded); then the gradient of the head's input
+        (`after_temp`) with the final norm's and the head's activations freed. Returns what stays saved."""
+        x = tl.terms
+        shape, pb, rb, vh = x.shape, self.pb, self.rb, self.vh
+        after_head = x.acts.total - x.acts.lm_head_input - x.acts.final_norm
+        if not self.tied:
+            tl.add("backward of the lm head / loss", self.done, acts, 0,
+                   temp + self.post_backward(tl, vh, [(shape.vocab, shape.hidden)]),
+                   unsharded=(self._next_layer(), pb * vh + rb * vh))
+            self.done += 0 if x.accumulating else self.shard(vh)
+        # Tied: the head's gradient waits unsharded for the embedding's; untied: the head's reduce-scatter
+        # buffer is kept until the next one.
+        self.waiting = pb * vh if self.tied else 0
+        self.kept_rs = 0 if self.tied else rb * vh
+        tl.add("backward of the lm head / loss", self.done, after_head, 0, after_temp,
+               unsharded=(self._next_layer() + (self.root_g if self.tied else 0), self.waiting + self.kept_rs))
+        return after_head
+
+    def partial(self, tl: Timeline, i: int, first: bool) -> dict:
+        """This layer gathered, the next one (below it) prefetched; the output projection's gradient first,
+        then the MLP's, unsharded."""
+        shape, pb = tl.terms.shape, self.pb
+        h, I = shape.hidden, shape.intermediate
+        made = h * I if first else 2 * h * I + (I * h if shape.gated_mlp else 0)
+        gathered = pb * self.lay + self._prefetch(i) + (self.root_g if self.tied else 0)
+        return {"grads": self.done, "temp": 0, "unsharded": (gathered, self.waiting + self.kept_rs + pb * made)}
+
+    def finish(self, tl: Timeline, name: str, i: int, acts: int) -> None:
+        """The layer's post-backward: the whole unsharded gradient and its reduce-scatter buffer."""
+        x, pb, rb, lay = tl.terms, self.pb, self.rb, self.lay
+        tl.add(name, self.done, acts, 0, self.post_backward(tl, lay, list(x.shape.layer_params)),
+               unsharded=(self._prefetch(i) + (self.root_g if self.tied else 0), self.waiting + pb * lay + rb * lay))
+        self.done += 0 if x.accumulating else self.shard(lay)
+        self.kept_rs = rb * lay
+
+    def embeddings(self, tl: Timeline, acts: int) -> None:
+        """Tied: the embedding's dense gradient, then its sum with the waiting head gradient (three at once);
+        the root's post-backward reduce-scatters that sum. Untied: the embedding unit's gradient and its
+        post-backward."""
+        shape, pb, rb, vh, root = tl.terms.shape, self.pb, self.rb, self.vh, self.root
+        name = "backward of the embeddings"
+        if self.tied:
+            tl.add(name, self.done, acts, 0, 3 * pb * vh + self.masked, unsharded=(self.root_g, self.kept_rs))
+            # Under the bf16 policy the summed bf16 gradient is gone once copied into the fp32 buffer (measured).
+            summed = 0 if pb != rb else pb * root
+            tl.add(name, self.done, acts, 0, self.post_backward(tl, root, list(shape.other_params)),
+                   unsharded=(0, summed + rb * root))
+        else:
+            tl.add(name, self.done, acts, 0, self.masked, unsharded=(pb * vh, self.kept_rs + pb * vh))
+            tl.add(name, self.done, acts, 0, self.post_backward(tl, vh, [(shape.vocab, shape.hidden)]) + self.masked,
+                   unsharded=(0, pb * vh + rb * vh))
+
+    def step(self, tl: Timeline) -> None:
+        """The step runs on the shards (AdamW: in place). Adafactor's factored statistics need whole rows and
+        columns, so fulltune/runtime/optim.py's GatheredAdafactor gathers one parameter's weight and gradient at a time
+        and runs the unsharded update on them: the largest parameter's pair plus its temporaries. Under FSDP's
+        CPU offload the step runs on the host shards: the device holds nothing of it (the host's temporaries
+        are in the phase's host parts). Stepped in backward (`post_backward`), each sharded gradient is freed
+        by its step as its unit's reduce-scatter assigns it (the hooks: `Timeline.add` counts none of them):
+        no step is left."""
+        x = tl.terms
+        settings, levers = x.settings, x.levers
+        if settings.optimizer_in_backward:
+            return
+        step_temp = 0
+        if settings.optimizer == "adafactor" and not levers.sharded_offload:
+            largest = max(math.prod(sh) for sh in x.shape.param_shapes)
+            step_temp = 2 * self.wb * largest + levers.states_temp
+        tl.add("optimizer step", x.grads_total, 0, 0, step_temp)
+        if levers.sharded_offload and levers.host_temp:
+            # The host step's temporaries beside every host shard (the device is idle: nothing there).
+            tl.phases[-1][2]["host"] += levers.host_temp
+
+
+def fsdp_layout(tl: Timeline) -> Layout:
+    """The walk of an FSDP2 rank (fulltune/runtime/sharding.py): every layer's unit gathered while it computes, its
+    gradient reduce-scattered by its post-backward."""
+    n = tl.terms.settings.num_processes
+    units = Units(tl, copies=2 if n > 1 else 1, prefetching=n > 1)
+    return Layout(layers=(0, tl.terms.shape.num_layers), embedding=True, head=_head, gradients=units,
+                  gathered_embedding=units.gathered_embedding(), gathered_layer=units.gathered_last_layer())
+
+
+def _head(tl: Timeline, units: Units) -> int:
+    """The head and the loss under FSDP2, whole or chunked (`memory/head.py`'s tensors, with the head's units)."""
+    x = tl.terms
+    t, h, c, done = x.t, x.shape.hidden, x.c, units.done
+    acts_total, logits_c, logits32 = x.acts.total, x.logits_c, x.logits32
+    if x.settings.chunked_loss:
+        _chunked_head(tl, units)
+    else:
+        add = tl.add
+        add("forward of the lm head / loss", done, acts_total, logits_c, x.bsh4 + 4 * t * h, backward=False,
+            unsharded=(units.in_head(), 0))
+        kept_head = units.kept_head()
+        if c == 2:
+            add("forward of the lm head / loss", done, acts_total, logits_c + logits32, 0, backward=False,
+                unsharded=(kept_head, 0))
+        add("forward of the lm head / loss", done, acts_total, 2 * logits32, 0, backward=False,
+            unsharded=(kept_head, 0))
+        add("backward of the lm head / loss", done, acts_total, 3 * logits32, 0, unsharded=(kept_head, 0))
+        add("backward of the lm head / loss", done, acts_total, logits_c + (logits32 if c == 2 else 0), t * h * c,
+            unsharded=(units.gathered_head(), units.pb * units.vh))
+    return units.head_end(tl, acts_total, t * h * c, x.bsh4 + 4 * t * h)
+
+
+def _chunked_head(tl: Timeline, units: Units) -> None:
     """The chunked head (fulltune/runtime/loss.py) under FSDP2: `memory/head.py`'s tiles, with the head's units.
 
     Its loss flows through the model's output, so the root (and an untied head, kept since its forward) is
@@ -96,159 +279,16 @@ def _chunked_head(tl: Timeline, done: int, in_head: int, gathered_head: int, hea
     from fulltune.runtime.loss import ROW_CHUNK, VOCAB_CHUNK, chunked_head_bytes
 
     x = tl.terms
-    t, h, V, c, sb = x.t, x.shape.hidden, x.shape.vocab, x.c, x.sb
+    t, h, V, c, sb, done = x.t, x.shape.hidden, x.shape.vocab, x.c, x.sb, units.done
     total, bsh4 = x.acts.total, x.bsh4
     rows, cols = min(t, ROW_CHUNK), min(V, VOCAB_CHUNK)
     tiles = chunked_head_bytes(t, h, V, c)
+    gathered_head, head_grad = units.gathered_head(), units.pb * units.vh
     tl.add("forward of the lm head / loss", done, total, 0, bsh4 + 8 * t + rows * cols * (c + 4), backward=False,
-           unsharded=(in_head, 0))
+           unsharded=(units.in_head(), 0))
     backward = tiles["backward"] - cols * h * c  # the weight tile is a view of the gathered weight
     tl.add("backward of the lm head / loss", done, total, 0, tiles["saved"] + backward,
            unsharded=(gathered_head, head_grad))
     if sb != 4:  # the fp32 input gradient and its cast to the stream dtype
         tl.add("backward of the lm head / loss", done, total, 0, tiles["saved"] + 4 * t * h + sb * t * h,
                unsharded=(gathered_head, head_grad))
-
-
-def fsdp_phases(tl: Timeline) -> None:
-    """The step as FSDP2 runs it in every rank (fulltune/runtime/sharding.py), phase by phase.
-
-    Units: each decoder layer; the input embedding and the output head when untied (the head keeps its
-    gathered weight from its forward to its backward); the root (final norm, and a tied embedding).
-    What is unsharded depends on the phase: a unit's full weight exists while it computes (plus the
-    all-gather buffer FSDP2 keeps until the next unit's gather, and in backward the next unit's
-    prefetched gather); the root frees its gathered weights after the forward (a tied embedding is not
-    gathered in the loss) and gathers them again for the backward. A unit's gradient is unsharded (weight
-    dtype) until its post-backward copies it into a fp32 reduce-scatter buffer, which FSDP2 keeps until
-    the next unit's reduce-scatter; only the sharded result stays. A tied head's unsharded gradient waits
-    in autograd for the embedding's share. Checked per phase against FSDPMemTracker in each rank
-    (benchmarks/sharded_memory.py).
-    """
-    x = tl.terms
-    shape, settings, layer, add = x.shape, x.settings, x.layer, tl.add
-    saved_by_layer, grads_total, t, c = x.acts.saved_by_layer, x.grads_total, x.t, x.c
-    bsh4, logits_c, logits32, mask_bool = x.bsh4, x.logits_c, x.logits32, x.acts.mask_bool
-    acts_total, before_head = x.acts.total, x.acts.below_head
-    head_inputs = x.acts.lm_head_input + x.acts.final_norm
-    h, V, I, L = shape.hidden, shape.vocab, shape.intermediate, shape.num_layers
-    n = settings.num_processes
-    policy_bf16 = settings.mixed_precision == "bf16"
-    wb = 2 if settings.pure_bf16 else 4  # the sharded weights and gradients
-    pb = 2 if policy_bf16 else wb  # gathered weights and unsharded gradients
-    rb = 4 if policy_bf16 else wb  # reduce-scatter buffers (the policy reduces in fp32)
-    lay, vh = shape.layer_numel, V * h
-    tied = shape.tied
-    root = shape.num_params - L * lay - (0 if tied else 2 * vh)  # final norm (+ tied embedding, positions)
-    accumulating = settings.gradient_accumulation_steps > 1
-
-    def shard(numel: int) -> int:
-        return int(wb * numel / n)
-
-    def post_backward(numel: int, shapes: list[tuple[int, ...]] | None = None) -> int:
-        # A unit's post-backward: besides its unsharded gradient and the reduce-scatter buffer, one more
-        # unit-sized tensor in the reduce dtype and the sharded output (FSDPMemTracker, every rank).
-        reduce = rb * numel + int(rb * numel / n)
-        if not settings.optimizer_in_backward or not shapes:
-            return reduce
-        # Stepping in backward (fulltune/runtime/optim.py InBackwardOptimizer on the shards), the unit's hooks update
-        # its parameters (`shapes`) one at a time once the sharded output exists, the extra unit-sized tensor
-        # gone: fused or Kahan AdamW in place; Adafactor gathered (`GatheredAdafactor`: the whole weight and
-        # gradient) with its temporaries (measured per rank: benchmarks/sharded_memory.py --levers).
-        from fulltune.runtime import optim
-
-        largest = max(shapes, key=math.prod)
-        gathered = 2 * wb * math.prod(largest) if settings.optimizer == "adafactor" else 0
-        step = gathered + optim.optimizer_state_bytes(settings.optimizer, [largest], wb)[1]
-        return max(reduce, int(rb * numel / n) + step)
-
-    # Sharded gradients as the backward finishes units (all of them when accumulating).
-    done = grads_total if accumulating else 0
-    root_g = pb * root  # the root's gathered weights (forward, and backward from the head on)
-
-    # Forward of the input embedding: its gathered weight and all-gather buffer (tied: the root's).
-    embedding = 2 * pb * vh + root_g if not tied else 2 * root_g
-    add("forward", done, 0, 0, bsh4, backward=False, unsharded=(embedding, 0))
-    # The last layer gathered, the previous gather's buffer kept, the root gathered.
-    add("forward", done, before_head, 0, layer.forward_transient + mask_bool, backward=False,
-        unsharded=(2 * pb * lay + root_g, 0))
-    # The head's forward: untied, its weight and its all-gather buffer; tied, the root's weights.
-    in_head = 2 * pb * vh + root_g if not tied else root_g + pb * lay
-    # The head's backward: its unsharded weight gradient beside the gathered weight (tied: the root
-    # gathered again), the last layer's gather prefetched.
-    gathered_head = (pb * vh if not tied else root_g) + pb * lay
-    if settings.chunked_loss:
-        _chunked_head(tl, done, in_head, gathered_head, pb * vh)
-    else:
-        add("forward of the lm head / loss", done, acts_total, logits_c, bsh4 + 4 * t * h, backward=False,
-            unsharded=(in_head, 0))
-        # The loss, after the root's forward: only an untied head stays gathered.
-        kept_head = 0 if tied else pb * vh
-        if c == 2:
-            add("forward of the lm head / loss", done, acts_total, logits_c + logits32, 0, backward=False,
-                unsharded=(kept_head, 0))
-        add("forward of the lm head / loss", done, acts_total, 2 * logits32, 0, backward=False,
-            unsharded=(kept_head, 0))
-        add("backward of the lm head / loss", done, acts_total, 3 * logits32, 0, unsharded=(kept_head, 0))
-        add("backward of the lm head / loss", done, acts_total, logits_c + (logits32 if c == 2 else 0), t * h * c,
-            unsharded=(gathered_head, pb * vh))
-    after_head = acts_total - head_inputs
-    if not tied:
-        # Its post-backward: the gradient copied into the reduce-scatter buffer, the weight resharded.
-        add("backward of the lm head / loss", done, acts_total, 0, t * h * c + post_backward(vh, [(V, h)]),
-            unsharded=(pb * lay, pb * vh + rb * vh))
-        done = done if accumulating else done + shard(vh)
-    # Tied: the head's gradient waits unsharded for the embedding's; untied: the head's reduce-scatter
-    # buffer is kept until the next one.
-    waiting = pb * vh if tied else 0
-    kept_rs = 0 if tied else rb * vh
-    add("backward of the lm head / loss", done, after_head, 0, bsh4 + 4 * t * h,
-        unsharded=(pb * lay + (root_g if tied else 0), waiting + kept_rs))
-
-    mlp_params = 2 * h * I + (I * h if shape.gated_mlp else 0)
-    acts_now = after_head
-    for i in reversed(range(L)):
-        below = acts_now - saved_by_layer[i]
-        # This layer gathered, the next one (below it) prefetched: layer 0 prefetches an untied embedding.
-        prefetch = pb * lay if i > 0 else (0 if tied else pb * vh)
-        gathered = pb * lay + prefetch + (root_g if tied else 0)
-        # The output projection's gradient first, then the MLP's, unsharded.
-        add(f"backward of layer {i}", done, below, 0, layer.saved + layer.mlp_backward,
-            unsharded=(gathered, waiting + kept_rs + pb * h * I))
-        add(f"backward of layer {i}", done, below, 0, layer.attn_saved + layer.attn_backward,
-            unsharded=(gathered, waiting + kept_rs + pb * mlp_params))
-        # Its post-backward: the whole unsharded gradient and its reduce-scatter buffer.
-        add(f"backward of layer {i}", done, below, 0, post_backward(lay, list(shape.layer_params)),
-            unsharded=(prefetch + (root_g if tied else 0), waiting + pb * lay + rb * lay))
-        done = done if accumulating else done + shard(lay)
-        kept_rs = rb * lay
-        acts_now = below
-    acts_now = max(acts_now, 0)
-    if tied:
-        # The embedding's dense gradient, then its sum with the waiting head gradient (three at once);
-        # the root's post-backward reduce-scatters that sum.
-        add("backward of the embeddings", done, acts_now, 0, 3 * pb * vh, unsharded=(root_g, kept_rs))
-        # Under the bf16 policy the summed bf16 gradient is gone once copied into the fp32 buffer (measured).
-        summed = 0 if pb != rb else pb * root
-        add("backward of the embeddings", done, acts_now, 0, post_backward(root, list(shape.other_params)),
-            unsharded=(0, summed + rb * root))
-    else:
-        add("backward of the embeddings", done, acts_now, 0, 0, unsharded=(pb * vh, kept_rs + pb * vh))
-        add("backward of the embeddings", done, acts_now, 0, post_backward(vh, [(V, h)]),
-            unsharded=(0, pb * vh + rb * vh))
-    # The step runs on the shards (AdamW: in place). Adafactor's factored statistics need whole rows and
-    # columns, so fulltune/runtime/optim.py's GatheredAdafactor gathers one parameter's weight and gradient at a
-    # time and runs the unsharded update on them: the largest parameter's pair plus its temporaries.
-    # Under FSDP's CPU offload the step runs on the host shards: the device holds nothing of it (the
-    # host's temporaries are in the phase's host parts).
-    step_temp = 0
-    if settings.optimizer == "adafactor" and not x.levers.sharded_offload:
-        largest = max(math.prod(sh) for sh in shape.param_shapes)
-        step_temp = 2 * wb * largest + x.levers.states_temp
-    if settings.optimizer_in_backward:
-        # Stepped in backward (`post_backward`): each sharded gradient is freed by its step as its unit's
-        # reduce-scatter assigns it (the hooks: `Timeline.add` counts none of them); no step is left.
-        return
-    add("optimizer step", grads_total, 0, 0, step_temp)
-    if x.levers.sharded_offload and x.levers.host_temp:
-        # The host step's temporaries beside every host shard (the device is idle: nothing there).
-        tl.phases[-1][2]["host"] += x.levers.host_temp

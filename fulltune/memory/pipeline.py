@@ -33,9 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from fulltune.levers import PIPELINE_REFUSED_LEVERS
 from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.shapes import ModelShape, model_shape
-from fulltune.memory.types import Settings
+from fulltune.memory.types import MemoryEstimate, Settings
 
 SCHEDULES = ("1f1b", "gpipe")
 SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe"}
@@ -43,8 +44,8 @@ SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe"}
 # constants: GPUs without NVLink, or on two machines, move ~25 GB/s (PCIe 4.0 x16, a 200 Gb/s NIC); gloo
 # between two CPU processes of one machine copies through loopback TCP.
 P2P_BYTES_PER_S = {"cuda": 25e9, "cpu": 2e9}
-# The levers that change the step's gradient flow or move tensors off the device: not modelled per stage.
-UNSUPPORTED_LEVERS = ("optimizer_in_backward", "offload_optimizer", "offload_activations")
+# The levers pipeline stages do not run: rules of the lever table (fulltune/levers.py).
+UNSUPPORTED_LEVERS = tuple(PIPELINE_REFUSED_LEVERS)
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
@@ -149,6 +150,23 @@ def estimate_pipeline(config: Any, settings: Settings, num_stages: int, schedule
     seconds, p2p = pipeline_step_seconds(shape, settings, num_stages)
     return PipelineEstimate(num_stages, schedule, settings.gradient_accumulation_steps, settings.micro_batch_size,
                             stages, bubble_fraction(num_stages, settings.gradient_accumulation_steps), seconds, p2p)
+
+
+def stage_memory_estimate(shape: ModelShape, settings: Settings) -> MemoryEstimate:
+    """The plan's estimate of pipelined `settings` (`pipeline_parallel` P > 1, one process per stage): the
+    largest stage of `estimate_pipeline` is the figure per device, its peak phase named with its stage.
+
+    Only the step is counted: every process builds the whole model before it keeps its stage, which this does
+    not see (a process's load phase; on CPU the step's peak is the larger for any model that trains)."""
+    one = replace(settings, num_processes=settings.num_processes // settings.pipeline_parallel, pipeline_parallel=1)
+    worst = estimate_pipeline(shape, one, settings.pipeline_parallel, settings.pipeline_schedule).worst
+    first, last = worst.layers
+    note = (f"pipeline stage {worst.stage} of {settings.pipeline_parallel} (layers {first}–{last - 1}, "
+            f"{worst.in_flight} micro-batches in flight) is the largest: its peak is the device figure")
+    return MemoryEstimate(worst.peak_bytes, worst.device_bytes, dict(worst.breakdown),
+                          f"stage {worst.stage}: {worst.peak_phase}", notes=(note,),
+                          step_device_bytes=worst.device_bytes, phases={"training step": worst.device_bytes},
+                          process_peak_phase="training step")
 
 
 def _check(shape: ModelShape, settings: Settings, num_stages: int, schedule: str) -> None:
@@ -257,11 +275,12 @@ def _single_micro_batch(sub: ModelShape, ss: Settings, first: bool, last: bool, 
     """One micro-batch's forward and backward through a stage, and the optimizer step: the phases, the
     micro-batch's saved activations, and the step's terms. With `ss.gradient_accumulation_steps` above 1 the
     stage's gradients exist from the start (an earlier micro-batch made them); at 1 they appear during its
-    backward. Mirrors the single-process walk (`estimate._backward_phases`) on the stage's layers; the step's
-    batch has `micro_batches` micro-batches."""
+    backward. The single-process walk (`walk.walk` with `estimate.replicated`) on the stage's layers, with the
+    embedding on the first stage and the head on the last; the step's batch has `micro_batches` micro-batches."""
+    from fulltune.memory.estimate import replicated
     from fulltune.memory.fsdp import persistent
-    from fulltune.memory.head import chunked_head_phases, head_gradient, head_phases
     from fulltune.memory.timeline import Timeline, step_terms
+    from fulltune.memory.walk import walk
 
     x = step_terms(sub, ss, ss)
     acts = x.acts
@@ -277,31 +296,7 @@ def _single_micro_batch(sub: ModelShape, ss: Settings, first: bool, last: bool, 
     # labels and one micro-batch's target index and tokens (int64).
     batch = 8 * rows * s * (1 + int(ss.attention_mask) + int(first) + int(last)) + (2 * 8 * x.t if last else 0)
     tl = Timeline(x, replace(p, batch=batch))
-    layer, wb, accumulating = x.layer, x.levers.weight_bytes, x.accumulating
-    tl.add("forward", x.grads_before, acts.below_head, 0, layer.forward_transient + acts.mask_bool, backward=False)
-    if last:
-        (chunked_head_phases if ss.chunked_loss else head_phases)(tl)
-    head_grad = head_gradient(tl) if last else 0
-    norm_grad = wb * sum(n for (n,) in (sh for sh in sub.other_params if len(sh) == 1)) if last else 0
-    grads_now = x.grads_before if accumulating else head_grad + norm_grad
-    acts_now = acts.below_head
-    layer_grads = layer.grads * wb // 4
-    first_grad = layer.mlp_first_grad * wb // 4
-    for i in reversed(range(sub.num_layers)):
-        below = acts_now - acts.saved_by_layer[i]
-        grad_mlp = 0 if accumulating else layer.mlp_grads * wb // 4
-        tl.add(f"backward of layer {start + i}", grads_now + (0 if accumulating else first_grad), below, 0,
-               layer.saved + layer.mlp_backward + (first_grad if x.new_grad_added else 0))
-        tl.add(f"backward of layer {start + i}", grads_now + grad_mlp, below, 0,
-               layer.attn_saved + layer.attn_backward)
-        grads_now += 0 if accumulating else layer_grads
-        acts_now = below
-    if first:
-        # The embedding's dense (V, h) gradient, added into the accumulated one.
-        vocab_rows = next((r for r, _ in (sh for sh in sub.other_params if len(sh) == 2)), 0)
-        emb_grad = wb * vocab_rows * sub.hidden
-        tl.add("backward of the embeddings", x.grads_total, max(acts_now, 0), 0, emb_grad if x.new_grad_added else 0)
-    tl.add("optimizer step", x.grads_total, 0, 0, x.levers.states_temp)
+    walk(tl, replicated(tl, layers=(start, start + sub.num_layers), embedding=first, head=last))
     return tl.phases, acts.total, x
 
 
@@ -358,7 +353,7 @@ def pipeline_advice(shape: ModelShape, request: Any, settings: Settings, usable:
 
     if not usable:
         return None
-    base = replace(settings, strategy="none", num_processes=1, tensor_parallel=1,
+    base = replace(settings, strategy="none", num_processes=1, tensor_parallel=1, pipeline_parallel=1,
                    **{name: False for name in UNSUPPORTED_LEVERS})
     B = request.effective_batch_size
     best: tuple[PipelineEstimate, int] | None = None

@@ -12,20 +12,16 @@ phase on CPU, where `budget.memory` is the process's resident memory (benchmarks
   steady step's (measured: within 1% of the second step's RSS).
 - **checkpoint save** and **final export**: safetensors writes tensors by pointer and torch.save streams
   the optimizer states, so beside the weights and states only one tensor-sized buffer is new.
-- **evaluation** runs in the evaluate stage's own process (fulltune/evaluation/evaluate.py): fp32 weights as it
-  loads them (beside the exported file's pages when the run trained another dtype), one held-out batch's
-  forward and the KV cache of greedy generation. It is reported, not planned for: its size does not depend
-  on the settings the planner chooses.
+- **evaluation** runs in the evaluate stage's own process, after training: it is planned from the pipeline's
+  `evaluate.*` settings in `memory/evaluation.py`, and the planner adds it to the plan's phases.
 
 The runtime overhead (`estimate._runtime_overhead`) is added to every phase; the load phase's is its own.
 
 Host RAM is planned per machine (`node_host_bytes`): the offloaded tensors of every process on it and, under
-FSDP, rank 0's gathered copy of the whole model at the export.
+FSDP, the export's gathered tensors (one file's on rank 0: the export streams, `export_host_bytes`).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from fulltune.memory.lever_bytes import lever_bytes
 from fulltune.memory.shapes import ModelShape
@@ -42,30 +38,17 @@ TRAINING_PHASES = (LOAD, FIRST_STEP, STEP, CHECKPOINT, EXPORT)
 # installed environment keeps resident (see CPU_PROCESS_BYTES in memory/estimate.py).
 CPU_LIBRARY_PAGES_SPREAD = 128 * 2**20  # ~110 MiB measured; the rest is margin (a fresh clone's export peaked 2 MiB over 110)
 CPU_LOAD_PROCESS_BYTES = 560 * 2**20 + CPU_LIBRARY_PAGES_SPREAD
-# What the evaluate stage generates and reads per batch (spec.EvaluateSpec defaults).
-EVAL_BATCH_SIZE = 8
-EVAL_NEW_TOKENS = 32
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    """The evaluate stage's batch: held-out rows per forward, their length, tokens generated."""
-
-    batch_size: int = EVAL_BATCH_SIZE
-    seq_len: int = 0  # 0: the training rows' length
-    new_tokens: int = EVAL_NEW_TOKENS
-
 
 def phase_tensors(shape: ModelShape, settings: Settings, step_tensors: int) -> dict[str, int]:
-    """Tensor bytes (file pages included on CPU) at the peak of each phase of the training process, and of
-    the evaluation stage; `step_tensors` is the steady step's peak (the step walk's `peak_bytes`)."""
+    """Tensor bytes (file pages included on CPU) at the peak of each phase of the training process;
+    `step_tensors` is the steady step's peak (the step walk's `peak_bytes`)."""
     levers = lever_bytes(shape, settings)
     share = 1.0 / settings.num_processes if settings.strategy in ("fsdp", "deepspeed_zero3") else 1.0
     P = shape.num_params
     weights = int(levers.weight_bytes * P * share)
     states = int(levers.states * (1.0 / settings.num_processes if settings.strategy != "none"
                                   and settings.strategy != "ddp" else 1.0))
-    largest = max((_numel(s) for s in shape.param_shapes), default=0) * levers.weight_bytes
+    largest = _largest_tensor(shape) * levers.weight_bytes
     if settings.device == "cpu":
         # The file's pages are resident memory; weights in another dtype are copies beside them.
         cast = levers.weight_bytes != shape.stored_bytes
@@ -82,7 +65,6 @@ def phase_tensors(shape: ModelShape, settings: Settings, step_tensors: int) -> d
     if settings.offload_optimizer and settings.device == "cpu":
         # The host masters and states are in the same memory as everything else.
         out[CHECKPOINT] = out[EXPORT] = max(out[CHECKPOINT], step_tensors)
-    out[EVALUATION] = evaluation_tensors(shape, settings, Evaluation())
     return out
 
 
@@ -95,8 +77,10 @@ def node_host_bytes(shape: ModelShape, settings: Settings, rank_host: int, ranks
       shards, and the host step's temporaries);
     - `pinned`: of those, the page-locked parameter and gradient shards (FSDP2 pins them for asynchronous
       copies; pinned pages cannot be swapped or shared);
-    - `export`: under FSDP, the final export gathers the whole model as CPU tensors on rank 0
-      (`sharding.full_state_dict`, weight dtype) while every rank's shards are still held;
+    - `export`: under FSDP, the final export's gathered tensors while every rank's shards are still held:
+      rank 0 holds one safetensors file's (`sharding.save_pretrained` streams file by file, at most
+      `EXPORT_SHARD_BYTES` or the largest tensor: `export_host_bytes`), and where the all-gathers run in host
+      RAM (FSDP's CPU offload) every rank's gather buffers;
     - `total`: the machine's peak, the larger of the step and the export.
 
     One process without FSDP: its own host bytes (`export` 0: it writes its weights as they are).
@@ -105,24 +89,37 @@ def node_host_bytes(shape: ModelShape, settings: Settings, rank_host: int, ranks
     shards = rank_host * ranks_per_node
     grads = int(levers.weight_bytes * shape.num_params / settings.num_processes) if levers.sharded_offload else 0
     pinned = (levers.pinned + grads) * ranks_per_node
-    export = levers.weight_bytes * shape.num_params if settings.strategy == "fsdp" else 0
+    export = 0
+    if settings.strategy == "fsdp":
+        # The gathers run where the shards are: in host RAM under FSDP's CPU offload, else on the devices.
+        on_host = levers.sharded_offload
+        export = (export_host_bytes(shape, levers.weight_bytes, on_host)
+                  + (ranks_per_node - 1) * (_gather_bytes(shape, levers.weight_bytes) if on_host else 0))
     # At the export the step's temporaries are gone; the shards (masters, gradients, states) are not.
     held = (levers.host_masters + grads + levers.host_states) * ranks_per_node if levers.sharded_offload else 0
     return {"shards": shards, "pinned": pinned, "export": export, "total": max(shards, held + export)}
 
 
-def evaluation_tensors(shape: ModelShape, settings: Settings, evaluation: Evaluation) -> int:
-    """The evaluate stage's peak tensors: fp32 weights (beside the exported file's pages when it holds another
-    dtype, on CPU), one batch's logits at every target position and one layer's forward, or the KV cache."""
-    P = shape.num_params
-    exported = 2 if settings.pure_bf16 else 4
-    weights = 4 * P + (exported * P if exported != 4 and settings.device == "cpu" else 0)
-    b = evaluation.batch_size
-    s = (evaluation.seq_len or settings.seq_len) + evaluation.new_tokens
-    kv_cache = 2 * shape.num_layers * b * s * shape.kv_heads * shape.head_dim * 4
-    logits = 4 * b * s * shape.vocab  # fp32 logits of a batch, the loss's upcast beside them
-    layer = 4 * b * s * (2 * shape.hidden + 2 * shape.intermediate)
-    return weights + max(kv_cache + 4 * b * shape.vocab, 2 * logits) + layer
+def export_host_bytes(shape: ModelShape, weight_bytes: int, gathers_on_host: bool,
+                      file_bytes: int | None = None) -> int:
+    """Rank 0's host RAM at the streamed FSDP export: one file's gathered tensors (at most `file_bytes`,
+    default `sharding.EXPORT_SHARD_BYTES`, or the largest tensor when it is larger, never more than the model)
+    and, when the all-gathers run in host RAM (`gathers_on_host`: CPU shards), the current gather's buffers."""
+    from fulltune.runtime.sharding import EXPORT_SHARD_BYTES
+
+    largest = _largest_tensor(shape) * weight_bytes
+    one_file = max(min(file_bytes or EXPORT_SHARD_BYTES, weight_bytes * shape.num_params), largest)
+    return one_file + (_gather_bytes(shape, weight_bytes) if gathers_on_host else 0)
+
+
+def _gather_bytes(shape: ModelShape, weight_bytes: int) -> int:
+    """A CPU all-gather's transient for the largest tensor: its output and the copy it is assembled from
+    (benchmarks/export_memory.py: gathering a 16 MB tensor over gloo peaks 2.0× its size above the RSS before)."""
+    return 2 * _largest_tensor(shape) * weight_bytes
+
+
+def _largest_tensor(shape: ModelShape) -> int:
+    return max((_numel(s) for s in shape.param_shapes), default=0)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -45,7 +45,7 @@ def _process_phase(estimate: MemoryEstimate) -> str:
 
 
 def phase_lines(plan: MemoryPlan) -> list[str]:
-    """The planned run's whole process phase by phase, and the evaluate stage's own peak against the budget."""
+    """The planned run's whole process phase by phase, and the evaluate stage's own plan against the budget."""
     from fulltune.memory.process import EVALUATION
 
     phases = plan.plan_estimate.phases
@@ -53,13 +53,23 @@ def phase_lines(plan: MemoryPlan) -> list[str]:
         return []
     training = ", ".join(f"{name} {format_bytes(value)}" for name, value in phases.items() if name != EVALUATION)
     lines = [f"whole process (plan): {training}; peak in {_process_phase(plan.plan_estimate)}"]
-    evaluation = phases.get(EVALUATION)
-    if evaluation is not None:
-        over = plan.budget_bytes is not None and evaluation > plan.budget_bytes
-        lines.append(f"evaluation (the evaluate stage's own process, fp32 weights and generation's KV cache): "
-                     f"{format_bytes(evaluation)}" + (", over the budget: it does not depend on the planned "
-                                                      "settings" if over else ""))
+    if plan.evaluation is not None:
+        lines.append(evaluation_line(plan.evaluation))
     return lines
+
+
+def evaluation_line(evaluation: dict) -> str:
+    """'evaluation (the evaluate stage's own process, bf16 weights): 3.1 GiB — weights …; loss batch 8, …'."""
+    memory = evaluation["memory"]
+    batches = f"loss batch {evaluation['loss_batch']}, generation batch {evaluation['generation_batch']}"
+    if evaluation["harness_batch"]:
+        batches += f", lm-eval batch {evaluation['harness_batch']}"
+    parts = ", ".join(f"{name} {format_bytes(memory[name])}" for name in ("weights", "loss", "generation", "harness")
+                      if memory[name])
+    load = f", load {format_bytes(memory['load'])}" if memory["load"] else ""
+    head = "fits" if evaluation["fits"] else "DOES NOT FIT"
+    return (f"evaluation (the evaluate stage's own process, {evaluation['dtype']} weights): "
+            f"{format_bytes(evaluation['device_bytes'])}, {head} — {parts}{load}; {batches}")
 
 
 def format_plan_table(plan: MemoryPlan) -> str:

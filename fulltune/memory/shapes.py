@@ -78,10 +78,6 @@ class ModelShape:
     def param_shapes(self) -> list[tuple[int, ...]]:
         return list(self.other_params) + [s for _ in range(self.num_layers) for s in self.layer_params]
 
-    @property
-    def embedding_numel(self) -> int:
-        return self.vocab * self.hidden
-
 
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1

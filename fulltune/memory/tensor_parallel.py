@@ -38,10 +38,12 @@ from dataclasses import dataclass, replace
 
 from fulltune.memory.activations import LayerBytes, ModelActivations, attention_bytes, compute_bytes, stream_bytes
 from fulltune.memory.errors import MemoryConfigError
+from fulltune.memory.fsdp import Units, shares
 from fulltune.memory.lever_bytes import lever_bytes
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.timeline import StepTerms, Timeline
 from fulltune.memory.types import Settings
+from fulltune.memory.walk import Layout
 
 
 def rank_shape(shape: ModelShape, tensor_parallel: int) -> ModelShape:
@@ -154,7 +156,7 @@ def model_activations_tp(shape: ModelShape, settings: Settings, act: Settings, l
     saved_by_layer = tuple(layer.checkpoint_saved if i < k else layer.saved for i in range(L))
     return ModelActivations(
         # The embedding's output is not kept (the first block keeps its own s/T copy); it lives through the
-        # forward (`tp_phases`).
+        # forward (`tp_layout`).
         stream_in=0, final_norm=final_norm, lm_head_input=t * h * c,
         rope=2 * c * b * s * shape.rotary_dim,  # cos and sin, cast to the activations' dtype
         head_copy=0, kept_mask=kept_mask, saved_by_layer=saved_by_layer,
@@ -165,8 +167,6 @@ def model_activations_tp(shape: ModelShape, settings: Settings, act: Settings, l
 
 def step_terms_tp(shape: ModelShape, settings: Settings, act: Settings) -> TensorParallelTerms:
     """The shared numbers of a tensor-parallel rank's step: FSDP over dp of `rank_shape`, TP activations."""
-    from fulltune.memory.fsdp import shares
-
     T = settings.tensor_parallel
     local, ranked = rank_shape(shape, T), rank_settings(settings)
     local_act = rank_settings(act)
@@ -186,112 +186,50 @@ def step_terms_tp(shape: ModelShape, settings: Settings, act: Settings) -> Tenso
     )
 
 
-def tp_phases(tl: Timeline) -> None:
-    """The step of a tensor-parallel rank, phase by phase: `fsdp.fsdp_phases`'s units over the rank's
-    shape and the data-parallel processes, with the block, head and embedding terms of the module docstring."""
+def tp_layout(tl: Timeline) -> Layout:
+    """The walk of a tensor-parallel rank: `fsdp.Units` over the rank's shape and the data-parallel processes,
+    with the block, head and embedding terms of the module docstring.
+
+    FSDP2 keeps a unit's all-gather buffer beside its gathered weights until the next unit's gather, and in
+    backward prefetches the next unit's gather; over one data-parallel process the gathered weights are that
+    buffer (one copy) and the next unit is gathered only after this one's post-backward (measured). The
+    embedding's forward is a masked lookup of the rank's rows whose (b, s, h) partial sums are all-reduced; its
+    backward makes a dense gradient of the rows and its masked copy. The embedding's output lives through the
+    forward (the model's own reference, not saved), the last block's whole input beside it."""
     x = tl.terms
     assert isinstance(x, TensorParallelTerms)
-    shape, settings, layer, add = x.shape, x.settings, x.layer, tl.add
-    saved_by_layer, grads_total, t, c, sb = x.acts.saved_by_layer, x.grads_total, x.t, x.c, x.sb
-    logits32, whole_c, mask_bool = x.logits32, x.whole_logits_c, x.acts.mask_bool
-    acts_total, before_head = x.acts.total, x.acts.below_head
-    head_inputs = x.acts.lm_head_input + x.acts.final_norm
-    h, Vl, L = shape.hidden, shape.vocab, shape.num_layers
-    b, s = settings.micro_batch_size, settings.seq_len
-    n = settings.num_processes  # the data-parallel processes FSDP2 shards over
-    whole = sb * b * s * h  # the stream on every position (between blocks)
-    local_logits = t * Vl * c  # this rank's vocabulary slice of the logits
-    policy_bf16 = settings.mixed_precision == "bf16"
-    wb = 2 if settings.pure_bf16 else 4
-    pb = 2 if policy_bf16 else wb
-    rb = 4 if policy_bf16 else wb
-    lay, vh = shape.layer_numel, Vl * h
-    tied = shape.tied
-    root = shape.num_params - L * lay - (0 if tied else 2 * vh)
-    accumulating = settings.gradient_accumulation_steps > 1
+    n = x.settings.num_processes  # the data-parallel processes FSDP2 shards over
+    units = Units(tl, copies=2 if n > 1 else 1, prefetching=n > 1, masked=1)
+    whole = x.bsh4  # the stream on every position (between blocks)
+    return Layout(layers=(0, x.shape.num_layers), embedding=True, head=_vocabulary_parallel_head, gradients=units,
+                  gathered_embedding=units.gathered_embedding(), gathered_layer=units.gathered_last_layer(),
+                  lookup=2, forward_stream=whole + (whole if x.shape.num_layers > 1 else 0))
 
-    def shard(numel: int) -> int:
-        return int(wb * numel / n)
 
-    def post_backward(numel: int) -> int:
-        return rb * numel + int(rb * numel / n)
-
-    done = grads_total if accumulating else 0
-    root_g = pb * root
-    # FSDP2 keeps a unit's all-gather buffer beside its gathered weights until the next unit's gather, and in
-    # backward prefetches the next unit's gather; over one data-parallel process the gathered weights are that
-    # buffer (one copy) and the next unit is gathered only after this one's post-backward (measured).
-    copies = 2 if n > 1 else 1
-    prefetching = n > 1
-    # The embedding's output lives through the forward (the model's own reference, not saved), the last block's
-    # whole input beside it.
-    forward_stream = whole + (whole if L > 1 else 0)
-
-    # Embedding: the rank's rows gathered, the masked lookup's (b, s, h) partial sums and their all-reduce.
-    embedding = copies * pb * vh + root_g if not tied else copies * root_g
-    add("forward", done, 0, 0, 2 * whole, backward=False, unsharded=(embedding, 0))
-    add("forward", done, before_head + forward_stream, 0, layer.forward_transient + mask_bool, backward=False,
-        unsharded=(copies * pb * lay + root_g, 0))
-    # The head: the final norm's whole output, the rank's (t, V/T) logits, the all-gather's buffer and the
-    # whole (t, V) logits.
-    in_head = copies * pb * vh + root_g if not tied else root_g + (copies - 1) * pb * lay
-    kept_head = 0 if tied else pb * vh
+def _vocabulary_parallel_head(tl: Timeline, units: Units) -> int:
+    """The head: the final norm's whole output, the rank's (t, V/T) logits, the all-gather's buffer and the whole
+    (t, V) logits; in backward the logits' gradient (and its 16-bit cast), the rank's slice copied out of it,
+    then the head's unsharded weight gradient, the rows' gradient and its all-reduce; last the final norm's
+    backward on the whole sequence and the last block's s/T slice of its gradient."""
+    x = tl.terms
+    assert isinstance(x, TensorParallelTerms)
+    t, c, h, done = x.t, x.c, x.shape.hidden, units.done
+    logits32, whole_c, acts_total, whole = x.logits32, x.whole_logits_c, x.acts.total, x.bsh4
+    local_logits = t * x.shape.vocab * c  # this rank's vocabulary slice of the logits
+    kept_head, gathered_head = units.kept_head(), units.gathered_head()
+    add = tl.add
     add("forward of the lm head / loss", done, acts_total, local_logits + 2 * whole_c, whole, backward=False,
-        unsharded=(in_head, 0))
+        unsharded=(units.in_head(), 0))
     if c == 2:
         add("forward of the lm head / loss", done, acts_total, whole_c + logits32, 0, backward=False,
             unsharded=(kept_head, 0))
     add("forward of the lm head / loss", done, acts_total, 2 * logits32, 0, backward=False, unsharded=(kept_head, 0))
     add("backward of the lm head / loss", done, acts_total, 3 * logits32, 0, unsharded=(kept_head, 0))
-    # Backward of the gather: the logits' gradient (and its 16-bit cast), the rank's slice copied out of it.
-    gathered_head = (pb * vh if not tied else root_g) + (pb * lay if prefetching else 0)
     add("backward of the lm head / loss", done, acts_total, logits32 + (whole_c if c == 2 else 0) + local_logits, 0,
         unsharded=(gathered_head, 0))
-    # The head's backward: its unsharded weight gradient, the rows' gradient and its all-reduce.
     add("backward of the lm head / loss", done, acts_total, local_logits, 2 * t * h * c,
-        unsharded=(gathered_head, pb * vh))
-    after_head = acts_total - head_inputs
-    if not tied:
-        add("backward of the lm head / loss", done, acts_total - x.acts.lm_head_input, 0, whole + t * h * c
-            + post_backward(vh), unsharded=(pb * lay if prefetching else 0, pb * vh + rb * vh))
-        done = done if accumulating else done + shard(vh)
-    waiting = pb * vh if tied else 0
-    kept_rs = 0 if tied else rb * vh
-    # The final norm's backward on the whole sequence, then the last block's s/T slice of its gradient.
-    add("backward of the lm head / loss", done, after_head, 0, 3 * whole + 4 * t * h,
-        unsharded=((pb * lay if prefetching else 0) + (root_g if tied else 0), waiting + kept_rs))
-
-    mlp_params = 3 * h * shape.intermediate
-    acts_now = after_head
-    for i in reversed(range(L)):
-        below = acts_now - saved_by_layer[i]
-        prefetch = (pb * lay if i > 0 else (0 if tied else pb * vh)) if prefetching else 0
-        gathered = pb * lay + prefetch + (root_g if tied else 0)
-        add(f"backward of layer {i}", done, below, 0, layer.saved + layer.mlp_backward,
-            unsharded=(gathered, waiting + kept_rs + pb * h * shape.intermediate))
-        add(f"backward of layer {i}", done, below, 0, layer.attn_saved + layer.attn_backward,
-            unsharded=(gathered, waiting + kept_rs + pb * mlp_params))
-        add(f"backward of layer {i}", done, below, 0, post_backward(lay),
-            unsharded=(prefetch + (root_g if tied else 0), waiting + pb * lay + rb * lay))
-        done = done if accumulating else done + shard(lay)
-        kept_rs = rb * lay
-        acts_now = below
-    acts_now = max(acts_now, 0)
-    # The embedding's backward: the whole stream's gradient into the rank's (V/T, h) rows (a dense gradient
-    # and its masked copy); tied, summed with the head's waiting gradient.
-    if tied:
-        add("backward of the embeddings", done, acts_now, 0, 4 * pb * vh, unsharded=(root_g, kept_rs))
-        summed = 0 if pb != rb else pb * root
-        add("backward of the embeddings", done, acts_now, 0, post_backward(root), unsharded=(0, summed + rb * root))
-    else:
-        add("backward of the embeddings", done, acts_now, 0, pb * vh, unsharded=(pb * vh, kept_rs + pb * vh))
-        add("backward of the embeddings", done, acts_now, 0, post_backward(vh) + pb * vh,
-            unsharded=(0, pb * vh + rb * vh))
-    step_temp = 0
-    if settings.optimizer == "adafactor":
-        largest = max(math.prod(p) for p in shape.param_shapes)
-        step_temp = 2 * wb * largest + x.levers.states_temp
-    add("optimizer step", grads_total, 0, 0, step_temp)
+        unsharded=(gathered_head, units.pb * units.vh))
+    return units.head_end(tl, acts_total - x.acts.lm_head_input, whole + t * h * c, 3 * whole + 4 * t * h)
 
 
 # Collectives of one block per micro-batch, as parallel.py's plan runs them (counted in the op trace of the

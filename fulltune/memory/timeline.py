@@ -31,7 +31,7 @@ class StepTerms:
     c: int  # bytes per activation element (compute dtype)
     sb: int  # bytes per residual-stream element
     mixed: bool  # autocast over fp32 weights (16-bit copies of the weights)
-    grad_shard: float  # the share of the gradients this process keeps (ZeRO-2/3, FSDP)
+    grad_shard: float  # the share of the gradients this process keeps (FSDP)
     grads_total: int  # every gradient, as without the gradient-hook levers
     accumulating: bool  # gradient accumulation above 1: gradients exist through the whole step
     hooks: bool  # a lever takes each gradient as it is made (step in backward, optimizer offload)
@@ -89,8 +89,7 @@ class Persistent:
     params: int  # the weights (this process's shard)
     buffers: int  # non-parameter buffers (rotary inverse frequencies)
     states: int  # optimizer states on the device (this process's shard)
-    gathered: int  # communication: gathered parameters (the per-step FSDP/ZeRO-3 formula)
-    buckets: int  # communication: gradient buckets (DDP, ZeRO-2, ZeRO-3)
+    buckets: int  # communication: DDP's gradient buckets
     batch: int  # the micro-batch's index tensors
 
 
@@ -117,7 +116,7 @@ class Timeline:
         # the host holds the sums of the earlier micro-batches already).
         host = x.levers.host_parts(grads if x.accumulating else max(grads - now, 0), away)
         parts = {
-            "parameters": p.params + p.buffers + p.gathered + unsharded[0] + (host["parameters"] if on_host else 0),
+            "parameters": p.params + p.buffers + unsharded[0] + (host["parameters"] if on_host else 0),
             "gradients": device_grads + p.buckets + unsharded[1] + (host["gradients"] if on_host else 0),
             "optimizer_states": p.states + (host["optimizer_states"] if on_host else 0),
             "activations": acts + p.batch - (0 if on_host else away),

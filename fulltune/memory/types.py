@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from fulltune import spec
 from fulltune.degrees import ParallelDims
 from fulltune.levers import LEVERS  # the lever table's names, in the order the planner tries them
 from fulltune.memory.errors import MemoryConfigError
+
+if TYPE_CHECKING:
+    from fulltune.memory.evaluation import EvalRequest
 
 # The choices are the spec's (fulltune/spec.py), defined once there.
 MIXED_PRECISIONS = get_args(spec.MixedPrecision)
@@ -55,7 +58,9 @@ class Settings:
         strategy: how parameters, gradients and optimizer states are split over processes.
         num_processes: processes (GPUs) taking part; the estimate is per process.
         tensor_parallel: processes each layer's matmuls are split over (fulltune/runtime/parallel.py); the
-            data-parallel degree is num_processes / tensor_parallel.
+            data-parallel degree is num_processes / (tensor_parallel × pipeline_parallel).
+        pipeline_parallel, pipeline_schedule: pipeline stages (one process each) and their schedule
+            (fulltune/runtime/pipeline_parallel.py); the step's micro-batches flow through them.
         attention_mask: True when the model receives an explicit attention mask — padded batches,
             or packed rows whose position_ids restart (transformers then builds a block-diagonal
             mask). A mask makes SDPA keep a (b, 1, s, s) mask per layer and repeat grouped
@@ -85,6 +90,8 @@ class Settings:
     strategy: str = "none"
     num_processes: int = 1
     tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1f1b"
     attention_mask: bool = True
     target_fraction: float = 1.0
     pure_bf16: bool = False
@@ -112,15 +119,16 @@ class Settings:
         _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
         _check_choice("device", self.device, DEVICES)
         _check_choice("strategy", self.strategy, STRATEGIES)
-        if self.strategy == "none" and self.num_processes != 1:
-            raise MemoryConfigError("num_processes > 1 needs a strategy (ddp or fsdp)")
-        ParallelDims(self.num_processes, self.tensor_parallel)  # DegreesError unless the degree divides them
+        if self.strategy == "none" and self.num_processes != self.pipeline_parallel:
+            raise MemoryConfigError("num_processes > 1 needs a strategy (ddp or fsdp) or pipeline stages")
+        ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel)  # DegreesError unless they divide
         _check_levers(self)
 
     @property
     def dims(self) -> ParallelDims:
-        """The parallel degrees the step runs with: num_processes as data parallel × tensor_parallel."""
-        return ParallelDims(self.num_processes, self.tensor_parallel)
+        """The parallel degrees the step runs with: num_processes as data parallel × tensor_parallel ×
+        pipeline_parallel."""
+        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel)
 
     def levers(self) -> dict[str, bool]:
         """The memory levers, name → on."""
@@ -244,6 +252,8 @@ class PlanRequest:
     strategy: str = "none"
     num_processes: int = 1
     tensor_parallel: int | None = 1  # None: auto, the planner chooses a degree (planning/planner.py)
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1f1b"
     bf16_supported: bool = False
     attention_mask: bool = True
     target_fraction: float = 1.0
@@ -254,6 +264,10 @@ class PlanRequest:
     chunked_loss: bool | None = None
     host_memory_bytes: int | None = None
     num_machines: int = 1  # the processes are spread evenly over them; host_memory_bytes is per machine
+    # The evaluate stage (`evaluate.*`): planned beside training and part of `fits`; None: not planned.
+    evaluation: EvalRequest | None = None
+    # Where `host_memory_bytes` came from when it was not given: a line the plan shows (memory/budget.py).
+    host_memory_assumed: str | None = None
 
     def levers(self) -> dict[str, bool | None]:
         """The memory levers, name → True / False / None (auto)."""
@@ -290,7 +304,7 @@ class PlanRequest:
     @property
     def dims(self) -> ParallelDims:
         """The parallel degrees asked for: `tp` None while tensor_parallel is auto."""
-        return ParallelDims(self.num_processes, self.tensor_parallel)
+        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel)
 
 
 def _check_request_choices(request: PlanRequest) -> None:
@@ -335,6 +349,7 @@ class MemoryPlan:
     uncertainty: dict[str, Any] | None = None
     expected_bytes: int | None = None
     pipeline_parallel: dict[str, Any] | None = None  # what P pipeline stages would need (memory/pipeline.py)
+    evaluation: dict[str, Any] | None = None  # the evaluate stage's plan (memory/evaluation.py EvalPlan.to_dict)
 
     @property
     def spare_bytes(self) -> int | None:
@@ -357,6 +372,8 @@ class MemoryPlan:
                 "strategy": s.strategy,
                 "num_processes": s.num_processes,
                 "tensor_parallel": s.tensor_parallel,
+                "pipeline_parallel": s.pipeline_parallel,
+                "pipeline_schedule": s.pipeline_schedule,
                 "estimated_step_seconds": self.estimated_step_seconds,
                 "host_bytes": int(self.plan_estimate.host_bytes),
                 "estimate": self.plan_estimate.to_dict(),
@@ -366,6 +383,7 @@ class MemoryPlan:
             "smallest_peak_bytes": self.smallest_peak_bytes,
             "suggestions": list(self.suggestions),
             "pipeline_parallel": self.pipeline_parallel,
+            "evaluation": self.evaluation,
             # How sure the plan is: `bytes` either way around `expected_bytes` (the larger of estimate and
             # trace, as device bytes), what it rests on, and what is left of the usable budget.
             "uncertainty": {

@@ -50,7 +50,7 @@ MEASURED: dict[tuple[str, str], tuple[float, str]] = {
 # h=256 with 4 layers): all within 0.2% but one combination, which reads low.
 LEVERS_MEASURED = (0.0396, "pure bf16 + optimizer offload + chunked loss, all 4 layers checkpointed, h=256, traced "
                            "(the trace keeps one more bf16 embedding gradient at the optimizer step)")
-# FSDP2's per-rank peak (the sharding terms of `estimate._fsdp_phases`), measured in every rank with
+# FSDP2's per-rank peak (the sharding terms of `fsdp.Units`), measured in every rank with
 # FSDPMemTracker on CPU (benchmarks/sharded_memory.py, BENCHMARKS.md): the largest |estimate/measured − 1|
 # over the grid. An FSDP step keeps the larger of this and its single-process kind's entry.
 FSDP_MEASURED = (0.0059, "FSDP2 per rank on CPU, fp32, tied embeddings, every layer checkpointed, micro-batch 2 "

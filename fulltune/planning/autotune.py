@@ -268,12 +268,14 @@ def calibrated(workdir: str | Path, device: str) -> Iterator[dict[str, float]]:
         planner.STEP_TIME_CORRECTION.reset(token)
 
 
-def calibration_key(workdir: str | Path, device: str) -> dict[str, float]:
-    """What the budget stage's cache key sees of the calibration: the factors, rounded (a new measurement
-    that moves a factor by under 1% does not replan)."""
+def calibration_key(workdir: str | Path, device: str) -> dict[str, Any]:
+    """What the budget stage's cache key sees of the machine and its calibration: the device kind and
+    the factors, rounded (a new measurement that moves a factor by under 1% does not replan)."""
     # Every run computes this, cached reruns too: a CPU's kind is read without importing torch (seconds).
     kind = device_kind({"device": device, **_cpu_info()}) if device == "cpu" else device_kind(hardware(device))
-    return {k: round(v, 2) for k, v in calibration(workdir, kind).items()}
+    # The kind itself too: with no measurements yet every machine's factors are the same (none), and a
+    # choice tuned on two cores must not be reused on one.
+    return {"device_kind": kind, **{k: round(v, 2) for k, v in calibration(workdir, kind).items()}}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -368,7 +370,7 @@ def measure(job: TrainJob, opts: Options, timeout: float, step_tokens: list[int]
             records = _probe_records(output_dir)
             if not (records and all(r["done"] for r in records)):
                 if any(r["timed_out"] for r in records):
-                    return _Measured("timeout", detail=f"stopped after {timeout:.0f} s")
+                    return _Measured("timeout", detail=f"stopped after {_seconds(timeout)}")
                 if "code -9" in str(exc):  # SIGKILL not sent by the probe: the kernel's out-of-memory killer
                     return _Measured("oom", peak_bytes=max((r["peak_bytes"] or 0 for r in records), default=None),
                                      detail="killed (SIGKILL: out of memory)")
@@ -380,13 +382,21 @@ def measure(job: TrainJob, opts: Options, timeout: float, step_tokens: list[int]
         if len(durations) < opts.steps:
             return _Measured("failed", detail=f"the child ran {len(durations)} of {opts.steps} timed steps")
         peak = max(r["peak_bytes"] or 0 for r in records)
-        tokens_per_second = sum(step_tokens) / sum(durations) if step_tokens and sum(durations) > 0 else None
+        tokens_per_second = throughput(step_tokens, durations)
         cpu = main.get("cpu_starts") or []
         cpu_durations = [b - a for a, b in zip(cpu, cpu[1:])][opts.warmup_steps:]
         return _Measured("measured", statistics.median(durations), peak, tokens_per_second,
                          cpu_step_seconds=statistics.median(cpu_durations) if cpu_durations else None)
     finally:
         shutil.rmtree(output_dir, ignore_errors=True)
+
+
+def throughput(step_tokens: list[int], durations: list[float]) -> float | None:
+    """Tokens per second from the same statistic as the step time the table shows beside it: the median
+    step's tokens over the median step's seconds (a mean here would not match the median step)."""
+    if not step_tokens or not durations or statistics.median(durations) <= 0:
+        return None
+    return statistics.median(step_tokens) / statistics.median(durations)
 
 
 def _probe_records(output_dir: Path) -> list[dict[str, Any]]:
@@ -440,7 +450,7 @@ def tune(p: ResolvedPipeline, decision: BudgetDecision, data: Any, tokenizer: st
     """Measure the candidates of `decision` on this machine and choose the fastest that fits.
 
     Cached measurements (same hardware, model shape and settings) are reused; the others run one at a
-    time, each with an equal share of what is left of `opts.max_seconds`. Never raises for a candidate:
+    time, each with what is left of `opts.max_seconds` shared as `_time_for` says. Never raises for a candidate:
     an out-of-memory, a failure or a timeout is recorded in its Trial.
     """
     from fulltune.runtime import launch
@@ -470,7 +480,7 @@ def tune(p: ResolvedPipeline, decision: BudgetDecision, data: Any, tokenizer: st
     for n, trial in enumerate(pending):
         left = opts.max_seconds - (time.monotonic() - started)
         if left < MIN_CANDIDATE_SECONDS:
-            trial.outcome, trial.detail = "timeout", f"not run: the tuning's {opts.max_seconds:.0f} s were spent"
+            trial.outcome, trial.detail = "timeout", f"not run: the tuning's {_seconds(opts.max_seconds)} were spent"
             continue
         if base_model is None:
             base_model = prepare_base_model(p.spec.model, tokenizer, p.workdir, p.spec.train.seed)
@@ -480,7 +490,7 @@ def tune(p: ResolvedPipeline, decision: BudgetDecision, data: Any, tokenizer: st
         if on_progress is not None:
             on_progress(f"autotune: measuring {describe(trial.settings)}")
         t0 = time.monotonic()
-        result = measure(job, opts, left / (len(pending) - n), step_tokens)
+        result = measure(job, opts, _time_for(trial, opts, device, left, len(pending) - n), step_tokens)
         trial.seconds = time.monotonic() - t0
         entry = {"version": CACHE_VERSION, "hardware": info, "device_kind": kind, "shape": _shape_dict(shape),
                  "settings": trial.settings.to_dict(), "steps": opts.steps, "warmup_steps": opts.warmup_steps,
@@ -492,6 +502,27 @@ def tune(p: ResolvedPipeline, decision: BudgetDecision, data: Any, tokenizer: st
         _fill(trial, entry, usable)
         if result.status in ("measured", "oom"):  # a failure or a timeout may not repeat: measure again next time
             _write_measurement(p.workdir, measurement_key(info, shape, trial.settings, opts), entry)
+    chosen, reason = _choice(trials)
+    return Tuning(trials, chosen, time.monotonic() - started, opts, kind, budget, usable, reason)
+
+
+def _time_for(trial: Trial, opts: Options, device: str, left: float, remaining: int) -> float:
+    """The seconds candidate `trial` may run: an even share of what is left, or as much as it is expected
+    to need (a child's start plus its steps, twice over) when that is more and left: time a candidate
+    does not use flows to the next ones, and none is cut off at a share it could never finish in."""
+    step = trial.predicted_step_seconds or trial.analytic_step_seconds or 0.0
+    expected = 2 * (CHILD_START_SECONDS.get(device, CHILD_START_SECONDS["cuda"]) + (opts.warmup_steps + opts.steps)
+                    * step)
+    return max(left / remaining, min(left, expected))
+
+
+def _choice(trials: list[Trial]) -> tuple[int | None, str]:
+    """(the candidate chosen, why). One beats the plan only by beating its measured step time; the plan
+    gives way unmeasured only when it was measured not to fit (out of memory, over the budget)."""
+    plan = trials[0]
+    if plan.outcome in ("timeout", "failed"):
+        return None, (f"the planned settings were not measured ({plan.outcome}), so no candidate can be shown "
+                      "faster: the analytic plan stands")
     fitting = [i for i, t in enumerate(trials) if t.outcome == "fits"]
     chosen = min(fitting, key=lambda i: trials[i].measured_step_seconds) if fitting else None
     if chosen is None:
@@ -503,7 +534,7 @@ def tune(p: ResolvedPipeline, decision: BudgetDecision, data: Any, tokenizer: st
         planned = f"{t0.measured_step_seconds:.3g} s" if t0.measured_step_seconds else t0.outcome
         reason = (f"candidate {chosen} measured fastest among those that fit: {tc.measured_step_seconds:.3g} s/step "
                   f"against the planned settings' {planned}")
-    return Tuning(trials, chosen, time.monotonic() - started, opts, kind, budget, usable, reason)
+    return chosen, reason
 
 
 def _fill(trial: Trial, entry: dict[str, Any], usable: int | None, cached_entry: bool = False) -> None:
@@ -585,6 +616,8 @@ def plan_and_tune(p: ResolvedPipeline, data: Any = None, tokenizer: str | None =
     device = resolved_device(p)
     with calibrated(p.workdir, device) as factors:
         decision = plan_budget(p, seq_len, vocab, picture, target_fraction, trace=trace)
+    if data is None:
+        decision = _untokenized(decision, p)
     run, why = should_tune(opts, decision, data, p, force, auto_tunes)
     calibration_note = {"calibration": {k: round(v, 3) for k, v in factors.items()}} if factors else {}
     if not run:
@@ -605,6 +638,16 @@ def plan_and_tune(p: ResolvedPipeline, data: Any = None, tokenizer: str | None =
         settings = chosen if not isinstance(decision.settings, dict) else asdict(chosen)
     return replace(decision, settings=settings, table=f"{decision.table}\n\n{table}",
                    plan={**decision.plan, "autotune": {**result.to_dict(), **calibration_note}})
+
+
+def _untokenized(decision: BudgetDecision, p: ResolvedPipeline) -> BudgetDecision:
+    """Say that a plan made before the data is tokenized sizes every row at data.max_length with a
+    target at every position (the most the logits can take): the run tokenizes first and plans on the
+    real lengths and targets, so its plan can differ. `planned_on` in `plan --json`."""
+    note = (f"planned before the data is tokenized: every row at data.max_length ({p.spec.data.max_length}) with "
+            "a target at every position, the most the logits can take; `fulltune run` tokenizes first and plans "
+            "on the real lengths, which can change the plan")
+    return replace(decision, table=f"{decision.table}\n{note}", plan={**decision.plan, "planned_on": note})
 
 
 def resolved_device(p: ResolvedPipeline) -> str:
@@ -787,12 +830,13 @@ def _epoch_seconds(p: ResolvedPipeline, tokenizer: str, packing: bool, rows: int
     from fulltune.stages import _planned_vocab
 
     t, d, device = p.spec.train, p.spec.distributed, resolved_device(p)
+    processes = d.num_processes // d.pipeline_parallel  # the stages of a pipeline share its rows and time
     shape = model_shape(read_model_config(p.spec.model, _planned_vocab(p, tokenizer)))
     precision = t.mixed_precision if t.mixed_precision != "auto" else ("bf16" if device == "cuda" else "no")
     settings = Settings(
-        micro_batch_size=t.effective_batch_size // d.num_processes, seq_len=seq_len, mixed_precision=precision,
+        micro_batch_size=t.effective_batch_size // processes, seq_len=seq_len, mixed_precision=precision,
         optimizer=t.optimizer if t.optimizer != "auto" else "adamw", attn_implementation=p.spec.model.attn_implementation,
-        device=device, strategy=choices(d.strategy, d.num_processes)[0], num_processes=d.num_processes,
+        device=device, strategy=choices(d.strategy, processes)[0], num_processes=processes,
         attention_mask=packing,  # strategy auto: its naive default, as for the other auto fields
         # the output head runs at the positions with a target: the same tokens in either layout
         target_fraction=min(1.0, label_tokens / max(1, rows * (seq_len - 1))))
@@ -830,8 +874,8 @@ def format_table(result: Tuning | dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     usable = f", usable {format_bytes(data['usable_bytes'])}" if data.get("usable_bytes") else ""
     head = (f"autotune on {data['device_kind']}: {len(data['candidates'])} candidate(s), {data['warmup_steps']} "
-            f"warm-up + {data['steps']} timed step(s) each, {data['seconds']:.0f} s of at most "
-            f"{data['max_seconds']:.0f} s{usable}")
+            f"warm-up + {data['steps']} timed step(s) each, {_seconds(data['seconds'])} of at most "
+            f"{_seconds(data['max_seconds'])}{usable}")
     lines = [head] + ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines += [f"  {i}: {c['detail']}" for i, c in enumerate(data["candidates"]) if c["detail"]]
     lines.append(data["reason"])
@@ -839,7 +883,10 @@ def format_table(result: Tuning | dict[str, Any]) -> str:
 
 
 def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3g} s"
+    """A duration as measured: `0.5 s`, `12.3 s`, `600 s` (three significant digits, whole seconds from 100)."""
+    if value is None:
+        return "-"
+    return f"{value:.0f} s" if value >= 100 else f"{value:.3g} s"
 
 
 def render_png(result: Tuning, path: str | Path) -> Path:

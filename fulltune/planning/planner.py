@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fulltune.memory.estimate import _estimate
+from fulltune.memory.evaluation import with_evaluation
 from fulltune.memory.process import node_host_bytes
 from fulltune.memory.shapes import ModelShape, model_shape
 from fulltune import levers as lever_table
@@ -117,6 +118,12 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
     per micro-batch. Under tensor parallel each rank computes 1/T of every matmul and waits for the TP
     group's collectives (`tensor_parallel_seconds`).
     """
+    if settings.pipeline_parallel > 1:  # the slowest stage through the fill, the steady state and the drain
+        from fulltune.memory.pipeline import pipeline_step_seconds
+
+        one = replace(settings, num_processes=settings.num_processes // settings.pipeline_parallel,
+                      pipeline_parallel=1)
+        return pipeline_step_seconds(shape, one, settings.pipeline_parallel)[0]
     compute = compute_seconds(shape, settings)
     shard = settings.num_processes if settings.strategy in ("fsdp", "deepspeed_zero2", "deepspeed_zero3") else 1
     traffic = (_CPU_OPTIMIZER_TRAFFIC if settings.device == "cpu" else _OPTIMIZER_TRAFFIC)[settings.optimizer]
@@ -265,6 +272,11 @@ def _per_process(request: PlanRequest) -> int:
     return request.dims.per_process(request.effective_batch_size)
 
 
+def _device_word(device: str) -> str:
+    """What one process's device is called in a plan's reasons: a GPU on cuda, a process on a CPU."""
+    return "GPU" if device == "cuda" else "process"
+
+
 def divisors(n: int) -> list[int]:
     """The divisors of `n`, largest first (micro-batches, tensor-parallel degrees, pipeline micro-batches)."""
     return sorted({d for i in range(1, int(math.isqrt(n)) + 1) if n % i == 0 for d in (i, n // i)}, reverse=True)
@@ -309,6 +321,8 @@ def _configured(shape: ModelShape, request: PlanRequest) -> Settings:
         micro = request.micro_batch_size
     elif request.gradient_accumulation_steps is not None:
         micro = per // request.gradient_accumulation_steps
+    elif request.pipeline_parallel > 1 and per % request.pipeline_parallel == 0:
+        micro = per // request.pipeline_parallel  # a micro-batch per stage: the fewest 1F1B runs
     else:
         micro = per
     checkpointing = _fixed_checkpointing(request.gradient_checkpointing, shape.num_layers)
@@ -335,6 +349,8 @@ def _settings(request: PlanRequest, micro: int, checkpointing: int, precision: s
         strategy=request.strategy,
         num_processes=request.num_processes,
         tensor_parallel=request.tensor_parallel,
+        pipeline_parallel=request.pipeline_parallel,
+        pipeline_schedule=request.pipeline_schedule,
         attention_mask=request.attention_mask,
         target_fraction=request.target_fraction,
         **(levers or {}),
@@ -600,7 +616,7 @@ def plan_memory(config: Any, request: PlanRequest, trace: bool | None = False) -
     configured = _configured(shape, _configured_request(request))
     configured_estimate = _estimate(shape, configured)
     if request.budget_bytes is None:
-        return MemoryPlan(
+        return with_evaluation(shape, request, _host_budget(request), MemoryPlan(
             device=request.device,
             budget_bytes=None,
             fits=True,
@@ -615,13 +631,14 @@ def plan_memory(config: Any, request: PlanRequest, trace: bool | None = False) -
             estimated_step_seconds=step_seconds(shape, configured),
             uncertainty=_candidate(shape, configured).uncertainty.to_dict(),
             expected_bytes=configured_estimate.device_bytes,
-        )
+        ))
     usable = request.usable_bytes
     candidates = _staged_search(shape, request, usable)
     reasons: tuple[str, ...] = ()
     if trace or (trace is None and trace_is_cheap(shape, request)):
         candidates, reasons = _traced(config, shape, candidates, usable)
-    return _finish(shape, request, usable, configured, configured_estimate, candidates, reasons)
+    return with_evaluation(shape, request, _host_budget(request),
+                           _finish(shape, request, usable, configured, configured_estimate, candidates, reasons))
 
 
 # --- tracing the chosen step ------------------------------------------------------------------
@@ -699,6 +716,7 @@ def _finish(
     reasons = [
         f"budget {format_bytes(budget)} per {request.device} device; planning for {format_bytes(usable)} "
         f"({request.headroom:.0%} headroom)",
+        *((request.host_memory_assumed,) if request.host_memory_assumed else ()),
         *extra_reasons,
     ]
     over = configured_estimate.device_bytes - usable
@@ -819,7 +837,8 @@ def _tensor_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates
     if T > 1:
         traffic = collectives(shape, s)
         head = (f"tensor parallel {T} ({s.dims.dp} data-parallel × {T}, distributed.tensor_parallel auto): "
-                f"{format_bytes(chosen.expected_bytes)} per GPU, {chosen.seconds:.3g} s/step, of which "
+                f"{format_bytes(chosen.expected_bytes)} per {_device_word(s.device)}, {chosen.seconds:.3g} s/step, "
+                f"of which "
                 f"{tensor_parallel_seconds(shape, s):.3g} s are its collectives ({format_bytes(int(traffic.bytes))} "
                 f"per rank)")
     elif request.strategy != "fsdp":
@@ -903,7 +922,7 @@ def _lever_reasons(shape: ModelShape, configured: Settings, chosen: _Candidate) 
             what.append(f"{format_bytes(parts['shards'])} of offloaded shards over its ranks "
                         f"({format_bytes(parts['pinned'])} of them pinned)")
         if parts["export"]:
-            what.append(f"rank 0 gathers the whole model ({format_bytes(parts['export'])}) at the final export")
+            what.append(f"the final export streams file by file: {format_bytes(parts['export'])} of gathered tensors")
         offload = " under FSDP's CPU offload (the step on the host)" if s.offload_optimizer else ""
         out.append(f"host RAM per machine: {format_bytes(chosen.estimate.host_bytes)}{budget}{offload}: "
                    + "; ".join(what))
@@ -928,8 +947,12 @@ def _host_reasons(request: PlanRequest, candidates: list[_Candidate], chosen: _C
 def _suggestions(shape: ModelShape, request: PlanRequest, smallest: _Candidate) -> tuple[str, ...]:
     out = []
     need = smallest.planned_bytes / (1.0 - request.headroom)
+    # Every constraint the configuration needs: host RAM too, when it is over budget.host_memory.
+    host = "" if smallest.host_fits else (
+        f" and budget.host_memory of {format_bytes(smallest.estimate.host_bytes)} per machine (it is "
+        f"{format_bytes(smallest.host_budget or 0)})")
     out.append(
-        f"a budget of {format_bytes(need)} per device would fit {_describe(smallest.settings)} "
+        f"a budget of {format_bytes(need)} per device{host} would fit {_describe(smallest.settings)} "
         f"(peak {format_bytes(smallest.estimate.peak_bytes)})"
     )
     one_gpu = host_parameter_suggestion(shape, request)
@@ -948,8 +971,9 @@ def _suggestions(shape: ModelShape, request: PlanRequest, smallest: _Candidate) 
             if candidates:
                 best = min(candidates, key=lambda c: c.seconds)
                 out.append(
-                    f"{n} GPUs with FSDP full shard (distributed.strategy: fsdp, "
-                    f"num_processes: {n}) would fit: {format_bytes(best.estimate.device_bytes)} per GPU"
+                    f"{n} {_device_word(request.device)}s with FSDP full shard (distributed.strategy: fsdp, "
+                    f"num_processes: {n}) would fit: {format_bytes(best.estimate.device_bytes)} per "
+                    f"{_device_word(request.device)}"
                 )
                 break
     usable = request.usable_bytes or 0

@@ -95,7 +95,8 @@ DistributedOptions = create_model(
        if name not in PLANNED_DISTRIBUTED_KEYS})
 # Settings the plan echoes from the spec (it planned for them): the spec sections are their source, and a job
 # whose plan disagrees is refused.
-PLAN_ECHOES = {"attn_implementation": "model", "strategy": "distributed", "num_processes": "distributed"}
+PLAN_ECHOES = {"attn_implementation": "model", "strategy": "distributed", "num_processes": "distributed",
+               "pipeline_parallel": "distributed", "pipeline_schedule": "distributed"}
 # Settings that describe what the plan assumed about the data; the child does not read them.
 PLAN_ONLY_SETTINGS = ("seq_len", "attention_mask", "target_fraction")
 
@@ -116,8 +117,8 @@ class TrainJob(Strict):
     - `dims` (fulltune.degrees.ParallelDims): the data-parallel × tensor-parallel degrees, from the processes
       and the plan's tensor_parallel (the degree the plan chose for `auto`).
     - `paths`, `tracking`: set per run by whoever runs the job.
-    The plan echoes attn_implementation, strategy and num_processes (PLAN_ECHOES); they must agree with the
-    spec sections. JOB.json is `to_json()`, read back by `from_json()`.
+    The plan echoes attn_implementation, strategy, num_processes and the pipeline stages (PLAN_ECHOES); they must
+    agree with the spec sections. JOB.json is `to_json()`, read back by `from_json()`.
     """
 
     paths: JobPaths
@@ -139,7 +140,7 @@ class TrainJob(Strict):
     @property
     def dims(self) -> ParallelDims:
         """How the job's processes split the work; the plan checked the degrees against the processes."""
-        return ParallelDims(self.distributed.num_processes, self.plan.tensor_parallel)
+        return ParallelDims(self.distributed.num_processes, self.plan.tensor_parallel, self.distributed.pipeline_parallel)
 
     def to_json(self) -> str:
         """JOB.json: one object per section, indented for a person to read."""
@@ -378,8 +379,9 @@ def training_command(job: TrainJob, job_file: Path) -> list[str]:
         command = launch_command(job_file, distributed.num_processes, distributed.num_machines)
         if command is not None:
             return command
-    if job.plan.device == "cpu" or distributed.strategy == "fsdp":
-        # FSDP shards the model itself (fulltune/runtime/sharding.py) on CPU and CUDA alike.
+    if job.plan.device == "cpu" or distributed.strategy == "fsdp" or distributed.pipeline_parallel > 1:
+        # FSDP shards the model itself (fulltune/runtime/sharding.py) on CPU and CUDA alike; pipeline stages
+        # are built by the trainer (fulltune/runtime/pipeline_parallel.py).
         # `accelerate launch --cpu --num_processes 2` ran a single process (accelerate 1.x);
         # torchrun gives Accelerate a MULTI_CPU (gloo) run.
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",

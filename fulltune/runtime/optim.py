@@ -49,7 +49,6 @@ the state dict through the device, which would copy the fp32 masters there.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch

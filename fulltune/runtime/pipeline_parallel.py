@@ -17,30 +17,45 @@ token losses are summed and divided by the target tokens of the whole optimizer 
 not scale the gradients again (`scale_grads=False`). The gradient norm is clipped over every stage's
 parameters together (one all-reduce of the squared norms), as one process clips the whole model.
 
-This runs the step; `fulltune run` does not use it yet (checkpoints, export and resume are per process
-there). The memory model of a stage is `fulltune.memory.pipeline`.
+`fulltune run` trains with it when `distributed.pipeline_parallel` is above 1 (fulltune/runtime/train.py):
+`fulltune.runtime.step.run_step` runs the schedule in place of its micro-batch loop, then the trainer's
+`OptimizerStep` (this module's global clip, the skip of a non-finite step, the LR schedule). A stage keeps its
+modules under the full model's names (`model.layers.<i>`, `lm_head`), so its checkpoint (`save_stage_state`)
+and its export shard (`export_stage`) name every tensor as the whole model does. The memory model of a stage
+is `fulltune.memory.pipeline`; which levers stages run is the lever table's (fulltune/levers.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from fulltune.runtime.loss import Targets
-from fulltune.memory.pipeline import SCHEDULES, UNSUPPORTED_LEVERS, stage_layers
+from fulltune.data import IGNORE_INDEX
+from fulltune.degrees import DegreesError
+from fulltune.memory.pipeline import SCHEDULES, stage_layers
+from fulltune.runtime.loss import (ROW_CHUNK, VOCAB_CHUNK, ChunkedLinearCrossEntropy, Targets,
+                                   logit_postprocessing)
 
-__all__ = ["SCHEDULES", "PipelineRun", "StageModule", "build_stage", "clip_grad_norm_"]
+__all__ = ["SCHEDULES", "PipelineRun", "StageModule", "build_stage", "check_model_config", "clip_grad_norm_",
+           "export_stage", "is_stage", "load_stage_state", "save_stage_state"]
+
+FIELD = "distributed.pipeline_parallel"
+STAGE_STATE_DIR = "stages"  # in a step checkpoint: every stage's parameters and optimizer state (DCP)
+INDEX_FILE = "model.safetensors.index.json"
 
 
 class StageModule(torch.nn.Module):
     """Decoder layers `[start, end)` of a Llama-layout causal LM (Llama, Mistral, Qwen2/3: `model.model.layers`,
     `embed_tokens`, `norm`, `rotary_emb`, `lm_head`), with the input embedding on the first stage and the final
-    norm and output head on the last.
+    norm and output head on the last, each under its name in the whole model (`model.layers.<i>` keeps the
+    model's layer index), so a stage's state dict is its part of the model's.
 
     forward(x, position_ids, attention_mask) takes token ids on the first stage and the residual stream
     (b, s, h) on the others, and returns the residual stream; the last stage returns it after the final
@@ -55,26 +70,30 @@ class StageModule(torch.nn.Module):
             raise ValueError(f"{type(model).__name__}: pipeline stages are built for the Llama layout "
                              f"(model.embed_tokens, model.layers, model.norm, model.rotary_emb, lm_head)")
         self.config = model.config
+        self.generation_config = getattr(model, "generation_config", None)
         self.first, self.last = first, last
-        self.embed_tokens = body.embed_tokens if first else None
-        self.layers = torch.nn.ModuleList(body.layers[start:end])
-        self.rotary_emb = body.rotary_emb  # a buffer of inverse frequencies: every stage computes its own tables
-        self.norm = body.norm if last else None
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = body.embed_tokens if first else None
+        self.model.layers = torch.nn.ModuleDict({str(i): body.layers[i] for i in range(start, end)})
+        self.model.rotary_emb = body.rotary_emb  # a buffer of inverse frequencies: every stage computes its tables
+        self.model.norm = body.norm if last else None
         self.lm_head = model.get_output_embeddings() if last else None
         self.mixed_precision = "no"  # "bf16": the forward runs under autocast (`PipelineRun.create` sets it)
+        self.chunked = False  # the loss's head in tiles (train.chunked_loss; `PipelineRun.create` sets it)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
 
+        body = self.model
         with self._autocast():
-            hidden = self.embed_tokens(x) if self.first else x
+            hidden = body.embed_tokens(x) if self.first else x
             mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
                                       cache=None, position_ids=position_ids)
-            rotary = self.rotary_emb(hidden, position_ids=position_ids)
-            for layer in self.layers:
+            rotary = body.rotary_emb(hidden, position_ids=position_ids)
+            for layer in body.layers.values():
                 hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary)
-            return self.norm(hidden) if self.last else hidden
+            return body.norm(hidden) if self.last else hidden
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Autocast around the forward only, as Accelerate and `fulltune.runtime.step.LocalAccelerator` apply it (the
@@ -83,19 +102,46 @@ class StageModule(torch.nn.Module):
             return torch.autocast(device_type=next(self.parameters()).device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Σ of the fp32 token losses of a micro-batch: the head at the target positions (`fulltune.runtime.loss.TargetHead`)."""
-        targets = Targets.from_labels(labels.cpu()).to(hidden.device)
+    def loss_sum(self, hidden: torch.Tensor, shifted: torch.Tensor) -> torch.Tensor:
+        """Σ of the fp32 token losses of a micro-batch whose targets are `shifted` (a label per position, the
+        next token's, IGNORE_INDEX where none): the head at the target positions only, whole or in tiles
+        (`chunked`), as `fulltune.runtime.loss.TargetHead` runs it in one process."""
+        flat = shifted.reshape(-1)
+        index = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+        tokens = flat.index_select(0, index)
         with self._autocast():
-            rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets.index)
+            rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+            if self.chunked:
+                head = self.lm_head
+                return ChunkedLinearCrossEntropy.apply(rows, head.weight, getattr(head, "bias", None), tokens,
+                                                       *logit_postprocessing(self.config), ROW_CHUNK, VOCAB_CHUNK)
             logits = self.lm_head(rows).float()  # fp32, as Accelerate returns them under mixed precision
-        return F.cross_entropy(logits, targets.tokens, reduction="sum")
+        return F.cross_entropy(logits, tokens, reduction="sum")
 
 
 def build_stage(model: torch.nn.Module, stage: int, num_stages: int) -> StageModule:
     """Stage `stage` of `num_stages` of `model`, its layers split evenly (`fulltune.memory.pipeline.stage_layers`)."""
     start, end = stage_layers(int(model.config.num_hidden_layers), num_stages)[stage]
     return StageModule(model, start, end, first=stage == 0, last=stage == num_stages - 1)
+
+
+def is_stage(model: Any) -> bool:
+    return isinstance(model, StageModule)
+
+
+def check_model_config(config: Any, num_stages: int, where: str = "") -> None:
+    """DegreesError (a ConfigError) naming distributed.pipeline_parallel (after `where`) when `config` cannot be split into
+    `num_stages` stages: fewer decoder layers than stages, or an output head tied to the input embedding
+    (the first and the last stage would each train a copy; not built)."""
+    if num_stages == 1:
+        return
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int) or layers < num_stages:
+        raise DegreesError(f"{where}{FIELD}: {num_stages} stages need at least one decoder layer each; the model "
+                          f"has {layers}")
+    if getattr(config, "tie_word_embeddings", False):
+        raise DegreesError(f"{where}{FIELD}: the model ties its output head to its input embedding "
+                          "(tie_word_embeddings), which pipeline stages do not train yet; set pipeline_parallel to 1")
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
@@ -114,98 +160,190 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
     return norm
 
 
+def _padded(inputs: dict[str, torch.Tensor], targets: Targets, length: int, pad_token_id: int
+            ) -> dict[str, torch.Tensor]:
+    """A micro-batch (input_ids, position_ids and an attention mask if it has one, (b, s); its targets)
+    right-padded to `length` columns, the schedule's fixed shape, with its targets as `shifted` labels (b, length):
+    the next token at each position with a target, IGNORE_INDEX elsewhere. Padding comes after every real
+    token, so a causal model's real positions do not see it."""
+    input_ids, positions = inputs["input_ids"], inputs["position_ids"]
+    b, s = input_ids.shape
+    pad = length - s
+    shifted = torch.full((b * length,), IGNORE_INDEX, dtype=torch.long, device=input_ids.device)
+    shifted[targets.index // s * length + targets.index % s] = targets.tokens
+    padded = {"input_ids": F.pad(input_ids, (0, pad), value=pad_token_id),
+              "position_ids": torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1,
+                                                                                      device=positions.device)], 1),
+              "shifted": shifted.view(b, length)}
+    if inputs.get("attention_mask") is not None:
+        padded["attention_mask"] = F.pad(inputs["attention_mask"], (0, pad), value=0)
+    return padded
+
+
 @dataclass
 class PipelineRun:
-    """One process's stage of a pipelined run: its module, optimizer and schedule.
+    """One process's stage of a pipelined run and its schedule: `forward_backward` is what
+    `fulltune.runtime.step.run_step` runs in place of its micro-batch loop.
 
-    Every process calls `step` with the whole step's batch (B rows): the first stage feeds the token ids,
-    the last computes the loss; all of them split the batch into `micro_batches` and build their masks from it.
+    Every process is given the whole step's micro-batches: the first stage feeds their token ids, the last
+    computes the loss; all of them build their masks and rotary tables from the position ids.
     """
 
     stage: StageModule
-    optimizer: torch.optim.Optimizer
     schedule: Any
-    stage_index: int
-    num_stages: int
     micro_batches: int
-    max_grad_norm: float = 1.0
-    micro_batch_shape: tuple[int, int] = (0, 0)  # (b, s) the schedule's buffers are made for
+    length: int  # the columns every micro-batch is padded to: the schedule's buffers are made for them
+    pad_token_id: int = 0
+    hooks: Any = None  # fulltune.runtime.faults.TrainHooks: on_loss per micro-batch on the last stage
+    step: int = field(default=0, init=False)  # the optimizer step being run (1-based)
     step_targets: int = field(default=0, init=False)  # target tokens of the step being run (the loss's divisor)
+    step_loss: Any = field(default=None, init=False)  # Σ token losses of the step so far (the last stage's)
 
     @classmethod
-    def create(cls, model: torch.nn.Module, settings: Any, *, schedule: str = "1f1b", num_micro_batches: int,
-               device: str = "cpu", lr: float = 1e-4, max_grad_norm: float = 1.0) -> PipelineRun:
-        """This process's stage of `model` (rank r of the default process group is stage r), its optimizer
-        as the trainer builds it for the planned `settings` (`fulltune.runtime.optim.optimizer_for`), and the schedule.
+    def create(cls, model: torch.nn.Module, settings: Any, *, schedule: str = "1f1b", length: int,
+               device: Any = "cpu", pad_token_id: int = 0, hooks: Any = None) -> PipelineRun:
+        """This process's stage of `model` (rank r of the default process group is stage r), moved to
+        `device`, and the schedule over `settings.gradient_accumulation_steps` micro-batches of
+        `settings.micro_batch_size` × `length` tokens. The other stages' modules are dropped with `model`.
 
         Raises:
-            ValueError: an unknown schedule, 1F1B with fewer micro-batches than stages, or a lever the stages do
-                not run (the step in backward, the offloads, the chunked loss).
+            ValueError: an unknown schedule, or a model that is not of the Llama layout.
         """
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        from fulltune.runtime.optim import optimizer_for
-
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
-        refused = [name for name in (*UNSUPPORTED_LEVERS, "chunked_loss") if getattr(settings, name)]
-        if refused:
-            raise ValueError(f"pipeline stages do not run {', '.join(refused)}")
         rank, world = dist.get_rank(), dist.get_world_size()
-        stage = build_stage(model, rank, world)
-        stage.mixed_precision = settings.mixed_precision
-        optimizer = optimizer_for(stage, settings, lr=lr, max_grad_norm=max_grad_norm)
+        stage = build_stage(model, rank, world).to(device)
+        stage.mixed_precision, stage.chunked = settings.mixed_precision, settings.chunked_loss
         # The shapes crossing each boundary are known from the plan: given up front, the schedule needs no
         # metadata pass (an extra forward and backward of micro-batch 0 before the first step).
-        b, s, h = settings.micro_batch_size, settings.seq_len, int(model.config.hidden_size)
+        b, h = settings.micro_batch_size, int(model.config.hidden_size)
         dtype = next(stage.parameters()).dtype  # the residual stream's: fp32 under autocast, bf16 with bf16 weights
-        stream = torch.empty((b, s, h), dtype=dtype, device="meta", requires_grad=True)
-        tokens = torch.empty((b, s), dtype=torch.long, device="meta")
+        stream = torch.empty((b, length, h), dtype=dtype, device="meta", requires_grad=True)
+        tokens = torch.empty((b, length), dtype=torch.long, device="meta")
         pipeline_stage = PipelineStage(stage, rank, world, torch.device(device),
                                        input_args=tokens if stage.first else stream, output_args=stream)
-        run = cls(stage, optimizer, None, rank, world, num_micro_batches, max_grad_norm, (b, s))
+        M = settings.gradient_accumulation_steps
+        run = cls(stage, None, M, length, pad_token_id, hooks)
         kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
         # Every stage gets the loss function: without one a schedule runs forward only. It is called on the last.
         # The loss is already normalised by the step's target tokens: no second division by the micro-batches.
-        run.schedule = kind(pipeline_stage, n_microbatches=num_micro_batches, loss_fn=run._loss, scale_grads=False)
+        run.schedule = kind(pipeline_stage, n_microbatches=M, loss_fn=run._loss, scale_grads=False)
         return run
 
-    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.stage.loss_sum(hidden, labels) / self.step_targets
+    def _loss(self, hidden: torch.Tensor, shifted: torch.Tensor) -> torch.Tensor:
+        loss_sum = self.stage.loss_sum(hidden, shifted)
+        if self.hooks is not None:
+            loss_sum = self.hooks.on_loss(self.step, loss_sum)
+        self.step_loss += loss_sum.detach()
+        return loss_sum / self.step_targets
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
-             position_ids: torch.Tensor | None = None) -> float | None:
-        """One optimizer step over the (B, s) batch: the schedule's forwards and backwards of every
-        micro-batch, the global-norm clip, the optimizer step (skipped, as the trainer skips it, when the norm is
-        not finite: every stage sees the same norm). Returns the step's loss per target token on the last stage
-        (None on the others).
+    def forward_backward(self, micro_batches: Iterable[tuple[dict[str, torch.Tensor], Targets]], step: int,
+                         step_targets: int) -> torch.Tensor:
+        """The schedule's forwards and backwards of the step's micro-batches (each `(inputs, targets)` as the
+        trainer reads them), accumulating this stage's gradients of Σ token losses / `step_targets`. Returns
+        the step's Σ token losses on every stage (the last stage's, summed over the pipeline: one all-reduce),
+        so that every stage takes the same decision on a non-finite step.
 
         Raises:
-            ValueError: the batch is not `micro_batches` micro-batches of the shape the stage was built for.
+            ValueError: not `micro_batches` micro-batches.
         """
-        rows, s = input_ids.shape
-        b, expected = self.micro_batch_shape
-        if (rows, s) != (b * self.micro_batches, expected):
-            raise ValueError(f"a step takes {self.micro_batches} micro-batches of {b} × {expected} tokens: "
-                             f"({b * self.micro_batches}, {expected}) rows; got {tuple(input_ids.shape)}")
-        if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device).expand(rows, s).contiguous()
-        # Every stage knows the step's target tokens from the labels: no communication.
-        self.step_targets = len(Targets.from_labels(labels.cpu()))
-        kwargs: dict[str, Any] = {"position_ids": position_ids}
-        if attention_mask is not None:
-            kwargs["attention_mask"] = attention_mask
-        losses: list[torch.Tensor] = []
+        import torch.distributed as dist
+
+        padded = [_padded(inputs, targets, self.length, self.pad_token_id) for inputs, targets in micro_batches]
+        if len(padded) != self.micro_batches:
+            raise ValueError(f"a step takes {self.micro_batches} micro-batches; got {len(padded)}")
+        batch = {name: torch.cat([micro[name] for micro in padded]) for name in padded[0]}
+        input_ids, shifted = batch.pop("input_ids"), batch.pop("shifted")
+        self.step, self.step_targets = step, step_targets
+        self.step_loss = torch.zeros((), device=input_ids.device)
         args = (input_ids,) if self.stage.first else ()
-        if self.stage.last:
-            self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
-        else:
-            self.schedule.step(*args, return_outputs=False, **kwargs)
-        norm = clip_grad_norm_(self.stage.parameters(), self.max_grad_norm)
-        if bool(torch.isfinite(norm)):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if not self.stage.last:
-            return None
-        return float(sum(loss.detach() for loss in losses))
+        target = {"target": shifted} if self.stage.last else {}
+        self.schedule.step(*args, **target, return_outputs=False, **batch)  # position ids (and a mask): every stage
+        step_loss = self.step_loss
+        dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
+        if self.hooks is not None:
+            for index in range(self.micro_batches):
+                self.hooks.after_micro_batch((step - 1) * self.micro_batches + index + 1)
+        return step_loss
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints and export: each stage its own tensors, under the whole model's names
+
+
+def _stage_state(stage: StageModule, optimizer: Any) -> dict[str, Any]:
+    """The stage's parameters and optimizer state keyed by the whole model's names: the optimizer's flattened
+    (`state.<name>.exp_avg`, `param_groups.<name>.lr`), so that no two stages write the same key."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_state, optimizer_state = get_state_dict(stage, optimizer,
+                                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def save_stage_state(directory: str | Path, stage: StageModule, optimizer: Any) -> None:
+    """Write every stage's parameters and optimizer state into `directory` (collective; torch.distributed.checkpoint:
+    a file per process and `.metadata`). Not atomic by itself: the trainer writes it into its temporary
+    step checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_stage_state(stage, optimizer), checkpoint_id=str(directory))
+
+
+def load_stage_state(directory: str | Path, stage: StageModule, optimizer: Any) -> None:
+    """Load this stage's part of what `save_stage_state` wrote (collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    state = _stage_state(stage, optimizer)  # creates the optimizer's states when it has none yet
+    dcp.load(state, checkpoint_id=str(directory))
+    set_state_dict(stage, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+
+def export_stage(stage: StageModule, directory: Path, tokenizer: Any = None) -> None:
+    """Write this stage's tensors as its shard of one Hugging Face checkpoint in `directory`, which every
+    process sees (collective). The main process then writes `model.safetensors.index.json` (every tensor →
+    its shard), the config and the tokenizer; no process holds more than its own stage."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shard = f"model-{rank + 1:05d}-of-{world:05d}.safetensors"
+    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in stage.state_dict().items()}
+    save_file(tensors, str(directory / shard), metadata={"format": "pt"})
+    names: list[Any] = [None] * world
+    dist.all_gather_object(names, (shard, {name: t.numel() * t.element_size() for name, t in tensors.items()}))
+    if rank == 0:
+        weight_map = {name: file for file, sizes in names for name in sizes}
+        total = sum(size for _, sizes in names for size in sizes.values())
+        (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
+                                                        "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+        stage.config.save_pretrained(directory)
+        if stage.generation_config is not None:
+            stage.generation_config.save_pretrained(directory)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
+    dist.barrier()
+
+
+def save_pretrained(stage: StageModule, directory: Path, tokenizer: Any = None) -> None:
+    """`export_stage` into a temporary directory that becomes `directory` whole or not at all (collective):
+    the main process names it, every stage writes its shard, the main process publishes it."""
+    import torch.distributed as dist
+
+    from fulltune.storage import atomic_dir
+
+    where: list[Any] = [None]
+    if dist.get_rank() == 0:
+        with atomic_dir(directory) as tmp:
+            where[0] = str(tmp)
+            dist.broadcast_object_list(where, src=0)
+            export_stage(stage, tmp, tokenizer)
+    else:
+        dist.broadcast_object_list(where, src=0)
+        export_stage(stage, Path(where[0]), tokenizer)
+    dist.barrier()  # published before any process reports the model

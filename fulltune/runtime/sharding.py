@@ -22,7 +22,10 @@ same loop runs under `torchrun` on CPU and CUDA and gradients stay sharded while
     norm = clip_grad_norm_(model, 1.0)            # global norm over all shards, a plain tensor
     save_sharded_state(ckpt / SHARDED_STATE_DIR, model, optimizer)    # collective, each rank its shard
     load_sharded_state(ckpt / SHARDED_STATE_DIR, model, optimizer)    # collective
-    save_pretrained(model, out_dir, tokenizer)    # collective; rank 0 writes a normal HF checkpoint
+    save_pretrained(model, out_dir, tokenizer)    # collective; rank 0 writes a normal HF checkpoint, file by file
+
+Exporting: `save_pretrained` streams too: one safetensors file's tensors at a time are gathered and written,
+so rank 0 holds at most `EXPORT_SHARD_BYTES` of gathered weights (or the largest tensor), never the model.
 
 Loading: `load_sharded_model` never materialises the whole model in a process (a 70B model is 280 GB
 of fp32 weights: loading it whole in each of 8 processes on one host needs 2.2 TB of host RAM). Every
@@ -474,41 +477,74 @@ def save_sharded_checkpoint(directory: str | Path, model: Any, optimizer: Any,
     _barrier()
 
 
-def full_state_dict(model: Any) -> dict[str, Any]:
-    """The whole model's state dict gathered on rank 0 as plain CPU tensors; `{}` on the other ranks.
-
-    Collective: every process must call it. On an unsharded model it is the CPU state dict.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    model = _unwrap(model)
-    if not is_sharded(model):
-        return {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+# The most gathered weights rank 0 holds at once while exporting: one safetensors file's worth (a tensor
+# larger than this is a file of its own). transformers' own max_shard_size convention names the files.
+EXPORT_SHARD_BYTES = 2 * 2**30
 
 
-def save_pretrained(model: Any, directory: str | Path, tokenizer: Any = None) -> None:
+def save_pretrained(model: Any, directory: str | Path, tokenizer: Any = None,
+                    max_shard_bytes: int = EXPORT_SHARD_BYTES) -> None:
     """Write a normal Hugging Face checkpoint of a sharded (or plain) `model` to `directory` (collective).
 
-    The full weights are gathered on rank 0 (CPU, fp32 as trained), which writes safetensors, config
-    (`architectures` without the FSDP prefix: transformers strips it) and the tokenizer into a temporary
-    directory renamed into place: `AutoModelForCausalLM.from_pretrained(directory)` loads it in one
-    process like any single-process result. Rank 0 needs CPU memory for the whole model.
+    Streamed from the sharded state, file by file: the tensors of one safetensors file (at most
+    `max_shard_bytes`, split as `huggingface_hub.split_torch_state_dict_into_shards` splits a state dict) are
+    gathered (`DTensor.full_tensor`, every process), rank 0 writes them and every process frees them before the
+    next file's, so no process holds the whole model in host RAM: rank 0's peak is one file's tensors. A model
+    within one file is `model.safetensors`, more is `model-0000k-of-0000n.safetensors` with its index, as
+    `save_pretrained(max_shard_size=...)` writes them. Rank 0 writes the config (`architectures` without the
+    FSDP class prefix), the generation config and the tokenizer into a temporary directory renamed into place:
+    `AutoModelForCausalLM.from_pretrained(directory)` loads it in one process like any single-process result.
     """
     from fulltune.storage import atomic_dir
 
-    state_dict = full_state_dict(model)
-    # A tied output embedding is the input embedding's parameter under another name; the gathered copy is
-    # a separate tensor, so transformers would write it twice. Keep the name a single process writes.
     unwrapped = _unwrap(model)
+    # A tied output embedding is the input embedding's parameter under another name: written once, under the
+    # name a single process writes.
     kept = {name for name, _ in unwrapped.named_parameters()}
-    for name, _ in unwrapped.named_parameters(remove_duplicate=False):
-        if name not in kept:
-            state_dict.pop(name, None)
-    if _is_main():
-        with atomic_dir(directory) as tmp:
-            _unwrap(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
+    tied = {name for name, _ in unwrapped.named_parameters(remove_duplicate=False)} - kept
+    state = {name: tensor for name, tensor in unwrapped.state_dict().items() if name not in tied}
+    if not _is_main():
+        _write_tensor_files(state, None, max_shard_bytes)
+        _barrier()
+        return
+    with atomic_dir(directory) as tmp:
+        _write_tensor_files(state, Path(tmp), max_shard_bytes)
+        config = unwrapped.config
+        config.architectures = [type(unwrapped).__name__.removeprefix("FSDP")]
+        config.save_pretrained(tmp)
+        if unwrapped.can_generate() and getattr(unwrapped, "generation_config", None) is not None:
+            unwrapped.generation_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
     _barrier()
+
+
+def _write_tensor_files(state: dict[str, Any], directory: Path | None, max_shard_bytes: int) -> None:
+    """Gather each file's tensors in turn (collective) and, where `directory` is given, write them there."""
+    import torch
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    # Split by the global shapes (meta tensors: no storage, so none is taken for a shared one).
+    split = split_torch_state_dict_into_shards(
+        {name: torch.empty(tensor.shape, dtype=tensor.dtype, device="meta") for name, tensor in state.items()},
+        max_shard_size=max_shard_bytes)
+    for filename, names in split.filename_to_tensors.items():
+        if directory is None:  # another process: its part of each gather, kept no longer than the gather
+            for name in names:
+                _full(state[name])
+            continue
+        tensors = {name: _full(state[name]).detach().to("cpu").contiguous() for name in names}
+        save_file(tensors, str(directory / filename), metadata={"format": "pt"})
+        del tensors
+    if directory is not None and split.is_sharded:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": split.tensor_to_filename}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+def _full(tensor: Any) -> Any:
+    """The whole tensor: a DTensor's shards gathered from every process (collective), a plain tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from fulltune.runtime import sharding
+from fulltune.runtime import pipeline_parallel, sharding
 from fulltune.runtime.faults import TrainHooks
 from fulltune.runtime.loss import TargetHead, Targets
 
@@ -124,6 +124,8 @@ class OptimizerStep:
             norm = wrapper.clip_grad_norm_(self.max_grad_norm)
         elif sharding.is_sharded(self.model):
             norm = sharding.clip_grad_norm_(self.model, self.max_grad_norm)
+        elif pipeline_parallel.is_stage(self.model):  # one norm over every stage's gradients
+            norm = pipeline_parallel.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         else:
             norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.grad_norm = torch.as_tensor(norm if norm is not None else 0.0, device=self.accelerator.device)
@@ -151,6 +153,7 @@ class StepParts:
     optimizer_in_backward: bool = False
     hooks: TrainHooks = field(default_factory=TrainHooks)
     before_micro_batch: Callable[[], None] | None = None  # the memory trace resets its tracker's module stats
+    pipeline: Any = None  # pipeline_parallel.PipelineRun: its schedule runs the step's micro-batches
 
     @classmethod
     def assemble(cls, accelerator: Any, model: torch.nn.Module, head: TargetHead, optimizer: Any, plan: Any,
@@ -185,8 +188,21 @@ def run_step(parts: StepParts, micro_batches: Iterable[MicroBatch], step: int, s
 
     The loss is normalised by `step_targets`, the target tokens of the whole optimizer step (all micro-batches,
     all processes), which every process knows from the data without communicating. `first_micro_batch` is the
-    index of the first micro-batch given (the memory trace runs only a step's last ones).
+    index of the first micro-batch given (the memory trace runs only a step's last ones). With pipeline stages
+    (`parts.pipeline`) the schedule runs the micro-batches in place of the loop; the clip and step are the same.
     """
+    if parts.pipeline is not None:
+        step_loss = parts.pipeline.forward_backward(micro_batches, step, step_targets)
+    else:
+        step_loss = _accumulate(parts, micro_batches, step, step_targets, first_micro_batch)
+    stepped, grad_norm = parts.step_optimizer(step_loss, step)
+    return StepOutcome(step_loss, step_targets, stepped, grad_norm)
+
+
+def _accumulate(parts: StepParts, micro_batches: Iterable[MicroBatch], step: int, step_targets: int,
+                first_micro_batch: int) -> torch.Tensor:
+    """Forward and backward each micro-batch, accumulating the gradients; the step's Σ token losses, summed
+    over the processes."""
     accelerator, model, in_backward = parts.accelerator, parts.model, parts.in_backward
     accumulation, processes = parts.gradient_accumulation_steps, accelerator.num_processes
     # Accelerate's prepared model autocasts inside its forward; without Accelerate the step does it here.
@@ -220,8 +236,7 @@ def run_step(parts: StepParts, micro_batches: Iterable[MicroBatch], step: int, s
         parts.hooks.after_micro_batch((step - 1) * accumulation + index + 1)
     if processes > 1:
         step_loss = accelerator.reduce(step_loss, reduction="sum")  # the same decision on every process
-    stepped, grad_norm = parts.step_optimizer(step_loss, step)
-    return StepOutcome(step_loss, step_targets, stepped, grad_norm)
+    return step_loss
 
 
 @contextlib.contextmanager

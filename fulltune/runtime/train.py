@@ -31,7 +31,6 @@ every `log_every_steps`, and checkpoints.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import os
@@ -56,12 +55,14 @@ from fulltune.memory import flops
 from fulltune.runtime import sharding
 from fulltune.data.batching import StepSchedule, TokenizedRows, micro_batch_inputs
 from fulltune.data import pad_token_id_of
-from fulltune.errors import ConfigError, DataError, TrainingError, UserError
+from fulltune.errors import ConfigError, DataError, TrainingError, UserError, disk_full
 from fulltune.runtime.faults import TrainHooks, hooks_from_env
 from fulltune.storage import atomic_dir, atomic_write_text, fsync_dir, fsync_tree
 from fulltune.runtime.loss import TargetHead
 from fulltune.runtime import allocator
 from fulltune.runtime.offload import ActivationOffload
+from fulltune.runtime import pipeline_parallel
+from fulltune.runtime.pipeline_parallel import PipelineRun
 from fulltune.runtime.step import OptimizerStep, StepOutcome, StepParts, run_step
 from fulltune.logs import quiet_known_noise
 from fulltune.runtime.launch import (ERROR_FILE, LAUNCHER_ENV, MODEL_DIR, OOM_FILE, PROGRESS_FILE, RESULT_FILE, TrainJob,
@@ -189,6 +190,7 @@ class TrainingRun:
     checkpointed_layers: int
     num_layers: int
     flops: flops.FlopCoefficients  # of the model, for MFU (fulltune/memory/flops.py)
+    pipeline: PipelineRun | None = None  # this process's pipeline stage and its schedule (pipeline_parallel > 1)
 
     @property
     def processes(self) -> int:
@@ -206,7 +208,8 @@ class TrainingRun:
         """What the one training step (fulltune/runtime/step.py) runs on."""
         plan = self.job.plan
         return StepParts(self.accelerator, self.model, self.head, self.optimizer, self.step_optimizer,
-                         plan.gradient_accumulation_steps, plan.optimizer_in_backward, self.hooks)
+                         plan.gradient_accumulation_steps, plan.optimizer_in_backward, self.hooks,
+                         pipeline=self.pipeline)
 
     @property
     def main_process(self) -> bool:
@@ -243,6 +246,12 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
     tokenizer = load_job_tokenizer(job)
     model, use_cache, (checkpointed, head), coefficients = load_model_with_levers(job)
     model_layers = model.config.num_hidden_layers
+    hooks = hooks or TrainHooks()
+    pipeline = None
+    if job.distributed.pipeline_parallel > 1:  # this process keeps its stage only (fulltune/runtime/pipeline_parallel.py)
+        pipeline = pipeline_stage(job, model, head, int(data.lengths.max()), accelerator.device,
+                                  pad_token_id_of(tokenizer), hooks)
+        model = pipeline.stage
     optimizer = build_optimizer(job, model)
     scheduler = build_scheduler(job, optimizer, total_steps)
     if job.train.compile:
@@ -252,7 +261,29 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
     return TrainingRun(job, accelerator, data, schedule, total_steps, tokenizer, pad_token_id_of(tokenizer), model,
                        head, optimizer, scheduler, OptimizerStep(accelerator, model, optimizer, scheduler,
                                                                  job.train.max_grad_norm),
-                       hooks or TrainHooks(), use_cache, checkpointed, model_layers, coefficients)
+                       hooks, use_cache, checkpointed, model_layers, coefficients, pipeline)
+
+
+def pipeline_stage(job: TrainJob, model: torch.nn.Module, head: TargetHead, length: int, device: Any,
+                   pad_token_id: int, hooks: TrainHooks) -> PipelineRun:
+    """This process's stage of `model` and the job's schedule over the plan's micro-batches, every one padded
+    to `length` tokens (the longest row: the schedule's buffers have one shape). The stage computes its loss
+    itself, so the model's loss head is removed.
+
+    Raises:
+        ConfigError: the model cannot be split (fewer layers than stages, a tied head, not the Llama layout),
+            or torch.compile was asked for.
+    """
+    distributed = job.distributed
+    pipeline_parallel.check_model_config(model.config, distributed.pipeline_parallel)
+    if job.train.compile:
+        raise ConfigError("train.compile: pipeline stages are not compiled (yet); set compile to false")
+    head.remove()
+    try:
+        return PipelineRun.create(model, job.plan, schedule=distributed.pipeline_schedule, length=length,
+                                  device=device, pad_token_id=pad_token_id, hooks=hooks)
+    except ValueError as exc:
+        raise ConfigError(f"{pipeline_parallel.FIELD}: {exc}") from None
 
 
 def setup_data(job: TrainJob, processes: int) -> tuple[TokenizedRows, StepSchedule, int]:
@@ -351,8 +382,9 @@ def build_scheduler(job: TrainJob, optimizer: Any, total_steps: int) -> Any:
 def prepare(job: TrainJob, accelerator: Accelerator, model: torch.nn.Module, optimizer: Any,
             scheduler: Any) -> tuple[torch.nn.Module, Any, Any]:
     """accelerate's prepare, minus what the levers and FSDP2 keep to themselves."""
-    if sharding.is_sharded(model):
-        return model, optimizer, accelerator.prepare(scheduler)  # model and optimizer stay FSDP2's (see setup)
+    if sharding.is_sharded(model) or job.distributed.pipeline_parallel > 1:
+        # FSDP2's model and optimizer, or a pipeline stage's, stay out of prepare (see setup).
+        return model, optimizer, accelerator.prepare(scheduler)
     if job.plan.offload_optimizer:
         # Device placement would round-trip the state dict through the device, fp32 masters included.
         model, scheduler = accelerator.prepare(model, scheduler)
@@ -498,6 +530,8 @@ def resume(run: TrainingRun) -> tuple[TrainState, dict[str, Any], int | None]:
     accelerator.load_state(str(checkpoint))
     if sharding.is_sharded(run.model):
         sharding.load_sharded_state(checkpoint / sharding.SHARDED_STATE_DIR, run.model, run.optimizer)
+    if run.pipeline is not None:
+        pipeline_parallel.load_stage_state(checkpoint / pipeline_parallel.STAGE_STATE_DIR, run.model, run.optimizer)
     saved = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
     state = TrainState(**{f.name: saved.pop(f.name) for f in fields(TrainState)})
     if state.total_steps != run.total_steps:
@@ -527,6 +561,8 @@ def save_checkpoint(run: TrainingRun, state: TrainState, counters: dict[str, Any
         accelerator.save_state(str(tmp))
         if sharding.is_sharded(run.model):  # FSDP2 outside prepare: each process writes its shards (fulltune/runtime/sharding.py)
             sharding.save_sharded_state(tmp / sharding.SHARDED_STATE_DIR, run.model, run.optimizer)
+        if run.pipeline is not None:  # each stage writes its parameters and optimizer state
+            pipeline_parallel.save_stage_state(tmp / pipeline_parallel.STAGE_STATE_DIR, run.model, run.optimizer)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             (tmp / TRAINER_STATE_FILE).write_text(json.dumps({**asdict(state), **counters}))
@@ -535,7 +571,7 @@ def save_checkpoint(run: TrainingRun, state: TrainState, counters: dict[str, Any
             fsync_tree(tmp)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back; the older checkpoints stand
-        if _disk_full(exc):
+        if disk_full(exc):
             older = latest_checkpoint(root)
             raise TrainingError(
                 f"{root}: the disk filled up while writing checkpoint step-{state.step} "
@@ -551,19 +587,6 @@ def save_checkpoint(run: TrainingRun, state: TrainState, counters: dict[str, Any
         for old in steps[:-run.job.train.keep_checkpoints]:
             shutil.rmtree(root / f"step-{old}", ignore_errors=True)
     accelerator.wait_for_everyone()
-
-
-def _disk_full(exc: BaseException) -> bool:
-    """Whether a write failed for want of space: OSError ENOSPC/EDQUOT, or the same wrapped by torch's
-    or safetensors' writers, which raise RuntimeError / SafetensorError with the OS message inside."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if any(text in str(seen) for text in ("No space left on device", "StorageFull", "Disk quota exceeded")):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -709,6 +732,10 @@ class TrainMetrics:
 def export_model(run: TrainingRun) -> Path:
     """output_dir/model/, whole or not at all: gathered on every process (FSDP / tensor-parallel shards), written by one."""
     accelerator, model, model_dir = run.accelerator, run.model, run.output_dir / MODEL_DIR
+    if run.pipeline is not None:  # one Hugging Face checkpoint, a shard per stage
+        model.config.use_cache = run.use_cache
+        pipeline_parallel.save_pretrained(model, model_dir, run.tokenizer)
+        return model_dir
     if sharding.is_sharded(model):
         model.config.use_cache = run.use_cache
         sharding.save_pretrained(model, model_dir, run.tokenizer)  # gathered on rank 0, a normal HF checkpoint
@@ -788,9 +815,11 @@ def announce(run: TrainingRun, resumed_from: int | None) -> None:
     if not run.main_process:
         return
     job = run.job
+    stages = job.distributed.pipeline_parallel
+    pipeline = f" × {stages} pipeline stages ({job.distributed.pipeline_schedule})" if stages > 1 else ""
     print(f"fulltune train: {len(run.data)} rows, {run.schedule.per_epoch} optimizer steps per epoch, "
           f"{run.total_steps} steps of {job.plan.micro_batch_size} micro × {job.plan.gradient_accumulation_steps} "
-          f"accumulation × {run.processes} processes; gradient checkpointing {run.checkpointed_layers}/"
+          f"accumulation × {run.processes} processes{pipeline}; gradient checkpointing {run.checkpointed_layers}/"
           f"{run.num_layers} layers; {job.plan.optimizer}; precision {job.plan.mixed_precision}; "
           f"{f'resumed from step {resumed_from}' if resumed_from is not None else 'from the start'}",
           file=sys.stderr, flush=True)

@@ -18,7 +18,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fulltune import hub, levers
 from fulltune.evaluation import harness
@@ -85,6 +85,7 @@ def _absolute_paths(spec: PipelineSpec, base: Path) -> PipelineSpec:
     """Make local file references absolute so stages do not depend on the current directory; hub ids
     stay as they are (fulltune/hub.py tells them apart: after this, a reference is local iff absolute)."""
     from fulltune.data import SUFFIX_BUILDERS
+    from fulltune.data.sources import map_references
 
     def local(value: str | None, data: bool = False, always: bool = False) -> str | None:
         if value is None:
@@ -97,7 +98,8 @@ def _absolute_paths(spec: PipelineSpec, base: Path) -> PipelineSpec:
             return str(base / candidate)
         return value
 
-    data = spec.data.model_copy(update={"train": local(spec.data.train, True), "eval": local(spec.data.eval, True)})
+    data = spec.data.model_copy(update={split: map_references(getattr(spec.data, split), lambda v: local(v, True))
+                                        for split in ("train", "eval")})
     model_updates: dict[str, Any] = {}
     if spec.model.name_or_path is not None:
         model_updates["name_or_path"] = local(spec.model.name_or_path)
@@ -199,14 +201,24 @@ def tokenize_key(p: ResolvedPipeline) -> str:
     field = "model.tokenizer" if spec.model.tokenizer is not None else "model.name_or_path"
     return hash_json({
         "stage": TOKENIZE, "code": code_version(*STAGE_CODE[TOKENIZE]), "workdir": p.workdir,
-        "data": spec.data.model_dump(mode="json"),
-        "train": _source_key(p, spec.data.train, "data.train", "dataset"),
-        "eval": _source_key(p, spec.data.eval, "data.eval", "dataset"),
+        "data": spec.data.model_dump(mode="json", exclude={"num_workers"}),  # the output is the same for any
+        **{split: _data_key(p, split) for split in ("train", "eval")},
         "tokenizer": tokenizer if not isinstance(tokenizer, str)
         else _source_key(p, tokenizer, field, revision=tokenizer_revision(spec.model)),
         "seed": spec.train.seed,
         "packing_choice": _packing_choice_key(p) if spec.data.packing == "auto" else None,
     })
+
+
+def _data_key(p: ResolvedPipeline, split: Literal["train", "eval"]) -> Any:
+    """What the tokenize key sees of data.train or data.eval: `_source_key` of the reference, or of each
+    source in a list."""
+    from fulltune.data.sources import sources
+
+    value = getattr(p.spec.data, split)
+    if not isinstance(value, list):
+        return _source_key(p, value, f"data.{split}", "dataset")
+    return [_source_key(p, s.reference, s.what, "dataset") for s in sources(p.spec.data, split)]
 
 
 def _packing_choice_key(p: ResolvedPipeline) -> dict[str, Any]:
@@ -242,13 +254,15 @@ def budget_key(p: ResolvedPipeline, train_fingerprint: str) -> str:
         "model": spec.model.model_dump(mode="json"), "model_source": _model_source(p),
         "budget": spec.budget.model_dump(mode="json"), "train": spec.train.model_dump(mode="json"),
         "distributed": spec.distributed.model_dump(mode="json"),
+        "evaluation": asdict(evaluation_request(spec)),  # the evaluate stage is planned here too
         "resolved": asdict(resolved_budget(p)),
-        # Step times measured on this kind of device rerank the candidates (fulltune/planning/autotune.py).
+        # The kind of device (its name and count), and the step times measured on it, which rerank the
+        # candidates and whose measurements a tuning chooses from (fulltune/planning/autotune.py).
         "step_time_calibration": _calibration_key(p, resolved_budget(p).device),
     })
 
 
-def _calibration_key(p: ResolvedPipeline, device: str) -> dict[str, float]:
+def _calibration_key(p: ResolvedPipeline, device: str) -> dict[str, Any]:
     from fulltune.planning.autotune import calibration_key
 
     return calibration_key(p.workdir, device)
@@ -267,12 +281,17 @@ def train_key(p: ResolvedPipeline, train_fingerprint: str, settings: Settings | 
     })[:24]
 
 
-def evaluate_key(p: ResolvedPipeline, trained_key: str, data_fingerprint: str, champion_version: str | None) -> str:
-    """`data_fingerprint` is the whole one (TokenizedData.fingerprint): it covers the held-out data."""
+def evaluate_key(p: ResolvedPipeline, trained_key: str, data_fingerprint: str, champion_version: str | None,
+                 evaluation: dict[str, Any] | None = None) -> str:
+    """`data_fingerprint` is the whole one (TokenizedData.fingerprint): it covers the held-out data;
+    `evaluation` the plan's evaluate stage: its dtype and batches decide the metrics, not its byte counts."""
     return hash_json({
+        "evaluation": {name: evaluation[name] for name in ("dtype", "loss_batch", "generation_batch", "harness_batch")}
+        if evaluation else None,
         "stage": EVALUATE, "code": code_version(*STAGE_CODE[EVALUATE]), "train": trained_key,
         "data": data_fingerprint,
-        "evaluate": p.spec.evaluate.model_dump(mode="json"), "champion": champion_version,
+        # how long a metric function may run does not change what it computes
+        "evaluate": p.spec.evaluate.model_dump(mode="json", exclude={"metric_timeout"}), "champion": champion_version,
         # version numbers count per registered model: two pipelines sharing a workdir may both have a "3"
         "champion_of": p.model_name,
         # the content of the lm_eval task files, their data and the metric functions' modules
@@ -387,7 +406,11 @@ def check_positions(p: ResolvedPipeline, config: Any) -> None:
 def check_model_split(p: ResolvedPipeline, config: Any) -> None:
     """Refuse a `distributed.tensor_parallel` that does not split the model's attention heads, key/value heads
     or MLP width evenly (`degrees.ParallelDims`), naming the field, before anything trains. With auto the
-    planner tries only the degrees that split them."""
+    planner tries only the degrees that split them. Pipeline stages need a decoder layer each and an untied head
+    (`runtime.pipeline_parallel.check_model_config`)."""
+    from fulltune.runtime import pipeline_parallel
+
+    pipeline_parallel.check_model_config(config, p.spec.distributed.pipeline_parallel, f"pipelines.{p.name}.")
     p.spec.distributed.dims.check_split(config, f"pipelines.{p.name}.")
 
 
@@ -397,7 +420,8 @@ def _split_problems(p: ResolvedPipeline) -> list[str]:
     from fulltune.models import read_model_config
 
     model = p.spec.model
-    if p.spec.distributed.dims.tp in (None, 1) or (model.from_config is None and is_hub(model.name_or_path)):
+    dims = p.spec.distributed.dims
+    if (dims.tp in (None, 1) and dims.pp == 1) or (model.from_config is None and is_hub(model.name_or_path)):
         return []
     try:
         check_model_split(p, read_model_config(model))
@@ -523,6 +547,8 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         strategy=d.strategy,
         num_processes=d.num_processes,
         tensor_parallel=d.dims.tp,  # None (auto): the planner chooses
+        pipeline_parallel=d.pipeline_parallel,
+        pipeline_schedule=d.pipeline_schedule,
         bf16_supported=budget.bf16_supported,
         # Packed rows restart position_ids, so transformers builds a block mask per layer; unpacked rows
         # are right-padded and the trainer passes no mask at all (see fulltune/runtime/train.py).
@@ -531,7 +557,20 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         **{lever: None if getattr(t, lever) == "auto" else bool(getattr(t, lever)) for lever in LEVERS},
         host_memory_bytes=budget.host_bytes,
         num_machines=d.num_machines,
+        evaluation=evaluation_request(p.spec),
+        host_memory_assumed=budget.host_assumed,
     )
+
+
+def evaluation_request(spec: PipelineSpec) -> Any:
+    """The evaluate stage as `evaluate.*` configures it, for the plan (memory/evaluation.py)."""
+    from fulltune.memory.evaluation import EvalRequest
+
+    e = spec.evaluate
+    return EvalRequest(batch_size=e.batch_size, max_new_tokens=e.max_new_tokens,
+                       generate=e.max_generate_examples > 0 and spec.data.format == "prompt_completion",
+                       harness_batch_size=(e.lm_eval.batch_size or e.batch_size) if e.lm_eval else None,
+                       precision=e.precision)
 
 
 def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
@@ -653,12 +692,11 @@ def ensure_local_data(p: ResolvedPipeline, check_hub: bool = False) -> None:
 
 def _references(p: ResolvedPipeline) -> list[tuple[str, str, str, str | None]]:
     """(YAML field, reference, kind, hub revision) of every file or repository the pipeline reads."""
+    from fulltune.data.sources import sources
     from fulltune.data.tokenizer import tokenizer_revision
 
     m, d = p.spec.model, p.spec.data
-    refs = [("data.train", d.train, "data", None)]
-    if d.eval is not None:
-        refs.append(("data.eval", d.eval, "data", None))
+    refs = [(s.what, s.reference, "data", None) for split in ("train", "eval") for s in sources(d, split)]
     if m.name_or_path is not None:
         refs.append(("model.name_or_path", m.name_or_path, "model", m.revision))
     if isinstance(m.from_config, str):

@@ -244,38 +244,63 @@ def _joined(reasons: Iterable[str]) -> str:
 
 def _check(gate: PromoteIf, candidate: dict[str, float], champion: dict[str, float] | None,
            base: dict[str, float] | None, require_better_than_base: bool) -> GateCheck:
+    """One condition. A value that is missing or not finite on either side fails it: NaN compares False
+    with everything, so without this a NaN reference would let any regression through a guard."""
     metric, mode = gate.metric, gate.mode
     value = candidate.get(metric)
-    if value is None or not math.isfinite(value):
-        return GateCheck(metric, False, f"{metric} of the new model is missing or not finite")
+    if not _usable(value):
+        return GateCheck(metric, False, f"{metric} of the new model is {_unusable(value)}")
 
     def better(a: float, b: float, delta: float) -> bool:
         return (a <= b - delta if mode == "min" else a >= b + delta) and a != b
 
     if gate.max_regression is not None:
-        against, reference = ("the champion's", (champion or {}).get(metric)) if champion is not None else \
-            ("the base model's", (base or {}).get(metric))
-        if reference is None:
-            return GateCheck(metric, True, f"{metric} {value:.4g}: nothing to hold it against")
-        regression = (value - reference) if mode == "min" else (reference - value)
-        if regression > gate.max_regression:
-            return GateCheck(metric, False, f"{metric} {value:.4g} regresses from {against} {reference:.4g} by "
-                                            f"{regression:.4g}, more than max_regression {gate.max_regression}")
-        return GateCheck(metric, True, f"{metric} {value:.4g} within max_regression {gate.max_regression} of "
-                                       f"{against} {reference:.4g}")
-    if require_better_than_base and base and base.get(metric) is not None:
-        if not better(value, base[metric], 0.0):
-            return GateCheck(metric, False, f"{metric} {value:.4g} does not beat the base model ({base[metric]:.4g})")
+        return _guard(gate, value, champion, base)
+    if require_better_than_base and base is not None:
+        reference = base.get(metric)
+        if not _usable(reference):
+            return GateCheck(metric, False, f"{metric} {value:.4g}: the base model's {metric} is "
+                                            f"{_unusable(reference)}, so it cannot be shown to beat it")
+        if not better(value, reference, 0.0):
+            return GateCheck(metric, False, f"{metric} {value:.4g} does not beat the base model ({reference:.4g})")
     if champion is None:
         return GateCheck(metric, True, "no champion yet")
     reference = champion.get(metric)
-    if reference is None:
-        return GateCheck(metric, True, f"the champion has no {metric} on this data")
+    if not _usable(reference):
+        return GateCheck(metric, False, f"{metric} {value:.4g}: the champion's {metric} is {_unusable(reference)}, "
+                                        "so it cannot be shown to beat it")
     if better(value, reference, gate.min_delta):
         return GateCheck(metric, True, f"{metric} {value:.4g} beats the champion's {reference:.4g} "
                                        f"(min_delta {gate.min_delta})")
     return GateCheck(metric, False, f"{metric} {value:.4g} does not beat the champion's {reference:.4g} by "
                                     f"{gate.min_delta}")
+
+
+def _guard(gate: PromoteIf, value: float, champion: dict[str, float] | None,
+           base: dict[str, float] | None) -> GateCheck:
+    """A `max_regression` condition: held against the champion, or the base model while there is none."""
+    metric, limit = gate.metric, gate.max_regression
+    against, scores = ("the champion's", champion) if champion is not None else ("the base model's", base)
+    if scores is None:
+        return GateCheck(metric, True, f"{metric} {value:.4g}: nothing to hold it against")
+    reference = scores.get(metric)
+    if not _usable(reference):
+        return GateCheck(metric, False, f"{metric} {value:.4g}: {against} {metric} is {_unusable(reference)}, so "
+                                        f"a regression within max_regression {limit} cannot be shown")
+    regression = (value - reference) if gate.mode == "min" else (reference - value)
+    if regression > limit:
+        return GateCheck(metric, False, f"{metric} {value:.4g} regresses from {against} {reference:.4g} by "
+                                        f"{regression:.4g}, more than max_regression {limit}")
+    return GateCheck(metric, True, f"{metric} {value:.4g} within max_regression {limit} of {against} "
+                                   f"{reference:.4g}")
+
+
+def _usable(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def _unusable(value: float | None) -> str:
+    return "missing" if value is None else f"not finite ({value})"
 
 
 def promotion_decision(register: RegisterSpec, report: EvalReport) -> GateDecision:
@@ -483,12 +508,13 @@ def describe_version(spec: PipelineSpec, pipeline: str, *, base_model: str, mode
     the evaluation of base, fine-tuned and champion side by side, and the gate's decision."""
     import json as json_module
 
+    from fulltune.data.sources import describe
     from fulltune.stages import describe_settings
 
     source = f"`{spec.model.name_or_path}`" if spec.model.name_or_path else "a new model from `model.from_config`"
     if spec.model.revision and spec.model.name_or_path:
         source += f" @ {spec.model.revision[:12]}"
-    held_out = (f"`{spec.data.eval}`" if spec.data.eval else
+    held_out = (f"`{describe(spec.data.eval)}`" if spec.data.eval else
                 f"{spec.data.eval_split:.0%} of the training examples held out (seed {spec.train.seed})")
     try:
         layers = int(json_module.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])
@@ -498,7 +524,7 @@ def describe_version(spec: PipelineSpec, pipeline: str, *, base_model: str, mode
     trained = f"{steps} optimizer steps" + (f", final train loss {train_metrics['train_loss']:.4f}"
                                             if "train_loss" in train_metrics else "")
     lines = [
-        f"Pipeline `{pipeline}`: {source} fully fine-tuned on `{spec.data.train}` (format {data.format}, "
+        f"Pipeline `{pipeline}`: {source} fully fine-tuned on `{describe(spec.data.train)}` (format {data.format}, "
         f"{data.num_train_examples} examples, {data.train_label_tokens} target tokens per epoch"
         f"{', packed' if data.packing else ''}; data fingerprint {data.fingerprint[:12]}).",
         "",

@@ -1,0 +1,89 @@
+"""The sources of `data.train` and `data.eval`: one reference, or a list of them with per-source options.
+
+A list item is a reference (file, directory, hub id) or a mapping `{path, weight, split, format,
+<field>_field}`; what a mapping leaves out comes from the pipeline's `data.` options, so a chat source and a
+prompt/completion source mix in one run. Each `Source` carries the `DataSpec` it is formatted with (the
+pipeline's options with the item's overrides, `train` set to the item's reference), so the code that
+formats one source (fulltune/data/formats.py) needs no notion of lists, and the YAML path (`what`) that
+every message about it names: `data.train` for a single reference, `data.train[2]` for a list item.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from fulltune.errors import DataError
+from fulltune.spec import DataSpec, EvalSource
+
+OVERRIDES = ("format", "text_field", "prompt_field", "completion_field", "messages_field")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One source of a split: where its records are, how they are formatted, and how often they count."""
+
+    what: str  # the YAML path in messages: data.train, data.train[2]
+    reference: str  # a local path or a hub id (with `:split`)
+    data: DataSpec  # the options this source is formatted with; data.train is `reference`
+    weight: float = 1.0
+
+
+def sources(data: DataSpec, split: Literal["train", "eval"]) -> list[Source]:
+    """The sources of `data.train` or `data.eval` (none when data.eval is absent), in list order.
+
+    Raises DataError when a list item names a `split` of a local file or directory (only a hub dataset
+    has splits).
+    """
+    value = getattr(data, split)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [Source(f"data.{split}", value, data.model_copy(update={"train": value, "eval": None}))]
+    return [_item_source(data, item, f"data.{split}[{n}]") for n, item in enumerate(value)]
+
+
+def _item_source(data: DataSpec, item: EvalSource, what: str) -> Source:
+    reference = item.path
+    if item.split is not None:
+        if Path(item.path).expanduser().exists():
+            raise DataError(f"{what}.split: {item.path} is a local file or directory; only a hub dataset has "
+                            "splits — remove split or point path at a hub dataset")
+        reference = f"{item.path}:{item.split}"
+    overrides = {name: getattr(item, name) for name in OVERRIDES if getattr(item, name) is not None}
+    spec = data.model_copy(update={"train": reference, "eval": None, **overrides})
+    return Source(what, reference, spec, float(getattr(item, "weight", 1.0)))
+
+
+def is_single(value: Any) -> bool:
+    """Whether a `data.train`/`data.eval` value is one reference (absent counts as one: nothing to mix)."""
+    return not isinstance(value, list)
+
+
+def option_path(what: str, option: str) -> str:
+    """The YAML path of a formatting option as it applies to source `what`: `data.messages_field` for
+    the single source, `data.train[2].messages_field` for a list item (which may set it there)."""
+    return f"{what}.{option}" if what.endswith("]") else f"data.{option}"
+
+
+def map_references(value: Any, function: Callable[[str], str]) -> Any:
+    """`value` (a reference, a list of sources, or None) with every reference replaced by `function(it)`."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return function(value)
+    return [item.model_copy(update={"path": function(item.path)}) for item in value]
+
+
+def describe(value: Any) -> str:
+    """A `data.train`/`data.eval` value for people: the reference, or the list with weights other than 1."""
+    if isinstance(value, str):
+        return value
+    parts = []
+    for item in value:
+        weight = getattr(item, "weight", 1.0)
+        name = item.path + (f":{item.split}" if item.split else "")
+        parts.append(name if weight == 1 else f"{name} (weight {weight:g})")
+    return ", ".join(parts)

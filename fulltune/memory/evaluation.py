@@ -1,0 +1,257 @@
+"""The evaluate stage inside the budget: its weights in the trained precision, its batches fitted like training's
+micro-batch, layer offload where one device cannot hold the weights.
+
+The evaluate stage loads one candidate at a time (base, fine-tuned, champion), each freed before the next, and
+runs three phases on it one after another: the held-out loss, greedy generation for exact match, the
+lm-evaluation-harness tasks. Its device peak is the weights plus the largest phase, or on CPU the load when
+that is larger (the checkpoint's pages beside weights cast to another dtype, as `process.py` measures for the
+training process). Each phase's batch is the largest, up to the configured one, that fits beside the weights
+(`plan_evaluation`); the evaluate stage runs the batches the plan chose (fulltune/evaluation/evaluate.py).
+
+The weights take the precision the run trained in (`eval_dtype`): bf16 when it trained under bf16 autocast or
+pure bf16 (the precision its forward computed in), fp32 only when it trained in fp32 or
+`evaluate.precision: fp32` asks for it. Pure arithmetic: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from fulltune.memory.shapes import ModelShape
+from fulltune.memory.types import MemoryPlan, PlanRequest, Settings
+from fulltune.memory.units import format_bytes
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """The evaluate stage as `evaluate.*` configures it: the batches are upper bounds the plan may lower.
+
+    `seq_len` is the longest eval row (data.max_length; 0: the training rows' length); `generate` whether exact
+    match generates (`evaluate.max_generate_examples` > 0 on prompt/completion data); `harness_batch_size` the
+    lm-evaluation-harness batch (None: no harness tasks), scored on requests of up to `harness_seq_len` tokens
+    (0: `seq_len`); `precision` `trained` or `fp32`.
+    """
+
+    batch_size: int = 8
+    seq_len: int = 0
+    max_new_tokens: int = 32
+    generate: bool = True
+    harness_batch_size: int | None = None
+    harness_seq_len: int = 0
+    precision: str = "trained"
+
+
+@dataclass(frozen=True)
+class EvalMemory:
+    """Device tensor bytes of evaluating one model, by phase. Only one phase runs at a time, so the peak is
+    the weights plus the largest phase; `load` is the loading transient (CPU: the file's pages beside a cast)."""
+
+    weights: int
+    loss: int  # one batch of the held-out loss: one layer's transient + the logits and their log-softmax
+    generation: int  # the KV cache of one generation batch + the prefill transient + last-position logits
+    harness: int  # one lm-evaluation-harness log-likelihood batch: full-vocabulary logits and their log-softmax
+    load: int = 0
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.load, self.weights + max(self.loss, self.generation, self.harness))
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "peak_bytes": self.peak_bytes}
+
+
+def eval_dtype(settings: Settings, precision: str = "trained") -> str:
+    """The dtype the evaluate stage loads every candidate in: the one the run's forward computed in."""
+    if precision == "fp32":
+        return "fp32"
+    if settings.pure_bf16:
+        return "bf16"
+    if settings.mixed_precision == "fp16" and settings.device == "cpu":
+        return "fp32"  # Accelerate does not autocast fp16 on CPU: the run computed in fp32
+    return settings.mixed_precision if settings.mixed_precision in ("bf16", "fp16") else "fp32"
+
+
+def exported_bytes(settings: Settings) -> int:
+    """Bytes per parameter of the fine-tuned checkpoint: the training weights' dtype (bf16 under pure bf16)."""
+    return 2 if settings.pure_bf16 else 4
+
+
+def eval_memory(shape: ModelShape, *, weight_bytes: int, batches: tuple[int, int, int], seq_len: int,
+                max_new_tokens: int = 0, harness_seq_len: int = 0, attn_implementation: str = "sdpa") -> EvalMemory:
+    """Analytic device tensors of evaluating one model of `shape` in `weight_bytes` per parameter.
+
+    `batches` are the (loss, generation, harness) batches; a 0 skips that phase. Generation holds a KV cache of
+    `seq_len + max_new_tokens` positions per row. Activations have the weights' width; logits are fp32.
+    Inference keeps no activations for backward, so a forward's transient is one layer's: the residual stream
+    and its normed copy, q/k/v and the attention output, the MLP's intermediate tensors, and with eager
+    attention the (heads × s × s) scores and their softmax.
+    """
+    act = weight_bytes
+
+    def layer_transient(batch: int, positions: int) -> int:
+        kv = 2 * shape.kv_heads * shape.head_dim
+        per_position = 4 * shape.hidden + shape.heads * shape.head_dim + kv + 3 * shape.intermediate
+        scores = 2 * batch * shape.heads * positions * positions if attn_implementation == "eager" else 0
+        return (batch * positions * per_position + scores) * act
+
+    def scored(batch: int, positions: int) -> int:  # one forward's transient, its fp32 logits and log-softmax
+        return layer_transient(batch, positions) + 2 * batch * positions * shape.vocab * 4 if batch else 0
+
+    loss_batch, generation_batch, harness_batch = batches
+    generation = 0
+    if generation_batch and max_new_tokens > 0:
+        cache = 2 * shape.num_layers * generation_batch * (seq_len + max_new_tokens) * shape.kv_heads * shape.head_dim
+        # the cache of every layer, one layer's prefill transient, the last position's logits and the logits
+        # processors' fp32 copies of them
+        generation = (cache * act + layer_transient(generation_batch, seq_len)
+                      + 3 * generation_batch * shape.vocab * 4)
+    return EvalMemory(shape.num_params * weight_bytes, scored(loss_batch, seq_len), generation,
+                      scored(harness_batch, harness_seq_len or seq_len))
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """What the evaluate stage runs and what it costs: the dtype, each phase's fitted batch, the memory at
+    those batches (`device_bytes` with the runtime overhead), and where one device cannot hold the weights,
+    how many bytes of them accelerate's big-model loading keeps on the device (`max_memory`)."""
+
+    dtype: str
+    loss_batch: int
+    generation_batch: int
+    harness_batch: int | None
+    memory: EvalMemory
+    device_bytes: int
+    fits: bool
+    reason: str
+    offload_device_bytes: int | None = None  # None: every weight on the device
+    offload_host_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "loss_batch": self.loss_batch, "generation_batch": self.generation_batch,
+                "harness_batch": self.harness_batch, "memory": self.memory.as_dict(),
+                "device_bytes": self.device_bytes, "fits": self.fits, "reason": self.reason,
+                "offload": None if self.offload_device_bytes is None else {
+                    "device_bytes": self.offload_device_bytes, "host_bytes": self.offload_host_bytes}}
+
+
+def runtime_overhead(device: str, tensors: int) -> int:
+    """The device memory beside the tensors: the CUDA context and allocator slack, or the CPU process itself
+    (the training process's measured constants: the evaluate stage imports the same libraries)."""
+    from fulltune.memory.estimate import CPU_ALLOCATOR_SLACK, CPU_PROCESS_BYTES, CUDA_ALLOCATOR_SLACK, \
+        CUDA_CONTEXT_BYTES
+
+    if device == "cuda":
+        return int(CUDA_CONTEXT_BYTES + CUDA_ALLOCATOR_SLACK * tensors)
+    return int(CPU_PROCESS_BYTES + CPU_ALLOCATOR_SLACK * tensors)
+
+
+def plan_evaluation(shape: ModelShape, settings: Settings, request: EvalRequest, usable: int | None,
+                    host_budget: int | None = None, attn_implementation: str = "sdpa") -> EvalPlan:
+    """The evaluate stage of a run trained with `settings`, fitted to `usable` device bytes (None: as configured).
+
+    Each phase's batch is the largest up to the configured one whose peak fits beside the weights (on CPU beside
+    the load's transient too). Where the weights and a batch of 1 do not fit a CUDA device, the weights are
+    layer-offloaded: the device keeps what fits beside the batch-1 phases, host RAM (`host_budget`) the rest.
+    """
+    dtype = eval_dtype(settings, request.precision)
+    width = DTYPE_BYTES[dtype]
+    seq_len = request.seq_len or settings.seq_len
+    configured = (request.batch_size, request.batch_size if request.generate else 0, request.harness_batch_size or 0)
+
+    def memory(batches: tuple[int, int, int]) -> EvalMemory:
+        m = eval_memory(shape, weight_bytes=width, batches=batches, seq_len=seq_len,
+                        max_new_tokens=request.max_new_tokens, harness_seq_len=request.harness_seq_len,
+                        attn_implementation=attn_implementation)
+        return replace(m, load=_load_bytes(shape, settings, width))
+
+    def total(m: EvalMemory) -> int:
+        return m.peak_bytes + runtime_overhead(settings.device, m.peak_bytes)
+
+    def plan(batches: tuple[int, int, int], fits: bool, reason: str, **offload: int) -> EvalPlan:
+        m = memory(batches)
+        return EvalPlan(dtype, batches[0], batches[1], batches[2] or None, m, total(m), fits, reason, **offload)
+
+    if usable is None:
+        return plan(configured, True, f"evaluation in {dtype}: no budget, the configured batches")
+    fitted = tuple(_largest(lambda b, i=i: total(memory(_only(configured, i, b))) <= usable, n)
+                   for i, n in enumerate(configured))
+    if all(b or not n for b, n in zip(fitted, configured)):
+        lowered = [f"{name} {b} (of {n})" for name, b, n in zip(("loss", "generation", "harness"), fitted, configured)
+                   if b < n]
+        return plan(fitted, True, f"evaluation in {dtype}: " + (
+            "batches lowered to fit: " + ", ".join(lowered) if lowered else "the configured batches fit"))
+    smallest = tuple(min(1, n) for n in configured)
+    return _offloaded(plan, memory(smallest), smallest, settings, usable, host_budget, total)
+
+
+def _offloaded(plan: Any, m: EvalMemory, smallest: tuple[int, int, int], settings: Settings, usable: int,
+               host_budget: int | None, total: Any) -> EvalPlan:
+    """Batch 1 with the weights that do not fit the device in host RAM (accelerate's `device_map="auto"`)."""
+    need = format_bytes(total(m))
+    if settings.device != "cuda":
+        return plan(smallest, False, f"evaluation needs {need} with batch 1 ({format_bytes(m.weights)} of weights), "
+                                     f"over the usable {format_bytes(usable)}; a CPU device has no memory to "
+                                     "offload its weights to")
+    beside = total(replace(m, weights=0, load=0))
+    # The most weight bytes the device holds beside batch 1's phases, its runtime overhead included.
+    on_device = _largest(lambda w: total(replace(m, weights=w, load=0)) <= usable, m.weights)
+    on_host = m.weights - on_device
+    if on_device <= 0 or (host_budget is not None and on_host > host_budget):
+        host = "" if host_budget is None else f", host RAM {format_bytes(host_budget)} (budget.host_memory)"
+        return plan(smallest, False, f"evaluation does not fit even layer-offloaded: batch 1 needs "
+                                     f"{format_bytes(beside)} of the usable {format_bytes(usable)} beside the weights, "
+                                     f"{format_bytes(on_host)} of weights left for the host{host}")
+    offloaded = plan(smallest, True, f"evaluation layer-offloaded with accelerate's big-model loading: "
+                                     f"{format_bytes(on_device)} of the {format_bytes(m.weights)} weights on the "
+                                     f"device, {format_bytes(on_host)} in host RAM, batch 1 (the weights and a batch "
+                                     f"do not fit one device: {need})",
+                     offload_device_bytes=on_device, offload_host_bytes=on_host)
+    return replace(offloaded, device_bytes=total(replace(m, weights=on_device, load=0)))  # its share of the weights
+
+
+def _load_bytes(shape: ModelShape, settings: Settings, width: int) -> int:
+    """On CPU, loading holds the checkpoint's touched pages beside weights cast to another dtype: the larger of
+    the base checkpoint's and the fine-tuned export's. On a GPU the host reads, the device holds the weights."""
+    if settings.device != "cpu":
+        return 0
+    return max(shape.num_params * (stored + (width if stored != width else 0))
+               for stored in (shape.stored_bytes, exported_bytes(settings)))
+
+
+def _only(configured: tuple[int, int, int], index: int, batch: int) -> tuple[int, int, int]:
+    """The batches with phase `index` at `batch` and the others off: each phase runs alone."""
+    return tuple(batch if i == index else 0 for i in range(len(configured)))  # type: ignore[return-value]
+
+
+def _largest(fits: Any, upper: int) -> int:
+    """The largest n in 1..upper for which `fits(n)` holds (monotone), or 0."""
+    low, high = 0, upper
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def with_evaluation(shape: ModelShape, request: PlanRequest, host_budget: int | None, plan: MemoryPlan) -> MemoryPlan:
+    """`plan` with the evaluate stage of its settings as one more phase, and part of `fits`: a run whose
+    evaluation cannot fit is refused before it trains, with the evaluation's breakdown. `host_budget` is the
+    host RAM an offloaded evaluation may use. Nothing changes without `request.evaluation`."""
+    from fulltune.memory.process import EVALUATION
+
+    if request.evaluation is None:
+        return plan
+    evaluation = plan_evaluation(shape, plan.settings, request.evaluation, plan.usable_bytes, host_budget,
+                                 request.attn_implementation)
+    estimate = replace(plan.plan_estimate, phases={**plan.plan_estimate.phases, EVALUATION: evaluation.device_bytes})
+    reasons = plan.reasons + (evaluation.reason,)
+    if plan.fits and not evaluation.fits:
+        reasons += (f"training fits, but its evaluate stage does not: {evaluation.reason}; lower evaluate.batch_size "
+                    "or data.max_length, or give the budget more memory",)
+    return replace(plan, plan_estimate=estimate, fits=plan.fits and evaluation.fits, reasons=reasons,
+                   evaluation=evaluation.to_dict())
