@@ -118,7 +118,7 @@ def host_parameter_rows() -> list[str]:
                               budget_bytes=budget, attention_mask=False, strategy="auto", host_memory_bytes=host)
         plan = plan_memory(shape, request)
         tokens = 64 * 4096 / plan.estimated_step_seconds
-        lines.append(f"{row(name, plan)} {plan.settings.strategy} | {tokens:.0f} |")
+        lines.append(f"{row(name, plan, shape)} {plan.settings.strategy} | {tokens:.0f} |")
     return lines
 
 
@@ -152,9 +152,9 @@ def main() -> None:
     print()
     print("One GPU, distributed.strategy auto, seq 4096 packed, effective batch 64 (predictions)")
     print()
-    print("| model / GPU | plan fits | chosen | device (expected) | host RAM | step (predicted) | strategy | "
-          "tokens/s (predicted) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model / GPU | plan fits | chosen | device (expected) | host RAM | export host | evaluation | "
+          "step (predicted) | strategy | tokens/s (predicted) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for line in host_parameter_rows():
         print(line, flush=True)
 
