@@ -115,7 +115,8 @@ def host_parameter_rows() -> list[str]:
         shape = transformers.LlamaConfig(hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
                                          num_attention_heads=heads, num_key_value_heads=kv, vocab_size=128256)
         request = PlanRequest(effective_batch_size=64, seq_len=4096, device="cuda", bf16_supported=True,
-                              budget_bytes=budget, attention_mask=False, strategy="auto", host_memory_bytes=host)
+                              budget_bytes=budget, attention_mask=False, strategy="auto", host_memory_bytes=host,
+                              evaluation=EVALUATION)
         plan = plan_memory(shape, request)
         tokens = 64 * 4096 / plan.estimated_step_seconds
         lines.append(f"{row(name, plan, shape)} {plan.settings.strategy} | {tokens:.0f} |")
