@@ -93,7 +93,7 @@ def evaluation_plan(budget: str | None) -> dict[str, Any]:
 
 def _child(job_file: str) -> int:
     """Evaluate both candidates as the evaluate stage does; print one JSON line of the peak RSS."""
-    from process_memory import _hwm, _rss
+    from benchmarks.process_memory import _hwm, _rss
 
     peak = [0]
     stop = threading.Event()
