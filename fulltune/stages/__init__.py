@@ -43,7 +43,8 @@ STAGE_CODE = {
                     "levers.py", "degrees.py", "storage.py", "hub.py"),
     # An out-of-memory replan plans with the planner and the stages' planning inputs.
     FINE_TUNE: ("stages/finetune.py", "stages/__init__.py", "runtime", "planning/replan.py", "planning/planner.py",
-                "planning/trace.py", "memory", "data", "models.py", "levers.py", "degrees.py", "hub.py", "storage.py"),
+                "planning/strategy.py", "planning/trace.py", "memory", "data", "models.py", "levers.py", "degrees.py",
+                "hub.py", "storage.py"),
     EVALUATE: ("evaluation", "runtime/loss.py", "data", "models.py", "hub.py", "tracking/registry.py"),
     REGISTER: ("tracking/registry.py", "evaluation/evaluate.py"),
 }
