@@ -45,13 +45,6 @@ def prefect_server():
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest files first, each file's own order kept: `make test`'s two workers take a file at a time, and
-    the long files started first leave the short ones to fill in at the end. `file_seconds.json` holds each
-    file's seconds on a 2-core machine, roughly (a file missing from it runs last); it decides only the order."""
-    import json
-
-    seconds = json.loads((Path(__file__).parent / "file_seconds.json").read_text())
-    items.sort(key=lambda item: -seconds.get(item.path.name, 0))
     import torch
 
     if torch.cuda.is_available():
