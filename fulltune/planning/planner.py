@@ -815,6 +815,19 @@ def _change_reasons(shape: ModelShape, configured: Settings, chosen: _Candidate,
     return out
 
 
+def best_by(candidates: list[_Candidate], key: Any, usable: int) -> dict[Any, _Candidate]:
+    """Each `key(candidate)`'s best candidate: the fastest that fits, else the smallest."""
+    def rank(c: _Candidate) -> tuple[bool, float]:
+        fits = _fits(c, usable)
+        return not fits, c.seconds if fits else c.planned_bytes
+
+    best: dict[Any, _Candidate] = {}
+    for c in candidates:
+        if key(c) not in best or rank(c) < rank(best[key(c)]):
+            best[key(c)] = c
+    return best
+
+
 def _tensor_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates: list[_Candidate],
                              chosen: _Candidate, usable: int) -> list[str]:
     """With `tensor_parallel` auto: the degree chosen, what it costs, and each other degree's best candidate
@@ -823,15 +836,7 @@ def _tensor_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates
         return []
     from fulltune.memory.tensor_parallel import collectives
 
-    def rank(c: _Candidate) -> tuple[bool, float]:  # the fastest that fits, else the smallest
-        fits = _fits(c, usable)
-        return not fits, c.seconds if fits else c.planned_bytes
-
-    best: dict[int, _Candidate] = {}
-    for c in candidates:
-        degree = c.settings.tensor_parallel
-        if degree not in best or rank(c) < rank(best[degree]):
-            best[degree] = c
+    best = best_by(candidates, lambda c: c.settings.tensor_parallel, usable)
     s = chosen.settings
     T = s.tensor_parallel
     if T > 1:

@@ -51,19 +51,11 @@ def strategy_reasons(shape: ModelShape, request: PlanRequest, candidates: list[_
                      usable: int) -> list[str]:
     """With strategy auto: the strategy chosen and each other one's best candidate; where the parameters live
     in host RAM, that line with its device and host bytes, what `none` needs and the step-time terms."""
-    from fulltune.planning.planner import _fits
+    from fulltune.planning.planner import _fits, best_by
 
     if request.strategy != "auto":
         return []
-    def rank(c: _Candidate) -> tuple[bool, float]:  # the fastest that fits, else the smallest
-        fits = _fits(c, usable)
-        return not fits, c.seconds if fits else c.planned_bytes
-
-    best: dict[str, _Candidate] = {}
-    for c in candidates:
-        key = c.settings.strategy
-        if key not in best or rank(c) < rank(best[key]):
-            best[key] = c
+    best = best_by(candidates, lambda c: c.settings.strategy, usable)
     s = chosen.settings
     others = []
     for name, c in best.items():
