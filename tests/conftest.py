@@ -62,3 +62,20 @@ def _isolated_mlflow_environment():
     yield
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
         os.environ.pop(name, None)
+
+
+@pytest.fixture
+def shared_run(tmp_path_factory):
+    """`shared_run(**sections)`: a started `runs.SharedRun` of the tiny pipeline, trained once per session
+    (across pytest-xdist workers); `.finish()` gives its directory. Released at teardown whatever happens."""
+    from runs import SharedRun
+
+    started = []
+
+    def start(**sections):
+        started.append(SharedRun(tmp_path_factory, **sections).start())
+        return started[-1]
+
+    yield start
+    for run in started:
+        run.close()

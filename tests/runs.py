@@ -13,6 +13,20 @@ from pathlib import Path
 
 from conftest import ROOT
 
+# The runs several files compare with (`SharedRun`): 8 rows per optimizer step however they are split — one
+# process × micro 2 × accumulation 4, or two data-parallel processes × micro 2 × accumulation 2; the step
+# schedule (which rows make step N) is the same for all. Clipping is out of reach (stepping in backward clips
+# each parameter on its own, the others the global norm: only unclipped runs are the same update) and the
+# loss is logged every step.
+ONE = {"effective_batch_size": 8, "micro_batch_size": 2, "gradient_accumulation_steps": 4, "max_steps": 6,
+       "checkpoint_every_steps": 2, "keep_checkpoints": 3, "max_grad_norm": 1.0e6, "log_every_steps": 1,
+       "chunked_loss": False, "optimizer_in_backward": False}
+FSDP = {**ONE, "gradient_accumulation_steps": 2}
+SHARDED = {"strategy": "fsdp", "num_processes": 2}
+# One process under `strategy: auto` (which keeps `none` on CPU), and FSDP over two processes.
+ONE_PROCESS = {"train": ONE, "distributed": {"strategy": "auto"}}
+TWO_SHARDS = {"train": FSDP, "distributed": SHARDED}
+
 
 def fulltune_run(pipelines: Path, log: Path, **env: str) -> subprocess.Popen:
     """`fulltune run tiny` as a terminal starts it: a process group of its own, output into `log`."""
@@ -60,6 +74,24 @@ def kill_run(run: subprocess.Popen, timeout_s: float = 60) -> list:
     return alive
 
 
+def kill_at_checkpoint(pipelines: Path, log: Path, micro_step: int, step: int = 2, timeout_s: float = 600) -> None:
+    """Run `pipelines`, stalled at micro-batch `micro_step` (the first of the step after checkpoint `step`);
+    once checkpoint `step` is published, SIGKILL the whole process group and check that no trainer outlives
+    it. The test then reruns the same command."""
+    run = fulltune_run(pipelines, log, FULLTUNE_TEST_FAULT=f"stall_micro_step:{micro_step}")
+    wait_for_checkpoint(run, pipelines.parent / "work", log, step=step, timeout_s=timeout_s)
+    alive = kill_run(run, timeout_s=60)
+    assert not alive, alive
+
+
+def assert_same_weights(got: dict, want: dict) -> None:
+    """Two exported models hold the same tensors, bit for bit."""
+    import torch
+
+    assert got.keys() == want.keys()
+    assert [name for name in want if not torch.equal(got[name], want[name])] == []
+
+
 def saved_model(workdir: Path) -> dict:
     """The tensors of the run's exported model."""
     from safetensors.torch import load_file
@@ -72,3 +104,86 @@ def loss_history(workdir: Path) -> list[float]:
     """The run's mean token loss per optimizer step (result.json)."""
     (result,) = workdir.glob("runs/*/result.json")
     return [loss for _, loss in json.loads(result.read_text())["loss_history"]]
+
+
+class SharedRun:
+    """A `fulltune run` that several tests compare against, trained once per test session however many
+    test files (and pytest-xdist workers) ask for it.
+
+    The tiny pipeline of `sections` runs in `<session temp>/shared-runs/<hash of sections>/`. A file lock
+    there lets one worker train it while the others wait for it instead of training a copy of their own; a
+    `done` file marks a run that succeeded (one that failed is tried again by the next test that asks). The
+    lock is released the moment the run ends, by a thread watching it, so two workers each waiting for the
+    other's run cannot deadlock. `start` returns at once, so a test starts its own runs beside it; `finish`
+    waits for it and returns its directory (read-only to tests).
+    """
+
+    def __init__(self, tmp_path_factory, **sections) -> None:
+        import hashlib
+
+        from filelock import FileLock
+
+        base = tmp_path_factory.getbasetemp()
+        root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # shared by the workers of a session
+        digest = hashlib.sha256(json.dumps(sections, sort_keys=True).encode()).hexdigest()[:16]
+        self.directory = root / "shared-runs" / digest
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.sections = sections
+        self.lock = FileLock(str(self.directory) + ".lock", thread_local=False)
+        self.watcher = None
+
+    @property
+    def done(self) -> Path:
+        return self.directory / "done"
+
+    def start(self) -> SharedRun:
+        from filelock import Timeout
+
+        if self.done.exists():
+            return self
+        try:
+            self.lock.acquire(timeout=0)
+        except Timeout:  # another worker trains it; `finish` waits for that one
+            return self
+        self._start_holding_the_lock()
+        return self
+
+    def _start_holding_the_lock(self) -> None:
+        import shutil
+        import threading
+
+        from pipelines_fixture import tiny_pipeline
+
+        if self.done.exists():
+            self.lock.release()
+            return
+        for stale in ("work", "run.log"):
+            path = self.directory / stale
+            if path.is_dir():
+                shutil.rmtree(path)
+        run = fulltune_run(tiny_pipeline(self.directory, **self.sections), self.directory / "run.log")
+
+        def watch() -> None:
+            try:
+                if run.wait(timeout=900) == 0:
+                    self.done.write_text("")
+            finally:
+                self.lock.release()
+
+        self.watcher = threading.Thread(target=watch, daemon=True)
+        self.watcher.start()
+
+    def finish(self) -> Path:
+        if self.watcher is None and not self.done.exists():
+            self.lock.acquire(timeout=1800)  # released when the worker training it sees its run end
+            self._start_holding_the_lock()
+        self.close()
+        log = self.directory / "run.log"
+        assert self.done.exists(), log.read_text()[-4000:] if log.exists() else log
+        return self.directory
+
+    def close(self) -> None:
+        """Wait for the run this test started, if any (at teardown too: a failed test leaves none behind)."""
+        if self.watcher is not None:
+            self.watcher.join()
+            self.watcher = None

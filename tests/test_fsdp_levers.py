@@ -2,10 +2,11 @@
 `chunked_loss` and `optimizer_in_backward` train like the same FSDP run without them, and a run stepping in
 backward that is killed after a checkpoint resumes with its optimizer states.
 
-Three runs at once, 8 rows per optimizer step each: FSDP without levers (micro 2 × accumulation 2), with the
-chunked head (the same split), and stepping in backward (micro 4, accumulation 1: the lever takes one
-micro-batch). Clipping is set out of reach: stepping in backward clips each parameter on its own, the others
-the global norm, so only an unclipped run is the same update. fp32, so only the order of floating-point sums
+Three runs, 8 rows per optimizer step each: FSDP without levers (micro 2 × accumulation 2: the `SharedRun`
+`runs.TWO_SHARDS`, which test_fsdp_run compares with too), with the chunked head (the same split), and stepping
+in backward (micro 4, accumulation 1: the lever takes one micro-batch). Clipping is out of reach: stepping in
+backward clips each parameter on its own, the others the global norm, so only an unclipped run is the same
+update. fp32, so only the order of floating-point sums
 differs: measured at most 8e-8 relative on the losses; asserted at 1e-5. Lost optimizer states on resume
 (Adam's moments restarted) would move the losses by percents.
 """
@@ -17,22 +18,20 @@ from pathlib import Path
 import pytest
 
 from pipelines_fixture import tiny_pipeline
-from runs import finish, fulltune_run, kill_run, loss_history, wait_for_checkpoint
-from test_fsdp_run import FSDP, SHARDED
+from runs import FSDP, SHARDED, TWO_SHARDS, finish, fulltune_run, kill_run, loss_history, wait_for_checkpoint
 
 pytestmark = pytest.mark.slow
 
-UNCLIPPED = {**FSDP, "max_grad_norm": 1.0e6, "chunked_loss": False, "optimizer_in_backward": False,
-             "log_every_steps": 1}
 RUNS = {
-    "plain": UNCLIPPED,
-    "chunked_loss": {**UNCLIPPED, "chunked_loss": True},
-    "optimizer_in_backward": {**UNCLIPPED, "optimizer_in_backward": True, "micro_batch_size": 4,
+    "chunked_loss": {**FSDP, "chunked_loss": True},
+    "optimizer_in_backward": {**FSDP, "optimizer_in_backward": True, "micro_batch_size": 4,
                               "gradient_accumulation_steps": 1},
 }
 
 
-def test_chunked_loss_and_optimizer_in_backward_under_fsdp_train_like_fsdp_without_them(tmp_path: Path) -> None:
+def test_chunked_loss_and_optimizer_in_backward_under_fsdp_train_like_fsdp_without_them(tmp_path: Path,
+                                                                                        shared_run) -> None:
+    without_levers = shared_run(**TWO_SHARDS)
     runs, logs = {}, {}
     for name, train in RUNS.items():
         (tmp_path / name).mkdir()
@@ -52,7 +51,7 @@ def test_chunked_loss_and_optimizer_in_backward_under_fsdp_train_like_fsdp_witho
     for name, output in outputs.items():
         assert "registered tiny-model version 1" in output, (name, output[-4000:])
 
-    plain = loss_history(tmp_path / "plain" / "work")
+    plain = loss_history(without_levers.finish() / "work")
     assert len(plain) == FSDP["max_steps"] and plain[-1] < plain[0]
     for name in ("chunked_loss", "optimizer_in_backward"):
         losses = loss_history(tmp_path / name / "work")

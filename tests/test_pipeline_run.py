@@ -98,7 +98,7 @@ def test_two_stages_train_like_one_process_resume_bit_exact_after_a_kill_and_exp
     import torch
     from transformers import AutoModelForCausalLM
 
-    from runs import finish, fulltune_run, kill_run, loss_history, saved_model, wait_for_checkpoint
+    from runs import assert_same_weights, finish, fulltune_run, kill_at_checkpoint, loss_history, saved_model
 
     one, clean, killed = (tmp_path / name for name in ("one", "clean", "killed"))
     for directory in (one, clean, killed):
@@ -109,9 +109,7 @@ def test_two_stages_train_like_one_process_resume_bit_exact_after_a_kill_and_exp
     pipelines = tiny_pipeline(killed, model=UNTIED, train=ONE, distributed=STAGES)
     log = killed / "run.log"
     # Micro-batch 13 is the first of step 4: the run stalls there with step-2 its newest checkpoint.
-    run = fulltune_run(pipelines, log, FULLTUNE_TEST_FAULT="stall_micro_step:13")
-    wait_for_checkpoint(run, killed / "work", log, step=2)
-    assert not kill_run(run, timeout_s=60)
+    kill_at_checkpoint(pipelines, log, micro_step=13)
     (checkpoint,) = (killed / "work").glob("runs/*/checkpoints/step-2")
     assert len(list((checkpoint / "stages").glob("*.distcp"))) == 2  # each stage wrote its own state
 
@@ -123,9 +121,8 @@ def test_two_stages_train_like_one_process_resume_bit_exact_after_a_kill_and_exp
     finish(single, one / "run.log")
 
     # Killed and rerun equals uninterrupted, tensor for tensor.
-    got, want = _exported(killed / "work"), _exported(clean / "work")
-    assert got.keys() == want.keys()
-    assert [name for name in want if not torch.equal(got[name], want[name])] == []
+    want = _exported(clean / "work")
+    assert_same_weights(_exported(killed / "work"), want)
 
     # Two stages train like one process: fp32, the same micro-batches, only the padding and sum order differ.
     staged, single_losses = loss_history(clean / "work"), loss_history(one / "work")

@@ -11,26 +11,22 @@ import time
 import pytest
 
 from pipelines_fixture import tiny_pipeline
-from runs import finish, fulltune_run, kill_run, saved_model, trainers_of, wait_for_checkpoint
+from runs import ONE_PROCESS, assert_same_weights, finish, fulltune_run, kill_run, saved_model, trainers_of, \
+    wait_for_checkpoint
 
 pytestmark = pytest.mark.slow
 
-# micro 2 × accumulation 2, a checkpoint every 2 steps: the 7th micro-batch is the first of step 4, so
-# when the first run stops there, step-2 is the newest checkpoint.
-TRAIN = {"effective_batch_size": 4, "micro_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 6,
-         "checkpoint_every_steps": 2, "keep_checkpoints": 3}
 
-
-def test_killed_run_resumes_from_its_newest_checkpoint_and_matches_an_uninterrupted_run(tmp_path):
-    import torch
-
-    killed, clean = tmp_path / "killed", tmp_path / "clean"
-    killed.mkdir(), clean.mkdir()
-    pipelines = tiny_pipeline(killed, train=TRAIN)
+def test_killed_run_resumes_from_its_newest_checkpoint_and_matches_an_uninterrupted_run(tmp_path, shared_run):
+    # The shared one-process run (micro 2 × accumulation 4, a checkpoint every 2 steps) is the uninterrupted
+    # one: the 13th micro-batch is the first of step 4, so when this run stops there, step-2 is the newest.
+    uninterrupted = shared_run(**ONE_PROCESS)
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    pipelines = tiny_pipeline(killed, **ONE_PROCESS)
     log = killed / "run.log"
     started = time.monotonic()
-    uninterrupted = fulltune_run(tiny_pipeline(clean, train=TRAIN), clean / "run.log")  # alongside: saves time
-    run = fulltune_run(pipelines, log, FULLTUNE_TEST_FAULT="stall_micro_step:7")
+    run = fulltune_run(pipelines, log, FULLTUNE_TEST_FAULT="stall_micro_step:13")
     wait_for_checkpoint(run, killed / "work", log, step=2)
     assert trainers_of(run.pid), "training runs in a child process"
     # The trainer has its own session, out of reach of the kill: it ends itself with its launcher.
@@ -48,8 +44,5 @@ def test_killed_run_resumes_from_its_newest_checkpoint_and_matches_an_uninterrup
     assert json.loads(result.read_text())["resumed_from_step"] == 2
     assert "registered tiny-model version 1" in output
 
-    finish(uninterrupted, clean / "run.log")
-    got, want = saved_model(killed / "work"), saved_model(clean / "work")
-    assert got.keys() == want.keys()
-    assert [name for name in want if not torch.equal(got[name], want[name])] == []
+    assert_same_weights(saved_model(killed / "work"), saved_model(uninterrupted.finish() / "work"))
     print(f"killed after {killed_after:.0f} s; the rerun took {rerun_seconds:.0f} s")

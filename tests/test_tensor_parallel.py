@@ -16,10 +16,10 @@ import pytest
 from conftest import ROOT
 from pipelines_fixture import tiny_pipeline
 
+from runs import ONE, ONE_PROCESS
+
 # 8 rows per optimizer step however they are split: one process (or one tensor-parallel pair) × micro 2 ×
 # accumulation 4, or two data-parallel groups × micro 2 × accumulation 2.
-ONE = {"effective_batch_size": 8, "micro_batch_size": 2, "gradient_accumulation_steps": 4, "max_steps": 6,
-       "checkpoint_every_steps": 2, "keep_checkpoints": 3}
 TWO_D = {**ONE, "gradient_accumulation_steps": 2}
 TP = {"strategy": "fsdp", "num_processes": 2, "tensor_parallel": 2}
 FSDP_TP = {"strategy": "fsdp", "num_processes": 4, "tensor_parallel": 2}
@@ -61,27 +61,23 @@ def test_validate_refuses_a_tensor_parallel_degree_the_heads_do_not_split(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_tensor_parallel_and_2d_train_like_one_process_and_resume_bit_exact_after_a_kill(tmp_path: Path) -> None:
+def test_tensor_parallel_and_2d_train_like_one_process_and_resume_bit_exact_after_a_kill(tmp_path: Path,
+                                                                                      shared_run) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from runs import finish, fulltune_run, kill_run, loss_history, saved_model, wait_for_checkpoint
+    from runs import assert_same_weights, finish, fulltune_run, kill_at_checkpoint, loss_history, saved_model
 
-    one, tp, clean, killed = (tmp_path / name for name in ("one", "tp", "clean", "killed"))
-    for directory in (one, tp, clean, killed):
+    tp, clean, killed = (tmp_path / name for name in ("tp", "clean", "killed"))
+    for directory in (tp, clean, killed):
         directory.mkdir()
-    single = fulltune_run(tiny_pipeline(one, train=ONE), one / "run.log")
-    tensor_parallel = fulltune_run(tiny_pipeline(tp, train=ONE, distributed=TP), tp / "run.log")
-    finish(single, one / "run.log")
-    finish(tensor_parallel, tp / "run.log")
+    single = shared_run(**ONE_PROCESS)
+    finish(fulltune_run(tiny_pipeline(tp, train=ONE, distributed=TP), tp / "run.log"), tp / "run.log")
     uninterrupted = fulltune_run(tiny_pipeline(clean, train=TWO_D, distributed=FSDP_TP), clean / "run.log")
     pipelines = tiny_pipeline(killed, train=TWO_D, distributed=FSDP_TP)
     log = killed / "run.log"
     # The 7th micro-batch of a process is the first of step 4: step-2 is then the newest checkpoint.
-    run = fulltune_run(pipelines, log, FULLTUNE_TEST_FAULT="stall_micro_step:7")
-    wait_for_checkpoint(run, killed / "work", log, step=2, timeout_s=900)
-    alive = kill_run(run, timeout_s=60)
-    assert not alive, alive
+    kill_at_checkpoint(pipelines, log, micro_step=7, timeout_s=900)
     finish(uninterrupted, clean / "run.log")
 
     output = finish(fulltune_run(pipelines, log), log)
@@ -89,11 +85,10 @@ def test_tensor_parallel_and_2d_train_like_one_process_and_resume_bit_exact_afte
     assert "registered tiny-model version 1" in output
 
     # Killed and rerun equals uninterrupted, tensor for tensor.
-    got, want = saved_model(killed / "work"), saved_model(clean / "work")
-    assert got.keys() == want.keys()
-    assert [name for name in want if not torch.equal(got[name], want[name])] == []
+    assert_same_weights(saved_model(killed / "work"), saved_model(clean / "work"))
 
     # Tensor parallel and FSDP × TP train like one process (fp32: only the order of sums differs).
+    one = single.finish()
     reference = loss_history(one / "work")
     for workdir in (tp / "work", clean / "work"):
         losses = loss_history(workdir)
