@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flows.run_parameters import PIPELINES_FILE, check_deployment_run
 from fulltune import stages, tracking
-from fulltune.planning import autotune
+from fulltune.planning import autotune_report
 from fulltune.errors import UserError, disk_full, disk_full_error
 from fulltune.logs import quiet_known_noise
 from fulltune.tracking.summary import PipelineSummary, summarise
@@ -139,7 +139,7 @@ def finetune_pipeline(pipeline: str = "demo", overrides: Overrides | None = None
 
         with tracking.pipeline_run(p, data.fingerprint, flow_run_id, done) as mlflow_run:
             uri, run_id = mlflow_run.tracking_uri, mlflow_run.run_id
-            autotune.log_to_mlflow(run_id, decision.plan)  # the measured candidates' table and picture, when tuned
+            autotune_report.log_to_mlflow(run_id, decision.plan)  # the measured candidates' table and picture, when tuned
             key = stages.train_key(p, data.training_fingerprint, decision.settings)
             trained = run(finetune_task, stages.FINE_TUNE, key, data, tokenizer, decision, uri, run_id)
             champion = tracking.champion_to_compare(p.model_name, trained.key)
