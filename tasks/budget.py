@@ -10,6 +10,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from fulltune.data import TokenizedData
 from fulltune.stages import MEMORY_BUDGET, BudgetDecision, ResolvedPipeline, record_outputs
+# The stage's cache key, which the flow computes before it runs the task (fulltune/stages: content and code).
+from fulltune.stages import budget_key  # noqa: F401
 from tasks.common import stage_policy
 
 

@@ -128,6 +128,12 @@ def test_no_engine_import_runs_up_the_floors() -> None:
     assert [pair for pair in UP_FLOOR_ALLOWED if pair not in found] == [], "an allowed import is gone: delete its line"
 
 
+def test_the_pipeline_flow_imports_tasks_only() -> None:
+    # The flow orders the stages; their keys, the champion and the MLflow run are the tasks' (tasks/run.py).
+    flow = ROOT / "flows" / "pipeline.py"
+    assert [f"{line}: {target}" for line, target in imported_names(flow) if target.split(".")[0] == "fulltune"] == []
+
+
 def imported_names(path: Path) -> list[tuple[int, str]]:
     """(line, absolute module name) of every import statement in `path`, at any depth."""
     name = module_name(path)
