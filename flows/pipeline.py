@@ -1,14 +1,12 @@
 """The pipeline flow: tokenize → memory budget → fine-tune → evaluate → register. It only orders the stages.
 
 Each stage is an engine function (fulltune/) wrapped by a task (tasks/) that adds its cache policy,
-retries and artifacts; the MLflow run around the stages and the registry questions that decide a
-cache hit are fulltune/tracking/.
+retries and artifacts, and names its cache key; the MLflow run around the stages, the registry questions
+that decide a cache hit and what a full disk means are tasks/run.py. The flow imports tasks only.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -16,17 +14,14 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field
 
 from flows.run_parameters import PIPELINES_FILE, check_deployment_run
-from fulltune import stages, tracking
-from fulltune.planning import autotune
-from fulltune.errors import UserError, disk_full, disk_full_error
-from fulltune.logs import quiet_known_noise
-from fulltune.tracking.summary import PipelineSummary, summarise
-from tasks.budget import memory_budget_task
-from tasks.common import clear_stale_locks, results_dir, stage_policy
-from tasks.evaluate import evaluate_task
-from tasks.finetune import finetune_task
-from tasks.register import register_task
-from tasks.tokenize import tokenize_task
+from tasks.budget import budget_key, memory_budget_task
+from tasks.common import clear_stale_locks
+from tasks.evaluate import evaluate_key, evaluate_task
+from tasks.finetune import finetune_task, train_key
+from tasks.register import register_key, register_task
+from tasks.run import (PipelineSummary, a_full_disk_stops_the_run, champion_to_compare, log_tuning, pipeline_run,
+                       prepare, quiet_known_noise, registration_present, stage_task, summary)
+from tasks.tokenize import tokenize_key, tokenize_task
 
 __all__ = ["OVERRIDE_KEYS", "Overrides", "PipelineSummary", "finetune_pipeline"]
 
@@ -67,41 +62,6 @@ OVERRIDE_KEYS = {
 }
 
 
-def _stage(task: Any, p: stages.ResolvedPipeline, name: str, key: str, present: bool | None = None) -> Any:
-    """The task with results beside the outputs; a cache hit whose files are gone is refreshed."""
-    if present is None:
-        present = stages.outputs_present(p.workdir, name, key)
-    return task.with_options(cache_policy=stage_policy(name, p.workdir), result_storage=results_dir(p.workdir),
-                             refresh_cache=not present)
-
-
-# What a rerun does after a full disk stopped a stage (the stages before it are cached).
-RERUN_AFTER = {
-    stages.TOKENIZE: "it tokenizes again",
-    stages.MEMORY_BUDGET: "the tokenized data is cached; it plans again",
-    stages.FINE_TUNE: "it resumes training from the newest checkpoint",
-    stages.EVALUATE: "training is cached; it evaluates again",
-    stages.REGISTER: "training and evaluation are cached; it registers the new version (none was left half-registered)",
-}
-
-
-@contextlib.contextmanager
-def _a_full_disk_stops_the_run(workdir: str, running: dict[str, str | None]) -> Iterator[None]:
-    """A full disk anywhere in the stages (their outputs, checkpoints, the exported model, MLflow's
-    uploads and its SQLite database) ends the run with one line naming the filesystem and what a rerun
-    does (fulltune.errors.DiskFull, exit 2); the stage tasks do not retry it (tasks/common.py)."""
-    try:
-        yield
-    except UserError:
-        raise
-    except Exception as exc:
-        if not disk_full(exc):
-            raise
-        stage = running["stage"]
-        raise disk_full_error(exc, workdir, RERUN_AFTER[stage] if stage else "the stages that finished are cached") \
-            from None
-
-
 @flow(name="fulltune-pipeline", log_prints=True)
 def finetune_pipeline(pipeline: str = "demo", overrides: Overrides | None = None,
                       pipelines_file: str = PIPELINES_FILE) -> PipelineSummary:
@@ -112,48 +72,41 @@ def finetune_pipeline(pipeline: str = "demo", overrides: Overrides | None = None
     quiet_known_noise()
     logger = get_run_logger()
     changes = check_deployment_run(pipeline, overrides.dotted() if overrides else {}, pipelines_file)
-    p = stages.resolve_pipeline(pipelines_file, pipeline, changes or None)
-    stages.ensure_local_data(p)
-    stages.ensure_workdir(p)
-    # One commit for the whole run: every stage loads, and every key names, the same hub weights.
-    p = stages.with_budget(stages.pin_hub_revisions(p))  # `budget:` on this machine, resolved once per run
+    p = prepare(pipelines_file, pipeline, changes)
     for lock in clear_stale_locks(p.workdir):
         logger.warning("removed the stale lock %s of a run that no longer exists", lock.name)
     flow_run_id = str(flow_run.id or "local")
     done: dict[str, str] = {}  # each stage: "ran" or "cached"
     running: dict[str, str | None] = {"stage": None}
 
-    def run(task: Any, name: str, key: str, *args: Any, present: bool | None = None) -> Any:
-        running["stage"] = name
-        state = _stage(task, p, name, key, present)(p, key, *args, return_state=True)
+    def run(task: Any, key: str, *args: Any, present: bool | None = None) -> Any:
+        running["stage"] = task.name
+        state = stage_task(task, p, key, present)(p, key, *args, return_state=True)
         result = state.result()
-        done[name], running["stage"] = "cached" if state.name == "Cached" else "ran", None
+        done[task.name], running["stage"] = "cached" if state.name == "Cached" else "ran", None
         return result
 
-    with _a_full_disk_stops_the_run(p.workdir, running):
-        key = stages.tokenize_key(p)
-        data, tokenizer = run(tokenize_task, stages.TOKENIZE, key)
+    with a_full_disk_stops_the_run(p.workdir, running):
+        key = tokenize_key(p)
+        data, tokenizer = run(tokenize_task, key)
         # Budget and training see the training data only; evaluation and registration the held-out data too.
-        key = stages.budget_key(p, data.training_fingerprint)
-        decision = run(memory_budget_task, stages.MEMORY_BUDGET, key, data, tokenizer)
+        key = budget_key(p, data.training_fingerprint)
+        decision = run(memory_budget_task, key, data, tokenizer)
 
-        with tracking.pipeline_run(p, data.fingerprint, flow_run_id, done) as mlflow_run:
+        with pipeline_run(p, data.fingerprint, flow_run_id, done) as mlflow_run:
             uri, run_id = mlflow_run.tracking_uri, mlflow_run.run_id
-            autotune.log_to_mlflow(run_id, decision.plan)  # the measured candidates' table and picture, when tuned
-            key = stages.train_key(p, data.training_fingerprint, decision.settings)
-            trained = run(finetune_task, stages.FINE_TUNE, key, data, tokenizer, decision, uri, run_id)
-            champion = tracking.champion_to_compare(p.model_name, trained.key)
+            log_tuning(run_id, decision)  # the measured candidates' table and picture, when tuned
+            key = train_key(p, data.training_fingerprint, decision.settings)
+            trained = run(finetune_task, key, data, tokenizer, decision, uri, run_id)
+            champion = champion_to_compare(p.model_name, trained.key)
             evaluation = decision.plan.get("evaluation")  # the evaluate stage's dtype, batches and placement
-            key = stages.evaluate_key(p, trained.key, data.fingerprint, champion.version if champion else None,
-                                      evaluation)
-            report = run(evaluate_task, stages.EVALUATE, key, data, trained, champion, decision.settings.device,
-                         run_id, evaluation)
-            key = stages.register_key(p, trained.key, key, uri)
-            registration = run(register_task, stages.REGISTER, key, data, trained, report, run_id, flow_run_id,
-                               present=tracking.registration_present(p.workdir, key, trained.key))
+            key = evaluate_key(p, trained.key, data.fingerprint, champion.version if champion else None, evaluation)
+            report = run(evaluate_task, key, data, trained, champion, decision.settings.device, run_id, evaluation)
+            key = register_key(p, trained.key, key, uri)
+            registration = run(register_task, key, data, trained, report, run_id, flow_run_id,
+                               present=registration_present(p.workdir, key, trained.key))
 
-    summary = summarise(p.name, done, stages.describe_settings(decision.settings, decision.num_layers), trained,
-                        report, registration, uri, run_id)
-    for line in summary.lines():
+    result = summary(p, done, decision, (trained, report, registration), uri, run_id)
+    for line in result.lines():
         logger.info(line)
-    return summary
+    return result

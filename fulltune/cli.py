@@ -175,7 +175,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fulltune.planning.autotune import plan_and_tune
+    from fulltune.stages.budget import plan_and_tune
     from fulltune.stages import pin_hub_revisions, resolve_pipeline, with_budget
 
     p = with_budget(pin_hub_revisions(resolve_pipeline(args.file, args.name, args.overrides)))

@@ -10,6 +10,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from fulltune.data import TokenizedData
 from fulltune.stages import MEMORY_BUDGET, BudgetDecision, ResolvedPipeline, record_outputs
+# The stage's cache key, which the flow computes before it runs the task (fulltune/stages: content and code).
+from fulltune.stages import budget_key  # noqa: F401
 from tasks.common import stage_policy
 
 
@@ -17,7 +19,7 @@ from tasks.common import stage_policy
 def memory_budget_task(p: ResolvedPipeline, key: str, data: TokenizedData, tokenizer: str) -> BudgetDecision:
     """Estimate the peak for the configured settings; pick the fastest settings within the budget, measured
     on this machine when `budget.autotune` says so (fulltune/planning/autotune.py)."""
-    from fulltune.planning.autotune import plan_and_tune
+    from fulltune.stages.budget import plan_and_tune
 
     picture = Path(p.workdir) / "plans" / f"{key[:16]}.png"
     logger = get_run_logger()

@@ -11,6 +11,8 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from fulltune.data import TokenizedData
 from fulltune.stages.finetune import TrainedModel, fine_tune, training_progress
 from fulltune.stages import FINE_TUNE, BudgetDecision, ResolvedPipeline
+# The stage's cache key, which the flow computes before it runs the task (fulltune/stages: content and code).
+from fulltune.stages import train_key  # noqa: F401
 from tasks.common import retry_unless_user_error, stage_policy
 
 __all__ = ["TrainedModel", "finetune_task"]

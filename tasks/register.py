@@ -8,6 +8,8 @@ from prefect.artifacts import create_markdown_artifact
 from fulltune.data import TokenizedData
 from fulltune.evaluation.evaluate import EvalReport
 from fulltune.stages import REGISTER, ResolvedPipeline, record_outputs
+# The stage's cache key, which the flow computes before it runs the task (fulltune/stages: content and code).
+from fulltune.stages import register_key  # noqa: F401
 from fulltune.tracking.registry import Registration
 from tasks.common import stage_policy, retry_unless_user_error
 from tasks.finetune import TrainedModel

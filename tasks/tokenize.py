@@ -7,6 +7,8 @@ from prefect.artifacts import create_table_artifact
 
 from fulltune.data import TokenizedData
 from fulltune.stages import TOKENIZE, ResolvedPipeline
+# The stage's cache key, which the flow computes before it runs the task (fulltune/stages: content and code).
+from fulltune.stages import tokenize_key  # noqa: F401
 from fulltune.stages.tokenize import summary_row, tokenize
 from tasks.common import retry_unless_user_error, stage_policy
 

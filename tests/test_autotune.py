@@ -84,17 +84,18 @@ def test_a_candidate_out_of_memory_is_recorded_and_the_analytic_plan_stands(tmp_
 def tiny(tmp_path):
     """The tiny pipeline, tokenized, with its budget decision (no tuning yet)."""
     from fulltune.planning import autotune
+    from fulltune.stages import budget as budget_stage
     from fulltune.stages import resolve_pipeline
 
     path = tiny_pipeline(tmp_path, data={"packing": False}, budget={"autotune": {"candidates": 3, "steps": 2}})
     p = resolve_pipeline(str(path), "tiny")
-    data, tokenizer = autotune.tokenized(p)
-    decision = autotune.plan_and_tune(p, data, tokenizer, force=False)
+    data, tokenizer = budget_stage.tokenized(p)
+    decision = budget_stage.plan_and_tune(p, data, tokenizer, force=False)
     return p, data, tokenizer, decision
 
 
 def test_the_fastest_candidate_within_the_budget_is_chosen_and_failures_are_recorded(tiny, monkeypatch):
-    from fulltune.planning import autotune
+    from fulltune.planning import autotune, autotune_report
 
     p, data, tokenizer, decision = tiny
     usable = decision.plan["usable_bytes"]
@@ -108,7 +109,7 @@ def test_the_fastest_candidate_within_the_budget_is_chosen_and_failures_are_reco
     assert tuning.chosen == 0
     # measured candidates are kept, a failure is measured again next time
     assert len(list((Path(p.workdir) / "autotune" / "measurements").glob("*.json"))) == 2
-    assert "no such kernel" in autotune.format_table(tuning)
+    assert "no such kernel" in autotune_report.format_table(tuning)
 
 
 def test_the_tuning_stops_at_max_seconds(tiny, monkeypatch):
@@ -153,13 +154,13 @@ def test_time_a_candidate_does_not_use_flows_to_the_next_and_none_gets_less_than
 
 
 def test_durations_and_throughput_read_as_measured(tiny, monkeypatch):
-    from fulltune.planning import autotune
+    from fulltune.planning import autotune, autotune_report
 
     p, data, tokenizer, decision = tiny
     monkeypatch.setattr(autotune, "measure", lambda *args: pytest.fail("no candidate may start"))
     tuning = autotune.tune(p, decision, data, tokenizer,
                            replace(autotune.options(p.spec.budget.autotune), max_seconds=0.5))
-    table = autotune.format_table(tuning)
+    table = autotune_report.format_table(tuning)
     assert "of at most 0.5 s" in table and "the tuning's 0.5 s were spent" in table, table
     # tokens/s is the median step's tokens over the median step's time, like the step time beside it
     assert autotune.throughput([100, 100, 400], [1.0, 1.0, 10.0]) == 100.0
@@ -235,30 +236,33 @@ def test_a_bad_autotune_mapping_names_its_field(tmp_path, capsys):
 @pytest.mark.parametrize("packing", [True, False])
 def test_an_explicit_packing_is_obeyed(tmp_path, packing):
     from fulltune.planning import autotune
+    from fulltune.stages import budget as budget_stage
     from fulltune.stages import resolve_pipeline
 
     p = resolve_pipeline(str(tiny_pipeline(tmp_path, data={"packing": packing})), "tiny")
-    assert autotune.tokenized(p)[0].packing is packing
+    assert budget_stage.tokenized(p)[0].packing is packing
 
 
 def test_packing_auto_keeps_one_example_per_row_when_examples_fill_the_row(tmp_path):
     from fulltune.planning import autotune
+    from fulltune.stages import budget as budget_stage
     from fulltune.stages import resolve_pipeline
 
     # max_length 8: the examples (≈ 6 tokens) take more than half a row, so no two would share one.
     p = resolve_pipeline(str(tiny_pipeline(tmp_path, data={"max_length": 8})), "tiny")
-    data, _ = autotune.tokenized(p)
+    data, _ = budget_stage.tokenized(p)
     assert data.packing is False
 
 
 def test_packing_auto_packs_short_examples_when_that_is_predicted_faster(tmp_path):
     from fulltune.planning import autotune
+    from fulltune.stages import budget as budget_stage
     from fulltune.stages import resolve_pipeline
 
     # max_length 64 holds ~9 examples per row: far fewer, fuller steps per epoch.
     p = resolve_pipeline(str(tiny_pipeline(tmp_path, data={"max_length": 64})), "tiny")
     from fulltune.data.tokenizer import prepare_tokenizer
 
-    pack, why = autotune.choose_packing(p, prepare_tokenizer(p.spec.model, p.spec.data, p.workdir))
+    pack, why = budget_stage.choose_packing(p, prepare_tokenizer(p.spec.model, p.spec.data, p.workdir))
     assert pack is True and "predicted epoch" in why
-    assert autotune.tokenized(p)[0].packing is True
+    assert budget_stage.tokenized(p)[0].packing is True

@@ -87,7 +87,7 @@ def test_prompt_completion_masks_exactly_the_prompt(tmp_path: Path, tok_dir: str
     # The memory plan: micro-batches padded to the longest row, the head's share bounded by the data.
     from types import SimpleNamespace
 
-    from fulltune.stages import planned_rows
+    from fulltune.stages.budget import planned_rows
 
     pipeline = SimpleNamespace(spec=SimpleNamespace(data=spec))
     seq_len, share = planned_rows(pipeline, result)

@@ -99,6 +99,41 @@ def test_validate_imports_neither_prefect_nor_mlflow() -> None:
     assert json.loads(ran.stdout.splitlines()[-1]) == [0, []]
 
 
+# ---------------------------------------------------------------------------------------------------
+# No import runs up the floors (docs/architecture.md, "The engine's folders")
+
+# From the bottom up; a module of the package's root is on the foundations floor.
+FLOORS = ("", "data", "memory", "runtime", "planning", "evaluation", "tracking", "stages", "cli")
+# Imports that still run up, each one line to delete once its module moves: (importing module, imported module).
+UP_FLOOR_ALLOWED = {
+    ("fulltune.memory.pipeline", "fulltune.planning.planner"): "the pipeline advice reads the planner's search",
+    ("fulltune.evaluation.evaluate", "fulltune.tracking.registry"): "the champion's model, read from the registry",
+    ("fulltune.tracking", "fulltune.stages"): "the run's stage tags name the stages",
+    ("fulltune.tracking.registry", "fulltune.stages"): "a version's description words the planned settings",
+}
+
+
+def floor(module: str) -> int:
+    """The floor of engine module `module` (dotted)."""
+    parts = module.split(".")
+    return FLOORS.index(parts[1]) if len(parts) > 1 and parts[1] in FLOORS else 0
+
+
+def test_no_engine_import_runs_up_the_floors() -> None:
+    # Every import counts, inside functions and under TYPE_CHECKING too: a lazy import still ties the floors.
+    found = sorted({(module_name(path), target) for path in sorted(PACKAGE.rglob("*.py"))
+                    for _, target in imported_names(path)
+                    if target.split(".")[0] == "fulltune" and floor(target) > floor(module_name(path))})
+    assert [pair for pair in found if pair not in UP_FLOOR_ALLOWED] == []
+    assert [pair for pair in UP_FLOOR_ALLOWED if pair not in found] == [], "an allowed import is gone: delete its line"
+
+
+def test_the_pipeline_flow_imports_tasks_only() -> None:
+    # The flow orders the stages; their keys, the champion and the MLflow run are the tasks' (tasks/run.py).
+    flow = ROOT / "flows" / "pipeline.py"
+    assert [f"{line}: {target}" for line, target in imported_names(flow) if target.split(".")[0] == "fulltune"] == []
+
+
 def imported_names(path: Path) -> list[tuple[int, str]]:
     """(line, absolute module name) of every import statement in `path`, at any depth."""
     name = module_name(path)

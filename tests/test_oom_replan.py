@@ -13,7 +13,8 @@ from fulltune.runtime import launch
 from fulltune.tracking import registry
 from fulltune.data import tokenize_dataset
 from fulltune.runtime.launch import OutOfMemory, TrainResult
-from fulltune.stages import plan_budget, resolve_pipeline
+from fulltune.stages import resolve_pipeline
+from fulltune.stages.budget import plan_budget
 from fulltune.planning.replan import train_with_oom_replans
 from fulltune.data.tokenizer import prepare_tokenizer
 

@@ -103,7 +103,7 @@ class StepSchedule:
 
 def micro_batch_inputs(data: TokenizedRows, rows: np.ndarray, pad_token_id: int, device: Any) -> tuple[dict, Any]:
     """The model inputs (input_ids, position_ids: (B, T)) and the loss targets of one micro-batch, on `device`."""
-    from fulltune.runtime.loss import Targets
+    from fulltune.data.targets import Targets
 
     batch = collate(data.rows(rows), pad_token_id)
     # Padding is on the right, so in a causal LM no real token attends to it, and it has no labels: the

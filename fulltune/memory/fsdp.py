@@ -151,7 +151,7 @@ class Units:
         parameters (`shapes`) one at a time once the sharded output exists, the extra unit-sized tensor gone:
         fused or Kahan AdamW in place; Adafactor gathered (`GatheredAdafactor`: the whole weight and gradient)
         with its temporaries (measured per rank: benchmarks/sharded_memory.py --levers)."""
-        from fulltune.runtime import optim
+        from fulltune.memory.optimizer_bytes import optimizer_state_bytes
 
         settings, rb = tl.terms.settings, self.rb
         reduce = rb * numel + int(rb * numel / self.n)
@@ -159,7 +159,7 @@ class Units:
             return reduce
         largest = max(shapes, key=math.prod)
         gathered = 2 * self.wb * math.prod(largest) if settings.optimizer == "adafactor" else 0
-        step = gathered + optim.optimizer_state_bytes(settings.optimizer, [largest], self.wb)[1]
+        step = gathered + optimizer_state_bytes(settings.optimizer, [largest], self.wb)[1]
         return max(reduce, int(rb * numel / self.n) + step)
 
     def head_end(self, tl: Timeline, acts: int, temp: int, after_temp: int) -> int:
@@ -276,7 +276,7 @@ def _chunked_head(tl: Timeline, units: Units) -> None:
     Its loss flows through the model's output, so the root (and an untied head, kept since its forward) is
     gathered again before the recompute reads the weight; the unsharded weight gradient exists from the
     backward's start (the tiles fill it). The gathered weight is in the compute dtype: no tile casts."""
-    from fulltune.runtime.loss import ROW_CHUNK, VOCAB_CHUNK, chunked_head_bytes
+    from fulltune.memory.head import ROW_CHUNK, VOCAB_CHUNK, chunked_head_bytes
 
     x = tl.terms
     t, h, V, c, sb, done = x.t, x.shape.hidden, x.shape.vocab, x.c, x.sb, units.done

@@ -11,6 +11,26 @@ from __future__ import annotations
 
 from fulltune.memory.timeline import Timeline
 
+# The chunked head's tiles (fulltune/runtime/loss.py `ChunkedLinearCrossEntropy`): rows × vocabulary entries.
+ROW_CHUNK = 4096
+VOCAB_CHUNK = 8192
+
+
+def chunked_head_bytes(targets: int, hidden: int, vocab: int, compute_bytes: int = 4,
+                       row_chunk: int = ROW_CHUNK, vocab_chunk: int = VOCAB_CHUNK) -> dict[str, int]:
+    """Memory of the chunked head beyond its input and the weight gradient, as the memory model counts it.
+
+    saved: the per-row logsumexp kept from forward to backward (fp32).
+    backward: the peak of backward's temporaries: the fp32 gradient of the head input, one weight-row
+    tile's fp32 gradient accumulator and its cast, and one tile's fp32 logits and gradient with the
+    gradient's cast to the compute dtype (forward's tile temporaries are fewer).
+    """
+    rows, cols = min(targets, row_chunk), min(vocab, vocab_chunk)
+    tile = rows * cols * (4 + 4 + compute_bytes)
+    weight_tile = cols * hidden * (4 + compute_bytes)
+    return {"saved": 4 * targets, "backward": 4 * targets * hidden + weight_tile + tile}
+
+
 
 def head_phases(tl: Timeline) -> None:
     """The whole head: (t, V) logits, their fp32 upcast, log_softmax and its backward."""
@@ -39,8 +59,6 @@ def head_phases(tl: Timeline) -> None:
 
 def chunked_head_phases(tl: Timeline) -> None:
     """The chunked head (fulltune/runtime/loss.py): a per-row logsumexp kept, one (rows × vocabulary) tile at a time."""
-    from fulltune.runtime.loss import ROW_CHUNK, VOCAB_CHUNK, chunked_head_bytes
-
     x = tl.terms
     t, h, V, c, sb = x.t, x.shape.hidden, x.shape.vocab, x.c, x.sb
     total, below = x.acts.total, x.acts.below_head

@@ -1,7 +1,8 @@
 """Bytes the memory levers decide: weight dtype, optimizer states and their temporaries, host RAM.
 
-The counts are fulltune/runtime/optim.py's own (`device_state_bytes`, `optimizer_state_bytes`, `host_bytes`), so the
-estimate and the optimizer that allocates the states cannot disagree.
+The counts are the optimizers' own (fulltune/memory/optimizer_bytes.py: `device_state_bytes`,
+`optimizer_state_bytes`, `host_bytes`, which fulltune/runtime/optim.py allocates), so the estimate and the
+optimizer that allocates the states cannot disagree.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from fulltune.memory import optimizer_bytes as optim
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import Settings
 
@@ -59,8 +61,6 @@ def sharded_offload_bytes(shape: ModelShape, optimizer: str, pure_bf16: bool, nu
     one process's shards of the parameters (weight dtype: fp32, bf16 under pure bf16) in pinned host RAM, and
     the optimizer's states and temporaries over them, as the plain optimizer (compensated under pure bf16)
     allocates them there. The gradients' shards are counted per phase (`host_parts`)."""
-    from fulltune.runtime import optim
-
     wb = optim.weight_bytes(pure_bf16)
     states, temp = optim.device_state_bytes(optimizer, shape.param_shapes, pure_bf16=pure_bf16)
     n = num_processes
@@ -70,9 +70,6 @@ def sharded_offload_bytes(shape: ModelShape, optimizer: str, pure_bf16: bool, nu
 @functools.lru_cache(maxsize=256)
 def _lever_bytes_cached(shape: ModelShape, optimizer: str, pure_bf16: bool, in_backward: bool, offload: bool,
                         accumulation: int, sharded_processes: int = 0) -> LeverBytes:
-    # fulltune.runtime.optim imports torch: imported here so that importing the memory model does not.
-    from fulltune.runtime import optim
-
     if offload and sharded_processes:
         return sharded_offload_bytes(shape, optimizer, pure_bf16, sharded_processes)
     shapes = shape.param_shapes

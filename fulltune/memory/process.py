@@ -36,6 +36,10 @@ TRAINING_PHASES = (LOAD, FIRST_STEP, STEP, CHECKPOINT, EXPORT)
 # transformers' loading machinery (benchmarks/process_memory.py: 522-528 MiB on 6.5M and 76M Llamas; the
 # constant keeps ~6% above the largest), plus the ~110 MiB more of the shared libraries' file pages a freshly
 # installed environment keeps resident (see CPU_PROCESS_BYTES in memory/estimate.py).
+# The most gathered weights rank 0 holds at once while exporting (fulltune/runtime/sharding.py `save_pretrained`):
+# one safetensors file's worth (a tensor larger than this is a file of its own). transformers' own
+# max_shard_size convention names the files.
+EXPORT_SHARD_BYTES = 2 * 2**30
 CPU_LIBRARY_PAGES_SPREAD = 128 * 2**20  # ~110 MiB measured; the rest is margin (a fresh clone's export peaked 2 MiB over 110)
 CPU_LOAD_PROCESS_BYTES = 560 * 2**20 + CPU_LIBRARY_PAGES_SPREAD
 
@@ -103,10 +107,8 @@ def node_host_bytes(shape: ModelShape, settings: Settings, rank_host: int, ranks
 def export_host_bytes(shape: ModelShape, weight_bytes: int, gathers_on_host: bool,
                       file_bytes: int | None = None) -> int:
     """Rank 0's host RAM at the streamed FSDP export: one file's gathered tensors (at most `file_bytes`,
-    default `sharding.EXPORT_SHARD_BYTES`, or the largest tensor when it is larger, never more than the model)
+    default `EXPORT_SHARD_BYTES`, or the largest tensor when it is larger, never more than the model)
     and, when the all-gathers run in host RAM (`gathers_on_host`: CPU shards), the current gather's buffers."""
-    from fulltune.runtime.sharding import EXPORT_SHARD_BYTES
-
     largest = _largest_tensor(shape) * weight_bytes
     one_file = max(min(file_bytes or EXPORT_SHARD_BYTES, weight_bytes * shape.num_params), largest)
     return one_file + (_gather_bytes(shape, weight_bytes) if gathers_on_host else 0)

@@ -25,8 +25,9 @@ whose constants no device at hand has checked. Autotune measures instead:
 least `AUTO_RATIO` times the predicted tuning time (tuning then costs at most 5% of the run) and more
 than one candidate fits. The whole tuning is capped at `max_seconds` of wall time.
 
-`data.packing: auto` is decided here too (`choose_packing`): by the predicted epoch time of each layout, or
-by measuring both under `budget.autotune: true`.
+The budget stage runs it (fulltune/stages/budget.py `plan_and_tune`), and measures the two layouts of
+`data.packing: auto` with it under `budget.autotune: true`; the report (table, picture, MLflow) is
+fulltune/planning/autotune_report.py.
 
 This module never imports Prefect; the trainer's child never imports it (its probe is `fulltune.runtime.faults.StepProbe`).
 """
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import statistics
 import time
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from fulltune.runtime.launch import TrainJob
     from fulltune.memory.shapes import ModelShape
     from fulltune.memory.types import Settings
-    from fulltune.stages import BudgetDecision, ResolvedPipeline
+    from fulltune.planning.inputs import BudgetDecision, ResolvedPipeline
 
 AUTOTUNE_DIR = "autotune"  # under the workdir: measurements/, scratch/, pictures
 CACHE_VERSION = 1  # bump when what a measurement means changes: older ones are ignored
@@ -370,7 +370,7 @@ def measure(job: TrainJob, opts: Options, timeout: float, step_tokens: list[int]
             records = _probe_records(output_dir)
             if not (records and all(r["done"] for r in records)):
                 if any(r["timed_out"] for r in records):
-                    return _Measured("timeout", detail=f"stopped after {_seconds(timeout)}")
+                    return _Measured("timeout", detail=f"stopped after {format_seconds(timeout)}")
                 if "code -9" in str(exc):  # SIGKILL not sent by the probe: the kernel's out-of-memory killer
                     return _Measured("oom", peak_bytes=max((r["peak_bytes"] or 0 for r in records), default=None),
                                      detail="killed (SIGKILL: out of memory)")
@@ -480,7 +480,7 @@ def tune(p: ResolvedPipeline, decision: BudgetDecision, data: Any, tokenizer: st
     for n, trial in enumerate(pending):
         left = opts.max_seconds - (time.monotonic() - started)
         if left < MIN_CANDIDATE_SECONDS:
-            trial.outcome, trial.detail = "timeout", f"not run: the tuning's {_seconds(opts.max_seconds)} were spent"
+            trial.outcome, trial.detail = "timeout", f"not run: the tuning's {format_seconds(opts.max_seconds)} were spent"
             continue
         if base_model is None:
             base_model = prepare_base_model(p.spec.model, tokenizer, p.workdir, p.spec.train.seed)
@@ -556,295 +556,7 @@ def _fill(trial: Trial, entry: dict[str, Any], usable: int | None, cached_entry:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The budget stage with autotune
-
-
-def should_tune(opts: Options, decision: BudgetDecision, data: Any, p: ResolvedPipeline,
-                force: bool | None = None, auto_tunes: bool = True) -> tuple[bool, str]:
-    """(tune?, why). `force` True/False overrides `budget.autotune`; with `auto_tunes` False (`fulltune
-    plan` without --autotune) the `auto` mode only says what the run would do."""
-    import torch
-
-    device = planned_settings(decision).device
-    if force is False or (force is None and opts.mode == "off"):
-        return False, "off (budget.autotune: false)"
-    if device == "cuda" and not torch.cuda.is_available():
-        return False, "not run: the plan is for cuda and no GPU is visible here"
-    if force or opts.mode == "on":
-        return True, "on request (budget.autotune or --autotune)"
-    count = len(candidates(decision, opts.candidates))
-    step = decision.plan["plan"].get("estimated_step_seconds") or 0.0
-    if data is None:
-        return False, "auto: the data is not tokenized yet, so the training time is not known"
-    s = planned_settings(decision)
-    rows_per_step = s.micro_batch_size * s.gradient_accumulation_steps * s.num_processes
-    t = p.spec.train
-    steps = t.max_steps or max(1, math.ceil(t.num_epochs * (data.num_train_rows // max(rows_per_step, 1))))
-    training = steps * step
-    tuning = count * (CHILD_START_SECONDS.get(device, 30.0) + (opts.warmup_steps + opts.steps) * step)
-    if count < 2:
-        return False, "auto: only one candidate fits, nothing to choose"
-    verdict = training >= AUTO_RATIO * tuning
-    why = (f"auto: predicted training {training:.0f} s {'≥' if verdict else '<'} {AUTO_RATIO:.0f} × predicted "
-           f"tuning {tuning:.0f} s")
-    if verdict and not auto_tunes:
-        return False, why + " (the run tunes; `fulltune plan --autotune` measures now)"
-    return verdict, why
-
-
-def plan_and_tune(p: ResolvedPipeline, data: Any = None, tokenizer: str | None = None, *,
-                  picture: Path | None = None, trace: bool | None = None, force: bool | None = None,
-                  auto_tunes: bool = True, on_progress: Any = None) -> BudgetDecision:
-    """The memory budget stage: plan with this machine's step-time calibration, then tune when
-    `budget.autotune` (or `force`) says so; returns the decision the run uses.
-
-    Its `plan` holds an `autotune` object (`Tuning.to_dict`, or `{"ran": false, "reason"}`), its `table`
-    the measured table, and its settings are the tuned choice when one fits. `data`/`tokenizer` default
-    to the tokenize stage's cached outputs; tuning without them tokenizes first (the same cached dataset
-    the tokenize stage builds).
-    """
-    from fulltune.stages import plan_budget, plan_inputs
-
-    opts = options(p.spec.budget.autotune)
-    if data is None:
-        if force or (force is None and opts.mode == "on"):
-            data, tokenizer = tokenized(p)
-        else:
-            data, tokenizer = _cached_data(p, with_tokenizer=True) or (None, None)
-    p = with_packing(p, data)
-    seq_len, vocab, target_fraction = plan_inputs(p, data, tokenizer)
-    device = resolved_device(p)
-    with calibrated(p.workdir, device) as factors:
-        decision = plan_budget(p, seq_len, vocab, picture, target_fraction, trace=trace)
-    if data is None:
-        decision = _untokenized(decision, p)
-    run, why = should_tune(opts, decision, data, p, force, auto_tunes)
-    calibration_note = {"calibration": {k: round(v, 3) for k, v in factors.items()}} if factors else {}
-    if not run:
-        return replace(decision, plan={**decision.plan, "autotune": {"ran": False, "reason": why,
-                                                                      **calibration_note}})
-    if tokenizer is None:
-        data, tokenizer = tokenized(p)
-    result = tune(p, decision, data, tokenizer, opts, on_progress)
-    result.reason = f"{why}; {result.reason}"
-    if result.trials:
-        where = picture.with_name(picture.stem + "-autotune.png") if picture is not None else \
-            Path(p.workdir) / AUTOTUNE_DIR / f"{p.name}-autotune.png"
-        result.picture = str(render_png(result, where))
-    table = format_table(result)
-    settings = decision.settings
-    if result.chosen is not None:
-        chosen = result.trials[result.chosen].settings
-        settings = chosen if not isinstance(decision.settings, dict) else asdict(chosen)
-    return replace(decision, settings=settings, table=f"{decision.table}\n\n{table}",
-                   plan={**decision.plan, "autotune": {**result.to_dict(), **calibration_note}})
-
-
-def _untokenized(decision: BudgetDecision, p: ResolvedPipeline) -> BudgetDecision:
-    """Say that a plan made before the data is tokenized sizes every row at data.max_length with a
-    target at every position (the most the logits can take): the run tokenizes first and plans on the
-    real lengths and targets, so its plan can differ. `planned_on` in `plan --json`."""
-    note = (f"planned before the data is tokenized: every row at data.max_length ({p.spec.data.max_length}) with "
-            "a target at every position, the most the logits can take; `fulltune run` tokenizes first and plans "
-            "on the real lengths, which can change the plan")
-    return replace(decision, table=f"{decision.table}\n{note}", plan={**decision.plan, "planned_on": note})
-
-
-def resolved_device(p: ResolvedPipeline) -> str:
-    """The device `budget.device` means on this machine (`cpu` or `cuda`)."""
-    from fulltune.stages import resolved_budget
-
-    resolved = resolved_budget(p)
-    return resolved.device if hasattr(resolved, "device") else resolved[0]
-
-
-def with_packing(p: ResolvedPipeline, data: Any) -> ResolvedPipeline:
-    """`p` with `data.packing: auto` replaced by the layout the tokenized `data` has (unchanged without data)."""
-    if data is None or p.spec.data.packing != "auto":
-        return p
-    return _layout(p, bool(data.packing))
-
-
-def _layout(p: ResolvedPipeline, packing: bool) -> ResolvedPipeline:
-    """`p` with `data.packing` set to `packing`."""
-    spec = p.spec.model_copy(update={"data": p.spec.data.model_copy(update={"packing": packing})})
-    return replace(p, spec=spec)
-
-
-def tokenized(p: ResolvedPipeline) -> tuple[Any, str]:
-    """(TokenizedData, tokenizer directory): the tokenize stage's cached outputs, else built by the stage's
-    own function (same fingerprinted directory and marker, so the stage finds them done)."""
-    from fulltune.stages import tokenize_key
-    from fulltune.stages.tokenize import tokenize
-
-    cached = _cached_data(p, with_tokenizer=True)
-    if cached is not None:
-        return cached
-    return tokenize(p, tokenize_key(p))
-
-
-def _cached_data(p: ResolvedPipeline, with_tokenizer: bool = False) -> Any:
-    from fulltune.data import load_tokenized
-    from fulltune.errors import DataError
-    from fulltune.stages import TOKENIZE, read_marker, tokenize_key
-
-    marker = read_marker(p.workdir, TOKENIZE, tokenize_key(p))
-    if not marker or not all(Path(x).exists() for x in marker["paths"]):
-        return None
-    try:
-        data = load_tokenized(marker["paths"][0])
-    except DataError:
-        return None
-    if not with_tokenizer:
-        return data
-    tokenizer = marker["paths"][1] if len(marker["paths"]) > 1 else p.spec.model.name_or_path
-    return data, tokenizer
-
-
-# ---------------------------------------------------------------------------------------------------
-# Packing: one example per row or packed rows, whichever trains faster
-
-
-def resolve_packing(p: ResolvedPipeline, tokenizer: str) -> Any:
-    """The DataSpec to tokenize with: `data.packing` as given when true/false; for `auto`, the layout
-    `choose_packing` picks."""
-    data = p.spec.data
-    if data.packing != "auto":
-        return data
-    return data.model_copy(update={"packing": choose_packing(p, tokenizer)[0]})
-
-
-def packing_choice_key(p: ResolvedPipeline) -> dict[str, Any]:
-    """What `data.packing: auto` is decided by, for the tokenize stage's cache key: the model, the batch,
-    precision, optimizer and device (the predicted comparison needs no budget); where autotune measures
-    the layouts (`budget.autotune: true`), also the budget and this machine."""
-    from fulltune.stages import MEMORY_BUDGET, STAGE_CODE, model_config_key
-    from fulltune.storage import code_version
-
-    t, device = p.spec.train, resolved_device(p)
-    key: dict[str, Any] = {
-        # The model's shape decides the comparison, not its weights: a new checkpoint of the same shape
-        # (a retrained model, a new hub commit) keeps the tokenized data.
-        "code": code_version(*STAGE_CODE[MEMORY_BUDGET]),
-        "model": p.spec.model.model_dump(mode="json", exclude={"revision"}),  # the pinned commit: model_config
-        "model_config": model_config_key(p), "device": device,
-        "train": t.model_dump(mode="json", include={"effective_batch_size", "mixed_precision", "optimizer", "seed"}),
-        "distributed": p.spec.distributed.model_dump(mode="json"),
-        "autotune": p.spec.budget.model_dump(mode="json")["autotune"]}
-    if options(p.spec.budget.autotune).mode == "on":
-        key.update(budget=p.spec.budget.model_dump(mode="json"), train_all=t.model_dump(mode="json"),
-                   hardware=hardware(device))
-    return key
-
-
-def choose_packing(p: ResolvedPipeline, tokenizer: str) -> tuple[bool, str]:
-    """(pack?, why) for `data.packing: auto`.
-
-    Examples are tokenized one per row first (a cached dataset). Where the longest takes more than half
-    of `data.max_length`, no two examples share a row and rows stay one example each. Otherwise the two
-    layouts are compared by the time of an epoch: with `budget.autotune: true`, each layout's planned
-    settings run on this machine (as `tune` runs a candidate) and the higher measured tokens per second
-    wins; else the planner's step time predicts it, for the same settings on both layouts (so a
-    calibration factor cancels), × optimizer steps per epoch, with unpacked micro-batches padded to
-    their longest row (the trainer groups rows by length) and packed rows to max_length.
-    """
-    import numpy as np
-
-    from fulltune.data.batching import TokenizedRows
-    from fulltune.data.store import _pack
-
-    spec = p.spec.data
-    unpacked = _tokenize_layout(p, tokenizer, False)
-    lengths = TokenizedRows(unpacked.train_file).lengths
-    if len(lengths) < 2 or int(lengths.max()) * 2 > spec.max_length:
-        return False, "one example per row: the longest examples take more than half of data.max_length"
-    opts = options(p.spec.budget.autotune)
-    if opts.mode == "on" and _device_present(resolved_device(p)):
-        measured = {packing: _measured_tokens_per_second(p, tokenizer, packing, opts) for packing in (False, True)}
-        if all(measured.values()):
-            pack = measured[True] > measured[False]
-            return pack, (f"{'packed rows' if pack else 'one example per row'}: measured {measured[True]:,.0f} "
-                          f"tokens/s packed, {measured[False]:,.0f} one example per row")
-    rows = len(_pack(np.random.default_rng(p.spec.train.seed).permutation(lengths), spec.max_length)) - 1
-    labels = unpacked.train_label_tokens
-    epochs = {False: _epoch_seconds(p, tokenizer, False, len(lengths), _padded_length(lengths, p), labels),
-              True: _epoch_seconds(p, tokenizer, True, rows, spec.max_length, labels)}
-    pack = epochs[True] < epochs[False]
-    return pack, (f"{'packed rows' if pack else 'one example per row'}: predicted epoch {epochs[True]:.3g} s "
-                  f"packed, {epochs[False]:.3g} s one example per row")
-
-
-def _device_present(device: str) -> bool:
-    import torch
-
-    return device != "cuda" or torch.cuda.is_available()
-
-
-def _tokenize_layout(p: ResolvedPipeline, tokenizer: str, packing: bool) -> Any:
-    from fulltune.data import tokenize_dataset
-    from fulltune.models import hub_token
-
-    m = p.spec.model
-    return tokenize_dataset(p.spec.data.model_copy(update={"packing": packing}), tokenizer, p.workdir,
-                            p.spec.train.seed, token=hub_token(m.token_env), trust_remote_code=m.trust_remote_code)
-
-
-def _measured_tokens_per_second(p: ResolvedPipeline, tokenizer: str, packing: bool, opts: Options) -> float | None:
-    """Tokens per second of the planned settings for one layout, run as `tune` runs a candidate (cached
-    alike); None when they do not fit or do not run."""
-    from fulltune.errors import BudgetError
-    from fulltune.stages import plan_budget, plan_inputs
-
-    layout = _layout(p, packing)
-    data = _tokenize_layout(p, tokenizer, packing)
-    seq_len, vocab, target_fraction = plan_inputs(layout, data, tokenizer)
-    try:
-        with calibrated(p.workdir, resolved_device(p)):
-            decision = plan_budget(layout, seq_len, vocab, None, target_fraction, trace=False)
-    except BudgetError:
-        return None
-    result = tune(layout, decision, data, tokenizer, replace(opts, candidates=1, max_seconds=opts.max_seconds / 2))
-    trial = result.trials[0]
-    return trial.tokens_per_second if trial.outcome == "fits" else None
-
-
-def _padded_length(lengths: Any, p: ResolvedPipeline) -> int:
-    """Mean padded row length of length-grouped micro-batches of the per-process batch (the trainer's
-    `iter_length_grouped_batches`, approximately: sorted rows, each group padded to its longest)."""
-    import numpy as np
-
-    group = max(1, p.spec.train.effective_batch_size // p.spec.distributed.num_processes)
-    ordered = np.sort(lengths)
-    maxima = [int(ordered[i:i + group].max()) for i in range(0, len(ordered), group)]
-    return max(2, int(round(float(np.mean(maxima)))))
-
-
-def _epoch_seconds(p: ResolvedPipeline, tokenizer: str, packing: bool, rows: int, seq_len: int,
-                   label_tokens: int) -> float:
-    """Predicted seconds of an epoch of `rows` rows padded to `seq_len`, the whole per-process batch in one
-    micro-batch, the configured precision and optimizer (fp32 / bf16 and AdamW where auto)."""
-    from fulltune.memory.shapes import model_shape
-    from fulltune.memory.types import Settings
-    from fulltune.models import read_model_config
-    from fulltune.planning.strategy import choices
-    from fulltune.stages import _planned_vocab
-
-    t, d, device = p.spec.train, p.spec.distributed, resolved_device(p)
-    processes = d.num_processes // d.pipeline_parallel  # the stages of a pipeline share its rows and time
-    shape = model_shape(read_model_config(p.spec.model, _planned_vocab(p, tokenizer)))
-    precision = t.mixed_precision if t.mixed_precision != "auto" else ("bf16" if device == "cuda" else "no")
-    settings = Settings(
-        micro_batch_size=t.effective_batch_size // processes, seq_len=seq_len, mixed_precision=precision,
-        optimizer=t.optimizer if t.optimizer != "auto" else "adamw", attn_implementation=p.spec.model.attn_implementation,
-        device=device, strategy=choices(d.strategy, processes)[0], num_processes=processes,
-        attention_mask=packing,  # strategy auto: its naive default, as for the other auto fields
-        # the output head runs at the positions with a target: the same tokens in either layout
-        target_fraction=min(1.0, label_tokens / max(1, rows * (seq_len - 1))))
-    return analytic_step_seconds(shape, settings) * max(1, rows // t.effective_batch_size)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Reporting: the table, the picture, MLflow
+# In words
 
 
 def describe(settings: Settings) -> str:
@@ -856,82 +568,8 @@ def describe(settings: Settings) -> str:
     return ", ".join(parts)
 
 
-def format_table(result: Tuning | dict[str, Any]) -> str:
-    """The candidates with predicted beside measured step time, tokens/s, peak and outcome."""
-    from fulltune.memory.types import Settings
-    from fulltune.memory.units import format_bytes
-
-    data = result.to_dict() if isinstance(result, Tuning) else result
-    rows = [("#", "settings", "predicted", "measured", "tokens/s", "peak", "outcome")]
-    for i, c in enumerate(data["candidates"]):
-        settings = Settings(**{"seq_len": 2, **c["settings"]})
-        mark = "  ← chosen" if i == data["chosen"] else ""
-        rows.append((str(i), describe(settings), _seconds(c["predicted_step_seconds"]),
-                     _seconds(c["measured_step_seconds"]),
-                     f"{c['tokens_per_second']:,.0f}" if c["tokens_per_second"] else "-",
-                     format_bytes(c["measured_peak_bytes"]) if c["measured_peak_bytes"] else "-",
-                     c["outcome"] + (" (cached)" if c["cached"] else "") + mark))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    usable = f", usable {format_bytes(data['usable_bytes'])}" if data.get("usable_bytes") else ""
-    head = (f"autotune on {data['device_kind']}: {len(data['candidates'])} candidate(s), {data['warmup_steps']} "
-            f"warm-up + {data['steps']} timed step(s) each, {_seconds(data['seconds'])} of at most "
-            f"{_seconds(data['max_seconds'])}{usable}")
-    lines = [head] + ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    lines += [f"  {i}: {c['detail']}" for i, c in enumerate(data["candidates"]) if c["detail"]]
-    lines.append(data["reason"])
-    return "\n".join(lines)
-
-
-def _seconds(value: float | None) -> str:
+def format_seconds(value: float | None) -> str:
     """A duration as measured: `0.5 s`, `12.3 s`, `600 s` (three significant digits, whole seconds from 100)."""
     if value is None:
         return "-"
     return f"{value:.0f} s" if value >= 100 else f"{value:.3g} s"
-
-
-def render_png(result: Tuning, path: str | Path) -> Path:
-    """Measured step time against measured peak memory, one point per candidate, the budget as a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    gib = float(2**30)
-    fig, ax = plt.subplots(figsize=(6.5, 4.5), dpi=110)
-    colors = {"fits": "tab:green", "over budget": "tab:red", "oom": "tab:red"}
-    for i, t in enumerate(result.trials):
-        if t.measured_step_seconds is None or t.measured_peak_bytes is None:
-            continue
-        x, y = t.measured_peak_bytes / gib, t.measured_step_seconds
-        ax.scatter([x], [y], s=90 if i == result.chosen else 40, color=colors.get(t.outcome, "tab:gray"),
-                   edgecolors="black" if i == result.chosen else "none", zorder=3)
-        ax.annotate(f"{i}: {describe(t.settings)}", (x, y), textcoords="offset points", xytext=(6, 4), fontsize=7)
-    if result.budget_bytes is not None:
-        ax.axvline(result.budget_bytes / gib, color="black", linewidth=1.2, label="budget")
-    if result.usable_bytes is not None:
-        ax.axvline(result.usable_bytes / gib, color="black", linestyle="--", linewidth=1.0, label="budget − headroom")
-    ax.set_xlabel("measured peak memory (GiB per device)")
-    ax.set_ylabel("measured step time (s)")
-    ax.set_title(f"autotune on {result.device_kind}")
-    if result.budget_bytes is not None or result.usable_bytes is not None:
-        ax.legend(loc="best", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def log_to_mlflow(run_id: str, plan: dict[str, Any]) -> None:
-    """The autotune table, its JSON and its picture as artifacts of MLflow run `run_id` (when it ran)."""
-    autotune = plan.get("autotune") or {}
-    if not autotune.get("ran"):
-        return
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient()
-    client.log_text(run_id, format_table(autotune), "autotune/autotune.txt")
-    client.log_dict(run_id, autotune, "autotune/autotune.json")
-    if autotune.get("picture") and Path(autotune["picture"]).is_file():
-        client.log_artifact(run_id, autotune["picture"], "autotune")

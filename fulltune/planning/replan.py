@@ -59,7 +59,7 @@ def train_with_oom_replans(p: Any, decision: Any, key: str,
             settings = replan_settings(p, decision, settings, oom.observed_peak_bytes)
             replanned = make_job(settings, Path(job.paths.output_dir))
             output_dir, where = replan_output_dir(p, key, job, replanned, attempt + 1)
-            from fulltune.stages import describe_settings
+            from fulltune.planning.inputs import describe_settings
 
             why = (f"out of memory (peak {oom.observed_peak_bytes or 'unknown'} bytes); retrying with "
                    f"{describe_settings(asdict(settings), decision.num_layers)}; {where}")
@@ -87,7 +87,7 @@ def replan_settings(p: Any, decision: Any, settings: Settings, peak: int | None)
     """The planner's next settings after `settings` ran out of memory at `peak` bytes (None: unknown)."""
     from fulltune.planning import replan_after_oom
     from fulltune.models import read_model_config
-    from fulltune.stages import plan_request
+    from fulltune.planning.inputs import plan_request
 
     config = read_model_config(p.spec.model, decision.vocab_size)
     request = plan_request(p, decision.seq_len, decision.target_fraction)

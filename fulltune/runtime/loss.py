@@ -30,58 +30,15 @@ fused kernel is Triton (GPU) only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from fulltune.data import IGNORE_INDEX
-
-
-@dataclass(frozen=True)
-class Targets:
-    """Where the loss has terms in a (b, s) micro-batch and what they are.
-
-    `index`: flat positions (row-major over b·s) whose next token is a target, int64 (t,).
-    `tokens`: the target token ids at those positions, int64 (t,).
-    """
-
-    index: torch.Tensor
-    tokens: torch.Tensor
-
-    @classmethod
-    def from_labels(cls, labels: torch.Tensor) -> Targets:
-        """Shift like transformers' ForCausalLMLoss (position i predicts label i+1); call it on the host."""
-        shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
-        index = (shifted != IGNORE_INDEX).nonzero().squeeze(1)
-        return cls(index=index, tokens=shifted.index_select(0, index))
-
-    def __len__(self) -> int:
-        return int(self.index.numel())
-
-    def to(self, device: torch.device | str) -> Targets:
-        return Targets(self.index.to(device, non_blocking=True), self.tokens.to(device, non_blocking=True))
-
-
-ROW_CHUNK = 4096
-VOCAB_CHUNK = 8192
-
-
-def chunked_head_bytes(targets: int, hidden: int, vocab: int, compute_bytes: int = 4,
-                       row_chunk: int = ROW_CHUNK, vocab_chunk: int = VOCAB_CHUNK) -> dict[str, int]:
-    """Memory of the chunked head beyond its input and the weight gradient, for the memory model.
-
-    saved: the per-row logsumexp kept from forward to backward (fp32).
-    backward: the peak of backward's temporaries: the fp32 gradient of the head input, one weight-row
-    tile's fp32 gradient accumulator and its cast, and one tile's fp32 logits and gradient with the
-    gradient's cast to the compute dtype (forward's tile temporaries are fewer).
-    """
-    rows, cols = min(targets, row_chunk), min(vocab, vocab_chunk)
-    tile = rows * cols * (4 + 4 + compute_bytes)
-    weight_tile = cols * hidden * (4 + compute_bytes)
-    return {"saved": 4 * targets, "backward": 4 * targets * hidden + weight_tile + tile}
+from fulltune.data.targets import Targets  # noqa: F401 (the micro-batch's targets, re-exported beside the head)
+# The tile sizes and their bytes are the memory model's (fulltune/memory/head.py), re-exported beside the head.
+from fulltune.memory.head import ROW_CHUNK, VOCAB_CHUNK, chunked_head_bytes  # noqa: F401
 
 
 def _compute_dtype(weight: torch.Tensor) -> torch.dtype:

@@ -62,6 +62,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from fulltune.memory.process import EXPORT_SHARD_BYTES
 from fulltune.storage import fsync_dir, fsync_tree
 
 # Where a trainer checkpoint keeps the model and optimizer shards (torch.distributed.checkpoint files).
@@ -475,11 +476,6 @@ def save_sharded_checkpoint(directory: str | Path, model: Any, optimizer: Any,
         os.rename(tmp, directory)
         fsync_dir(directory.parent)
     _barrier()
-
-
-# The most gathered weights rank 0 holds at once while exporting: one safetensors file's worth (a tensor
-# larger than this is a file of its own). transformers' own max_shard_size convention names the files.
-EXPORT_SHARD_BYTES = 2 * 2**30
 
 
 def save_pretrained(model: Any, directory: str | Path, tokenizer: Any = None,

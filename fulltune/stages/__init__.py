@@ -16,16 +16,19 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from fulltune import hub, levers
+from fulltune import hub
 from fulltune.evaluation import harness
 from fulltune.degrees import DegreesError
-from fulltune.errors import BudgetError, ConfigError, DataError
-from fulltune.memory.budget import Budget, resolve_budget
+from fulltune.errors import ConfigError, DataError
 from fulltune.memory.types import Settings
+# The planning records (ResolvedPipeline, BudgetDecision, ...) live on the planning floor; re-exported here
+# because every stage and task takes them.
+from fulltune.planning.inputs import (  # noqa: F401
+    BudgetDecision, ResolvedPipeline, describe_settings, evaluation_request, plan_request, resolved_budget, with_budget)
 from fulltune.storage import FileHashes, atomic_write_text, code_version, hash_json, tree_sha256
 from fulltune.spec import PipelineSpec, get_pipeline, load_pipelines
 
@@ -39,34 +42,15 @@ STAGE_CODE = {
     TOKENIZE: ("stages/tokenize.py", "data", "storage.py", "hub.py", "models.py"),
     # The budget stage measures candidates (planning/autotune.py) in child runs of the trainer on the data
     # tokenized both ways: the whole runtime and the tokenize stage.
-    MEMORY_BUDGET: ("memory", "planning", "runtime", "data", "stages/__init__.py", "stages/tokenize.py", "models.py",
-                    "levers.py", "degrees.py", "storage.py", "hub.py"),
+    MEMORY_BUDGET: ("memory", "planning", "runtime", "data", "stages/__init__.py", "stages/budget.py",
+                    "stages/tokenize.py", "models.py", "levers.py", "degrees.py", "storage.py", "hub.py"),
     # An out-of-memory replan plans with the planner and the stages' planning inputs.
-    FINE_TUNE: ("stages/finetune.py", "stages/__init__.py", "runtime", "planning/replan.py", "planning/planner.py",
-                "planning/strategy.py", "planning/trace.py", "memory", "data", "models.py", "levers.py", "degrees.py",
-                "hub.py", "storage.py"),
-    EVALUATE: ("evaluation", "runtime/loss.py", "data", "models.py", "hub.py", "tracking/registry.py"),
+    FINE_TUNE: ("stages/finetune.py", "stages/__init__.py", "runtime", "planning/replan.py", "planning/inputs.py",
+                "planning/planner.py", "planning/strategy.py", "planning/trace.py", "memory", "data", "models.py",
+                "levers.py", "degrees.py", "hub.py", "storage.py"),
+    EVALUATE: ("evaluation", "runtime/loss.py", "memory/head.py", "data", "models.py", "hub.py", "tracking/registry.py"),
     REGISTER: ("tracking/registry.py", "evaluation/evaluate.py"),
 }
-
-
-@dataclass(frozen=True)
-class ResolvedPipeline:
-    """A validated pipeline with its overrides applied, and where its outputs live.
-
-    `budget` is `budget:` resolved on the machine that runs the pipeline (`with_budget`), once per run:
-    every stage that plans or keys on it reads this one value.
-    """
-
-    name: str
-    spec: PipelineSpec
-    workdir: str
-    pipelines_file: str
-    budget: Budget | None = None
-
-    @property
-    def model_name(self) -> str:
-        return self.spec.model_name(self.name)
 
 
 def resolve_pipeline(pipelines_file: str, name: str, overrides: list[str] | dict[str, Any] | None = None) -> ResolvedPipeline:
@@ -224,28 +208,9 @@ def _data_key(p: ResolvedPipeline, split: Literal["train", "eval"]) -> Any:
 
 def _packing_choice_key(p: ResolvedPipeline) -> dict[str, Any]:
     """What `data.packing: auto` is decided by (fulltune/planning/autotune.py `choose_packing`)."""
-    from fulltune.planning.autotune import packing_choice_key
+    from fulltune.stages.budget import packing_choice_key
 
     return packing_choice_key(p)
-
-
-def with_budget(p: ResolvedPipeline) -> ResolvedPipeline:
-    """`p` carrying its budget resolved on this machine. The flow and the CLI call this once, before any
-    stage; a pipeline that already carries one keeps it.
-
-    Raises MemoryConfigError (a ConfigError: exit 2) naming `pipelines.<name>.budget.<field>`, e.g.
-    `memory: auto` for cuda where no GPU is visible.
-    """
-    if p.budget is not None:
-        return p
-    b = p.spec.budget
-    return replace(p, budget=resolve_budget(b.device, b.memory, b.headroom, b.host_memory,
-                                            where=f"pipelines.{p.name}.budget"))
-
-
-def resolved_budget(p: ResolvedPipeline) -> Budget:
-    """The budget `p` carries (`with_budget`), or, for a pipeline resolved without one, resolved now."""
-    return p.budget if p.budget is not None else with_budget(p).budget  # type: ignore[return-value]
 
 
 def budget_key(p: ResolvedPipeline, train_fingerprint: str) -> str:
@@ -456,178 +421,6 @@ def read_marker(workdir: str, stage: str, key: str) -> dict[str, Any] | None:
         return json.loads(marker_path(workdir, stage, key).read_text())
     except (OSError, json.JSONDecodeError):
         return None
-
-
-# ---------------------------------------------------------------- stage 2: memory budget
-
-
-@dataclass(frozen=True)
-class BudgetDecision:
-    """The settings the run will use, and the plan that chose them (as the `plan --json` object).
-
-    A frozen record of plain values (Prefect pickles it as the budget stage's persisted result)."""
-
-    settings: Settings
-    plan: dict[str, Any]
-    table: str
-    seq_len: int
-    num_layers: int
-    picture: str | None = None
-    vocab_size: int | None = None  # of the trained tokenizer, for a model built from a config
-    target_fraction: float = 1.0  # the most positions with a target in one row ÷ (seq_len - 1)
-
-
-def planned_rows(p: ResolvedPipeline, data: Any) -> tuple[int, float]:
-    """(seq_len, target_fraction) to plan for, from the tokenized data: packed rows are padded to
-    data.max_length, unpacked micro-batches to their longest row; a row never has more positions with
-    a target than the most in the data (the output head's share, fulltune/runtime/loss.py)."""
-    seq_len = p.spec.data.max_length if data.packing else data.max_row_length
-    if not data.max_row_targets or seq_len < 2:
-        return seq_len, 1.0
-    return seq_len, min(1.0, data.max_row_targets / (seq_len - 1))
-
-
-def plan_inputs(p: ResolvedPipeline, data: Any = None, tokenizer: str | None = None) -> tuple[int, int | None, float]:
-    """(seq_len, vocabulary, target fraction) to plan for.
-
-    From `data` (a TokenizedData) and `tokenizer` when given (the budget stage), else from the tokenize
-    stage's outputs when they are cached, else the worst case: rows of `data.max_length` with a target
-    everywhere. The vocabulary matters only for a model built from a config (sized to its tokenizer;
-    None otherwise).
-    """
-    if data is None:
-        marker = read_marker(p.workdir, TOKENIZE, tokenize_key(p))
-        if marker and all(Path(x).exists() for x in marker["paths"]):
-            from fulltune.data import load_tokenized
-
-            data = load_tokenized(marker["paths"][0])
-            tokenizer = marker["paths"][1] if len(marker["paths"]) > 1 else None
-    seq_len, target_fraction = planned_rows(p, data) if data is not None else (p.spec.data.max_length, 1.0)
-    return seq_len, _planned_vocab(p, tokenizer), target_fraction
-
-
-def _planned_vocab(p: ResolvedPipeline, tokenizer: str | None) -> int | None:
-    from fulltune.models import load_tokenizer
-
-    model = p.spec.model
-    if model.from_config is None:
-        return None
-    if tokenizer is None:
-        if not isinstance(model.tokenizer, str):  # {vocab_size: N}, trained by the tokenize stage
-            return getattr(model.tokenizer, "vocab_size", None)
-        from fulltune.data.tokenizer import prepare_tokenizer
-
-        tokenizer = prepare_tokenizer(model, p.spec.data, p.workdir)
-    return len(load_tokenizer(tokenizer, trust_remote_code=model.trust_remote_code))
-
-
-def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0) -> Any:
-    """The planner's request for `p` on its resolved budget: the fields left on auto are None."""
-    from fulltune.memory import PlanRequest
-    from fulltune.memory.types import LEVERS
-
-    t, d = p.spec.train, p.spec.distributed
-    budget = resolved_budget(p)
-    # The lever table again, now that `budget.device: auto` has a device (validate checked the rest).
-    combination = replace(levers.from_spec(p.spec), device=budget.device,
-                          bf16_supported=budget.bf16_supported if budget.device == "cuda" else None)
-    levers.check(combination, where=f"pipelines.{p.name}.")
-    checkpointing = None if t.gradient_checkpointing == "auto" else t.gradient_checkpointing
-    return PlanRequest(
-        effective_batch_size=t.effective_batch_size,
-        seq_len=seq_len,
-        micro_batch_size=None if t.micro_batch_size == "auto" else t.micro_batch_size,
-        gradient_accumulation_steps=None if t.gradient_accumulation_steps == "auto" else t.gradient_accumulation_steps,
-        gradient_checkpointing=checkpointing,
-        mixed_precision=None if t.mixed_precision == "auto" else t.mixed_precision,
-        optimizer=None if t.optimizer == "auto" else t.optimizer,
-        attn_implementation=p.spec.model.attn_implementation,
-        device=budget.device,
-        budget_bytes=budget.bytes,
-        headroom=budget.headroom,
-        strategy=d.strategy,
-        num_processes=d.num_processes,
-        tensor_parallel=d.dims.tp,  # None (auto): the planner chooses
-        pipeline_parallel=d.pipeline_parallel,
-        pipeline_schedule=d.pipeline_schedule,
-        bf16_supported=budget.bf16_supported,
-        # Packed rows restart position_ids, so transformers builds a block mask per layer; unpacked rows
-        # are right-padded and the trainer passes no mask at all (see fulltune/runtime/train.py).
-        attention_mask=p.spec.data.packing is not False,  # `auto` not yet resolved: plan for the mask
-        target_fraction=target_fraction,
-        **{lever: None if getattr(t, lever) == "auto" else bool(getattr(t, lever)) for lever in LEVERS},
-        host_memory_bytes=budget.host_bytes,
-        num_machines=d.num_machines,
-        evaluation=evaluation_request(p.spec),
-        host_memory_assumed=budget.host_assumed,
-    )
-
-
-def evaluation_request(spec: PipelineSpec) -> Any:
-    """The evaluate stage as `evaluate.*` configures it, for the plan (memory/evaluation.py)."""
-    from fulltune.memory.evaluation import EvalRequest
-
-    e = spec.evaluate
-    return EvalRequest(batch_size=e.batch_size, max_new_tokens=e.max_new_tokens,
-                       generate=e.max_generate_examples > 0 and spec.data.format == "prompt_completion",
-                       harness_batch_size=(e.lm_eval.batch_size or e.batch_size) if e.lm_eval else None,
-                       precision=e.precision)
-
-
-def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
-                picture: Path | None = None, target_fraction: float = 1.0, trace: bool | None = None) -> BudgetDecision:
-    """Stage 2: estimate peak memory for the configured settings and plan settings that fit.
-
-    `trace`: True plans for the larger of the analytic estimate and a simulated (FakeTensor) step, False
-    keeps the estimate plus its measured margin, None traces only when that is cheap.
-
-    Raises BudgetError (exit 2, with the breakdown) when nothing fits, or when the configured settings
-    do not fit and `budget.on_overflow` is `fail`.
-    """
-    from fulltune.memory import format_plan_table, render_breakdown_png
-    from fulltune.planning import plan_memory
-    from fulltune.models import read_model_config
-
-    budget = resolved_budget(p)
-    config = read_model_config(p.spec.model, tokenizer_vocab)
-    check_model_builds(p, remember=True)  # `plan` and a budget stage run by a deployment: no check before them
-    check_positions(p, config)
-    check_model_split(p, config)
-    try:
-        request = plan_request(p, seq_len, target_fraction)
-    except ValueError as exc:  # the spec validates these fields; a message naming the setting, not a traceback
-        raise ConfigError(f"pipelines.{p.name}: {exc}") from None
-    try:
-        plan = plan_memory(config, request, trace=trace)
-    except ValueError as exc:  # the config lacks what the memory model needs (not a decoder-only LM)
-        field = "model.from_config" if p.spec.model.from_config is not None else "model.name_or_path"
-        raise ConfigError(f"pipelines.{p.name}.{field}: cannot plan memory for this model: {exc}") from None
-    table = format_plan_table(plan)
-    as_json = plan.to_dict()
-    if picture is not None:
-        picture.parent.mkdir(parents=True, exist_ok=True)
-        render_breakdown_png(plan, picture)
-    if not as_json["fits"]:
-        raise BudgetError(f"pipelines.{p.name}.budget.memory: no configuration fits the budget\n{table}")
-    if p.spec.budget.on_overflow == "fail" and plan.configured_estimate.device_bytes > budget.usable_bytes:
-        raise BudgetError(f"pipelines.{p.name}.budget.on_overflow is 'fail' and the configured settings do not fit\n"
-                          f"{table}")
-    return BudgetDecision(plan.settings, as_json, table, seq_len, int(config.num_hidden_layers),
-                          str(picture) if picture is not None else None, tokenizer_vocab, target_fraction)
-
-
-def describe_settings(settings: Settings | dict[str, Any], num_layers: int) -> str:
-    """One line of the planned settings (the run summary, the log, the registered version's description)."""
-    from fulltune.memory.types import LEVERS
-
-    if isinstance(settings, Settings):
-        settings = asdict(settings)
-    ckpt = settings["gradient_checkpointing"]
-    ckpt_text = "off" if ckpt == 0 else ("all layers" if ckpt >= num_layers else f"{ckpt} of {num_layers} layers")
-    return (f"micro_batch_size={settings['micro_batch_size']} × gradient_accumulation_steps="
-            f"{settings['gradient_accumulation_steps']}, mixed_precision={settings['mixed_precision']}, "
-            f"optimizer={settings['optimizer']}, gradient checkpointing {ckpt_text}"
-            + "".join(f", {lever}" for lever in LEVERS if settings.get(lever)))
 
 
 # Inline model configs this workdir has seen transformers build: `check_model_builds` skips them.

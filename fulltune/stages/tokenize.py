@@ -19,7 +19,7 @@ def tokenize(p: ResolvedPipeline, key: str) -> tuple[Any, str]:
 
     m = p.spec.model
     tokenizer = prepare_tokenizer(m, p.spec.data, p.workdir)
-    from fulltune.planning.autotune import resolve_packing
+    from fulltune.stages.budget import resolve_packing
 
     # `data.packing: auto` becomes true or false here, whichever layout trains faster.
     data = tokenize_dataset(resolve_packing(p, tokenizer), tokenizer, p.workdir, p.spec.train.seed,
