@@ -13,7 +13,9 @@ from fulltune.cli import main
 from fulltune.memory import Settings
 from fulltune.planning import step_seconds
 from fulltune.memory.errors import MemoryConfigError
-from fulltune.memory.pipeline import bubble_fraction, estimate_pipeline, pipeline_step_seconds
+from fulltune.memory.pipeline import bubble_fraction
+from fulltune.planning.pipeline import estimate_pipeline
+from fulltune.planning.step_time import pipeline_step_seconds
 from fulltune.memory.shapes import model_shape
 
 from pipelines_fixture import TINY_LLAMA, tiny_pipeline

@@ -43,6 +43,7 @@ STAGE_CODE = {
                     "levers.py", "degrees.py", "storage.py", "hub.py"),
     # An out-of-memory replan plans with the planner and the stages' planning inputs.
     FINE_TUNE: ("stages/finetune.py", "stages/__init__.py", "runtime", "planning/replan.py", "planning/planner.py",
+                "planning/search.py", "planning/step_time.py", "planning/reasons.py", "planning/pipeline.py",
                 "planning/strategy.py", "planning/trace.py", "memory", "data", "models.py", "levers.py", "degrees.py",
                 "hub.py", "storage.py"),
     EVALUATE: ("evaluation", "runtime/loss.py", "data", "models.py", "hub.py", "tracking/registry.py"),
