@@ -14,10 +14,10 @@ from typing import Any
 from fulltune.memory.pipeline import (SCHEDULE_NAMES, UNSUPPORTED_LEVERS, StageEstimate, bubble_fraction,
                                       estimate_stages, stage_settings, stage_shape, worst_stage)
 from fulltune.memory.shapes import ModelShape, model_shape
-from fulltune.memory.types import Settings
+from fulltune.memory.types import PlanRequest, Settings
 from fulltune.memory.uncertainty import estimate_uncertainty
 from fulltune.memory.units import format_bytes
-from fulltune.planning.search import divisors
+from fulltune.planning.search import Candidate, divisors, fits_budget
 from fulltune.planning.step_time import pipeline_step_seconds
 
 
@@ -140,3 +140,49 @@ def _advice(shape: ModelShape, e: PipelineEstimate, checkpointing: int, fits: bo
         text = (f"{what} would not fit either: {where} needs {format_bytes(worst.device_bytes)} "
                 f"(pipeline stages alone do not shard a stage's weights, gradients or optimizer states)")
     return {**e.to_dict(), "gradient_checkpointing": checkpointing, "fits": fits, "advice": text}
+
+
+def pipeline_reasons(shape: ModelShape, request: PlanRequest, candidates: list[Candidate], chosen: Candidate,
+                     usable: int) -> list[str]:
+    """With `pipeline_parallel` auto: the number of stages chosen and why — each stage's peak, the bubble and the
+    point-to-point sends of a pipelined choice — and each other number's best candidate (the fastest that fits,
+    else the smallest) or why it was not tried."""
+    if request.pipeline_parallel is not None:
+        return []
+    from fulltune.planning.reasons import best_by, device_word
+    from fulltune.planning.search import pipeline_degrees
+
+    best = best_by(candidates, lambda c: c.settings.pipeline_parallel, usable)
+    s = chosen.settings
+    P = s.pipeline_parallel
+    head = f"pipeline parallel {P} (distributed.pipeline_parallel auto): "
+    if P > 1:
+        head += _stages_text(shape, s, chosen)
+    else:
+        where = f"strategy {s.strategy} over {s.num_processes}" if s.num_processes > 1 else "one"
+        head += f"no stages: {where} {device_word(s.device)}{'es' if s.device != 'cuda' and s.num_processes > 1 else ''}"
+        head += f"{'s' if s.device == 'cuda' and s.num_processes > 1 else ''}, {chosen.seconds:.3g} s/step"
+    others = []
+    for degree, c in sorted(best.items()):
+        if degree == P:
+            continue
+        if fits_budget(c, usable):
+            verdict = "is slower" if c.seconds > chosen.seconds else "is no faster"
+            others.append(f"{degree} {verdict} ({c.seconds:.3g} s/step)")
+        else:
+            others.append(f"{degree} does not fit ({format_bytes(c.expected_bytes)} ± "
+                          f"{format_bytes(c.uncertainty.bytes)} on its largest {'stage' if degree > 1 else 'process'})")
+    _, refused = pipeline_degrees(shape, request)
+    others += [f"{degree} not tried ({why})" for degree, why in sorted(refused.items())]
+    return [head + ("; " + "; ".join(others) if others else "")]
+
+
+def _stages_text(shape: ModelShape, s: Settings, chosen: Candidate) -> str:
+    """A pipelined choice in words: its schedule and micro-batches, each stage's peak, the bubble, the sends."""
+    one = replace(s, num_processes=s.num_processes // s.pipeline_parallel, pipeline_parallel=1)
+    e = estimate_pipeline(shape, one, s.pipeline_parallel, s.pipeline_schedule)
+    peaks = ", ".join(format_bytes(stage.device_bytes) for stage in e.stages)
+    return (f"{SCHEDULE_NAMES[e.schedule]}, {e.micro_batches} micro-batches of {e.micro_batch_size}; stage peaks "
+            f"{peaks} (stage {e.worst.stage} the largest, {format_bytes(chosen.expected_bytes)} expected); bubble "
+            f"{e.bubble:.0%} of the micro-batch slots; point-to-point sends {e.p2p_seconds:.3g} s of "
+            f"{chosen.seconds:.3g} s/step")

@@ -27,7 +27,7 @@ from fulltune.memory.shapes import ModelShape, model_shape
 from fulltune.memory.types import MemoryEstimate, MemoryPlan, PlanRequest, Settings
 from fulltune.memory.uncertainty import Uncertainty, traced_uncertainty
 from fulltune.memory.units import format_bytes
-from fulltune.planning.pipeline import needs_advice, pipeline_advice
+from fulltune.planning.pipeline import needs_advice, pipeline_advice, pipeline_reasons
 from fulltune.planning.reasons import (alternatives_for, change_reasons, configured_reason, describe, host_reasons,
                                        suggestions_for, tensor_parallel_reasons)
 from fulltune.planning.search import (Candidate, configured_for, configured_request, configured_settings,
@@ -166,6 +166,7 @@ def _finish(
     reasons.extend(strategy_reasons(shape, request, candidates, chosen, usable))
     reasons.extend(tensor_parallel_reasons(shape, replace(request, strategy=chosen.settings.strategy), candidates,
                                             chosen, usable))
+    reasons.extend(pipeline_reasons(shape, request, candidates, chosen, usable))
     reasons.extend(host_reasons(request, candidates, chosen, usable))
     suggestions: tuple[str, ...] = ()
     if not fits:
@@ -210,8 +211,8 @@ def replan_after_oom(
     shape = model_shape(config)
     if request.tensor_parallel is None:  # auto: the degree the run was planned with stays (its processes are set)
         request = replace(request, tensor_parallel=previous.tensor_parallel)
-    if request.strategy == "auto":  # and so does the strategy the run was planned with
-        request = replace(request, strategy=previous.strategy)
+    if request.strategy == "auto" or request.pipeline_parallel is None:  # and so do its strategy and stages
+        request = replace(request, strategy=previous.strategy, pipeline_parallel=previous.pipeline_parallel)
     previous_estimate = _estimate(shape, previous)
     if observed_peak_bytes is not None and observed_peak_bytes > 0:
         ratio = max(observed_peak_bytes / max(previous_estimate.device_bytes, 1), 1.05)

@@ -20,6 +20,8 @@ def describe(settings: Settings) -> str:
     parts = [f"micro-batch {settings.micro_batch_size} × accumulation {settings.gradient_accumulation_steps}"]
     if settings.tensor_parallel > 1:
         parts.append(f"tensor parallel {settings.tensor_parallel}")
+    if settings.pipeline_parallel > 1:
+        parts.append(f"{settings.pipeline_parallel} pipeline stages")
     parts.append(f"checkpointing {settings.gradient_checkpointing} layers")
     parts.append(f"precision {settings.mixed_precision}")
     parts.append(settings.optimizer)
@@ -31,6 +33,8 @@ def alternative_entry(c: Candidate, why: str) -> dict[str, Any]:
     return {
         **c.settings.choices(),
         "tensor_parallel": c.settings.tensor_parallel,
+        **({"pipeline_parallel": c.settings.pipeline_parallel, "strategy": c.settings.strategy}
+           if c.settings.pipeline_parallel > 1 else {}),
         "peak_bytes": c.estimate.peak_bytes,
         "device_bytes": c.estimate.device_bytes,
         "uncertainty_bytes": c.uncertainty.bytes,
@@ -229,7 +233,7 @@ def suggestions_for(shape: ModelShape, request: PlanRequest, smallest: Candidate
         for n in counts:
             if n < 2 or request.effective_batch_size % n:
                 continue
-            sharded = replace(request, strategy="fsdp", num_processes=n, micro_batch_size=None,
+            sharded = replace(request, strategy="fsdp", num_processes=n, pipeline_parallel=1, micro_batch_size=None,
                               gradient_accumulation_steps=None, optimizer_in_backward=None, offload_optimizer=None)
             usable = request.usable_bytes or 0
             candidates = [c for c in staged_search(shape, sharded, usable) if fits_budget(c, usable)]

@@ -16,6 +16,7 @@ from typing import Any
 
 from fulltune import levers as lever_table
 from fulltune.memory.budget import host_ram
+from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.estimate import _estimate
 from fulltune.memory.process import node_host_bytes
 from fulltune.memory.shapes import ModelShape, model_shape
@@ -107,6 +108,9 @@ def configured_settings(config: Any, request: PlanRequest) -> Settings:
 def configured_request(request: PlanRequest) -> PlanRequest:
     """The request with tensor_parallel auto at its naive default, 1 (FSDP alone), and strategy auto at its
     own (`strategy.naive_strategy`), as the other auto fields."""
+    if request.pipeline_parallel is None:  # auto: data parallel (or one process), else every process a stage
+        stages = request.num_processes if request.strategy == "none" else 1
+        request = as_pipeline(request, stages)
     request = naive_strategy(request)
     return replace(request, tensor_parallel=1) if request.tensor_parallel is None else request
 
@@ -309,8 +313,16 @@ def staged_search(shape: ModelShape, request: PlanRequest, usable: int, micros: 
     time, cheapest first (`LEVERS`), until something fits; every candidate seen is returned. With
     `strategy` auto, that search for every strategy `strategy.strategy_choices` offers; with
     `tensor_parallel` auto (None), for every degree `tensor_parallel_degrees` allows."""
+    if request.pipeline_parallel is None:
+        degrees, _ = pipeline_degrees(shape, request)
+        if not degrees:
+            _, refused = pipeline_degrees(shape, request)
+            raise MemoryConfigError("distributed.pipeline_parallel: auto has nothing to choose from: " + "; ".join(
+                f"{degree} stage{'s' if degree > 1 else ''}: {why}" for degree, why in sorted(refused.items())))
+        return [c for degree in degrees
+                for c in staged_search(shape, as_pipeline(request, degree), usable, micros, min_checkpointing)]
     if request.strategy == "auto":
-        return [c for strategy in strategy_choices(request)
+        return [c for strategy in allowed_strategies(request)
                 for c in staged_search(shape, replace(request, strategy=strategy), usable, micros,
                                         min_checkpointing)]
     if request.tensor_parallel is None:
@@ -368,3 +380,65 @@ def tensor_parallel_degrees(shape: ModelShape, request: PlanRequest) -> tuple[li
 
 def host_budget_for(request: PlanRequest) -> int:
     return request.host_memory_bytes if request.host_memory_bytes is not None else host_ram()
+
+
+def allowed_strategies(request: PlanRequest) -> list[str]:
+    """The strategies `strategy` auto offers (`strategy.strategy_choices`) that the fixed fields allow (the lever
+    table: a fixed 8-bit optimizer refuses fsdp)."""
+    out = []
+    for strategy in strategy_choices(request):
+        try:
+            replace(request, strategy=strategy)
+        except ValueError:
+            continue
+        out.append(strategy)
+    return out
+
+
+def pipeline_degrees(shape: ModelShape, request: PlanRequest) -> tuple[list[int], dict[int, str]]:
+    """The numbers of pipeline stages `distributed.pipeline_parallel: auto` may choose, and why the other divisors
+    of the processes may not: 1 is data parallel over the processes (a strategy other than none, or one
+    process); P > 1 stages are every process a stage (data parallel beside stages is not built), each with a
+    decoder layer or more, an untied head, strategy none (or auto) and no rule of the lever table broken with the
+    fixed fields. Each is the request as `staged_search` searches it."""
+    if request.pipeline_parallel is not None:
+        return [request.pipeline_parallel], {}
+    n = request.num_processes
+    degrees, refused = [], {}
+    for degree in sorted(divisors(n)):
+        if degree == 1:
+            if request.strategy == "none" and n > 1:
+                refused[1] = f"strategy none: {n} processes are pipeline stages (data parallel needs ddp, fsdp or auto)"
+            else:
+                degrees.append(1)
+            continue
+        why = _stages_problem(shape, request, degree)
+        if why:
+            refused[degree] = why
+        else:
+            degrees.append(degree)
+    return degrees, refused
+
+
+def _stages_problem(shape: ModelShape, request: PlanRequest, degree: int) -> str | None:
+    """Why `degree` pipeline stages over the request's processes cannot train (None: they can)."""
+    if degree < request.num_processes:
+        return "data parallel beside pipeline stages is not built yet"
+    if request.strategy not in ("none", "auto"):
+        return f"pipeline stages run under strategy none; this pipeline's is {request.strategy}"
+    if degree > shape.num_layers:
+        return f"{degree} stages need a decoder layer each; the model has {shape.num_layers}"
+    if shape.tied:
+        return ("the model ties its output head to its input embedding (tie_word_embeddings), which pipeline "
+                "stages do not train yet")
+    try:
+        staged = as_pipeline(request, degree)
+    except ValueError as exc:
+        return str(exc).split(": ", 1)[-1]
+    found = lever_table.problems(_combination(staged))
+    return found[0] if found else None
+
+
+def as_pipeline(request: PlanRequest, degree: int) -> PlanRequest:
+    """The request with `degree` pipeline stages: strategy none for stages, the request's own for 1."""
+    return replace(request, pipeline_parallel=degree, strategy="none" if degree > 1 else request.strategy)

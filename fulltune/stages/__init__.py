@@ -412,7 +412,9 @@ def check_model_split(p: ResolvedPipeline, config: Any) -> None:
     (`runtime.pipeline_parallel.check_model_config`)."""
     from fulltune.runtime import pipeline_parallel
 
-    pipeline_parallel.check_model_config(config, p.spec.distributed.pipeline_parallel, f"pipelines.{p.name}.")
+    stages = p.spec.distributed.pipeline_parallel
+    if stages != "auto":  # auto: the planner tries only the numbers of stages that split the model
+        pipeline_parallel.check_model_config(config, stages, f"pipelines.{p.name}.")
     p.spec.distributed.dims.check_split(config, f"pipelines.{p.name}.")
 
 
@@ -549,7 +551,7 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         strategy=d.strategy,
         num_processes=d.num_processes,
         tensor_parallel=d.dims.tp,  # None (auto): the planner chooses
-        pipeline_parallel=d.pipeline_parallel,
+        pipeline_parallel=None if d.pipeline_parallel == "auto" else d.pipeline_parallel,  # auto: the planner's
         pipeline_schedule=d.pipeline_schedule,
         bf16_supported=budget.bf16_supported,
         # Packed rows restart position_ids, so transformers builds a block mask per layer; unpacked rows
