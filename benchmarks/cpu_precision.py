@@ -3,7 +3,7 @@
 Whether 16-bit compute pays on a CPU depends on the CPU: with bf16 matrix instructions (AVX512-BF16, AMX)
 oneDNN runs bf16 GEMMs natively; without them every bf16 matmul and its backward convert to fp32 and back,
 and the step is several times slower than fp32 (the development CPU of the planner-choice benchmark:
-3.65×). The planner's step-time model (`fulltune.planning.planner.step_seconds`) reads which kind of CPU it
+3.65×). The planner's step-time model (`fulltune.planning.step_time.step_seconds`) reads which kind of CPU it
 runs on (`cpu_bf16_units`) and ranks by the ratio measured for that kind.
 
 Each precision trains the same model on the same rows with the trainer's own functions
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         return _child(args.child[0], int(args.child[1]))
-    from fulltune.planning.planner import cpu_bf16_units
+    from fulltune.planning.step_time import cpu_bf16_units
 
     base = SHAPES[args.case]
     cases = {name: replace(base, name=f"{base.name}-{name.replace(' ', '-')}", **fields)

@@ -234,10 +234,10 @@ def _safely(name: str, fn: Any, *args: Any) -> dict[str, Any]:
 
 def host_parameter_plan(config: Any, settings: Settings) -> dict[str, Any]:
     """What the planner predicts for parameters in host RAM (FSDP2 CPU offload over one GPU): step time and its
-    assumed terms (planner.fsdp_offload_terms), device and host bytes; the measured case is set against it.
+    assumed terms (step_time.fsdp_offload_terms), device and host bytes; the measured case is set against it.
     Runs on CPU too (--dry-run checks the arithmetic)."""
     from fulltune.memory.shapes import model_shape
-    from fulltune.planning.planner import fsdp_offload_terms, step_seconds
+    from fulltune.planning.step_time import fsdp_offload_terms, step_seconds
 
     shape = model_shape(config)
     estimate = estimate_memory(config, settings)

@@ -100,7 +100,7 @@ def _estimate_record(shape: Any, settings: Any) -> dict[str, Any]:
 
 def _pipeline_record(shape: Any, settings: Any, stages: int, schedule: str) -> dict[str, Any]:
     from fulltune.memory.errors import MemoryConfigError
-    from fulltune.memory.pipeline import estimate_pipeline
+    from fulltune.planning.pipeline import estimate_pipeline
 
     try:
         return estimate_pipeline(shape, settings, stages, schedule).to_dict()

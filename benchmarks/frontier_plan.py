@@ -5,7 +5,7 @@ whole pipeline, training, the final export and the evaluate stage, each within i
 Configs are built in code (no downloads): Llama-3 shapes with the 128k vocabulary, untied head, packed rows
 without padding (no attention mask), seq 2048, effective batch 8, optimizer auto, every memory lever auto,
 host RAM 256 GiB per machine. For each GPU size the table shows what the planner chose, the device bytes it
-expects, the host RAM the levers need and its predicted step time (ranking model: fulltune/planning/planner.py;
+expects, the host RAM the levers need and its predicted step time (ranking model: fulltune/planning/step_time.py;
 its lever constants, PCIe ~25 GB/s and host AdamW ~1.5 GB/s, are assumptions until measured on a GPU), the
 host RAM of the final export (FSDP: rank 0's streamed files, memory/process.py) and the evaluate stage with
 evaluate.*'s defaults (batch 8, 32 new tokens, rows of the training length; memory/evaluation.py): its dtype,

@@ -223,7 +223,7 @@ def reference_losses(case: Case) -> tuple[list[float], list[float]]:
 
 
 def run_case(case: Case) -> dict:
-    from fulltune.memory.pipeline import estimate_pipeline
+    from fulltune.planning.pipeline import estimate_pipeline
 
     started = time.perf_counter()
     ranks = torchrun_ranks("benchmarks.pipeline_parallel", case.name, case.stages, timeout_s=TIMEOUT_S)
@@ -299,7 +299,8 @@ def frontier() -> str:
 
     from fulltune.memory import PlanRequest, format_bytes
     from fulltune.planning import plan_memory
-    from fulltune.memory.pipeline import UNSUPPORTED_LEVERS, estimate_pipeline
+    from fulltune.memory.pipeline import UNSUPPORTED_LEVERS
+    from fulltune.planning.pipeline import estimate_pipeline
     from fulltune.memory.shapes import model_shape
 
     from benchmarks.frontier_plan import CLUSTER_HOST, GiB, config

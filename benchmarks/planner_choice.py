@@ -304,13 +304,13 @@ def what_if(case: Case, budget: int, measured: list[dict], feasible: list[dict])
     """The planner's choice with another CPU half-efficiency point (patched in, same budget), looked
     up among the measured candidates: its slowdown over the measured-fastest feasible candidate (wall
     and CPU time), None if it was not measured."""
-    from fulltune.planning import planner
+    from fulltune.planning import step_time
 
     out = {}
-    saved = planner._HALF_EFFICIENCY_TOKENS["cpu"]
+    saved = step_time.HALF_EFFICIENCY_TOKENS["cpu"]
     try:
         for tokens in WHAT_IF_HALF_EFFICIENCY_TOKENS:
-            planner._HALF_EFFICIENCY_TOKENS["cpu"] = tokens
+            step_time.HALF_EFFICIENCY_TOKENS["cpu"] = tokens
             s = plan_memory(case.config, request_for(case, budget)).settings
             hit = next((c for c in measured if c["settings"] == describe(s)), None)
             out[tokens] = {"choice": describe(s)}
@@ -318,7 +318,7 @@ def what_if(case: Case, budget: int, measured: list[dict], feasible: list[dict])
                 best = min(c[metric] for c in feasible)
                 out[tokens][metric] = None if hit is None else hit[metric] / best - 1
     finally:
-        planner._HALF_EFFICIENCY_TOKENS["cpu"] = saved
+        step_time.HALF_EFFICIENCY_TOKENS["cpu"] = saved
     return out
 
 

@@ -52,9 +52,13 @@ class ParallelDims:
 
     @classmethod
     def from_spec(cls, distributed: Any) -> ParallelDims:
-        """The degrees a `spec.DistributedSpec` asks for; `tensor_parallel: auto` is `tp` None."""
-        tp = distributed.tensor_parallel
-        return cls(distributed.num_processes, None if tp == "auto" else tp, distributed.pipeline_parallel)
+        """The degrees a `spec.DistributedSpec` asks for; `tensor_parallel: auto` is `tp` None.
+        `pipeline_parallel: auto` is read as its strictest batch rule before the plan chooses: every process a
+        stage (`num_processes`) under strategy none, data parallel over them (1) otherwise."""
+        tp, pp = distributed.tensor_parallel, distributed.pipeline_parallel
+        if pp == "auto":
+            pp = distributed.num_processes if distributed.strategy == "none" else 1
+        return cls(distributed.num_processes, None if tp == "auto" else tp, pp)
 
     @property
     def dp(self) -> int | None:

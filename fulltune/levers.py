@@ -55,7 +55,7 @@ class Combination:
     strategy: str | None = "none"
     num_processes: int = 1
     tensor_parallel: int | None = 1
-    pipeline_parallel: int = 1
+    pipeline_parallel: int | None = 1  # None: auto, the planner checks every degree it tries
     pipeline_schedule: str = "1f1b"
     optimizer: str | None = "adamw"
     gradient_accumulation_steps: int | None = None
@@ -72,6 +72,11 @@ class Combination:
     def fixed_not_fsdp(self) -> bool:
         """The strategy is fixed and is not fsdp (auto may still choose fsdp)."""
         return self.strategy is not None and self.strategy != "fsdp"
+
+    @property
+    def pipelined(self) -> bool:
+        """Pipeline stages are fixed above 1 (auto may still choose 1)."""
+        return self.pipeline_parallel is not None and self.pipeline_parallel > 1
 
     @property
     def tensor_parallel_on(self) -> bool:
@@ -108,21 +113,21 @@ def _pipeline_rules() -> tuple[Rule, ...]:
     """The pipeline stages' rules: the levers they do not run, fp16, data parallel beside them, 1F1B's
     micro-batches."""
     def refuses(lever: str) -> Callable[[Combination], bool]:
-        return lambda c: c.pipeline_parallel > 1 and c.on(lever)
+        return lambda c: c.pipelined and c.on(lever)
 
     return (
         *(Rule((f"train.{lever}", "distributed.pipeline_parallel"), refuses(lever),
                f"{why}; set pipeline_parallel to 1 or turn {lever} off")
           for lever, why in PIPELINE_REFUSED_LEVERS.items()),
         Rule(("train.mixed_precision", "distributed.pipeline_parallel"),
-             lambda c: c.pipeline_parallel > 1 and c.mixed_precision == "fp16",
+             lambda c: c.pipelined and c.mixed_precision == "fp16",
              "pipeline stages have no grad scaler across stages; set mixed_precision to bf16, no or auto"),
         Rule(("distributed.strategy", "distributed.pipeline_parallel"),
-             lambda c: c.pipeline_parallel > 1 and c.strategy != "none",
+             lambda c: c.pipelined and c.strategy != "none",
              "data parallel beside pipeline stages is not built yet; set strategy none and num_processes to "
              "pipeline_parallel"),
         Rule(("train.gradient_accumulation_steps", "distributed.pipeline_schedule"),
-             lambda c: c.pipeline_parallel > 1 and c.pipeline_schedule == "1f1b"
+             lambda c: c.pipelined and c.pipeline_schedule == "1f1b"
              and c.gradient_accumulation_steps is not None and c.gradient_accumulation_steps < c.pipeline_parallel,
              "1F1B needs at least as many micro-batches as stages (gradient_accumulation_steps ≥ "
              "pipeline_parallel); raise it, or use pipeline_schedule gpipe"),
@@ -221,7 +226,8 @@ def from_spec(pipeline: object) -> Combination:
         strategy=auto(distributed.strategy), num_processes=distributed.num_processes,  # type: ignore[arg-type]
         # tensor_parallel auto is None: the planner checks every degree it tries against the table.
         tensor_parallel=distributed.dims.tp, optimizer=auto(train.optimizer),
-        pipeline_parallel=distributed.pipeline_parallel, pipeline_schedule=distributed.pipeline_schedule,
+        pipeline_parallel=auto(distributed.pipeline_parallel),  # type: ignore[arg-type]
+        pipeline_schedule=distributed.pipeline_schedule,
         gradient_accumulation_steps=auto(train.gradient_accumulation_steps),
         mixed_precision=auto(train.mixed_precision), gradient_checkpointing=auto(train.gradient_checkpointing),
         device=auto(budget.device))

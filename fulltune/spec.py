@@ -291,12 +291,15 @@ class DistributedSpec(Strict):
                        "them. Needs strategy fsdp; 1 = no tensor parallel; auto: the plan chooses a divisor of the "
                        "processes on one machine (the fastest that fits)."
     )
-    pipeline_parallel: int = Field(
-        1, ge=1, le=64, description="Pipeline stages: the decoder layers split evenly over this many processes, "
-                                    "one stage each (the embedding on the first, the head on the last); "
-                                    "num_processes = pipeline_parallel × data parallel × tensor_parallel. 1 = none. "
-                                    "Each optimizer step's gradient_accumulation_steps micro-batches flow through "
-                                    "the stages. Needs strategy none and no other parallelism (for now)."
+    pipeline_parallel: int | Auto = Field(
+        1, description="Pipeline stages: the decoder layers split evenly over this many processes, "
+                       "one stage each (the embedding on the first, the head on the last); "
+                       "num_processes = pipeline_parallel × data parallel × tensor_parallel. 1 = none. "
+                       "Each optimizer step's gradient_accumulation_steps micro-batches flow through "
+                       "the stages. Needs strategy none and no other parallelism (for now). auto: the plan "
+                       "chooses between data parallel over the processes (strategy ddp or fsdp, or one process) and "
+                       "num_processes stages (strategy none), the fastest that fits; with strategy none it is "
+                       "num_processes."
     )
     pipeline_schedule: PipelineSchedule = Field(
         "1f1b", description="The order a stage runs its micro-batches: `1f1b` (one forward, one backward: stage s "
@@ -312,8 +315,21 @@ class DistributedSpec(Strict):
                              "(FSDP2 shards weights, gradients and optimizer states as ZeRO-3 does)")
         return value
 
+    @field_validator("pipeline_parallel")
+    @classmethod
+    def _stages(cls, value: Any) -> Any:
+        if value != "auto" and not 1 <= value <= 64:
+            raise ValueError(f"pipeline_parallel must be auto or from 1 to 64; got {value}")
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> DistributedSpec:
+        if self.pipeline_parallel == "auto":
+            if self.tensor_parallel != 1:
+                raise ValueError("pipeline_parallel auto is not combined with tensor_parallel (pipeline stages and "
+                                 "tensor parallel are not built together); set tensor_parallel to 1")
+            ParallelDims.from_spec(self)
+            return self
         if self.strategy == "none" and self.num_processes != self.pipeline_parallel:
             raise ValueError("num_processes > 1 needs a strategy (ddp or fsdp)"
                              + (" or num_processes = pipeline_parallel" if self.pipeline_parallel > 1 else ""))

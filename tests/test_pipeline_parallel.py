@@ -13,7 +13,9 @@ from fulltune.cli import main
 from fulltune.memory import Settings
 from fulltune.planning import step_seconds
 from fulltune.memory.errors import MemoryConfigError
-from fulltune.memory.pipeline import bubble_fraction, estimate_pipeline, pipeline_step_seconds
+from fulltune.memory.pipeline import bubble_fraction
+from fulltune.planning.pipeline import estimate_pipeline
+from fulltune.planning.step_time import pipeline_step_seconds
 from fulltune.memory.shapes import model_shape
 
 from pipelines_fixture import TINY_LLAMA, tiny_pipeline
@@ -96,3 +98,41 @@ def test_plan_offers_no_pipeline_when_one_device_fits_without_slow_levers(tmp_pa
     assert main(["plan", "tiny", "-f", str(_wide(tmp_path, "8GiB")), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] is True and plan["pipeline_parallel"] is None
+
+
+def _auto_stages(tmp_path: Path, memory: str) -> Path:
+    """The 134M Llama on two cuda devices with `pipeline_parallel: auto`, 8-bit AdamW fixed (FSDP refuses it,
+    so the choice is DDP's whole replica per device or two stages of half the model each)."""
+    config = {**TINY_LLAMA, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 8,
+              "num_attention_heads": 8, "num_key_value_heads": 8, "tie_word_embeddings": False}
+    return tiny_pipeline(tmp_path, model={"from_config": config}, budget={"device": "cuda", "memory": memory,
+                                                                          "host_memory": "64GiB"},
+                         train={"optimizer": "adamw_8bit", "mixed_precision": "bf16"},
+                         distributed={"strategy": "auto", "num_processes": 2, "pipeline_parallel": "auto"})
+
+
+def test_pipeline_parallel_auto_picks_stages_where_only_they_fit_and_data_parallel_where_it_is_faster(tmp_path,
+                                                                                                       capsys):
+    path = _auto_stages(tmp_path, "1.5GiB")
+    assert main(["validate", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["plan", "tiny", "-f", str(path), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and (plan["plan"]["pipeline_parallel"], plan["plan"]["strategy"]) == (2, "none")
+    why = next(r for r in plan["reasons"] if r.startswith("pipeline parallel 2 (distributed.pipeline_parallel auto)"))
+    assert "stage peaks" in why and "bubble 33%" in why and "point-to-point sends" in why
+    assert "1 does not fit" in why
+    (tmp_path / "roomy").mkdir()
+    assert main(["plan", "tiny", "-f", str(_auto_stages(tmp_path / "roomy", "3GiB")), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["plan"]["pipeline_parallel"], plan["plan"]["strategy"]) == (1, "ddp")
+    why = next(r for r in plan["reasons"] if r.startswith("pipeline parallel 1 (distributed.pipeline_parallel auto)"))
+    assert "2 is slower" in why
+
+
+def test_pipeline_parallel_auto_does_not_try_stages_for_a_tied_head_and_says_why(tmp_path, capsys):
+    path = tiny_pipeline(tmp_path, distributed={"strategy": "auto", "num_processes": 2, "pipeline_parallel": "auto"})
+    assert main(["plan", "tiny", "-f", str(path), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["plan"]["pipeline_parallel"] == 1
+    assert any("2 not tried (the model ties its output head" in r for r in plan["reasons"])

@@ -22,10 +22,9 @@ schedule keeps beside it:
   is waited for (GPipe: after the last backward; 1F1B: one at a time);
 - under GPipe, the last stage's loss graphs: each waiting micro-batch keeps its fp32 log-softmax.
 
-Step time (`pipeline_step_seconds`): the planner's step-time model (`planner.step_seconds`) of each stage's
-own layers, split into a per-micro-batch part and the optimizer's pass; a pipeline step runs M + P − 1
-micro-batch slots of its slowest stage (the bubble is (P − 1) / (M + P − 1) of them), each with the stage's
-point-to-point send of a (b, s, h) activation and of its gradient, then the slowest stage's optimizer step.
+The step time of a pipelined step (the bubble, the point-to-point sends) is the planner's
+(`fulltune.planning.step_time.pipeline_step_seconds`), and so is the plan's pipeline advice and search
+(`fulltune.planning.pipeline`); this module is the memory arithmetic alone.
 """
 
 from __future__ import annotations
@@ -40,10 +39,6 @@ from fulltune.memory.types import MemoryEstimate, Settings
 
 SCHEDULES = ("1f1b", "gpipe")
 SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe"}
-# Point-to-point bandwidth between neighbouring stages (bytes/s). Assumptions, like the planner's other link
-# constants: GPUs without NVLink, or on two machines, move ~25 GB/s (PCIe 4.0 x16, a 200 Gb/s NIC); gloo
-# between two CPU processes of one machine copies through loopback TCP.
-P2P_BYTES_PER_S = {"cuda": 25e9, "cpu": 2e9}
 # The levers pipeline stages do not run: rules of the lever table (fulltune/levers.py).
 UNSUPPORTED_LEVERS = tuple(PIPELINE_REFUSED_LEVERS)
 
@@ -108,34 +103,9 @@ class StageEstimate:
                 "breakdown": dict(self.breakdown), "p2p_bytes": self.p2p_bytes}
 
 
-@dataclass(frozen=True)
-class PipelineEstimate:
-    """Every stage's peak, the bubble and the step time of one pipelined optimizer step."""
-
-    num_stages: int
-    schedule: str
-    micro_batches: int
-    micro_batch_size: int
-    stages: tuple[StageEstimate, ...]
-    bubble: float
-    step_seconds: float
-    p2p_seconds: float  # of step_seconds: the point-to-point sends on the slowest stage's critical path
-
-    @property
-    def worst(self) -> StageEstimate:
-        """The stage with the largest device bytes: the plan's figure per device."""
-        return max(self.stages, key=lambda s: (s.device_bytes, -s.stage))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"num_stages": self.num_stages, "schedule": self.schedule, "micro_batches": self.micro_batches,
-                "micro_batch_size": self.micro_batch_size, "worst_stage": self.worst.stage,
-                "device_bytes": self.worst.device_bytes, "bubble": round(self.bubble, 6),
-                "estimated_step_seconds": round(self.step_seconds, 6), "p2p_seconds": round(self.p2p_seconds, 6),
-                "stages": [s.to_dict() for s in self.stages]}
-
-
-def estimate_pipeline(config: Any, settings: Settings, num_stages: int, schedule: str = "1f1b") -> PipelineEstimate:
-    """Each stage's peak memory and the step time of `settings` run as `num_stages` pipeline stages.
+def estimate_stages(config: Any, settings: Settings, num_stages: int, schedule: str = "1f1b"
+                    ) -> tuple[StageEstimate, ...]:
+    """Each stage's peak memory of `settings` run as `num_stages` pipeline stages.
 
     `settings` is the step as one process would run it: micro-batches of `micro_batch_size` rows,
     `gradient_accumulation_steps` of them per optimizer step (the pipeline's micro-batches), strategy none.
@@ -146,20 +116,22 @@ def estimate_pipeline(config: Any, settings: Settings, num_stages: int, schedule
     """
     shape = config if isinstance(config, ModelShape) else model_shape(config)
     _check(shape, settings, num_stages, schedule)
-    stages = tuple(_stage_estimate(shape, settings, num_stages, s, schedule) for s in range(num_stages))
-    seconds, p2p = pipeline_step_seconds(shape, settings, num_stages)
-    return PipelineEstimate(num_stages, schedule, settings.gradient_accumulation_steps, settings.micro_batch_size,
-                            stages, bubble_fraction(num_stages, settings.gradient_accumulation_steps), seconds, p2p)
+    return tuple(_stage_estimate(shape, settings, num_stages, s, schedule) for s in range(num_stages))
+
+
+def worst_stage(stages: tuple[StageEstimate, ...]) -> StageEstimate:
+    """The stage with the largest device bytes: the plan's figure per device."""
+    return max(stages, key=lambda s: (s.device_bytes, -s.stage))
 
 
 def stage_memory_estimate(shape: ModelShape, settings: Settings) -> MemoryEstimate:
     """The plan's estimate of pipelined `settings` (`pipeline_parallel` P > 1, one process per stage): the
-    largest stage of `estimate_pipeline` is the figure per device, its peak phase named with its stage.
+    largest stage of `estimate_stages` is the figure per device, its peak phase named with its stage.
 
     Only the step is counted: every process builds the whole model before it keeps its stage, which this does
     not see (a process's load phase; on CPU the step's peak is the larger for any model that trains)."""
     one = replace(settings, num_processes=settings.num_processes // settings.pipeline_parallel, pipeline_parallel=1)
-    worst = estimate_pipeline(shape, one, settings.pipeline_parallel, settings.pipeline_schedule).worst
+    worst = worst_stage(estimate_stages(shape, one, settings.pipeline_parallel, settings.pipeline_schedule))
     first, last = worst.layers
     note = (f"pipeline stage {worst.stage} of {settings.pipeline_parallel} (layers {first}–{last - 1}, "
             f"{worst.in_flight} micro-batches in flight) is the largest: its peak is the device figure")
@@ -298,110 +270,3 @@ def _single_micro_batch(sub: ModelShape, ss: Settings, first: bool, last: bool, 
     tl = Timeline(x, replace(p, batch=batch))
     walk(tl, replicated(tl, layers=(start, start + sub.num_layers), embedding=first, head=last))
     return tl.phases, acts.total, x
-
-
-def pipeline_step_seconds(shape: ModelShape, settings: Settings, num_stages: int) -> tuple[float, float]:
-    """(seconds of one pipelined optimizer step, of which point-to-point sends) by the planner's step-time model.
-
-    Each stage's `planner.step_seconds` on its own layers (and head), at one and two micro-batches: the
-    difference is its per-micro-batch time, the rest its optimizer pass. The step is M + P − 1 slots of the
-    slowest stage's micro-batch (the fill and drain of the pipeline, GPipe and 1F1B alike) plus the slowest
-    stage's optimizer pass; each slot also sends one (b, s, h) activation forward and one gradient back.
-    """
-    from fulltune.memory.activations import stream_bytes
-    from fulltune.planning.planner import step_seconds
-
-    M, P = settings.gradient_accumulation_steps, num_stages
-    per_micro_batch, optimizer = [], []
-    for s in range(P):
-        sub, ss = stage_shape(shape, P, s), stage_settings(settings, P, s, shape.num_layers)
-        one = step_seconds(sub, replace(ss, gradient_accumulation_steps=1))
-        two = step_seconds(sub, replace(ss, gradient_accumulation_steps=2))
-        per_micro_batch.append(two - one)
-        optimizer.append(max(one - (two - one), 0.0))
-    activation = stream_bytes(settings) * settings.micro_batch_size * settings.seq_len * shape.hidden
-    send = (2 * activation / P2P_BYTES_PER_S[settings.device]) if P > 1 else 0.0
-    slots = M + P - 1
-    return slots * (max(per_micro_batch) + send) + max(optimizer), slots * send
-
-
-# --- plan advice ------------------------------------------------------------------------------------------
-
-MAX_STAGES = 64
-# The slow levers: when the plan fits only with these, the advice says what pipeline parallel would cost instead.
-SLOW_LEVERS = ("offload_optimizer", "offload_activations")
-
-
-def needs_advice(fits: bool, settings: Settings) -> bool:
-    """Whether `fulltune plan` should say what pipeline parallel would do: nothing fits, or only with a lever
-    that moves tensors over PCIe (`SLOW_LEVERS`)."""
-    return not fits or any(getattr(settings, name) for name in SLOW_LEVERS)
-
-
-def pipeline_advice(shape: ModelShape, request: Any, settings: Settings, usable: int,
-                    plan_seconds: float | None = None, fits: bool = False) -> dict[str, Any] | None:
-    """The fewest pipeline stages (2, 4, 8, … up to the layers) under 1F1B whose worst stage fits `usable`
-    bytes per device, with its fastest micro-batch split and checkpointing; or, when none does, what the most
-    stages would need. `settings` is the plan's choice (its precision, optimizer and pure bf16 / chunked loss
-    are kept; the levers pipeline stages do not model are off); the whole effective batch goes through one
-    pipeline (no data parallel). A stage fits with the estimate's measured uncertainty for its kind of step
-    on top (`uncertainty.estimate_uncertainty`). None: the request has no budget, or the plan `fits` (with a
-    slow lever) and no number of stages would.
-    """
-    from fulltune.planning.planner import divisors  # the planner imports this module
-    from fulltune.memory.uncertainty import estimate_uncertainty
-
-    if not usable:
-        return None
-    base = replace(settings, strategy="none", num_processes=1, tensor_parallel=1, pipeline_parallel=1,
-                   **{name: False for name in UNSUPPORTED_LEVERS})
-    B = request.effective_batch_size
-    best: tuple[PipelineEstimate, int] | None = None
-    smallest: tuple[int, PipelineEstimate, int] | None = None  # (planned bytes, ...) of the least demanding
-    counts = [n for n in (2, 4, 8, 16, 32, MAX_STAGES) if n <= shape.num_layers]
-    for P in counts:
-        fitting = []
-        for b in (d for d in divisors(B) if B // d >= P):
-            for k in sorted({0, shape.num_layers // 2, shape.num_layers}):
-                candidate = replace(base, micro_batch_size=b, gradient_accumulation_steps=B // b,
-                                    gradient_checkpointing=k)
-                estimate = estimate_pipeline(shape, candidate, P, "1f1b")
-                worst = estimate.worst
-                margin = estimate_uncertainty(stage_shape(shape, P, worst.stage),
-                                              stage_settings(candidate, P, worst.stage, shape.num_layers),
-                                              worst.peak_bytes).bytes
-                planned = worst.device_bytes + margin
-                if planned <= usable:
-                    fitting.append((estimate, k))
-                if smallest is None or planned < smallest[0]:
-                    smallest = (planned, estimate, k)
-        if fitting:
-            best = min(fitting, key=lambda c: (c[0].step_seconds, c[1]))
-            break
-    if best is None and fits:
-        return None  # the plan fits, with its offload, and stages alone would not: nothing to compare
-    chosen = best or (smallest[1:] if smallest else None)
-    if chosen is None:
-        return None
-    estimate, k = chosen
-    return _advice(shape, estimate, k, best is not None, plan_seconds, fits)
-
-
-def _advice(shape: ModelShape, e: PipelineEstimate, checkpointing: int, fits: bool, plan_seconds: float | None,
-            plan_fits: bool) -> dict[str, Any]:
-    from fulltune.memory.units import format_bytes
-
-    worst = e.worst
-    where = "the first stage" if worst.stage == 0 else ("the last stage" if worst.stage == e.num_stages - 1
-                                                        else f"stage {worst.stage}")
-    what = (f"pipeline parallel {e.num_stages} ({SCHEDULE_NAMES[e.schedule]}, {e.micro_batches} micro-batches of "
-            f"{e.micro_batch_size}, checkpointing {checkpointing} of {shape.num_layers} layers)")
-    if fits:
-        text = (f"{what} would fit at {format_bytes(worst.device_bytes)} on {where}, bubble {e.bubble:.0%}, "
-                f"step {e.step_seconds:.3g} s on {e.num_stages} devices")
-        if plan_fits and plan_seconds is not None:
-            text += f" (the plan: {plan_seconds:.3g} s on one device per process, with its offload)"
-    else:
-        text = (f"{what} would not fit either: {where} needs {format_bytes(worst.device_bytes)} "
-                f"(pipeline stages alone do not shard a stage's weights, gradients or optimizer states)")
-    return {**e.to_dict(), "gradient_checkpointing": checkpointing, "fits": fits, "advice": text}

@@ -251,8 +251,8 @@ class PlanRequest:
     headroom: float = 0.05
     strategy: str = "none"
     num_processes: int = 1
-    tensor_parallel: int | None = 1  # None: auto, the planner chooses a degree (planning/planner.py)
-    pipeline_parallel: int = 1
+    tensor_parallel: int | None = 1  # None: auto, the planner chooses a degree (planning/search.py)
+    pipeline_parallel: int | None = 1  # None: auto, the planner chooses the stages (planning/pipeline.py)
     pipeline_schedule: str = "1f1b"
     bf16_supported: bool = False
     attention_mask: bool = True
@@ -298,13 +298,16 @@ class PlanRequest:
                 raise MemoryConfigError(f"{name} must be an integer >= 1 or None (auto); got {value!r}")
         # The processes of a tensor-parallel group share their rows: only the data-parallel ones split the batch
         # (with tensor_parallel auto, the planner checks it for each degree it tries).
-        self.dims.check_batch(self.effective_batch_size, self.micro_batch_size, self.gradient_accumulation_steps)
+        # (with pipeline_parallel auto, likewise for each number of stages).
+        if self.pipeline_parallel is not None:
+            self.dims.check_batch(self.effective_batch_size, self.micro_batch_size, self.gradient_accumulation_steps)
         _check_request_choices(self)
 
     @property
     def dims(self) -> ParallelDims:
-        """The parallel degrees asked for: `tp` None while tensor_parallel is auto."""
-        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel)
+        """The parallel degrees asked for: `tp` None while tensor_parallel is auto (pipeline_parallel auto:
+        as one stage until the planner chooses)."""
+        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel or 1)
 
 
 def _check_request_choices(request: PlanRequest) -> None:

@@ -9,7 +9,8 @@ of the trainer's step, the out-of-memory replan, and autotune's measurements.
 Importing this package does not import torch; the functions that need it import it when called.
 """
 
-from fulltune.planning.planner import configured_settings, plan_memory, replan_after_oom, step_seconds
+from fulltune.planning.planner import configured_settings, plan_memory, replan_after_oom
+from fulltune.planning.step_time import step_seconds
 from fulltune.planning.trace import measure_memory, simulate_memory
 
 __all__ = ["configured_settings", "measure_memory", "plan_memory", "replan_after_oom", "simulate_memory", "step_seconds"]

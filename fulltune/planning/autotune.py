@@ -1,6 +1,6 @@
 """Autotune: run the planner's top candidates for a few steps on the real device before the run commits.
 
-The planner ranks the settings that fit by an analytic step-time model (`memory.planner.step_seconds`),
+The planner ranks the settings that fit by an analytic step-time model (`planning.step_time.step_seconds`),
 whose constants no device at hand has checked. Autotune measures instead:
 
     candidates  the planned settings and the planner's next-fastest alternatives that fit
@@ -204,13 +204,13 @@ def _write_measurement(workdir: str | Path, key: str, entry: dict[str, Any]) -> 
 
 def analytic_step_seconds(shape: ModelShape, settings: Settings) -> float:
     """The planner's step time without any calibration."""
-    from fulltune.planning import planner
+    from fulltune.planning import step_time
 
-    token = planner.STEP_TIME_CORRECTION.set(None)
+    token = step_time.STEP_TIME_CORRECTION.set(None)
     try:
-        return planner.step_seconds(shape, settings)
+        return step_time.step_seconds(shape, settings)
     finally:
-        planner.STEP_TIME_CORRECTION.reset(token)
+        step_time.STEP_TIME_CORRECTION.reset(token)
 
 
 def calibration(workdir: str | Path, kind: str) -> dict[str, float]:
@@ -254,18 +254,18 @@ def calibration(workdir: str | Path, kind: str) -> dict[str, float]:
 def calibrated(workdir: str | Path, device: str) -> Iterator[dict[str, float]]:
     """Within the block the planner's `step_seconds` reads this device kind's measured corrections
     (`calibration`); yields the factors (empty: the analytic model as it is)."""
-    from fulltune.planning import planner
+    from fulltune.planning import step_time
 
     factors = calibration(workdir, device_kind(hardware(device)))
     correction = None
     if factors:
         def correction(settings: Settings) -> float:
             return factors.get(step_kind(settings), factors["*"])
-    token = planner.STEP_TIME_CORRECTION.set(correction)
+    token = step_time.STEP_TIME_CORRECTION.set(correction)
     try:
         yield factors
     finally:
-        planner.STEP_TIME_CORRECTION.reset(token)
+        step_time.STEP_TIME_CORRECTION.reset(token)
 
 
 def calibration_key(workdir: str | Path, device: str) -> dict[str, Any]:

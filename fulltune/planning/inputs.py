@@ -98,7 +98,7 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         strategy=d.strategy,
         num_processes=d.num_processes,
         tensor_parallel=d.dims.tp,  # None (auto): the planner chooses
-        pipeline_parallel=d.pipeline_parallel,
+        pipeline_parallel=None if d.pipeline_parallel == "auto" else d.pipeline_parallel,  # auto: the planner's
         pipeline_schedule=d.pipeline_schedule,
         bf16_supported=budget.bf16_supported,
         # Packed rows restart position_ids, so transformers builds a block mask per layer; unpacked rows

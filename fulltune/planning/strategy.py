@@ -19,7 +19,7 @@ from fulltune.memory.units import format_bytes
 
 if TYPE_CHECKING:
     from fulltune.memory.shapes import ModelShape
-    from fulltune.planning.planner import _Candidate
+    from fulltune.planning.search import Candidate
 
 
 def choices(strategy: str, num_processes: int) -> tuple[str, ...]:
@@ -47,11 +47,12 @@ def host_parameters(settings: object) -> bool:
             and s.device == "cuda")  # type: ignore[attr-defined]
 
 
-def strategy_reasons(shape: ModelShape, request: PlanRequest, candidates: list[_Candidate], chosen: _Candidate,
+def strategy_reasons(shape: ModelShape, request: PlanRequest, candidates: list[Candidate], chosen: Candidate,
                      usable: int) -> list[str]:
     """With strategy auto: the strategy chosen and each other one's best candidate; where the parameters live
     in host RAM, that line with its device and host bytes, what `none` needs and the step-time terms."""
-    from fulltune.planning.planner import _fits, best_by
+    from fulltune.planning.reasons import best_by
+    from fulltune.planning.search import fits_budget
 
     if request.strategy != "auto":
         return []
@@ -61,7 +62,7 @@ def strategy_reasons(shape: ModelShape, request: PlanRequest, candidates: list[_
     for name, c in best.items():
         if name == s.strategy:
             continue
-        if _fits(c, usable):
+        if fits_budget(c, usable):
             verdict = "is slower" if c.seconds > chosen.seconds else "is no faster"
             others.append(f"{name} {verdict} ({c.seconds:.3g} s/step)")
         else:
@@ -79,28 +80,28 @@ def strategy_reasons(shape: ModelShape, request: PlanRequest, candidates: list[_
 
 def step_terms(shape: ModelShape, settings: object) -> str:
     """The step-time terms of parameters in host RAM, each constant named as the assumption it is."""
-    from fulltune.planning import planner as p
+    from fulltune.planning import step_time as p
 
     t = p.fsdp_offload_terms(shape, settings)  # type: ignore[arg-type]
     return (f"step-time terms (assumed, not measured): compute {t['compute_s']:.3g} s at "
-            f"{p._FLOPS[('cuda', settings.mixed_precision)] / 1e12:.0f} TFLOP/s; PCIe {t['pcie_s']:.3g} s "  # type: ignore[attr-defined]
+            f"{p.FLOPS[('cuda', settings.mixed_precision)] / 1e12:.0f} TFLOP/s; PCIe {t['pcie_s']:.3g} s "  # type: ignore[attr-defined]
             f"({format_bytes(int(t['pcie_bytes']))}: weights in for forward and backward, gradients out, per "
-            f"micro-batch, at {p._PCIE_BYTES_PER_S / 1e9:.0f} GB/s), of which {t['exposed_pcie_s']:.3g} s not "
-            f"hidden behind compute ({p._OFFLOAD_OVERLAP:.0%} overlap); host optimizer step {t['host_step_s']:.3g} s "
-            f"at {p._HOST_OPTIMIZER_BYTES_PER_S / 1e9:.3g} GB/s")
+            f"micro-batch, at {p.PCIE_BYTES_PER_S / 1e9:.0f} GB/s), of which {t['exposed_pcie_s']:.3g} s not "
+            f"hidden behind compute ({p.OFFLOAD_OVERLAP:.0%} overlap); host optimizer step {t['host_step_s']:.3g} s "
+            f"at {p.HOST_OPTIMIZER_BYTES_PER_S / 1e9:.3g} GB/s")
 
 
 def host_parameter_suggestion(shape: ModelShape, request: PlanRequest) -> str | None:
     """For one process under strategy none that does not fit: what fsdp over that process (parameters in host
     RAM where the lever table allows offload) would need, if it fits."""
-    from fulltune.planning.planner import _fits, _staged_search
+    from fulltune.planning.search import fits_budget, staged_search
 
     if request.strategy != "none" or request.num_processes != 1 or request.device != "cuda":
         return None
     usable = request.usable_bytes or 0
     sharded = replace(request, strategy="fsdp")
     try:
-        fitting = [c for c in _staged_search(shape, sharded, usable) if _fits(c, usable)]
+        fitting = [c for c in staged_search(shape, sharded, usable) if fits_budget(c, usable)]
     except ValueError:  # the fixed fields break the lever table under fsdp
         return None
     if not fitting:

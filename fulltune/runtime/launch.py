@@ -190,10 +190,12 @@ def job_from_pipeline(pipeline: spec.PipelineSpec, plan: Settings, *, model_path
     """The TrainJob for a resolved pipeline spec (`model`, `train`, `distributed`) and the settings its memory
     plan chose; ConfigError when the plan was made for another strategy, process count or attention.
     The tensor-parallel degree is the plan's (for `distributed.tensor_parallel: auto`, the one it chose), and so
-    is the strategy for `distributed.strategy: auto`."""
+    are the strategy for `distributed.strategy: auto` and the stages for `distributed.pipeline_parallel: auto`."""
     distributed = pipeline.distributed.model_dump(exclude=set(PLANNED_DISTRIBUTED_KEYS))
     if distributed["strategy"] == "auto":
         distributed["strategy"] = plan.strategy
+    if distributed["pipeline_parallel"] == "auto":  # the stages the plan chose (1: data parallel or one process)
+        distributed["pipeline_parallel"] = plan.pipeline_parallel
     return _validated({
         "paths": JobPaths(model_path=model_path, tokenizer_path=tokenizer_path, train_file=train_file,
                           output_dir=output_dir),

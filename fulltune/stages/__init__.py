@@ -46,7 +46,8 @@ STAGE_CODE = {
                     "stages/tokenize.py", "models.py", "levers.py", "degrees.py", "storage.py", "hub.py"),
     # An out-of-memory replan plans with the planner and the stages' planning inputs.
     FINE_TUNE: ("stages/finetune.py", "stages/__init__.py", "runtime", "planning/replan.py", "planning/inputs.py",
-                "planning/planner.py", "planning/strategy.py", "planning/trace.py", "memory", "data", "models.py",
+                "planning/planner.py", "planning/search.py", "planning/step_time.py", "planning/reasons.py",
+                "planning/pipeline.py", "planning/strategy.py", "planning/trace.py", "memory", "data", "models.py",
                 "levers.py", "degrees.py", "hub.py", "storage.py"),
     EVALUATE: ("evaluation", "runtime/loss.py", "memory/head.py", "data", "models.py", "hub.py", "tracking/registry.py"),
     REGISTER: ("tracking/registry.py", "evaluation/evaluate.py"),
@@ -376,7 +377,9 @@ def check_model_split(p: ResolvedPipeline, config: Any) -> None:
     (`runtime.pipeline_parallel.check_model_config`)."""
     from fulltune.runtime import pipeline_parallel
 
-    pipeline_parallel.check_model_config(config, p.spec.distributed.pipeline_parallel, f"pipelines.{p.name}.")
+    stages = p.spec.distributed.pipeline_parallel
+    if stages != "auto":  # auto: the planner tries only the numbers of stages that split the model
+        pipeline_parallel.check_model_config(config, stages, f"pipelines.{p.name}.")
     p.spec.distributed.dims.check_split(config, f"pipelines.{p.name}.")
 
 

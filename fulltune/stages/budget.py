@@ -370,7 +370,7 @@ def _epoch_seconds(p: ResolvedPipeline, tokenizer: str, packing: bool, rows: int
     from fulltune.planning.strategy import choices
 
     t, d, device = p.spec.train, p.spec.distributed, resolved_device(p)
-    processes = d.num_processes // d.pipeline_parallel  # the stages of a pipeline share its rows and time
+    processes = d.num_processes // d.dims.pp  # the stages of a pipeline share its rows and time (auto: as read)
     shape = model_shape(read_model_config(p.spec.model, _planned_vocab(p, tokenizer)))
     precision = t.mixed_precision if t.mixed_precision != "auto" else ("bf16" if device == "cuda" else "no")
     settings = Settings(

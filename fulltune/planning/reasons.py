@@ -1,0 +1,280 @@
+"""What a plan says: why each setting changed from the configured one, what each lever and each parallel
+degree costs, why offloading was refused, and — when nothing fits — what would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from fulltune.memory.estimate import _estimate
+from fulltune.memory.shapes import ModelShape
+from fulltune.memory.types import MemoryEstimate, PlanRequest, Settings
+from fulltune.memory.units import format_bytes
+from fulltune.planning.search import Candidate, device_word, fits_budget, staged_search, tensor_parallel_degrees
+from fulltune.planning.step_time import step_seconds, tensor_parallel_seconds
+from fulltune.planning.strategy import host_parameter_suggestion
+
+
+def describe(settings: Settings) -> str:
+    parts = [f"micro-batch {settings.micro_batch_size} × accumulation {settings.gradient_accumulation_steps}"]
+    if settings.tensor_parallel > 1:
+        parts.append(f"tensor parallel {settings.tensor_parallel}")
+    if settings.pipeline_parallel > 1:
+        parts.append(f"{settings.pipeline_parallel} pipeline stages")
+    parts.append(f"checkpointing {settings.gradient_checkpointing} layers")
+    parts.append(f"precision {settings.mixed_precision}")
+    parts.append(settings.optimizer)
+    parts.extend(name for name, on in settings.levers().items() if on)
+    return ", ".join(parts)
+
+
+def alternative_entry(c: Candidate, why: str) -> dict[str, Any]:
+    return {
+        **c.settings.choices(),
+        "tensor_parallel": c.settings.tensor_parallel,
+        **({"pipeline_parallel": c.settings.pipeline_parallel, "strategy": c.settings.strategy}
+           if c.settings.pipeline_parallel > 1 else {}),
+        "peak_bytes": c.estimate.peak_bytes,
+        "device_bytes": c.estimate.device_bytes,
+        "uncertainty_bytes": c.uncertainty.bytes,
+        "estimated_step_seconds": round(c.seconds, 6),
+        "rejected_because": why,
+    }
+
+
+
+def change_reasons(shape: ModelShape, configured: Settings, chosen: Candidate, usable: int) -> list[str]:
+    out = []
+    s = chosen.settings
+    if s == configured:
+        return out
+    if s.micro_batch_size != configured.micro_batch_size:
+        out.append(
+            f"micro-batch {configured.micro_batch_size} → {s.micro_batch_size} with gradient accumulation "
+            f"{configured.gradient_accumulation_steps} → {s.gradient_accumulation_steps}: the effective batch "
+            f"stays {s.micro_batch_size * s.gradient_accumulation_steps * s.dims.dp}"
+        )
+    if s.mixed_precision != configured.mixed_precision:
+        out.append(f"mixed precision {configured.mixed_precision} → {s.mixed_precision}")
+    if s.optimizer != configured.optimizer:
+        before = _estimate(shape, replace(s, optimizer=configured.optimizer)).breakdown["optimizer_states"]
+        after = chosen.estimate.breakdown["optimizer_states"]
+        out.append(
+            f"optimizer {configured.optimizer} → {s.optimizer}: optimizer states "
+            f"{format_bytes(before)} → {format_bytes(after)}"
+        )
+    out.extend(_lever_reasons(shape, configured, chosen))
+    if s.gradient_checkpointing and s.gradient_checkpointing != configured.gradient_checkpointing:
+        k = configured.gradient_checkpointing
+        # Without checkpointed layers there are no layer inputs to offload either.
+        without = _estimate(shape, replace(s, gradient_checkpointing=k, offload_activations=s.offload_activations and k > 0))
+        excess = without.device_bytes - usable
+        tail = (
+            f"{format_bytes(excess)} over budget without it"
+            if excess > 0
+            else f"{format_bytes(without.device_bytes)} without it"
+        )
+        out.append(f"gradient checkpointing on {s.gradient_checkpointing} of {shape.num_layers} layers: {tail}")
+    return out
+
+
+def best_by(candidates: list[Candidate], key: Any, usable: int) -> dict[Any, Candidate]:
+    """Each `key(candidate)`'s best candidate: the fastest that fits, else the smallest."""
+    def rank(c: Candidate) -> tuple[bool, float]:
+        fits = fits_budget(c, usable)
+        return not fits, c.seconds if fits else c.planned_bytes
+
+    best: dict[Any, Candidate] = {}
+    for c in candidates:
+        if key(c) not in best or rank(c) < rank(best[key(c)]):
+            best[key(c)] = c
+    return best
+
+
+def tensor_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates: list[Candidate],
+                             chosen: Candidate, usable: int) -> list[str]:
+    """With `tensor_parallel` auto: the degree chosen, what it costs, and each other degree's best candidate
+    (the fastest that fits, else the smallest) or why it was not tried."""
+    if request.tensor_parallel is not None:
+        return []
+    from fulltune.memory.tensor_parallel import collectives
+
+    best = best_by(candidates, lambda c: c.settings.tensor_parallel, usable)
+    s = chosen.settings
+    T = s.tensor_parallel
+    if T > 1:
+        traffic = collectives(shape, s)
+        head = (f"tensor parallel {T} ({s.dims.dp} data-parallel × {T}, distributed.tensor_parallel auto): "
+                f"{format_bytes(chosen.expected_bytes)} per {device_word(s.device)}, {chosen.seconds:.3g} s/step, "
+                f"of which "
+                f"{tensor_parallel_seconds(shape, s):.3g} s are its collectives ({format_bytes(int(traffic.bytes))} "
+                f"per rank)")
+    elif request.strategy != "fsdp":
+        head = (f"tensor parallel 1 (distributed.tensor_parallel auto): tensor parallel runs under strategy fsdp, "
+                f"this pipeline's is {request.strategy}")
+    else:
+        head = "tensor parallel 1 (distributed.tensor_parallel auto): FSDP alone"
+    others = []
+    for degree, c in sorted(best.items()):
+        if degree == T:
+            continue
+        if fits_budget(c, usable):
+            others.append(f"{degree} is slower ({c.seconds:.3g} s/step)")
+        else:
+            others.append(f"{degree} does not fit ({format_bytes(c.expected_bytes)} ± {format_bytes(c.uncertainty.bytes)})")
+    _, refused = tensor_parallel_degrees(shape, request)
+    others += [f"{degree} not tried ({why})" for degree, why in sorted(refused.items())]
+    return [head + ("; " + "; ".join(others) if others else "")]
+
+
+_LEVER_TEXT = {
+    "chunked_loss": "chunked loss (no whole targets × vocabulary logits)",
+    "pure_bf16": "pure bf16 weights and gradients (no fp32 master; compensated updates)",
+    "optimizer_in_backward": "optimizer step in backward (one parameter's gradient at a time; each gradient "
+                             "clipped on its own)",
+    "offload_activations": "checkpointed layer inputs in host RAM",
+    "offload_optimizer": "fp32 masters, gradients and optimizer states in host RAM, updated on the host",
+}
+
+
+_FSDP_OFFLOAD_TEXT = ("FSDP's CPU offload (every rank's parameter, gradient and optimizer-state shards in host RAM, "
+                      "stepped there; only the gathered unit on the GPU)")
+
+
+def _pure_bf16_text(settings: Settings) -> str:
+    """What pure bf16 means for the chosen optimizer: whether small updates survive the rounding."""
+    from fulltune.runtime.optim import default_compensation
+
+    if settings.offload_optimizer and settings.strategy != "fsdp":
+        return "pure bf16 weights and gradients on the device; the fp32 masters on the host keep small updates"
+    compensation = default_compensation(settings.optimizer)
+    if compensation == "none":
+        return (f"pure bf16 weights and gradients; {settings.optimizer} offers no compensated update, so updates "
+                "below 1/256 of a weight are rounded away (as in torchtune's pure-bf16 recipes); set "
+                "train.pure_bf16: false to keep fp32 weights")
+    return f"pure bf16 weights and gradients (no fp32 master; {compensation.replace('_', ' ')} keeps small updates)"
+
+
+def lever_trade(shape: ModelShape, settings: Settings) -> dict[str, dict[str, float]]:
+    """For each lever on in `settings`: the device bytes it saves and the step time it adds, against the
+    same settings with that lever alone off (what `fulltune plan` explains)."""
+    out = {}
+    on = _estimate(shape, settings)
+    seconds = step_seconds(shape, settings)
+    for name, value in settings.levers().items():
+        if not value:
+            continue
+        off = replace(settings, **{name: False})
+        out[name] = {"saved_bytes": _estimate(shape, off).device_bytes - on.device_bytes,
+                     "seconds": seconds - step_seconds(shape, off)}
+    return out
+
+
+def _lever_reasons(shape: ModelShape, configured: Settings, chosen: Candidate) -> list[str]:
+    out = []
+    trade = lever_trade(shape, chosen.settings)
+    for name, t in trade.items():
+        if getattr(configured, name):
+            continue
+        cost = f"+{t['seconds']:.3g} s/step" if t["seconds"] >= 0.0005 else "no measurable step time"
+        text = _pure_bf16_text(chosen.settings) if name == "pure_bf16" else _LEVER_TEXT[name]
+        if name == "offload_optimizer" and chosen.settings.strategy == "fsdp":
+            text = _FSDP_OFFLOAD_TEXT
+        out.append(f"{name}: {text}: saves {format_bytes(t['saved_bytes'])} of device memory, {cost}")
+    parts = chosen.host_parts
+    if parts is not None and chosen.estimate.host_bytes:
+        budget = f" of {format_bytes(chosen.host_budget)} budget.host_memory" if chosen.host_budget else ""
+        s = chosen.settings
+        what = []
+        if parts["shards"]:
+            what.append(f"{format_bytes(parts['shards'])} of offloaded shards over its ranks "
+                        f"({format_bytes(parts['pinned'])} of them pinned)")
+        if parts["export"]:
+            what.append(f"the final export streams file by file: {format_bytes(parts['export'])} of gathered tensors")
+        offload = " under FSDP's CPU offload (the step on the host)" if s.offload_optimizer else ""
+        out.append(f"host RAM per machine: {format_bytes(chosen.estimate.host_bytes)}{budget}{offload}: "
+                   + "; ".join(what))
+    elif chosen.estimate.host_bytes and chosen.settings.device == "cuda":
+        budget = f" of {format_bytes(chosen.host_budget)} budget.host_memory" if chosen.host_budget else ""
+        out.append(f"host RAM: {format_bytes(chosen.estimate.host_bytes)}{budget} (offloaded "
+                   f"{'optimizer states and masters' if chosen.settings.offload_optimizer else 'tensors'})")
+    return out
+
+
+def host_reasons(request: PlanRequest, candidates: list[Candidate], chosen: Candidate, usable: int) -> list[str]:
+    """Why offloading was not chosen when the host RAM budget refused it."""
+    refused = [c for c in candidates if c.planned_bytes <= usable and not c.host_fits]
+    if not refused or (chosen.seconds <= min(c.seconds for c in refused) and fits_budget(chosen, usable)):
+        return []
+    best = min(refused, key=lambda c: c.estimate.host_bytes)
+    return [f"offloading would fit the device ({describe(best.settings)}) but needs "
+            f"{format_bytes(best.estimate.host_bytes)} of host RAM, over budget.host_memory "
+            f"({format_bytes(best.host_budget or 0)}): refused"]
+
+
+def suggestions_for(shape: ModelShape, request: PlanRequest, smallest: Candidate) -> tuple[str, ...]:
+    out = []
+    need = smallest.planned_bytes / (1.0 - request.headroom)
+    # Every constraint the configuration needs: host RAM too, when it is over budget.host_memory.
+    host = "" if smallest.host_fits else (
+        f" and budget.host_memory of {format_bytes(smallest.estimate.host_bytes)} per machine (it is "
+        f"{format_bytes(smallest.host_budget or 0)})")
+    out.append(
+        f"a budget of {format_bytes(need)} per device{host} would fit {describe(smallest.settings)} "
+        f"(peak {format_bytes(smallest.estimate.peak_bytes)})"
+    )
+    one_gpu = host_parameter_suggestion(shape, request)
+    if one_gpu:
+        out.append(one_gpu)
+    if request.strategy in ("none", "ddp", "deepspeed_zero2"):
+        # Shard over the processes already there first, then over more GPUs.
+        counts = sorted({n for n in (2, 4, 8, 16, 32, 64) if n >= request.num_processes} | {request.num_processes})
+        for n in counts:
+            if n < 2 or request.effective_batch_size % n:
+                continue
+            sharded = replace(request, strategy="fsdp", num_processes=n, pipeline_parallel=1, micro_batch_size=None,
+                              gradient_accumulation_steps=None, optimizer_in_backward=None, offload_optimizer=None)
+            usable = request.usable_bytes or 0
+            candidates = [c for c in staged_search(shape, sharded, usable) if fits_budget(c, usable)]
+            if candidates:
+                best = min(candidates, key=lambda c: c.seconds)
+                out.append(
+                    f"{n} {device_word(request.device)}s with FSDP full shard (distributed.strategy: fsdp, "
+                    f"num_processes: {n}) would fit: {format_bytes(best.estimate.device_bytes)} per "
+                    f"{device_word(request.device)}"
+                )
+                break
+    usable = request.usable_bytes or 0
+    seq = request.seq_len
+    while seq > 64:
+        seq //= 2
+        shorter = replace(request, seq_len=seq)
+        candidates = [c for c in staged_search(shape, shorter, usable) if fits_budget(c, usable)]
+        if candidates:
+            out.append(f"data.max_length {seq} (instead of {request.seq_len}) would fit on this budget")
+            break
+    return tuple(out)
+
+
+def configured_reason(configured: Settings, estimate: MemoryEstimate, usable: int) -> str:
+    """Whether the configured settings (auto fields at their naive defaults) fit, and by how much they do not."""
+    over = estimate.device_bytes - usable
+    if over <= 0:
+        return f"the configured settings fit: {format_bytes(estimate.device_bytes)} (peak in {estimate.peak_phase})"
+    return (f"the configured settings ({describe(configured)}) need {format_bytes(estimate.device_bytes)}, "
+            f"{format_bytes(over)} over budget (peak in {estimate.peak_phase})")
+
+
+def alternatives_for(candidates: list[Candidate], fitting: list[Candidate], chosen: Candidate, usable: int
+                     ) -> list[dict[str, Any]]:
+    """The plan's alternatives: the next four that fit (slower), then the three fastest that do not."""
+    out = []
+    for c in fitting[1:5]:
+        out.append(alternative_entry(c, f"slower: {c.seconds:.3g} s/step vs {chosen.seconds:.3g} s/step"))
+    over_budget = sorted((c for c in candidates if not fits_budget(c, usable) and c is not chosen),
+                         key=lambda c: c.seconds)
+    for c in over_budget[:3]:
+        out.append(alternative_entry(c, f"does not fit: {format_bytes(c.expected_bytes)} ± "
+                                        f"{format_bytes(c.uncertainty.bytes)} > {format_bytes(usable)} usable"))
+    return out

@@ -1,0 +1,243 @@
+"""The planner's step-time model: the estimated wall time of one optimizer step, which ranks the settings that fit.
+
+Model FLOPs over a sustained throughput per device and precision, the optimizer's pass over its states at memory
+bandwidth, and each lever's and each parallelism's added terms (host copies, the host optimizer, tensor parallel's
+collectives, pipeline stages' bubble and point-to-point sends). Only the ranking of candidates matters, so the
+constants are round numbers; each one not measured is named as the assumption it is. `STEP_TIME_CORRECTION` holds
+autotune's measured corrections for the machine at hand.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from collections.abc import Callable
+from dataclasses import replace
+
+from fulltune.memory.shapes import ModelShape
+from fulltune.memory.types import Settings
+
+# Only the ranking of candidates matters, so the constants are round numbers:
+# sustained matmul throughput per device and precision (FLOP/s), the number of tokens per
+# micro-batch at which a device reaches half its throughput, and memory bandwidth for the
+# optimizer's pass over its states.
+FLOPS = {
+    ("cuda", "bf16"): 400e12,
+    ("cuda", "fp16"): 400e12,
+    ("cuda", "no"): 150e12,  # TF32 matmuls
+    # CPU: what small-model training steps sustain on one core of the development CPU (its fp32 GEMM
+    # peak is ~1.6e11; benchmarks/planner_choice.py: predicted ≈ measured step time, median 0.96×), so
+    # the optimizer's bandwidth term below weighs right against compute.
+    ("cpu", "no"): 9e10,
+    # bf16 on CPUs without bf16 matrix instructions: 3.6× the fp32 step time on the development CPU of the
+    # planner-choice benchmark, not the 1.5× the casts alone would cost. With them (AVX512-BF16, AMX:
+    # `cpu_bf16_units`), `CPU_BF16_UNITS_FLOPS`.
+    ("cpu", "bf16"): 2.5e10,
+    ("cpu", "fp16"): 9e10,  # Accelerate runs fp16 as fp32 on CPU
+}
+# bf16 on a CPU with AVX512-BF16 (benchmarks/cpu_precision.py, a 6.5M Llama on an AMD EPYC with avx512_bf16:
+# bf16 autocast 0.40× and pure bf16 0.67× the fp32 step time): ~0.55× the fp32 step.
+CPU_BF16_UNITS_FLOPS = FLOPS[("cpu", "no")] / 0.55
+
+
+def _flops(device: str, precision: str) -> float:
+    """Sustained FLOP/s of a training step on `device` computing in `precision` (bf16 on CPU: by the CPU)."""
+    if device == "cpu" and precision == "bf16" and cpu_bf16_units():
+        return CPU_BF16_UNITS_FLOPS
+    return FLOPS[(device, precision)]
+# Tokens per micro-batch at which throughput is half its peak. CPU throughput is nearly flat in
+# micro-batch size (benchmarks/planner_choice.py: micro-batch 1 costs ~1.12× the largest that fits).
+HALF_EFFICIENCY_TOKENS = {"cuda": 1024, "cpu": 16}
+# A recomputed layer costs more than its matmul FLOPs (norms, activations, dropout run again):
+# measured 6–7% of the step per layer on CPU against 5% from FLOPs alone.
+RECOMPUTE_OVERHEAD = 1.4
+BANDWIDTH = {"cuda": 2.0e12, "cpu": 2.0e10}
+# Bytes the optimizer reads and writes per parameter in one step (weights, grads, states).
+OPTIMIZER_TRAFFIC = {"adamw": 32, "adamw_8bit": 20, "adamw_4bit": 18, "adafactor": 20}
+# bitsandbytes' 8-bit AdamW on CPU runs a scalar fallback: ~20× fused AdamW's step time, i.e.
+# what ~450 bytes per parameter would cost at the CPU bandwidth above.
+CPU_OPTIMIZER_TRAFFIC = {**OPTIMIZER_TRAFFIC, "adamw_8bit": 450}
+# Penalties for choices that cost more than their FLOPs show: 8-bit AdamW ≈5% slower per step
+# (torchao optim README: bnb 8-bit 3000 vs fused AdamW 3200 tok/s, Llama2-7B), Adafactor's factored second moment converges slower on fine-tuning tasks.
+OPTIMIZER_PENALTY = {"adamw": 1.0, "adamw_8bit": 1.05, "adamw_4bit": 1.1, "adafactor": 1.12}
+# Memory levers (assumptions, to be replaced by measurements on a GPU: benchmarks/device_check.py):
+# - host↔device copies run at ~25 GB/s (PCIe 4.0 x16 pinned-memory copies reach 22–26 GB/s);
+PCIE_BYTES_PER_S = 25e9
+# - the host optimizer of `offload_optimizer` moves ~1.5 GB/s of its fp32 masters, gradients and states
+#   (ZeRO-Offload's CPU Adam is 1–2 GB/s-class per socket without AVX-512 tuning; torch's fused CPU AdamW
+#   is in that range too), and bitsandbytes' 8-bit AdamW on a CPU is ~20× slower (its scalar fallback);
+HOST_OPTIMIZER_BYTES_PER_S = 1.5e9
+HOST_OPTIMIZER_SLOWDOWN = {"adamw": 1.0, "adamw_8bit": 20.0, "adamw_4bit": 1.0, "adafactor": 1.0}
+# - under FSDP's CPU offload the parameter and gradient copies of one unit overlap the compute of its neighbour
+#   (FSDP2 prefetches the next all-gather); assumed: 80% of the compute time hides copies, the rest is exposed;
+OFFLOAD_OVERLAP = 0.8
+# - tensor parallel's collectives run inside one machine (parallel.py puts a "tp" group on consecutive ranks):
+#   ~150 GB/s of all-gather / reduce-scatter bandwidth per GPU over NVLink (NCCL's bus bandwidth on A100/H100
+#   machines is 150-350 GB/s), a few GB/s for gloo between CPU processes, and a fixed cost per collective;
+TP_BYTES_PER_S = {"cuda": 150e9, "cpu": 2e9}
+COLLECTIVE_SECONDS = {"cuda": 20e-6, "cpu": 100e-6}
+# - the Kahan-compensated update reads and writes one more bf16 buffer: 4 B/param of extra traffic;
+KAHAN_TRAFFIC = 4
+# - the chunked loss recomputes the head's logits in backward: one more head forward per target;
+# - a step in backward costs nothing extra on the device (the same update, earlier).
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_bf16_units() -> bool:
+    """Whether this machine's CPU has bf16 matrix instructions (AVX512-BF16 or AMX), which oneDNN uses for
+    bf16 GEMMs; without them a bf16 step converts every matmul to fp32 and back (benchmarks/cpu_precision.py)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def step_seconds(shape: ModelShape, settings: Settings) -> float:
+    """Estimated wall time of one optimizer step (ranking only, not a promise).
+
+    Model FLOPs per token from fulltune/memory/flops.py (rows of one document, the output head at the
+    `target_fraction` of positions with a target), plus one more forward of each checkpointed layer
+    (a third of that layer's training FLOPs) at `RECOMPUTE_OVERHEAD`; throughput grows with tokens
+    per micro-batch. Under tensor parallel each rank computes 1/T of every matmul and waits for the TP
+    group's collectives (`tensor_parallel_seconds`).
+    """
+    if settings.pipeline_parallel > 1:  # the slowest stage through the fill, the steady state and the drain
+        one = replace(settings, num_processes=settings.num_processes // settings.pipeline_parallel,
+                      pipeline_parallel=1)
+        return pipeline_step_seconds(shape, one, settings.pipeline_parallel)[0]
+    compute = compute_seconds(shape, settings)
+    shard = settings.num_processes if settings.strategy in ("fsdp", "deepspeed_zero2", "deepspeed_zero3") else 1
+    traffic = (CPU_OPTIMIZER_TRAFFIC if settings.device == "cpu" else OPTIMIZER_TRAFFIC)[settings.optimizer]
+    if settings.pure_bf16:  # bf16 weights, gradients and (adamw) states: half the traffic, plus Kahan's buffer
+        traffic = traffic / 2 + (KAHAN_TRAFFIC if settings.optimizer == "adamw" else 0)
+    optimizer = shape.num_params / shard * traffic / BANDWIDTH[settings.device]
+    if settings.offload_optimizer:
+        optimizer = 0.0
+    seconds = (compute + optimizer) * OPTIMIZER_PENALTY[settings.optimizer] + sum(lever_seconds(shape, settings).values())
+    seconds += tensor_parallel_seconds(shape, settings)
+    correction = STEP_TIME_CORRECTION.get()
+    return seconds * correction(settings) if correction is not None else seconds
+
+
+def compute_seconds(shape: ModelShape, settings: Settings) -> float:
+    """The matmul time of one optimizer step: every micro-batch's forward, backward and recomputed layers."""
+    from fulltune.memory.flops import from_shape
+
+    s, b = settings.seq_len, settings.micro_batch_size
+    k = min(settings.gradient_checkpointing, shape.num_layers)
+    c = from_shape(shape)
+    per_token = c.per_token_of_rows(s, settings.target_fraction)
+    # The layers' share of the per-token FLOPs (all but the final norm), a third of it per forward.
+    per_token += RECOMPUTE_OVERHEAD * (k / shape.num_layers) * (c.per_token + c.per_pair * s) / 3.0
+    tokens = b * s
+    efficiency = tokens / (tokens + HALF_EFFICIENCY_TOKENS[settings.device])
+    flops = _flops(settings.device, settings.mixed_precision)
+    return settings.gradient_accumulation_steps * tokens * per_token / (flops * efficiency * settings.tensor_parallel)
+
+
+# Measured corrections of this model for the machine at hand: a factor per kind of step, set by
+# fulltune/planning/autotune.py (`calibrated`) from the step times it measured on this kind of device. Unset,
+# the constants above stand.
+STEP_TIME_CORRECTION: contextvars.ContextVar[Callable[[Settings], float] | None] = contextvars.ContextVar(
+    "step_time_correction", default=None)
+
+
+def tensor_parallel_seconds(shape: ModelShape, settings: Settings) -> float:
+    """Step time of tensor parallel's collectives over the TP group (memory/tensor_parallel.py counts them:
+    the blocks' all-gathers, reduce-scatters and all-reduces of the stream, the logits' all-gather), not
+    overlapped with compute; 0 without tensor parallel."""
+    from fulltune.memory.tensor_parallel import collectives
+
+    traffic = collectives(shape, settings)
+    return traffic.bytes / TP_BYTES_PER_S[settings.device] + traffic.count * COLLECTIVE_SECONDS[settings.device]
+
+
+def lever_seconds(shape: ModelShape, settings: Settings) -> dict[str, float]:
+    """Step time the levers add beyond compute and the device optimizer (assumed constants above)."""
+    from fulltune.memory.flops import from_shape
+
+    s, b, ga = settings.seq_len, settings.micro_batch_size, settings.gradient_accumulation_steps
+    h, P = shape.hidden, shape.num_params
+    out: dict[str, float] = {}
+    if settings.chunked_loss:
+        flops = _flops(settings.device, "bf16" if settings.pure_bf16 else settings.mixed_precision)
+        head_forward = from_shape(shape).per_target / 3.0  # the head's logits once more, per target
+        out["chunked_loss"] = ga * b * settings.targets_per_row * head_forward / flops
+    if settings.offload_optimizer and settings.strategy == "fsdp":
+        terms = fsdp_offload_terms(shape, settings)
+        out["offload_optimizer"] = terms["exposed_pcie_s"] + terms["host_step_s"]
+    elif settings.offload_optimizer:
+        weight = 2 if settings.pure_bf16 else 4
+        # Each micro-batch's gradients go to the host; the fp32 masters come back once per step.
+        pcie = (ga * weight * P + 4 * P) / PCIE_BYTES_PER_S
+        host = _lever_host_traffic(shape, settings) / HOST_OPTIMIZER_BYTES_PER_S
+        out["offload_optimizer"] = pcie + host * HOST_OPTIMIZER_SLOWDOWN[settings.optimizer]
+    if settings.offload_activations:
+        k = min(settings.gradient_checkpointing, shape.num_layers)
+        stream = 2 if settings.pure_bf16 else 4
+        out["offload_activations"] = ga * 2 * k * stream * b * s * h / PCIE_BYTES_PER_S
+    return out
+
+
+def fsdp_offload_terms(shape: ModelShape, settings: Settings) -> dict[str, float]:
+    """The step-time terms of FSDP2's CPU offload (`offload_optimizer` under fsdp), per rank; over one process
+    these are the parameters in host RAM. Each micro-batch copies every unit's parameter shard up for the
+    forward's all-gather and again for the backward's (FSDP2 reshards after forward; a checkpointed layer
+    recomputes inside that backward unit, so recompute brings no third copy) and its gradient shard down:
+    3 × weight bytes × P / n over `PCIE_BYTES_PER_S`. The copies run on FSDP2's all-gather and reduce-scatter
+    streams while the previous unit computes (prefetch), so `OFFLOAD_OVERLAP` of the compute time hides them;
+    the host optimizer step waits for the last gradient and runs alone (`_lever_host_traffic` at
+    `HOST_OPTIMIZER_BYTES_PER_S`). Every constant is an assumption until benchmarks/device_check.py measures it."""
+    weight = 2 if settings.pure_bf16 else 4
+    pcie = settings.gradient_accumulation_steps * 3 * weight * shape.num_params / settings.num_processes
+    pcie_s = pcie / PCIE_BYTES_PER_S
+    compute_s = compute_seconds(shape, settings)
+    host = _lever_host_traffic(shape, settings) / HOST_OPTIMIZER_BYTES_PER_S
+    return {"compute_s": compute_s, "pcie_bytes": pcie, "pcie_s": pcie_s,
+            "exposed_pcie_s": max(0.0, pcie_s - OFFLOAD_OVERLAP * compute_s),
+            "host_step_s": host * HOST_OPTIMIZER_SLOWDOWN[settings.optimizer]}
+
+
+def _lever_host_traffic(shape: ModelShape, settings: Settings) -> float:
+    """Bytes the host optimizer reads and writes per step: masters, gradients and states (fulltune.runtime.optim)."""
+    from fulltune.memory.lever_bytes import lever_bytes
+
+    levers = lever_bytes(shape, settings)
+    if levers.sharded_offload:  # this rank's shards: read and write parameters and states, read gradients
+        return 2.0 * (levers.host_masters + levers.host_states) + levers.host_masters
+    return 2.0 * (levers.host_masters + levers.host_states) + 4.0 * shape.num_params
+
+
+# Point-to-point bandwidth between neighbouring pipeline stages (bytes/s). Assumptions, like the other link
+# constants: GPUs without NVLink, or on two machines, move ~25 GB/s (PCIe 4.0 x16, a 200 Gb/s NIC); gloo
+# between two CPU processes of one machine copies through loopback TCP.
+P2P_BYTES_PER_S = {"cuda": 25e9, "cpu": 2e9}
+
+
+def pipeline_step_seconds(shape: ModelShape, settings: Settings, num_stages: int) -> tuple[float, float]:
+    """(seconds of one pipelined optimizer step, of which point-to-point sends).
+
+    `settings` is the step as one process would run it (fulltune/memory/pipeline.py). Each stage's
+    `step_seconds` on its own layers (and head, `pipeline.stage_shape`), at one and two micro-batches: the
+    difference is its per-micro-batch time, the rest its optimizer pass. The step is M + P − 1 slots of the
+    slowest stage's micro-batch (the fill and drain of the pipeline, GPipe and 1F1B alike) plus the slowest
+    stage's optimizer pass; each slot also sends one (b, s, h) activation forward and one gradient back
+    (`P2P_BYTES_PER_S`).
+    """
+    from fulltune.memory.activations import stream_bytes
+    from fulltune.memory.pipeline import stage_settings, stage_shape
+
+    M, P = settings.gradient_accumulation_steps, num_stages
+    per_micro_batch, optimizer = [], []
+    for s in range(P):
+        sub, ss = stage_shape(shape, P, s), stage_settings(settings, P, s, shape.num_layers)
+        one = step_seconds(sub, replace(ss, gradient_accumulation_steps=1))
+        two = step_seconds(sub, replace(ss, gradient_accumulation_steps=2))
+        per_micro_batch.append(two - one)
+        optimizer.append(max(one - (two - one), 0.0))
+    activation = stream_bytes(settings) * settings.micro_batch_size * settings.seq_len * shape.hidden
+    send = (2 * activation / P2P_BYTES_PER_S[settings.device]) if P > 1 else 0.0
+    slots = M + P - 1
+    return slots * (max(per_micro_batch) + send) + max(optimizer), slots * send
