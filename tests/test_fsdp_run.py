@@ -10,6 +10,7 @@ import pytest
 
 from pipelines_fixture import tiny_pipeline
 from runs import finish, fulltune_run, kill_run, loss_history, saved_model, wait_for_checkpoint
+from test_sharded_eval import check_fsdp_run_evaluation
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +41,8 @@ def test_two_fsdp_processes_train_like_one_and_resume_bit_exact_after_a_kill(tmp
     output = finish(fulltune_run(pipelines, log), log)
     assert "resumed from step 2" in output, output[-4000:]
     assert "registered tiny-model version 1" in output
-    finish(uninterrupted, clean / "run.log")
+    # Evaluated sharded over the run's 2 processes, with one process's metrics.
+    check_fsdp_run_evaluation(clean / "work", finish(uninterrupted, clean / "run.log"))
     finish(single, one / "run.log")
 
     # Killed and rerun equals uninterrupted, tensor for tensor.

@@ -148,32 +148,58 @@ def read_eval_rows(eval_file: str, max_examples: int | None) -> list[dict[str, A
     return table.to_pylist()
 
 
-def evaluate_model(model_path: str, tokenizer_path: str, rows: list[dict[str, Any]], *, batch_size: int,
-                   generate_examples: int, max_new_tokens: int, device: str, load_kwargs: dict[str, Any],
-                   benchmarks: Benchmarks | None = None, progress: Progress | None = None,
-                   name: str = "model", generation_batch_size: int | None = None) -> ModelMetrics:
+@dataclass(frozen=True)
+class EvalOptions:
+    """How each candidate is evaluated: the loss batch, generation's batch (None: the loss batch), how many
+    examples generate and how many new tokens, the device, and the processes each candidate is sharded over
+    (1: one process holds the model; more: the training's launch path starts them, fulltune/evaluation/sharded.py;
+    its job, rows and result go in a temporary directory under `work_dir`)."""
+
+    batch_size: int
+    generate_examples: int
+    max_new_tokens: int
+    device: str = "cpu"
+    generation_batch_size: int | None = None
+    processes: int = 1
+    work_dir: str | None = None
+
+    @property
+    def generation_batch(self) -> int:
+        return self.generation_batch_size or self.batch_size
+
+
+def evaluate_model(model_path: str, tokenizer_path: str, rows: list[dict[str, Any]], options: EvalOptions, *,
+                   load_kwargs: dict[str, Any], benchmarks: Benchmarks | None = None, progress: Progress | None = None,
+                   name: str = "model") -> ModelMetrics:
     """Token-weighted mean loss over every labelled token, perplexity = exp(loss), bits per byte of target
     text, exact match, and the benchmarks (lm-evaluation-harness tasks, metric functions) with the same
     loaded model. `rows` must be tokenized with the tokenizer at `tokenizer_path`, which the harness also
-    uses. `batch_size` is the loss batch, `generation_batch_size` generation's (None: `batch_size`);
-    `load_kwargs` are `models.load_model`'s (the dtype, a `max_memory` device map). `progress` gets a line at
-    most every PROGRESS_SECONDS while a phase runs; `name` labels it. The model is freed before this returns."""
+    uses. `load_kwargs` are `models.load_model`'s (the dtype, a `max_memory` device map). `progress` gets a line
+    at most every PROGRESS_SECONDS while a phase runs; `name` labels it. The model is freed before this returns.
+    With `options.processes` > 1 the model is sharded over that many child processes (`sharded.evaluate_sharded`),
+    with the same metrics."""
     from fulltune.models import Placement, load_model, load_tokenizer, release_memory
 
+    if options.processes > 1:
+        from fulltune.evaluation.sharded import evaluate_sharded
+
+        return evaluate_sharded(model_path, tokenizer_path, rows, options, load_kwargs=load_kwargs,
+                                benchmarks=benchmarks, progress=progress, name=name)
     tokenizer = load_tokenizer(tokenizer_path, revision=load_kwargs.get("revision"),
                                trust_remote_code=load_kwargs.get("trust_remote_code", False),
                                token=load_kwargs.get("token"))
+    device = options.device
     model = load_model(model_path, **{"placement": Placement(device), **load_kwargs}).eval()
     try:
         _check_ids_fit(model, rows, model_path, tokenizer_path)
         report = _Reporter(progress, name)
-        eval_loss, total_tokens = _held_out_loss(model, tokenizer, rows, batch_size, device, report)
+        eval_loss, total_tokens = _held_out_loss(model, tokenizer, rows, options.batch_size, device, report)
         exact, samples, generated = None, (), 0
         extra: dict[str, float] = {}
-        if generate_examples > 0 and rows and rows[0].get("completion") is not None:
-            exact, samples = _exact_match(model, tokenizer, rows[:generate_examples], max_new_tokens, device,
-                                          generation_batch_size or batch_size, report)
-            generated = min(generate_examples, len(rows))
+        if generates(rows, options):
+            exact, samples = _exact_match(model, tokenizer, rows[:options.generate_examples], options.max_new_tokens,
+                                          device, options.generation_batch, report)
+            generated = len(samples)
             if benchmarks is not None:
                 extra.update(benchmarks.on_generations([s[2] for s in samples], [s[1] for s in samples],
                                                         progress, name))
@@ -188,14 +214,18 @@ def evaluate_model(model_path: str, tokenizer_path: str, rows: list[dict[str, An
                         target_bytes(tokenizer, rows), extra)
 
 
+def generates(rows: list[dict[str, Any]], options: EvalOptions) -> bool:
+    """Whether exact match is measured: generation asked for, on rows with a completion to compare."""
+    return options.generate_examples > 0 and bool(rows) and rows[0].get("completion") is not None
+
+
 def _held_out_loss(model: Any, tokenizer: Any, rows: list[dict[str, Any]], batch_size: int, device: str,
                    report: Callable[[str, int, int], None]) -> tuple[float, int]:
     """(mean loss per target token, target tokens): the loss as training computes it, logits only where
     there is a target (TargetHead)."""
     import torch
 
-    from fulltune.data import collate
-    from fulltune.runtime.loss import TargetHead, Targets
+    from fulltune.runtime.loss import TargetHead
 
     head = TargetHead(model)
     total_loss = torch.zeros((), dtype=torch.float64)
@@ -203,17 +233,31 @@ def _held_out_loss(model: Any, tokenizer: Any, rows: list[dict[str, Any]], batch
     try:
         with torch.inference_mode():
             for start in range(0, len(rows), batch_size):
-                batch = collate(rows[start:start + batch_size], tokenizer.pad_token_id)
-                targets = Targets.from_labels(batch.pop("labels"))
-                inputs = {key: tensor.to(device) for key, tensor in batch.items()}
-                total_loss += head.loss_sum(model, inputs, targets.to(device)).double().cpu()
-                total_tokens += len(targets)
+                loss, tokens = batch_loss(model, head, tokenizer, rows[start:start + batch_size], device)
+                total_loss += loss
+                total_tokens += tokens
                 report("loss", min(start + batch_size, len(rows)), len(rows))
     finally:
         head.remove()
+    return mean_loss(float(total_loss), total_tokens)
+
+
+def batch_loss(model: Any, head: Any, tokenizer: Any, rows: list[dict[str, Any]], device: str) -> tuple[Any, int]:
+    """(the summed fp32 cross-entropy of one batch's target tokens as a float64 CPU tensor, its target tokens)."""
+    from fulltune.data import collate
+    from fulltune.runtime.loss import Targets
+
+    batch = collate(rows, tokenizer.pad_token_id)
+    targets = Targets.from_labels(batch.pop("labels"))
+    inputs = {key: tensor.to(device) for key, tensor in batch.items()}
+    return head.loss_sum(model, inputs, targets.to(device)).double().cpu(), len(targets)
+
+
+def mean_loss(total_loss: float, total_tokens: int) -> tuple[float, int]:
+    """(loss per target token, target tokens); a DataError when no row has a target."""
     if total_tokens == 0:
         raise DataError("data.eval: the eval examples have no labelled tokens; check the eval data and data.max_length")
-    return float(total_loss) / total_tokens, total_tokens
+    return total_loss / total_tokens, total_tokens
 
 
 # A phase of evaluation that runs longer than this logs how far it got, so a long one is visibly alive.
@@ -272,28 +316,40 @@ def _exact_match(model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_new
                  batch_size: int, report: Callable[[str, int, int], None] | None = None,
                  ) -> tuple[float, tuple[tuple[str, str, str], ...]]:
     """Greedy generation from the prompt tokens (the unlabelled prefix of each row)."""
-    import torch
-
-    hits, samples = 0, []
-    pad = tokenizer.pad_token_id
+    samples: list[tuple[str, str, str]] = []
     for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
-        prompts = [_prompt_ids(row) for row in chunk]
-        width = max(len(p) for p in prompts)
-        # Left padding so every prompt ends where generation starts.
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        with torch.inference_mode():
-            output = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
-                                    do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
-        for row, sequence in zip(chunk, output[:, width:].tolist()):
-            text = tokenizer.decode(sequence, skip_special_tokens=True).strip()
-            expected = str(row["completion"]).strip()
-            hits += int(text == expected)
-            samples.append((str(row.get("prompt", "")), expected, text))
+        samples += generate_batch(model, tokenizer, rows[start:start + batch_size], max_new_tokens, device)
         if report is not None:
             report("generation", len(samples), len(rows))
-    return hits / len(rows), tuple(samples)
+    return exact_match(samples), tuple(samples)
+
+
+def exact_match(samples: list[tuple[str, str, str]] | tuple[tuple[str, str, str], ...]) -> float:
+    """The share of (prompt, expected, generated) samples whose generated text is the expected one."""
+    return sum(int(generated == expected) for _, expected, generated in samples) / len(samples)
+
+
+def generate_batch(model: Any, tokenizer: Any, chunk: list[dict[str, Any]], max_new_tokens: int, device: str,
+                   synced: bool = False) -> list[tuple[str, str, str]]:
+    """(prompt, expected, generated) of greedy generation for one batch of rows, left-padded so every prompt
+    ends where generation starts. `synced`: every process of a sharded model runs the same number of forwards
+    (transformers' `synced_gpus`), whichever finishes first."""
+    import torch
+
+    pad = tokenizer.pad_token_id
+    prompts = [_prompt_ids(row) for row in chunk]
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    with torch.inference_mode():
+        output = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
+                                do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id,
+                                synced_gpus=synced)
+    samples = []
+    for row, sequence in zip(chunk, output[:, width:].tolist()):
+        text = tokenizer.decode(sequence, skip_special_tokens=True).strip()
+        samples.append((str(row.get("prompt", "")), str(row["completion"]).strip(), text))
+    return samples
 
 
 def _prompt_ids(row: dict[str, Any]) -> list[int]:
@@ -470,8 +526,8 @@ def evaluate_candidates(spec: PipelineSpec, *, eval_file: str, base_model: str, 
     each freed before the next loads.
 
     `evaluation` is the plan's evaluate stage (memory/evaluation.py `EvalPlan.to_dict`): every candidate loads
-    in its dtype (the trained precision), placed as it says, and runs its fitted batches. None: fp32 and the
-    `evaluate.*` batches. `base_dir` is the pipelines file's directory (task YAMLs and metric modules are
+    in its dtype (the trained precision), placed as it says (sharded over its `processes` when the training
+    was), and runs its fitted batches. None: fp32, one process and the `evaluate.*` batches. `base_dir` is the pipelines file's directory (task YAMLs and metric modules are
     found from there); the champion's checkpoint is downloaded under `<workdir>/champions/`.
     """
     from fulltune.evaluation.harness import Benchmarks
@@ -486,10 +542,11 @@ def evaluate_candidates(spec: PipelineSpec, *, eval_file: str, base_model: str, 
             "allow_pickle_weights": m.allow_pickle_weights, "attn_implementation": m.attn_implementation,
             "token": hub_token(m.token_env),
             **planned_loading(evaluation, device, str(Path(workdir) / "evals" / "offload"))}
-    options = {"batch_size": evaluation["loss_batch"] if evaluation else e.batch_size,
-               "generation_batch_size": (evaluation["generation_batch"] or None) if evaluation else None,
-               "generate_examples": e.max_generate_examples,
-               "max_new_tokens": e.max_new_tokens, "device": device, "benchmarks": benchmarks, "progress": progress}
+    options = {"options": EvalOptions(
+        evaluation["loss_batch"] if evaluation else e.batch_size, e.max_generate_examples, e.max_new_tokens, device,
+        (evaluation["generation_batch"] or None) if evaluation else None,
+        evaluation.get("processes", 1) if evaluation else 1, str(Path(workdir) / "evals")),
+        "benchmarks": benchmarks, "progress": progress}
     candidates = {"base": (base_model, tokenizer, load),
                   "fine_tuned": (model_dir, model_dir, {**load, "revision": None})}
     metrics = {name: evaluate_model(path, tokenizer_path, rows, load_kwargs=kwargs, name=name, **options)
@@ -502,7 +559,8 @@ def compare_with_champion(spec: PipelineSpec, rows: list[dict[str, Any]], metric
                           champion: Champion | None, *, model_dir: str, workdir: str,
                           options: dict[str, Any], load: dict[str, Any]) -> EvalReport:
     """The report of `metrics` (base and fine-tuned), with the champion measured on its own tokens when
-    there is one to compare; `options` are evaluate_model's keyword arguments, `load` the base model's
+    there is one to compare; `options` are evaluate_model's keyword arguments (`options`, `benchmarks`,
+    `progress`), `load` the base model's
     `load_kwargs` (the champion loads in the same dtype and placement, without the base's hub revision)."""
     from fulltune.models import hub_token, load_tokenizer
     from fulltune.tracking.registry import download_version

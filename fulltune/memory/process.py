@@ -12,8 +12,9 @@ phase on CPU, where `budget.memory` is the process's resident memory (benchmarks
   steady step's (measured: within 1% of the second step's RSS).
 - **checkpoint save** and **final export**: safetensors writes tensors by pointer and torch.save streams
   the optimizer states, so beside the weights and states only one tensor-sized buffer is new.
-- **evaluation** runs in the evaluate stage's own process, after training: it is planned from the pipeline's
-  `evaluate.*` settings in `memory/evaluation.py`, and the planner adds it to the plan's phases.
+- **evaluation** runs in the evaluate stage's own process after training, or sharded over the training's
+  processes for a run trained sharded: it is planned (per process) from the pipeline's `evaluate.*` settings in
+  `memory/evaluation.py`, and the planner adds it to the plan's phases.
 
 The runtime overhead (`estimate._runtime_overhead`) is added to every phase; the load phase's is its own.
 

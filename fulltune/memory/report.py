@@ -64,11 +64,14 @@ def evaluation_line(evaluation: dict) -> str:
     batches = f"loss batch {evaluation['loss_batch']}, generation batch {evaluation['generation_batch']}"
     if evaluation["harness_batch"]:
         batches += f", lm-eval batch {evaluation['harness_batch']}"
-    parts = ", ".join(f"{name} {format_bytes(memory[name])}" for name in ("weights", "loss", "generation", "harness")
-                      if memory[name])
+    parts = ", ".join(f"{name} {format_bytes(memory[name])}" for name in
+                      ("weights", "gathered", "loss", "generation", "harness") if memory.get(name))
     load = f", load {format_bytes(memory['load'])}" if memory["load"] else ""
     head = "fits" if evaluation["fits"] else "DOES NOT FIT"
-    return (f"evaluation (the evaluate stage's own process, {evaluation['dtype']} weights): "
+    processes = evaluation.get("processes", 1)
+    where = (f"{processes} processes of the evaluate stage, FSDP2-sharded, per process" if processes > 1
+             else "the evaluate stage's own process")
+    return (f"evaluation ({where}, {evaluation['dtype']} weights): "
             f"{format_bytes(evaluation['device_bytes'])}, {head} — {parts}{load}; {batches}")
 
 

@@ -45,7 +45,10 @@ STAGE_CODE = {
     FINE_TUNE: ("stages/finetune.py", "stages/__init__.py", "runtime", "planning/replan.py", "planning/planner.py",
                 "planning/strategy.py", "planning/trace.py", "memory", "data", "models.py", "levers.py", "degrees.py",
                 "hub.py", "storage.py"),
-    EVALUATE: ("evaluation", "runtime/loss.py", "data", "models.py", "hub.py", "tracking/registry.py"),
+    # A run trained sharded evaluates sharded, in children the training's launch path starts (evaluation/sharded.py).
+    EVALUATE: ("evaluation", "runtime/loss.py", "runtime/launch.py", "runtime/sharding.py", "runtime/parallel.py",
+               "runtime/checkpointing.py", "data", "models.py", "hub.py", "degrees.py", "storage.py",
+               "tracking/registry.py"),
     REGISTER: ("tracking/registry.py", "evaluation/evaluate.py"),
 }
 

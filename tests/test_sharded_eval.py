@@ -1,0 +1,80 @@
+"""A run trained sharded is evaluated sharded: the evaluate stage starts the training's processes (torchrun,
+gloo on CPU), each holding FSDP2 shards of the model, and its metrics equal one process's evaluation of the
+same model (loss to 1e-5 relative, exact match and the generated texts identical)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from fulltune.evaluation.evaluate import EvalOptions, ModelMetrics, evaluate_model
+
+# 7 rows, loss batch 3 → 3 batches over 2 ranks; generation batch 2 over 5 rows → 3 batches: rank 1 runs one
+# batch fewer of each and pads it (the forwards of every rank must match under FSDP).
+PAIRS = [("12+35=", "47"), ("the cat ", "sat on the mat"), ("hello ", "world"), ("fine ", "tuning"),
+         ("0123", "456789"), ("+-", "=*/"), ("the ", "mat")]
+
+
+def _rows(tokenizer_dir: str) -> list[dict[str, Any]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rows = []
+    for prompt, completion in PAIRS:
+        p, c = tokenizer(prompt)["input_ids"], tokenizer(completion)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append({"input_ids": p + c, "labels": [-100] * len(p) + c, "position_ids": list(range(len(p + c))),
+                     "prompt": prompt, "completion": completion})
+    return rows
+
+
+def assert_same_metrics(sharded: ModelMetrics | dict[str, float], single: ModelMetrics) -> None:
+    """The sharded evaluation's metrics are the one-process evaluation's: loss to 1e-5 relative, exact match
+    identical."""
+    got = sharded.as_dict() if isinstance(sharded, ModelMetrics) else sharded
+    want = single.as_dict()
+    assert math.isclose(got["eval_loss"], want["eval_loss"], rel_tol=1e-5), (got, want)
+    assert math.isclose(got["perplexity"], want["perplexity"], rel_tol=1e-5), (got, want)
+    assert got.get("exact_match") == want.get("exact_match"), (got, want)
+
+
+def test_two_sharded_processes_evaluate_like_one(tmp_path: Path) -> None:
+    from tests.tiny import make_model, make_tokenizer
+
+    tokenizer_dir = make_tokenizer(tmp_path / "tok")
+    model_dir = make_model(tmp_path / "model", tokenizer_dir)
+    rows = _rows(tokenizer_dir)
+    options = EvalOptions(batch_size=3, generate_examples=5, max_new_tokens=4, device="cpu", generation_batch_size=2)
+    single = evaluate_model(model_dir, tokenizer_dir, rows, options, load_kwargs={"dtype": "fp32"})
+    lines: list[str] = []
+    sharded = evaluate_model(model_dir, tokenizer_dir, rows,
+                             replace(options, processes=2, work_dir=str(tmp_path / "evals")),
+                             load_kwargs={"dtype": "fp32"}, progress=lines.append, name="fine_tuned")
+
+    assert "fine_tuned: evaluating sharded over 2 processes (FSDP2)" in lines
+    assert_same_metrics(sharded, single)
+    assert sharded.eval_tokens == single.eval_tokens and sharded.target_bytes == single.target_bytes
+    assert sharded.samples == single.samples and sharded.generated_examples == 5
+    assert list((tmp_path / "evals").iterdir()) == []  # the child's job and rows are removed
+
+
+def check_fsdp_run_evaluation(workdir: Path, log: str) -> None:
+    """For tests/test_fsdp_run.py: the 2-process FSDP run in `workdir` evaluated its fine-tuned model sharded over
+    its 2 processes, and the metrics it logged to MLflow equal a one-process evaluation of the model it saved."""
+    import mlflow
+    import pyarrow.parquet as pq
+
+    assert "fine_tuned: evaluating sharded over 2 processes (FSDP2)" in log
+    (model_dir,) = workdir.glob("runs/*/model")
+    (eval_file,) = workdir.glob("tokenized/*/eval.parquet")
+    rows = pq.read_table(eval_file).to_pylist()
+    mlflow.set_tracking_uri(f"sqlite:///{workdir / 'mlflow.db'}")
+    (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
+    logged = {key.removeprefix("fine_tuned."): value for key, value in run.data.metrics.items()
+              if key.startswith("fine_tuned.")}
+    # The pipeline's evaluate.* (tests/pipelines_fixture.py: batch 8, 4 generated examples of 3 new tokens), which
+    # its plan keeps on this machine; fp32, as it trained.
+    single = evaluate_model(str(model_dir), str(model_dir), rows, EvalOptions(8, 4, 3, "cpu"),
+                            load_kwargs={"dtype": "fp32"})
+    assert_same_metrics(logged, single)
