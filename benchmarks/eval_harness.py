@@ -39,7 +39,7 @@ def demo_model(directory: Path) -> tuple[str, list[dict]]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fulltune.evaluation.evaluate import tokenize_records
+    from fulltune.evaluation.champion import tokenize_records
     from fulltune.spec import load_pipelines
     from fulltune.data.tokenizer import build_tokenizer
 

@@ -137,7 +137,7 @@ def finetune_pipeline(pipeline: str = "demo", overrides: Overrides | None = None
         key = stages.budget_key(p, data.training_fingerprint)
         decision = run(memory_budget_task, stages.MEMORY_BUDGET, key, data, tokenizer)
 
-        with tracking.pipeline_run(p, data.fingerprint, flow_run_id, done) as mlflow_run:
+        with tracking.pipeline_run(p.name, p.spec, p.workdir, data.fingerprint, flow_run_id, done) as mlflow_run:
             uri, run_id = mlflow_run.tracking_uri, mlflow_run.run_id
             autotune.log_to_mlflow(run_id, decision.plan)  # the measured candidates' table and picture, when tuned
             key = stages.train_key(p, data.training_fingerprint, decision.settings)
@@ -150,7 +150,7 @@ def finetune_pipeline(pipeline: str = "demo", overrides: Overrides | None = None
                          run_id, evaluation)
             key = stages.register_key(p, trained.key, key, uri)
             registration = run(register_task, stages.REGISTER, key, data, trained, report, run_id, flow_run_id,
-                               present=tracking.registration_present(p.workdir, key, trained.key))
+                               present=stages.registration_present(p.workdir, key, trained.key))
 
     summary = summarise(p.name, done, stages.describe_settings(decision.settings, decision.num_layers), trained,
                         report, registration, uri, run_id)

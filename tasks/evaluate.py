@@ -12,7 +12,7 @@ from fulltune.data import TokenizedData
 from fulltune.evaluation.evaluate import EvalReport
 from fulltune.storage import atomic_write_text
 from fulltune.stages import EVALUATE, ResolvedPipeline, record_outputs
-from fulltune.tracking.registry import Champion
+from fulltune.evaluation.champion import Champion
 from tasks.common import stage_policy, retry_unless_user_error
 from tasks.finetune import TrainedModel
 

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from fulltune.errors import ConfigError
+from fulltune.evaluation.champion import champion_rows, measure_champion, tokenize_records
 from fulltune.evaluation.evaluate import (NOT_COMPARED, PER_BYTE, REFUSED, SAME_TOKENS, EvalOptions, EvalReport,
-                                          ModelMetrics, champion_rows, evaluate_model, measure_champion,
-                                          tokenize_records)
+                                          ModelMetrics, evaluate_model)
 from fulltune.tracking.registry import decide_promotion
 from fulltune.models import load_tokenizer
 from fulltune.spec import DataSpec
@@ -156,9 +156,8 @@ def test_held_out_text_examples_with_another_tokenizer_refuse_the_comparison(tmp
 
 def test_compare_champion_false_keeps_the_champion(tmp_path: Path) -> None:
     from fulltune.stages import resolve_pipeline
-    from fulltune.tracking.registry import Champion
     from pipelines_fixture import tiny_pipeline
-    from fulltune.evaluation.evaluate import compare_with_champion
+    from fulltune.evaluation.champion import Champion, compare_with_champion
 
     p = resolve_pipeline(str(tiny_pipeline(tmp_path, evaluate={"compare_champion": False})), "tiny", None)
     better = {"fine_tuned": ModelMetrics(0.1, math.exp(0.1), 10, target_bytes=20)}

@@ -62,13 +62,16 @@ def test_two_sharded_processes_evaluate_like_one(tmp_path: Path) -> None:
 def check_fsdp_run_evaluation(workdir: Path, log: str) -> None:
     """For tests/test_fsdp_run.py: the 2-process FSDP run in `workdir` evaluated its fine-tuned model sharded over
     its 2 processes, and the metrics it logged to MLflow equal a one-process evaluation of the model it saved."""
+    import json
+
     import mlflow
     import pyarrow.parquet as pq
 
     assert "fine_tuned: evaluating sharded over 2 processes (FSDP2)" in log
     (model_dir,) = workdir.glob("runs/*/model")
-    (eval_file,) = workdir.glob("tokenized/*/eval.parquet")
-    rows = pq.read_table(eval_file).to_pylist()
+    # The eval rows beside the rows it trained on (the plan may have tokenized the data both ways to choose packing).
+    train_file = json.loads((model_dir.parent / "JOB.json").read_text())["paths"]["train_file"]
+    rows = pq.read_table(Path(train_file).with_name("eval.parquet")).to_pylist()
     mlflow.set_tracking_uri(f"sqlite:///{workdir / 'mlflow.db'}")
     (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
     logged = {key.removeprefix("fine_tuned."): value for key, value in run.data.metrics.items()

@@ -206,7 +206,7 @@ def evaluate_rank(job: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, 
     """This rank's part of the sharded evaluation (collective); rank 0 returns the result, the others None."""
     import torch.distributed as dist
 
-    from fulltune.evaluation.evaluate import _check_ids_fit, _Reporter
+    from fulltune.evaluation.evaluate import check_ids_fit, Reporter
     from fulltune.models import load_tokenizer
     from fulltune.runtime.sharding import init_process_group
 
@@ -216,9 +216,9 @@ def evaluate_rank(job: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, 
     tokenizer = load_tokenizer(job["tokenizer_path"], revision=load.get("revision"),
                                trust_remote_code=load.get("trust_remote_code", False), token=os.environ.get(TOKEN_ENV))
     model = _load(job)
-    _check_ids_fit(model, rows, job["model_path"], job["tokenizer_path"])
+    check_ids_fit(model, rows, job["model_path"], job["tokenizer_path"])
     main = dist.get_rank() == 0
-    report = _Reporter(lambda line: print(line, flush=True) if main else None, job["name"])
+    report = Reporter(lambda line: print(line, flush=True) if main else None, job["name"])
     loss_sum, tokens = _loss_sums(model, tokenizer, rows, options, report)
     samples = _generations(model, tokenizer, rows, options, report)
     extra: dict[str, float] = {}

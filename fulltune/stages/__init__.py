@@ -25,6 +25,7 @@ from fulltune.evaluation import harness
 from fulltune.degrees import DegreesError
 from fulltune.errors import BudgetError, ConfigError, DataError
 from fulltune.memory.budget import Budget, resolve_budget
+from fulltune.memory.report import describe_settings  # noqa: F401  (the stages' one line of a plan)
 from fulltune.memory.types import Settings
 from fulltune.storage import FileHashes, atomic_write_text, code_version, hash_json, tree_sha256
 from fulltune.spec import PipelineSpec, get_pipeline, load_pipelines
@@ -461,6 +462,15 @@ def read_marker(workdir: str, stage: str, key: str) -> dict[str, Any] | None:
         return None
 
 
+def registration_present(workdir: str, key: str, train_key: str) -> bool:
+    """Whether the register stage's cached result still matches the registry: its marker names a version
+    that exists and holds these weights (a deleted or replaced database re-runs the stage)."""
+    from fulltune.tracking import registry
+
+    marker = read_marker(workdir, REGISTER, key)
+    return bool(marker) and registry.version_exists(marker["name"], marker["version"], train_key)
+
+
 # ---------------------------------------------------------------- stage 2: memory budget
 
 
@@ -617,20 +627,6 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
                           f"{table}")
     return BudgetDecision(plan.settings, as_json, table, seq_len, int(config.num_hidden_layers),
                           str(picture) if picture is not None else None, tokenizer_vocab, target_fraction)
-
-
-def describe_settings(settings: Settings | dict[str, Any], num_layers: int) -> str:
-    """One line of the planned settings (the run summary, the log, the registered version's description)."""
-    from fulltune.memory.types import LEVERS
-
-    if isinstance(settings, Settings):
-        settings = asdict(settings)
-    ckpt = settings["gradient_checkpointing"]
-    ckpt_text = "off" if ckpt == 0 else ("all layers" if ckpt >= num_layers else f"{ckpt} of {num_layers} layers")
-    return (f"micro_batch_size={settings['micro_batch_size']} × gradient_accumulation_steps="
-            f"{settings['gradient_accumulation_steps']}, mixed_precision={settings['mixed_precision']}, "
-            f"optimizer={settings['optimizer']}, gradient checkpointing {ckpt_text}"
-            + "".join(f", {lever}" for lever in LEVERS if settings.get(lever)))
 
 
 # Inline model configs this workdir has seen transformers build: `check_model_builds` skips them.
