@@ -317,3 +317,26 @@ def test_layer_offloaded_loading_measures_the_same_and_every_model_is_freed(tmp_
         assert len(loaded) == 2 and all(ref() is None for ref in loaded)
     finally:
         gc.enable()
+
+
+def test_each_eval_source_is_reported_beside_the_total(tmp_path: Path) -> None:
+    """data.eval as a list of sources: loss, perplexity, bits per byte and exact match of each source (its rows
+    alone), beside the totals over every row."""
+    tokenizer_dir = make_tokenizer(tmp_path / "tok")
+    model_dir = make_model(tmp_path / "model", tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    general = tokenize_records(additions(3, "add", seed=1), tokenizer, DATA)
+    domain = tokenize_records(additions(4, "plus", seed=2), tokenizer, DATA)
+    options = EvalOptions(batch_size=2, generate_examples=5, max_new_tokens=2, device="cpu")
+    both = evaluate_model(model_dir, tokenizer_dir, general + domain,
+                          replace(options, sources=(("general", 3), ("domain", 4))), load_kwargs={})
+    alone = {"general": evaluate_model(model_dir, tokenizer_dir, general, options, load_kwargs={}),
+             "domain": evaluate_model(model_dir, tokenizer_dir, domain, replace(options, generate_examples=2),
+                                      load_kwargs={})}
+    values = both.as_dict()
+    for name, metrics in alone.items():
+        for metric in ("eval_loss", "perplexity", "bits_per_byte", "exact_match"):
+            assert math.isclose(values[f"{metric}/{name}"], metrics.as_dict()[metric], rel_tol=1e-6), (name, metric)
+    total = sum(m.eval_loss * m.eval_tokens for m in alone.values()) / sum(m.eval_tokens for m in alone.values())
+    assert math.isclose(both.eval_loss, total, rel_tol=1e-6) and both.generated_examples == 5
+    assert "eval_loss/general" in EvalReport({"fine_tuned": both}, 7).markdown()

@@ -11,8 +11,8 @@ from typing import Any
 
 from fulltune.evaluation.evaluate import EvalOptions, ModelMetrics, evaluate_model
 
-# 7 rows, loss batch 3 → 3 batches over 2 ranks; generation batch 2 over 5 rows → 3 batches: rank 1 runs one
-# batch fewer of each and pads it (the forwards of every rank must match under FSDP).
+# 7 rows in two sources of 4 and 3, loss batch 3 → 3 batches (3+1, 3) over 2 ranks; generation batch 2 over 5 rows
+# → 3 batches: rank 1 runs one batch fewer of each and pads it (the forwards of every rank must match under FSDP).
 PAIRS = [("12+35=", "47"), ("the cat ", "sat on the mat"), ("hello ", "world"), ("fine ", "tuning"),
          ("0123", "456789"), ("+-", "=*/"), ("the ", "mat")]
 
@@ -45,7 +45,9 @@ def test_two_sharded_processes_evaluate_like_one(tmp_path: Path) -> None:
     tokenizer_dir = make_tokenizer(tmp_path / "tok")
     model_dir = make_model(tmp_path / "model", tokenizer_dir)
     rows = _rows(tokenizer_dir)
-    options = EvalOptions(batch_size=3, generate_examples=5, max_new_tokens=4, device="cpu", generation_batch_size=2)
+    # Two data.eval sources: their metrics beside the totals (batches never span two sources).
+    options = EvalOptions(batch_size=3, generate_examples=5, max_new_tokens=4, device="cpu", generation_batch_size=2,
+                          sources=(("general", 4), ("domain", 3)))
     single = evaluate_model(model_dir, tokenizer_dir, rows, options, load_kwargs={"dtype": "fp32"})
     lines: list[str] = []
     sharded = evaluate_model(model_dir, tokenizer_dir, rows,
@@ -56,6 +58,10 @@ def test_two_sharded_processes_evaluate_like_one(tmp_path: Path) -> None:
     assert_same_metrics(sharded, single)
     assert sharded.eval_tokens == single.eval_tokens and sharded.target_bytes == single.target_bytes
     assert sharded.samples == single.samples and sharded.generated_examples == 5
+    for name in ("general", "domain"):
+        got, want = sharded.as_dict(), single.as_dict()
+        assert math.isclose(got[f"eval_loss/{name}"], want[f"eval_loss/{name}"], rel_tol=1e-5)
+        assert got[f"exact_match/{name}"] == want[f"exact_match/{name}"]
     assert list((tmp_path / "evals").iterdir()) == []  # the child's job and rows are removed
 
 

@@ -158,6 +158,8 @@ class EvalOptions:
     generation_batch_size: int | None = None
     processes: int = 1
     work_dir: str | None = None
+    # (name, rows) of each data.eval source, in the rows' order: metrics per source beside the total
+    sources: tuple[tuple[str, int], ...] = ()
 
     @property
     def generation_batch(self) -> int:
@@ -189,16 +191,12 @@ def evaluate_model(model_path: str, tokenizer_path: str, rows: list[dict[str, An
     try:
         check_ids_fit(model, rows, model_path, tokenizer_path)
         report = Reporter(progress, name)
-        eval_loss, total_tokens = _held_out_loss(model, tokenizer, rows, options.batch_size, device, report)
-        exact, samples, generated = None, (), 0
-        extra: dict[str, float] = {}
+        sums = _held_out_loss(model, tokenizer, rows, options, report)
+        samples: tuple[tuple[str, str, str], ...] = ()
         if generates(rows, options):
-            exact, samples = _exact_match(model, tokenizer, rows[:options.generate_examples], options.max_new_tokens,
-                                          device, options.generation_batch, report)
-            generated = len(samples)
-            if benchmarks is not None:
-                extra.update(benchmarks.on_generations([s[2] for s in samples], [s[1] for s in samples],
-                                                        progress, name))
+            _, samples = _exact_match(model, tokenizer, rows[:options.generate_examples], options.max_new_tokens,
+                                      device, options.generation_batch, report)
+        extra: dict[str, float] = {}
         if benchmarks is not None and benchmarks.tasks:
             if progress is not None:
                 progress(f"{name}: lm-evaluation-harness tasks {', '.join(t.name for t in benchmarks.tasks)}")
@@ -206,8 +204,64 @@ def evaluate_model(model_path: str, tokenizer_path: str, rows: list[dict[str, An
     finally:
         del model  # freed before the next candidate loads: nothing here keeps a reference
         release_memory()
-    return ModelMetrics(eval_loss, math.exp(min(eval_loss, 700.0)), total_tokens, exact, generated, samples,
-                        target_bytes(tokenizer, rows), extra)
+    return metrics_of(tokenizer, rows, options, sums, samples, extra, benchmarks=benchmarks, progress=progress,
+                      name=name)
+
+
+def metrics_of(tokenizer: Any, rows: list[dict[str, Any]], options: EvalOptions, sums: list[tuple[float, int]],
+               samples: tuple[tuple[str, str, str], ...], extra: dict[str, float], **scoring: Any) -> ModelMetrics:
+    """The metrics of one candidate from its summed loss and target tokens per source (`sums`, as
+    `source_groups` cuts the rows), its generations and its lm-evaluation-harness values (`extra`): the totals,
+    each source's (`eval_loss/<source>` …), and the metric functions on the generations (`scoring`:
+    `benchmarks`, `progress`, `name` as `Benchmarks.on_generations` takes them)."""
+    eval_loss, tokens = mean_loss(sum(loss for loss, _ in sums), sum(n for _, n in sums))
+    extra = {**extra, **_per_source(tokenizer, rows, source_groups(rows, options), sums, samples)}
+    benchmarks = scoring.get("benchmarks")
+    if samples and benchmarks is not None:
+        extra.update(benchmarks.on_generations([s[2] for s in samples], [s[1] for s in samples],
+                                               scoring.get("progress"), scoring.get("name", "model")))
+    return ModelMetrics(eval_loss, math.exp(min(eval_loss, 700.0)), tokens, exact_match(samples) if samples else None,
+                        len(samples), samples, target_bytes(tokenizer, rows), extra)
+
+
+def source_groups(rows: list[dict[str, Any]], options: EvalOptions) -> list[tuple[str | None, int]]:
+    """(source name, rows) in the rows' order: each data.eval source's rows (as many as `rows` holds of them:
+    evaluate.max_examples keeps the first), or one unnamed group for a single source."""
+    groups: list[tuple[str | None, int]] = []
+    left = len(rows)
+    for name, count in options.sources:
+        if min(count, left) > 0:
+            groups.append((name, min(count, left)))
+            left -= min(count, left)
+    return groups + [(None, left)] if left or not groups else groups
+
+
+def loss_batches(rows: list[dict[str, Any]], options: EvalOptions) -> list[tuple[int, list[dict[str, Any]]]]:
+    """(source group, rows) of every held-out-loss batch: up to `options.batch_size` rows of one source."""
+    batches, start = [], 0
+    for index, (_, count) in enumerate(source_groups(rows, options)):
+        for first in range(start, start + count, options.batch_size):
+            batches.append((index, rows[first:min(first + options.batch_size, start + count)]))
+        start += count
+    return batches
+
+
+def _per_source(tokenizer: Any, rows: list[dict[str, Any]], groups: list[tuple[str | None, int]],
+                sums: list[tuple[float, int]], samples: tuple[tuple[str, str, str], ...]) -> dict[str, float]:
+    """`<metric>/<source>` of the built-in metrics, for each named source with a target token."""
+    values: dict[str, float] = {}
+    start = 0
+    for (name, count), (loss, tokens) in zip(groups, sums):
+        if name is not None and tokens:
+            values[f"eval_loss/{name}"] = loss / tokens
+            values[f"perplexity/{name}"] = math.exp(min(loss / tokens, 700.0))
+            text_bytes = target_bytes(tokenizer, rows[start:start + count])
+            if text_bytes:
+                values[f"bits_per_byte/{name}"] = loss / (text_bytes * math.log(2))
+            if samples[start:start + count]:  # samples are the first rows', in order
+                values[f"exact_match/{name}"] = exact_match(samples[start:start + count])
+        start += count
+    return values
 
 
 def generates(rows: list[dict[str, Any]], options: EvalOptions) -> bool:
@@ -215,27 +269,30 @@ def generates(rows: list[dict[str, Any]], options: EvalOptions) -> bool:
     return options.generate_examples > 0 and bool(rows) and rows[0].get("completion") is not None
 
 
-def _held_out_loss(model: Any, tokenizer: Any, rows: list[dict[str, Any]], batch_size: int, device: str,
-                   report: Callable[[str, int, int], None]) -> tuple[float, int]:
-    """(mean loss per target token, target tokens): the loss as training computes it, logits only where
-    there is a target (TargetHead)."""
+def _held_out_loss(model: Any, tokenizer: Any, rows: list[dict[str, Any]], options: EvalOptions,
+                   report: Callable[[str, int, int], None]) -> list[tuple[float, int]]:
+    """(summed loss, target tokens) of each source group (`source_groups`): the loss as training computes it,
+    logits only where there is a target (TargetHead)."""
     import torch
 
     from fulltune.runtime.loss import TargetHead
 
     head = TargetHead(model)
-    total_loss = torch.zeros((), dtype=torch.float64)
-    total_tokens = 0
+    groups = source_groups(rows, options)
+    sums = [torch.zeros((), dtype=torch.float64) for _ in groups]
+    tokens = [0] * len(groups)
+    done = 0
     try:
         with torch.inference_mode():
-            for start in range(0, len(rows), batch_size):
-                loss, tokens = batch_loss(model, head, tokenizer, rows[start:start + batch_size], device)
-                total_loss += loss
-                total_tokens += tokens
-                report("loss", min(start + batch_size, len(rows)), len(rows))
+            for index, batch in loss_batches(rows, options):
+                loss, count = batch_loss(model, head, tokenizer, batch, options.device)
+                sums[index] += loss
+                tokens[index] += count
+                done += len(batch)
+                report("loss", done, len(rows))
     finally:
         head.remove()
-    return mean_loss(float(total_loss), total_tokens)
+    return [(float(total), count) for total, count in zip(sums, tokens)]
 
 
 def batch_loss(model: Any, head: Any, tokenizer: Any, rows: list[dict[str, Any]], device: str) -> tuple[Any, int]:
@@ -386,7 +443,8 @@ def evaluate_candidates(spec: PipelineSpec, *, eval_file: str, base_model: str, 
     options = {"options": EvalOptions(
         evaluation["loss_batch"] if evaluation else e.batch_size, e.max_generate_examples, e.max_new_tokens, device,
         (evaluation["generation_batch"] or None) if evaluation else None,
-        evaluation.get("processes", 1) if evaluation else 1, str(Path(workdir) / "evals")),
+        evaluation.get("processes", 1) if evaluation else 1, str(Path(workdir) / "evals"),
+        eval_sources(spec.data, eval_file)),
         "benchmarks": benchmarks, "progress": progress}
     candidates = {"base": (base_model, tokenizer, load),
                   "fine_tuned": (model_dir, model_dir, {**load, "revision": None})}
@@ -395,6 +453,22 @@ def evaluate_candidates(spec: PipelineSpec, *, eval_file: str, base_model: str, 
 
     return compare_with_champion(spec, rows, metrics, champion, model_dir=model_dir, workdir=workdir,
                                  options=options, load=load)
+
+
+def eval_sources(data: Any, eval_file: str) -> tuple[tuple[str, int], ...]:
+    """(name, rows) of each data.eval source in eval.parquet's order (its meta.json counts them); () for a single
+    source (fulltune/data/sources.py `eval_source_names`)."""
+    import json
+
+    from fulltune.data.sources import eval_source_names
+
+    names = eval_source_names(data)
+    if not names:
+        return ()
+    counted = json.loads((Path(eval_file).parent / "meta.json").read_text()).get("sources", {}).get("eval", [])
+    if len(counted) != len(names):
+        return ()
+    return tuple((name, int(source["examples"])) for name, source in zip(names, counted))
 
 
 def planned_loading(evaluation: dict[str, Any] | None, device: str, offload_folder: str) -> dict[str, Any]:

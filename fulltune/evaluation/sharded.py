@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fulltune.errors import UserError
-from fulltune.evaluation.evaluate import (EvalOptions, ModelMetrics, Progress, batch_loss, exact_match,
-                                          generate_batch, generates, mean_loss, target_bytes)
+from fulltune.evaluation.evaluate import (EvalOptions, ModelMetrics, Progress, batch_loss, generate_batch, generates,
+                                          loss_batches, metrics_of)
 
 if TYPE_CHECKING:
     from fulltune.evaluation.harness import Benchmarks
@@ -76,19 +76,10 @@ def evaluate_sharded(model_path: str, tokenizer_path: str, rows: list[dict[str, 
         if progress is not None:
             progress(f"{name}: evaluating sharded over {options.processes} processes (FSDP2)")
         result = run_sharded_evaluation(job_dir / EVAL_JOB_FILE, options.processes, progress, env)
-    eval_loss, tokens = mean_loss(result["loss_sum"], result["tokens"])
     samples = tuple(tuple(sample) for sample in result["samples"])
-    extra: dict[str, float] = dict(result["extra"])
-    if samples and benchmarks is not None:
-        extra.update(benchmarks.on_generations([s[2] for s in samples], [s[1] for s in samples], progress, name))
-    return ModelMetrics(eval_loss, _perplexity(eval_loss), tokens, exact_match(samples) if samples else None,
-                        len(samples), samples, target_bytes(tokenizer, rows), extra)  # type: ignore[arg-type]
-
-
-def _perplexity(eval_loss: float) -> float:
-    import math
-
-    return math.exp(min(eval_loss, 700.0))
+    sums = [(float(loss), int(tokens)) for loss, tokens in result["sums"]]
+    return metrics_of(tokenizer, rows, options, sums, samples, dict(result["extra"]),  # type: ignore[arg-type]
+                      benchmarks=benchmarks, progress=progress, name=name)
 
 
 def _harness_job(benchmarks: Benchmarks | None) -> dict[str, Any] | None:
@@ -146,30 +137,31 @@ def _load(job: dict[str, Any]) -> Any:
 
 
 def _loss_sums(model: Any, tokenizer: Any, rows: list[dict[str, Any]], options: EvalOptions,
-               report: Any) -> tuple[float, int]:
-    """(the summed loss, target tokens) over every rank's batches: this rank's share, all-reduced."""
+               report: Any) -> list[list[float]]:
+    """[summed loss, target tokens] of each source group over every rank's batches: this rank's share,
+    all-reduced."""
     import torch
     import torch.distributed as dist
 
+    from fulltune.evaluation.evaluate import source_groups
     from fulltune.runtime.loss import TargetHead
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    size = options.batch_size
-    batches = [rows[start:start + size] for start in range(0, len(rows), size)]
-    totals = torch.zeros(2, dtype=torch.float64)
+    batches = loss_batches(rows, options)
+    totals = torch.zeros((len(source_groups(rows, options)), 2), dtype=torch.float64)
     head = TargetHead(model)
     try:
         with torch.inference_mode():
-            for done, (batch, counted) in enumerate(_dealt(batches, rank, world), start=1):
+            for done, ((index, batch), counted) in enumerate(_dealt(batches, rank, world), start=1):
                 loss, tokens = batch_loss(model, head, tokenizer, batch, options.device)
                 if counted:
-                    totals += torch.stack([loss, torch.tensor(float(tokens), dtype=torch.float64)])
-                report("loss", min(done * world * size, len(rows)), len(rows))
+                    totals[index] += torch.stack([loss, torch.tensor(float(tokens), dtype=torch.float64)])
+                report("loss", min(done * world * options.batch_size, len(rows)), len(rows))
     finally:
         head.remove()
     totals = totals.to(_collective_device(options.device))
     dist.all_reduce(totals)
-    return float(totals[0]), int(totals[1])
+    return totals.cpu().tolist()
 
 
 def _generations(model: Any, tokenizer: Any, rows: list[dict[str, Any]], options: EvalOptions,
@@ -210,7 +202,7 @@ def evaluate_rank(job: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, 
     from fulltune.models import load_tokenizer
     from fulltune.runtime.sharding import init_process_group
 
-    options = EvalOptions(**job["options"])
+    options = EvalOptions(**{**job["options"], "sources": tuple(tuple(s) for s in job["options"]["sources"])})
     init_process_group(options.device)
     load = job["load"]
     tokenizer = load_tokenizer(job["tokenizer_path"], revision=load.get("revision"),
@@ -219,13 +211,13 @@ def evaluate_rank(job: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, 
     check_ids_fit(model, rows, job["model_path"], job["tokenizer_path"])
     main = dist.get_rank() == 0
     report = Reporter(lambda line: print(line, flush=True) if main else None, job["name"])
-    loss_sum, tokens = _loss_sums(model, tokenizer, rows, options, report)
+    sums = _loss_sums(model, tokenizer, rows, options, report)
     samples = _generations(model, tokenizer, rows, options, report)
     extra: dict[str, float] = {}
     benchmarks = _benchmarks(job["harness"])
     if benchmarks is not None:
         extra = benchmarks.on_model(model, tokenizer, options.device)
-    return {"loss_sum": loss_sum, "tokens": tokens, "samples": samples, "extra": extra} if main else None
+    return {"sums": sums, "samples": samples, "extra": extra} if main else None
 
 
 def main(argv: list[str] | None = None) -> int:
