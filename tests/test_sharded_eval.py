@@ -40,28 +40,37 @@ def assert_same_metrics(sharded: ModelMetrics | dict[str, float], single: ModelM
 
 
 def test_two_sharded_processes_evaluate_like_one(tmp_path: Path) -> None:
+    """Two candidates (the evaluate stage's base and fine-tuned) in one launch of 2 processes, one after the
+    other: each one's metrics are its own one-process evaluation's."""
+    from fulltune.evaluation.sharded import Candidate, evaluate_sharded_candidates
     from tests.tiny import make_model, make_tokenizer
 
     tokenizer_dir = make_tokenizer(tmp_path / "tok")
-    model_dir = make_model(tmp_path / "model", tokenizer_dir)
+    models = {"base": make_model(tmp_path / "base", tokenizer_dir),
+              "fine_tuned": make_model(tmp_path / "tuned", tokenizer_dir, seed=1)}
     rows = _rows(tokenizer_dir)
     # Two data.eval sources: their metrics beside the totals (batches never span two sources).
     options = EvalOptions(batch_size=3, generate_examples=5, max_new_tokens=4, device="cpu", generation_batch_size=2,
                           sources=(("general", 4), ("domain", 3)))
-    single = evaluate_model(model_dir, tokenizer_dir, rows, options, load_kwargs={"dtype": "fp32"})
+    load = {"dtype": "fp32"}
+    single = {name: evaluate_model(path, tokenizer_dir, rows, options, load_kwargs=load)
+              for name, path in models.items()}
     lines: list[str] = []
-    sharded = evaluate_model(model_dir, tokenizer_dir, rows,
-                             replace(options, processes=2, work_dir=str(tmp_path / "evals")),
-                             load_kwargs={"dtype": "fp32"}, progress=lines.append, name="fine_tuned")
+    sharded = evaluate_sharded_candidates(
+        [Candidate(name, path, tokenizer_dir, load) for name, path in models.items()], rows,
+        replace(options, processes=2, work_dir=str(tmp_path / "evals")), progress=lines.append)
 
     assert "fine_tuned: evaluating sharded over 2 processes (FSDP2)" in lines
-    assert_same_metrics(sharded, single)
-    assert sharded.eval_tokens == single.eval_tokens and sharded.target_bytes == single.target_bytes
-    assert sharded.samples == single.samples and sharded.generated_examples == 5
-    for name in ("general", "domain"):
-        got, want = sharded.as_dict(), single.as_dict()
-        assert math.isclose(got[f"eval_loss/{name}"], want[f"eval_loss/{name}"], rel_tol=1e-5)
-        assert got[f"exact_match/{name}"] == want[f"exact_match/{name}"]
+    assert single["base"].eval_loss != single["fine_tuned"].eval_loss
+    for name, want in single.items():
+        got = sharded[name]
+        assert_same_metrics(got, want)
+        assert got.eval_tokens == want.eval_tokens and got.target_bytes == want.target_bytes
+        assert got.samples == want.samples and got.generated_examples == 5
+        for source in ("general", "domain"):
+            assert math.isclose(got.as_dict()[f"eval_loss/{source}"], want.as_dict()[f"eval_loss/{source}"],
+                                rel_tol=1e-5)
+            assert got.as_dict()[f"exact_match/{source}"] == want.as_dict()[f"exact_match/{source}"]
     assert list((tmp_path / "evals").iterdir()) == []  # the child's job and rows are removed
 
 

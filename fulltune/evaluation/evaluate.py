@@ -448,8 +448,14 @@ def evaluate_candidates(spec: PipelineSpec, *, eval_file: str, base_model: str, 
         "benchmarks": benchmarks, "progress": progress}
     candidates = {"base": (base_model, tokenizer, load),
                   "fine_tuned": (model_dir, model_dir, {**load, "revision": None})}
-    metrics = {name: evaluate_model(path, tokenizer_path, rows, load_kwargs=kwargs, name=name, **options)
-               for name, (path, tokenizer_path, kwargs) in candidates.items()}
+    if options["options"].processes > 1:  # one launch of the processes for both
+        from fulltune.evaluation.sharded import Candidate, evaluate_sharded_candidates
+
+        metrics = evaluate_sharded_candidates([Candidate(name, *candidate) for name, candidate in candidates.items()],
+                                              rows, options["options"], benchmarks, progress)
+    else:
+        metrics = {name: evaluate_model(path, tokenizer_path, rows, load_kwargs=kwargs, name=name, **options)
+                   for name, (path, tokenizer_path, kwargs) in candidates.items()}
 
     return compare_with_champion(spec, rows, metrics, champion, model_dir=model_dir, workdir=workdir,
                                  options=options, load=load)

@@ -1,18 +1,18 @@
-"""One candidate's evaluation sharded over the processes its training used (FSDP2), in the training's launch path.
+"""The candidates' evaluation sharded over the processes their training used (FSDP2), in the training's launch path.
 
 A run trained with `distributed.strategy: fsdp` (or tensor parallel) over N processes never held its weights in
 one process, and its evaluation does not either: the evaluate stage writes a job beside the eval rows and starts
 N processes the way training starts them (`fulltune.runtime.launch.run_sharded_evaluation`: torchrun, gloo on
 CPU, NCCL on CUDA):
 
-    evaluate_sharded(model, tokenizer, rows, options)          # the evaluate stage, one candidate
+    evaluate_sharded_candidates([base, fine_tuned], rows, options)   # the evaluate stage (the champion: its own)
       ├─ <work_dir>/<tmp>/EVAL_JOB.json + rows.parquet
       ├─ torchrun --nproc_per_node N -m fulltune.evaluation.sharded EVAL_JOB.json
-      │    each rank: load_sharded_model (its 1/N of the weights, in the trained dtype; every unit resharded
-      │    after its forward) → its share of the loss batches → its share of the generation batches
-      │    → all-reduce of the loss sums and target tokens, all-gather of the generations → rank 0 writes
-      │    eval-result.json
-      └─ ModelMetrics (the metric functions run here, on the gathered generations)
+      │    each rank, one candidate after another, each freed before the next loads: load_sharded_model (its
+      │    1/N of the weights, in the trained dtype; every unit resharded after its forward) → its share of
+      │    the loss batches → its share of the generation batches → all-reduce of the loss sums and target
+      │    tokens, all-gather of the generations; rank 0 writes eval-result.json
+      └─ ModelMetrics per candidate (the metric functions run here, on the gathered generations)
 
 The batches are the one-process evaluation's (`EvalOptions.batch_size`, rows in order), dealt round-robin:
 batch i runs on rank i mod N with the same rows, padding and gathered weights, so the loss sums and the greedy
@@ -29,7 +29,7 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,37 +49,67 @@ TOKEN_ENV = "FULLTUNE_EVAL_HUB_TOKEN"
 LOAD_KEYS = ("dtype", "revision", "trust_remote_code", "allow_pickle_weights", "attn_implementation")
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """One model to evaluate: its name in the report, checkpoint, tokenizer and `load_model` keyword arguments."""
+
+    name: str
+    model_path: str
+    tokenizer_path: str
+    load_kwargs: dict[str, Any]
+
+
 def evaluate_sharded(model_path: str, tokenizer_path: str, rows: list[dict[str, Any]], options: EvalOptions, *,
                      load_kwargs: dict[str, Any], benchmarks: Benchmarks | None = None,
                      progress: Progress | None = None, name: str = "model") -> ModelMetrics:
     """`evaluate_model` with the model sharded over `options.processes` child processes (module docstring)."""
+    candidate = Candidate(name, model_path, tokenizer_path, load_kwargs)
+    return evaluate_sharded_candidates([candidate], rows, options, benchmarks, progress)[name]
+
+
+def evaluate_sharded_candidates(candidates: list[Candidate], rows: list[dict[str, Any]], options: EvalOptions,
+                                benchmarks: Benchmarks | None = None,
+                                progress: Progress | None = None) -> dict[str, ModelMetrics]:
+    """Each candidate's metrics, evaluated one after another (each freed before the next loads) in one launch
+    of `options.processes` processes: the processes start once for all of them. The candidates share one hub
+    token (the run's model's), or have none."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from fulltune.models import load_tokenizer
     from fulltune.runtime.launch import run_sharded_evaluation
     from fulltune.storage import atomic_write_text
 
-    tokenizer = load_tokenizer(tokenizer_path, revision=load_kwargs.get("revision"),
-                               trust_remote_code=load_kwargs.get("trust_remote_code", False),
-                               token=load_kwargs.get("token"))
     if options.work_dir is not None:
         Path(options.work_dir).mkdir(parents=True, exist_ok=True)
+    tokens = {c.load_kwargs["token"] for c in candidates if c.load_kwargs.get("token")}
     with tempfile.TemporaryDirectory(prefix="sharded-eval-", dir=options.work_dir) as directory:
         job_dir = Path(directory)
         pq.write_table(pa.Table.from_pylist(rows), job_dir / ROWS_FILE)
-        job = {"model_path": model_path, "tokenizer_path": tokenizer_path, "name": name,
-               "options": asdict(options), "load": {key: load_kwargs[key] for key in LOAD_KEYS if key in load_kwargs},
-               "harness": _harness_job(benchmarks)}
+        job = {"candidates": [{"name": c.name, "model_path": c.model_path, "tokenizer_path": c.tokenizer_path,
+                               "load": {key: c.load_kwargs[key] for key in LOAD_KEYS if key in c.load_kwargs},
+                               "token": bool(c.load_kwargs.get("token"))} for c in candidates],
+               "options": asdict(options), "harness": _harness_job(benchmarks)}
         atomic_write_text(job_dir / EVAL_JOB_FILE, json.dumps(job, indent=1))
-        env = {TOKEN_ENV: load_kwargs["token"]} if load_kwargs.get("token") else {}
+        env = {TOKEN_ENV: tokens.pop()} if tokens else {}
         if progress is not None:
-            progress(f"{name}: evaluating sharded over {options.processes} processes (FSDP2)")
+            for candidate in candidates:
+                progress(f"{candidate.name}: evaluating sharded over {options.processes} processes (FSDP2)")
         result = run_sharded_evaluation(job_dir / EVAL_JOB_FILE, options.processes, progress, env)
+    return {c.name: _metrics(c, result[c.name], rows, options, benchmarks, progress) for c in candidates}
+
+
+def _metrics(candidate: Candidate, result: dict[str, Any], rows: list[dict[str, Any]], options: EvalOptions,
+             benchmarks: Benchmarks | None, progress: Progress | None) -> ModelMetrics:
+    """A candidate's ModelMetrics from what its child's rank 0 reported (the metric functions run here)."""
+    from fulltune.models import load_tokenizer
+
+    load = candidate.load_kwargs
+    tokenizer = load_tokenizer(candidate.tokenizer_path, revision=load.get("revision"),
+                               trust_remote_code=load.get("trust_remote_code", False), token=load.get("token"))
     samples = tuple(tuple(sample) for sample in result["samples"])
     sums = [(float(loss), int(tokens)) for loss, tokens in result["sums"]]
     return metrics_of(tokenizer, rows, options, sums, samples, dict(result["extra"]),  # type: ignore[arg-type]
-                      benchmarks=benchmarks, progress=progress, name=name)
+                      benchmarks=benchmarks, progress=progress, name=candidate.name)
 
 
 def _harness_job(benchmarks: Benchmarks | None) -> dict[str, Any] | None:
@@ -117,7 +147,7 @@ def _dealt(batches: list[Any], rank: int, world: int) -> list[tuple[Any, bool]]:
     return mine
 
 
-def _load(job: dict[str, Any]) -> Any:
+def _load(candidate: dict[str, Any], device: str) -> Any:
     """This rank's FSDP2 shards of the candidate in the evaluation's dtype; every unit reshards after its
     forward (nothing stays gathered: there is no backward)."""
     import torch
@@ -125,13 +155,13 @@ def _load(job: dict[str, Any]) -> Any:
     from fulltune.models import DTYPES
     from fulltune.runtime.sharding import load_sharded_model
 
-    load = job["load"]
+    load = candidate["load"]
     dtype = getattr(torch, DTYPES[load.get("dtype") or "fp32"])
-    model = load_sharded_model(job["model_path"], device=job["options"]["device"], dtype=dtype,
-                               revision=load.get("revision"), trust_remote_code=load.get("trust_remote_code", False),
+    model = load_sharded_model(candidate["model_path"], device=device, dtype=dtype, revision=load.get("revision"),
+                               trust_remote_code=load.get("trust_remote_code", False),
                                allow_pickle_weights=load.get("allow_pickle_weights", False),
                                attn_implementation=load.get("attn_implementation", "sdpa"),
-                               token=os.environ.get(TOKEN_ENV))
+                               token=os.environ.get(TOKEN_ENV) if candidate["token"] else None)
     model.set_reshard_after_forward(True)
     return model.eval()
 
@@ -195,29 +225,44 @@ def _collective_device(device: str) -> Any:
 
 
 def evaluate_rank(job: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """This rank's part of the sharded evaluation (collective); rank 0 returns the result, the others None."""
+    """This rank's part of the sharded evaluation of every candidate, one after another (collective); rank 0
+    returns each candidate's result by name, the others None."""
     import torch.distributed as dist
 
-    from fulltune.evaluation.evaluate import check_ids_fit, Reporter
-    from fulltune.models import load_tokenizer
+    from fulltune.models import release_memory
     from fulltune.runtime.sharding import init_process_group
 
     options = EvalOptions(**{**job["options"], "sources": tuple(tuple(s) for s in job["options"]["sources"])})
     init_process_group(options.device)
-    load = job["load"]
-    tokenizer = load_tokenizer(job["tokenizer_path"], revision=load.get("revision"),
-                               trust_remote_code=load.get("trust_remote_code", False), token=os.environ.get(TOKEN_ENV))
-    model = _load(job)
-    check_ids_fit(model, rows, job["model_path"], job["tokenizer_path"])
+    results = {}
+    for candidate in job["candidates"]:
+        results[candidate["name"]] = _evaluate_candidate(candidate, rows, options, job["harness"])
+        release_memory()  # the candidate's shards are gone before the next one's load
+    return results if dist.get_rank() == 0 else None
+
+
+def _evaluate_candidate(candidate: dict[str, Any], rows: list[dict[str, Any]], options: EvalOptions,
+                        harness: dict[str, Any] | None) -> dict[str, Any]:
+    """One candidate on this rank: loaded, its share of the loss and generation batches, the harness tasks."""
+    import torch.distributed as dist
+
+    from fulltune.evaluation.evaluate import Reporter, check_ids_fit
+    from fulltune.models import load_tokenizer
+
+    load = candidate["load"]
+    tokenizer = load_tokenizer(candidate["tokenizer_path"], revision=load.get("revision"),
+                               trust_remote_code=load.get("trust_remote_code", False),
+                               token=os.environ.get(TOKEN_ENV) if candidate["token"] else None)
+    model = _load(candidate, options.device)
+    check_ids_fit(model, rows, candidate["model_path"], candidate["tokenizer_path"])
     main = dist.get_rank() == 0
-    report = Reporter(lambda line: print(line, flush=True) if main else None, job["name"])
+    report = Reporter(lambda line: print(line, flush=True) if main else None, candidate["name"])
     sums = _loss_sums(model, tokenizer, rows, options, report)
     samples = _generations(model, tokenizer, rows, options, report)
-    extra: dict[str, float] = {}
-    benchmarks = _benchmarks(job["harness"])
-    if benchmarks is not None:
-        extra = benchmarks.on_model(model, tokenizer, options.device)
-    return {"sums": sums, "samples": samples, "extra": extra} if main else None
+    benchmarks = _benchmarks(harness)
+    extra = benchmarks.on_model(model, tokenizer, options.device) if benchmarks is not None else {}
+    del model
+    return {"sums": sums, "samples": samples, "extra": extra}
 
 
 def main(argv: list[str] | None = None) -> int:
