@@ -209,6 +209,13 @@ def test_the_70b_evaluate_stage_is_sharded_over_the_8_gpus_that_trained_it():
     assert 0 < evaluation["memory"]["gathered"] < 5 * GiB
     assert evaluation["device_bytes"] <= plan.usable_bytes
     assert "8 processes of the evaluate stage, FSDP2-sharded, per process" in format_plan_table(plan)
+    # On 8×24 GiB an eighth of the weights and a batch of 1 do not fit a GPU: the shards go to host RAM, as
+    # training's CPU offload keeps them, and the GPU holds the gathered units and the batches.
+    small = plan_memory(LLAMA_70B, replace(request, budget_bytes=24 * GiB))
+    evaluation = small.evaluation
+    assert small.fits and evaluation["fits"] and evaluation["processes"] == 8
+    assert evaluation["offload"] == {"device_bytes": 0, "host_bytes": 8 * (-(-LLAMA_70B_PARAMS // 8) * 2)}
+    assert evaluation["device_bytes"] <= small.usable_bytes and "shards in host RAM" in evaluation["reason"]
 
 
 def test_the_70b_evaluate_stage_of_one_process_is_layer_offloaded_where_one_gpu_cannot_hold_its_weights():

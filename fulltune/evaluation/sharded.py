@@ -87,7 +87,8 @@ def evaluate_sharded_candidates(candidates: list[Candidate], rows: list[dict[str
         pq.write_table(pa.Table.from_pylist(rows), job_dir / ROWS_FILE)
         job = {"candidates": [{"name": c.name, "model_path": c.model_path, "tokenizer_path": c.tokenizer_path,
                                "load": {key: c.load_kwargs[key] for key in LOAD_KEYS if key in c.load_kwargs},
-                               "token": bool(c.load_kwargs.get("token"))} for c in candidates],
+                               "token": bool(c.load_kwargs.get("token")), "offload": _offloaded(c.load_kwargs)}
+                              for c in candidates],
                "options": asdict(options), "harness": _harness_job(benchmarks)}
         atomic_write_text(job_dir / EVAL_JOB_FILE, json.dumps(job, indent=1))
         env = {TOKEN_ENV: tokens.pop()} if tokens else {}
@@ -96,6 +97,13 @@ def evaluate_sharded_candidates(candidates: list[Candidate], rows: list[dict[str
                 progress(f"{candidate.name}: evaluating sharded over {options.processes} processes (FSDP2)")
         result = run_sharded_evaluation(job_dir / EVAL_JOB_FILE, options.processes, progress, env)
     return {c.name: _metrics(c, result[c.name], rows, options, benchmarks, progress) for c in candidates}
+
+
+def _offloaded(load_kwargs: dict[str, Any]) -> bool:
+    """Whether the plan put the shards in host RAM (its placement's `max_memory`: memory/evaluation.py
+    `_sharded_offloaded`): FSDP2's CPU offload, each unit copied to the GPU for its forward."""
+    placement = load_kwargs.get("placement")
+    return placement is not None and placement.max_memory is not None
 
 
 def _metrics(candidate: Candidate, result: dict[str, Any], rows: list[dict[str, Any]], options: EvalOptions,
@@ -148,8 +156,8 @@ def _dealt(batches: list[Any], rank: int, world: int) -> list[tuple[Any, bool]]:
 
 
 def _load(candidate: dict[str, Any], device: str) -> Any:
-    """This rank's FSDP2 shards of the candidate in the evaluation's dtype; every unit reshards after its
-    forward (nothing stays gathered: there is no backward)."""
+    """This rank's FSDP2 shards of the candidate in the evaluation's dtype (in pinned host RAM where the plan
+    offloads them; CUDA only); every unit reshards after its forward (nothing stays gathered: no backward)."""
     import torch
 
     from fulltune.models import DTYPES
@@ -161,7 +169,8 @@ def _load(candidate: dict[str, Any], device: str) -> Any:
                                trust_remote_code=load.get("trust_remote_code", False),
                                allow_pickle_weights=load.get("allow_pickle_weights", False),
                                attn_implementation=load.get("attn_implementation", "sdpa"),
-                               token=os.environ.get(TOKEN_ENV) if candidate["token"] else None)
+                               token=os.environ.get(TOKEN_ENV) if candidate["token"] else None,
+                               offload=candidate.get("offload", False))
     model.set_reshard_after_forward(True)
     return model.eval()
 

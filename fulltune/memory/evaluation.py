@@ -155,7 +155,7 @@ class EvalPlan:
     device_bytes: int
     fits: bool
     reason: str
-    offload_device_bytes: int | None = None  # None: every weight on the device
+    offload_device_bytes: int | None = None  # None: every weight on the device (sharded: 0, shards in host RAM)
     offload_host_bytes: int = 0
     processes: int = 1  # > 1: every candidate sharded over this many processes; the figures are per process
 
@@ -227,10 +227,34 @@ def plan_evaluation(shape: ModelShape, settings: Settings, request: EvalRequest,
             "batches lowered to fit: " + ", ".join(lowered) if lowered else "the configured batches fit"))
     smallest = tuple(min(1, n) for n in configured)
     if processes > 1:
-        need = format_bytes(total(memory(smallest)))
-        return plan(smallest, False, f"evaluation{where} needs {need} per process with batch 1, over the usable "
-                                     f"{format_bytes(usable)}")
+        return _sharded_offloaded(plan, memory, configured, settings, usable, host_budget, total)
     return _offloaded(plan, memory(smallest), smallest, settings, usable, host_budget, total)
+
+
+def _sharded_offloaded(plan: Any, memory: Any, configured: tuple[int, int, int], settings: Settings, usable: int,
+                       host_budget: int | None, total: Any) -> EvalPlan:
+    """Sharded, where a process's shards and a batch of 1 do not fit its GPU: every shard in host RAM (FSDP2's CPU
+    offload, as `train.offload_optimizer` trains), the GPU holding the gathered units and the batches, fitted again."""
+    processes = settings.num_processes
+    smallest = tuple(min(1, n) for n in configured)
+    need = format_bytes(total(memory(smallest)))
+    if settings.device != "cuda":
+        return plan(smallest, False, f"evaluation sharded over {processes} processes needs {need} per process with "
+                                     f"batch 1, over the usable {format_bytes(usable)}")
+    fitted = tuple(_largest(lambda b, i=i: total(replace(memory(_only(configured, i, b)), weights=0)) <= usable, n)
+                   for i, n in enumerate(configured))
+    shards = memory(smallest).weights
+    host = shards * processes  # every process of the machine holds its shards there
+    if not all(b or not n for b, n in zip(fitted, configured)) or (host_budget is not None and host > host_budget):
+        room = "" if host_budget is None else f", host RAM {format_bytes(host_budget)} (budget.host_memory)"
+        return plan(smallest, False, f"evaluation sharded over {processes} processes does not fit even with its "
+                                     f"shards in host RAM: batch 1 needs {need} per process of the usable "
+                                     f"{format_bytes(usable)}, {format_bytes(host)} of shards for the host{room}")
+    offloaded = plan(fitted, True, f"evaluation sharded over {processes} processes (FSDP2, per process) with its "
+                                   f"shards in host RAM ({format_bytes(host)} per machine; the shards and batch 1 do "
+                                   f"not fit one GPU: {need}), batches {fitted[0]}/{fitted[1]}",
+                     offload_device_bytes=0, offload_host_bytes=host)
+    return replace(offloaded, device_bytes=total(replace(offloaded.memory, weights=0)))
 
 
 def _offloaded(plan: Any, m: EvalMemory, smallest: tuple[int, int, int], settings: Settings, usable: int,
