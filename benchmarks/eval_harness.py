@@ -39,7 +39,7 @@ def demo_model(directory: Path) -> tuple[str, list[dict]]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fulltune.evaluation.evaluate import tokenize_records
+    from fulltune.evaluation.champion import tokenize_records
     from fulltune.spec import load_pipelines
     from fulltune.data.tokenizer import build_tokenizer
 
@@ -69,7 +69,7 @@ def main() -> None:
 
     import torch
 
-    from fulltune.evaluation.evaluate import evaluate_model
+    from fulltune.evaluation.evaluate import EvalOptions, evaluate_model
     from fulltune.evaluation.harness import Benchmarks
     from fulltune.spec import load_pipelines
 
@@ -78,8 +78,8 @@ def main() -> None:
     benchmarks = Benchmarks.from_spec(spec, ROOT)
     with tempfile.TemporaryDirectory() as tmp:
         model, rows = demo_model(Path(tmp))
-        options = {"batch_size": spec.evaluate.batch_size, "generate_examples": spec.evaluate.max_generate_examples,
-                   "max_new_tokens": spec.evaluate.max_new_tokens, "device": "cpu", "load_kwargs": {}}
+        options = {"options": EvalOptions(spec.evaluate.batch_size, spec.evaluate.max_generate_examples,
+                                          spec.evaluate.max_new_tokens, "cpu"), "load_kwargs": {}}
         from fulltune.models import load_model, load_tokenizer
 
         loaded, tokenizer = load_model(model).eval(), load_tokenizer(model)

@@ -107,7 +107,7 @@ def _child(job_file: str) -> int:
     import mlflow  # noqa: F401  (the flow process holds Prefect and MLflow: the evaluate stage runs in it)
     import prefect  # noqa: F401
 
-    from fulltune.evaluation.evaluate import evaluate_model, planned_loading
+    from fulltune.evaluation.evaluate import EvalOptions, evaluate_model, planned_loading
 
     job = json.loads(Path(job_file).read_text())
     evaluation, root = job["evaluation"], Path(job["root"])
@@ -115,10 +115,10 @@ def _child(job_file: str) -> int:
     load = planned_loading(evaluation if job["planned"] else None, "cpu", str(root / "offload"))
     metrics = {}
     for name in ("base", "tuned"):
-        metrics[name] = evaluate_model(str(root / name), str(root / name), rows, batch_size=evaluation["loss_batch"],
-                                       generation_batch_size=evaluation["generation_batch"] or None,
-                                       generate_examples=GENERATE, max_new_tokens=NEW_TOKENS, device="cpu",
-                                       load_kwargs=load, name=name).eval_loss
+        options = EvalOptions(evaluation["loss_batch"], GENERATE, NEW_TOKENS, "cpu",
+                              evaluation["generation_batch"] or None)
+        metrics[name] = evaluate_model(str(root / name), str(root / name), rows, options, load_kwargs=load,
+                                       name=name).eval_loss
     stop.set()
     print(json.dumps({"peak_rss": max(peak[0], _hwm()), "hwm": _hwm(), "eval_loss": metrics}))
     return 0
@@ -150,7 +150,7 @@ def device_case(dry_run: bool, layers: int = 4) -> dict[str, Any]:
     import torch
     import transformers
 
-    from fulltune.evaluation.evaluate import evaluate_model, planned_loading
+    from fulltune.evaluation.evaluate import EvalOptions, evaluate_model, planned_loading
     from fulltune.memory import PlanRequest
     from fulltune.planning import plan_memory
     from fulltune.memory.evaluation import EvalRequest, eval_memory
@@ -178,9 +178,9 @@ def device_case(dry_run: bool, layers: int = 4) -> dict[str, Any]:
                          "prompt": "", "completion": "t2"})
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        evaluate_model(str(root / "model"), str(root / "model"), rows, batch_size=plan["loss_batch"],
-                       generation_batch_size=plan["generation_batch"], generate_examples=plan["generation_batch"],
-                       max_new_tokens=EvalRequest().max_new_tokens, device=device,
+        options = EvalOptions(plan["loss_batch"], plan["generation_batch"], EvalRequest().max_new_tokens, device,
+                              plan["generation_batch"])
+        evaluate_model(str(root / "model"), str(root / "model"), rows, options,
                        load_kwargs=planned_loading(plan, device, str(root / "offload")), name="8B shape")
     batches = (plan["loss_batch"], plan["generation_batch"], 0)
     modelled = eval_memory(model_shape(config), weight_bytes=2, batches=batches, seq_len=seq,

@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fulltune.runtime import sharding
-    from fulltune.memory.process import export_host_bytes
+    from fulltune.memory import Settings
+    from fulltune.memory.process import export_host_bytes, export_phase_bytes
     from fulltune.memory.shapes import model_shape
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         shape = model_shape(config)
         result = {"added_bytes": peak - before, "rss_before": before, "peak_rss": peak,
                   "planned_rank0_bytes": export_host_bytes(shape, 4, True, shard_bytes),
+                  # what the training process's export phase (memory/process.py) adds beside weights and states
+                  "planned_phase_added": export_phase_bytes(shape, Settings(
+                      micro_batch_size=1, seq_len=1, strategy="fsdp", num_processes=2, device="cpu"), shard_bytes),
                   "model_bytes": 4 * shape.num_params, "shard_bytes": shard_bytes, "whole": args.whole}
         (args.out / ("whole.json" if args.whole else "export.json")).write_text(json.dumps(result))
         print(json.dumps(result))

@@ -59,6 +59,8 @@ def describe(plan) -> str:
 def evaluation(plan) -> str:
     e = plan.evaluation
     where = "" if e["offload"] is None else f", {format_bytes(e['offload']['host_bytes'])} offloaded to host"
+    if e.get("processes", 1) > 1:
+        where += f", sharded over {e['processes']} (per GPU)"
     return (f"{e['dtype']}, batch {e['loss_batch']}/{e['generation_batch']}: {format_bytes(e['device_bytes'])}"
             f"{where}{'' if e['fits'] else ' (does not fit)'}")
 

@@ -456,8 +456,9 @@ class PromoteIf(Strict):
     worse than the champion by more than that — against the base model while there is no champion.
     """
 
-    metric: str = Field("eval_loss", description="A built-in metric, `<task>/<metric>` of evaluate.lm_eval, or a "
-                                                 "metric of evaluate.metrics.")
+    metric: str = Field("eval_loss", description="A built-in metric, one of one data.eval source "
+                                                 "(`eval_loss/<source>`), `<task>/<metric>` of evaluate.lm_eval, or "
+                                                 "a metric of evaluate.metrics.")
     mode: Literal["min", "max"] | None = Field(
         None, description="Whether lower or higher is better (built-in metrics know theirs; required for others).")
     min_delta: float = Field(0.0, ge=0, description="Required improvement over the champion.")
@@ -467,7 +468,9 @@ class PromoteIf(Strict):
 
     @model_validator(mode="after")
     def _direction(self) -> PromoteIf:
-        expected = BUILTIN_METRICS.get(self.metric)
+        # `eval_loss/<source>`: a built-in metric of one data.eval source improves as the total does.
+        base, _, source = self.metric.partition("/")
+        expected = BUILTIN_METRICS.get(base if source else self.metric)
         if self.mode is None:
             if expected is None:
                 raise ValueError(f"set mode (min or max) for {self.metric}: only built-in metrics know their direction")

@@ -14,7 +14,7 @@ from fulltune.storage import atomic_write_text
 from fulltune.stages import EVALUATE, ResolvedPipeline, record_outputs
 # The stage's cache key, which the flow computes before it runs the task (fulltune/stages: content and code).
 from fulltune.stages import evaluate_key  # noqa: F401
-from fulltune.tracking.registry import Champion
+from fulltune.evaluation.champion import Champion
 from tasks.common import stage_policy, retry_unless_user_error
 from tasks.finetune import TrainedModel
 

@@ -13,7 +13,9 @@ from fulltune.errors import UserError, disk_full, disk_full_error
 from fulltune.logs import quiet_known_noise  # noqa: F401 (the flow quiets library noise first)
 from fulltune.planning.autotune_report import log_to_mlflow
 from fulltune.stages import BudgetDecision, ResolvedPipeline
-from fulltune.tracking import champion_to_compare, pipeline_run, registration_present  # noqa: F401
+from fulltune.stages import registration_present  # noqa: F401
+from fulltune.tracking import champion_to_compare  # noqa: F401
+from fulltune.tracking import pipeline_run as _pipeline_run
 from fulltune.tracking.summary import PipelineSummary, summarise
 from tasks.common import results_dir, stage_policy
 
@@ -74,6 +76,11 @@ def summary(p: ResolvedPipeline, done: dict[str, str], decision: BudgetDecision,
     trained, report, registration = records
     return summarise(p.name, done, stages.describe_settings(decision.settings, decision.num_layers), trained,
                      report, registration, tracking_uri, run_id)
+
+
+def pipeline_run(p: ResolvedPipeline, data_fingerprint: str, flow_run_id: str, stages_done: dict[str, str]) -> Any:
+    """The pipeline's MLflow run (`fulltune.tracking.pipeline_run`) for the resolved pipeline `p`."""
+    return _pipeline_run(p.name, p.spec, p.workdir, data_fingerprint, flow_run_id, stages_done)
 
 
 __all__ = ["PipelineSummary", "a_full_disk_stops_the_run", "champion_to_compare", "log_tuning", "pipeline_run",

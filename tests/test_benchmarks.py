@@ -57,19 +57,41 @@ def test_validate_names_the_field_of_every_unknown_metric_and_missing_task(tmp_p
                           {"metric": "sums/acc", "mode": "min"}])
     code, out = validate(path, capsys)
     assert code == 2
-    assert "pipelines.tiny.evaluate.lm_eval.tasks.1: task YAML not found" in out
+    assert "pipelines.tiny.evaluate.lm_eval.tasks[1]: task YAML not found" in out
     assert "pipelines.tiny.evaluate.metrics.broken: cannot import 'no_such_module'" in out
-    assert "pipelines.tiny.register.promote_if.0.metric: task sums reports acc; no 'accuracy'" in out
-    assert "pipelines.tiny.register.promote_if.1.metric: unknown metric 'bleu'; known: eval_loss" in out
-    assert "sums/acc" in out.split("promote_if.1.metric")[1]
-    assert "pipelines.tiny.register.promote_if.2.mode: sums/acc improves in mode 'max'" in out
+    assert "pipelines.tiny.register.promote_if[0].metric: task sums reports acc; no 'accuracy'" in out
+    assert "pipelines.tiny.register.promote_if[1].metric: unknown metric 'bleu'; known: eval_loss" in out
+    assert "sums/acc" in out.split("promote_if[1].metric")[1]
+    assert "pipelines.tiny.register.promote_if[2].mode: sums/acc improves in mode 'max'" in out
     assert "Traceback" not in out
 
 
 def test_a_metric_of_no_configured_task_is_a_validate_error(tmp_path, capsys):
     path = tiny_pipeline(tmp_path, register={"promote_if": {"metric": "hellaswag/acc", "mode": "max"}})
     code, out = validate(path, capsys)
-    assert code == 2 and "pipelines.tiny.register.promote_if.0.metric: unknown metric 'hellaswag/acc'" in out
+    assert code == 2 and "pipelines.tiny.register.promote_if[0].metric: unknown metric 'hellaswag/acc'" in out
+
+
+def test_a_gate_may_name_a_metric_of_one_eval_source_and_validate_knows_the_sources(tmp_path, capsys):
+    for name in ("general.jsonl", "domain.jsonl"):
+        (tmp_path / name).write_text('{"prompt": "1+1=", "completion": "2"}\n')
+    guard = {"metric": "eval_loss/general", "max_regression": 0.0}
+    path = tiny_pipeline(tmp_path, data={"eval": ["general.jsonl", {"path": "domain.jsonl"}]},
+                         register={"promote_if": [{"metric": "eval_loss/domain", "min_delta": 0.01}, guard]})
+    code, out = validate(path, capsys)
+    assert code == 0, out
+    path = tiny_pipeline(tmp_path, data={"eval": ["general.jsonl", "domain.jsonl"]},
+                         register={"promote_if": [{"metric": "eval_loss"}, {"metric": "exact_match/medical"}]})
+    code, out = validate(path, capsys)
+    assert code == 2 and ("pipelines.tiny.register.promote_if[1].metric: no data.eval source 'medical' to report "
+                          "exact_match of (the data.eval sources are general, domain)") in out, out
+    # The gate guards one source: the general set must not regress while the total improves.
+    conditions = gates({"metric": "eval_loss"}, guard)
+    champion = {"eval_loss": 1.0, "eval_loss/general": 0.8}
+    assert PromoteIf(**guard).mode == "min"
+    regressed = decide_gates({"eval_loss": 0.9, "eval_loss/general": 0.85}, champion, None, conditions, False)
+    assert not regressed.promote and "eval_loss/general" in regressed.reason
+    assert decide_gates({"eval_loss": 0.9, "eval_loss/general": 0.8}, champion, None, conditions, False).promote
 
 
 def test_lm_eval_tasks_without_the_extra_installed_exit_2_saying_what_to_install(tmp_path):

@@ -4,6 +4,7 @@ with another tokenizer is measured on its own tokens and compared per byte of ta
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from fulltune.errors import ConfigError
-from fulltune.evaluation.evaluate import (NOT_COMPARED, PER_BYTE, REFUSED, SAME_TOKENS, EvalReport, ModelMetrics, champion_rows,
-                               evaluate_model, measure_champion, tokenize_records)
+from fulltune.evaluation.champion import champion_rows, measure_champion, tokenize_records
+from fulltune.evaluation.evaluate import (NOT_COMPARED, PER_BYTE, REFUSED, SAME_TOKENS, EvalOptions, EvalReport,
+                                          ModelMetrics, evaluate_model)
 from fulltune.tracking.registry import decide_promotion
 from fulltune.models import load_tokenizer
 from fulltune.spec import DataSpec
@@ -31,8 +33,8 @@ def test_eval_loss_is_the_mean_over_labelled_tokens_and_generation_still_works(t
         rows.append({"input_ids": p + c, "labels": [-100] * len(p) + c, "position_ids": list(range(len(p + c))),
                      "prompt": prompt, "completion": completion})
 
-    metrics = evaluate_model(model_dir, tokenizer_dir, rows, batch_size=2, generate_examples=3, max_new_tokens=4,
-                             device="cpu", load_kwargs={})
+    metrics = evaluate_model(model_dir, tokenizer_dir, rows, EvalOptions(batch_size=2, generate_examples=3,
+                             max_new_tokens=4, device="cpu"), load_kwargs={})
 
     # Reference: full logits, one row at a time (no padding), position t predicting label t + 1.
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -111,7 +113,7 @@ def test_champion_with_another_tokenizer_is_measured_on_its_own_tokens_and_keeps
     assert len(new_tokenizer) > len(load_tokenizer(champion))
 
     rows = tokenize_records(additions(24, "add", seed=1), new_tokenizer, DATA)  # eval.parquet of the new run
-    options = {"batch_size": 8, "generate_examples": 4, "max_new_tokens": 3, "device": "cpu", "load_kwargs": {}}
+    options = {"options": EvalOptions(8, 4, 3, "cpu"), "load_kwargs": {}}
     with pytest.raises(ConfigError, match="token embeddings"):  # what used to be an IndexError
         evaluate_model(champion, champion, rows, **options)
 
@@ -154,9 +156,8 @@ def test_held_out_text_examples_with_another_tokenizer_refuse_the_comparison(tmp
 
 def test_compare_champion_false_keeps_the_champion(tmp_path: Path) -> None:
     from fulltune.stages import resolve_pipeline
-    from fulltune.tracking.registry import Champion
     from pipelines_fixture import tiny_pipeline
-    from fulltune.evaluation.evaluate import compare_with_champion
+    from fulltune.evaluation.champion import Champion, compare_with_champion
 
     p = resolve_pipeline(str(tiny_pipeline(tmp_path, evaluate={"compare_champion": False})), "tiny", None)
     better = {"fine_tuned": ModelMetrics(0.1, math.exp(0.1), 10, target_bytes=20)}
@@ -208,9 +209,8 @@ def _evaluate_with(tmp_path: Path, metrics: dict[str, str], lines: list[str], ti
                             load_tokenizer(tokenizer_dir), DATA)
     benchmarks = Benchmarks((), None, None, 2, tuple((k, f"team_metrics:{v}") for k, v in metrics.items()),
                             str(tmp_path), timeout)
-    return evaluate_model(model_dir, tokenizer_dir, rows, batch_size=2, generate_examples=2, max_new_tokens=2,
-                          device="cpu", load_kwargs={}, benchmarks=benchmarks, progress=lines.append,
-                          name="fine_tuned")
+    return evaluate_model(model_dir, tokenizer_dir, rows, EvalOptions(2, 2, 2, "cpu"), load_kwargs={},
+                          benchmarks=benchmarks, progress=lines.append, name="fine_tuned")
 
 
 @pytest.mark.slow
@@ -303,12 +303,12 @@ def test_layer_offloaded_loading_measures_the_same_and_every_model_is_freed(tmp_
         return model
 
     monkeypatch.setattr(models, "load_model", tracked)
-    options = {"batch_size": 4, "generate_examples": 6, "max_new_tokens": 3, "device": "cpu"}
-    whole = evaluate_model(model_dir, model_dir, rows, load_kwargs={"dtype": "fp32"}, **options)
+    options = EvalOptions(batch_size=4, generate_examples=6, max_new_tokens=3, device="cpu")
+    whole = evaluate_model(model_dir, model_dir, rows, options, load_kwargs={"dtype": "fp32"})
     weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
     placement = Placement("cpu", {"cpu": weights // 3}, str(tmp_path / "offload"))
-    offloaded = evaluate_model(model_dir, model_dir, rows, load_kwargs={"dtype": "fp32", "placement": placement},
-                               generation_batch_size=2, **options)
+    offloaded = evaluate_model(model_dir, model_dir, rows, replace(options, generation_batch_size=2),
+                               load_kwargs={"dtype": "fp32", "placement": placement})
     assert device_maps[0] is None and "disk" in device_maps[1].values(), "the layers beyond max_memory offloaded"
     assert math.isclose(offloaded.eval_loss, whole.eval_loss, rel_tol=1e-5)
     assert offloaded.samples == whole.samples and offloaded.exact_match == whole.exact_match
@@ -317,3 +317,26 @@ def test_layer_offloaded_loading_measures_the_same_and_every_model_is_freed(tmp_
         assert len(loaded) == 2 and all(ref() is None for ref in loaded)
     finally:
         gc.enable()
+
+
+def test_each_eval_source_is_reported_beside_the_total(tmp_path: Path) -> None:
+    """data.eval as a list of sources: loss, perplexity, bits per byte and exact match of each source (its rows
+    alone), beside the totals over every row."""
+    tokenizer_dir = make_tokenizer(tmp_path / "tok")
+    model_dir = make_model(tmp_path / "model", tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    general = tokenize_records(additions(3, "add", seed=1), tokenizer, DATA)
+    domain = tokenize_records(additions(4, "plus", seed=2), tokenizer, DATA)
+    options = EvalOptions(batch_size=2, generate_examples=5, max_new_tokens=2, device="cpu")
+    both = evaluate_model(model_dir, tokenizer_dir, general + domain,
+                          replace(options, sources=(("general", 3), ("domain", 4))), load_kwargs={})
+    alone = {"general": evaluate_model(model_dir, tokenizer_dir, general, options, load_kwargs={}),
+             "domain": evaluate_model(model_dir, tokenizer_dir, domain, replace(options, generate_examples=2),
+                                      load_kwargs={})}
+    values = both.as_dict()
+    for name, metrics in alone.items():
+        for metric in ("eval_loss", "perplexity", "bits_per_byte", "exact_match"):
+            assert math.isclose(values[f"{metric}/{name}"], metrics.as_dict()[metric], rel_tol=1e-6), (name, metric)
+    total = sum(m.eval_loss * m.eval_tokens for m in alone.values()) / sum(m.eval_tokens for m in alone.values())
+    assert math.isclose(both.eval_loss, total, rel_tol=1e-6) and both.generated_examples == 5
+    assert "eval_loss/general" in EvalReport({"fine_tuned": both}, 7).markdown()

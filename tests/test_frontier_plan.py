@@ -196,20 +196,41 @@ def test_the_8b_evaluate_stage_runs_in_bf16_with_its_batches_fitted_to_the_24gib
     assert "evaluation (the evaluate stage's own process, bf16 weights)" in format_plan_table(plan)
 
 
-def test_the_70b_evaluate_stage_is_layer_offloaded_where_one_gpu_cannot_hold_its_weights():
+def test_the_70b_evaluate_stage_is_sharded_over_the_8_gpus_that_trained_it():
     from fulltune.memory.evaluation import EvalRequest
 
     request = replace(fsdp_70b_request(80), evaluation=EvalRequest(batch_size=8, seq_len=4096))
     plan = plan_memory(LLAMA_70B, request)
-    offload = plan.evaluation["offload"]
-    assert plan.fits and plan.evaluation["dtype"] == "bf16" and offload is not None
-    assert offload["device_bytes"] + offload["host_bytes"] == 2 * LLAMA_70B_PARAMS
-    assert plan.evaluation["device_bytes"] <= plan.usable_bytes
-    assert "layer-offloaded" in plan.evaluation["reason"]
+    evaluation = plan.evaluation
+    assert plan.fits and evaluation["fits"] and evaluation["dtype"] == "bf16" and evaluation["processes"] == 8
+    assert evaluation["offload"] is None and evaluation["loss_batch"] == 8
+    # Per GPU: an eighth of the bf16 weights (16.4 GiB, not 131 GiB) and the units FSDP2 gathers.
+    assert evaluation["memory"]["weights"] == -(-LLAMA_70B_PARAMS // 8) * 2
+    assert 0 < evaluation["memory"]["gathered"] < 5 * GiB
+    assert evaluation["device_bytes"] <= plan.usable_bytes
+    assert "8 processes of the evaluate stage, FSDP2-sharded, per process" in format_plan_table(plan)
+    # On 8×24 GiB an eighth of the weights and a batch of 1 do not fit a GPU: the shards go to host RAM, as
+    # training's CPU offload keeps them, and the GPU holds the gathered units and the batches.
+    small = plan_memory(LLAMA_70B, replace(request, budget_bytes=24 * GiB))
+    evaluation = small.evaluation
+    assert small.fits and evaluation["fits"] and evaluation["processes"] == 8
+    assert evaluation["offload"] == {"device_bytes": 0, "host_bytes": 8 * (-(-LLAMA_70B_PARAMS // 8) * 2)}
+    assert evaluation["device_bytes"] <= small.usable_bytes and "shards in host RAM" in evaluation["reason"]
+
+
+def test_the_70b_evaluate_stage_of_one_process_is_layer_offloaded_where_one_gpu_cannot_hold_its_weights():
+    from fulltune.memory.evaluation import EvalRequest, plan_evaluation
+
+    settings = Settings(micro_batch_size=1, seq_len=4096, device="cuda", mixed_precision="bf16")
+    usable, request = 76 * GiB, EvalRequest(batch_size=8, seq_len=4096)
+    shape = model_shape(LLAMA_70B)
+    plan = plan_evaluation(shape, settings, request, usable, 1024 * GiB)
+    assert plan.fits and plan.dtype == "bf16" and plan.processes == 1 and plan.offload_device_bytes is not None
+    assert plan.offload_device_bytes + plan.offload_host_bytes == 2 * LLAMA_70B_PARAMS
+    assert plan.device_bytes <= usable and "layer-offloaded" in plan.reason
     # Without the host RAM to hold the rest, the plan refuses before training, and says why.
-    refused = plan_memory(LLAMA_70B, replace(request, evaluation=replace(request.evaluation, precision="fp32"),
-                                             host_memory_bytes=160 * GiB))
-    assert not refused.fits and "evaluation does not fit even layer-offloaded" in refused.evaluation["reason"]
+    refused = plan_evaluation(shape, settings, replace(request, precision="fp32"), usable, 160 * GiB)
+    assert not refused.fits and "evaluation does not fit even layer-offloaded" in refused.reason
 
 
 def test_the_70b_export_streams_its_host_ram_is_one_file_not_the_model():

@@ -13,6 +13,7 @@ import pytest
 from pipelines_fixture import tiny_pipeline
 from runs import (FSDP, ONE, ONE_PROCESS, SHARDED, TWO_SHARDS, assert_same_weights, finish, fulltune_run,
                   kill_at_checkpoint, loss_history, saved_model)
+from test_sharded_eval import check_fsdp_run_evaluation
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +33,8 @@ def test_two_fsdp_processes_train_like_one_and_resume_bit_exact_after_a_kill(tmp
     assert "resumed from step 2" in output, output[-4000:]
     assert "registered tiny-model version 1" in output
     clean, one = uninterrupted.finish(), single.finish()
+    # Evaluated sharded over the run's 2 processes, with one process's metrics.
+    check_fsdp_run_evaluation(clean / "work", (clean / "run.log").read_text())
 
     # Killed and rerun equals uninterrupted, tensor for tensor.
     want = saved_model(clean / "work")

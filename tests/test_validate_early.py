@@ -143,7 +143,7 @@ def test_validate_offline_refuses_a_registered_task_whose_dataset_is_not_cached(
 
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "pipelines.tiny.evaluate.lm_eval.tasks.0: task arc_like reads the hub dataset someorg/arc_like" in err
+    assert "pipelines.tiny.evaluate.lm_eval.tasks[0]: task arc_like reads the hub dataset someorg/arc_like" in err
     assert "HF_HUB_OFFLINE=1" in err and "hf download someorg/arc_like --repo-type dataset" in err
     assert not (tmp_path / "work").exists()
 

@@ -87,3 +87,13 @@ def describe(value: Any) -> str:
         name = item.path + (f":{item.split}" if item.split else "")
         parts.append(name if weight == 1 else f"{name} (weight {weight:g})")
     return ", ".join(parts)
+
+
+def eval_source_names(data: DataSpec) -> list[str]:
+    """The names per-source metrics carry (`eval_loss/<name>`), one per item of a `data.eval` list, in order: the
+    file's or dataset's name without directory and extension (with `-<split>` for a hub split), `-<n>` (its list
+    position) added where two items would share one. None for a single data.eval or none (one source: the total)."""
+    if not isinstance(data.eval, list):
+        return []
+    stems = [Path(item.path.rstrip("/")).stem + (f"-{item.split}" if item.split else "") for item in data.eval]
+    return [f"{stem}-{n}" if stems.count(stem) > 1 else stem for n, stem in enumerate(stems)]

@@ -26,10 +26,7 @@ The kind and its reason go into the report, the MLflow run and the registered ve
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import tempfile
 from pathlib import Path
 from dataclasses import dataclass, field, replace
 from collections.abc import Callable, Iterable
@@ -38,12 +35,11 @@ from typing import TYPE_CHECKING, Any
 import pyarrow.parquet as pq
 
 from fulltune.data import IGNORE_INDEX
-from fulltune.errors import ConfigError, DataError, UserError
-from fulltune.spec import DataSpec
+from fulltune.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
+    from fulltune.evaluation.champion import Champion
     from fulltune.evaluation.harness import Benchmarks
-    from fulltune.tracking.registry import Champion
     from fulltune.spec import PipelineSpec
 
 Progress = Callable[[str], None]
@@ -148,35 +144,59 @@ def read_eval_rows(eval_file: str, max_examples: int | None) -> list[dict[str, A
     return table.to_pylist()
 
 
-def evaluate_model(model_path: str, tokenizer_path: str, rows: list[dict[str, Any]], *, batch_size: int,
-                   generate_examples: int, max_new_tokens: int, device: str, load_kwargs: dict[str, Any],
-                   benchmarks: Benchmarks | None = None, progress: Progress | None = None,
-                   name: str = "model", generation_batch_size: int | None = None) -> ModelMetrics:
+@dataclass(frozen=True)
+class EvalOptions:
+    """How each candidate is evaluated: the loss batch, generation's batch (None: the loss batch), how many
+    examples generate and how many new tokens, the device, and the processes each candidate is sharded over
+    (1: one process holds the model; more: the training's launch path starts them, fulltune/evaluation/sharded.py;
+    its job, rows and result go in a temporary directory under `work_dir`)."""
+
+    batch_size: int
+    generate_examples: int
+    max_new_tokens: int
+    device: str = "cpu"
+    generation_batch_size: int | None = None
+    processes: int = 1
+    work_dir: str | None = None
+    # (name, rows) of each data.eval source, in the rows' order: metrics per source beside the total
+    sources: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def generation_batch(self) -> int:
+        return self.generation_batch_size or self.batch_size
+
+
+def evaluate_model(model_path: str, tokenizer_path: str, rows: list[dict[str, Any]], options: EvalOptions, *,
+                   load_kwargs: dict[str, Any], benchmarks: Benchmarks | None = None, progress: Progress | None = None,
+                   name: str = "model") -> ModelMetrics:
     """Token-weighted mean loss over every labelled token, perplexity = exp(loss), bits per byte of target
     text, exact match, and the benchmarks (lm-evaluation-harness tasks, metric functions) with the same
     loaded model. `rows` must be tokenized with the tokenizer at `tokenizer_path`, which the harness also
-    uses. `batch_size` is the loss batch, `generation_batch_size` generation's (None: `batch_size`);
-    `load_kwargs` are `models.load_model`'s (the dtype, a `max_memory` device map). `progress` gets a line at
-    most every PROGRESS_SECONDS while a phase runs; `name` labels it. The model is freed before this returns."""
+    uses. `load_kwargs` are `models.load_model`'s (the dtype, a `max_memory` device map). `progress` gets a line
+    at most every PROGRESS_SECONDS while a phase runs; `name` labels it. The model is freed before this returns.
+    With `options.processes` > 1 the model is sharded over that many child processes (`sharded.evaluate_sharded`),
+    with the same metrics."""
     from fulltune.models import Placement, load_model, load_tokenizer, release_memory
 
+    if options.processes > 1:
+        from fulltune.evaluation.sharded import evaluate_sharded
+
+        return evaluate_sharded(model_path, tokenizer_path, rows, options, load_kwargs=load_kwargs,
+                                benchmarks=benchmarks, progress=progress, name=name)
     tokenizer = load_tokenizer(tokenizer_path, revision=load_kwargs.get("revision"),
                                trust_remote_code=load_kwargs.get("trust_remote_code", False),
                                token=load_kwargs.get("token"))
+    device = options.device
     model = load_model(model_path, **{"placement": Placement(device), **load_kwargs}).eval()
     try:
-        _check_ids_fit(model, rows, model_path, tokenizer_path)
-        report = _Reporter(progress, name)
-        eval_loss, total_tokens = _held_out_loss(model, tokenizer, rows, batch_size, device, report)
-        exact, samples, generated = None, (), 0
+        check_ids_fit(model, rows, model_path, tokenizer_path)
+        report = Reporter(progress, name)
+        sums = _held_out_loss(model, tokenizer, rows, options, report)
+        samples: tuple[tuple[str, str, str], ...] = ()
+        if generates(rows, options):
+            _, samples = _exact_match(model, tokenizer, rows[:options.generate_examples], options.max_new_tokens,
+                                      device, options.generation_batch, report)
         extra: dict[str, float] = {}
-        if generate_examples > 0 and rows and rows[0].get("completion") is not None:
-            exact, samples = _exact_match(model, tokenizer, rows[:generate_examples], max_new_tokens, device,
-                                          generation_batch_size or batch_size, report)
-            generated = min(generate_examples, len(rows))
-            if benchmarks is not None:
-                extra.update(benchmarks.on_generations([s[2] for s in samples], [s[1] for s in samples],
-                                                        progress, name))
         if benchmarks is not None and benchmarks.tasks:
             if progress is not None:
                 progress(f"{name}: lm-evaluation-harness tasks {', '.join(t.name for t in benchmarks.tasks)}")
@@ -184,43 +204,120 @@ def evaluate_model(model_path: str, tokenizer_path: str, rows: list[dict[str, An
     finally:
         del model  # freed before the next candidate loads: nothing here keeps a reference
         release_memory()
-    return ModelMetrics(eval_loss, math.exp(min(eval_loss, 700.0)), total_tokens, exact, generated, samples,
-                        target_bytes(tokenizer, rows), extra)
+    return metrics_of(tokenizer, rows, options, sums, samples, extra, benchmarks=benchmarks, progress=progress,
+                      name=name)
 
 
-def _held_out_loss(model: Any, tokenizer: Any, rows: list[dict[str, Any]], batch_size: int, device: str,
-                   report: Callable[[str, int, int], None]) -> tuple[float, int]:
-    """(mean loss per target token, target tokens): the loss as training computes it, logits only where
-    there is a target (TargetHead)."""
+def metrics_of(tokenizer: Any, rows: list[dict[str, Any]], options: EvalOptions, sums: list[tuple[float, int]],
+               samples: tuple[tuple[str, str, str], ...], extra: dict[str, float], **scoring: Any) -> ModelMetrics:
+    """The metrics of one candidate from its summed loss and target tokens per source (`sums`, as
+    `source_groups` cuts the rows), its generations and its lm-evaluation-harness values (`extra`): the totals,
+    each source's (`eval_loss/<source>` …), and the metric functions on the generations (`scoring`:
+    `benchmarks`, `progress`, `name` as `Benchmarks.on_generations` takes them)."""
+    eval_loss, tokens = mean_loss(sum(loss for loss, _ in sums), sum(n for _, n in sums))
+    extra = {**extra, **_per_source(tokenizer, rows, source_groups(rows, options), sums, samples)}
+    benchmarks = scoring.get("benchmarks")
+    if samples and benchmarks is not None:
+        extra.update(benchmarks.on_generations([s[2] for s in samples], [s[1] for s in samples],
+                                               scoring.get("progress"), scoring.get("name", "model")))
+    return ModelMetrics(eval_loss, math.exp(min(eval_loss, 700.0)), tokens, exact_match(samples) if samples else None,
+                        len(samples), samples, target_bytes(tokenizer, rows), extra)
+
+
+def source_groups(rows: list[dict[str, Any]], options: EvalOptions) -> list[tuple[str | None, int]]:
+    """(source name, rows) in the rows' order: each data.eval source's rows (as many as `rows` holds of them:
+    evaluate.max_examples keeps the first), or one unnamed group for a single source."""
+    groups: list[tuple[str | None, int]] = []
+    left = len(rows)
+    for name, count in options.sources:
+        if min(count, left) > 0:
+            groups.append((name, min(count, left)))
+            left -= min(count, left)
+    return groups + [(None, left)] if left or not groups else groups
+
+
+def loss_batches(rows: list[dict[str, Any]], options: EvalOptions) -> list[tuple[int, list[dict[str, Any]]]]:
+    """(source group, rows) of every held-out-loss batch: up to `options.batch_size` rows of one source."""
+    batches, start = [], 0
+    for index, (_, count) in enumerate(source_groups(rows, options)):
+        for first in range(start, start + count, options.batch_size):
+            batches.append((index, rows[first:min(first + options.batch_size, start + count)]))
+        start += count
+    return batches
+
+
+def _per_source(tokenizer: Any, rows: list[dict[str, Any]], groups: list[tuple[str | None, int]],
+                sums: list[tuple[float, int]], samples: tuple[tuple[str, str, str], ...]) -> dict[str, float]:
+    """`<metric>/<source>` of the built-in metrics, for each named source with a target token."""
+    values: dict[str, float] = {}
+    start = 0
+    for (name, count), (loss, tokens) in zip(groups, sums):
+        if name is not None and tokens:
+            values[f"eval_loss/{name}"] = loss / tokens
+            values[f"perplexity/{name}"] = math.exp(min(loss / tokens, 700.0))
+            text_bytes = target_bytes(tokenizer, rows[start:start + count])
+            if text_bytes:
+                values[f"bits_per_byte/{name}"] = loss / (text_bytes * math.log(2))
+            if samples[start:start + count]:  # samples are the first rows', in order
+                values[f"exact_match/{name}"] = exact_match(samples[start:start + count])
+        start += count
+    return values
+
+
+def generates(rows: list[dict[str, Any]], options: EvalOptions) -> bool:
+    """Whether exact match is measured: generation asked for, on rows with a completion to compare."""
+    return options.generate_examples > 0 and bool(rows) and rows[0].get("completion") is not None
+
+
+def _held_out_loss(model: Any, tokenizer: Any, rows: list[dict[str, Any]], options: EvalOptions,
+                   report: Callable[[str, int, int], None]) -> list[tuple[float, int]]:
+    """(summed loss, target tokens) of each source group (`source_groups`): the loss as training computes it,
+    logits only where there is a target (TargetHead)."""
     import torch
 
-    from fulltune.data import collate
-    from fulltune.runtime.loss import TargetHead, Targets
+    from fulltune.runtime.loss import TargetHead
 
     head = TargetHead(model)
-    total_loss = torch.zeros((), dtype=torch.float64)
-    total_tokens = 0
+    groups = source_groups(rows, options)
+    sums = [torch.zeros((), dtype=torch.float64) for _ in groups]
+    tokens = [0] * len(groups)
+    done = 0
     try:
         with torch.inference_mode():
-            for start in range(0, len(rows), batch_size):
-                batch = collate(rows[start:start + batch_size], tokenizer.pad_token_id)
-                targets = Targets.from_labels(batch.pop("labels"))
-                inputs = {key: tensor.to(device) for key, tensor in batch.items()}
-                total_loss += head.loss_sum(model, inputs, targets.to(device)).double().cpu()
-                total_tokens += len(targets)
-                report("loss", min(start + batch_size, len(rows)), len(rows))
+            for index, batch in loss_batches(rows, options):
+                loss, count = batch_loss(model, head, tokenizer, batch, options.device)
+                sums[index] += loss
+                tokens[index] += count
+                done += len(batch)
+                report("loss", done, len(rows))
     finally:
         head.remove()
+    return [(float(total), count) for total, count in zip(sums, tokens)]
+
+
+def batch_loss(model: Any, head: Any, tokenizer: Any, rows: list[dict[str, Any]], device: str) -> tuple[Any, int]:
+    """(the summed fp32 cross-entropy of one batch's target tokens as a float64 CPU tensor, its target tokens)."""
+    from fulltune.data import collate
+    from fulltune.runtime.loss import Targets
+
+    batch = collate(rows, tokenizer.pad_token_id)
+    targets = Targets.from_labels(batch.pop("labels"))
+    inputs = {key: tensor.to(device) for key, tensor in batch.items()}
+    return head.loss_sum(model, inputs, targets.to(device)).double().cpu(), len(targets)
+
+
+def mean_loss(total_loss: float, total_tokens: int) -> tuple[float, int]:
+    """(loss per target token, target tokens); a DataError when no row has a target."""
     if total_tokens == 0:
         raise DataError("data.eval: the eval examples have no labelled tokens; check the eval data and data.max_length")
-    return float(total_loss) / total_tokens, total_tokens
+    return total_loss / total_tokens, total_tokens
 
 
 # A phase of evaluation that runs longer than this logs how far it got, so a long one is visibly alive.
 PROGRESS_SECONDS = 10.0
 
 
-class _Reporter:
+class Reporter:
     """Calls `progress` with `<name>: <phase> <done>/<total>` at most every PROGRESS_SECONDS."""
 
     def __init__(self, progress: Progress | None, name: str) -> None:
@@ -236,7 +333,7 @@ class _Reporter:
         self.progress(f"{self.name}: {phase} {done}/{total} examples")
 
 
-def _check_ids_fit(model: Any, rows: list[dict[str, Any]], model_path: str, tokenizer_path: str) -> None:
+def check_ids_fit(model: Any, rows: list[dict[str, Any]], model_path: str, tokenizer_path: str) -> None:
     """A token id beyond the embedding would crash deep inside the model (IndexError); say what is wrong."""
     rows_in_embedding = model.get_input_embeddings().num_embeddings
     largest = max((max(row["input_ids"], default=0) for row in rows), default=0)
@@ -272,190 +369,46 @@ def _exact_match(model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_new
                  batch_size: int, report: Callable[[str, int, int], None] | None = None,
                  ) -> tuple[float, tuple[tuple[str, str, str], ...]]:
     """Greedy generation from the prompt tokens (the unlabelled prefix of each row)."""
-    import torch
-
-    hits, samples = 0, []
-    pad = tokenizer.pad_token_id
+    samples: list[tuple[str, str, str]] = []
     for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
-        prompts = [_prompt_ids(row) for row in chunk]
-        width = max(len(p) for p in prompts)
-        # Left padding so every prompt ends where generation starts.
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        with torch.inference_mode():
-            output = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
-                                    do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
-        for row, sequence in zip(chunk, output[:, width:].tolist()):
-            text = tokenizer.decode(sequence, skip_special_tokens=True).strip()
-            expected = str(row["completion"]).strip()
-            hits += int(text == expected)
-            samples.append((str(row.get("prompt", "")), expected, text))
+        samples += generate_batch(model, tokenizer, rows[start:start + batch_size], max_new_tokens, device)
         if report is not None:
             report("generation", len(samples), len(rows))
-    return hits / len(rows), tuple(samples)
+    return exact_match(samples), tuple(samples)
+
+
+def exact_match(samples: list[tuple[str, str, str]] | tuple[tuple[str, str, str], ...]) -> float:
+    """The share of (prompt, expected, generated) samples whose generated text is the expected one."""
+    return sum(int(generated == expected) for _, expected, generated in samples) / len(samples)
+
+
+def generate_batch(model: Any, tokenizer: Any, chunk: list[dict[str, Any]], max_new_tokens: int, device: str,
+                   synced: bool = False) -> list[tuple[str, str, str]]:
+    """(prompt, expected, generated) of greedy generation for one batch of rows, left-padded so every prompt
+    ends where generation starts. `synced`: every process of a sharded model runs the same number of forwards
+    (transformers' `synced_gpus`), whichever finishes first."""
+    import torch
+
+    pad = tokenizer.pad_token_id
+    prompts = [_prompt_ids(row) for row in chunk]
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    with torch.inference_mode():
+        output = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
+                                do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id,
+                                synced_gpus=synced)
+    samples = []
+    for row, sequence in zip(chunk, output[:, width:].tolist()):
+        text = tokenizer.decode(sequence, skip_special_tokens=True).strip()
+        samples.append((str(row.get("prompt", "")), str(row["completion"]).strip(), text))
+    return samples
 
 
 def _prompt_ids(row: dict[str, Any]) -> list[int]:
     labels = row["labels"]
     first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
     return list(row["input_ids"][:first])
-
-
-# ---------------------------------------------------------------------------------------------------
-# The champion: its own tokens, and what can be compared
-
-
-@dataclass(frozen=True)
-class ChampionRows:
-    """The eval examples as the champion's tokenizer makes them, or None with the reason it cannot."""
-
-    rows: list[dict[str, Any]] | None
-    kind: str  # SAME_TOKENS, PER_BYTE or REFUSED
-    reason: str
-
-
-def tokenizer_signature(tokenizer: Any) -> str:
-    """sha256 of everything that decides how a tokenizer turns text into ids (not where it was saved)."""
-    from fulltune.data import adds_bos
-
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    vocabulary = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    parts = [type(tokenizer).__name__, vocabulary, str(tokenizer.chat_template),
-             json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str), str(adds_bos(tokenizer))]
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
-
-
-def champion_rows(rows: list[dict[str, Any]], tuned_tokenizer: Any, champion_tokenizer: Any, data: DataSpec,
-                  max_examples: int | None, version: str, token: str | None = None) -> ChampionRows:
-    """Tokenize the eval examples for the champion with its own tokenizer, and say what is comparable.
-
-    `token` reads a private hub dataset in `data.eval`."""
-    if tokenizer_signature(champion_tokenizer) == tokenizer_signature(tuned_tokenizer):
-        return ChampionRows(rows, SAME_TOKENS, f"the champion (version {version}) uses the same tokenizer, so the "
-                                                "eval loss per token is compared directly")
-    sizes = f"vocabulary of {len(champion_tokenizer)} tokens, this model's {len(tuned_tokenizer)}"
-    records = raw_eval_records(data, rows, max_examples, token)
-    if records is None:
-        return ChampionRows(None, REFUSED, (
-            f"the champion (version {version}) has another tokenizer ({sizes}) and the eval examples of format "
-            f"{data.format} held out of data.train are kept only as this model's tokens, so the champion cannot "
-            "be measured on them; set data.eval to compare across tokenizers"))
-    try:
-        own = tokenize_records(records, champion_tokenizer, data)
-    except UserError as exc:
-        return ChampionRows(None, REFUSED, f"the champion's tokenizer cannot format the eval examples: {exc}")
-    own = own[:max_examples] if max_examples is not None else own
-    if not own:
-        return ChampionRows(None, REFUSED, (
-            f"no eval example keeps a target token within data.max_length ({data.max_length}) with the "
-            f"champion's tokenizer ({sizes})"))
-    if _same_tokens(own, rows):
-        return ChampionRows(own, SAME_TOKENS, f"the champion (version {version}) has another tokenizer that turns "
-                                               "the eval examples into the same tokens; loss per token compared")
-    left_out = len(rows) - len(own)
-    note = (f" {left_out} example(s) keep no target within data.max_length with its tokenizer and were left out "
-            "of its measurement." if left_out > 0 else "")
-    return ChampionRows(own, PER_BYTE, (
-        f"the champion (version {version}) has another tokenizer ({sizes}), so loss per token is not comparable: "
-        "it was evaluated on the same eval examples tokenized with its own tokenizer and compared by loss per "
-        "byte of target text, shown in this model's tokens." + note))
-
-
-def _same_tokens(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
-    return len(a) == len(b) and all(
-        list(x["input_ids"]) == list(y["input_ids"]) and list(x["labels"]) == list(y["labels"]) for x, y in zip(a, b))
-
-
-def raw_eval_records(data: DataSpec, rows: list[dict[str, Any]], max_examples: int | None,
-                     token: str | None = None) -> list[dict[str, Any]] | None:
-    """The eval examples as records of the training data (the columns `data.format` reads), or None.
-
-    prompt_completion rows carry their prompt and completion strings. For the other formats only
-    `data.eval` has the raw examples; examples held out of `data.train` are kept as tokens only. Sources
-    given as lists may each have their own format and fields: None (fulltune/data/sources.py).
-    """
-    from fulltune.data.sources import is_single
-
-    if not (is_single(data.train) and is_single(data.eval)):
-        return None
-    if data.format == "prompt_completion":
-        return [{data.prompt_field: row["prompt"], data.completion_field: row["completion"]} for row in rows]
-    if data.eval is None:
-        return None
-    from fulltune.data import load_records
-
-    with tempfile.TemporaryDirectory(prefix="fulltune-eval-") as cache:
-        records = load_records(data.eval, what="data.eval", cache_dir=cache, token=token)
-        if max_examples is not None:
-            # Only the first max_examples usable ones are measured; examples left with no target after
-            # truncation are dropped, so read a margin rather than every record of a large eval set.
-            records = records.select(range(min(len(records), 2 * max_examples)))
-        return records.to_list()
-
-
-def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, data: DataSpec) -> list[dict[str, Any]]:
-    """Format and tokenize raw records exactly as the tokenize stage builds eval.parquet (never packed)."""
-    from fulltune.data import tokenize_split
-
-    table, _, _ = tokenize_split(records, tokenizer, data, source="the eval examples", what="data.eval",
-                                 reference=getattr(tokenizer, "name_or_path", "champion"))
-    out = []
-    for row in table.select(["input_ids", "labels", "prompt", "completion"]).to_pylist():
-        row["position_ids"] = list(range(len(row["input_ids"])))
-        out.append(row)
-    return out
-
-
-@dataclass(frozen=True)
-class ChampionResult:
-    """What the gate compares (`gate`, in the fine-tuned model's token units), the champion's measurement
-    on its own tokens (`own`), and which comparison was made and why."""
-
-    gate: ModelMetrics | None
-    own: ModelMetrics | None
-    kind: str
-    reason: str
-
-
-def measure_champion(rows: list[dict[str, Any]], tuned: ModelMetrics, tuned_tokenizer: Any, champion_dir: str,
-                     data: DataSpec, version: str, *, max_examples: int | None, data_token: str | None = None,
-                     **evaluate_kwargs: Any) -> ChampionResult:
-    """Evaluate the champion on the eval examples tokenized with its own tokenizer (see the module docstring).
-
-    `rows` and `tuned` are the fine-tuned model's eval rows and metrics, `tuned_tokenizer` the tokenizer
-    that made the rows; `data_token` reads a private hub `data.eval`; `evaluate_kwargs` are
-    `evaluate_model`'s keyword arguments.
-    """
-    from fulltune.models import load_tokenizer
-
-    plan = champion_rows(rows, tuned_tokenizer, load_tokenizer(champion_dir), data, max_examples, version,
-                         data_token)
-    if plan.rows is None:
-        return ChampionResult(None, None, plan.kind, plan.reason)
-    own = evaluate_model(champion_dir, champion_dir, plan.rows, **evaluate_kwargs)
-    if plan.kind == SAME_TOKENS:
-        return ChampionResult(own, None, plan.kind, plan.reason)
-    if not (tuned.target_bytes and own.target_bytes):
-        return ChampionResult(None, own, REFUSED, (
-            f"the champion (version {version}) has another tokenizer and the eval targets decode to no text, "
-            "so there is no per-byte loss to compare"))
-    return ChampionResult(comparable_champion(tuned, own), own, plan.kind, plan.reason)
-
-
-def comparable_champion(tuned: ModelMetrics, own: ModelMetrics) -> ModelMetrics:
-    """The champion's loss per byte of target text expressed in the fine-tuned model's tokens.
-
-    eval_loss = (champion nats / champion target bytes) × (fine-tuned target bytes / fine-tuned target
-    tokens): on identical target text this is the champion's summed loss over the fine-tuned model's
-    token count, so it compares with the fine-tuned model's eval_loss as the total code length of the
-    same text. bits_per_byte is unchanged by the conversion.
-    """
-    nats_per_byte = own.eval_loss * own.eval_tokens / own.target_bytes
-    eval_loss = nats_per_byte * tuned.target_bytes / tuned.eval_tokens
-    # Exact match and the benchmarks compare text or run on the champion's own tokens: no conversion.
-    return ModelMetrics(eval_loss, math.exp(min(eval_loss, 700.0)), tuned.eval_tokens, own.exact_match,
-                        own.generated_examples, own.samples, tuned.target_bytes, dict(own.extra))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -470,10 +423,11 @@ def evaluate_candidates(spec: PipelineSpec, *, eval_file: str, base_model: str, 
     each freed before the next loads.
 
     `evaluation` is the plan's evaluate stage (memory/evaluation.py `EvalPlan.to_dict`): every candidate loads
-    in its dtype (the trained precision), placed as it says, and runs its fitted batches. None: fp32 and the
-    `evaluate.*` batches. `base_dir` is the pipelines file's directory (task YAMLs and metric modules are
+    in its dtype (the trained precision), placed as it says (sharded over its `processes` when the training
+    was), and runs its fitted batches. None: fp32, one process and the `evaluate.*` batches. `base_dir` is the pipelines file's directory (task YAMLs and metric modules are
     found from there); the champion's checkpoint is downloaded under `<workdir>/champions/`.
     """
+    from fulltune.evaluation.champion import compare_with_champion
     from fulltune.evaluation.harness import Benchmarks
     from fulltune.models import hub_token
 
@@ -486,44 +440,41 @@ def evaluate_candidates(spec: PipelineSpec, *, eval_file: str, base_model: str, 
             "allow_pickle_weights": m.allow_pickle_weights, "attn_implementation": m.attn_implementation,
             "token": hub_token(m.token_env),
             **planned_loading(evaluation, device, str(Path(workdir) / "evals" / "offload"))}
-    options = {"batch_size": evaluation["loss_batch"] if evaluation else e.batch_size,
-               "generation_batch_size": (evaluation["generation_batch"] or None) if evaluation else None,
-               "generate_examples": e.max_generate_examples,
-               "max_new_tokens": e.max_new_tokens, "device": device, "benchmarks": benchmarks, "progress": progress}
+    options = {"options": EvalOptions(
+        evaluation["loss_batch"] if evaluation else e.batch_size, e.max_generate_examples, e.max_new_tokens, device,
+        (evaluation["generation_batch"] or None) if evaluation else None,
+        evaluation.get("processes", 1) if evaluation else 1, str(Path(workdir) / "evals"),
+        eval_sources(spec.data, eval_file)),
+        "benchmarks": benchmarks, "progress": progress}
     candidates = {"base": (base_model, tokenizer, load),
                   "fine_tuned": (model_dir, model_dir, {**load, "revision": None})}
-    metrics = {name: evaluate_model(path, tokenizer_path, rows, load_kwargs=kwargs, name=name, **options)
-               for name, (path, tokenizer_path, kwargs) in candidates.items()}
+    if options["options"].processes > 1:  # one launch of the processes for both
+        from fulltune.evaluation.sharded import Candidate, evaluate_sharded_candidates
+
+        metrics = evaluate_sharded_candidates([Candidate(name, *candidate) for name, candidate in candidates.items()],
+                                              rows, options["options"], benchmarks, progress)
+    else:
+        metrics = {name: evaluate_model(path, tokenizer_path, rows, load_kwargs=kwargs, name=name, **options)
+                   for name, (path, tokenizer_path, kwargs) in candidates.items()}
+
     return compare_with_champion(spec, rows, metrics, champion, model_dir=model_dir, workdir=workdir,
                                  options=options, load=load)
 
 
-def compare_with_champion(spec: PipelineSpec, rows: list[dict[str, Any]], metrics: dict[str, ModelMetrics],
-                          champion: Champion | None, *, model_dir: str, workdir: str,
-                          options: dict[str, Any], load: dict[str, Any]) -> EvalReport:
-    """The report of `metrics` (base and fine-tuned), with the champion measured on its own tokens when
-    there is one to compare; `options` are evaluate_model's keyword arguments, `load` the base model's
-    `load_kwargs` (the champion loads in the same dtype and placement, without the base's hub revision)."""
-    from fulltune.models import hub_token, load_tokenizer
-    from fulltune.tracking.registry import download_version
+def eval_sources(data: Any, eval_file: str) -> tuple[tuple[str, int], ...]:
+    """(name, rows) of each data.eval source in eval.parquet's order (its meta.json counts them); () for a single
+    source (fulltune/data/sources.py `eval_source_names`)."""
+    import json
 
-    if champion is None:
-        return EvalReport(metrics, len(rows))
-    if not spec.evaluate.compare_champion:
-        return EvalReport(metrics, len(rows), champion.version, comparison=NOT_COMPARED, comparison_reason=(
-            f"evaluate.compare_champion is false: the champion (version {champion.version}) was not evaluated, so "
-            "it keeps its alias; move the alias by hand to promote this version"))
-    local = download_version(champion.source, Path(workdir) / "champions" / f"{champion.name}-v{champion.version}")
-    tuned_tokenizer = load_tokenizer(model_dir, trust_remote_code=spec.model.trust_remote_code)
-    result = measure_champion(
-        rows, metrics["fine_tuned"], tuned_tokenizer, local, spec.data, champion.version,
-        max_examples=spec.evaluate.max_examples, data_token=hub_token(spec.model.token_env),
-        load_kwargs={**load, "revision": None, "trust_remote_code": False, "token": None},
-        name=f"champion v{champion.version}", **options)
-    if result.gate is not None:
-        metrics = {**metrics, "champion": result.gate}
-    return EvalReport(metrics, len(rows), champion.version, comparison=result.kind, comparison_reason=result.reason,
-                      champion_own_tokens=result.own)
+    from fulltune.data.sources import eval_source_names
+
+    names = eval_source_names(data)
+    if not names:
+        return ()
+    counted = json.loads((Path(eval_file).parent / "meta.json").read_text()).get("sources", {}).get("eval", [])
+    if len(counted) != len(names):
+        return ()
+    return tuple((name, int(source["examples"])) for name, source in zip(names, counted))
 
 
 def planned_loading(evaluation: dict[str, Any] | None, device: str, offload_folder: str) -> dict[str, Any]:

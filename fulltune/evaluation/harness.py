@@ -200,7 +200,7 @@ def _resolve_tasks(spec: PipelineSpec, base_dir: str | Path, field: str) -> tupl
     registered = [entry for entry in spec.evaluate.lm_eval.tasks if not is_task_file(entry)]
     index = _registered_index() if registered else {}
     for i, entry in enumerate(spec.evaluate.lm_eval.tasks):
-        where = f"{field}.{i}"
+        where = f"{field}[{i}]"
         if is_task_file(entry):
             path = Path(entry).expanduser()
             path = path if path.is_absolute() else Path(base_dir) / path
@@ -259,7 +259,7 @@ def _offline_problems(tasks: list[HarnessTask], entries: list[str], field: str) 
 
     if not hub.offline():
         return []
-    return [f"{field}.{entries.index(task.entry)}: task {task.name} reads the hub dataset {task.hub_dataset}, "
+    return [f"{field}[{entries.index(task.entry)}]: task {task.name} reads the hub dataset {task.hub_dataset}, "
             f"which is not in the Hugging Face cache ({hub.cache_dir()}) while HF_HUB_OFFLINE=1; download it once "
             f"(`hf download {task.hub_dataset} --repo-type dataset`, or run online), or give the task as a YAML "
             "over local files"
@@ -279,6 +279,8 @@ def _registered_index() -> dict[str, str | bool]:
 def check_benchmarks(spec: PipelineSpec, base_dir: str | Path, prefix: str) -> list[str]:
     """Problems with `evaluate.lm_eval`, `evaluate.metrics` and the metrics `register.promote_if` names,
     each with its YAML path under `prefix` (`pipelines.<name>`)."""
+    from fulltune.data.sources import eval_source_names
+
     tasks, problems = _resolve_tasks(spec, base_dir, f"{prefix}.evaluate.lm_eval.tasks")
     if spec.evaluate.lm_eval is not None:
         problems += _offline_problems(tasks, spec.evaluate.lm_eval.tasks, f"{prefix}.evaluate.lm_eval.tasks")
@@ -295,21 +297,28 @@ def check_benchmarks(spec: PipelineSpec, base_dir: str | Path, prefix: str) -> l
     for i, gate in enumerate(spec.registration.gates):
         if some_tasks_failed and "/" in gate.metric and gate.metric.partition("/")[0] not in {t.name for t in tasks}:
             continue  # the metric may be one of a task whose problem is listed already
-        problem = unknown_metric(gate.metric, tasks, custom)
+        problem = unknown_metric(gate.metric, tasks, custom, eval_source_names(spec.data))
         if problem:
-            problems.append(f"{prefix}.register.promote_if.{i}.metric: {problem}")
+            problems.append(f"{prefix}.register.promote_if[{i}].metric: {problem}")
             continue
         wrong = _wrong_direction(gate.metric, gate.mode, tasks)
         if wrong:
-            problems.append(f"{prefix}.register.promote_if.{i}.mode: {wrong}")
+            problems.append(f"{prefix}.register.promote_if[{i}].mode: {wrong}")
     return problems
 
 
-def unknown_metric(metric: str, tasks: list[HarnessTask], custom: Mapping[str, str]) -> str | None:
-    """Why `metric` is not one the evaluation produces, or None when it is."""
+def unknown_metric(metric: str, tasks: list[HarnessTask], custom: Mapping[str, str],
+                   sources: list[str] | None = None) -> str | None:
+    """Why `metric` is not one the evaluation produces, or None when it is. `sources`: the names of the
+    data.eval sources, whose built-in metrics are reported one by one (`eval_loss/<source>`)."""
     if metric in BUILTIN_METRICS or metric in custom:
         return None
     head, _, tail = metric.partition("/")
+    if head in BUILTIN_METRICS and tail:
+        if tail in (sources or []):
+            return None
+        named = f"the data.eval sources are {', '.join(sources)}" if sources else "data.eval is not a list of sources"
+        return f"no data.eval source {tail!r} to report {head} of ({named})"
     if tail and head in custom:
         return None  # a metric function returning a mapping names its keys only when it runs
     for task in tasks:

@@ -10,7 +10,14 @@ training process). Each phase's batch is the largest, up to the configured one, 
 
 The weights take the precision the run trained in (`eval_dtype`): bf16 when it trained under bf16 autocast or
 pure bf16 (the precision its forward computed in), fp32 only when it trained in fp32 or
-`evaluate.precision: fp32` asks for it. Pure arithmetic: no torch.
+`evaluate.precision: fp32` asks for it.
+
+A run whose training held its weights sharded over N processes (`distributed.strategy: fsdp`, or tensor parallel)
+is evaluated the same way (`eval_processes`): the evaluate stage starts N processes through the training's launch
+path, each holding 1/N of the weights as FSDP2 shards, and while a unit computes its gathered weights (FSDP2 keeps
+the previous unit's all-gather buffer until the next gather: two layers' worth) and the root's (the final norm,
+a tied embedding). Every figure here is then per process (`EvalMemory.gathered`, `EvalPlan.processes`).
+Pure arithmetic: no torch.
 """
 
 from __future__ import annotations
@@ -54,10 +61,11 @@ class EvalMemory:
     generation: int  # the KV cache of one generation batch + the prefill transient + last-position logits
     harness: int  # one lm-evaluation-harness log-likelihood batch: full-vocabulary logits and their log-softmax
     load: int = 0
+    gathered: int = 0  # sharded over processes: the units FSDP2 holds gathered while one computes
 
     @property
     def peak_bytes(self) -> int:
-        return max(self.load, self.weights + max(self.loss, self.generation, self.harness))
+        return max(self.load, self.weights + self.gathered + max(self.loss, self.generation, self.harness))
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "peak_bytes": self.peak_bytes}
@@ -72,6 +80,27 @@ def eval_dtype(settings: Settings, precision: str = "trained") -> str:
     if settings.mixed_precision == "fp16" and settings.device == "cpu":
         return "fp32"  # Accelerate does not autocast fp16 on CPU: the run computed in fp32
     return settings.mixed_precision if settings.mixed_precision in ("bf16", "fp16") else "fp32"
+
+
+def eval_processes(settings: Settings) -> int:
+    """The processes the evaluate stage shards each candidate over: the training's, when it held the weights
+    sharded (FSDP, tensor parallel) over more than one; else 1 (one process holds the whole model)."""
+    if settings.num_processes > 1 and (settings.strategy == "fsdp" or settings.tensor_parallel > 1):
+        return settings.num_processes
+    return 1
+
+
+def sharded_bytes(shape: ModelShape, weight_bytes: int, processes: int) -> tuple[int, int]:
+    """(one process's weight shards, the weights FSDP2 holds gathered at a forward's peak) for the evaluate
+    stage's FSDP2 units (fulltune/runtime/sharding.py `shard_model`, every unit resharded after its forward):
+    a decoder layer or an untied embedding / head in its forward with the previous unit's all-gather buffer
+    kept (two of the largest), and the root (final norm, a tied embedding) gathered through the whole forward."""
+    vocab_hidden = shape.vocab * shape.hidden
+    units = shape.num_layers * shape.layer_numel + (0 if shape.tied else 2 * vocab_hidden)
+    root = shape.num_params - units
+    largest = max(shape.layer_numel, 0 if shape.tied else vocab_hidden)
+    shards = -(-shape.num_params // processes) * weight_bytes  # dim-0 shards round up
+    return shards, (2 * largest + root) * weight_bytes
 
 
 def exported_bytes(settings: Settings) -> int:
@@ -126,13 +155,15 @@ class EvalPlan:
     device_bytes: int
     fits: bool
     reason: str
-    offload_device_bytes: int | None = None  # None: every weight on the device
+    offload_device_bytes: int | None = None  # None: every weight on the device (sharded: 0, shards in host RAM)
     offload_host_bytes: int = 0
+    processes: int = 1  # > 1: every candidate sharded over this many processes; the figures are per process
 
     def to_dict(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "loss_batch": self.loss_batch, "generation_batch": self.generation_batch,
                 "harness_batch": self.harness_batch, "memory": self.memory.as_dict(),
                 "device_bytes": self.device_bytes, "fits": self.fits, "reason": self.reason,
+                "processes": self.processes,
                 "offload": None if self.offload_device_bytes is None else {
                     "device_bytes": self.offload_device_bytes, "host_bytes": self.offload_host_bytes}}
 
@@ -155,36 +186,75 @@ def plan_evaluation(shape: ModelShape, settings: Settings, request: EvalRequest,
     Each phase's batch is the largest up to the configured one whose peak fits beside the weights (on CPU beside
     the load's transient too). Where the weights and a batch of 1 do not fit a CUDA device, the weights are
     layer-offloaded: the device keeps what fits beside the batch-1 phases, host RAM (`host_budget`) the rest.
+    A run trained sharded is evaluated sharded over its processes (`eval_processes`): `usable` is then one
+    process's, and so is every figure.
     """
     dtype = eval_dtype(settings, request.precision)
     width = DTYPE_BYTES[dtype]
     seq_len = request.seq_len or settings.seq_len
     configured = (request.batch_size, request.batch_size if request.generate else 0, request.harness_batch_size or 0)
+    processes = eval_processes(settings)
 
     def memory(batches: tuple[int, int, int]) -> EvalMemory:
         m = eval_memory(shape, weight_bytes=width, batches=batches, seq_len=seq_len,
                         max_new_tokens=request.max_new_tokens, harness_seq_len=request.harness_seq_len,
                         attn_implementation=attn_implementation)
+        if processes > 1:
+            shards, gathered = sharded_bytes(shape, width, processes)
+            # Each process reads its shards' slices of the checkpoint (`load_sharded_model`): its shards and
+            # one tensor's slice, less than the forward's peak.
+            return replace(m, weights=shards, gathered=gathered, load=0)
         return replace(m, load=_load_bytes(shape, settings, width))
 
     def total(m: EvalMemory) -> int:
         return m.peak_bytes + runtime_overhead(settings.device, m.peak_bytes)
 
+    where = f" sharded over {processes} processes (FSDP2, per process)" if processes > 1 else ""
+
     def plan(batches: tuple[int, int, int], fits: bool, reason: str, **offload: int) -> EvalPlan:
         m = memory(batches)
-        return EvalPlan(dtype, batches[0], batches[1], batches[2] or None, m, total(m), fits, reason, **offload)
+        return EvalPlan(dtype, batches[0], batches[1], batches[2] or None, m, total(m), fits, reason, **offload,
+                        processes=processes)
 
     if usable is None:
-        return plan(configured, True, f"evaluation in {dtype}: no budget, the configured batches")
+        return plan(configured, True, f"evaluation in {dtype}{where}: no budget, the configured batches")
     fitted = tuple(_largest(lambda b, i=i: total(memory(_only(configured, i, b))) <= usable, n)
                    for i, n in enumerate(configured))
     if all(b or not n for b, n in zip(fitted, configured)):
         lowered = [f"{name} {b} (of {n})" for name, b, n in zip(("loss", "generation", "harness"), fitted, configured)
                    if b < n]
-        return plan(fitted, True, f"evaluation in {dtype}: " + (
+        return plan(fitted, True, f"evaluation in {dtype}{where}: " + (
             "batches lowered to fit: " + ", ".join(lowered) if lowered else "the configured batches fit"))
     smallest = tuple(min(1, n) for n in configured)
+    if processes > 1:
+        return _sharded_offloaded(plan, memory, configured, settings, usable, host_budget, total)
     return _offloaded(plan, memory(smallest), smallest, settings, usable, host_budget, total)
+
+
+def _sharded_offloaded(plan: Any, memory: Any, configured: tuple[int, int, int], settings: Settings, usable: int,
+                       host_budget: int | None, total: Any) -> EvalPlan:
+    """Sharded, where a process's shards and a batch of 1 do not fit its GPU: every shard in host RAM (FSDP2's CPU
+    offload, as `train.offload_optimizer` trains), the GPU holding the gathered units and the batches, fitted again."""
+    processes = settings.num_processes
+    smallest = tuple(min(1, n) for n in configured)
+    need = format_bytes(total(memory(smallest)))
+    if settings.device != "cuda":
+        return plan(smallest, False, f"evaluation sharded over {processes} processes needs {need} per process with "
+                                     f"batch 1, over the usable {format_bytes(usable)}")
+    fitted = tuple(_largest(lambda b, i=i: total(replace(memory(_only(configured, i, b)), weights=0)) <= usable, n)
+                   for i, n in enumerate(configured))
+    shards = memory(smallest).weights
+    host = shards * processes  # every process of the machine holds its shards there
+    if not all(b or not n for b, n in zip(fitted, configured)) or (host_budget is not None and host > host_budget):
+        room = "" if host_budget is None else f", host RAM {format_bytes(host_budget)} (budget.host_memory)"
+        return plan(smallest, False, f"evaluation sharded over {processes} processes does not fit even with its "
+                                     f"shards in host RAM: batch 1 needs {need} per process of the usable "
+                                     f"{format_bytes(usable)}, {format_bytes(host)} of shards for the host{room}")
+    offloaded = plan(fitted, True, f"evaluation sharded over {processes} processes (FSDP2, per process) with its "
+                                   f"shards in host RAM ({format_bytes(host)} per machine; the shards and batch 1 do "
+                                   f"not fit one GPU: {need}), batches {fitted[0]}/{fitted[1]}",
+                     offload_device_bytes=0, offload_host_bytes=host)
+    return replace(offloaded, device_bytes=total(replace(offloaded.memory, weights=0)))
 
 
 def _offloaded(plan: Any, m: EvalMemory, smallest: tuple[int, int, int], settings: Settings, usable: int,

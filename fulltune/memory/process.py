@@ -11,9 +11,11 @@ phase on CPU, where `budget.memory` is the process's resident memory (benchmarks
 - **first optimizer step**: the optimizer allocates its states during it, so its tensors never exceed the
   steady step's (measured: within 1% of the second step's RSS).
 - **checkpoint save** and **final export**: safetensors writes tensors by pointer and torch.save streams
-  the optimizer states, so beside the weights and states only one tensor-sized buffer is new.
-- **evaluation** runs in the evaluate stage's own process, after training: it is planned from the pipeline's
-  `evaluate.*` settings in `memory/evaluation.py`, and the planner adds it to the plan's phases.
+  the optimizer states, so beside the weights and states only one tensor-sized buffer is new; under FSDP on
+  CPU the export's streamed file of gathered tensors is rank 0's own memory too (`export_phase_bytes`).
+- **evaluation** runs in the evaluate stage's own process after training, or sharded over the training's
+  processes for a run trained sharded: it is planned (per process) from the pipeline's `evaluate.*` settings in
+  `memory/evaluation.py`, and the planner adds it to the plan's phases.
 
 The runtime overhead (`estimate._runtime_overhead`) is added to every phase; the load phase's is its own.
 
@@ -60,7 +62,7 @@ def phase_tensors(shape: ModelShape, settings: Settings, step_tensors: int) -> d
     else:
         load = weights  # read on the host, then moved: the device holds the weights
     out = {LOAD: load, FIRST_STEP: step_tensors, STEP: step_tensors,
-           CHECKPOINT: weights + states + largest, EXPORT: weights + states + largest}
+           CHECKPOINT: weights + states + largest, EXPORT: weights + states + export_phase_bytes(shape, settings)}
     if levers.sharded_offload and settings.device != "cpu":
         # FSDP's CPU offload: the shards are read into host RAM and the optimizer's states live there;
         # saving passes one parameter at a time through the device (its shard up, the full tensor gathered).
@@ -70,6 +72,17 @@ def phase_tensors(shape: ModelShape, settings: Settings, step_tensors: int) -> d
         # The host masters and states are in the same memory as everything else.
         out[CHECKPOINT] = out[EXPORT] = max(out[CHECKPOINT], step_tensors)
     return out
+
+
+def export_phase_bytes(shape: ModelShape, settings: Settings, file_bytes: int | None = None) -> int:
+    """What the final export adds to a process's tensors beside its weights and states: one tensor-sized buffer,
+    or under FSDP on CPU, where the device is host memory, rank 0's streamed file of gathered tensors (at most
+    `file_bytes`, default `sharding.EXPORT_SHARD_BYTES`) and the current all-gather's buffers (`export_host_bytes`;
+    on a GPU the file is in host RAM, `node_host_bytes`, and the device holds the one tensor being gathered)."""
+    weight_bytes = lever_bytes(shape, settings).weight_bytes
+    if settings.strategy == "fsdp" and settings.device == "cpu":
+        return export_host_bytes(shape, weight_bytes, gathers_on_host=True, file_bytes=file_bytes)
+    return _largest_tensor(shape) * weight_bytes
 
 
 def node_host_bytes(shape: ModelShape, settings: Settings, rank_host: int, ranks_per_node: int) -> dict[str, int]:

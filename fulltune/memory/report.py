@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
-from fulltune.memory.types import BREAKDOWN_KEYS, LEVERS, MemoryEstimate, MemoryPlan
+from fulltune.memory.types import BREAKDOWN_KEYS, LEVERS, MemoryEstimate, MemoryPlan, Settings
 from fulltune.memory.units import format_bytes
 
 
@@ -64,11 +66,14 @@ def evaluation_line(evaluation: dict) -> str:
     batches = f"loss batch {evaluation['loss_batch']}, generation batch {evaluation['generation_batch']}"
     if evaluation["harness_batch"]:
         batches += f", lm-eval batch {evaluation['harness_batch']}"
-    parts = ", ".join(f"{name} {format_bytes(memory[name])}" for name in ("weights", "loss", "generation", "harness")
-                      if memory[name])
+    parts = ", ".join(f"{name} {format_bytes(memory[name])}" for name in
+                      ("weights", "gathered", "loss", "generation", "harness") if memory.get(name))
     load = f", load {format_bytes(memory['load'])}" if memory["load"] else ""
     head = "fits" if evaluation["fits"] else "DOES NOT FIT"
-    return (f"evaluation (the evaluate stage's own process, {evaluation['dtype']} weights): "
+    processes = evaluation.get("processes", 1)
+    where = (f"{processes} processes of the evaluate stage, FSDP2-sharded, per process" if processes > 1
+             else "the evaluate stage's own process")
+    return (f"evaluation ({where}, {evaluation['dtype']} weights): "
             f"{format_bytes(evaluation['device_bytes'])}, {head} — {parts}{load}; {batches}")
 
 
@@ -185,3 +190,15 @@ def render_breakdown_png(plan: MemoryPlan, path: str | Path) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def describe_settings(settings: Settings | dict[str, Any], num_layers: int) -> str:
+    """One line of the planned settings (the run summary, the log, the registered version's description)."""
+    if not isinstance(settings, dict):
+        settings = asdict(settings)
+    ckpt = settings["gradient_checkpointing"]
+    ckpt_text = "off" if ckpt == 0 else ("all layers" if ckpt >= num_layers else f"{ckpt} of {num_layers} layers")
+    return (f"micro_batch_size={settings['micro_batch_size']} × gradient_accumulation_steps="
+            f"{settings['gradient_accumulation_steps']}, mixed_precision={settings['mixed_precision']}, "
+            f"optimizer={settings['optimizer']}, gradient checkpointing {ckpt_text}"
+            + "".join(f", {lever}" for lever in LEVERS if settings.get(lever)))

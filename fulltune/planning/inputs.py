@@ -13,6 +13,7 @@ from typing import Any
 
 from fulltune import levers
 from fulltune.memory.budget import Budget, resolve_budget
+from fulltune.memory.report import describe_settings  # noqa: F401  (re-exported: one line of a plan)
 from fulltune.memory.types import Settings
 from fulltune.spec import PipelineSpec
 
@@ -122,17 +123,3 @@ def evaluation_request(spec: PipelineSpec) -> Any:
                        generate=e.max_generate_examples > 0 and spec.data.format == "prompt_completion",
                        harness_batch_size=(e.lm_eval.batch_size or e.batch_size) if e.lm_eval else None,
                        precision=e.precision)
-
-
-def describe_settings(settings: Settings | dict[str, Any], num_layers: int) -> str:
-    """One line of the planned settings (the run summary, the log, the registered version's description)."""
-    from fulltune.memory.types import LEVERS
-
-    if isinstance(settings, Settings):
-        settings = asdict(settings)
-    ckpt = settings["gradient_checkpointing"]
-    ckpt_text = "off" if ckpt == 0 else ("all layers" if ckpt >= num_layers else f"{ckpt} of {num_layers} layers")
-    return (f"micro_batch_size={settings['micro_batch_size']} × gradient_accumulation_steps="
-            f"{settings['gradient_accumulation_steps']}, mixed_precision={settings['mixed_precision']}, "
-            f"optimizer={settings['optimizer']}, gradient checkpointing {ckpt_text}"
-            + "".join(f", {lever}" for lever in LEVERS if settings.get(lever)))

@@ -59,7 +59,7 @@ def train_with_oom_replans(p: Any, decision: Any, key: str,
             settings = replan_settings(p, decision, settings, oom.observed_peak_bytes)
             replanned = make_job(settings, Path(job.paths.output_dir))
             output_dir, where = replan_output_dir(p, key, job, replanned, attempt + 1)
-            from fulltune.planning.inputs import describe_settings
+            from fulltune.memory.report import describe_settings
 
             why = (f"out of memory (peak {oom.observed_peak_bytes or 'unknown'} bytes); retrying with "
                    f"{describe_settings(asdict(settings), decision.num_layers)}; {where}")

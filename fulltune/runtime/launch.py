@@ -11,6 +11,9 @@ the flow process, and one process, several processes and several GPUs are the sa
       │  ddp on CUDA:          accelerate launch --config_file accelerate.yaml -m fulltune.runtime.train JOB.json
       └─ exit 0 → TrainResult; 2 → UserError (the child's message); 3 → OutOfMemory; else RuntimeError
 
+    run_sharded_evaluation(EVAL_JOB.json, N)   the evaluate stage's candidate of a sharded run, the same way:
+      torchrun --standalone --nproc_per_node N -m fulltune.evaluation.sharded EVAL_JOB.json → eval-result.json
+
 The child runs in its own session and ends itself when this process is gone (LAUNCHER_ENV), so a
 killed flow leaves no orphan training on.
 
@@ -420,6 +423,15 @@ def run_training(job: TrainJob, on_output: Callable[[str], None] | None = None,
     if job.plan.device == "cuda" and job.distributed.strategy not in ("none", "fsdp"):
         atomic_write_text(output_dir / ACCELERATE_CONFIG_FILE, yaml.safe_dump(generate_accelerate_config(job)))
 
+    code, tail = run_child(training_command(job, job_file), on_output, env)
+    return _outcome(output_dir, code, tail)
+
+
+def run_child(command: list[str], on_output: Callable[[str], None] | None = None,
+              env: dict[str, str] | None = None) -> tuple[int, list[str]]:
+    """Run `command` (training or a sharded evaluation) in its own session, its output line by line to
+    `on_output` (default: this process's stderr); (its exit code, its last 40 lines). The child watches this
+    process (LAUNCHER_ENV) and ends with it; an interrupted wait kills its whole process group."""
     env = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
     # The child has its own session (below), so killing this process's group does not reach it; it
     # watches this process instead and ends with it, leaving no orphan to write checkpoints a rerun uses.
@@ -432,7 +444,7 @@ def run_training(job: TrainJob, on_output: Callable[[str], None] | None = None,
     write = on_output or (lambda line: print(line, file=sys.stderr, flush=True))
     tail: collections.deque[str] = collections.deque(maxlen=40)
     # Own session: an interrupted flow stops the whole process group (torchrun and its workers).
-    child = subprocess.Popen(training_command(job, job_file), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, bufsize=1, env=env, start_new_session=True)
     try:
         assert child.stdout is not None
@@ -446,7 +458,68 @@ def run_training(job: TrainJob, on_output: Callable[[str], None] | None = None,
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
-    return _outcome(output_dir, code, list(tail))
+    return code, list(tail)
+
+
+def watch_launcher() -> None:
+    """SIGKILL this process once the process that launched it (named by LAUNCHER_ENV) is gone.
+
+    The launcher starts its child in its own session, so killing `fulltune run`'s process group (a
+    preempted node, `kill -9 -PGID`) or only the flow process (the OOM killer) does not reach the child.
+    An orphan trainer would go on writing checkpoints into the directory a rerun resumes from. Under torchrun
+    or accelerate launch every worker watches; the agent stops the others when one ends.
+    """
+    import threading
+    import time
+
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if not launcher:
+        return
+    identity = json.loads(launcher)
+
+    def watch() -> None:
+        while not process_gone(identity):
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="fulltune-launcher-watch", daemon=True).start()
+
+
+# The sharded evaluation's child (fulltune/evaluation/sharded.py) and the result its rank 0 writes beside its job.
+EVALUATION_MODULE = "fulltune.evaluation.sharded"
+EVAL_RESULT_FILE = "eval-result.json"
+
+
+def evaluation_command(job_file: Path, num_processes: int) -> list[str]:
+    """torchrun over `num_processes` on this machine running the sharded evaluation of `job_file`."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}",
+            "--module", EVALUATION_MODULE, str(job_file)]
+
+
+def run_sharded_evaluation(job_file: Path, num_processes: int, on_output: Callable[[str], None] | None = None,
+                           env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Evaluate one candidate sharded over `num_processes` (the training's launch path: torchrun, gloo on CPU);
+    the result rank 0 wrote. Raises the child's UserError (error.json), else RuntimeError (a retry runs again)."""
+    output_dir = job_file.parent
+    for stale in (ERROR_FILE, EVAL_RESULT_FILE):
+        (output_dir / stale).unlink(missing_ok=True)
+    code, tail = run_child(evaluation_command(job_file, num_processes), on_output, env)
+    result_file = output_dir / EVAL_RESULT_FILE
+    if code == 0 and result_file.is_file():
+        return json.loads(result_file.read_text())
+    _raise_user_error(output_dir)
+    last = "\n".join(tail[-15:])
+    raise RuntimeError(f"the sharded evaluation exited with code {code}\n{last}")
+
+
+def _raise_user_error(output_dir: Path) -> None:
+    """Raise the UserError a child recorded in error.json, if it did."""
+    error_file = output_dir / ERROR_FILE
+    if error_file.is_file():
+        error = json.loads(error_file.read_text())
+        cls = getattr(errors, error.get("type", ""), TrainingError)
+        cls = cls if isinstance(cls, type) and issubclass(cls, UserError) else TrainingError
+        raise cls(error["message"])
 
 
 def _outcome(output_dir: Path, code: int, tail: list[str]) -> TrainResult:
@@ -460,14 +533,10 @@ def _outcome(output_dir: Path, code: int, tail: list[str]) -> TrainResult:
         if result is None:
             raise RuntimeError(f"training exited 0 but left no model and result in {output_dir}")
         return result
-    oom_file, error_file = output_dir / OOM_FILE, output_dir / ERROR_FILE
+    oom_file = output_dir / OOM_FILE
     if oom_file.is_file():
         raise OutOfMemory(json.loads(oom_file.read_text()).get("peak_bytes"))
-    if error_file.is_file():
-        error = json.loads(error_file.read_text())
-        cls = getattr(errors, error.get("type", ""), TrainingError)
-        cls = cls if isinstance(cls, type) and issubclass(cls, UserError) else TrainingError
-        raise cls(error["message"])
+    _raise_user_error(output_dir)
     if code == 2:
         raise TrainingError(tail[-1] if tail else "training stopped with a user error")
     if code == 3:

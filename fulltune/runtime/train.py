@@ -39,7 +39,6 @@ import resource
 import shutil
 import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -65,8 +64,8 @@ from fulltune.runtime import pipeline_parallel
 from fulltune.runtime.pipeline_parallel import PipelineRun
 from fulltune.runtime.step import OptimizerStep, StepOutcome, StepParts, run_step
 from fulltune.logs import quiet_known_noise
-from fulltune.runtime.launch import (ERROR_FILE, LAUNCHER_ENV, MODEL_DIR, OOM_FILE, PROGRESS_FILE, RESULT_FILE, TrainJob,
-                             TrainResult, completed_result, process_gone, validate_job)
+from fulltune.runtime.launch import (ERROR_FILE, MODEL_DIR, OOM_FILE, PROGRESS_FILE, RESULT_FILE, TrainJob,
+                             TrainResult, completed_result, validate_job, watch_launcher)
 
 __all__ = ["StepSchedule", "TokenizedRows", "TrainingRun", "setup", "resume", "train_step", "TrainMetrics",
            "finish", "train", "main"]
@@ -826,24 +825,8 @@ def announce(run: TrainingRun, resumed_from: int | None) -> None:
 
 
 def end_with_launcher() -> None:
-    """SIGKILL this process once the process that launched it (named by LAUNCHER_ENV) is gone.
-
-    The launcher starts training in its own session, so killing `fulltune run`'s process group (a
-    preempted node, `kill -9 -PGID`) or only the flow process (the OOM killer) does not reach the child.
-    An orphan would go on writing checkpoints into the directory a rerun resumes from. Under torchrun or
-    accelerate launch every worker watches; the agent stops the others when one ends.
-    """
-    launcher = os.environ.get(LAUNCHER_ENV)
-    if not launcher:
-        return
-    identity = json.loads(launcher)
-
-    def watch() -> None:
-        while not process_gone(identity):
-            time.sleep(1.0)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="fulltune-launcher-watch", daemon=True).start()
+    """SIGKILL this process once the process that launched it is gone (`launch.watch_launcher`)."""
+    watch_launcher()
 
 
 def _write_marker(path: Path, payload: dict[str, Any]) -> None:

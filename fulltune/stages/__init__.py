@@ -49,7 +49,10 @@ STAGE_CODE = {
                 "planning/planner.py", "planning/search.py", "planning/step_time.py", "planning/reasons.py",
                 "planning/pipeline.py", "planning/strategy.py", "planning/trace.py", "memory", "data", "models.py",
                 "levers.py", "degrees.py", "hub.py", "storage.py"),
-    EVALUATE: ("evaluation", "runtime/loss.py", "memory/head.py", "data", "models.py", "hub.py", "tracking/registry.py"),
+    # A run trained sharded evaluates sharded, in children the training's launch path starts (evaluation/sharded.py).
+    EVALUATE: ("evaluation", "runtime/loss.py", "runtime/launch.py", "runtime/sharding.py", "runtime/parallel.py",
+               "runtime/checkpointing.py", "memory/head.py", "data", "models.py", "hub.py", "degrees.py", "storage.py",
+               "tracking/registry.py"),
     REGISTER: ("tracking/registry.py", "evaluation/evaluate.py"),
 }
 
@@ -424,6 +427,15 @@ def read_marker(workdir: str, stage: str, key: str) -> dict[str, Any] | None:
         return json.loads(marker_path(workdir, stage, key).read_text())
     except (OSError, json.JSONDecodeError):
         return None
+
+
+def registration_present(workdir: str, key: str, train_key: str) -> bool:
+    """Whether the register stage's cached result still matches the registry: its marker names a version
+    that exists and holds these weights (a deleted or replaced database re-runs the stage)."""
+    from fulltune.tracking import registry
+
+    marker = read_marker(workdir, REGISTER, key)
+    return bool(marker) and registry.version_exists(marker["name"], marker["version"], train_key)
 
 
 # Inline model configs this workdir has seen transformers build: `check_model_builds` skips them.

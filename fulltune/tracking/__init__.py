@@ -6,8 +6,8 @@ The flow only orders the stages; what a run does in MLflow around them lives her
   client would otherwise retry for minutes before the first stage that logs anything fails;
 - `pipeline_run` — one MLflow run per pipeline run, ended FINISHED, KILLED (Ctrl-C) or FAILED, with each
   stage's outcome (`ran` / `cached`) as a tag;
-- `champion_to_compare` and `registration_present` — the two registry questions whose answers are part
-  of the evaluate and register stages' cache decisions.
+- `champion_to_compare` — the registry question whose answer is part of the evaluate stage's cache decision
+  (the register stage's, whether its version is still there, is `fulltune.stages.registration_present`).
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fulltune.tracking import registry
 from fulltune.errors import ConfigError
-from fulltune.stages import REGISTER, ResolvedPipeline, read_marker
+
+if TYPE_CHECKING:
+    from fulltune.spec import PipelineSpec
 
 # MLflow's tracking server answers GET /health with 200 "OK".
 HEALTH_PATH = "/health"
@@ -85,18 +87,19 @@ class PipelineRun:
 
 
 @contextlib.contextmanager
-def pipeline_run(p: ResolvedPipeline, data_fingerprint: str, flow_run_id: str,
+def pipeline_run(pipeline: str, spec: PipelineSpec, workdir: str, data_fingerprint: str, flow_run_id: str,
                  stages: dict[str, str] | None = None) -> Iterator[PipelineRun]:
-    """Open the MLflow run of pipeline run `flow_run_id`; on exit tag each stage's outcome and end it:
+    """Open the MLflow run of pipeline run `flow_run_id` of `pipeline` (its resolved `spec`, its workdir); on exit
+    tag each stage's outcome and end it:
     FINISHED, KILLED when interrupted (Ctrl-C), FAILED on any other exception (which is re-raised).
 
     `stages` (stage → "ran" / "cached") is the caller's record, read when the run ends, so stages that
     finished before the run opened are tagged too."""
-    uri = registry.configure(p.workdir)
+    uri = registry.configure(workdir)
     run_id = registry.start_pipeline_run(
-        p.name, p.spec.model_dump(mode="json", by_alias=True),
+        pipeline, spec.model_dump(mode="json", by_alias=True),
         {registry.TAG_FLOW_RUN: flow_run_id, registry.TAG_DATA: data_fingerprint,
-         registry.TAG_CONFIG: p.spec.config_hash()}, p.workdir)
+         registry.TAG_CONFIG: spec.config_hash()}, workdir)
     run = PipelineRun(uri, run_id, stages if stages is not None else {})
     try:
         yield run
@@ -125,10 +128,3 @@ def champion_to_compare(model_name: str, train_key: str) -> registry.Champion | 
     if champion is None or champion.train_key == train_key:
         return None
     return champion
-
-
-def registration_present(workdir: str, key: str, train_key: str) -> bool:
-    """Whether the register stage's cached result still matches the registry: its marker names a version
-    that exists and holds these weights (a deleted or replaced database re-runs the stage)."""
-    marker: dict[str, Any] | None = read_marker(workdir, REGISTER, key)
-    return bool(marker) and registry.version_exists(marker["name"], marker["version"], train_key)

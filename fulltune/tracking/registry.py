@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fulltune.errors import ConfigError
 from fulltune.storage import code_version
 
 if TYPE_CHECKING:
+    from fulltune.evaluation.champion import Champion
     from fulltune.data import TokenizedData
     from fulltune.evaluation.evaluate import EvalReport
     from fulltune.spec import PipelineSpec, PromoteIf, RegisterSpec
@@ -149,21 +149,12 @@ def set_run_tags(run_id: str, tags: dict[str, str]) -> None:
         client.set_tag(run_id, key, redact(str(value)))
 
 
-@dataclass(frozen=True)
-class Champion:
-    """The version that currently holds the `champion` alias."""
-
-    name: str
-    version: str
-    source: str  # models:/name/version
-    train_key: str | None
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
 def current_champion(name: str) -> Champion | None:
     """The registered model's champion, or None when the model or the alias does not exist yet."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
+
+    from fulltune.evaluation.champion import Champion
 
     client = MlflowClient()
     try:
@@ -173,19 +164,6 @@ def current_champion(name: str) -> Champion | None:
     metrics = {k.removeprefix("metric."): float(v) for k, v in version.tags.items() if k.startswith("metric.")}
     return Champion(name, str(version.version), f"models:/{name}/{version.version}",
                     version.tags.get(TAG_TRAIN_KEY), metrics)
-
-
-def download_version(source: str, destination: str | Path) -> str:
-    """Download a registered version's transformers checkpoint (the `model` directory of the flavor)."""
-    import mlflow
-
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(destination)))
-    for candidate in (local / "model", local):
-        if (candidate / "config.json").is_file():
-            return str(candidate)
-    # Retrying cannot help: the registered version itself holds no checkpoint.
-    raise ConfigError(f"register.model_name: {source} holds no transformers checkpoint (looked in {local}); move "
-                      "the champion alias to a version fulltune registered, or set evaluate.compare_champion: false")
 
 
 @dataclass(frozen=True)
@@ -509,7 +487,7 @@ def describe_version(spec: PipelineSpec, pipeline: str, *, base_model: str, mode
     import json as json_module
 
     from fulltune.data.sources import describe
-    from fulltune.stages import describe_settings
+    from fulltune.memory.report import describe_settings
 
     source = f"`{spec.model.name_or_path}`" if spec.model.name_or_path else "a new model from `model.from_config`"
     if spec.model.revision and spec.model.name_or_path:
