@@ -47,3 +47,26 @@ def test_eval_rows_are_read_a_row_group_at_a_time_and_read_as_a_list(tmp_path: P
     assert len(first) == 9 and list(first) == whole[:9] and first[:100] == whole[:9]
     with pytest.raises(IndexError):
         first[9]
+
+
+def test_the_plan_counts_the_host_ram_of_the_tokenized_data(tmp_path: Path, capsys) -> None:
+    import json
+
+    from fulltune.cli import main
+    from fulltune.memory.process import DATA_ROW_BYTES
+    from fulltune.stages import pin_hub_revisions, resolve_pipeline, tokenize_key, with_budget
+    from fulltune.stages.tokenize import tokenize
+
+    from pipelines_fixture import tiny_pipeline
+
+    path = tiny_pipeline(tmp_path, data={"packing": True})
+    p = with_budget(pin_hub_revisions(resolve_pipeline(str(path), "tiny")))  # as `fulltune run` resolves it
+    data, _ = tokenize(p, tokenize_key(p))  # the tokenize stage, as a run starts
+    assert main(["plan", "tiny", "-f", str(path), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    host = plan["data_host"]
+    assert host["mapped"] == Path(data.train_rows_file).stat().st_size > 0
+    assert host["row_index"] == data.num_train_rows * DATA_ROW_BYTES
+    assert host["total"] == host["mapped"] + host["row_index"] + host["batches"] and host["ranks_per_node"] == 1
+    assert main(["plan", "tiny", "-f", str(path)]) == 0
+    assert "host RAM per machine for the training data:" in capsys.readouterr().out

@@ -615,7 +615,7 @@ def plan_and_tune(p: ResolvedPipeline, data: Any = None, tokenizer: str | None =
     seq_len, vocab, target_fraction = plan_inputs(p, data, tokenizer)
     device = resolved_device(p)
     with calibrated(p.workdir, device) as factors:
-        decision = plan_budget(p, seq_len, vocab, picture, target_fraction, trace=trace)
+        decision = plan_budget(p, seq_len, vocab, picture, target_fraction, trace=trace, data=data)
     if data is None:
         decision = _untokenized(decision, p)
     run, why = should_tune(opts, decision, data, p, force, auto_tunes)
