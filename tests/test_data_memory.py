@@ -70,3 +70,50 @@ def test_the_plan_counts_the_host_ram_of_the_tokenized_data(tmp_path: Path, caps
     assert host["total"] == host["mapped"] + host["row_index"] + host["batches"] and host["ranks_per_node"] == 1
     assert main(["plan", "tiny", "-f", str(path)]) == 0
     assert "host RAM per machine for the training data:" in capsys.readouterr().out
+
+
+# About 3M and 12M tokens: reading the whole train.parquet into every process (the trainer before
+# train.arrow) grew the training process from 663 to 896 MiB here (+35%), more than the target allows.
+SMALL_TOKENS, GROWTH = 3_000_000, 4
+
+
+@pytest.mark.slow
+def test_the_training_process_grows_at_most_25_percent_when_the_data_grows_4x(tmp_path: Path) -> None:
+    """Through the real training child (fulltune/runtime/launch.py), a tiny model on the rows the tokenize
+    stage's writer makes (benchmarks/data_memory.py): the peak RSS (the kernel's high-water mark) of the
+    largest process on 4× the tokens is within 25% of that on 1×."""
+    from benchmarks import data_memory
+
+    model_dir = data_memory.build_model(tmp_path)
+    peaks = {}
+    for tokens in (SMALL_TOKENS, GROWTH * SMALL_TOKENS):
+        files = data_memory.write_train_files(tmp_path / f"data-{tokens}", tokens)
+        job = data_memory.make_job(model_dir, files["arrow"], tmp_path / f"run-{tokens}")
+        peaks[tokens] = data_memory.measure(job)["max_rss"]
+    small, large = peaks[SMALL_TOKENS], peaks[GROWTH * SMALL_TOKENS]
+    assert large <= 1.25 * small, f"peak RSS {small / 2**20:.0f} MiB → {large / 2**20:.0f} MiB on {GROWTH}× the data"
+
+
+def test_a_cached_hub_dataset_of_several_shards_reads_every_shard_offline(tmp_path: Path, tok_dir: str,
+                                                                        hf_home: Path) -> None:
+    """A hub dataset is read from its cached snapshot, downloaded whole (README: "Checkpoints and datasets
+    from the Hugging Face Hub"): a split kept as several Parquet shards trains on all of them, in shard
+    order, as the same files in a local directory do."""
+    from tiny import fake_hub_repo
+
+    snapshot = fake_hub_repo(hf_home, "Org/Sharded.v1", "d" * 40, repo_type="dataset")
+    (snapshot / "data").mkdir()
+    local = tmp_path / "local" / "data"
+    local.mkdir(parents=True)
+    shards = [[{"prompt": f"{s}-{n}+1=", "completion": f"{s}{n}"} for n in range(4 + s)] for s in range(3)]
+    for s, records in enumerate(shards):
+        for root in (snapshot / "data", local):
+            pq.write_table(pa.Table.from_pylist(records), root / f"train-{s:05d}-of-00003.parquet")
+    options = {"format": "prompt_completion", "max_length": 32, "packing": False}
+    hub_data = tokenize_dataset(DataSpec(train="Org/Sharded.v1", eval=str(local.parent), **options), tok_dir,
+                                tmp_path / "work", seed=0)
+    local_data = tokenize_dataset(DataSpec(train=str(local.parent), eval=str(local.parent), **options), tok_dir,
+                                  tmp_path / "work", seed=0)
+    assert hub_data.num_train_examples == sum(map(len, shards)) == 15
+    assert hub_data.fingerprint != local_data.fingerprint  # the hub dataset counts by its commit
+    assert Path(hub_data.train_rows_file).read_bytes() == Path(local_data.train_rows_file).read_bytes()
