@@ -45,9 +45,10 @@ CPU_LIBRARY_PAGES_SPREAD = 128 * 2**20  # ~110 MiB measured; the rest is margin 
 CPU_LOAD_PROCESS_BYTES = 560 * 2**20 + CPU_LIBRARY_PAGES_SPREAD
 
 # Per row, in every rank (fulltune/data/batching.py): its length, targets and attention pairs (int64, int64,
-# float64), and the epoch's step schedule, a list of Python ints (8-byte slot + 32-byte int), with the
-# shuffle's int64 order beside it while it is built.
-DATA_ROW_BYTES = 3 * 8 + 40 + 8
+# float64) beside the mapped offsets and counts they are read from, and the epoch's step schedule, a list of
+# Python ints (8-byte slot + 32-byte int). Measured 52-65 bytes a row for the rows and 42-51 for the schedule
+# (3M and 12M tokens, benchmarks/data_memory.py's rows).
+DATA_ROW_BYTES = 120
 # Per token of a micro-batch: `TokenizedRows.rows` turns the mapped rows into Python lists (3 columns, an
 # 8-byte slot and at worst a 32-byte int each), collate makes int64 tensors of them and the attention mask.
 DATA_TOKEN_BYTES = 3 * (8 + 32) + 4 * 8
