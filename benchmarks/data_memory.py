@@ -46,7 +46,8 @@ SEQ_LEN = 128
 STEPS = 2
 
 
-def write_train_files(root: Path, tokens: int, seq_len: int = SEQ_LEN, vocab: int = 64, seed: int = 0) -> dict[str, Path]:
+def write_train_files(root: Path, tokens: int, seq_len: int = SEQ_LEN, vocab: int = 64,
+                      seed: int = 0) -> dict[str, Path]:
     """train.parquet and train.arrow of about `tokens` tokens, as the tokenize stage writes them (packed rows
     of at most `seq_len`; documents of 16–64 tokens, the first token of each without a label)."""
     import numpy as np

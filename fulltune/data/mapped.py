@@ -107,6 +107,8 @@ class RowColumns:
     attention pairs (small: a few numbers per row). Raises DataError for a file that is not one."""
 
     def __init__(self, path: str) -> None:
+        import numpy as np
+
         table = _open(path)
         missing = [name for name in TOKEN_COLUMNS if name not in table.column_names]
         if missing:
@@ -115,8 +117,6 @@ class RowColumns:
             raise DataError(f"{path}: no rows to train on")
         self.chunks = [_chunk(path, batch) for batch in table.select(list(TOKEN_COLUMNS)).to_batches()
                        if batch.num_rows]
-        import numpy as np
-
         self.lengths = np.concatenate([np.diff(c.offsets).astype(np.int64) for c in self.chunks])
         self.chunk_starts = np.concatenate([[0], np.cumsum([len(c.offsets) - 1 for c in self.chunks])])
         if all(name in table.column_names for name, _ in ROW_COLUMNS):

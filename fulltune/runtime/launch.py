@@ -63,7 +63,7 @@ class JobPaths(Strict):
 
     model_path: str  # the checkpoint the child loads: the prepared base model, not model.name_or_path
     tokenizer_path: str
-    # train.arrow (memory-mapped) or a Parquet file: input_ids, labels (-100 = no loss), position_ids (restart per document)
+    # train.arrow (memory-mapped) or Parquet: input_ids, labels (-100 = no loss), position_ids (restart per document)
     train_file: str
     output_dir: str  # runs/<train-key>/: checkpoints/step-N/, model/, result.json
 
