@@ -10,63 +10,37 @@ from typing import Any
 
 import numpy as np
 
-from fulltune.data import collate, iter_length_grouped_batches, row_target_counts
+from fulltune.data import collate, iter_length_grouped_batches
+from fulltune.data.mapped import TOKEN_COLUMNS, RowColumns
 from fulltune.errors import DataError
 
 
 class TokenizedRows:
-    """train.parquet held as flat numpy arrays and row offsets: a row is a slice, not a Python object.
+    """The rows a trainer reads: train.arrow memory-mapped (a Parquet file of the same columns is read into
+    memory); a row is read, as lists, only when it is trained on (`rows`).
 
-    Per row it precomputes what the loop needs without touching tensors: `lengths` (non-padding tokens),
+    Per row it holds what the loop needs without touching tokens: `lengths` (non-padding tokens),
     `targets` (loss terms: labels[1:] != -100, the count the loss is divided by) and `attention_pairs`
-    (Σ over the row's documents of length², the attention term of the FLOP count).
+    (Σ over the row's documents of length², the attention term of the FLOP count): a few numbers per row,
+    where the tokens are 12 bytes each (fulltune/data/mapped.py).
     """
 
-    COLUMNS = ("input_ids", "labels", "position_ids")
+    COLUMNS = TOKEN_COLUMNS
 
     def __init__(self, path: str) -> None:
-        import pyarrow.compute as pc
-        import pyarrow.parquet as pq
-
-        try:
-            table = pq.read_table(path)
-        except (OSError, ValueError) as exc:
-            raise DataError(f"{path}: cannot read tokenized data ({exc}); re-run the tokenize stage") from None
-        missing = [name for name in self.COLUMNS if name not in table.column_names]
-        if missing:
-            raise DataError(f"{path}: missing column(s) {missing}; expected {list(self.COLUMNS)}")
-        if table.num_rows == 0:
-            raise DataError(f"{path}: no rows to train on")
-        lengths = {name: pc.list_value_length(table[name]).to_numpy(zero_copy_only=False) for name in self.COLUMNS}
-        if any(not np.array_equal(lengths["input_ids"], other) for other in lengths.values()):
-            raise DataError(f"{path}: input_ids, labels and position_ids differ in length in some rows")
-        # int32 as stored: 12 bytes per token for the three columns.
-        self.values = {name: pc.list_flatten(table[name]).to_numpy(zero_copy_only=False) for name in self.COLUMNS}
-        self.lengths = lengths["input_ids"].astype(np.int64)
-        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
-
-        self.targets = row_target_counts(self.values["labels"], self.offsets)
+        self._columns = RowColumns(path)
+        self.lengths = self._columns.lengths
+        self.targets = self._columns.targets
+        self.attention_pairs = self._columns.attention_pairs
         if self.targets.sum() == 0:
             raise DataError(f"{path}: no token has a label (every label is -100); nothing to train on")
-        self.attention_pairs = self._attention_pairs()
-
-    def _attention_pairs(self) -> np.ndarray:
-        """Σ over each row's documents of length²: packed documents do not attend to each other."""
-        # Documents: a row start, or a position id of 0 (packed rows restart positions per document).
-        doc_start = self.values["position_ids"] == 0
-        doc_start[self.offsets[:-1][self.lengths > 0]] = True
-        first = np.flatnonzero(doc_start)
-        doc_lengths = np.diff(np.append(first, len(doc_start)))
-        doc_row = np.searchsorted(self.offsets, first, side="right") - 1
-        return np.bincount(doc_row, weights=doc_lengths.astype(np.float64) ** 2, minlength=len(self.lengths))
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def rows(self, indices: np.ndarray) -> list[dict[str, list[int]]]:
         """The rows as `collate` takes them."""
-        spans = [(self.offsets[i], self.offsets[i + 1]) for i in indices]
-        return [{name: self.values[name][a:b].tolist() for name in self.COLUMNS} for a, b in spans]
+        return [self._columns.row(int(i)) for i in indices]
 
 
 class StepSchedule:

@@ -1,9 +1,13 @@
 """The tokenize stage: data files → packed Parquet under `<workdir>/tokenized/<fingerprint>/`, and back.
 
-`tokenize_dataset` turns a `DataSpec` into two Parquet files under `<workdir>/tokenized/<fingerprint>/`:
+`tokenize_dataset` turns a `DataSpec` into these files under `<workdir>/tokenized/<fingerprint>/`:
 
 - `train.parquet`: `input_ids`, `labels`, `position_ids` (list<int32>), packed into rows of at most
   `max_length` tokens when `data.packing` is on, one example per row otherwise;
+- `train.arrow`: the same rows as an uncompressed Arrow IPC file, plus each row's `targets` (loss terms)
+  and `attention_pairs` (Σ document length²): what training reads, memory-mapped (fulltune/data/batching.py
+  `TokenizedRows`), so a process touches only the pages of its rows and the ranks of a machine share one
+  copy in the page cache;
 - `eval.parquet`: the same columns, never packed, plus `prompt` and `completion` strings (format
   `prompt_completion`; null for the other formats) for exact-match generation;
 - `meta.json`: the `TokenizedData` record (counts, lengths, the tokenizer it was built with).
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from fulltune import hub
 from fulltune.data.files import hub_dataset_key, local_data_files
 from fulltune.data.formats import IGNORE_INDEX, format_columns, no_target_text_message, pad_token_id_of
+from fulltune.data.mapped import MappedRowsWriter, row_target_counts
 from fulltune.data.mix import SourceExamples, source_examples, source_fingerprint, weighted_rows
 from fulltune.data.sources import Source, describe, is_single, sources
 from fulltune.errors import DataError
@@ -44,8 +49,8 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 # Bump when the on-disk layout or the tokenization rules change: every cached dataset is rebuilt.
-DATA_FORMAT_VERSION = 1
-TOKENIZED_FILES = ("train.parquet", "eval.parquet")
+DATA_FORMAT_VERSION = 2
+TOKENIZED_FILES = ("train.parquet", "train.arrow", "eval.parquet")
 _ROW_CHUNK = 8192  # rows per Parquet row group, at most
 _CHUNK_TOKENS = 1 << 20  # tokens per row group, at most (rows of max_length): what writing holds at a time
 
@@ -82,6 +87,11 @@ class TokenizedData:
     @property
     def train_file(self) -> str:
         return str(Path(self.path) / "train.parquet")
+
+    @property
+    def train_rows_file(self) -> str:
+        """train.arrow: the rows of train.parquet as training reads them, memory-mapped."""
+        return str(Path(self.path) / "train.arrow")
 
     @property
     def eval_file(self) -> str:
@@ -205,12 +215,13 @@ def _pack(lengths: np.ndarray, max_length: int) -> np.ndarray:
 
 
 def _write_rows(path: Path, examples: pa.Table, order: np.ndarray, *, packing: bool, max_length: int,
-                with_text: bool) -> dict[str, int]:
+                with_text: bool, mapped: Path | None = None) -> dict[str, int]:
     """Write examples `order` (indices into `examples`) as Parquet rows, concatenating consecutive
     documents when packing. Rows are packed from the examples' lengths alone and written a row group at a
     time (_ROW_CHUNK rows, fewer where max_length would make it more than _CHUNK_TOKENS tokens), each
     group's examples taken from `examples` (memory-mapped) only then: memory holds one group, not the
-    data. Returns counts."""
+    data. With `mapped`, the same rows and their per-row counts also go there as Arrow IPC record batches
+    (`fulltune.data.mapped`). Returns counts."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -226,13 +237,14 @@ def _write_rows(path: Path, examples: pa.Table, order: np.ndarray, *, packing: b
     num_rows = len(row_docs) - 1
     counts = {"examples": int(len(lengths)), "rows": int(num_rows), "tokens": int(lengths.sum()), "label_tokens": 0,
               "max_row_length": 0, "max_row_targets": 0}
-    with pq.ParquetWriter(path, schema) as writer:
+    with pq.ParquetWriter(path, schema) as writer, MappedRowsWriter(mapped, schema) as mapped_writer:
         group = max(1, min(_ROW_CHUNK, _CHUNK_TOKENS // max_length))
         for first in range(0, max(num_rows, 1), group):
             last = min(first + group, num_rows)
             chunk = _take(examples.select(columns), order[row_docs[first]:row_docs[last]])
             table, chunk_counts = _packed_chunk(chunk, row_docs[first:last + 1] - row_docs[first], schema)
             writer.write_table(table, row_group_size=group)
+            mapped_writer.write(table)
             counts["label_tokens"] += chunk_counts["label_tokens"]
             for key in ("max_row_length", "max_row_targets"):
                 counts[key] = max(counts[key], chunk_counts[key])
@@ -285,20 +297,6 @@ def _packed_chunk(chunk: pa.Table, row_docs: np.ndarray, schema: pa.Schema) -> t
     }
 
 
-def row_target_counts(labels: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Loss terms per row of flat `labels` cut at `offsets` (n_rows + 1): labels shifted left by one, as
-    the loss predicts them, so a row's first label never counts."""
-    import numpy as np
-
-    trainable = labels != IGNORE_INDEX
-    starts = offsets[:-1]
-    trainable[starts[np.diff(offsets) > 0]] = False
-    cumulative = np.concatenate([[0], np.cumsum(trainable)])
-    return cumulative[offsets[1:]] - cumulative[starts]
-
-
-
-
 # ---------------------------------------------------------------------------------------------------
 # The stage
 
@@ -340,7 +338,7 @@ def _build(data: DataSpec, tokenizer_ref: str, seed: int, fingerprint: str, out:
              for split, pairs in source_fingerprints(data, tokenizer_ref, token=token, workdir=workdir).items()}
     train_split, eval_split, mixed = _split_tables(data, parts["train"], parts["eval"], seed)
     train = _write_rows(out / "train.parquet", *train_split, packing=data.packing, max_length=data.max_length,
-                        with_text=False)
+                        with_text=False, mapped=out / "train.arrow")
     evaluation = _write_rows(out / "eval.parquet", *eval_split, packing=False, max_length=data.max_length,
                              with_text=True)
     every = parts["train"] + parts["eval"]

@@ -29,10 +29,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 from dataclasses import dataclass, field, replace
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
-
-import pyarrow.parquet as pq
 
 from fulltune.data import IGNORE_INDEX
 from fulltune.errors import ConfigError, DataError
@@ -137,11 +135,11 @@ COMPARISON_TITLES = {
 }
 
 
-def read_eval_rows(eval_file: str, max_examples: int | None) -> list[dict[str, Any]]:
-    table = pq.read_table(eval_file)
-    if max_examples is not None:
-        table = table.slice(0, max_examples)
-    return table.to_pylist()
+def read_eval_rows(eval_file: str, max_examples: int | None) -> Sequence[dict[str, Any]]:
+    """The first `max_examples` eval rows (None: all), read a row group at a time as they are used."""
+    from fulltune.data.eval_rows import EvalRows
+
+    return EvalRows(eval_file, max_examples)
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,15 @@ phase on CPU, where `budget.memory` is the process's resident memory (benchmarks
 The runtime overhead (`estimate._runtime_overhead`) is added to every phase; the load phase's is its own.
 
 Host RAM is planned per machine (`node_host_bytes`): the offloaded tensors of every process on it and, under
-FSDP, the export's gathered tensors (one file's on rank 0: the export streams, `export_host_bytes`).
+FSDP, the export's gathered tensors (one file's on rank 0: the export streams, `export_host_bytes`). The
+training data costs a machine what `data_host_bytes` counts: train.arrow mapped once (its pages in the page
+cache, shared by every rank that reads them) and each rank's row index and micro-batch buffers.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 from fulltune.memory.lever_bytes import lever_bytes
 from fulltune.memory.shapes import ModelShape
@@ -44,6 +49,43 @@ TRAINING_PHASES = (LOAD, FIRST_STEP, STEP, CHECKPOINT, EXPORT)
 EXPORT_SHARD_BYTES = 2 * 2**30
 CPU_LIBRARY_PAGES_SPREAD = 128 * 2**20  # ~110 MiB measured; the rest is margin (a fresh clone's export peaked 2 MiB over 110)
 CPU_LOAD_PROCESS_BYTES = 560 * 2**20 + CPU_LIBRARY_PAGES_SPREAD
+
+# Per row, in every rank (fulltune/data/batching.py): its length, targets and attention pairs (int64, int64,
+# float64) beside the mapped offsets and counts they are read from, and the epoch's step schedule, a list of
+# Python ints (8-byte slot + 32-byte int). Measured 52-65 bytes a row for the rows and 42-51 for the schedule
+# (3M and 12M tokens, benchmarks/data_memory.py's rows).
+DATA_ROW_BYTES = 120
+# Per token of a micro-batch: `TokenizedRows.rows` turns the mapped rows into Python lists (3 columns, an
+# 8-byte slot and at worst a 32-byte int each), collate makes int64 tensors of them and the attention mask.
+DATA_TOKEN_BYTES = 3 * (8 + 32) + 4 * 8
+
+
+def data_host_bytes(mapped_bytes: int, rows: int, ranks_per_node: int, micro_batch_size: int,
+                    seq_len: int) -> dict[str, int]:
+    """Host RAM one machine spends on the training data, in bytes:
+
+    - `mapped`: train.arrow (`mapped_bytes`), memory-mapped by every rank: at most one copy of its pages in
+      the machine's page cache however many ranks read it (clean file pages: the kernel may drop and reread
+      them, and a rank only pages in the rows it trains on);
+    - `row_index`: every rank's per-row numbers (`DATA_ROW_BYTES` per row of the data);
+    - `batches`: every rank's micro-batch as lists and tensors (`DATA_TOKEN_BYTES` per position);
+    - `total`: their sum.
+    """
+    index = rows * DATA_ROW_BYTES * ranks_per_node
+    batches = micro_batch_size * seq_len * DATA_TOKEN_BYTES * ranks_per_node
+    return {"mapped": int(mapped_bytes), "row_index": int(index), "batches": int(batches),
+            "total": int(mapped_bytes + index + batches), "ranks_per_node": int(ranks_per_node)}
+
+
+def tokenized_data_host(data: Any, ranks_per_node: int, settings: Settings) -> dict[str, int] | None:
+    """`data_host_bytes` of a tokenize stage's output (fulltune/data/store.py `TokenizedData`: its train.arrow
+    and rows) trained with `settings`; None without one (not tokenized yet, or written before train.arrow)."""
+    mapped = Path(data.train_rows_file) if data is not None else None
+    if mapped is None or not mapped.is_file():
+        return None
+    return data_host_bytes(mapped.stat().st_size, data.num_train_rows, ranks_per_node, settings.micro_batch_size,
+                           settings.seq_len)
+
 
 def phase_tensors(shape: ModelShape, settings: Settings, step_tensors: int) -> dict[str, int]:
     """Tensor bytes (file pages included on CPU) at the peak of each phase of the training process;

@@ -126,6 +126,7 @@ def format_plan_table(plan: MemoryPlan) -> str:
         where = "inside the device total (a CPU device's memory is the host's)" if plan.device == "cpu" else \
             "besides the device memory"
         lines.append(f"host RAM for the offloaded tensors: {format_bytes(host)}, {where}")
+    lines.extend(_data_host_lines(plan))
     if plan.reasons:
         lines.append("why:")
         lines.extend(f"  - {r}" for r in plan.reasons)
@@ -202,3 +203,21 @@ def describe_settings(settings: Settings | dict[str, Any], num_layers: int) -> s
             f"{settings['gradient_accumulation_steps']}, mixed_precision={settings['mixed_precision']}, "
             f"optimizer={settings['optimizer']}, gradient checkpointing {ckpt_text}"
             + "".join(f", {lever}" for lever in LEVERS if settings.get(lever)))
+
+
+def _data_host_lines(plan: MemoryPlan) -> list[str]:
+    """Host RAM per machine for the training data (`process.data_host_bytes`), and with the levers' host RAM."""
+    data = plan.data_host
+    if not data:
+        return []
+    ranks = data["ranks_per_node"]
+    each = f"{ranks} ranks'" if ranks > 1 else "the rank's"
+    where = " (on a CPU device, the same RAM as the device's)" if plan.device == "cpu" else ""
+    lines = [f"host RAM per machine for the training data: {format_bytes(data['total'])}{where}: "
+             f"{format_bytes(data['mapped'])} train.arrow mapped once (page cache, shared by the ranks), "
+             f"{format_bytes(data['row_index'])} {each} row index, {format_bytes(data['batches'])} micro-batch buffers"]
+    levers = plan.plan_estimate.host_bytes
+    if levers and plan.device != "cpu":
+        lines.append(f"host RAM per machine in all: {format_bytes(levers + data['total'])} (offloaded tensors "
+                     f"{format_bytes(levers)} + data {format_bytes(data['total'])})")
+    return lines

@@ -353,6 +353,7 @@ class MemoryPlan:
     expected_bytes: int | None = None
     pipeline_parallel: dict[str, Any] | None = None  # what P pipeline stages would need (memory/pipeline.py)
     evaluation: dict[str, Any] | None = None  # the evaluate stage's plan (memory/evaluation.py EvalPlan.to_dict)
+    data_host: dict[str, int] | None = None  # host RAM per machine for the training data (process.data_host_bytes)
 
     @property
     def spare_bytes(self) -> int | None:
@@ -387,6 +388,7 @@ class MemoryPlan:
             "suggestions": list(self.suggestions),
             "pipeline_parallel": self.pipeline_parallel,
             "evaluation": self.evaluation,
+            "data_host": self.data_host,
             # How sure the plan is: `bytes` either way around `expected_bytes` (the larger of estimate and
             # trace, as device bytes), what it rests on, and what is left of the usable budget.
             "uncertainty": {

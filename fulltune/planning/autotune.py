@@ -467,7 +467,7 @@ def tune(p: ResolvedPipeline, decision: BudgetDecision, data: Any, tokenizer: st
               for s, predicted in candidates(decision, opts.candidates)]
     first = trials[0].settings
     rows_per_step = first.micro_batch_size * first.gradient_accumulation_steps * first.num_processes
-    step_tokens = _step_tokens(data.train_file, rows_per_step, p.spec.train.seed, opts.warmup_steps, opts.steps)
+    step_tokens = _step_tokens(data.train_rows_file, rows_per_step, p.spec.train.seed, opts.warmup_steps, opts.steps)
     base_model: str | None = None
     scratch = Path(p.workdir) / AUTOTUNE_DIR / "scratch"
     pending = []
@@ -485,7 +485,7 @@ def tune(p: ResolvedPipeline, decision: BudgetDecision, data: Any, tokenizer: st
         if base_model is None:
             base_model = prepare_base_model(p.spec.model, tokenizer, p.workdir, p.spec.train.seed)
         job = launch.job_from_pipeline(p.spec, trial.settings, model_path=base_model, tokenizer_path=tokenizer,
-                                       train_file=data.train_file,
+                                       train_file=data.train_rows_file,
                                        output_dir=str(scratch / f"{os.getpid()}-{time.time_ns()}"))
         if on_progress is not None:
             on_progress(f"autotune: measuring {describe(trial.settings)}")

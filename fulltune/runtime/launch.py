@@ -66,7 +66,8 @@ class JobPaths(Strict):
 
     model_path: str  # the checkpoint the child loads: the prepared base model, not model.name_or_path
     tokenizer_path: str
-    train_file: str  # train.parquet: input_ids, labels (-100 = no loss), position_ids (restart per document)
+    # train.arrow (memory-mapped) or Parquet: input_ids, labels (-100 = no loss), position_ids (restart per document)
+    train_file: str
     output_dir: str  # runs/<train-key>/: checkpoints/step-N/, model/, result.json
 
 

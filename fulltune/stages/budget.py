@@ -44,14 +44,19 @@ def plan_inputs(p: ResolvedPipeline, data: Any = None, tokenizer: str | None = N
     None otherwise).
     """
     if data is None:
-        marker = read_marker(p.workdir, TOKENIZE, tokenize_key(p))
-        if marker and all(Path(x).exists() for x in marker["paths"]):
-            from fulltune.data import load_tokenized
-
-            data = load_tokenized(marker["paths"][0])
-            tokenizer = marker["paths"][1] if len(marker["paths"]) > 1 else None
+        data, tokenizer = cached_tokenized(p)
     seq_len, target_fraction = planned_rows(p, data) if data is not None else (p.spec.data.max_length, 1.0)
     return seq_len, _planned_vocab(p, tokenizer), target_fraction
+
+
+def cached_tokenized(p: ResolvedPipeline) -> tuple[Any, str | None]:
+    """(TokenizedData, tokenizer) of the tokenize stage's cached outputs, (None, None) when it has not run."""
+    marker = read_marker(p.workdir, TOKENIZE, tokenize_key(p))
+    if not (marker and all(Path(x).exists() for x in marker["paths"])):
+        return None, None
+    from fulltune.data import load_tokenized
+
+    return load_tokenized(marker["paths"][0]), marker["paths"][1] if len(marker["paths"]) > 1 else None
 
 
 def _planned_vocab(p: ResolvedPipeline, tokenizer: str | None) -> int | None:
@@ -69,9 +74,12 @@ def _planned_vocab(p: ResolvedPipeline, tokenizer: str | None) -> int | None:
     return len(load_tokenizer(tokenizer, trust_remote_code=model.trust_remote_code))
 
 
-def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
-                picture: Path | None = None, target_fraction: float = 1.0, trace: bool | None = None) -> BudgetDecision:
+def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None, picture: Path | None = None,
+                target_fraction: float = 1.0, trace: bool | None = None, data: Any = None) -> BudgetDecision:
     """Stage 2: estimate peak memory for the configured settings and plan settings that fit.
+
+    `data` (default: the tokenize stage's cached output, if any) adds the host RAM per machine its rows cost
+    (`data_host`).
 
     `trace`: True plans for the larger of the analytic estimate and a simulated (FakeTensor) step, False
     keeps the estimate plus its measured margin, None traces only when that is cheap.
@@ -97,6 +105,10 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None,
     except ValueError as exc:  # the config lacks what the memory model needs (not a decoder-only LM)
         field = "model.from_config" if p.spec.model.from_config is not None else "model.name_or_path"
         raise ConfigError(f"pipelines.{p.name}.{field}: cannot plan memory for this model: {exc}") from None
+    from fulltune.memory.process import tokenized_data_host
+
+    d, data = p.spec.distributed, data if data is not None else cached_tokenized(p)[0]
+    plan = replace(plan, data_host=tokenized_data_host(data, max(d.num_processes // d.num_machines, 1), plan.settings))
     table = format_plan_table(plan)
     as_json = plan.to_dict()
     if picture is not None:
@@ -165,7 +177,7 @@ def plan_and_tune(p: ResolvedPipeline, data: Any = None, tokenizer: str | None =
     seq_len, vocab, target_fraction = plan_inputs(p, data, tokenizer)
     device = resolved_device(p)
     with calibrated(p.workdir, device) as factors:
-        decision = plan_budget(p, seq_len, vocab, picture, target_fraction, trace=trace)
+        decision = plan_budget(p, seq_len, vocab, picture, target_fraction, trace=trace, data=data)
     if data is None:
         decision = _untokenized(decision, p)
     run, why = should_tune(opts, decision, data, p, force, auto_tunes)
@@ -299,7 +311,7 @@ def choose_packing(p: ResolvedPipeline, tokenizer: str) -> tuple[bool, str]:
 
     spec = p.spec.data
     unpacked = _tokenize_layout(p, tokenizer, False)
-    lengths = TokenizedRows(unpacked.train_file).lengths
+    lengths = TokenizedRows(unpacked.train_rows_file).lengths
     if len(lengths) < 2 or int(lengths.max()) * 2 > spec.max_length:
         return False, "one example per row: the longest examples take more than half of data.max_length"
     opts = options(p.spec.budget.autotune)

@@ -55,7 +55,7 @@ def fine_tune(p: ResolvedPipeline, key: str, data: Any, tokenizer: str, decision
 
     def make_job(plan: Settings, output_dir: Path) -> Any:
         return launch.job_from_pipeline(p.spec, plan, model_path=base_model, tokenizer_path=tokenizer,
-                                        train_file=data.train_file, output_dir=str(output_dir),
+                                        train_file=data.train_rows_file, output_dir=str(output_dir),
                                         mlflow_tracking_uri=mlflow_uri, mlflow_run_id=mlflow_run_id)
 
     def run(job: Any) -> Any:
