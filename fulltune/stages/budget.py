@@ -276,6 +276,7 @@ def packing_choice_key(p: ResolvedPipeline) -> dict[str, Any]:
     """What `data.packing: auto` is decided by, for the tokenize stage's cache key: the model, the batch,
     precision, optimizer and device (the predicted comparison needs no budget); where autotune measures
     the layouts (`budget.autotune: true`), also the budget and this machine."""
+    from fulltune.storage import code_version  # read when called: tests/test_engine_imports.py spies on it
 
     t, device = p.spec.train, resolved_device(p)
     key: dict[str, Any] = {
