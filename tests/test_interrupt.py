@@ -24,8 +24,9 @@ pytestmark = pytest.mark.slow
 TRAIN = {"effective_batch_size": 4, "micro_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 4,
          "checkpoint_every_steps": 2, "keep_checkpoints": 3}
 STALL = "stall_micro_step:5"
-# Ctrl-C must end the run in seconds; before, it took minutes of "Error logging to API".
-EXIT_WITHIN_S = 45
+# Ctrl-C must end the run in seconds, not the minutes of "Error logging to API" it took before. 45 s passed
+# alone but not always beside the other make-test worker's training processes on 2 cores; 90 s leaves room.
+EXIT_WITHIN_S = 90
 NOISE = ("Disassembly of", "LOAD_FAST", "RETURN_VALUE", "Removed shared tensor", "model card could not be retrieved",
          "Unable to find license information", "Skip logging GPU metrics", "Error logging to API", "Traceback")
 
