@@ -49,15 +49,8 @@ class PipelineEstimate:
 
 def estimate_pipeline(config: Any, settings: Settings, num_stages: int, schedule: str = "1f1b") -> PipelineEstimate:
     """Each stage's peak memory (`memory.pipeline.estimate_stages`) and the step time
-    (`step_time.pipeline_step_seconds`) of `settings` run as `num_stages` pipeline stages.
-
-    `settings` is the step as one process would run it: micro-batches of `micro_batch_size` rows,
-    `gradient_accumulation_steps` of them per optimizer step (the pipeline's micro-batches), strategy none.
-
-    Raises:
-        MemoryConfigError: an unknown schedule, 1F1B with fewer micro-batches than stages, more stages than
-            layers, a multi-process strategy, or a lever this model does not cover (`UNSUPPORTED_LEVERS`).
-    """
+    (`step_time.pipeline_step_seconds`) of `settings` run as `num_stages` pipeline stages; `settings` and
+    the MemoryConfigError raised are those of `estimate_stages`."""
     shape = config if isinstance(config, ModelShape) else model_shape(config)
     stages = estimate_stages(shape, settings, num_stages, schedule)
     seconds, p2p = pipeline_step_seconds(shape, settings, num_stages)
