@@ -141,6 +141,7 @@ def train_case(case: str, root: Path) -> Golden:
     from safetensors.torch import load_file
 
     from fulltune.runtime import train as trainer
+    from fulltune.runtime import train_metrics
     from fulltune.runtime.launch import job_with
 
     family, fields = CASES[case]
@@ -155,7 +156,7 @@ def train_case(case: str, root: Path) -> Golden:
     torch.set_num_threads(1)  # the numbers must not depend on how many cores the machine has
     # The metrics the trainer sends to MLflow, taken at the sink (this job has no MLflow run).
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(trainer.MlflowMetrics, "log", lambda self, step, values: logged.append({"step": step, **values}))
+        patch.setattr(train_metrics.MlflowMetrics, "log", lambda self, step, values: logged.append({"step": step, **values}))
         try:
             result = trainer.train(job)
         finally:

@@ -26,7 +26,8 @@ from pipelines_fixture import tiny_pipeline
 ROOT = Path(__file__).resolve().parents[1]
 # The modules that read a job: the child, and the launcher that builds its command line.
 # The child reads the plan in the trainer, the job and the one optimizer builder (`optim.optimizer_for(model, plan)`).
-CHILD_MODULES = ("fulltune/runtime/train.py", "fulltune/runtime/launch.py", "fulltune/runtime/optim.py", "fulltune/runtime/parallel.py")
+CHILD_MODULES = ("fulltune/runtime/train.py", "fulltune/runtime/train_metrics.py", "fulltune/runtime/step_checkpoints.py",
+                 "fulltune/runtime/launch.py", "fulltune/runtime/optim.py", "fulltune/runtime/parallel.py")
 
 
 def planned(**changes) -> Settings:

@@ -7,13 +7,15 @@ stages torchtitan's trainer names:
                 (gradient checkpointing on k of L layers, pure bf16, activation offload, chunked loss);
                 optimizer; LR schedule; torch.compile; accelerate's prepare
     resume      the newest complete checkpoint: weights, optimizer, schedule, grad scaler, every process's
-                RNG states (accelerate's save_state) and the data position and counters (trainer_state.json)
+                RNG states (accelerate's save_state) and the data position and counters (trainer_state.json);
+                saving, verifying and resuming step checkpoints is fulltune/runtime/step_checkpoints.py's
     train_step  one optimizer step through fulltune/runtime/step.py (the step the memory trace, the device check and
                 the benchmarks run too): the step's micro-batches → forward/backward each, loss summed over
                 tokens and divided by the step's target tokens → clip → step, or skip a non-finite step
                 (OptimizerStep; under fp16 the grad scaler skips and lowers its scale)
     metrics     TrainMetrics owns every counter the logs and the result report (tokens, the interval's
                 loss, targets, rows, FLOPs, time) and logs every `log_every_steps`
+                (fulltune/runtime/train_metrics.py)
     finish      output_dir/model/ (weights + tokenizer), result.json, loss_curve.png
 
 Rerunning a killed job resumes from its newest checkpoint and ends with the same weights, bit for bit on
@@ -34,13 +36,8 @@ import contextlib
 import json
 import math
 import os
-import re
-import resource
-import shutil
-import signal
 import sys
-import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -48,23 +45,24 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from tqdm import tqdm
 
 from fulltune.memory import flops
 from fulltune.runtime import sharding
 from fulltune.data.batching import StepSchedule, TokenizedRows, micro_batch_inputs
 from fulltune.data import pad_token_id_of
-from fulltune.errors import ConfigError, DataError, TrainingError, UserError, disk_full
+from fulltune.errors import ConfigError, DataError, TrainingError, UserError
 from fulltune.runtime.faults import TrainHooks, hooks_from_env
-from fulltune.storage import atomic_dir, atomic_write_text, fsync_dir, fsync_tree
+from fulltune.storage import atomic_dir, atomic_write_text
 from fulltune.runtime.loss import TargetHead
 from fulltune.runtime import allocator
 from fulltune.runtime.offload import ActivationOffload
 from fulltune.runtime import pipeline_parallel
 from fulltune.runtime.pipeline_parallel import PipelineRun
 from fulltune.runtime.step import OptimizerStep, StepOutcome, StepParts, run_step
+from fulltune.runtime.step_checkpoints import CHECKPOINT_DIR, TrainState, resume, save_checkpoint
+from fulltune.runtime.train_metrics import TrainMetrics, memory_metrics
 from fulltune.logs import quiet_known_noise
-from fulltune.runtime.launch import (ERROR_FILE, MODEL_DIR, OOM_FILE, PROGRESS_FILE, RESULT_FILE, TrainJob,
+from fulltune.runtime.launch import (ERROR_FILE, MODEL_DIR, OOM_FILE, RESULT_FILE, TrainJob,
                              TrainResult, completed_result, validate_job, watch_launcher)
 
 __all__ = ["StepSchedule", "TokenizedRows", "TrainingRun", "setup", "resume", "train_step", "TrainMetrics",
@@ -72,14 +70,10 @@ __all__ = ["StepSchedule", "TokenizedRows", "TrainingRun", "setup", "resume", "t
 
 EXIT_USER_ERROR = 2
 EXIT_OUT_OF_MEMORY = 3
-CHECKPOINT_DIR = "checkpoints"
-TRAINER_STATE_FILE = "trainer_state.json"
-CHECKPOINT_MANIFEST = "manifest.json"  # every file's size and xxh3-128, written last (write_checkpoint_manifest)
-CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 
 
 # ---------------------------------------------------------------------------------------------------
-# Optimizer, peak FLOPs and metric sinks
+# The optimizer
 
 
 def build_optimizer(job: TrainJob, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -95,73 +89,6 @@ def build_optimizer(job: TrainJob, model: torch.nn.Module) -> torch.optim.Optimi
                                    max_grad_norm=job.train.max_grad_norm)
     except ValueError as exc:
         raise ConfigError(f"train.optimizer: {exc}") from None
-
-
-def peak_flops(job: TrainJob) -> float | None:
-    """The GPU's dense 16-bit peak for MFU (fulltune/memory/flops.py); None for fp32 runs, CPUs and unknown GPUs."""
-    if job.plan.device != "cuda" or job.plan.mixed_precision == "no":
-        return None
-    return flops.peak_flops(torch.cuda.get_device_name())
-
-
-def memory_metrics(device: str) -> dict[str, float]:
-    if device == "cuda":
-        return {"peak_memory_allocated_bytes": torch.cuda.max_memory_allocated(),
-                "peak_memory_reserved_bytes": torch.cuda.max_memory_reserved()}
-    return {"cpu_rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-
-
-class MlflowMetrics:
-    """Metrics into the flow's existing MLflow run (main process only); a no-op without a run id."""
-
-    def __init__(self, job: TrainJob, enabled: bool) -> None:
-        self.run_id = job.tracking.mlflow_run_id if enabled else None
-        self.client = None
-        self.system = None
-        if self.run_id:
-            import mlflow
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-            from mlflow.tracking import MlflowClient
-
-            mlflow.set_tracking_uri(job.tracking.mlflow_tracking_uri)
-            self.client = MlflowClient(tracking_uri=job.tracking.mlflow_tracking_uri)
-            # CPU, memory and (with nvidia-ml-py) GPU utilisation, sampled beside the training metrics.
-            self.system = SystemMetricsMonitor(self.run_id, sampling_interval=10, samples_before_logging=1)
-            self.system.start()
-
-    def close(self) -> None:
-        if self.system is not None:
-            self.system.finish()
-            self.system = None
-
-    def log(self, step: int, values: dict[str, float]) -> None:
-        if self.client is None:
-            return
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        metrics = [Metric(key, float(value), now, step) for key, value in values.items() if math.isfinite(value)]
-        self.client.log_batch(self.run_id, metrics=metrics)
-
-    def log_artifact(self, path: Path) -> None:
-        if self.client is not None:
-            self.client.log_artifact(self.run_id, str(path))
-
-
-def save_loss_curve(history: list[list[float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
-    axes.plot([s for s, _ in history], [loss for _, loss in history], marker="." if len(history) < 50 else None)
-    axes.set_xlabel("optimizer step")
-    axes.set_ylabel("training loss (mean per token)")
-    axes.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -392,203 +319,6 @@ def prepare(job: TrainJob, accelerator: Accelerator, model: torch.nn.Module, opt
 
 
 # ---------------------------------------------------------------------------------------------------
-# Resume: the data position, the counters and the checkpoints
-
-
-@dataclass
-class TrainState:
-    """Where the run is; saved in every checkpoint's trainer_state.json beside TrainMetrics' counters."""
-
-    step: int = 0  # optimizer steps done; also the data position (StepSchedule.step_rows(step) is next)
-    total_steps: int = 0
-    nonfinite_steps: int = 0
-    nonfinite_in_a_row: int = 0
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint: `step-N` directories appear only by an atomic rename."""
-    steps = [(int(m.group(1)), p) for p in root.glob("step-*") if (m := CHECKPOINT_NAME.match(p.name))]
-    return max(steps)[1] if steps else None
-
-
-def _file_digest(file: Path) -> str:
-    """xxh3-128 of a file's bytes: damage detection, not security, at memory speed (~16 GB/s on one
-    core against ~1 GB/s for sha256), so hashing a multi-GB checkpoint costs little beside writing it."""
-    import xxhash
-
-    digest = xxhash.xxh3_128()
-    with open(file, "rb") as handle:
-        while chunk := handle.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _safetensors_problem(file: Path) -> str | None:
-    """Why a .safetensors file is not whole (its header names more bytes than the file has), or None.
-
-    Reads only the header: the check a checkpoint written before manifests existed still gets.
-    """
-    size = file.stat().st_size
-    try:
-        with open(file, "rb") as handle:
-            header_bytes = int.from_bytes(handle.read(8), "little")
-            if size < 8 or 8 + header_bytes > size:
-                return f"{file.name} is cut short ({size} bytes)"
-            header = json.loads(handle.read(header_bytes))
-    except (OSError, ValueError) as exc:
-        return f"{file.name} has an unreadable header ({exc})"
-    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
-    expected = 8 + header_bytes + max(ends, default=0)
-    return None if size == expected else f"{file.name} is {size} bytes, its header describes {expected}"
-
-
-def write_checkpoint_manifest(directory: Path) -> None:
-    """Record every file of a checkpoint (size, xxh3-128) in its manifest.json, reading each one back.
-
-    Reading back is the check that the bytes landed: a .safetensors file whose header does not match its
-    size raises before the checkpoint is published. Resume compares against the manifest.
-    """
-    files = {}
-    for file in sorted(f for f in directory.rglob("*") if f.is_file()):
-        if file.suffix == ".safetensors" and (problem := _safetensors_problem(file)):
-            raise RuntimeError(f"{directory}: just written, but {problem}")
-        files[file.relative_to(directory).as_posix()] = [file.stat().st_size, _file_digest(file)]
-    (directory / CHECKPOINT_MANIFEST).write_text(json.dumps({"files": files}, indent=1))
-
-
-def checkpoint_problem(directory: Path) -> str | None:
-    """Why checkpoint `directory` cannot be resumed from (a file missing, of another size or other bytes
-    than its manifest records), or None when it is whole. A checkpoint without a manifest (written by
-    an earlier fulltune) is checked by its trainer state and safetensors headers only."""
-    manifest = directory / CHECKPOINT_MANIFEST
-    try:
-        json.loads((directory / TRAINER_STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return f"{TRAINER_STATE_FILE} is missing or unreadable"
-    if not manifest.is_file():
-        problems = (_safetensors_problem(f) for f in sorted(directory.rglob("*.safetensors")))
-        return next((problem for problem in problems if problem), None)
-    try:
-        recorded = json.loads(manifest.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"{CHECKPOINT_MANIFEST} is unreadable"
-    for name, (size, digest) in recorded.items():
-        file = directory / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size != size:
-            return f"{name} is {file.stat().st_size} bytes, written as {size}"
-        if _file_digest(file) != digest:
-            return f"{name} does not hold the bytes it was written with"
-    return None
-
-
-def set_aside_damaged_checkpoints(root: Path) -> tuple[Path | None, list[str]]:
-    """(the newest intact checkpoint, a line for each damaged one set aside on the way to it).
-
-    A damaged checkpoint (a truncated or deleted file, a disk error) would fail every retry the same way;
-    it is renamed to `damaged-step-N` (kept for a look, never resumed from) and the next older one tried.
-    """
-    notes = []
-    while (checkpoint := latest_checkpoint(root)) is not None:
-        problem = checkpoint_problem(checkpoint)
-        if problem is None:
-            return checkpoint, notes
-        aside = root / f"damaged-{checkpoint.name}"
-        shutil.rmtree(aside, ignore_errors=True)
-        os.rename(checkpoint, aside)
-        fsync_dir(root)
-        notes.append(f"checkpoint {checkpoint.name} is damaged ({problem}); set aside as {aside}")
-    return None, notes
-
-
-def resume(run: TrainingRun) -> tuple[TrainState, dict[str, Any], int | None]:
-    """(state, the saved metric counters, the step resumed from) from the newest complete checkpoint.
-
-    Half-written checkpoints (.tmp-*) are leftovers of a kill and are removed first; checkpoints whose
-    files do not match their manifest are set aside, one line on stderr says so, and the newest intact
-    one is used. A fresh run gets step 0, no counters and None.
-    """
-    accelerator, checkpoints = run.accelerator, run.checkpoints
-    if run.main_process:
-        for leftover in [*checkpoints.glob(".tmp-*"), *run.output_dir.glob(".tmp-*")]:
-            if leftover.is_dir():
-                shutil.rmtree(leftover, ignore_errors=True)
-            else:
-                leftover.unlink(missing_ok=True)
-        checkpoints.mkdir(parents=True, exist_ok=True)
-        # Verified before anything is loaded: a damaged newest checkpoint gives way to the newest whole one.
-        intact, notes = set_aside_damaged_checkpoints(checkpoints)
-        if notes:
-            then = f"resuming from {intact.name}" if intact is not None else "no intact checkpoint is left: starting over"
-            print(f"fulltune train: {'; '.join(notes)}; {then}", file=sys.stderr, flush=True)
-    accelerator.wait_for_everyone()  # every process then sees only the checkpoints that passed
-    checkpoint = latest_checkpoint(checkpoints)
-    if checkpoint is None:
-        return TrainState(total_steps=run.total_steps), {}, None
-    accelerator.load_state(str(checkpoint))
-    if sharding.is_sharded(run.model):
-        sharding.load_sharded_state(checkpoint / sharding.SHARDED_STATE_DIR, run.model, run.optimizer)
-    if run.pipeline is not None:
-        pipeline_parallel.load_stage_state(checkpoint / pipeline_parallel.STAGE_STATE_DIR, run.model, run.optimizer)
-    saved = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
-    state = TrainState(**{f.name: saved.pop(f.name) for f in fields(TrainState)})
-    if state.total_steps != run.total_steps:
-        raise ConfigError(f"{checkpoint}: written for {state.total_steps} steps, this job has {run.total_steps}; "
-                          f"delete {checkpoints} to start over")
-    return state, saved, state.step
-
-
-def save_checkpoint(run: TrainingRun, state: TrainState, counters: dict[str, Any]) -> None:
-    """Write checkpoints/.tmp-step-N, fsync, rename to checkpoints/step-N; keep the newest `keep_checkpoints`.
-
-    accelerate's save_state writes the model, optimizer, scheduler and grad scaler states and each
-    process's RNG states (python, numpy, torch CPU and CUDA) into the directory; it is not atomic by
-    itself, hence the temporary name. Every process takes part (each saves its RNG state; FSDP saves
-    shards), so the directory must be on storage all processes share.
-
-    The main process then reads every file back into manifest.json (sizes and hashes) that resume
-    checks. A write that fails for want of disk space removes the half-written directory and raises
-    TrainingError (exit 2: retrying cannot help), naming the checkpoint a rerun resumes from.
-    """
-    accelerator, root = run.accelerator, run.checkpoints
-    tmp, final = root / f".tmp-step-{state.step}", root / f"step-{state.step}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    try:
-        accelerator.save_state(str(tmp))
-        if sharding.is_sharded(run.model):  # FSDP2 outside prepare: each process writes its shards (fulltune/runtime/sharding.py)
-            sharding.save_sharded_state(tmp / sharding.SHARDED_STATE_DIR, run.model, run.optimizer)
-        if run.pipeline is not None:  # each stage writes its parameters and optimizer state
-            pipeline_parallel.save_stage_state(tmp / pipeline_parallel.STAGE_STATE_DIR, run.model, run.optimizer)
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            (tmp / TRAINER_STATE_FILE).write_text(json.dumps({**asdict(state), **counters}))
-            run.hooks.checkpoint_written(state.step)
-            write_checkpoint_manifest(tmp)
-            fsync_tree(tmp)
-    except Exception as exc:
-        shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back; the older checkpoints stand
-        if disk_full(exc):
-            older = latest_checkpoint(root)
-            raise TrainingError(
-                f"{root}: the disk filled up while writing checkpoint step-{state.step} "
-                f"({shutil.disk_usage(root).free / 2**30:.1f} GiB free now); free some space or lower "
-                f"train.keep_checkpoints, then rerun: it resumes from "
-                f"{older.name if older is not None else 'the start'}") from None
-        raise
-    if accelerator.is_main_process:
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        fsync_dir(root)
-        steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := CHECKPOINT_NAME.match(p.name)))
-        for old in steps[:-run.job.train.keep_checkpoints]:
-            shutil.rmtree(root / f"step-{old}", ignore_errors=True)
-    accelerator.wait_for_everyone()
-
-
-# ---------------------------------------------------------------------------------------------------
 # One optimizer step
 
 
@@ -624,104 +354,6 @@ def count_skipped_step(run: TrainingRun, state: TrainState, outcome: StepOutcome
         raise TrainingError(
             f"training stopped: {state.nonfinite_in_a_row} non-finite losses in a row at step {state.step + 1}; "
             "lower train.learning_rate, or use train.mixed_precision bf16 instead of fp16")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Metrics: every counter the logs and the result report
-
-
-class TrainMetrics:
-    """Owns every counter the logs and the result report, and logs them every `log_every_steps`.
-
-    Run totals: `tokens` (non-padding, all processes) and `loss_history` ([step, mean token loss of the
-    interval]). Interval counters, reset at each log: the loss sum of the finite steps (on the device:
-    read only when logging or checkpointing), their target tokens, tokens, rows, FLOPs and wall time.
-    A checkpoint saves `state_dict()` (tokens, loss sum, targets, history), so a resumed run logs the
-    same losses as an uninterrupted one.
-    """
-
-    def __init__(self, run: TrainingRun, saved: dict[str, Any]) -> None:
-        self.run, self.job = run, run.job
-        self.tokens: int = saved.get("tokens", 0)
-        self.loss_history: list[list[float]] = saved.get("loss_history", [])
-        self.interval_loss = torch.tensor(saved.get("interval_loss_sum", 0.0), dtype=torch.float32,
-                                          device=run.accelerator.device)
-        self.interval_targets: int = saved.get("interval_targets", 0)
-        self.grad_norm = torch.zeros((), device=run.accelerator.device)
-        self.sink = MlflowMetrics(run.job, run.main_process)
-        self.peak = peak_flops(run.job)
-        self.interval_tokens, self.interval_rows, self.interval_flops = 0, 0, 0.0
-        self.seconds = 0.0
-
-    @contextlib.contextmanager
-    def running(self, step: int) -> Iterator[None]:
-        """Around the loop: the progress bar from `step`, and the loop's timing (this process's part of the run).
-
-        The bar is closed on the way out, also when a step raises, so that an error is the last line.
-        """
-        self.progress = tqdm(total=self.run.total_steps, initial=step, desc="train", unit="step", file=sys.stderr,
-                             disable=not self.run.main_process, mininterval=1.0 if sys.stderr.isatty() else 30.0)
-        self.started = self.interval_started = time.perf_counter()
-        self.start_tokens = self.tokens
-        with self.progress:
-            yield
-        self.seconds = time.perf_counter() - self.started
-
-    def state_dict(self) -> dict[str, Any]:
-        """The counters a checkpoint keeps."""
-        return {"tokens": self.tokens, "interval_loss_sum": self.interval_loss.item(),  # Sync point (checkpoint)
-                "interval_targets": self.interval_targets, "loss_history": self.loss_history}
-
-    def record_step(self, step_rows: np.ndarray, outcome: StepOutcome) -> None:
-        """Count a finished optimizer step (taken or skipped)."""
-        data = self.run.data
-        if outcome.stepped:
-            self.interval_loss += outcome.loss_sum
-            self.interval_targets += outcome.targets
-        self.grad_norm = outcome.grad_norm
-        step_tokens = int(data.lengths[step_rows].sum())
-        self.tokens += step_tokens
-        self.interval_tokens += step_tokens
-        self.interval_rows += len(step_rows)
-        self.interval_flops += self.run.flops.training_flops(step_tokens, outcome.targets,
-                                                             float(data.attention_pairs[step_rows].sum()))
-        self.progress.update(1)
-
-    def log_interval(self, step: int) -> None:
-        """Close the interval ending at `step`: loss history, MLflow, progress.json; then reset it."""
-        # Sync point (every log_every_steps): the interval's loss and the last gradient norm.
-        loss_sum, norm = torch.stack([self.interval_loss, self.grad_norm.float()]).tolist()
-        loss = loss_sum / self.interval_targets if self.interval_targets else float("nan")
-        seconds = time.perf_counter() - self.interval_started
-        self.loss_history.append([step, loss])
-        if self.run.main_process:
-            values = {"train_loss": loss, "learning_rate": self.run.scheduler.get_last_lr()[0], "grad_norm": norm,
-                      "tokens_per_second": self.interval_tokens / seconds,
-                      "samples_per_second": self.interval_rows / seconds, **memory_metrics(self.job.plan.device)}
-            if self.peak:
-                values["mfu"] = self.interval_flops / seconds / self.peak
-            self.sink.log(step, values)
-            atomic_write_text(self.run.output_dir / PROGRESS_FILE,
-                              json.dumps({"step": step, "total_steps": self.run.total_steps, "loss": loss}))
-            self.progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
-        self.interval_loss.zero_()
-        self.interval_targets = 0
-        self.interval_started, self.interval_tokens, self.interval_rows, self.interval_flops = (
-            time.perf_counter(), 0, 0, 0.0)
-
-    @property
-    def train_loss(self) -> float:
-        return self.loss_history[-1][1] if self.loss_history else float("nan")
-
-    @property
-    def tokens_per_second(self) -> float:
-        return (self.tokens - self.start_tokens) / self.seconds if self.seconds > 0 else 0.0
-
-    def close(self, curve: Path) -> None:
-        """Save the loss curve, attach it to the MLflow run and stop the system-metrics monitor."""
-        save_loss_curve(self.loss_history, curve)
-        self.sink.log_artifact(curve)
-        self.sink.close()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ def training_progress(output_dir: Path) -> tuple[int, int] | None:
 
 def resume_step(output_dir: Path) -> int | None:
     """The step of the newest checkpoint under `output_dir`, which a rerun resumes from; None if none."""
-    from fulltune.runtime.train import CHECKPOINT_DIR, latest_checkpoint
+    from fulltune.runtime.step_checkpoints import CHECKPOINT_DIR, latest_checkpoint
 
     newest = latest_checkpoint(output_dir / CHECKPOINT_DIR) if (output_dir / CHECKPOINT_DIR).is_dir() else None
     return int(newest.name.removeprefix("step-")) if newest is not None else None

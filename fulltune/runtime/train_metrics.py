@@ -1,0 +1,186 @@
+"""The trainer's metrics: every counter the logs and the result report (`TrainMetrics`), the MLflow sink,
+the device's memory peaks, MFU's GPU peak and the loss curve."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from fulltune.memory import flops
+from fulltune.runtime.launch import PROGRESS_FILE, TrainJob
+from fulltune.runtime.step import StepOutcome
+from fulltune.storage import atomic_write_text
+
+if TYPE_CHECKING:
+    from fulltune.runtime.train import TrainingRun
+
+
+def peak_flops(job: TrainJob) -> float | None:
+    """The GPU's dense 16-bit peak for MFU (fulltune/memory/flops.py); None for fp32 runs, CPUs and unknown GPUs."""
+    if job.plan.device != "cuda" or job.plan.mixed_precision == "no":
+        return None
+    return flops.peak_flops(torch.cuda.get_device_name())
+
+
+def memory_metrics(device: str) -> dict[str, float]:
+    if device == "cuda":
+        return {"peak_memory_allocated_bytes": torch.cuda.max_memory_allocated(),
+                "peak_memory_reserved_bytes": torch.cuda.max_memory_reserved()}
+    return {"cpu_rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+class MlflowMetrics:
+    """Metrics into the flow's existing MLflow run (main process only); a no-op without a run id."""
+
+    def __init__(self, job: TrainJob, enabled: bool) -> None:
+        self.run_id = job.tracking.mlflow_run_id if enabled else None
+        self.client = None
+        self.system = None
+        if self.run_id:
+            import mlflow
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+            from mlflow.tracking import MlflowClient
+
+            mlflow.set_tracking_uri(job.tracking.mlflow_tracking_uri)
+            self.client = MlflowClient(tracking_uri=job.tracking.mlflow_tracking_uri)
+            # CPU, memory and (with nvidia-ml-py) GPU utilisation, sampled beside the training metrics.
+            self.system = SystemMetricsMonitor(self.run_id, sampling_interval=10, samples_before_logging=1)
+            self.system.start()
+
+    def close(self) -> None:
+        if self.system is not None:
+            self.system.finish()
+            self.system = None
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        if self.client is None:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(key, float(value), now, step) for key, value in values.items() if math.isfinite(value)]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def log_artifact(self, path: Path) -> None:
+        if self.client is not None:
+            self.client.log_artifact(self.run_id, str(path))
+
+
+def save_loss_curve(history: list[list[float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
+    axes.plot([s for s, _ in history], [loss for _, loss in history], marker="." if len(history) < 50 else None)
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("training loss (mean per token)")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+class TrainMetrics:
+    """Owns every counter the logs and the result report, and logs them every `log_every_steps`.
+
+    Run totals: `tokens` (non-padding, all processes) and `loss_history` ([step, mean token loss of the
+    interval]). Interval counters, reset at each log: the loss sum of the finite steps (on the device:
+    read only when logging or checkpointing), their target tokens, tokens, rows, FLOPs and wall time.
+    A checkpoint saves `state_dict()` (tokens, loss sum, targets, history), so a resumed run logs the
+    same losses as an uninterrupted one.
+    """
+
+    def __init__(self, run: TrainingRun, saved: dict[str, Any]) -> None:
+        self.run, self.job = run, run.job
+        self.tokens: int = saved.get("tokens", 0)
+        self.loss_history: list[list[float]] = saved.get("loss_history", [])
+        self.interval_loss = torch.tensor(saved.get("interval_loss_sum", 0.0), dtype=torch.float32,
+                                          device=run.accelerator.device)
+        self.interval_targets: int = saved.get("interval_targets", 0)
+        self.grad_norm = torch.zeros((), device=run.accelerator.device)
+        self.sink = MlflowMetrics(run.job, run.main_process)
+        self.peak = peak_flops(run.job)
+        self.interval_tokens, self.interval_rows, self.interval_flops = 0, 0, 0.0
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def running(self, step: int) -> Iterator[None]:
+        """Around the loop: the progress bar from `step`, and the loop's timing (this process's part of the run).
+
+        The bar is closed on the way out, also when a step raises, so that an error is the last line.
+        """
+        self.progress = tqdm(total=self.run.total_steps, initial=step, desc="train", unit="step", file=sys.stderr,
+                             disable=not self.run.main_process, mininterval=1.0 if sys.stderr.isatty() else 30.0)
+        self.started = self.interval_started = time.perf_counter()
+        self.start_tokens = self.tokens
+        with self.progress:
+            yield
+        self.seconds = time.perf_counter() - self.started
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters a checkpoint keeps."""
+        return {"tokens": self.tokens, "interval_loss_sum": self.interval_loss.item(),  # Sync point (checkpoint)
+                "interval_targets": self.interval_targets, "loss_history": self.loss_history}
+
+    def record_step(self, step_rows: np.ndarray, outcome: StepOutcome) -> None:
+        """Count a finished optimizer step (taken or skipped)."""
+        data = self.run.data
+        if outcome.stepped:
+            self.interval_loss += outcome.loss_sum
+            self.interval_targets += outcome.targets
+        self.grad_norm = outcome.grad_norm
+        step_tokens = int(data.lengths[step_rows].sum())
+        self.tokens += step_tokens
+        self.interval_tokens += step_tokens
+        self.interval_rows += len(step_rows)
+        self.interval_flops += self.run.flops.training_flops(step_tokens, outcome.targets,
+                                                             float(data.attention_pairs[step_rows].sum()))
+        self.progress.update(1)
+
+    def log_interval(self, step: int) -> None:
+        """Close the interval ending at `step`: loss history, MLflow, progress.json; then reset it."""
+        # Sync point (every log_every_steps): the interval's loss and the last gradient norm.
+        loss_sum, norm = torch.stack([self.interval_loss, self.grad_norm.float()]).tolist()
+        loss = loss_sum / self.interval_targets if self.interval_targets else float("nan")
+        seconds = time.perf_counter() - self.interval_started
+        self.loss_history.append([step, loss])
+        if self.run.main_process:
+            values = {"train_loss": loss, "learning_rate": self.run.scheduler.get_last_lr()[0], "grad_norm": norm,
+                      "tokens_per_second": self.interval_tokens / seconds,
+                      "samples_per_second": self.interval_rows / seconds, **memory_metrics(self.job.plan.device)}
+            if self.peak:
+                values["mfu"] = self.interval_flops / seconds / self.peak
+            self.sink.log(step, values)
+            atomic_write_text(self.run.output_dir / PROGRESS_FILE,
+                              json.dumps({"step": step, "total_steps": self.run.total_steps, "loss": loss}))
+            self.progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        self.interval_loss.zero_()
+        self.interval_targets = 0
+        self.interval_started, self.interval_tokens, self.interval_rows, self.interval_flops = (
+            time.perf_counter(), 0, 0, 0.0)
+
+    @property
+    def train_loss(self) -> float:
+        return self.loss_history[-1][1] if self.loss_history else float("nan")
+
+    @property
+    def tokens_per_second(self) -> float:
+        return (self.tokens - self.start_tokens) / self.seconds if self.seconds > 0 else 0.0
+
+    def close(self, curve: Path) -> None:
+        """Save the loss curve, attach it to the MLflow run and stop the system-metrics monitor."""
+        save_loss_curve(self.loss_history, curve)
+        self.sink.log_artifact(curve)
+        self.sink.close()
