@@ -40,7 +40,7 @@ def demo_model(directory: Path) -> tuple[str, list[dict]]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fulltune.evaluation.champion import tokenize_records
-    from fulltune.spec import load_pipelines
+    from fulltune.pipelines_file import load_pipelines
     from fulltune.data.tokenizer import build_tokenizer
 
     spec = load_pipelines(ROOT / "pipelines.yaml").pipelines["demo"]
@@ -71,7 +71,7 @@ def main() -> None:
 
     from fulltune.evaluation.evaluate import EvalOptions, evaluate_model
     from fulltune.evaluation.harness import Benchmarks
-    from fulltune.spec import load_pipelines
+    from fulltune.pipelines_file import load_pipelines
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     spec = load_pipelines(ROOT / "pipelines.yaml").pipelines["demo"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fulltune.spec import load_pipelines
+from fulltune.pipelines_file import load_pipelines
 
 
 def build_deployments(pipelines_file: str) -> list[Any]:

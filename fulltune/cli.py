@@ -141,7 +141,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     id missing from the cache) is listed with its YAML path; hub ids online are left to run time."""
     from fulltune.errors import ConfigError
     from fulltune.stages import check_sources, resolve_pipeline
-    from fulltune.spec import load_pipelines, read_yaml
+    from fulltune.pipelines_file import load_pipelines, read_yaml
 
     path = args.path or args.file
     names = read_yaml(Path(path)).get("pipelines") or {}
@@ -162,7 +162,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     from fulltune.data.sources import describe
-    from fulltune.spec import load_pipelines
+    from fulltune.pipelines_file import load_pipelines
 
     pipelines = load_pipelines(args.file)
     for name, spec in pipelines.pipelines.items():
@@ -261,7 +261,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from flows.pipeline import Overrides, finetune_pipeline
         from flows.server import connect
 
-        from fulltune.spec import parse_override
+        from fulltune.pipelines_file import parse_override
         from fulltune.tracking import warm_up
 
         warm_up(p.workdir)

@@ -2,32 +2,25 @@
 
 A pipelines file has a `workdir`, optional `defaults` (merged into every pipeline) and a mapping of
 named `pipelines`. It parses into frozen pydantic models that reject unknown keys; every problem is
-reported at once with its YAML path (`pipelines.demo.train.learning_rate: must be > 0`).
+reported at once with its YAML path (`pipelines.demo.train.learning_rate: must be > 0`). Reading a file,
+merging `defaults` and applying `--set` overrides is fulltune/pipelines_file.py's.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import posixpath
 import re
-from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError,
-                      field_validator, model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator,
+                      model_validator)
 
-from fulltune import yamlio
 from fulltune.degrees import ParallelDims
-from fulltune.errors import ConfigError
+from fulltune.sizes import SIZE_PATTERN, parse_size
 
-SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([KMGT]i?B|[KMGT]|B)?\s*$", re.IGNORECASE)
-SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 CRON_PATTERN = re.compile(r"^(\S+\s+){4}\S+$")
-# Words YAML 1.1 reads as booleans besides true/false; an override keeps them as typed.
-YAML11_BOOLEAN_WORDS = {"yes", "no", "on", "off", "y", "n"}
 
 Auto = Literal["auto"]
 # The choices of each setting, defined once: the spec, the planner and the trainer's job read them
@@ -198,8 +191,6 @@ class BudgetSpec(Strict):
                 raise ValueError("must be > 0")
             return value
         raise ValueError("must be 'auto', a number of bytes, or a size like '24GiB'")
-
-
 
 
 class TrainSpec(Strict):
@@ -606,180 +597,3 @@ class PipelinesFile(Strict):
             if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
                 raise ValueError(f"pipeline name {name!r} may only use letters, digits, '_', '-', '.'")
         return value
-
-
-def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """Return `base` updated recursively with `override` (mappings merge, everything else replaces)."""
-    merged = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = deep_merge(merged[key], value)
-        else:
-            merged[key] = copy.deepcopy(value)
-    return merged
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """Parse `dotted.key=value`; the value is read as a YAML scalar (`1e-4`, `true`, `null`, `[1, 2]`)."""
-    if "=" not in item:
-        raise ConfigError(f"--set {item}: expected dotted.key=value")
-    key, raw = item.split("=", 1)
-    parts = key.strip().split(".")
-    if not all(parts):
-        raise ConfigError(f"--set {item}: empty key part")
-    if raw.strip().lower() in YAML11_BOOLEAN_WORDS:
-        return parts, raw.strip()  # `--set train.mixed_precision=no` means the word; pydantic reads it for bools
-    try:
-        value = yamlio.load(raw) if raw.strip() else ""
-    except yamlio.YamlError as exc:
-        if "alias" in str(exc):  # a bounded expansion is refused, not read as a plain string
-            raise ConfigError(f"--set {key.strip()}: {exc}") from None
-        value = raw
-    return parts, value
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
-    """Apply `--set` overrides, relative to one pipeline's raw mapping."""
-    items = overrides.items() if isinstance(overrides, dict) else (parse_override(o) for o in overrides)
-    result = copy.deepcopy(raw)
-    for parts, value in items:
-        if isinstance(parts, str):
-            parts = parts.split(".")
-        node = result
-        for part in parts[:-1]:
-            child = node.get(part)
-            if not isinstance(child, dict):
-                child = {}
-                node[part] = child
-            node = child
-        node[parts[-1]] = value
-    return result
-
-
-# A value that fits none of a union's members: pydantic reports each scalar member too
-# ("should be a valid boolean", "should be 'auto'") beside the mapping member's real problems.
-SCALAR_MISMATCH = {"bool_type", "bool_parsing", "literal_error", "int_type", "int_parsing", "float_type",
-                   "float_parsing", "string_type"}
-
-
-def _format_errors(error: ValidationError, prefix: str) -> list[str]:
-    items = [(tuple(p for p in item["loc"] if not _is_union_tag(p)), item) for item in error.errors()]
-    deeper = {loc[:n] for loc, _ in items for n in range(len(loc))}
-    lines = []
-    for loc, item in items:
-        if item["type"] in SCALAR_MISMATCH and loc in deeper:
-            continue  # the union's scalar members, when a mapping member says what is wrong inside
-        path = ""
-        for part in [prefix, *loc]:
-            # A list position reads as YAML paths are written elsewhere: data.train[2].messages_field.
-            path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
-        message = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "extra_forbidden":
-            message = "unknown key"
-        elif item["type"] == "greater_than":
-            message = f"must be > {item['ctx']['gt']}"
-        elif item["type"] == "greater_than_equal":
-            message = f"must be >= {item['ctx']['ge']}"
-        elif item["type"] == "less_than":
-            message = f"must be < {item['ctx']['lt']}"
-        elif item["type"] == "less_than_equal":
-            message = f"must be <= {item['ctx']['le']}"
-        lines.append(f"{path}: {message}")
-    return list(dict.fromkeys(lines))
-
-
-def _is_union_tag(part: Any) -> bool:
-    # pydantic adds the member type of a union to the location ("int", "literal['auto']", "AutotuneSpec":
-    # a section's class name, never a YAML key, which are lower case).
-    return isinstance(part, str) and (part in {"int", "str", "bool", "float"} or part.startswith(("literal[", "function-"))
-                                      or (part[:1].isupper() and part.isidentifier()))
-
-
-def read_yaml(path: Path) -> dict[str, Any]:
-    """Safe-load a YAML mapping; errors name the file and line."""
-    if not path.is_file():
-        raise ConfigError(f"{path}: pipelines file not found")
-    try:
-        data = yamlio.load(path.read_text())  # safe_load, aliases bounded, `1e-6` a float (fulltune/yamlio.py)
-    except yamlio.YamlError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping with a `pipelines` key")
-    return data
-
-
-def load_pipelines(path: str | Path, overrides: dict[str, list[str]] | None = None) -> PipelinesFile:
-    """Parse and validate a pipelines file. `overrides` maps pipeline name → `--set` items.
-
-    Raises ConfigError listing every problem, each with its YAML path.
-    """
-    path = Path(path)
-    raw = read_yaml(path)
-    return validate_pipelines(raw, overrides, source=str(path))
-
-
-def validate_pipelines(
-    raw: dict[str, Any], overrides: dict[str, list[str]] | None = None, source: str = "pipelines.yaml"
-) -> PipelinesFile:
-    errors: list[str] = []
-    unknown = set(raw) - {"workdir", "defaults", "pipelines"}
-    errors += [f"{key}: unknown key" for key in sorted(unknown)]
-    defaults = raw.get("defaults") or {}
-    if not isinstance(defaults, dict):
-        errors.append("defaults: must be a mapping")
-        defaults = {}
-    pipelines_raw = raw.get("pipelines")
-    if not isinstance(pipelines_raw, dict) or not pipelines_raw:
-        errors.append("pipelines: declare at least one pipeline as a mapping")
-        pipelines_raw = {}
-    pipelines: dict[str, PipelineSpec] = {}
-    for name, body in pipelines_raw.items():
-        if not isinstance(body, dict):
-            errors.append(f"pipelines.{name}: must be a mapping")
-            continue
-        merged = deep_merge(defaults, body)
-        if overrides and name in overrides:
-            merged = apply_overrides(merged, overrides[name])
-        try:
-            pipelines[str(name)] = PipelineSpec.model_validate(merged)
-        except ValidationError as exc:
-            errors += _format_errors(exc, f"pipelines.{name}")
-    workdir = raw.get("workdir", ".fulltune")
-    if not isinstance(workdir, str) or not workdir:
-        errors.append("workdir: must be a path")
-    if errors:
-        raise ConfigError(f"{source}: {len(errors)} problem(s)\n  " + "\n  ".join(errors))
-    try:
-        return PipelinesFile(workdir=workdir, pipelines=pipelines)
-    except ValidationError as exc:
-        raise ConfigError(f"{source}: " + "; ".join(_format_errors(exc, ""))) from None
-
-
-def get_pipeline(pipelines: PipelinesFile, name: str) -> PipelineSpec:
-    if name not in pipelines.pipelines:
-        known = ", ".join(sorted(pipelines.pipelines))
-        raise ConfigError(f"unknown pipeline {name!r}; pipelines in this file: {known}")
-    return pipelines.pipelines[name]
-
-
-def parse_size(value: int | str) -> int:
-    """A memory size in bytes: `24GiB`, `512MiB`, `1.5GB`, `16G`, `1000000` or an int — the one size parser.
-
-    KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000, and a bare K/M/G/T follows the binary
-    convention of memory sizes (`24G` is 24 GiB).
-
-    Raises:
-        ConfigError: negative, not a number, or an unknown unit.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ConfigError(f"memory size must be a number of bytes or a string like '24GiB', not {value!r}")
-    if isinstance(value, (int, float)):
-        if value < 0 or value != value:
-            raise ConfigError(f"memory size must be a non-negative number of bytes, got {value}")
-        return int(value)
-    match = SIZE_PATTERN.match(value)
-    if not match:
-        raise ConfigError(f"cannot read memory size {value!r}: write a number of bytes or a number with a unit, "
-                          "e.g. '24GiB', '512MiB', '1.5GB' (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
-    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
-    return int(number * SIZE_UNITS[unit])

@@ -70,7 +70,7 @@ def test_same_settings_on_another_machine_replan_but_keep_the_model(local, monke
 @pytest.mark.slow
 def test_smaller_machine_under_auto_replans_and_retrains(local, monkeypatch):
     from fulltune.memory import budget
-    from fulltune.spec import load_pipelines
+    from fulltune.pipelines_file import load_pipelines
 
     before = _plan(local)["plan"]
     headroom = load_pipelines(local).pipelines["tiny"].budget.headroom

@@ -105,7 +105,7 @@ def test_a_broken_record_names_the_list_item_file_and_line(tmp_path: Path, tok_d
 
 def test_validation_names_the_list_item(tmp_path: Path) -> None:
     from fulltune.errors import ConfigError
-    from fulltune.spec import validate_pipelines
+    from fulltune.pipelines_file import validate_pipelines
 
     def problems(data: dict) -> str:
         raw = {"workdir": "w", "pipelines": {"p": {"model": {"name_or_path": "m"}, "data": data}}}

@@ -113,7 +113,7 @@ def test_run_parameters_may_set_the_training_knobs_and_what_the_pipeline_opts_in
 
 def test_a_pipeline_cannot_opt_in_to_what_runs_code(tmp_path):
     from fulltune.errors import ConfigError
-    from fulltune.spec import load_pipelines
+    from fulltune.pipelines_file import load_pipelines
 
     path = tiny_pipeline(tmp_path)
     _opt_in(path, "model")

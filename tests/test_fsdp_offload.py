@@ -22,7 +22,7 @@ from fulltune.memory import Settings, estimate_memory
 from fulltune.memory.lever_bytes import lever_bytes
 from fulltune.memory.process import node_host_bytes
 from fulltune.memory.shapes import model_shape
-from fulltune.spec import validate_pipelines
+from fulltune.pipelines_file import validate_pipelines
 
 TINY = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False)

@@ -23,7 +23,7 @@ from fulltune import levers
 from fulltune.runtime import optim
 from fulltune.errors import ConfigError
 from fulltune.runtime.launch import job_with
-from fulltune.spec import validate_pipelines
+from fulltune.pipelines_file import validate_pipelines
 from test_train import build_model, counting_rows, write_rows
 
 pytestmark = pytest.mark.slow
@@ -154,7 +154,7 @@ def test_strategy_auto_is_not_decided_for_the_table() -> None:
     """`distributed.strategy: auto` may still choose fsdp: the rules that need fsdp are not broken by it."""
     from dataclasses import replace
 
-    from fulltune.spec import validate_pipelines
+    from fulltune.pipelines_file import validate_pipelines
 
     body = {"model": {"name_or_path": "m"}, "data": {"train": "t.jsonl"},
             "train": {"offload_optimizer": True, "effective_batch_size": 8},

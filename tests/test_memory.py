@@ -181,7 +181,7 @@ def test_offloaded_activations_save_all_but_the_input_a_layer_recomputes_under_e
 def test_validate_refuses_offloaded_activations_under_fsdp_on_cuda_naming_the_fields():
     """Unmeasured on a GPU, the combination is refused (the lever table); on a CPU device nothing is offloaded."""
     from fulltune.errors import ConfigError
-    from fulltune.spec import validate_pipelines
+    from fulltune.pipelines_file import validate_pipelines
 
     def pipelines(device):
         return {"pipelines": {"t": {

@@ -10,7 +10,8 @@ import sys
 
 import yaml
 
-from fulltune.spec import load_pipelines, parse_size, validate_pipelines
+from fulltune.pipelines_file import load_pipelines, validate_pipelines
+from fulltune.sizes import parse_size
 
 from conftest import ROOT
 

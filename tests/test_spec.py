@@ -7,7 +7,8 @@ import textwrap
 import pytest
 
 from fulltune.errors import ConfigError
-from fulltune.spec import apply_overrides, load_pipelines, parse_size, validate_pipelines
+from fulltune.pipelines_file import apply_overrides, load_pipelines, validate_pipelines
+from fulltune.sizes import parse_size
 
 MINIMAL = {"model": {"name_or_path": "some/model"}, "data": {"train": "train.jsonl"}}
 

@@ -6,13 +6,13 @@ from fulltune.memory.errors import MemoryConfigError
 
 
 def parse_bytes(value: int | str) -> int:
-    """A memory size in bytes, read by the spec's one size parser (`fulltune.spec.parse_size`).
+    """A memory size in bytes, read by the spec's one size parser (`fulltune.sizes.parse_size`).
 
     Raises:
         MemoryConfigError: the value is negative, not a number, or has an unknown unit.
     """
     from fulltune.errors import ConfigError
-    from fulltune.spec import parse_size
+    from fulltune.sizes import parse_size
 
     try:
         return parse_size(value)

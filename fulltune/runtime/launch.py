@@ -41,6 +41,7 @@ from fulltune.degrees import ParallelDims
 from fulltune.errors import ConfigError, DataError, TrainingError, UserError
 from fulltune import levers
 from fulltune.memory.types import LEVERS, Settings
+from fulltune.pipelines_file import format_errors
 from fulltune.spec import Strict
 # One test of "has that process ended" for locks, temp dirs and the launcher; re-exported for the trainer.
 from fulltune.storage import atomic_write_text, process_gone, process_identity  # noqa: F401
@@ -185,7 +186,7 @@ def _validated(data: Any, where: str) -> TrainJob:
     try:
         return TrainJob.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{where}: " + "; ".join(spec._format_errors(exc, ""))) from None
+        raise ConfigError(f"{where}: " + "; ".join(format_errors(exc, ""))) from None
 
 
 def job_from_pipeline(pipeline: spec.PipelineSpec, plan: Settings, *, model_path: str, tokenizer_path: str,
