@@ -11,7 +11,8 @@ imports what the flow process holds (Prefect, MLflow, torch, transformers):
   configured (32, a generous batch).
 
 The process's peak resident set (VmHWM, and a 5 ms sampler) is printed beside the plan's evaluation phase
-(`device_bytes`, the runtime overhead included) and the budget.
+(`device_bytes`, the runtime overhead included) and the budget. The models, rows and the measured process are
+tests/memory_runs.py's (`measure_evaluation`), which tests/test_process_memory.py runs too.
 
 Usage:
     python -m benchmarks.eval_memory                     # both ways, ~1 min on 2 cores
@@ -22,119 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-
-VOCAB, HIDDEN, LAYERS, ROWS, LENGTH, PROMPT = 32000, 256, 4, 64, 128, 8
-BATCH, GENERATE, NEW_TOKENS = 32, 16, 8
-BUDGET = "1.25GiB"
-# The run that made the fine-tuned model: pure bf16 (its export is bf16), planned on a CPU device.
-TRAINED = {"micro_batch_size": 1, "seq_len": LENGTH, "gradient_checkpointing": 0, "mixed_precision": "bf16",
-           "optimizer": "adamw", "pure_bf16": True, "device": "cpu"}
-
-
-def config() -> Any:
-    from tests.tiny import tiny_config
-
-    return tiny_config("llama", VOCAB, hidden_size=HIDDEN, intermediate_size=688, num_hidden_layers=LAYERS,
-                       num_attention_heads=4, max_position_embeddings=2 * LENGTH, pad_token_id=0, eos_token_id=1)
-
-
-def make_assets(root: Path) -> dict[str, Any]:
-    """The base model (fp32), the fine-tuned model (its bf16 export), a word-level tokenizer and the rows."""
-    import random
-
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from tests.tiny import word_level_tokenizer
-
-    tokenizer = root / "tokenizer"
-    word_level_tokenizer(tokenizer, VOCAB)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config())
-    model.save_pretrained(root / "base", safe_serialization=True)
-    model.to(torch.bfloat16).save_pretrained(root / "tuned", safe_serialization=True)
-    for name in ("base", "tuned"):
-        for item in tokenizer.iterdir():
-            (root / name / item.name).write_bytes(item.read_bytes())
-    rng = random.Random(0)
-    rows = []
-    for _ in range(ROWS):
-        ids = [rng.randrange(2, VOCAB) for _ in range(LENGTH)]
-        rows.append({"input_ids": ids, "labels": [-100] * PROMPT + ids[PROMPT:], "position_ids": list(range(LENGTH)),
-                     "prompt": " ".join(f"t{i}" for i in ids[:PROMPT]),
-                     "completion": " ".join(f"t{i}" for i in ids[PROMPT:PROMPT + NEW_TOKENS])})
-    (root / "rows.json").write_text(json.dumps(rows))
-    return {"root": str(root), "rows": str(root / "rows.json")}
-
-
-def evaluation_plan(budget: str | None) -> dict[str, Any]:
-    """The plan's evaluate stage for the trained run (memory/evaluation.py), fitted to `budget` (None: as
-    configured)."""
-    from fulltune.memory import Settings
-    from fulltune.memory.budget import usable_bytes
-    from fulltune.memory.evaluation import EvalRequest, plan_evaluation
-    from fulltune.memory.shapes import model_shape
-    from fulltune.memory.units import parse_bytes
-
-    usable = usable_bytes(parse_bytes(budget), 0.05) if budget else None
-    request = EvalRequest(batch_size=BATCH, seq_len=LENGTH, max_new_tokens=NEW_TOKENS,
-                          precision="trained" if budget else "fp32")
-    return plan_evaluation(model_shape(config()), Settings(**TRAINED), request, usable).to_dict()
-
-
-def _child(job_file: str) -> int:
-    """Evaluate both candidates as the evaluate stage does; print one JSON line of the peak RSS."""
-    from benchmarks.process_memory import _hwm, _rss
-
-    peak = [0]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], _rss())
-            stop.wait(0.005)
-
-    threading.Thread(target=sample, daemon=True).start()
-    import mlflow  # noqa: F401  (the flow process holds Prefect and MLflow: the evaluate stage runs in it)
-    import prefect  # noqa: F401
-
-    from fulltune.evaluation.evaluate import EvalOptions, evaluate_model, planned_loading
-
-    job = json.loads(Path(job_file).read_text())
-    evaluation, root = job["evaluation"], Path(job["root"])
-    rows = json.loads(Path(job["rows"]).read_text())
-    load = planned_loading(evaluation if job["planned"] else None, "cpu", str(root / "offload"))
-    metrics = {}
-    for name in ("base", "tuned"):
-        options = EvalOptions(evaluation["loss_batch"], GENERATE, NEW_TOKENS, "cpu",
-                              evaluation["generation_batch"] or None)
-        metrics[name] = evaluate_model(str(root / name), str(root / name), rows, options, load_kwargs=load,
-                                       name=name).eval_loss
-    stop.set()
-    print(json.dumps({"peak_rss": max(peak[0], _hwm()), "hwm": _hwm(), "eval_loss": metrics}))
-    return 0
-
-
-def measure(assets: dict[str, Any], budget: str | None) -> dict[str, Any]:
-    """Peak RSS of the evaluate stage in a fresh process: planned for `budget`, or fp32 as configured (None)."""
-    evaluation = evaluation_plan(budget)
-    job = Path(assets["root"]) / f"job-{'planned' if budget else 'fp32'}.json"
-    job.write_text(json.dumps({**assets, "evaluation": evaluation, "planned": budget is not None}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "benchmarks.eval_memory", "--child", str(job)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(done.stderr[-4000:])
-    return {"evaluation": evaluation, **json.loads(done.stdout.strip().splitlines()[-1])}
+from tests.memory_runs import BUDGET, eval_assets as make_assets, measure_evaluation as measure
 
 
 # The GPU case (benchmarks/device_check.py): the 8B-on-24 GiB plan's evaluate stage at a reduced layer count.
@@ -195,10 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", default=BUDGET)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--child")
     args = parser.parse_args(argv)
-    if args.child:
-        return _child(args.child)
     from fulltune.memory.units import format_bytes, parse_bytes
 
     with tempfile.TemporaryDirectory(prefix="fulltune-eval-memory-") as tmp:

@@ -1,7 +1,8 @@
 """Host memory of the final FSDP export against the plan's figure (memory/process.py `export_host_bytes`).
 
 Run under torchrun (2 CPU processes, gloo): a 31M-parameter Llama (fp32, vocabulary 8000, 8 layers) is sharded
-with FSDP2 (`fulltune.runtime.sharding.shard_model`) and exported with `sharding.save_pretrained`, which streams one
+with FSDP2 (`fulltune.runtime.sharding.shard_model`; the measured rank is `fulltune.planning.rank_memory.export_rank`,
+which tests/test_sharding.py runs too) and exported with `sharding.save_pretrained`, which streams one
 safetensors file at a time (`--shard-mib`, as `EXPORT_SHARD_BYTES` does at 2 GiB). A sampler thread on rank 0
 reads its resident set every 2 ms; what the export adds above the RSS before it is printed beside the plan's
 figure for rank 0 (one file's tensors, or the largest tensor, and a CPU all-gather's buffers) and beside the
@@ -18,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,39 +27,11 @@ SHAPE = dict(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_hidde
              num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False)
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_during(work) -> tuple[int, int]:  # noqa: ANN001 - a callable
-    """(RSS before `work()`, the largest RSS while it ran), sampled every 2 ms."""
-    before, peak, stop = _rss(), [0], threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], _rss())
-            stop.wait(0.002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        work()
-    finally:
-        stop.set()
-        sampler.join()
-    return before, max(peak[0], _rss())
-
-
 def main(argv: list[str] | None = None) -> int:
     import torch
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fulltune.runtime import sharding
     from fulltune.memory import Settings
-    from fulltune.memory.process import export_host_bytes, export_phase_bytes
-    from fulltune.memory.shapes import model_shape
+    from fulltune.planning.rank_memory import export_rank
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
@@ -70,26 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     from fulltune.runtime import allocator
 
     allocator.return_large_blocks()  # as `python -m fulltune.runtime.train` does on CPU
-    sharding.init_process_group("cpu")
-    config = LlamaConfig(**SHAPE)
-    torch.manual_seed(0)
-    model = sharding.shard_model(LlamaForCausalLM(config), device="cpu")
-    shard_bytes = args.shard_mib * 2**20
-    if args.whole:
-        def work() -> None:
-            get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        def work() -> None:
-            sharding.save_pretrained(model, args.out / "model", max_shard_bytes=shard_bytes)
-    before, peak = peak_during(work)
+    settings = Settings(micro_batch_size=1, seq_len=1, strategy="fsdp", num_processes=2, device="cpu")
+    result = export_rank(SHAPE, settings, args.out, args.shard_mib * 2**20, args.whole)
     if torch.distributed.get_rank() == 0:
-        shape = model_shape(config)
-        result = {"added_bytes": peak - before, "rss_before": before, "peak_rss": peak,
-                  "planned_rank0_bytes": export_host_bytes(shape, 4, True, shard_bytes),
-                  # what the training process's export phase (memory/process.py) adds beside weights and states
-                  "planned_phase_added": export_phase_bytes(shape, Settings(
-                      micro_batch_size=1, seq_len=1, strategy="fsdp", num_processes=2, device="cpu"), shard_bytes),
-                  "model_bytes": 4 * shape.num_params, "shard_bytes": shard_bytes, "whole": args.whole}
         (args.out / ("whole.json" if args.whole else "export.json")).write_text(json.dumps(result))
         print(json.dumps(result))
     torch.distributed.barrier()

@@ -1,7 +1,8 @@
 """Pipeline parallel on CPU: per-stage peak memory against `fulltune.memory.pipeline`, losses against one process.
 
 For each case, torchrun starts one process per stage (gloo, CPU, a timeout on every collective and on the
-whole run). Each builds the same `from_config` Llama, keeps its stage (`fulltune.runtime.pipeline_parallel.PipelineRun`:
+whole run; the ranks are `fulltune.planning.rank_memory`'s `pipeline`). Each builds the same `from_config`
+Llama, keeps its stage (`fulltune.runtime.pipeline_parallel.PipelineRun`:
 embedding + first layers / last layers + norm + head) and runs STEPS optimizer steps of M micro-batches
 under torch.distributed.pipelining's 1F1B or GPipe schedule, with the trainer's loss (the head at the
 target positions, Σ loss / the step's targets), global-norm clipping and optimizer. In every rank torch's
@@ -28,16 +29,14 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.ranks import add_worker_arguments, send_to_driver, torchrun_ranks
+from fulltune.planning.rank_memory import pipeline_against_estimate
 
 STEPS = 3  # tracked: losses and peaks
 TIMED_STEPS = 3  # then untracked (MemTracker intercepts every op in Python): step times
-TIMEOUT_S = 240  # the whole torchrun; each collective times out after COLLECTIVE_TIMEOUT_S
-COLLECTIVE_TIMEOUT_S = 120
+TIMEOUT_S = 240  # the whole torchrun; each collective times out after rank_memory.COLLECTIVE_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -72,188 +71,11 @@ def settings_of(case: Case):
     return Settings(device="cpu", **case.settings)
 
 
-def config_of(case: Case):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(**{**BASE, **case.config})
-
-
-def step_batch(vocab: int, settings, step: int):
-    """The step's B = b·M rows, the same in every process and in the reference: random tokens, the first row of
-    each micro-batch left-padded (transformers then builds a real mask, as `memory.trace.make_batch`), a target at
-    every position but a row's last (labels are the tokens)."""
-    import torch
-
-    b, M, s = settings.micro_batch_size, settings.gradient_accumulation_steps, settings.seq_len
-    generator = torch.Generator().manual_seed(1000 + step)
-    input_ids = torch.randint(0, vocab, (b * M, s), generator=generator)
-    attention_mask = None
-    if settings.attention_mask:
-        attention_mask = torch.ones(b * M, s, dtype=torch.long)
-        attention_mask[::b, : max(1, s // 16)] = 0
-    return input_ids, attention_mask, input_ids.clone()
-
-
-def _model(case: Case):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from fulltune.runtime.checkpointing import apply_gradient_checkpointing
-
-    settings = settings_of(case)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config_of(case), attn_implementation=settings.attn_implementation)
-    model.train()
-    apply_gradient_checkpointing(model, settings.gradient_checkpointing)
-    if settings.pure_bf16:
-        model.to(torch.bfloat16)  # as the trainer's levers do (fulltune/runtime/train.py apply_levers)
-    return model
-
-
-# ----------------------------------------------------------------------------------------- one rank
-
-
-def _peak_tracker():
-    """MemTracker without its per-module statistics: a pipeline stage's forward runs once per micro-batch,
-    interleaved with backwards, which its module bookkeeping refuses; the global peak is all that is compared."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class PeakTracker(MemTracker):
-        def _pre_fw_hook(self, *args, **kwargs) -> None:
-            pass
-
-        def _post_fw_hook(self, *args, **kwargs) -> None:
-            pass
-
-        def _pre_bw_hook(self, *args, **kwargs) -> None:
-            pass
-
-        def _post_bw_hook(self, *args, **kwargs) -> None:
-            pass
-
-    return PeakTracker()
-
-
-def worker(case_name: str, out: Path) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    from fulltune.runtime.optim import optimizer_for
-    from fulltune.runtime.pipeline_parallel import PipelineRun
-    from fulltune.runtime.step import LocalAccelerator, OptimizerStep, StepParts, run_step
-
-    case = next(c for c in CASES if c.name == case_name)
-    settings = settings_of(case)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    model = _model(case)
-    run = PipelineRun.create(model, settings, schedule=case.schedule, length=settings.seq_len)
-    del model  # this process keeps only its stage's modules
-    optimizer = optimizer_for(run.stage, settings)
-    accelerator = LocalAccelerator("cpu", settings.mixed_precision, settings.gradient_accumulation_steps)
-    # The trainer's step: the schedule in place of the micro-batch loop, then its OptimizerStep.
-    parts = StepParts(accelerator, run.stage, None, optimizer, OptimizerStep(accelerator, run.stage, optimizer, None, 1.0),
-                      settings.gradient_accumulation_steps, pipeline=run)
-    tracker = _peak_tracker()
-    tracker.track_external(run.stage, optimizer)
-    losses, seconds = [], []
-
-    def step_of(step: int) -> float:
-        micro, step_targets = micro_batches(config_of(case).vocab_size, settings, step)
-        dist.barrier()
-        start = time.perf_counter()
-        outcome = run_step(parts, micro, step, step_targets)
-        seconds.append(time.perf_counter() - start)
-        return float(outcome.loss_sum) / step_targets
-
-    with tracker:
-        losses = [step_of(step) for step in range(1, STEPS + 1)]
-    for step in range(STEPS + 1, STEPS + TIMED_STEPS + 1):
-        step_of(step)
-    send_to_driver({"peak_bytes": int(max(tracker._peak_mem.values())), "losses": losses, "seconds": seconds,
-                    "parameters": sum(p.numel() for p in run.stage.parameters())}, out)
-
-
-# ----------------------------------------------------------------------------------------- reference
-
-
-def micro_batches(vocab: int, settings, step: int) -> tuple[list, int]:
-    """The step's M micro-batches as the trainer's step takes them ((inputs, targets) each) and its target tokens."""
-    import torch
-
-    from fulltune.runtime.loss import Targets
-
-    input_ids, attention_mask, labels = step_batch(vocab, settings, step)
-    b, M, s = settings.micro_batch_size, settings.gradient_accumulation_steps, settings.seq_len
-    position_ids = torch.arange(s).expand(b, s).contiguous()
-    micro = []
-    for j in range(M):
-        rows = slice(j * b, (j + 1) * b)
-        inputs = {"input_ids": input_ids[rows], "position_ids": position_ids}
-        if attention_mask is not None:
-            inputs["attention_mask"] = attention_mask[rows]
-        micro.append((inputs, Targets.from_labels(labels[rows])))
-    return micro, sum(len(t) for _, t in micro)
-
-
-def reference_losses(case: Case) -> tuple[list[float], list[float]]:
-    """The same steps in one process (one thread): the trainer's step over M accumulated micro-batches; the
-    per-step losses and wall times."""
-    import torch
-
-    from fulltune.runtime.optim import optimizer_for
-    from fulltune.runtime.step import local_parts, run_step
-
-    torch.set_num_threads(1)
-    settings = settings_of(case)
-    model = _model(case)
-    optimizer = optimizer_for(model, settings)
-    losses, seconds = [], []
-    with local_parts(model, optimizer, settings, device="cpu", max_grad_norm=1.0) as parts:
-        for step in range(1, STEPS + 1):
-            micro, step_targets = micro_batches(model.config.vocab_size, settings, step)
-            start = time.perf_counter()
-            outcome = run_step(parts, micro, step, step_targets)
-            losses.append(float(outcome.loss_sum) / step_targets)
-            seconds.append(time.perf_counter() - start)
-    return losses, seconds
-
-
-# ----------------------------------------------------------------------------------------- driver
-
-
 def run_case(case: Case) -> dict:
-    from fulltune.planning.pipeline import estimate_pipeline
-
-    started = time.perf_counter()
-    ranks = torchrun_ranks("benchmarks.pipeline_parallel", case.name, case.stages, timeout_s=TIMEOUT_S)
-    wall = time.perf_counter() - started
-    settings = settings_of(case)
-    estimate = estimate_pipeline(config_of(case), settings, case.stages, case.schedule)
-    reference, reference_seconds = reference_losses(case)
-    pipelined = ranks[-1]["losses"][:STEPS]
-    measured_step = statistics.median(max(r["seconds"][i] for r in ranks) for i in range(STEPS, STEPS + TIMED_STEPS))
-    return {
-        "case": case.name,
-        "schedule": case.schedule,
-        "stages": case.stages,
-        "config": {**BASE, **case.config},
-        "settings": settings.to_dict(),
-        "torchrun_seconds": round(wall, 1),
-        "losses": pipelined,
-        "reference_losses": reference,
-        "max_loss_difference": max(abs(a - b) for a, b in zip(pipelined, reference)),
-        "bubble": estimate.bubble,
-        "predicted_step_seconds": estimate.step_seconds,
-        "measured_step_seconds": measured_step,
-        "one_process_step_seconds": statistics.median(reference_seconds[1:]),
-        "ranks": [
-            {"stage": rank, "layers": list(st.layers), "in_flight": st.in_flight, "parameters": r["parameters"],
-             "estimate_peak_bytes": st.peak_bytes, "estimate_peak_phase": st.peak_phase,
-             "measured_peak_bytes": r["peak_bytes"], "error": st.peak_bytes / r["peak_bytes"] - 1}
-            for rank, (st, r) in enumerate(zip(estimate.stages, ranks))
-        ],
-    }
+    """`case`'s stages in torchrun ranks (`fulltune.planning.rank_memory`'s `pipeline`) against each stage's
+    estimate and against the same steps in one process."""
+    return {"case": case.name, **pipeline_against_estimate({**BASE, **case.config}, settings_of(case), case.schedule,
+                                                           case.stages, STEPS, TIMED_STEPS, timeout_s=TIMEOUT_S)}
 
 
 def table(results: list[dict]) -> str:
@@ -328,11 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--case", action="append", choices=[c.name for c in CASES], help="default: all")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--frontier", action="store_true", help="only print the plan's advice for Llama-3-70B")
-    add_worker_arguments(parser, [c.name for c in CASES])
     args = parser.parse_args(argv)
-    if args.worker:
-        worker(args.worker, args.out)
-        return 0
     if args.frontier:
         print(frontier())
         return 0

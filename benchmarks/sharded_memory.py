@@ -4,7 +4,8 @@ For each configuration below, two (or four) processes (torchrun, gloo, CPU) shar
 `fulltune.runtime.sharding.shard_model` and run two optimizer steps the way the trainer does (TargetHead loss
 over the target positions, backward of Σ loss / targets, global-norm clip, fused AdamW, zero_grad). In
 every rank torch's FSDPMemTracker (MemTracker plus FSDP2's all-gather / reduce-scatter buffers, sharded
-and unsharded parameters and gradients) records the peak of tracked tensor storage. That is compared with
+and unsharded parameters and gradients) records the peak of tracked tensor storage (the ranks are
+`fulltune.planning.rank_memory`'s `fsdp`). That is compared with
 `estimate_memory(config, Settings(strategy="fsdp", num_processes=2, ...)).peak_bytes`, the allocated-tensor
 peak the planner adds its runtime overhead to.
 
@@ -32,9 +33,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.ranks import add_worker_arguments, send_to_driver, torchrun_ranks
+from fulltune.planning.rank_memory import against_estimate
 
-STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -123,71 +123,6 @@ def config_of(case: Case):
     return LlamaConfig(**case.config)
 
 
-# ----------------------------------------------------------------------------------------- one rank
-
-
-def _category(name: str) -> str:
-    key = name.lower()
-    if "param" in key or "buffer" in key or "all gather" in key:
-        return "parameters"
-    if "grad" in key or "reduce scatter" in key:
-        return "gradients"
-    if "optstate" in key:
-        return "optimizer_states"
-    return "activations_logits_temporary"
-
-
-def measure_rank(case: Case) -> dict:
-    """Run STEPS optimizer steps of `case` in this rank under FSDPMemTracker; its peak and breakdown."""
-    import torch
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from transformers import AutoModelForCausalLM
-
-    from fulltune.runtime import optim, sharding
-    from fulltune.runtime.checkpointing import apply_gradient_checkpointing
-    from fulltune.planning.trace import make_batch  # the batch the estimate assumes (padded row, all targets)
-    from fulltune.runtime.loss import TargetHead
-    from fulltune.runtime.step import LocalAccelerator, StepParts, run_step
-
-    settings = settings_of(case)
-    sharding.init_process_group("cpu")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config_of(case), attn_implementation=settings.attn_implementation)
-    model.train()
-    apply_gradient_checkpointing(model, settings.gradient_checkpointing)
-    head = TargetHead(model, chunked=settings.chunked_loss)
-    sharding.shard_model(model, device="cpu", mixed_precision=settings.mixed_precision)
-    optimizer = optim.optimizer_for(model, settings)  # the trainer's builder: fused AdamW, or stepped in backward
-    vocab, accumulation = model.config.vocab_size, settings.gradient_accumulation_steps
-    tracker = FSDPMemTracker(model, optimizer)
-    # The trainer's step (fulltune/runtime/step.py); bf16 is FSDP's MixedPrecisionPolicy here, not autocast.
-    accelerator = LocalAccelerator("cpu", "no", accumulation)
-    parts = StepParts.assemble(accelerator, model, head, optimizer, settings,
-                               before_micro_batch=tracker.reset_mod_stats)  # the tracker needs the reset
-    targets = settings.micro_batch_size * settings.targets_per_row * accumulation * accelerator.num_processes
-    with tracker:
-        for step in range(1, STEPS + 1):
-            batches = (make_batch(vocab, settings, "cpu") for _ in range(accumulation))
-            run_step(parts, batches, step, targets)
-    return tracked_peak(tracker)
-
-
-def tracked_peak(tracker) -> dict:
-    """A tracker's peak: total bytes, the categories above, and the tracker's own categories."""
-    snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
-    parts: dict[str, int] = {}
-    for key, value in snapshot.items():
-        if key != "Total":
-            name = _category(getattr(key, "value", str(key)))
-            parts[name] = parts.get(name, 0) + int(value)
-    return {"peak_bytes": int(snapshot["Total"]), "breakdown": parts,
-            "raw": {getattr(k, "value", str(k)): int(v) for k, v in snapshot.items()}}
-
-
-def worker(case_name: str, out: Path) -> None:
-    send_to_driver(measure_rank(next(c for c in CASES if c.name == case_name)), out)
-
-
 # ----------------------------------------------------------------------------------------- driver
 
 
@@ -198,24 +133,13 @@ def estimate_parts(estimate) -> dict[str, int]:
 
 
 def run_case(case: Case) -> dict:
+    """Measure `case` in every rank (`fulltune.planning.rank_memory`, FSDPMemTracker) against the estimate."""
     from fulltune.memory import estimate_memory
 
-    ranks = torchrun_ranks("benchmarks.sharded_memory", case.name, case.processes)
-    estimate = estimate_memory(config_of(case), settings_of(case))
-    return {
-        "case": case.name,
-        "processes": case.processes,
-        "config": case.config,
-        "settings": settings_of(case).to_dict(),
-        "estimate_peak_bytes": estimate.peak_bytes,
-        "estimate_peak_phase": estimate.peak_phase,
-        "estimate_breakdown": estimate_parts(estimate),
-        "ranks": [
-            {"rank": rank, "measured_peak_bytes": r["peak_bytes"], "measured_breakdown": r["breakdown"],
-             "fsdp_categories": r["raw"], "error": estimate.peak_bytes / r["peak_bytes"] - 1}
-            for rank, r in enumerate(ranks)
-        ],
-    }
+    measured = against_estimate("fsdp", case.config, settings_of(case), case.processes)
+    return {"case": case.name, "processes": case.processes, "config": case.config,
+            "settings": settings_of(case).to_dict(), **measured,
+            "estimate_breakdown": estimate_parts(estimate_memory(config_of(case), settings_of(case)))}
 
 
 def _worst_rank(result: dict) -> dict:
@@ -252,11 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--levers", action="store_true",
                         help="the lever cases (each beside its case without it) instead of the grid")
     parser.add_argument("--json", type=Path, help="also write the results here")
-    add_worker_arguments(parser, [c.name for c in CASES])
     args = parser.parse_args(argv)
-    if args.worker:
-        worker(args.worker, args.out)
-        return 0
     results = []
     for case in CASES:
         if (case.name in args.case) if args.case else case.name.startswith("levers-") == args.levers:

@@ -10,8 +10,8 @@ zero_grad) under torch's FSDPMemTracker in every rank. The peak of tracked tenso
 tensor-parallel rank's own terms (`fulltune/memory/tensor_parallel.py`); the column "as FSDP over all" is what
 the planner counted before it had them (the same run as FSDP over all N processes).
 
-The torchrun driver and the rank-0 gather are `benchmarks/ranks.py`'s, the tracker's categories
-`benchmarks/sharded_memory.py`'s.
+The ranks, the torchrun driver and the tracker's categories are `fulltune.planning.rank_memory`'s
+(`tensor_parallel`).
 
 The grid (`_grid`): TP 2 on 2 processes and FSDP 2 × TP 2 on 4, fp32 and the bf16 policy, untied and tied
 (micro-batch 2, seq 128, vocabulary 8,192: the logits decide the peak), then checkpointing, micro-batch 1,
@@ -31,8 +31,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.ranks import add_worker_arguments, send_to_driver, torchrun_ranks
-from benchmarks.sharded_memory import BASE, STEPS, summary, tracked_peak
+from benchmarks.sharded_memory import BASE, summary
+from fulltune.planning.rank_memory import against_estimate
 
 TIED = {**BASE, "tie_word_embeddings": True}
 SMALL_VOCAB = {**BASE, "vocab_size": 1024}
@@ -87,61 +87,18 @@ def settings_of(case: Case, tensor_parallel: int | None = None):
                     device="cpu", **case.settings)
 
 
-def measure_rank(case: Case) -> dict:
-    """STEPS optimizer steps of `case` in this rank under FSDPMemTracker; its peak and breakdown."""
-    import torch
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from fulltune.runtime import sharding
-    from fulltune.runtime.loss import TargetHead
-    from fulltune.runtime.checkpointing import apply_gradient_checkpointing
-    from fulltune.planning.trace import make_batch
-    from fulltune.runtime import parallel
-    from fulltune.runtime.step import LocalAccelerator, StepParts, run_step
-
-    settings = settings_of(case)
-    sharding.init_process_group("cpu")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**case.config), attn_implementation="sdpa")
-    model.train()
-    apply_gradient_checkpointing(model, settings.gradient_checkpointing)
-    head = TargetHead(model)
-    parallel.apply(model, settings.dims, "cpu", settings.mixed_precision)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    tracker = FSDPMemTracker(model, optimizer)
-    accumulation = settings.gradient_accumulation_steps
-    accelerator = LocalAccelerator("cpu", "no", accumulation)
-    parts = StepParts.assemble(accelerator, model, head, optimizer, settings, before_micro_batch=tracker.reset_mod_stats)
-    targets = settings.micro_batch_size * settings.targets_per_row * accumulation
-    with tracker:
-        for step in range(1, STEPS + 1):
-            batches = (make_batch(model.config.vocab_size, settings, "cpu") for _ in range(accumulation))
-            run_step(parts, batches, step, targets)
-    return tracked_peak(tracker)
-
-
-def worker(case_name: str, out: Path) -> None:
-    send_to_driver(measure_rank(next(c for c in CASES if c.name == case_name)), out)
-
-
 def run_case(case: Case) -> dict:
-    """Measure `case` in every rank; the estimate (and the FSDP-over-all stand-in) against each rank."""
+    """Measure `case` in every rank (`fulltune.planning.rank_memory`, FSDPMemTracker) against the estimate and
+    the FSDP-over-all stand-in."""
     from transformers import LlamaConfig
 
     from fulltune.memory import estimate_memory
 
-    ranks = torchrun_ranks("benchmarks.tensor_parallel_memory", case.name, case.processes)
-    config = LlamaConfig(**case.config)
-    estimate = estimate_memory(config, settings_of(case))
-    as_fsdp = estimate_memory(config, settings_of(case, tensor_parallel=1))
+    measured = against_estimate("tensor_parallel", case.config, settings_of(case), case.processes)
+    as_fsdp = estimate_memory(LlamaConfig(**case.config), settings_of(case, tensor_parallel=1))
     return {"case": case.name, "processes": case.processes, "tensor_parallel": case.tensor_parallel,
-            "config": case.config, "settings": settings_of(case).to_dict(),
-            "estimate_peak_bytes": estimate.peak_bytes, "estimate_peak_phase": estimate.peak_phase,
-            "as_fsdp_peak_bytes": as_fsdp.peak_bytes,
-            "ranks": [{"rank": i, "measured_peak_bytes": r["peak_bytes"], "measured_breakdown": r["breakdown"],
-                       "fsdp_categories": r["raw"], "error": estimate.peak_bytes / r["peak_bytes"] - 1}
-                      for i, r in enumerate(ranks)]}
+            "config": case.config, "settings": settings_of(case).to_dict(), **measured,
+            "as_fsdp_peak_bytes": as_fsdp.peak_bytes}
 
 
 def table(results: list[dict]) -> str:
@@ -163,11 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", action="append", choices=[c.name for c in CASES], help="default: all")
     parser.add_argument("--json", type=Path, help="also write the results here")
-    add_worker_arguments(parser, [c.name for c in CASES])
     args = parser.parse_args(argv)
-    if args.worker:
-        worker(args.worker, args.out)
-        return 0
     results = []
     for case in CASES:
         if not args.case or case.name in args.case:

@@ -4,7 +4,7 @@ On a CPU device the budget is RAM, and the whole training process must fit in it
 libraries, the loaded model, the step's tensors, checkpoints and the final save. Each test plans a small
 model under an explicit budget (`plan_memory`, device cpu), trains the chosen settings for a few steps
 through `run_training` (the child process a flow starts, logging into an MLflow run), and measures the
-child's peak resident set size (benchmarks/cpu_rss.py: a fresh wrapper process's RUSAGE_CHILDREN).
+child's peak resident set size (fulltune/runtime/measure.py: a fresh wrapper process's RUSAGE_CHILDREN).
 
 The budget is set below what the configured settings (the whole batch in one micro-batch, nothing
 recomputed) are estimated to need and above the smallest step, so the planner has to choose; the run
@@ -19,15 +19,17 @@ from pathlib import Path
 import pytest
 
 from fulltune.memory.process import CPU_LIBRARY_PAGES_SPREAD
-from benchmarks import cpu_rss
+from fulltune.runtime import measure
+
+import memory_runs
 
 TOLERANCE = 0.15
 
 
 # The model shape and sequence length; the effective batch is the case's micro-batch.
 CASES = {
-    "llama": cpu_rss.Case("llama", "llama", 256, 4, 4, 8192, 256, 8, intermediate=688, kv_heads=2),
-    "gpt2": cpu_rss.Case("gpt2", "gpt2", 256, 4, 4, 8192, 128, 8),
+    "llama": memory_runs.Case("llama", "llama", 256, 4, 4, 8192, 256, 8, intermediate=688, kv_heads=2),
+    "gpt2": memory_runs.Case("gpt2", "gpt2", 256, 4, 4, 8192, 128, 8),
 }
 
 
@@ -41,8 +43,8 @@ def test_planned_run_stays_under_the_budget_and_near_the_estimate(name: str, tmp
 
     shape = CASES[name]
     effective_batch = shape.micro_batch_size
-    config = cpu_rss.model_config(shape)
-    model_dir, data, fraction = cpu_rss.build_assets(tmp_path / "assets", shape)
+    config = memory_runs.model_config(shape)
+    model_dir, data, fraction = memory_runs.build_assets(tmp_path / "assets", shape)
     request = PlanRequest(effective_batch_size=effective_batch, seq_len=shape.seq_len, mixed_precision="no",
                           optimizer="adamw", device="cpu", attention_mask=True, target_fraction=fraction)
     # Usable budget halfway between the configured settings and the smallest step (micro-batch 1, every
@@ -60,8 +62,8 @@ def test_planned_run_stays_under_the_budget_and_near_the_estimate(name: str, tmp
                    gradient_accumulation_steps=chosen.gradient_accumulation_steps,
                    gradient_checkpointing=chosen.gradient_checkpointing, mixed_precision=chosen.mixed_precision,
                    optimizer=chosen.optimizer)
-    job = cpu_rss.make_job(case, model_dir, data, tmp_path / "run", cpu_rss.mlflow_run(tmp_path))
-    peak_rss = cpu_rss.measure_peak_rss(job)["peak_rss_bytes"]
+    job = memory_runs.make_job(case, model_dir, data, tmp_path / "run", memory_runs.mlflow_run(tmp_path))
+    peak_rss = measure.measure("child", job)["peak_rss_bytes"]
 
     estimate = plan.plan_estimate.device_bytes
     mib = 2**20

@@ -80,16 +80,18 @@ SMALL_TOKENS, GROWTH = 3_000_000, 4
 @pytest.mark.slow
 def test_the_training_process_grows_at_most_25_percent_when_the_data_grows_4x(tmp_path: Path) -> None:
     """Through the real training child (fulltune/runtime/launch.py), a tiny model on the rows the tokenize
-    stage's writer makes (benchmarks/data_memory.py): the peak RSS (the kernel's high-water mark) of the
-    largest process on 4× the tokens is within 25% of that on 1×."""
-    from benchmarks import data_memory
+    stage's writer makes (tests/memory_runs.py, as benchmarks/data_memory.py trains them): the peak RSS (the
+    kernel's high-water mark) of the largest process on 4× the tokens is within 25% of that on 1×."""
+    from fulltune.runtime import measure
 
-    model_dir = data_memory.build_model(tmp_path)
+    import memory_runs
+
+    model_dir = memory_runs.build_tiny_model(tmp_path)
     peaks = {}
     for tokens in (SMALL_TOKENS, GROWTH * SMALL_TOKENS):
-        files = data_memory.write_train_files(tmp_path / f"data-{tokens}", tokens)
-        job = data_memory.make_job(model_dir, files["arrow"], tmp_path / f"run-{tokens}")
-        peaks[tokens] = data_memory.measure(job)["max_rss"]
+        files = memory_runs.write_train_files(tmp_path / f"data-{tokens}", tokens)
+        job = memory_runs.rows_job(model_dir, files["arrow"], tmp_path / f"run-{tokens}")
+        peaks[tokens] = measure.measure("ranks", job)["ru_maxrss_bytes"]
     small, large = peaks[SMALL_TOKENS], peaks[GROWTH * SMALL_TOKENS]
     assert large <= 1.25 * small, f"peak RSS {small / 2**20:.0f} MiB → {large / 2**20:.0f} MiB on {GROWTH}× the data"
 

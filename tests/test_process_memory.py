@@ -15,7 +15,7 @@ from fulltune.memory import Settings, estimate_memory
 from fulltune.memory.process import CPU_LIBRARY_PAGES_SPREAD
 from fulltune.memory.process import EVALUATION, LOAD, STEP, TRAINING_PHASES
 from pipelines_fixture import TINY_LLAMA, tiny_pipeline
-from benchmarks import eval_memory, process_memory
+import memory_runs
 
 MiB = 2**20
 
@@ -70,9 +70,9 @@ def test_a_cast_at_load_holds_the_file_beside_the_weights_and_can_be_the_peak():
 def test_a_lever_run_on_cpu_stays_under_its_whole_process_estimate(tmp_path):
     """Pure bf16 + Adafactor stepped in backward + checkpointing, on the trainer's own functions: the peak RSS
     of every phase is at most the plan's whole-process estimate, and that estimate is within 15% of it."""
-    case = process_memory.CASES["llama-6m-frontier"]
-    measured = process_memory.measure(case, tmp_path)
-    estimated = process_memory.estimated_phases(case, measured["target_fraction"])
+    case = memory_runs.PROCESS_CASES["llama-6m-frontier"]
+    measured = memory_runs.measure_phases(case, tmp_path)
+    estimated = memory_runs.estimated_phases(case, measured["target_fraction"])
     peak = max(max(measured["sampled"].values()), max(measured["hwm_after"].values()))
     numbers = json.dumps({"measured": measured, "estimated": estimated})
     # Never below; within 15% beyond what the libraries' resident file pages vary between installations.
@@ -122,10 +122,10 @@ def test_the_evaluate_stage_stays_inside_its_planned_phase_where_fp32_copies_exc
     planned evaluation phase, which is within the budget."""
     from fulltune.memory.units import parse_bytes
 
-    budget = parse_bytes(eval_memory.BUDGET)
-    assert eval_memory.evaluation_plan(None)["device_bytes"] > budget  # fp32 copies, the configured batch
-    assets = eval_memory.make_assets(tmp_path)
-    measured = eval_memory.measure(assets, eval_memory.BUDGET)
+    budget = parse_bytes(memory_runs.BUDGET)
+    assert memory_runs.evaluation_plan(None)["device_bytes"] > budget  # fp32 copies, the configured batch
+    assets = memory_runs.eval_assets(tmp_path)
+    measured = memory_runs.measure_evaluation(assets, memory_runs.BUDGET)
     planned = measured["evaluation"]
-    assert planned["dtype"] == "bf16" and planned["loss_batch"] < eval_memory.BATCH
+    assert planned["dtype"] == "bf16" and planned["loss_batch"] < memory_runs.BATCH
     assert measured["peak_rss"] <= planned["device_bytes"] <= 0.95 * budget, json.dumps(measured)

@@ -1,8 +1,8 @@
 """The planner's per-rank FSDP estimate against the peak each rank measures.
 
 Two torchrun processes (gloo, CPU) shard a tiny Llama with fulltune.runtime.sharding and run two optimizer steps
-as the trainer does, each rank under FSDPMemTracker (benchmarks/sharded_memory.py, whose full grid is in
-BENCHMARKS.md); `estimate_memory(..., Settings(strategy="fsdp", num_processes=2))` must be within 3% of
+as the trainer does, each rank under FSDPMemTracker (fulltune/planning/rank_memory.py; benchmarks/sharded_memory.py
+runs the full grid, in BENCHMARKS.md); `estimate_memory(..., Settings(strategy="fsdp", num_processes=2))` must be within 3% of
 every rank's peak. ~15 s per configuration on 2 cores.
 """
 
@@ -11,15 +11,27 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import sharded_memory as bench
+from fulltune.memory import Settings
+from fulltune.planning.rank_memory import against_estimate
 
 TOLERANCE = 0.03
+BASE = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 8192, "max_position_embeddings": 512,
+        "tie_word_embeddings": False}
+# Two of benchmarks/sharded_memory.py's grid: (config, settings) on 2 processes.
+CASES = {
+    "fp32-tied-ckpt0-b2": ({**BASE, "tie_word_embeddings": True},
+                           {"micro_batch_size": 2, "seq_len": 128, "mixed_precision": "no", "gradient_checkpointing": 0}),
+    "bf16-untied-ckpt2-b2": (BASE, {"micro_batch_size": 2, "seq_len": 128, "mixed_precision": "bf16",
+                                    "gradient_checkpointing": 2}),
+}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["fp32-tied-ckpt0-b2", "bf16-untied-ckpt2-b2"])
 def test_fsdp_per_rank_estimate_is_within_3_percent_of_the_measured_peak(case):
-    result = bench.run_case(next(c for c in bench.CASES if c.name == case))
+    config, settings = CASES[case]
+    result = against_estimate("fsdp", config, Settings(strategy="fsdp", num_processes=2, device="cpu", **settings), 2)
     assert len(result["ranks"]) == 2
     for rank in result["ranks"]:
         assert abs(rank["error"]) <= TOLERANCE, (

@@ -30,6 +30,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "sharding_worker.py"
 STEPS = 6
+# The 31M Llama (126 MB fp32) whose export benchmarks/export_memory.py measures.
+EXPORT_SHAPE = dict(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
+                    num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False)
 
 pytestmark = pytest.mark.slow
 
@@ -139,17 +142,19 @@ def test_the_export_streams_file_by_file_within_the_plans_host_figure(tmp_path: 
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    from benchmarks.export_memory import SHAPE
+    from fulltune.memory import Settings
+    from fulltune.planning.rank_memory import measure_ranks
 
-    run(_torchrun("--standalone", "--nproc_per_node", "2", "--module", "benchmarks.export_memory", str(tmp_path)))
-    measured = json.loads((tmp_path / "export.json").read_text())
+    settings = Settings(micro_batch_size=1, seq_len=1, strategy="fsdp", num_processes=2, device="cpu")
+    measured = measure_ranks("export", EXPORT_SHAPE, settings, 2, out=str(tmp_path), shard_bytes=16 * 2**20,
+                             whole=False)[0]
     assert measured["added_bytes"] <= measured["planned_rank0_bytes"] < measured["model_bytes"] / 2, measured
     # The training process's export phase on CPU counts the streamed file too (memory/process.py).
     assert measured["added_bytes"] <= measured["planned_phase_added"] < measured["model_bytes"] / 2, measured
     files = sorted(path.name for path in (tmp_path / "model").glob("*.safetensors"))
     assert len(files) > 2 and (tmp_path / "model" / "model.safetensors.index.json").is_file()
     torch.manual_seed(0)
-    reference = LlamaForCausalLM(LlamaConfig(**SHAPE)).state_dict()
+    reference = LlamaForCausalLM(LlamaConfig(**EXPORT_SHAPE)).state_dict()
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
     assert exported.keys() == reference.keys()
     assert [name for name in reference if not torch.equal(exported[name], reference[name])] == []

@@ -2,8 +2,8 @@
 
 The per-rank estimate against the peak each rank measures: torchrun starts the ranks (gloo, CPU) of TP 2 on 2
 processes and FSDP 2 × TP 2 on 4; each splits a tiny Llama with fulltune.runtime.parallel and runs two optimizer steps of
-the trainer's step under FSDPMemTracker (benchmarks/tensor_parallel_memory.py, whose full grid is in
-BENCHMARKS.md). `estimate_memory(..., Settings(strategy="fsdp", num_processes=N, tensor_parallel=2))` must be
+the trainer's step under FSDPMemTracker (fulltune/planning/rank_memory.py; benchmarks/tensor_parallel_memory.py
+runs the full grid, in BENCHMARKS.md). `estimate_memory(..., Settings(strategy="fsdp", num_processes=N, tensor_parallel=2))` must be
 within 3% of every rank's peak.
 
 `distributed.tensor_parallel: auto`: the plan chooses the degree, and says why.
@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import transformers
 
-from fulltune.memory import PlanRequest, estimate_memory
+from fulltune.memory import PlanRequest, Settings, estimate_memory
 from fulltune.planning import plan_memory
+from fulltune.planning.rank_memory import against_estimate
 from pipelines_fixture import tiny_pipeline
-from benchmarks import tensor_parallel_memory as bench
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.03
@@ -32,14 +32,25 @@ GiB = 2**30
 # checkpointed the activations alone overflow one GPU under FSDP, and tensor parallel splits them.
 LLAMA_8B_32K = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)
+BASE = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 8192, "max_position_embeddings": 512,
+        "tie_word_embeddings": False}
+# Two of benchmarks/tensor_parallel_memory.py's grid: (config, processes, settings), tensor parallel 2.
+CASES = {
+    "tp2-fp32-tied": ({**BASE, "tie_word_embeddings": True}, 2,
+                      {"micro_batch_size": 2, "seq_len": 128, "mixed_precision": "no"}),
+    "fsdp2xtp2-bf16-untied-ckpt2": (BASE, 4, {"micro_batch_size": 2, "seq_len": 128, "mixed_precision": "bf16",
+                                             "gradient_checkpointing": 2}),
+}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["tp2-fp32-tied", "fsdp2xtp2-bf16-untied-ckpt2"])
 def test_tensor_parallel_per_rank_estimate_is_within_3_percent_of_the_measured_peak(case):
-    chosen = next(c for c in bench.CASES if c.name == case)
-    result = bench.run_case(chosen)
-    assert len(result["ranks"]) == chosen.processes
+    config, processes, settings = CASES[case]
+    result = against_estimate("tensor_parallel", config, Settings(strategy="fsdp", num_processes=processes,
+                                                                  tensor_parallel=2, device="cpu", **settings), processes)
+    assert len(result["ranks"]) == processes
     for rank in result["ranks"]:
         assert abs(rank["error"]) <= TOLERANCE, (
             f"{case} rank {rank['rank']}: estimate {result['estimate_peak_bytes']} B, "
