@@ -11,9 +11,10 @@ fp32 and bf16 autocast, with and without gradient checkpointing, micro-batch 1�
 it runs the real trainer the way fulltune does: a `TrainJob` given to `fulltune.runtime.launch.run_training`,
 which starts `python -m fulltune.runtime.train` as a child process. Each run is started from a fresh wrapper
 process (`fulltune.runtime.measure`; the models, rows and jobs are tests/memory_runs.py's), whose
-`getrusage(RUSAGE_CHILDREN).ru_maxrss` is then exactly the trainer's peak resident set size (the wrapper itself imports neither torch nor transformers and is not counted). A run is short but
-complete: 3 optimizer steps (steady state from the second: optimizer states exist), a checkpoint after
-step 2, the final model save, and metrics logged into an MLflow run as a flow's training does.
+`getrusage(RUSAGE_CHILDREN).ru_maxrss` is then exactly the trainer's peak resident set size (the wrapper
+itself imports neither torch nor transformers and is not counted). A run is short but complete: 3 optimizer
+steps (steady state from the second: optimizer states exist), a checkpoint after step 2, the final model save,
+and metrics logged into an MLflow run as a flow's training does.
 
 The runtime overhead is then RSS − peak_bytes; it is fitted as `constant + fraction · peak_bytes` with
 the estimate never below the measured RSS, and the fraction chosen so that the largest over-estimate is
@@ -117,7 +118,7 @@ def run_case(case: Case, root: Path, use_mlflow: bool, omp_threads: int | None) 
     settings = settings_of(case, fraction)
     estimate = estimate_memory(model_config(case), settings)
     job = make_job(case, model_dir, data, work / "run", mlflow_run(root) if use_mlflow else None)
-    measured = measure.measure("child", job, omp_threads)  # the trainer's peak RSS, from a fresh wrapper
+    measured = measure.training_memory("child", job, omp_threads)  # the trainer's peak RSS, from a fresh wrapper
     from fulltune.memory import num_parameters
 
     return {

@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             for repeat in range(args.repeats):
                 for name in args.files:
                     job = rows_job(model_dir, files[name], root / f"run-{tokens}-{name}-{repeat}", args.ranks)
-                    runs[name].append(measure.measure("ranks", job, code=ROOT if name == "arrow" else args.code))
+                    code = ROOT if name == "arrow" else args.code
+                    runs[name].append(measure.training_memory("ranks", job, code=code))
             for name, results in runs.items():
                 def median(f: Any) -> float:
                     return statistics.median(f(r) for r in results) / MIB

@@ -240,7 +240,7 @@ def measure_phases(case: Case, root: Path, omp_threads: int = 1) -> dict[str, An
 
     model_dir, data, fraction = build_assets(root, case, steps=2)
     job = make_job(case, model_dir, data, root / "run", mlflow_run(root), steps=2)
-    measured = measure.measure("phases", job.replace(checkpoint_every_steps=1), omp_threads)
+    measured = measure.training_memory("phases", job.replace(checkpoint_every_steps=1), omp_threads)
     measured["target_fraction"] = fraction
     return measured
 

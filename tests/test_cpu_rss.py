@@ -63,7 +63,7 @@ def test_planned_run_stays_under_the_budget_and_near_the_estimate(name: str, tmp
                    gradient_checkpointing=chosen.gradient_checkpointing, mixed_precision=chosen.mixed_precision,
                    optimizer=chosen.optimizer)
     job = memory_runs.make_job(case, model_dir, data, tmp_path / "run", memory_runs.mlflow_run(tmp_path))
-    peak_rss = measure.measure("child", job)["peak_rss_bytes"]
+    peak_rss = measure.training_memory("child", job)["peak_rss_bytes"]
 
     estimate = plan.plan_estimate.device_bytes
     mib = 2**20

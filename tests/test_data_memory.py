@@ -91,7 +91,7 @@ def test_the_training_process_grows_at_most_25_percent_when_the_data_grows_4x(tm
     for tokens in (SMALL_TOKENS, GROWTH * SMALL_TOKENS):
         files = memory_runs.write_train_files(tmp_path / f"data-{tokens}", tokens)
         job = memory_runs.rows_job(model_dir, files["arrow"], tmp_path / f"run-{tokens}")
-        peaks[tokens] = measure.measure("ranks", job)["ru_maxrss_bytes"]
+        peaks[tokens] = measure.training_memory("ranks", job)["ru_maxrss_bytes"]
     small, large = peaks[SMALL_TOKENS], peaks[GROWTH * SMALL_TOKENS]
     assert large <= 1.25 * small, f"peak RSS {small / 2**20:.0f} MiB → {large / 2**20:.0f} MiB on {GROWTH}× the data"
 

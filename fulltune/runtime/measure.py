@@ -163,7 +163,8 @@ def _run(command: list[str], timeout_s: float) -> tuple[int, str]:
 # In a fresh process
 
 
-def measure(kind: str, job: TrainJob, omp_threads: int | None = 1, code: Path | None = None) -> dict[str, Any]:
+def training_memory(kind: str, job: TrainJob, omp_threads: int | None = 1,
+                    code: Path | None = None) -> dict[str, Any]:
     """Measure `job` in a fresh process (`kind`: child, ranks or phases; see the module's docstring) with
     `code`'s fulltune (default: this one); what `main` prints, and the seconds it took.
 
