@@ -30,6 +30,7 @@ import fnmatch
 import hashlib
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -237,17 +238,25 @@ def _write_rows(path: Path, examples: pa.Table, order: np.ndarray, *, packing: b
     num_rows = len(row_docs) - 1
     counts = {"examples": int(len(lengths)), "rows": int(num_rows), "tokens": int(lengths.sum()), "label_tokens": 0,
               "max_row_length": 0, "max_row_targets": 0}
-    with pq.ParquetWriter(path, schema) as writer, MappedRowsWriter(mapped, schema) as mapped_writer:
+    # The Parquet encoding of a group (pyarrow, without the GIL) runs on a thread while this one gathers and
+    # packs the next group and writes train.arrow: two groups are held at a time, at most.
+    with pq.ParquetWriter(path, schema) as writer, MappedRowsWriter(mapped, schema) as mapped_writer, \
+            ThreadPoolExecutor(1, thread_name_prefix="fulltune-parquet") as parquet:
         group = max(1, min(_ROW_CHUNK, _CHUNK_TOKENS // max_length))
+        written: Future[None] | None = None
         for first in range(0, max(num_rows, 1), group):
             last = min(first + group, num_rows)
             chunk = _take(examples.select(columns), order[row_docs[first]:row_docs[last]])
             table, chunk_counts = _packed_chunk(chunk, row_docs[first:last + 1] - row_docs[first], schema)
-            writer.write_table(table, row_group_size=group)
+            if written is not None:
+                written.result()
+            written = parquet.submit(writer.write_table, table, row_group_size=group)
             mapped_writer.write(table)
             counts["label_tokens"] += chunk_counts["label_tokens"]
             for key in ("max_row_length", "max_row_targets"):
                 counts[key] = max(counts[key], chunk_counts[key])
+        if written is not None:
+            written.result()
     return counts
 
 
