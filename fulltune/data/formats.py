@@ -456,7 +456,7 @@ def encode_range(encoder: Encoder, records: datasets.Dataset, start: int, stop: 
                                       pa.array(list(prompts), pa.string()), pa.array(list(completions), pa.string())],
                                      schema=example_schema())
         keep = targets > 0
-        tables.append(table.filter(pa.array(keep)))
+        tables.append(table if keep.all() else table.filter(pa.array(keep)))
         truncated, dropped, any_text = truncated + int(cut.sum()), dropped + int((~keep).sum()), any_text or any(text)
     return Encoded(pa.concat_tables(tables) if tables else example_schema().empty_table(), truncated, dropped,
                    any_text)
