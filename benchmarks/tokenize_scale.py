@@ -13,6 +13,9 @@ largest process of the child's tree (`getrusage(RUSAGE_CHILDREN)`: workers inclu
 - `datasets-map`: `datasets.load_dataset("json")` and `map(num_proc=…)` with the same formatting (prompt
   and completion tokenized apart, bos + prompt + completion + eos, the prompt masked), kept in memory.
 
+With `--baseline DIR` (a checkout of another commit) the stage of that checkout is measured too, as mode
+`stage@baseline`, interleaved with the others: before/after on the same load.
+
 Measurements of one size are interleaved (encode, stage, datasets-map, encode, …) and the median of
 `--repeats` is reported, so a shared machine's load falls on all alike.
 
@@ -87,14 +90,15 @@ def make_tokenizer(directory: Path) -> None:
     build_tokenizer(texts, TrainTokenizer(vocab_size=2048)).save_pretrained(directory)
 
 
-def measure(name: str, **fields: object) -> tuple[float, int, float]:
-    """(seconds, tokens, peak RSS in MiB of the largest process) of one measurement in a fresh child."""
+def measure(name: str, root: Path = ROOT, **fields: object) -> tuple[float, int, float]:
+    """(seconds, tokens, peak RSS in MiB of the largest process) of one measurement in a fresh child that
+    imports `root`'s fulltune."""
     code = CHILD[name].format(**fields)
     wrapper = ("import resource, subprocess, sys; "
                f"out = subprocess.run([sys.executable, '-c', {code!r}], check=True, capture_output=True, text=True); "
                "print(out.stdout.strip().splitlines()[-1], resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", wrapper], check=True, capture_output=True, text=True, cwd=ROOT, env=env)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", wrapper], check=True, capture_output=True, text=True, cwd=root, env=env)
     _, seconds, tokens, rss_kib = out.stdout.split()[-4:]
     return float(seconds), int(tokens), int(rss_kib) / 1024
 
@@ -105,7 +109,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", default="auto", help="data.num_workers of the stage")
     parser.add_argument("--modes", nargs="+", default=list(CHILD), choices=list(CHILD))
+    parser.add_argument("--baseline", type=Path, help="a checkout of another commit: its stage is measured too")
     args = parser.parse_args()
+    modes = args.modes + (["stage@baseline"] if args.baseline else [])
     workers = args.workers if args.workers == "auto" else int(args.workers)
     procs = len(os.sched_getaffinity(0)) if workers == "auto" else workers
     print(f"{procs} CPUs for the stage's workers and datasets.map(num_proc={procs}); medians of {args.repeats}")
@@ -118,15 +124,19 @@ def main() -> None:
         for n in args.records:
             data = root / f"train-{n}.jsonl"
             write_records(data, n)
-            runs: dict[str, list[tuple[float, int, float]]] = {mode: [] for mode in args.modes}
+            runs: dict[str, list[tuple[float, int, float]]] = {mode: [] for mode in modes}
             for _ in range(args.repeats):
-                for mode in args.modes:
-                    runs[mode].append(measure(mode, tok=str(tok), data=str(data), work=str(root / "work"),
-                                              workers=workers, procs=procs))
+                for mode in modes:
+                    name, _, other = mode.partition("@")
+                    runs[mode].append(measure(name, args.baseline.resolve() if other else ROOT, tok=str(tok),
+                                              data=str(data), work=str(root / "work"), workers=workers, procs=procs))
             encode = statistics.median(r[0] for r in runs["encode"]) if "encode" in runs else None
             for mode, results in runs.items():
                 seconds = statistics.median(r[0] for r in results)
                 ratio = f"{seconds / encode:.2f}" if encode else "—"
+                if encode:  # each run against the encode run beside it: steadier on a loaded machine
+                    pairs = sorted(r[0] / e[0] for r, e in zip(results, runs["encode"]))
+                    ratio += f" (paired median {statistics.median(pairs):.2f})"
                 print(f"| {n:,} | {results[0][1]:,} | {mode} | {seconds:.2f} | {ratio} | "
                       f"{max(r[2] for r in results):,.0f} |", flush=True)
 

@@ -144,3 +144,47 @@ def test_every_worker_count_writes_the_same_bytes_and_reports_the_same_record(tm
     broken = DataSpec(train=write_jsonl(tmp_path / "broken.jsonl", records), format="prompt_completion", num_workers=3)
     with pytest.raises(DataError, match=r"broken\.jsonl line 1501: column 'completion' must be a string"):
         tokenize_dataset(broken, tok_dir, tmp_path / "b", 0)
+
+
+def test_unused_source_caches_are_pruned_but_not_recent_or_in_progress_ones(tmp_path: Path, tok_dir: str,
+                                                                           monkeypatch) -> None:
+    """A source whose file changed leaves its old cache; after a build, caches not used for an hour beyond the
+    KEEP_SOURCES most recent go, unless a build in progress lists them."""
+    import os
+    import time
+
+    from fulltune.storage import temp_dir_name
+
+    work, caches = tmp_path / "work", tmp_path / "work" / "tokenized-sources"
+    files = [write_jsonl(tmp_path / f"v{n}.jsonl", [{"prompt": f"{n}+{k}=", "completion": str(n + k)} for k in range(6)])
+             for n in range(4)]
+    shared = write_jsonl(tmp_path / "shared.jsonl", PAIRS)
+
+    def build(version: int) -> set[str]:
+        tokenize_dataset(DataSpec(train=[shared, files[version]], format="prompt_completion"), tok_dir, work, 0)
+        return {p.name for p in caches.iterdir()}
+
+    def cache_of(reference: str) -> str:
+        return next(p.name for p in caches.iterdir() if json.loads((p / "meta.json").read_text())["reference"] == reference)
+
+    for version in range(3):  # the second source's file is replaced twice: two stale caches
+        build(version)
+    fingerprint = {version: cache_of(files[version]) for version in range(3)}
+    assert len(list(caches.iterdir())) == 4, "used in the last hour: nothing is pruned"
+
+    hours_ago = time.time() - 2 * mix.IN_USE_SECONDS
+    for n, fp in fingerprint.items():  # versions 0, 1, 2 last used 2 h ago, in that order
+        os.utime(caches / fp / "meta.json", (hours_ago + n, hours_ago + n))
+    in_progress = work / "tokenized" / temp_dir_name("0" * 64)  # another (live) run's build reads version 0
+    in_progress.mkdir()
+    (in_progress / mix.SOURCES_FILE).write_text(json.dumps([fingerprint[0]]))
+    monkeypatch.setattr(mix, "KEEP_SOURCES", 3)
+    left = build(3)
+    # Kept: shared and version 3 (just used), version 2 (the third most recent), version 0 (in progress).
+    assert left == {cache_of(shared), cache_of(files[3]), fingerprint[0], fingerprint[2]}
+
+    (in_progress / mix.SOURCES_FILE).unlink()
+    in_progress.rmdir()
+    assert mix.prune_source_caches(work) == [fingerprint[0]]
+    data = tokenize_dataset(DataSpec(train=[shared, files[0]], format="prompt_completion"), tok_dir, work, 0)
+    assert data.num_train_examples > 0, "the tokenized dataset does not need its sources' caches"

@@ -107,9 +107,31 @@ def pad_token_id_of(tokenizer: Any) -> int:
 # ---------------------------------------------------------------------------------------------------
 # One function per format: (encoder, batch of records, their indices) → examples, prompts, completions.
 # An example is (token ids, targets): targets is the index where the trained part starts, or a
-# per-token 0/1 mask (chat).
+# per-token 0/1 mask (chat). A batch's examples are `Tokens`: their ids one after another, in numpy.
 
 Example = tuple[list[int], Any]
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """A batch's examples: every example's token ids one after another, and where each one's targets are."""
+
+    ids: np.ndarray  # int32, the examples' tokens concatenated
+    lengths: np.ndarray  # int64, tokens per example
+    start: np.ndarray | None = None  # int64 per example: the index where its trained part starts, or
+    mask: np.ndarray | None = None  # bool per token: whether it is trained (chat)
+
+    @staticmethod
+    def of(examples: list[Example]) -> Tokens:
+        """The Tokens of (ids, targets) pairs."""
+        import numpy as np
+
+        lengths = np.fromiter((len(ids) for ids, _ in examples), np.int64, len(examples))
+        total = int(lengths.sum())
+        ids = np.fromiter(chain.from_iterable(ids for ids, _ in examples), np.int32, total)
+        if examples and isinstance(examples[0][1], list):  # a per-token mask
+            return Tokens(ids, lengths, mask=np.fromiter(chain.from_iterable(m for _, m in examples), bool, total))
+        return Tokens(ids, lengths, start=np.fromiter((t for _, t in examples), np.int64, len(examples)))
 
 
 @dataclass(frozen=True)
@@ -135,6 +157,10 @@ class Encoder:
     def strings(self, batch: dict[str, list[Any]], column: str, indices: list[int]) -> list[str]:
         """The column's values, which must all be strings."""
         values = batch[column]
+        if set(map(type, values)) <= {str}:  # every one a string (the common case, checked without a loop)
+            if self.max_chars is None or max(map(len, values), default=0) <= self.max_chars:
+                return values
+            return [self.cut(value) for value in values]
         for value, index in zip(values, indices):
             if not isinstance(value, str):
                 # A JSON column whose type changes may have been converted for every record by the
@@ -195,27 +221,52 @@ def _encode(enc: Encoder, texts: list[str]) -> list[list[int]]:
     return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
 
 
-def _text(enc: Encoder, batch: dict[str, list[Any]], indices: list[int]) -> tuple[list[Example], list, list]:
+def _joined(enc: Encoder, pieces: list[list[list[int]]]) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """bos + pieces[0][i] + pieces[1][i] + ... + eos for every example i, assembled in numpy rather than as a
+    Python list per example: (the examples' ids one after another, their lengths, where each piece starts)."""
+    import numpy as np
+
+    n = len(pieces[0])
+    piece_lengths = [np.fromiter(map(len, piece), np.int64, n) for piece in pieces]
+    lengths = len(enc.bos) + len(enc.eos) + sum(piece_lengths, np.zeros(n, np.int64))
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    ids = np.empty(int(lengths.sum()), np.int32)
+    for k, token in enumerate(enc.bos):
+        ids[starts + k] = token
+    at, piece_starts = starts + len(enc.bos), []
+    for piece, length in zip(pieces, piece_lengths):
+        total = int(length.sum())
+        within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(length) - length, length)
+        ids[np.repeat(at, length) + within] = np.fromiter(chain.from_iterable(piece), np.int32, total)
+        piece_starts.append(at - starts)
+        at = at + length
+    for k, token in enumerate(enc.eos):
+        ids[at + k] = token
+    return ids, lengths, piece_starts
+
+
+def _text(enc: Encoder, batch: dict[str, list[Any]], indices: list[int]) -> tuple[Tokens, list, list]:
     """bos? + text + eos, every token a target."""
+    import numpy as np
+
     texts = enc.strings(batch, enc.data.text_field, indices)
-    encoded = _encode(enc, texts)
+    ids, lengths, _ = _joined(enc, [_encode(enc, texts)])
     nothing = [None] * len(texts)
-    return [(enc.bos + ids + enc.eos, 0) for ids in encoded], nothing, nothing
+    return Tokens(ids, lengths, start=np.zeros(len(texts), np.int64)), nothing, nothing
 
 
 def _prompt_completion(enc: Encoder, batch: dict[str, list[Any]],
-                       indices: list[int]) -> tuple[list[Example], list, list]:
+                       indices: list[int]) -> tuple[Tokens, list, list]:
     """bos? + prompt + completion + eos, the completion and eos the targets."""
     prompts = enc.strings(batch, enc.data.prompt_field, indices)
     completions = enc.strings(batch, enc.data.completion_field, indices)
     # Separately tokenized, then concatenated: the prompt/completion boundary is exact and matches
     # generation, which starts from the prompt's tokens.
-    p_ids, c_ids = _encode(enc, prompts), _encode(enc, completions)
-    examples = [(enc.bos + p + c + enc.eos, len(enc.bos) + len(p)) for p, c in zip(p_ids, c_ids)]
-    return examples, prompts, completions
+    ids, lengths, (_, completion_start) = _joined(enc, [_encode(enc, prompts), _encode(enc, completions)])
+    return Tokens(ids, lengths, start=completion_start), prompts, completions
 
 
-def _chat(enc: Encoder, batch: dict[str, list[Any]], indices: list[int]) -> tuple[list[Example], list, list]:
+def _chat(enc: Encoder, batch: dict[str, list[Any]], indices: list[int]) -> tuple[Tokens, list, list]:
     """The conversation through the chat template, the assistant turns the targets."""
     from jinja2.exceptions import TemplateError
 
@@ -226,13 +277,14 @@ def _chat(enc: Encoder, batch: dict[str, list[Any]], indices: list[int]) -> tupl
             out = enc.tok.apply_chat_template(
                 conversations, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
             )
-            return list(zip(out["input_ids"], out["assistant_masks"])), nothing, nothing
+            return Tokens.of(list(zip(out["input_ids"], out["assistant_masks"]))), nothing, nothing
         except TemplateError:
             pass  # find the record the template rejects, below
-    return [_chat_one(enc, messages, index) for messages, index in zip(conversations, indices)], nothing, nothing
+    return (Tokens.of([_chat_one(enc, messages, index) for messages, index in zip(conversations, indices)]),
+            nothing, nothing)
 
 
-FORMATS: dict[str, Callable[[Encoder, dict[str, list[Any]], list[int]], tuple[list[Example], list, list]]] = {
+FORMATS: dict[str, Callable[[Encoder, dict[str, list[Any]], list[int]], tuple[Tokens, list, list]]] = {
     "text": _text,
     "prompt_completion": _prompt_completion,
     "chat": _chat,
@@ -335,28 +387,28 @@ def _assistant_spans(enc: Encoder, messages: list[dict[str, str]]) -> tuple[str,
 # Labels and truncation, the same for every format
 
 
-def _labelled(examples: list[Example], max_length: int) -> tuple[pa.Array, pa.Array, np.ndarray, np.ndarray]:
+def _labelled(tokens: Tokens, max_length: int) -> tuple[pa.Array, pa.Array, np.ndarray, np.ndarray]:
     """(input_ids, labels, targets per example, truncated per example): list<int32> arrays cut to max_length.
 
     One flat numpy pass over the batch's tokens rather than a Python list per example."""
     import numpy as np
     import pyarrow as pa
 
-    lengths = np.fromiter((len(ids) for ids, _ in examples), np.int64, len(examples))
-    total = int(lengths.sum())
-    ids = np.fromiter(chain.from_iterable(ids for ids, _ in examples), np.int32, total)
+    ids, lengths = tokens.ids, tokens.lengths
+    n, total = len(lengths), len(ids)
     starts = np.repeat(np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64), lengths)
     position = np.arange(total, dtype=np.int64) - starts
-    if examples and isinstance(examples[0][1], list):  # a per-token mask
-        trained = np.fromiter(chain.from_iterable(mask for _, mask in examples), bool, total)
+    if tokens.mask is not None:  # a per-token mask
+        trained = tokens.mask.copy()
     else:  # the index where the trained part starts
-        trained = position >= np.repeat(np.fromiter((t for _, t in examples), np.int64, len(examples)), lengths)
+        assert tokens.start is not None
+        trained = position >= np.repeat(tokens.start, lengths)
     trained &= position > 0  # never predicted: see the module docstring
     kept = position < max_length
     cut = np.minimum(lengths, max_length)
     offsets = pa.array(np.concatenate([[0], np.cumsum(cut)]).astype(np.int32))
     labels = np.where(trained, ids, IGNORE_INDEX).astype(np.int32)[kept]
-    targets = np.bincount(np.repeat(np.arange(len(examples)), cut), weights=trained[kept], minlength=len(examples))
+    targets = np.bincount(np.repeat(np.arange(n), cut), weights=trained[kept], minlength=n)
     return (pa.ListArray.from_arrays(offsets, pa.array(ids[kept])), pa.ListArray.from_arrays(offsets, pa.array(labels)),
             targets.astype(np.int64), lengths > max_length)
 
@@ -397,14 +449,14 @@ def encode_range(encoder: Encoder, records: datasets.Dataset, start: int, stop: 
     for first in range(start, stop, BATCH):
         batch = records[first:min(first + BATCH, stop)]
         indices = list(range(first, min(first + BATCH, stop)))
-        examples, prompts, completions = FORMATS[data.format](encoder, batch, indices)
-        input_ids, labels, targets, cut = _labelled(examples, data.max_length)
+        tokens, prompts, completions = FORMATS[data.format](encoder, batch, indices)
+        input_ids, labels, targets, cut = _labelled(tokens, data.max_length)
         text = has_target_text(data, batch)
         table = pa.Table.from_arrays([input_ids, labels, pa.array(text, pa.bool_()),
                                       pa.array(list(prompts), pa.string()), pa.array(list(completions), pa.string())],
                                      schema=example_schema())
         keep = targets > 0
-        tables.append(table.filter(pa.array(keep)))
+        tables.append(table if keep.all() else table.filter(pa.array(keep)))
         truncated, dropped, any_text = truncated + int(cut.sum()), dropped + int((~keep).sum()), any_text or any(text)
     return Encoded(pa.concat_tables(tables) if tables else example_schema().empty_table(), truncated, dropped,
                    any_text)

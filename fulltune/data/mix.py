@@ -10,6 +10,12 @@ A weight is how many times each of the source's examples is seen per epoch on av
 `floor(weight)` times, plus a seeded sample without replacement of `round(fraction × n)` of them, so
 weight 2 doubles a source and 0.5 keeps a seeded half, exactly. The sample is seeded by the training
 seed and the source's own fingerprint: it does not move when another source or weight changes.
+
+Source caches are kept only while they may be used again (`prune_source_caches`, after every build of the
+tokenize stage): those a build in progress reads (its temp dir lists them in SOURCES_FILE), those used in
+the last IN_USE_SECONDS, and the KEEP_SOURCES most recently used; the others are deleted. A tokenized
+dataset (`tokenized/<fingerprint>/`) does not read its sources' caches once built, so a cached stage never
+needs one; mixing a deleted source again tokenizes it again.
 """
 
 from __future__ import annotations
@@ -18,7 +24,11 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
+import re
+import secrets
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +43,11 @@ from fulltune.storage import FileHashes, atomic_dir, hash_parts, remove_stale_te
 if TYPE_CHECKING:
     import numpy as np
     import pyarrow as pa
+
+KEEP_SOURCES = 8  # source caches kept beyond those in use: the most recently used
+IN_USE_SECONDS = 3600  # a source cache used this recently is never deleted: a run may still be mixing it
+SOURCES_FILE = "sources.json"  # in a tokenized build's temp dir while it runs: the source caches it reads
+_FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -72,14 +87,21 @@ def source_examples(source: Source, fingerprint: str, tokenizer: Any, reference:
     name = source.reference if local else f"hub dataset {source.reference}"
     root = Path(workdir) / "tokenized-sources"
     final = root / fingerprint
-    if not _intact(final):
-        root.mkdir(parents=True, exist_ok=True)
-        remove_stale_temp_dirs(root)
-        with atomic_dir(final, _intact) as tmp:
-            _tokenize_into(tmp, source, name, tokenizer, reference, token)
-    meta = json.loads((final / "meta.json").read_text())
-    return SourceExamples(source, name, fingerprint, read_shards(final, meta["shards"]), meta["truncated"],
-                          meta["dropped"])
+    for attempt in (1, 2):
+        if not _intact(final):
+            root.mkdir(parents=True, exist_ok=True)
+            remove_stale_temp_dirs(root)
+            with atomic_dir(final, _intact) as tmp:
+                _tokenize_into(tmp, source, name, tokenizer, reference, token)
+        try:
+            os.utime(final / "meta.json")  # used now: what `prune_source_caches` keeps
+            meta = json.loads((final / "meta.json").read_text())
+            return SourceExamples(source, name, fingerprint, read_shards(final, meta["shards"]), meta["truncated"],
+                                  meta["dropped"])
+        except FileNotFoundError:  # pruned by another run between the check and the read: tokenize it again
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _tokenize_into(out: Path, source: Source, name: str, tokenizer: Any, reference: str,
@@ -107,6 +129,42 @@ def _intact(path: Path) -> bool:
         return all((path / shard["file"]).stat().st_size == shard["size"] for shard in meta["shards"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
+
+
+def prune_source_caches(workdir: str | Path, keep: int | None = None) -> list[str]:
+    """Delete the source caches under `<workdir>/tokenized-sources/` that no build in progress reads, that
+    were not used in the last IN_USE_SECONDS, and that are not among the `keep` (KEEP_SOURCES) most recently
+    used (module docstring). Returns the fingerprints deleted."""
+    root = Path(workdir) / "tokenized-sources"
+    if not root.is_dir():
+        return []
+    keep = KEEP_SOURCES if keep is None else keep
+    in_use: set[str] = set()
+    for build in (Path(workdir) / "tokenized").glob(".tmp-*"):
+        try:
+            in_use.update(str(fp) for fp in json.loads((build / SOURCES_FILE).read_text()))
+        except (OSError, ValueError, TypeError):
+            continue
+    caches = []
+    for entry in root.iterdir():
+        if _FINGERPRINT.fullmatch(entry.name) and entry.is_dir():
+            try:
+                caches.append(((entry / "meta.json").stat().st_mtime, entry))
+            except OSError:
+                continue  # not a whole cache: replaced when next used
+    caches.sort(reverse=True)
+    now, removed = time.time(), []
+    for used, entry in caches[keep:]:
+        if entry.name in in_use or now - used < IN_USE_SECONDS:
+            continue
+        trash = root / f".trash-{entry.name[:16]}-{secrets.token_hex(4)}"  # remove_stale_temp_dirs finishes a kill
+        try:
+            os.rename(entry, trash)
+        except OSError:
+            continue
+        shutil.rmtree(trash, ignore_errors=True)
+        removed.append(entry.name)
+    return removed
 
 
 def weighted_rows(counts: list[int], weights: list[float], seeds: list[list[int]]) -> np.ndarray | None:

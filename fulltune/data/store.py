@@ -30,6 +30,7 @@ import fnmatch
 import hashlib
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,7 +39,14 @@ from fulltune import hub
 from fulltune.data.files import hub_dataset_key, local_data_files
 from fulltune.data.formats import IGNORE_INDEX, format_columns, no_target_text_message, pad_token_id_of
 from fulltune.data.mapped import MappedRowsWriter, row_target_counts
-from fulltune.data.mix import SourceExamples, source_examples, source_fingerprint, weighted_rows
+from fulltune.data.mix import (
+    SOURCES_FILE,
+    SourceExamples,
+    prune_source_caches,
+    source_examples,
+    source_fingerprint,
+    weighted_rows,
+)
 from fulltune.data.sources import Source, describe, is_single, sources
 from fulltune.errors import DataError
 from fulltune.spec import DataSpec
@@ -237,17 +245,25 @@ def _write_rows(path: Path, examples: pa.Table, order: np.ndarray, *, packing: b
     num_rows = len(row_docs) - 1
     counts = {"examples": int(len(lengths)), "rows": int(num_rows), "tokens": int(lengths.sum()), "label_tokens": 0,
               "max_row_length": 0, "max_row_targets": 0}
-    with pq.ParquetWriter(path, schema) as writer, MappedRowsWriter(mapped, schema) as mapped_writer:
+    # The Parquet encoding of a group (pyarrow, without the GIL) runs on a thread while this one gathers and
+    # packs the next group and writes train.arrow: two groups are held at a time, at most.
+    with pq.ParquetWriter(path, schema) as writer, MappedRowsWriter(mapped, schema) as mapped_writer, \
+            ThreadPoolExecutor(1, thread_name_prefix="fulltune-parquet") as parquet:
         group = max(1, min(_ROW_CHUNK, _CHUNK_TOKENS // max_length))
+        written: Future[None] | None = None
         for first in range(0, max(num_rows, 1), group):
             last = min(first + group, num_rows)
             chunk = _take(examples.select(columns), order[row_docs[first]:row_docs[last]])
             table, chunk_counts = _packed_chunk(chunk, row_docs[first:last + 1] - row_docs[first], schema)
-            writer.write_table(table, row_group_size=group)
+            if written is not None:
+                written.result()
+            written = parquet.submit(writer.write_table, table, row_group_size=group)
             mapped_writer.write(table)
             counts["label_tokens"] += chunk_counts["label_tokens"]
             for key in ("max_row_length", "max_row_targets"):
                 counts[key] = max(counts[key], chunk_counts[key])
+        if written is not None:
+            written.result()
     return counts
 
 
@@ -325,6 +341,7 @@ def tokenize_dataset(data: DataSpec, tokenizer: str, workdir: str | Path, seed: 
     remove_stale_temp_dirs(root)
     with atomic_dir(final, lambda p: _read_intact(p, workdir) is not None) as tmp:
         _build(data, tokenizer, seed, fingerprint, tmp, token, trust_remote_code, workdir)
+    prune_source_caches(workdir)
     return load_tokenized(str(final))
 
 
@@ -333,9 +350,12 @@ def _build(data: DataSpec, tokenizer_ref: str, seed: int, fingerprint: str, out:
     from fulltune.models import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_ref, trust_remote_code=trust_remote_code)
+    splits = source_fingerprints(data, tokenizer_ref, token=token, workdir=workdir)
+    # The source caches this build reads, for other runs' prune_source_caches while it runs.
+    (out / SOURCES_FILE).write_text(json.dumps(sorted({fp for pairs in splits.values() for _, fp in pairs})))
     parts = {split: [source_examples(source, source_fp, tokenizer, tokenizer_ref, workdir, token)
                      for source, source_fp in pairs]
-             for split, pairs in source_fingerprints(data, tokenizer_ref, token=token, workdir=workdir).items()}
+             for split, pairs in splits.items()}
     train_split, eval_split, mixed = _split_tables(data, parts["train"], parts["eval"], seed)
     train = _write_rows(out / "train.parquet", *train_split, packing=data.packing, max_length=data.max_length,
                         with_text=False, mapped=out / "train.arrow")
@@ -372,6 +392,7 @@ def _build(data: DataSpec, tokenizer_ref: str, seed: int, fingerprint: str, out:
     meta["files"] = {name: (out / name).stat().st_size for name in TOKENIZED_FILES}
     meta["sha256"] = {name: file_sha256(out / name) for name in TOKENIZED_FILES}
     (out / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    (out / SOURCES_FILE).unlink()  # the sources were touched as they were read: recently used from here on
 
 
 def _source_counts(parts: dict[str, list[SourceExamples]], mixed: list[int]) -> dict[str, list[dict[str, Any]]]:

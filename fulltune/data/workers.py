@@ -5,12 +5,16 @@ shards of at most SHARD records in turn and write each as an Arrow IPC file; the
 order, are the examples one process would have made, byte for byte (an example does not depend on the
 batch it was tokenized in: `formats.encode_range`). The workers are forked, so they start with the
 tokenizer loaded and the records memory-mapped from `datasets`' Arrow cache, and a shard is the most any
-of them holds: memory does not grow with the source. The first shard (in record order) that fails is
-the error reported, as one process would have reported it.
+of them holds: memory does not grow with the source. There are a few shards per worker (PER_WORKER),
+so a worker that the machine's other work slows is not the one the stage waits for at the end. The
+parent's objects are frozen out of the garbage collector before the fork (`gc.freeze`), so the workers'
+collections do not touch, and copy, every page they inherit. The first shard (in record order) that
+fails is the error reported, as one process would have reported it.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +29,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 SHARD = 20_000  # records per shard: what one worker holds at a time
+PER_WORKER = 4  # shards per worker, at least, where the source has that many batches
 
 # What forked workers inherit (set only while a pool runs): the encoder and the records.
 _INHERITED: tuple[Encoder, datasets.Dataset] | None = None
@@ -52,17 +57,20 @@ def tokenize_shards(encoder: Encoder, records: datasets.Dataset, out: Path, work
     global _INHERITED
 
     n = len(records)
-    size = min(SHARD, max(BATCH, -(-n // max(workers, 1))))  # a worker is worth starting for a batch or more
+    # A worker is worth starting for a batch or more; a few shards each balance the workers' load.
+    size = min(SHARD, max(BATCH, -(-n // (max(workers, 1) * PER_WORKER))))
     ranges = [(start, min(start + size, n), str(out / f"examples-{k:05d}.arrow"))
               for k, start in enumerate(range(0, n, size))]
     if workers <= 1 or len(ranges) <= 1:
         return [_write_shard(encoder, records, *r) for r in ranges]
     _INHERITED = (encoder, records)
+    gc.freeze()
     pool = ProcessPoolExecutor(min(workers, len(ranges)), mp_context=get_context("fork"))
     try:
         return list(pool.map(_inherited_shard, *zip(*ranges)))
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        gc.unfreeze()
         _INHERITED = None
 
 
