@@ -336,8 +336,8 @@ class DistributedSpec(Strict):
             raise ValueError("num_processes > 1 needs a strategy (ddp or fsdp)"
                              + (" or num_processes = pipeline_parallel" if self.pipeline_parallel > 1 else ""))
         if self.pipeline_parallel > 1 and self.strategy == "auto":
-            raise ValueError("pipeline_parallel > 1 runs under strategy none (auto is not combined with pipeline "
-                             "stages yet)")
+            raise ValueError("pipeline_parallel > 1 needs a fixed strategy: none (every process a stage), fsdp or "
+                             "ddp (data parallel beside the stages); auto is not combined with fixed stages")
         if self.pipeline_parallel > 1 and self.tensor_parallel != 1:
             raise ValueError("pipeline_parallel > 1 is not combined with tensor_parallel (not built); set one of "
                              "them to 1")

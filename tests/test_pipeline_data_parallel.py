@@ -60,7 +60,7 @@ def test_validate_accepts_data_parallel_beside_pipeline_stages(tmp_path, capsys,
     (STAGED, {**PP_FSDP, "num_processes": 6}, "distributed.num_processes / distributed.pipeline_parallel (3)",
      "must equal train.effective_batch_size (8)"),  # three replicas of the stages cannot split 8 rows
     (STAGED, {**PP_FSDP, "strategy": "none"}, "distributed", "num_processes = pipeline_parallel"),
-    (STAGED, {**PP_FSDP, "strategy": "auto"}, "distributed", "runs under strategy none"),
+    (STAGED, {**PP_FSDP, "strategy": "auto"}, "distributed", "needs a fixed strategy: none (every process a stage)"),
     (STAGED, {**PP_FSDP, "tensor_parallel": 2, "num_processes": 8}, "distributed", "not combined with tensor_parallel"),
     ({**STAGED, "offload_optimizer": True}, PP_FSDP, "train.offload_optimizer with distributed.pipeline_parallel",
      "each stage steps its own optimizer"),
