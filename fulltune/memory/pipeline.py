@@ -141,8 +141,10 @@ def stage_memory_estimate(shape: ModelShape, settings: Settings) -> MemoryEstima
     one = replace(settings, num_processes=settings.num_processes // settings.pipeline_parallel, pipeline_parallel=1)
     worst = worst_stage(estimate_stages(shape, one, settings.pipeline_parallel, settings.pipeline_schedule))
     first, last = worst.layers
+    dp = one.num_processes
+    beside = f", per rank of its {dp} {one.strategy.upper()} processes" if dp > 1 and one.strategy != "none" else ""
     note = (f"pipeline stage {worst.stage} of {settings.pipeline_parallel} (layers {first}–{last - 1}, "
-            f"{worst.in_flight} micro-batches in flight) is the largest: its peak is the device figure")
+            f"{worst.in_flight} micro-batches in flight{beside}) is the largest: its peak is the device figure")
     return MemoryEstimate(worst.peak_bytes, worst.device_bytes, dict(worst.breakdown),
                           f"stage {worst.stage}: {worst.peak_phase}", notes=(note,),
                           step_device_bytes=worst.device_bytes, phases={"training step": worst.device_bytes},
