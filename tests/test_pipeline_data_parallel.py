@@ -201,3 +201,19 @@ def test_two_stages_by_two_replicas_train_like_one_process(tmp_path, shared_run)
     assert max(differences) <= 1e-5, (staged, single_losses)
     _, tensors = _exported(tmp_path / "work")
     assert "lm_head.weight" in tensors and "model.embed_tokens.weight" in tensors
+
+
+@pytest.mark.parametrize(("strategy", "two_stages"), [
+    ("fsdp", "2 is slower"),
+    ("auto", "2 not tried (strategy auto: data parallel beside the stages needs a fixed strategy, ddp or fsdp)"),
+])
+def test_pipeline_parallel_auto_tries_stages_beside_a_fixed_data_parallel_strategy(tmp_path, capsys, strategy,
+                                                                                   two_stages):
+    train = {**STAGED, "micro_batch_size": "auto", "gradient_accumulation_steps": "auto"}
+    path = tiny_pipeline(tmp_path, model=UNTIED, train=train,
+                         distributed={"num_processes": 4, "pipeline_parallel": "auto", "strategy": strategy})
+    assert main(["plan", "tiny", "-f", str(path), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    why = next(r for r in plan["reasons"] if r.startswith("pipeline parallel 1 (distributed.pipeline_parallel auto)"))
+    assert two_stages in why, why
+    assert "4 not tried (4 stages need a decoder layer each" in why, why
