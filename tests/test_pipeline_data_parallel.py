@@ -98,6 +98,13 @@ def test_plan_counts_a_stage_sharded_over_its_data_parallel_processes(tmp_path, 
     saved = a["optimizer_states"] / 2 - (a["parameters"] - rotary) / 2
     assert sharded["peak_bytes"] == pytest.approx(alone["peak_bytes"] - saved, abs=16)
     assert sharded["peak_bytes"] < alone["peak_bytes"]
+    # DDP beside the stages (FSDP2's replicate): the replicated parameters beside the gathered copy, every state.
+    replicated_dir = tmp_path / "replicated"
+    replicated_dir.mkdir()
+    r = _estimate(tiny_pipeline(replicated_dir, model=UNTIED, train=STAGED, distributed={**PP_FSDP, "strategy": "ddp"}),
+                  capsys)["breakdown"]
+    assert r["parameters"] - rotary == 2 * (a["parameters"] - rotary)
+    assert r["optimizer_states"] == a["optimizer_states"] and r["gradients"] == a["gradients"]
 
 
 def _exported(workdir: Path) -> tuple[Path, dict]:
