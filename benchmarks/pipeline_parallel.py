@@ -1,7 +1,8 @@
 """Pipeline parallel on CPU: per-stage peak memory against `fulltune.memory.pipeline`, losses against one process.
 
-For each case, torchrun starts one process per stage (gloo, CPU, a timeout on every collective and on the
-whole run). Each builds the same `from_config` Llama, keeps its stage (`fulltune.runtime.pipeline_parallel.PipelineRun`:
+For each case, torchrun starts one process per stage, or per stage and data-parallel replica in the `*-fsdp2`
+and `*-ddp2` cases (2 stages × 2: each stage sharded with FSDP2 or replicated over its 2 processes; gloo, CPU, a
+timeout on every collective and on the whole run). Each builds the same `from_config` Llama, keeps its stage (`fulltune.runtime.pipeline_parallel.PipelineRun`:
 embedding + first layers / last layers + norm + head) and runs STEPS optimizer steps of M micro-batches
 under torch.distributed.pipelining's 1F1B or GPipe schedule, with the trainer's loss (the head at the
 target positions, Σ loss / the step's targets), global-norm clipping and optimizer. In every rank torch's
@@ -29,7 +30,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from benchmarks.ranks import add_worker_arguments, send_to_driver, torchrun_ranks
@@ -47,6 +48,8 @@ class Case:
     schedule: str = "1f1b"
     stages: int = 2
     config: dict = field(default_factory=dict)  # LlamaConfig keyword arguments over BASE
+    data_parallel: str = "none"  # fsdp or ddp over each stage's `replicas` processes
+    replicas: int = 1  # data-parallel replicas of the pipeline: stages × replicas ranks
 
 
 BASE = {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -63,6 +66,13 @@ CASES = [
     Case("fp32-1f1b-4stages", {**SHAPE, "gradient_accumulation_steps": 8}, stages=4),
     Case("fp32-1f1b-chunked", {**SHAPE, "chunked_loss": True}),
     Case("purebf16-1f1b", {**SHAPE, "mixed_precision": "bf16", "pure_bf16": True}),
+    # Data parallel beside the stages: 2 stages × 2 replicas, every replica given the same rows (the memory is
+    # what is compared; the step's targets are every replica's, so the loss is one process's).
+    Case("fp32-1f1b-fsdp2", SHAPE, data_parallel="fsdp", replicas=2),
+    Case("fp32-gpipe-fsdp2", SHAPE, "gpipe", data_parallel="fsdp", replicas=2),
+    Case("bf16-1f1b-fsdp2", {**SHAPE, "mixed_precision": "bf16"}, data_parallel="fsdp", replicas=2),
+    Case("fp32-1f1b-ckpt2-fsdp2", {**SHAPE, "gradient_checkpointing": 2}, data_parallel="fsdp", replicas=2),
+    Case("fp32-1f1b-ddp2", SHAPE, data_parallel="ddp", replicas=2),
 ]
 
 
@@ -139,6 +149,7 @@ def worker(case_name: str, out: Path) -> None:
 
     import torch.distributed as dist
 
+    from fulltune.degrees import ParallelDims
     from fulltune.runtime.optim import optimizer_for
     from fulltune.runtime.pipeline_parallel import PipelineRun
     from fulltune.runtime.step import LocalAccelerator, OptimizerStep, StepParts, run_step
@@ -147,7 +158,9 @@ def worker(case_name: str, out: Path) -> None:
     settings = settings_of(case)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     model = _model(case)
-    run = PipelineRun.create(model, settings, schedule=case.schedule, length=settings.seq_len)
+    dims = ParallelDims(case.stages * case.replicas, 1, case.stages)
+    run = PipelineRun.create(model, settings, schedule=case.schedule, length=settings.seq_len, dims=dims,
+                             data_parallel=case.data_parallel)
     del model  # this process keeps only its stage's modules
     optimizer = optimizer_for(run.stage, settings)
     accelerator = LocalAccelerator("cpu", settings.mixed_precision, settings.gradient_accumulation_steps)
@@ -162,9 +175,9 @@ def worker(case_name: str, out: Path) -> None:
         micro, step_targets = micro_batches(config_of(case).vocab_size, settings, step)
         dist.barrier()
         start = time.perf_counter()
-        outcome = run_step(parts, micro, step, step_targets)
+        outcome = run_step(parts, micro, step, step_targets * case.replicas)
         seconds.append(time.perf_counter() - start)
-        return float(outcome.loss_sum) / step_targets
+        return float(outcome.loss_sum) / (step_targets * case.replicas)
 
     with tracker:
         losses = [step_of(step) for step in range(1, STEPS + 1)]
@@ -226,10 +239,12 @@ def run_case(case: Case) -> dict:
     from fulltune.planning.pipeline import estimate_pipeline
 
     started = time.perf_counter()
-    ranks = torchrun_ranks("benchmarks.pipeline_parallel", case.name, case.stages, timeout_s=TIMEOUT_S)
+    ranks = torchrun_ranks("benchmarks.pipeline_parallel", case.name, case.stages * case.replicas, timeout_s=TIMEOUT_S)
     wall = time.perf_counter() - started
     settings = settings_of(case)
-    estimate = estimate_pipeline(config_of(case), settings, case.stages, case.schedule)
+    per_stage = replace(settings, strategy=case.data_parallel, num_processes=case.replicas) if case.replicas > 1 \
+        else settings
+    estimate = estimate_pipeline(config_of(case), per_stage, case.stages, case.schedule)
     reference, reference_seconds = reference_losses(case)
     pipelined = ranks[-1]["losses"][:STEPS]
     measured_step = statistics.median(max(r["seconds"][i] for r in ranks) for i in range(STEPS, STEPS + TIMED_STEPS))
@@ -248,10 +263,11 @@ def run_case(case: Case) -> dict:
         "measured_step_seconds": measured_step,
         "one_process_step_seconds": statistics.median(reference_seconds[1:]),
         "ranks": [
-            {"stage": rank, "layers": list(st.layers), "in_flight": st.in_flight, "parameters": r["parameters"],
+            {"stage": st.stage, "rank": rank, "layers": list(st.layers), "in_flight": st.in_flight, "parameters": r["parameters"],
              "estimate_peak_bytes": st.peak_bytes, "estimate_peak_phase": st.peak_phase,
              "measured_peak_bytes": r["peak_bytes"], "error": st.peak_bytes / r["peak_bytes"] - 1}
-            for rank, (st, r) in enumerate(zip(estimate.stages, ranks))
+            for rank, (st, r) in enumerate((estimate.stages[i // case.replicas], r) for i, r in enumerate(ranks))
+            # rank r is stage r // replicas (fulltune.degrees.ParallelDims.stage)
         ],
     }
 
