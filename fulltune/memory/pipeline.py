@@ -28,8 +28,8 @@ accumulates the micro-batches' gradients unsharded and reduces them once, after 
 unit keeps its gathered weights from its backward on, so the stage is walked as the replicated layout (the
 gathered weights and the unsharded gradients) with the shards and the sharded states beside it. Under DDP
 (`replicate`, FSDP2's replicated layout) the replicated parameters are a second copy beside the gathered ones.
-The figure is per rank. Measured per rank on CPU (2 stages × 2; benchmarks/pipeline_parallel.py's model:
-hidden 128, 4 layers, vocabulary 4096, 4 micro-batches of 2 × 128): under FSDP from 0.2% below to 10% above the
+The figure is per rank. Measured per rank on CPU (2 stages × 2: benchmarks/pipeline_parallel.py's `*-fsdp2` and
+`*-ddp2` cases, hidden 128, 4 layers, vocabulary 4096, 4 micro-batches of 2 × 128; BENCHMARKS.md): under FSDP from 0.2% below to 10% above the
 measured peak (fp32 and bf16, 1F1B and GPipe, 2 layers checkpointed), mostly above: a unit is resharded by its next
 forward and the first stage's embedding is gathered only in its own backward, which this does not follow; DDP
 within 0.2% (fp32 1F1B).
