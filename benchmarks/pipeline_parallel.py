@@ -1,7 +1,8 @@
 """Pipeline parallel on CPU: per-stage peak memory against `fulltune.memory.pipeline`, losses against one process.
 
-For each case, torchrun starts one process per stage (gloo, CPU, a timeout on every collective and on the
-whole run; the ranks are `fulltune.planning.rank_memory`'s `pipeline`). Each builds the same `from_config`
+For each case, torchrun starts one process per stage, or per stage and data-parallel replica in the `*-fsdp2`
+and `*-ddp2` cases (2 stages × 2: each stage sharded with FSDP2 or replicated over its 2 processes; gloo, CPU, a
+timeout on every collective and on the whole run; the ranks are `fulltune.planning.rank_memory`'s `pipeline`). Each builds the same `from_config`
 Llama, keeps its stage (`fulltune.runtime.pipeline_parallel.PipelineRun`:
 embedding + first layers / last layers + norm + head) and runs STEPS optimizer steps of M micro-batches
 under torch.distributed.pipelining's 1F1B or GPipe schedule, with the trainer's loss (the head at the
@@ -46,6 +47,8 @@ class Case:
     schedule: str = "1f1b"
     stages: int = 2
     config: dict = field(default_factory=dict)  # LlamaConfig keyword arguments over BASE
+    data_parallel: str = "none"  # fsdp or ddp over each stage's `replicas` processes
+    replicas: int = 1  # data-parallel replicas of the pipeline: stages × replicas ranks
 
 
 BASE = {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -62,6 +65,13 @@ CASES = [
     Case("fp32-1f1b-4stages", {**SHAPE, "gradient_accumulation_steps": 8}, stages=4),
     Case("fp32-1f1b-chunked", {**SHAPE, "chunked_loss": True}),
     Case("purebf16-1f1b", {**SHAPE, "mixed_precision": "bf16", "pure_bf16": True}),
+    # Data parallel beside the stages: 2 stages × 2 replicas, every replica given the same rows (the memory is
+    # what is compared; the step's targets are every replica's, so the loss is one process's).
+    Case("fp32-1f1b-fsdp2", SHAPE, data_parallel="fsdp", replicas=2),
+    Case("fp32-gpipe-fsdp2", SHAPE, "gpipe", data_parallel="fsdp", replicas=2),
+    Case("bf16-1f1b-fsdp2", {**SHAPE, "mixed_precision": "bf16"}, data_parallel="fsdp", replicas=2),
+    Case("fp32-1f1b-ckpt2-fsdp2", {**SHAPE, "gradient_checkpointing": 2}, data_parallel="fsdp", replicas=2),
+    Case("fp32-1f1b-ddp2", SHAPE, data_parallel="ddp", replicas=2),
 ]
 
 
@@ -75,7 +85,8 @@ def run_case(case: Case) -> dict:
     """`case`'s stages in torchrun ranks (`fulltune.planning.rank_memory`'s `pipeline`) against each stage's
     estimate and against the same steps in one process."""
     return {"case": case.name, **pipeline_against_estimate({**BASE, **case.config}, settings_of(case), case.schedule,
-                                                           case.stages, STEPS, TIMED_STEPS, timeout_s=TIMEOUT_S)}
+                                                           case.stages, STEPS, TIMED_STEPS, timeout_s=TIMEOUT_S,
+                                                           data_parallel=case.data_parallel, replicas=case.replicas)}
 
 
 def table(results: list[dict]) -> str:

@@ -3,7 +3,11 @@
     world_size = dp × tp × pp            distributed.num_processes
     tp  tensor parallel                  distributed.tensor_parallel (auto: None until the plan chooses)
     pp  pipeline stages                  distributed.pipeline_parallel (fulltune/runtime/pipeline_parallel.py)
-    dp  data parallel                    the rest: processes that train on different rows (FSDP2 over them)
+    dp  data parallel                    the rest: processes that train on different rows (FSDP2 over them;
+                                         beside pipeline stages FSDP2 or DDP over each stage's dp processes)
+
+The mesh is ("pp", "dp", "tp") in that order, as torchtitan lays it out: global rank
+r = stage · dp · tp + data rank · tp + tp rank (`stage`, `data_rank`).
 
 One frozen object, checked once where it is built, read everywhere the degrees matter: the spec's batch
 rule (`distributed`, `train`), the memory plan (`memory.Settings.dims`, `memory.PlanRequest.dims`), the train
@@ -72,8 +76,13 @@ class ParallelDims:
 
     def data_rank(self, rank: int) -> int:
         """The data-parallel index of global `rank`, which rows of a step it trains on: the "tp" groups are
-        consecutive ranks (`mesh`)."""
+        consecutive ranks (`mesh`); the processes of a pipeline's stages share theirs."""
         return rank // self.tp % self.dp
+
+    def stage(self, rank: int) -> int:
+        """The pipeline stage of global `rank`: "pp" is the mesh's outer dimension (`mesh`), so a stage is
+        dp × tp consecutive ranks and stage s of every data-parallel replica has the same data rank."""
+        return rank // (self.dp * self.tp)
 
     # -- the batch rule ---------------------------------------------------------------------------------
 
@@ -129,8 +138,8 @@ class ParallelDims:
 
     def mesh(self, device: str) -> Any:
         """The device mesh over the default process group: ("dp", "tp"), with "pp" first when there are
-        stages; a "tp" group is consecutive ranks (on one machine first, where the per-block collectives are
-        cheapest)."""
+        stages (a stage's "dp" sub-mesh is what its FSDP2 shards or DDP replicas span); a "tp" group is
+        consecutive ranks (on one machine first, where the per-block collectives are cheapest)."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -22,8 +22,9 @@ would satisfy it — the planner, which fills the `auto` fields, keeps only cand
                                                                                   cuda (CPUOffloadPolicy)
 
 Pipeline stages (`distributed.pipeline_parallel` > 1, fulltune/runtime/pipeline_parallel.py) run the chunked
-loss and pure bf16, not the step in backward or the offloads (PIPELINE_REFUSED_LEVERS), nor fp16's grad scaler,
-nor data parallel beside the stages yet; 1F1B needs a micro-batch per stage.
+loss and pure bf16, not the step in backward or the offloads (PIPELINE_REFUSED_LEVERS), nor fp16's grad scaler;
+1F1B needs a micro-batch per stage. Data parallel beside them (num_processes = pipeline_parallel × dp, strategy
+fsdp or ddp over each stage's dp processes) trains, except with the chunked loss.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ def _torchao_missing() -> bool:
 
 
 def _pipeline_rules() -> tuple[Rule, ...]:
-    """The pipeline stages' rules: the levers they do not run, fp16, data parallel beside them, 1F1B's
-    micro-batches."""
+    """The pipeline stages' rules: the levers they do not run, fp16, the chunked loss beside data parallel,
+    1F1B's micro-batches."""
     def refuses(lever: str) -> Callable[[Combination], bool]:
         return lambda c: c.pipelined and c.on(lever)
 
@@ -122,10 +123,14 @@ def _pipeline_rules() -> tuple[Rule, ...]:
         Rule(("train.mixed_precision", "distributed.pipeline_parallel"),
              lambda c: c.pipelined and c.mixed_precision == "fp16",
              "pipeline stages have no grad scaler across stages; set mixed_precision to bf16, no or auto"),
-        Rule(("distributed.strategy", "distributed.pipeline_parallel"),
-             lambda c: c.pipelined and c.strategy != "none",
-             "data parallel beside pipeline stages is not built yet; set strategy none and num_processes to "
-             "pipeline_parallel"),
+        # Data parallel beside the stages (FSDP2 shards or DDP replicas of a stage): the head's weight is a
+        # DTensor there, which the chunked head's tiles do not read (it runs outside the module's forward).
+        Rule(("train.chunked_loss", "distributed.strategy", "distributed.pipeline_parallel"),
+             lambda c: c.pipelined and c.on("chunked_loss") and c.strategy in ("fsdp", "ddp")
+             and c.num_processes > c.pipeline_parallel,
+             "the chunked head reads the output head's weight outside its module, and with data parallel beside "
+             "the stages that weight is a shard (FSDP) or a replicated DTensor (DDP); turn chunked_loss off (or "
+             "auto), or set num_processes to pipeline_parallel"),
         Rule(("train.gradient_accumulation_steps", "distributed.pipeline_schedule"),
              lambda c: c.pipelined and c.pipeline_schedule == "1f1b"
              and c.gradient_accumulation_steps is not None and c.gradient_accumulation_steps < c.pipeline_parallel,

@@ -287,7 +287,9 @@ class DistributedSpec(Strict):
                        "one stage each (the embedding on the first, the head on the last); "
                        "num_processes = pipeline_parallel × data parallel × tensor_parallel. 1 = none. "
                        "Each optimizer step's gradient_accumulation_steps micro-batches flow through "
-                       "the stages. Needs strategy none and no other parallelism (for now). auto: the plan "
+                       "the stages. Data parallel beside them: num_processes = pipeline_parallel × dp with strategy "
+                       "fsdp (each stage sharded over its dp processes) or ddp (replicated); strategy none: "
+                       "num_processes = pipeline_parallel. Not with tensor_parallel. auto: the plan "
                        "chooses between data parallel over the processes (strategy ddp or fsdp, or one process) and "
                        "num_processes stages (strategy none), the fastest that fits; with strategy none it is "
                        "num_processes."
@@ -325,8 +327,8 @@ class DistributedSpec(Strict):
             raise ValueError("num_processes > 1 needs a strategy (ddp or fsdp)"
                              + (" or num_processes = pipeline_parallel" if self.pipeline_parallel > 1 else ""))
         if self.pipeline_parallel > 1 and self.strategy == "auto":
-            raise ValueError("pipeline_parallel > 1 runs under strategy none (auto is not combined with pipeline "
-                             "stages yet)")
+            raise ValueError("pipeline_parallel > 1 needs a fixed strategy: none (every process a stage), fsdp or "
+                             "ddp (data parallel beside the stages); auto is not combined with fixed stages")
         if self.pipeline_parallel > 1 and self.tensor_parallel != 1:
             raise ValueError("pipeline_parallel > 1 is not combined with tensor_parallel (not built); set one of "
                              "them to 1")

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from conftest import ROOT
+from pipelines_fixture import TINY_LLAMA
 
 # The runs several files compare with (`SharedRun`): 8 rows per optimizer step however they are split — one
 # process × micro 2 × accumulation 4, or two data-parallel processes × micro 2 × accumulation 2; the step
@@ -26,6 +27,10 @@ SHARDED = {"strategy": "fsdp", "num_processes": 2}
 # One process under `strategy: auto` (which keeps `none` on CPU), and FSDP over two processes.
 ONE_PROCESS = {"train": ONE, "distributed": {"strategy": "auto"}}
 TWO_SHARDS = {"train": FSDP, "distributed": SHARDED}
+# One process on the tiny model with its own output head (pipeline stages do not split a tied one), clipped
+# to a global norm of 1 (the tiny model's gradients are above it): what pipeline stages compare with.
+UNTIED = {"from_config": {**TINY_LLAMA, "tie_word_embeddings": False}, "tokenizer": {"vocab_size": 96}}
+ONE_PROCESS_UNTIED = {"model": UNTIED, "train": {**ONE, "max_grad_norm": 1.0}, "distributed": {"strategy": "auto"}}
 
 
 def fulltune_run(pipelines: Path, log: Path, **env: str) -> subprocess.Popen:

@@ -35,8 +35,8 @@ def _validate(tmp_path: Path, capsys, **sections) -> tuple[int, str]:
      "1F1B needs at least as many micro-batches as stages"),
     ({**ONE, "offload_activations": True}, STAGES, "train.offload_activations with distributed.pipeline_parallel",
      "keep the schedule's in-flight activations"),
-    (ONE, {**STAGES, "strategy": "fsdp"}, "distributed.strategy with distributed.pipeline_parallel",
-     "data parallel beside pipeline stages is not built yet"),
+    ({**ONE, "effective_batch_size": 16, "chunked_loss": True}, {**STAGES, "num_processes": 4, "strategy": "fsdp"},
+     "train.chunked_loss with distributed.strategy with distributed.pipeline_parallel", "the chunked head reads"),
 ])
 def test_validate_refuses_what_pipeline_stages_cannot_train_naming_the_field(tmp_path, capsys, train, distributed,
                                                                              field, says):

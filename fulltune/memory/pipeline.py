@@ -2,8 +2,8 @@
 
 P stages over L decoder layers (an even split, `stage_layers`): the input embedding on the first stage, the
 final norm, output head and loss on the last (a tied head is a copy there, its gradient summed with the
-embedding's). Each stage is one process; one optimizer step runs M micro-batches of b rows through the
-pipeline (`Settings.micro_batch_size` = b, `gradient_accumulation_steps` = M) under one of two schedules
+embedding's). Each stage is one process, or dp processes with data parallel beside the stages (below); one
+optimizer step runs M micro-batches of b rows through the pipeline (`Settings.micro_batch_size` = b, `gradient_accumulation_steps` = M) under one of two schedules
 (`torch.distributed.pipelining`, as fulltune/runtime/pipeline_parallel.py runs them):
 
 - GPipe: every stage runs all M forwards, then all M backwards: it holds M micro-batches' activations.
@@ -21,6 +21,18 @@ schedule keeps beside it:
   per micro-batch on every stage but the last; the input gradients a stage sends back live until their send
   is waited for (GPipe: after the last backward; 1F1B: one at a time);
 - under GPipe, the last stage's loss graphs: each waiting micro-batch keeps its fp32 log-softmax.
+
+Data parallel beside the stages (num_processes = P × dp, fulltune/runtime/pipeline_parallel.py): under FSDP a
+stage's weight shards and optimizer states are FSDP's share (`fsdp.persistent`, 1/dp each); the schedule
+accumulates the micro-batches' gradients unsharded and reduces them once, after the step's last backward, and a
+unit keeps its gathered weights from its backward on, so the stage is walked as the replicated layout (the
+gathered weights and the unsharded gradients) with the shards and the sharded states beside it. Under DDP
+(`replicate`, FSDP2's replicated layout) the replicated parameters are a second copy beside the gathered ones.
+The figure is per rank. Measured per rank on CPU (2 stages × 2: benchmarks/pipeline_parallel.py's `*-fsdp2` and
+`*-ddp2` cases, hidden 128, 4 layers, vocabulary 4096, 4 micro-batches of 2 × 128; BENCHMARKS.md): under FSDP from 0.2% below to 10% above the
+measured peak (fp32 and bf16, 1F1B and GPipe, 2 layers checkpointed), mostly above: a unit is resharded by its next
+forward and the first stage's embedding is gathered only in its own backward, which this does not follow; DDP
+within 0.2% (fp32 1F1B).
 
 The step time of a pipelined step (the bubble, the point-to-point sends) is the planner's
 (`fulltune.planning.step_time.pipeline_step_seconds`), and so is the plan's pipeline advice and search
@@ -108,11 +120,12 @@ def estimate_stages(config: Any, settings: Settings, num_stages: int, schedule: 
     """Each stage's peak memory of `settings` run as `num_stages` pipeline stages.
 
     `settings` is the step as one process would run it: micro-batches of `micro_batch_size` rows,
-    `gradient_accumulation_steps` of them per optimizer step (the pipeline's micro-batches), strategy none.
+    `gradient_accumulation_steps` of them per optimizer step (the pipeline's micro-batches), strategy none, or
+    fsdp / ddp over `num_processes` (a stage's data-parallel processes).
 
     Raises:
         MemoryConfigError: an unknown schedule, 1F1B with fewer micro-batches than stages, more stages than
-            layers, a multi-process strategy, or a lever this model does not cover (`UNSUPPORTED_LEVERS`).
+            layers, a strategy other than none, fsdp or ddp, or a lever this model does not cover (`UNSUPPORTED_LEVERS`).
     """
     shape = config if isinstance(config, ModelShape) else model_shape(config)
     _check(shape, settings, num_stages, schedule)
@@ -125,16 +138,18 @@ def worst_stage(stages: tuple[StageEstimate, ...]) -> StageEstimate:
 
 
 def stage_memory_estimate(shape: ModelShape, settings: Settings) -> MemoryEstimate:
-    """The plan's estimate of pipelined `settings` (`pipeline_parallel` P > 1, one process per stage): the
-    largest stage of `estimate_stages` is the figure per device, its peak phase named with its stage.
+    """The plan's estimate of pipelined `settings` (`pipeline_parallel` P > 1, num_processes / P processes per
+    stage): the largest stage of `estimate_stages` is the figure per device, its peak phase named with its stage.
 
     Only the step is counted: every process builds the whole model before it keeps its stage, which this does
     not see (a process's load phase; on CPU the step's peak is the larger for any model that trains)."""
     one = replace(settings, num_processes=settings.num_processes // settings.pipeline_parallel, pipeline_parallel=1)
     worst = worst_stage(estimate_stages(shape, one, settings.pipeline_parallel, settings.pipeline_schedule))
     first, last = worst.layers
+    dp = one.num_processes
+    beside = f", per rank of its {dp} {one.strategy.upper()} processes" if dp > 1 and one.strategy != "none" else ""
     note = (f"pipeline stage {worst.stage} of {settings.pipeline_parallel} (layers {first}–{last - 1}, "
-            f"{worst.in_flight} micro-batches in flight) is the largest: its peak is the device figure")
+            f"{worst.in_flight} micro-batches in flight{beside}) is the largest: its peak is the device figure")
     return MemoryEstimate(worst.peak_bytes, worst.device_bytes, dict(worst.breakdown),
                           f"stage {worst.stage}: {worst.peak_phase}", notes=(note,),
                           step_device_bytes=worst.device_bytes, phases={"training step": worst.device_bytes},
@@ -148,9 +163,10 @@ def _check(shape: ModelShape, settings: Settings, num_stages: int, schedule: str
     M = settings.gradient_accumulation_steps
     if schedule == "1f1b" and M < num_stages:
         raise MemoryConfigError(f"1F1B needs at least as many micro-batches as stages: {M} < {num_stages}")
-    if settings.strategy != "none" or settings.num_processes != 1:
-        raise MemoryConfigError("pipeline stages are modelled without data parallel: strategy none, one process "
-                                "per stage")
+    if settings.strategy not in ("none", "fsdp", "ddp") or (settings.strategy == "none"
+                                                           and settings.num_processes != 1):
+        raise MemoryConfigError("pipeline stages are modelled alone (strategy none, one process per stage) or with "
+                                "data parallel beside them (strategy fsdp or ddp over a stage's processes)")
     on = [name for name in UNSUPPORTED_LEVERS if getattr(settings, name)]
     if on:
         raise MemoryConfigError(f"pipeline stages are not modelled with {', '.join(on)}")
@@ -254,7 +270,14 @@ def _single_micro_batch(sub: ModelShape, ss: Settings, first: bool, last: bool, 
     from fulltune.memory.timeline import Timeline, step_terms
     from fulltune.memory.walk import walk
 
-    x = step_terms(sub, ss, ss)
+    # Data parallel beside the stages: the schedule accumulates every micro-batch's gradients unsharded and
+    # reduces them after the step's last backward, and a unit keeps its gathered weights from its backward on
+    # (torch.distributed.pipelining's FSDP support), so the walk is the replicated one. Beside it, FSDP2's own
+    # parameters (`fsdp.persistent`, FSDP's share: 1/dp under fsdp, the whole stage under ddp's `replicate`,
+    # whose replicated parameter is a copy beside the one the step computes with) and the optimizer states
+    # (1/dp under fsdp).
+    walked = replace(ss, strategy="none", num_processes=1)
+    x = step_terms(sub, walked, walked)
     acts = x.acts
     # A later stage's input is its receive buffer (counted with the schedule's buffers); only the last stage
     # keeps the final norm's tensors and the head's rows.
@@ -262,6 +285,9 @@ def _single_micro_batch(sub: ModelShape, ss: Settings, first: bool, last: bool, 
                    final_norm=acts.final_norm if last else 0, lm_head_input=acts.lm_head_input if last else 0)
     x = replace(x, acts=acts)
     p = persistent(x)
+    if ss.strategy in ("fsdp", "ddp") and ss.num_processes > 1:
+        sharded = persistent(step_terms(sub, ss, ss))
+        p = replace(p, params=p.params + sharded.params, states=sharded.states)
     b, s = ss.micro_batch_size, ss.seq_len
     rows = b * micro_batches
     # Every stage has the step's position ids (and attention mask); the first its token ids, the last its

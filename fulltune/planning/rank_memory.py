@@ -226,22 +226,28 @@ def _peak_tracker() -> Any:
     return PeakTracker()
 
 
-def pipeline_rank(config: dict[str, Any], settings: Settings, schedule: str, steps: int,
-                  timed_steps: int) -> dict[str, Any]:
+def pipeline_rank(config: dict[str, Any], settings: Settings, schedule: str, steps: int, timed_steps: int,
+                  stages: int, data_parallel: str = "none") -> dict[str, Any]:
     """This rank's stage under `schedule`: `steps` tracked optimizer steps (their losses and the stage's peak),
-    then `timed_steps` untracked ones (MemTracker intercepts every op in Python) for the step times."""
+    then `timed_steps` untracked ones (MemTracker intercepts every op in Python) for the step times. With more
+    ranks than `stages`, each stage is sharded (`data_parallel` fsdp) or replicated (ddp) over its replicas, every
+    replica given the same rows (the memory is what is compared; the step's targets are every replica's, so the
+    loss is one process's)."""
     import datetime
 
     import torch.distributed as dist
 
+    from fulltune.degrees import ParallelDims
     from fulltune.runtime.optim import optimizer_for
     from fulltune.runtime.pipeline_parallel import PipelineRun
     from fulltune.runtime.step import LocalAccelerator, OptimizerStep, StepParts, run_step
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    replicas = dist.get_world_size() // stages
     model = _pipeline_model(config, settings)
     vocab = model.config.vocab_size
-    run = PipelineRun.create(model, settings, schedule=schedule, length=settings.seq_len)
+    run = PipelineRun.create(model, settings, schedule=schedule, length=settings.seq_len,
+                             dims=ParallelDims(stages * replicas, 1, stages), data_parallel=data_parallel)
     del model  # this process keeps only its stage's modules
     optimizer = optimizer_for(run.stage, settings)
     accelerator = LocalAccelerator("cpu", settings.mixed_precision, settings.gradient_accumulation_steps)
@@ -256,9 +262,9 @@ def pipeline_rank(config: dict[str, Any], settings: Settings, schedule: str, ste
         micro, step_targets = micro_batches(vocab, settings, step)
         dist.barrier()
         start = time.perf_counter()
-        outcome = run_step(parts, micro, step, step_targets)
+        outcome = run_step(parts, micro, step, step_targets * replicas)
         seconds.append(time.perf_counter() - start)
-        return float(outcome.loss_sum) / step_targets
+        return float(outcome.loss_sum) / (step_targets * replicas)
 
     with tracker:
         losses = [step_of(step) for step in range(1, steps + 1)]
@@ -291,18 +297,22 @@ def pipeline_reference(config: dict[str, Any], settings: Settings, steps: int) -
 
 
 def pipeline_against_estimate(config: dict[str, Any], settings: Settings, schedule: str, stages: int, steps: int = 3,
-                              timed_steps: int = 3, timeout_s: float = 240) -> dict[str, Any]:
-    """`stages` pipeline ranks (`pipeline_rank`) against `estimate_pipeline`'s stages and against the same steps
-    in one process (`pipeline_reference`): the losses, the step times and each stage's peak."""
+                              timed_steps: int = 3, timeout_s: float = 240, data_parallel: str = "none",
+                              replicas: int = 1) -> dict[str, Any]:
+    """`stages` × `replicas` pipeline ranks (`pipeline_rank`) against `estimate_pipeline`'s stages and against
+    the same steps in one process (`pipeline_reference`): the losses, the step times and each rank's peak (rank
+    r is stage r // replicas, `fulltune.degrees.ParallelDims.stage`)."""
     import statistics
+    from dataclasses import replace
 
     from fulltune.planning.pipeline import estimate_pipeline
 
     started = time.perf_counter()
-    ranks = measure_ranks("pipeline", config, settings, stages, timeout_s=timeout_s, schedule=schedule, steps=steps,
-                          timed_steps=timed_steps)
+    ranks = measure_ranks("pipeline", config, settings, stages * replicas, timeout_s=timeout_s, schedule=schedule,
+                          steps=steps, timed_steps=timed_steps, stages=stages, data_parallel=data_parallel)
     wall = time.perf_counter() - started
-    estimate = estimate_pipeline(_config(config), settings, stages, schedule)
+    per_stage = replace(settings, strategy=data_parallel, num_processes=replicas) if replicas > 1 else settings
+    estimate = estimate_pipeline(_config(config), per_stage, stages, schedule)
     reference, reference_seconds = pipeline_reference(config, settings, steps)
     pipelined = ranks[-1]["losses"][:steps]
     measured_step = statistics.median(max(r["seconds"][i] for r in ranks) for i in range(steps, steps + timed_steps))
@@ -313,10 +323,11 @@ def pipeline_against_estimate(config: dict[str, Any], settings: Settings, schedu
         "bubble": estimate.bubble, "predicted_step_seconds": estimate.step_seconds,
         "measured_step_seconds": measured_step, "one_process_step_seconds": statistics.median(reference_seconds[1:]),
         "ranks": [
-            {"stage": rank, "layers": list(st.layers), "in_flight": st.in_flight, "parameters": r["parameters"],
-             "estimate_peak_bytes": st.peak_bytes, "estimate_peak_phase": st.peak_phase,
-             "measured_peak_bytes": r["peak_bytes"], "error": st.peak_bytes / r["peak_bytes"] - 1}
-            for rank, (st, r) in enumerate(zip(estimate.stages, ranks))
+            {"stage": st.stage, "rank": rank, "layers": list(st.layers), "in_flight": st.in_flight,
+             "parameters": r["parameters"], "estimate_peak_bytes": st.peak_bytes,
+             "estimate_peak_phase": st.peak_phase, "measured_peak_bytes": r["peak_bytes"],
+             "error": st.peak_bytes / r["peak_bytes"] - 1}
+            for rank, (st, r) in enumerate((estimate.stages[i // replicas], r) for i, r in enumerate(ranks))
         ],
     }
 
@@ -377,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         allocator.return_large_blocks()  # as `python -m fulltune.runtime.train` does on CPU
         measured = export_rank(config, settings, Path(spec["out"]), spec["shard_bytes"], spec["whole"])
     elif spec["kind"] == "pipeline":
-        measured = pipeline_rank(config, settings, spec["schedule"], spec["steps"], spec["timed_steps"])
+        measured = pipeline_rank(config, settings, spec["schedule"], spec["steps"], spec["timed_steps"],
+                                 spec["stages"], spec["data_parallel"])
     else:
         measured = (fsdp_rank if spec["kind"] == "fsdp" else tensor_parallel_rank)(config, settings)
     send_to_driver(measured, Path(args[1]))

@@ -398,9 +398,9 @@ def allowed_strategies(request: PlanRequest) -> list[str]:
 def pipeline_degrees(shape: ModelShape, request: PlanRequest) -> tuple[list[int], dict[int, str]]:
     """The numbers of pipeline stages `distributed.pipeline_parallel: auto` may choose, and why the other divisors
     of the processes may not: 1 is data parallel over the processes (a strategy other than none, or one
-    process); P > 1 stages are every process a stage (data parallel beside stages is not built), each with a
-    decoder layer or more, an untied head, strategy none (or auto) and no rule of the lever table broken with the
-    fixed fields. Each is the request as `staged_search` searches it."""
+    process); P > 1 stages are every process a stage (strategy none or auto), or P stages with data parallel
+    beside them (strategy ddp or fsdp over num_processes / P replicas), each stage with a decoder layer or more,
+    an untied head and no rule of the lever table broken with the fixed fields. Each is the request as `staged_search` searches it."""
     if request.pipeline_parallel is not None:
         return [request.pipeline_parallel], {}
     n = request.num_processes
@@ -422,10 +422,10 @@ def pipeline_degrees(shape: ModelShape, request: PlanRequest) -> tuple[list[int]
 
 def _stages_problem(shape: ModelShape, request: PlanRequest, degree: int) -> str | None:
     """Why `degree` pipeline stages over the request's processes cannot train (None: they can)."""
-    if degree < request.num_processes:
-        return "data parallel beside pipeline stages is not built yet"
-    if request.strategy not in ("none", "auto"):
-        return f"pipeline stages run under strategy none; this pipeline's is {request.strategy}"
+    if degree < request.num_processes and request.strategy == "none":
+        return "strategy none: every process is a stage (data parallel beside the stages needs ddp or fsdp)"
+    if degree < request.num_processes and request.strategy == "auto":
+        return "strategy auto: data parallel beside the stages needs a fixed strategy, ddp or fsdp"
     if degree > shape.num_layers:
         return f"{degree} stages need a decoder layer each; the model has {shape.num_layers}"
     if shape.tied:
@@ -440,5 +440,7 @@ def _stages_problem(shape: ModelShape, request: PlanRequest, degree: int) -> str
 
 
 def as_pipeline(request: PlanRequest, degree: int) -> PlanRequest:
-    """The request with `degree` pipeline stages: strategy none for stages, the request's own for 1."""
-    return replace(request, pipeline_parallel=degree, strategy="none" if degree > 1 else request.strategy)
+    """The request with `degree` pipeline stages: the request's own strategy for 1 and for stages under ddp or
+    fsdp (data parallel over each stage's processes), strategy none for stages under none or auto."""
+    alone = degree > 1 and request.strategy in ("none", "auto")
+    return replace(request, pipeline_parallel=degree, strategy="none" if alone else request.strategy)

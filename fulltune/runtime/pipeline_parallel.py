@@ -1,5 +1,5 @@
-"""Pipeline-parallel training: a causal LM's decoder layers split into stages, one process each, run by
-`torch.distributed.pipelining`'s GPipe or 1F1B schedule.
+"""Pipeline-parallel training: a causal LM's decoder layers split into stages, run by
+`torch.distributed.pipelining`'s GPipe or 1F1B schedule, with data parallel beside them.
 
     stage 0:      embed_tokens → layers[0 : L/P]                 ─ activations ─►
     stage s:      layers[s·L/P : (s+1)·L/P]                       ◄─ gradients ─
@@ -12,23 +12,35 @@ the same modules in the same order as `LlamaModel.forward`. Each stage builds it
 causal mask from the position ids and attention mask every stage receives (they are not sent between
 stages: only the residual stream is).
 
+Processes: num_processes = P stages × dp replicas on the ("pp", "dp", "tp") device mesh of
+`fulltune.degrees.ParallelDims` (torchtitan's layout; tp is 1 here). Global rank r is stage r // dp, data rank
+r % dp; a stage's point-to-point sends run in its "pp" group (the same data rank on every stage), and every
+replica of the pipeline trains on its data rank's rows of the step, as data-parallel processes read theirs
+(`StepSchedule.micro_batch`). Over a stage's "dp" group (`data_parallel_stage`) the stage is sharded with FSDP2
+(`distributed.strategy: fsdp`: the embedding, each layer and the head a unit) or replicated (`ddp`:
+`replicate`, FSDP2's replicated layout); the schedule accumulates the micro-batches' gradients unsharded and
+reduces them (a sum) after the step's last backward. With dp 1 (strategy none) a stage is a plain module.
+
 The loss is the trainer's (`fulltune.runtime.loss`): the output head runs only at the positions with a target, the
-token losses are summed and divided by the target tokens of the whole optimizer step, so the schedule must
-not scale the gradients again (`scale_grads=False`). The gradient norm is clipped over every stage's
-parameters together (one all-reduce of the squared norms), as one process clips the whole model.
+token losses are summed and divided by the target tokens of the whole optimizer step (every replica's), so the
+schedule must not scale the gradients again (`scale_grads=False`) and data parallel sums them. The gradient norm
+is clipped over every stage's parameters and every dp shard together (one all-reduce of the squared norms), as
+one process clips the whole model.
 
 `fulltune run` trains with it when `distributed.pipeline_parallel` is above 1 (fulltune/runtime/train.py):
 `fulltune.runtime.step.run_step` runs the schedule in place of its micro-batch loop, then the trainer's
 `OptimizerStep` (this module's global clip, the skip of a non-finite step, the LR schedule). A stage keeps its
-modules under the full model's names (`model.layers.<i>`, `lm_head`), so its checkpoint (`save_stage_state`)
-and its export shard (`export_stage`) name every tensor as the whole model does. The memory model of a stage
-is `fulltune.memory.pipeline`; which levers stages run is the lever table's (fulltune/levers.py).
+modules under the full model's names (`model.layers.<i>`, `lm_head`), so its checkpoint (`save_stage_state`:
+DCP, a file per (stage, dp shard), FSDP2's shards as DTensors) and its export shard (`export_stage`: gathered
+over dp, written by the stage's first dp process) name every tensor as the whole model does. The memory model of
+a stage is `fulltune.memory.pipeline`; which levers stages run is the lever table's (fulltune/levers.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,11 +56,13 @@ from fulltune.runtime.loss import (ROW_CHUNK, VOCAB_CHUNK, ChunkedLinearCrossEnt
                                    logit_postprocessing)
 
 __all__ = ["SCHEDULES", "PipelineRun", "StageModule", "build_stage", "check_model_config", "clip_grad_norm_",
+           "data_parallel_stage",
            "export_stage", "is_stage", "load_stage_state", "save_stage_state"]
 
 FIELD = "distributed.pipeline_parallel"
 STAGE_STATE_DIR = "stages"  # in a step checkpoint: every stage's parameters and optimizer state (DCP)
 INDEX_FILE = "model.safetensors.index.json"
+DATA_PARALLEL = ("fsdp", "ddp")  # distributed.strategy beside the stages (data_parallel_stage)
 
 
 class StageModule(torch.nn.Module):
@@ -122,7 +136,9 @@ class StageModule(torch.nn.Module):
 def build_stage(model: torch.nn.Module, stage: int, num_stages: int) -> StageModule:
     """Stage `stage` of `num_stages` of `model`, its layers split evenly (`fulltune.memory.pipeline.stage_layers`)."""
     start, end = stage_layers(int(model.config.num_hidden_layers), num_stages)[stage]
-    return StageModule(model, start, end, first=stage == 0, last=stage == num_stages - 1)
+    module = StageModule(model, start, end, first=stage == 0, last=stage == num_stages - 1)
+    module.index, module.num_stages = stage, num_stages
+    return module
 
 
 def is_stage(model: Any) -> bool:
@@ -144,19 +160,76 @@ def check_model_config(config: Any, num_stages: int, where: str = "") -> None:
                           "(tie_word_embeddings), which pipeline stages do not train yet; set pipeline_parallel to 1")
 
 
+def data_parallel_stage(stage: StageModule, mesh: Any, strategy: str = "fsdp") -> StageModule:
+    """Data parallel over `mesh` (a stage's "dp" processes) in place, as torchtitan composes it with pipeline
+    stages: `fsdp` shards the stage with FSDP2 (`fully_shard`: the input embedding, each decoder layer and the
+    output head a unit, the stage the root: the final norm), `ddp` replicates it (`replicate`, FSDP2's
+    replicated layout: the gradients all-reduced). The parameters become DTensors on `mesh`, which the
+    optimizer is built on, the checkpoints save a shard of (DCP) and the export gathers.
+
+    Every dp process trains on its own rows and divides its token losses by the target tokens of the whole
+    step (all processes), so the gradients are summed over `mesh`, not averaged. The schedule accumulates
+    the micro-batches' gradients unsharded and reduces them once, after the step's last backward
+    (`torch.distributed.pipelining`'s FSDP support); between the backwards a unit keeps its gathered weights.
+    The stage's forward autocasts itself under bf16 (`StageModule._autocast`): the units gather fp32 weights.
+    """
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if strategy not in DATA_PARALLEL:
+        raise ValueError(f"data parallel beside pipeline stages is {' or '.join(DATA_PARALLEL)}; got {strategy!r}")
+    if strategy == "ddp":
+        replicate(stage, mesh=mesh)
+    else:
+        body = stage.model
+        units = [body.embed_tokens] if stage.first else []
+        units += list(body.layers.values())
+        for unit in units:
+            fully_shard(unit, mesh=mesh)
+        if stage.last:  # called by the loss after the stage's forward: gathered until its backward
+            fully_shard(stage.lm_head, mesh=mesh, reshard_after_forward=False)
+        fully_shard(stage, mesh=mesh)
+    for module in stage.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-scaled one)
+    return stage
+
+
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
                     group: Any = None) -> torch.Tensor:
     """Clip the gradients of every stage's `parameters` to a global norm `max_norm`: each stage's squared norm,
-    summed over the pipeline's processes, as `torch.nn.utils.clip_grad_norm_` computes it for one model."""
+    summed over the pipeline's processes, as `torch.nn.utils.clip_grad_norm_` computes it for one model.
+
+    Under data parallel (`data_parallel_stage`) the gradients are DTensors on a stage's "dp" processes: each
+    process's local squares are summed over all processes (one all-reduce), a replicated gradient's counted
+    once (divided by the processes that hold it), and each process scales its local gradients."""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
 
     parameters = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in parameters]
-    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-    squared = local.float().square()
+    if not any(isinstance(g, DTensor) for g in grads):
+        local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        squared = local.float().square()
+        dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=group)
+        norm = squared.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+        return norm
+    squared = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+    locals_ = []
+    for grad in grads:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        copies = 1
+        if isinstance(grad, DTensor):
+            copies = math.prod(grad.device_mesh.size(i) for i, p in enumerate(grad.placements)
+                               if isinstance(p, Replicate))
+        squared += torch.linalg.vector_norm(local.float()).square() / copies
+        locals_.append(local)
     dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=group)
     norm = squared.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    torch._foreach_mul_(locals_, coefficient.to(locals_[0].dtype))
     return norm
 
 
@@ -185,8 +258,8 @@ class PipelineRun:
     """One process's stage of a pipelined run and its schedule: `forward_backward` is what
     `fulltune.runtime.step.run_step` runs in place of its micro-batch loop.
 
-    Every process is given the whole step's micro-batches: the first stage feeds their token ids, the last
-    computes the loss; all of them build their masks and rotary tables from the position ids.
+    Every process is given its data rank's micro-batches of the step: the first stage feeds their token ids,
+    the last computes the loss; all of them build their masks and rotary tables from the position ids.
     """
 
     stage: StageModule
@@ -201,10 +274,16 @@ class PipelineRun:
 
     @classmethod
     def create(cls, model: torch.nn.Module, settings: Any, *, schedule: str = "1f1b", length: int,
-               device: Any = "cpu", pad_token_id: int = 0, hooks: Any = None) -> PipelineRun:
-        """This process's stage of `model` (rank r of the default process group is stage r), moved to
-        `device`, and the schedule over `settings.gradient_accumulation_steps` micro-batches of
-        `settings.micro_batch_size` × `length` tokens. The other stages' modules are dropped with `model`.
+               device: Any = "cpu", pad_token_id: int = 0, hooks: Any = None, dims: Any = None,
+               data_parallel: str = "none") -> PipelineRun:
+        """This process's stage of `model`, moved to `device`, and the schedule over
+        `settings.gradient_accumulation_steps` micro-batches of `settings.micro_batch_size` × `length` tokens.
+        The other stages' modules are dropped with `model`.
+
+        `dims` (a `fulltune.degrees.ParallelDims`; default: every process a stage) lays the processes out on
+        the ("pp", "dp", "tp") mesh: this process is stage `dims.stage(rank)`, its point-to-point sends run
+        in its "pp" group, and with `dims.dp` above 1 its stage is sharded over its "dp" group with FSDP2
+        (`data_parallel` fsdp) or replicated with its gradients all-reduced (ddp): `data_parallel_stage`.
 
         Raises:
             ValueError: an unknown schedule, or a model that is not of the Llama layout.
@@ -212,19 +291,27 @@ class PipelineRun:
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+        from fulltune.degrees import ParallelDims
+
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        stage = build_stage(model, rank, world).to(device)
+        world = dist.get_world_size()
+        dims = dims if dims is not None else ParallelDims(world, 1, world)
+        mesh = dims.mesh(torch.device(device).type)
+        index, stages = dims.stage(dist.get_rank()), dims.pp
+        stage = build_stage(model, index, stages).to(device)
         stage.mixed_precision, stage.chunked = settings.mixed_precision, settings.chunked_loss
         # The shapes crossing each boundary are known from the plan: given up front, the schedule needs no
         # metadata pass (an extra forward and backward of micro-batch 0 before the first step).
         b, h = settings.micro_batch_size, int(model.config.hidden_size)
         dtype = next(stage.parameters()).dtype  # the residual stream's: fp32 under autocast, bf16 with bf16 weights
+        if dims.dp > 1 and data_parallel in DATA_PARALLEL:
+            data_parallel_stage(stage, mesh["dp"], data_parallel)
         stream = torch.empty((b, length, h), dtype=dtype, device="meta", requires_grad=True)
         tokens = torch.empty((b, length), dtype=torch.long, device="meta")
-        pipeline_stage = PipelineStage(stage, rank, world, torch.device(device),
-                                       input_args=tokens if stage.first else stream, output_args=stream)
+        pipeline_stage = PipelineStage(stage, index, stages, torch.device(device),
+                                       input_args=tokens if stage.first else stream, output_args=stream,
+                                       group=mesh["pp"].get_group())
         M = settings.gradient_accumulation_steps
         run = cls(stage, None, M, length, pad_token_id, hooks)
         kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
@@ -244,8 +331,8 @@ class PipelineRun:
                          step_targets: int) -> torch.Tensor:
         """The schedule's forwards and backwards of the step's micro-batches (each `(inputs, targets)` as the
         trainer reads them), accumulating this stage's gradients of Σ token losses / `step_targets`. Returns
-        the step's Σ token losses on every stage (the last stage's, summed over the pipeline: one all-reduce),
-        so that every stage takes the same decision on a non-finite step.
+        the step's Σ token losses on every stage (the last stages', summed over every process: one all-reduce),
+        so that every stage and replica takes the same decision on a non-finite step.
 
         Raises:
             ValueError: not `micro_batches` micro-batches.
@@ -304,22 +391,41 @@ def load_stage_state(directory: str | Path, stage: StageModule, optimizer: Any) 
                    options=StateDictOptions(flatten_optimizer_state_dict=True))
 
 
+def _data_rank(stage: StageModule) -> int:
+    """This process's index among the data-parallel processes of its stage (0 without data parallel)."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = next((p.device_mesh for p in stage.parameters() if isinstance(p, DTensor)), None)
+    return 0 if mesh is None else mesh.get_local_rank()
+
+
 def export_stage(stage: StageModule, directory: Path, tokenizer: Any = None) -> None:
     """Write this stage's tensors as its shard of one Hugging Face checkpoint in `directory`, which every
-    process sees (collective). The main process then writes `model.safetensors.index.json` (every tensor →
-    its shard), the config and the tokenizer; no process holds more than its own stage."""
+    process sees (collective). Under data parallel each tensor is gathered over the stage's "dp" processes
+    (`DTensor.full_tensor`, one at a time) and the first of them writes the shard. The main process then
+    writes `model.safetensors.index.json` (every tensor → its shard), the config and the tokenizer; no
+    process holds more than its own stage."""
     import torch.distributed as dist
     from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    shard = f"model-{rank + 1:05d}-of-{world:05d}.safetensors"
-    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in stage.state_dict().items()}
-    save_file(tensors, str(directory / shard), metadata={"format": "pt"})
+    shard = f"model-{stage.index + 1:05d}-of-{stage.num_stages:05d}.safetensors"
+    writer = _data_rank(stage) == 0
+    tensors = {}
+    for name, tensor in stage.state_dict().items():  # the same order on every process of the stage
+        whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if writer:
+            tensors[name] = whole.detach().contiguous().cpu()
+    if writer:
+        save_file(tensors, str(directory / shard), metadata={"format": "pt"})
     names: list[Any] = [None] * world
-    dist.all_gather_object(names, (shard, {name: t.numel() * t.element_size() for name, t in tensors.items()}))
+    sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
+    dist.all_gather_object(names, (shard, sizes) if writer else None)
     if rank == 0:
-        weight_map = {name: file for file, sizes in names for name in sizes}
-        total = sum(size for _, sizes in names for size in sizes.values())
+        written = [entry for entry in names if entry is not None]
+        weight_map = {name: file for file, sizes in written for name in sizes}
+        total = sum(size for _, sizes in written for size in sizes.values())
         (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
                                                         "weight_map": dict(sorted(weight_map.items()))}, indent=2))
         stage.config.save_pretrained(directory)

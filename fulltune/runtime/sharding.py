@@ -347,10 +347,15 @@ def _unwrap(model: Any) -> Any:
 
 
 def is_sharded(model: Any) -> bool:
-    """Whether `model` (or the module torch.compile wrapped) was sharded with FSDP2."""
+    """Whether `model` (or the module torch.compile wrapped) is a whole model sharded with FSDP2 here. A pipeline
+    stage sharded over its data-parallel processes is not: its clip, checkpoints and export are its own
+    (fulltune/runtime/pipeline_parallel.py)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(_unwrap(model), FSDPModule)
+    from fulltune.runtime.pipeline_parallel import is_stage
+
+    unwrapped = _unwrap(model)
+    return isinstance(unwrapped, FSDPModule) and not is_stage(unwrapped)
 
 
 def gradient_sync(model: Any, enabled: bool) -> None:

@@ -122,10 +122,10 @@ class OptimizerStep:
         if hasattr(wrapper, "clip_grad_norm_"):
             # Step in backward / host offload: the gradients are not on the parameters (fulltune/runtime/optim.py).
             norm = wrapper.clip_grad_norm_(self.max_grad_norm)
+        elif pipeline_parallel.is_stage(self.model):  # one norm over every stage's (and dp shard's) gradients
+            norm = pipeline_parallel.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         elif sharding.is_sharded(self.model):
             norm = sharding.clip_grad_norm_(self.model, self.max_grad_norm)
-        elif pipeline_parallel.is_stage(self.model):  # one norm over every stage's gradients
-            norm = pipeline_parallel.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         else:
             norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.grad_norm = torch.as_tensor(norm if norm is not None else 0.0, device=self.accelerator.device)

@@ -193,8 +193,9 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
 def pipeline_stage(job: TrainJob, model: torch.nn.Module, head: TargetHead, length: int, device: Any,
                    pad_token_id: int, hooks: TrainHooks) -> PipelineRun:
     """This process's stage of `model` and the job's schedule over the plan's micro-batches, every one padded
-    to `length` tokens (the longest row: the schedule's buffers have one shape). The stage computes its loss
-    itself, so the model's loss head is removed.
+    to `length` tokens (the longest row: the schedule's buffers have one shape), sharded (strategy fsdp) or
+    replicated (ddp) over its data-parallel processes. The stage computes its loss itself, so the model's loss
+    head is removed.
 
     Raises:
         ConfigError: the model cannot be split (fewer layers than stages, a tied head, not the Llama layout),
@@ -207,7 +208,8 @@ def pipeline_stage(job: TrainJob, model: torch.nn.Module, head: TargetHead, leng
     head.remove()
     try:
         return PipelineRun.create(model, job.plan, schedule=distributed.pipeline_schedule, length=length,
-                                  device=device, pad_token_id=pad_token_id, hooks=hooks)
+                                  device=device, pad_token_id=pad_token_id, hooks=hooks, dims=job.dims,
+                                  data_parallel=distributed.strategy)
     except ValueError as exc:
         raise ConfigError(f"{pipeline_parallel.FIELD}: {exc}") from None
 
@@ -260,7 +262,7 @@ def load_model_with_levers(job: TrainJob) -> tuple[torch.nn.Module, Any, tuple[i
         built["levers"] = apply_levers(job, model)
         built["flops"] = flops.from_model(model)  # counts parameters: works on an empty model too
 
-    if job.distributed.strategy == "fsdp":
+    if job.distributed.strategy == "fsdp" and job.distributed.pipeline_parallel == 1:  # stages: their own FSDP
         # With distributed.tensor_parallel > 1: the TP plan on each block, then FSDP over the data-parallel
         # processes (fulltune/runtime/parallel.py).
         model = sharding.load_sharded_model(job.paths.model_path, device=job.plan.device,
