@@ -404,6 +404,13 @@ class EvaluateSpec(Strict):
     max_generate_examples: int = Field(32, ge=0, description="Greedy generations for exact match (prompt_completion).")
     max_new_tokens: int = Field(32, ge=1, description="Tokens generated per example.")
     compare_champion: bool = Field(True, description="Also evaluate the current champion on the same data.")
+    processes: int | Literal["auto"] = Field(
+        "auto", description="Processes each candidate is evaluated on. A run trained sharded (strategy fsdp over "
+                            "num_processes, or tensor parallel) may be evaluated sharded the same way, each process "
+                            "holding 1/N of the weights. auto: one process when the whole model and the configured "
+                            "batches fit one device (no second launch of N processes, no gathers per generated "
+                            "token), else sharded like the training. 1: one process. N: sharded over the training's "
+                            "N processes (strategy fsdp, N = distributed.num_processes).")
     precision: Literal["trained", "fp32"] = Field(
         "trained", description="The dtype every candidate is evaluated in: `trained`, the one the run's forward "
                                "computed in (bf16 under bf16 autocast or pure bf16), or `fp32`.")
@@ -561,6 +568,19 @@ class PipelineSpec(Strict):
         micro, accumulation = (None if value == "auto" else value
                                for value in (t.micro_batch_size, t.gradient_accumulation_steps))
         self.distributed.dims.check_batch(t.effective_batch_size, micro, accumulation)
+        return self
+
+    @model_validator(mode="after")
+    def _evaluate_processes(self) -> PipelineSpec:
+        processes, d = self.evaluate.processes, self.distributed
+        if processes == "auto" or processes == 1:
+            return self
+        if processes < 1:
+            raise ValueError(f"evaluate.processes must be auto or at least 1; got {processes}")
+        if d.strategy != "fsdp" or processes != d.num_processes:
+            raise ValueError(f"evaluate.processes: {processes} shards each candidate over the training's processes, "
+                             f"which needs distributed.strategy fsdp and num_processes {processes} (they are "
+                             f"{d.strategy} and {d.num_processes}); set it to auto or 1")
         return self
 
     @model_validator(mode="after")

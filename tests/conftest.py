@@ -37,11 +37,15 @@ def hf_home() -> Path:
 
 @pytest.fixture(scope="session")
 def prefect_server():
-    """One temporary Prefect API for the whole session (prefect_test_harness)."""
+    """One temporary Prefect API for the whole session (prefect_test_harness), per pytest-xdist worker: the
+    flows this process runs use it, and so do the `fulltune run` processes given its URL (`runs.fulltune_run`)
+    — `PREFECT_API_URL`, the door a team with a Prefect server uses. The tests of the temporary server a
+    run starts when none is named (the default) start theirs without it."""
+    from prefect.settings import get_current_settings
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=120):
-        yield
+        yield get_current_settings().api.url
 
 
 def pytest_collection_modifyitems(config, items):
@@ -65,7 +69,7 @@ def _isolated_mlflow_environment():
 
 
 @pytest.fixture
-def shared_run(tmp_path_factory):
+def shared_run(tmp_path_factory, prefect_server):
     """`shared_run(**sections)`: a started `runs.SharedRun` of the tiny pipeline, trained once per session
     (across pytest-xdist workers); `.finish()` gives its directory. Released at teardown whatever happens."""
     from runs import SharedRun
@@ -73,7 +77,7 @@ def shared_run(tmp_path_factory):
     started = []
 
     def start(**sections):
-        started.append(SharedRun(tmp_path_factory, **sections).start())
+        started.append(SharedRun(tmp_path_factory, prefect_server, **sections).start())
         return started[-1]
 
     yield start

@@ -26,18 +26,25 @@ FSDP = {**ONE, "gradient_accumulation_steps": 2}
 SHARDED = {"strategy": "fsdp", "num_processes": 2}
 # One process under `strategy: auto` (which keeps `none` on CPU), and FSDP over two processes.
 ONE_PROCESS = {"train": ONE, "distributed": {"strategy": "auto"}}
-TWO_SHARDS = {"train": FSDP, "distributed": SHARDED}
+# Its evaluate stage sharded over the two processes like its training (`processes: auto` would take one: the tiny
+# model fits), so that the sharded evaluation runs through `fulltune run` (tests/test_fsdp_run.py).
+TWO_SHARDS = {"train": FSDP, "distributed": SHARDED, "evaluate": {"processes": 2}}
 # One process on the tiny model with its own output head (pipeline stages do not split a tied one), clipped
 # to a global norm of 1 (the tiny model's gradients are above it): what pipeline stages compare with.
 UNTIED = {"from_config": {**TINY_LLAMA, "tie_word_embeddings": False}, "tokenizer": {"vocab_size": 96}}
 ONE_PROCESS_UNTIED = {"model": UNTIED, "train": {**ONE, "max_grad_norm": 1.0}, "distributed": {"strategy": "auto"}}
 
 
-def fulltune_run(pipelines: Path, log: Path, **env: str) -> subprocess.Popen:
-    """`fulltune run tiny` as a terminal starts it: a process group of its own, output into `log`."""
+def fulltune_run(pipelines: Path, log: Path, api: str | None = None, **env: str) -> subprocess.Popen:
+    """`fulltune run tiny` as a terminal starts it: a process group of its own, output into `log`. With `api`
+    (the session's Prefect API, the `prefect_server` fixture) as `PREFECT_API_URL`, as a team with a Prefect
+    server runs it; without, the run starts its own temporary server, as `make demo` does."""
     # The temporary Prefect server gets 20 s to start by default: too little on a busy 2-core machine.
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300", **env}
+    environment.pop("PREFECT_API_URL", None)
+    if api is not None:
+        environment["PREFECT_API_URL"] = api
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, "-m", "fulltune.cli", "run", "tiny", "-f", str(pipelines)],
                                 cwd=pipelines.parent, env=environment, stdout=out, stderr=subprocess.STDOUT,
@@ -79,11 +86,12 @@ def kill_run(run: subprocess.Popen, timeout_s: float = 60) -> list:
     return alive
 
 
-def kill_at_checkpoint(pipelines: Path, log: Path, micro_step: int, step: int = 2, timeout_s: float = 600) -> None:
+def kill_at_checkpoint(pipelines: Path, log: Path, micro_step: int, step: int = 2, timeout_s: float = 600,
+                       api: str | None = None) -> None:
     """Run `pipelines`, stalled at micro-batch `micro_step` (the first of the step after checkpoint `step`);
     once checkpoint `step` is published, SIGKILL the whole process group and check that no trainer outlives
     it. The test then reruns the same command."""
-    run = fulltune_run(pipelines, log, FULLTUNE_TEST_FAULT=f"stall_micro_step:{micro_step}")
+    run = fulltune_run(pipelines, log, api, FULLTUNE_TEST_FAULT=f"stall_micro_step:{micro_step}")
     wait_for_checkpoint(run, pipelines.parent / "work", log, step=step, timeout_s=timeout_s)
     alive = kill_run(run, timeout_s=60)
     assert not alive, alive
@@ -123,7 +131,7 @@ class SharedRun:
     waits for it and returns its directory (read-only to tests).
     """
 
-    def __init__(self, tmp_path_factory, **sections) -> None:
+    def __init__(self, tmp_path_factory, api: str | None, **sections) -> None:
         import hashlib
 
         from filelock import FileLock
@@ -134,6 +142,7 @@ class SharedRun:
         self.directory = root / "shared-runs" / digest
         self.directory.mkdir(parents=True, exist_ok=True)
         self.sections = sections
+        self.api = api
         self.lock = FileLock(str(self.directory) + ".lock", thread_local=False)
         self.watcher = None
 
@@ -166,7 +175,7 @@ class SharedRun:
             path = self.directory / stale
             if path.is_dir():
                 shutil.rmtree(path)
-        run = fulltune_run(tiny_pipeline(self.directory, **self.sections), self.directory / "run.log")
+        run = fulltune_run(tiny_pipeline(self.directory, **self.sections), self.directory / "run.log", self.api)
 
         def watch() -> None:
             try:

@@ -18,8 +18,13 @@ from pipelines_fixture import tiny_pipeline
 CLI = [sys.executable, "-m", "fulltune.cli"]
 
 
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def run_cli(*args: str, cwd: Path, api: str | None = None) -> subprocess.CompletedProcess:
+    """The CLI in a process of its own; a run with `api` uses that Prefect API (PREFECT_API_URL), without
+    one its own temporary server."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PREFECT_API_URL", None)
+    if api is not None:
+        env["PREFECT_API_URL"] = api
     return subprocess.run([*CLI, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -137,26 +142,26 @@ def test_simulate_a_multi_process_plan_exits_2_naming_the_strategy(tmp_path, cap
     (b'{"prompt": "1+1=", "completion": "2"}\n{"prompt": "caf\xe9", "completion": "x"}\n',
      ["data.train", "train.jsonl line 2 (byte 53): not UTF-8"]),
 ])
-def test_broken_data_exits_2_and_registers_nothing(tmp_path, content, needles):
+def test_broken_data_exits_2_and_registers_nothing(tmp_path, content, needles, prefect_server):
     path = tiny_pipeline(tmp_path)
     if isinstance(content, bytes):
         (tmp_path / "train.jsonl").write_bytes(content)
     else:
         (tmp_path / "train.jsonl").write_text(content)
-    result = run_cli("run", "tiny", "-f", str(path), cwd=tmp_path)
+    result = run_cli("run", "tiny", "-f", str(path), cwd=tmp_path, api=prefect_server)
     assert_user_error(result, *needles)
     assert not list((tmp_path / "work").glob("tokenized/[!.]*"))
     assert registered_versions(tmp_path / "work" / "mlflow.db") == 0
 
 
 @pytest.mark.slow
-def test_a_broken_record_in_the_third_source_exits_2_naming_it_and_registers_nothing(tmp_path):
+def test_a_broken_record_in_the_third_source_exits_2_naming_it_and_registers_nothing(tmp_path, prefect_server):
     from pipelines_fixture import write_addition_data
 
     write_addition_data(tmp_path / "more.jsonl", 8, seed=1)
     (tmp_path / "third.jsonl").write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": "2+2=", "completion": 4}\n')
     path = tiny_pipeline(tmp_path, data={"train": ["train.jsonl", {"path": "more.jsonl", "weight": 2}, "third.jsonl"]})
-    result = run_cli("run", "tiny", "-f", str(path), cwd=tmp_path)
+    result = run_cli("run", "tiny", "-f", str(path), cwd=tmp_path, api=prefect_server)
     assert_user_error(result, "data.train[2]: ", "third.jsonl line 2: column 'completion' is a number")
     assert not list((tmp_path / "work").glob("tokenized/[!.]*"))
     assert registered_versions(tmp_path / "work" / "mlflow.db") == 0

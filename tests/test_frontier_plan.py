@@ -218,6 +218,48 @@ def test_the_70b_evaluate_stage_is_sharded_over_the_8_gpus_that_trained_it():
     assert evaluation["device_bytes"] <= small.usable_bytes and "shards in host RAM" in evaluation["reason"]
 
 
+def test_a_sharded_run_whose_model_fits_one_gpu_is_evaluated_on_one_process_unless_told_to_shard():
+    """evaluate.processes auto: the 8B model trained FSDP over 8 GPUs of 80 GiB (bf16 weights: 15 GiB) is evaluated
+    on one process at the configured batches, no second launch of 8; 8 shards it like the training; the 70B
+    model, which one GPU cannot hold, is sharded under auto."""
+    from fulltune.memory.evaluation import EvalRequest, plan_evaluation
+
+    settings = Settings(micro_batch_size=1, seq_len=4096, device="cuda", mixed_precision="bf16", strategy="fsdp",
+                        num_processes=8)
+    request = EvalRequest(batch_size=8, seq_len=4096)
+    one = plan_evaluation(model_shape(LLAMA_8B), settings, request, 76 * GiB)
+    assert one.fits and one.processes == 1 and one.loss_batch == 8 and one.offload_device_bytes is None
+    assert "on one process: the whole model fits one device" in one.reason
+    assert one.memory.weights == 2 * model_shape(LLAMA_8B).num_params
+    sharded = plan_evaluation(model_shape(LLAMA_8B), settings, replace(request, processes=8), 76 * GiB)
+    assert sharded.fits and sharded.processes == 8 and sharded.memory.weights < one.memory.weights / 7
+    # Lowered batches on one process are not a fit for auto: then it shards, as the 70B model does.
+    tight = plan_evaluation(model_shape(LLAMA_8B), settings, replace(request, batch_size=512), 20 * GiB)
+    assert tight.processes == 8
+    assert plan_evaluation(model_shape(LLAMA_70B), settings, request, 76 * GiB).processes == 8
+    assert plan_evaluation(model_shape(LLAMA_70B), settings, replace(request, processes=1), 76 * GiB).processes == 1
+
+
+def test_evaluate_processes_names_what_sharding_the_evaluation_needs():
+    from fulltune.errors import ConfigError
+    from fulltune.pipelines_file import validate_pipelines
+
+    def pipelines(processes, **distributed):
+        return {"pipelines": {"t": {"model": {"name_or_path": "local/model"}, "data": {"train": "train.jsonl"},
+                                    "train": {"effective_batch_size": 4}, "evaluate": {"processes": processes},
+                                    "distributed": distributed}}}
+
+    for processes in ("auto", 1, 2):
+        validate_pipelines(pipelines(processes, strategy="fsdp", num_processes=2))
+    for processes, distributed in ((4, {"strategy": "fsdp", "num_processes": 2}),
+                                   (2, {"strategy": "ddp", "num_processes": 2})):
+        with pytest.raises(ConfigError, match=r"pipelines.t: evaluate.processes: \d shards each candidate over the "
+                                              r"training's processes, which needs distributed.strategy fsdp"):
+            validate_pipelines(pipelines(processes, **distributed))
+    with pytest.raises(ConfigError, match=r"evaluate.processes"):
+        validate_pipelines(pipelines(0, strategy="fsdp", num_processes=2))
+
+
 def test_the_70b_evaluate_stage_of_one_process_is_layer_offloaded_where_one_gpu_cannot_hold_its_weights():
     from fulltune.memory.evaluation import EvalRequest, plan_evaluation
 

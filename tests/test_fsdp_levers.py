@@ -30,7 +30,8 @@ RUNS = {
 
 
 def test_chunked_loss_and_optimizer_in_backward_under_fsdp_train_like_fsdp_without_them(tmp_path: Path,
-                                                                                        shared_run) -> None:
+                                                                                        shared_run,
+                                                                                        prefect_server) -> None:
     without_levers = shared_run(**TWO_SHARDS)
     runs, logs = {}, {}
     for name, train in RUNS.items():
@@ -38,14 +39,14 @@ def test_chunked_loss_and_optimizer_in_backward_under_fsdp_train_like_fsdp_witho
         logs[name] = tmp_path / name / "run.log"
         pipelines = tiny_pipeline(tmp_path / name, train=train, distributed=SHARDED)
         fault = {"FULLTUNE_TEST_FAULT": "stall_micro_step:3"} if name == "optimizer_in_backward" else {}
-        runs[name] = fulltune_run(pipelines, logs[name], **fault)
+        runs[name] = fulltune_run(pipelines, logs[name], prefect_server, **fault)
 
     # The run stepping in backward is killed once step 2 is checkpointed (it stalls in step 3), then rerun.
     in_backward = tmp_path / "optimizer_in_backward"
     wait_for_checkpoint(runs["optimizer_in_backward"], in_backward / "work", logs["optimizer_in_backward"], step=2)
     assert not kill_run(runs["optimizer_in_backward"])
     pipelines = in_backward / "pipelines.yaml"
-    runs["optimizer_in_backward"] = fulltune_run(pipelines, logs["optimizer_in_backward"])
+    runs["optimizer_in_backward"] = fulltune_run(pipelines, logs["optimizer_in_backward"], prefect_server)
     outputs = {name: finish(run, logs[name]) for name, run in runs.items()}
     assert "resumed from step 2" in outputs["optimizer_in_backward"], outputs["optimizer_in_backward"][-4000:]
     for name, output in outputs.items():

@@ -18,7 +18,8 @@ from test_sharded_eval import check_fsdp_run_evaluation
 pytestmark = pytest.mark.slow
 
 
-def test_two_fsdp_processes_train_like_one_and_resume_bit_exact_after_a_kill(tmp_path: Path, shared_run) -> None:
+def test_two_fsdp_processes_train_like_one_and_resume_bit_exact_after_a_kill(tmp_path: Path, shared_run,
+                                                                           prefect_server) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -27,9 +28,9 @@ def test_two_fsdp_processes_train_like_one_and_resume_bit_exact_after_a_kill(tmp
     killed.mkdir()
     pipelines = tiny_pipeline(killed, train=FSDP, distributed=SHARDED)
     log = killed / "run.log"
-    kill_at_checkpoint(pipelines, log, micro_step=7)  # a process's 7th micro-batch is the first of step 4
+    kill_at_checkpoint(pipelines, log, micro_step=7, api=prefect_server)  # a process's 7th micro-batch is the first of step 4
 
-    output = finish(fulltune_run(pipelines, log), log)
+    output = finish(fulltune_run(pipelines, log, prefect_server), log)
     assert "resumed from step 2" in output, output[-4000:]
     assert "registered tiny-model version 1" in output
     clean, one = uninterrupted.finish(), single.finish()
@@ -56,13 +57,14 @@ def test_two_fsdp_processes_train_like_one_and_resume_bit_exact_after_a_kill(tmp
 
 
 def test_fsdp_over_one_process_trains_bit_exact_like_strategy_auto_which_chose_none(tmp_path: Path,
-                                                                                   shared_run) -> None:
+                                                                                   shared_run, prefect_server) -> None:
     """On CPU fsdp over one process (no offload: CPUOffloadPolicy needs an accelerator) holds the bytes of
     `none`, so `strategy: auto` keeps `none`; FSDP2 over the one process trains the same losses and weights."""
     plain = shared_run(**ONE_PROCESS)
     sharded = tmp_path / "fsdp"
     sharded.mkdir()
-    finish(fulltune_run(tiny_pipeline(sharded, train=ONE, distributed={"strategy": "fsdp"}), sharded / "run.log"),
+    finish(fulltune_run(tiny_pipeline(sharded, train=ONE, distributed={"strategy": "fsdp"}), sharded / "run.log",
+                        prefect_server),
            sharded / "run.log")
     auto = plain.finish()
     jobs = {name: json.loads(next((d / "work").rglob("JOB.json")).read_text()) for name, d in

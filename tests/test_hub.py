@@ -142,9 +142,10 @@ def test_validate_checks_the_cache_offline_and_defers_hub_ids_online(tmp_path, h
 
 
 @pytest.mark.slow
-def test_run_by_dotted_id_with_a_hub_dataset(tmp_path, hf_cache):
+def test_run_by_dotted_id_with_a_hub_dataset(tmp_path, hf_cache, prefect_server):
     path = write_pipeline(tmp_path, token_env="FULLTUNE_TEST_TOKEN")
-    result = cli("run", "hub", "-f", str(path), cwd=tmp_path, hf_home=hf_cache, FULLTUNE_TEST_TOKEN="hf_dummy")
+    result = cli("run", "hub", "-f", str(path), cwd=tmp_path, hf_home=hf_cache, FULLTUNE_TEST_TOKEN="hf_dummy",
+                 PREFECT_API_URL=prefect_server)
     assert result.returncode == 0, result.stderr[-5000:]
     assert "registered tiny-hub version 1" in result.stdout
     assert "hf_dummy" not in result.stdout + result.stderr

@@ -139,7 +139,7 @@ print(type(model).__name__, sum(t.numel() for t in state.values()))
 @pytest.mark.heavy
 @pytest.mark.timeout(2400)
 def test_two_stages_by_two_shards_train_like_one_process_resume_bit_exact_and_export_one_checkpoint(
-        tmp_path, shared_run):
+        tmp_path, shared_run, prefect_server):
     import torch
 
     from runs import assert_same_weights, finish, fulltune_run, kill_at_checkpoint, loss_history, saved_model
@@ -148,16 +148,16 @@ def test_two_stages_by_two_shards_train_like_one_process_resume_bit_exact_and_ex
     clean, killed = tmp_path / "clean", tmp_path / "killed"
     clean.mkdir(), killed.mkdir()
     uninterrupted = fulltune_run(tiny_pipeline(clean, model=UNTIED, train=STAGED, distributed=PP_FSDP),
-                                 clean / "run.log")
+                                 clean / "run.log", prefect_server)
     pipelines = tiny_pipeline(killed, model=UNTIED, train=STAGED, distributed=PP_FSDP)
     log = killed / "run.log"
     # Micro-batch 7 is the first of step 4 (2 a step on each process): the run stalls there, step-2 its newest
     # checkpoint.
-    kill_at_checkpoint(pipelines, log, micro_step=7)
+    kill_at_checkpoint(pipelines, log, micro_step=7, api=prefect_server)
     (checkpoint,) = (killed / "work").glob("runs/*/checkpoints/step-2")
     assert len(list((checkpoint / "stages").glob("*.distcp"))) == 4  # each (stage, dp shard) its own file
 
-    output = finish(fulltune_run(pipelines, log), log)
+    output = finish(fulltune_run(pipelines, log, prefect_server), log)
     assert "resumed from step 2" in output, output[-4000:]
     assert "× 2 processes × 2 pipeline stages (1f1b)" in output, output[-4000:]
     assert "registered tiny-model version 1" in output
@@ -192,13 +192,13 @@ def test_two_stages_by_two_shards_train_like_one_process_resume_bit_exact_and_ex
 @pytest.mark.slow
 @pytest.mark.heavy
 @pytest.mark.timeout(1800)
-def test_two_stages_by_two_replicas_train_like_one_process(tmp_path, shared_run):
+def test_two_stages_by_two_replicas_train_like_one_process(tmp_path, shared_run, prefect_server):
     """strategy ddp beside the stages: each stage replicated over its two processes, its gradients all-reduced."""
     from runs import finish, fulltune_run, loss_history
 
     single = shared_run(**ONE_PROCESS_UNTIED)
     pipelines = tiny_pipeline(tmp_path, model=UNTIED, train=STAGED, distributed={**PP_FSDP, "strategy": "ddp"})
-    output = finish(fulltune_run(pipelines, tmp_path / "run.log"), tmp_path / "run.log")
+    output = finish(fulltune_run(pipelines, tmp_path / "run.log", prefect_server), tmp_path / "run.log")
     assert "× 2 processes × 2 pipeline stages (1f1b)" in output, output[-4000:]
     one = single.finish()
     staged, single_losses = loss_history(tmp_path / "work"), loss_history(one / "work")

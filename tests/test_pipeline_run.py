@@ -94,7 +94,8 @@ def _exported(workdir: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_two_stages_train_like_one_process_resume_bit_exact_after_a_kill_and_export_one_checkpoint(tmp_path):
+def test_two_stages_train_like_one_process_resume_bit_exact_after_a_kill_and_export_one_checkpoint(tmp_path,
+                                                                                                  prefect_server):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -103,17 +104,17 @@ def test_two_stages_train_like_one_process_resume_bit_exact_after_a_kill_and_exp
     one, clean, killed = (tmp_path / name for name in ("one", "clean", "killed"))
     for directory in (one, clean, killed):
         directory.mkdir()
-    single = fulltune_run(tiny_pipeline(one, model=UNTIED, train=ONE), one / "run.log")
+    single = fulltune_run(tiny_pipeline(one, model=UNTIED, train=ONE), one / "run.log", prefect_server)
     uninterrupted = fulltune_run(tiny_pipeline(clean, model=UNTIED, train=ONE, distributed=STAGES),
-                                 clean / "run.log")
+                                 clean / "run.log", prefect_server)
     pipelines = tiny_pipeline(killed, model=UNTIED, train=ONE, distributed=STAGES)
     log = killed / "run.log"
     # Micro-batch 13 is the first of step 4: the run stalls there with step-2 its newest checkpoint.
-    kill_at_checkpoint(pipelines, log, micro_step=13)
+    kill_at_checkpoint(pipelines, log, micro_step=13, api=prefect_server)
     (checkpoint,) = (killed / "work").glob("runs/*/checkpoints/step-2")
     assert len(list((checkpoint / "stages").glob("*.distcp"))) == 2  # each stage wrote its own state
 
-    output = finish(fulltune_run(pipelines, log), log)
+    output = finish(fulltune_run(pipelines, log, prefect_server), log)
     assert "resumed from step 2" in output, output[-4000:]
     assert "2 pipeline stages (1f1b)" in output
     assert "registered tiny-model version 1" in output

@@ -62,7 +62,8 @@ def test_validate_refuses_a_tensor_parallel_degree_the_heads_do_not_split(tmp_pa
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_tensor_parallel_and_2d_train_like_one_process_and_resume_bit_exact_after_a_kill(tmp_path: Path,
-                                                                                      shared_run) -> None:
+                                                                                      shared_run,
+                                                                                      prefect_server) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -72,15 +73,16 @@ def test_tensor_parallel_and_2d_train_like_one_process_and_resume_bit_exact_afte
     for directory in (tp, clean, killed):
         directory.mkdir()
     single = shared_run(**ONE_PROCESS)
-    finish(fulltune_run(tiny_pipeline(tp, train=ONE, distributed=TP), tp / "run.log"), tp / "run.log")
-    uninterrupted = fulltune_run(tiny_pipeline(clean, train=TWO_D, distributed=FSDP_TP), clean / "run.log")
+    finish(fulltune_run(tiny_pipeline(tp, train=ONE, distributed=TP), tp / "run.log", prefect_server), tp / "run.log")
+    uninterrupted = fulltune_run(tiny_pipeline(clean, train=TWO_D, distributed=FSDP_TP), clean / "run.log",
+                                 prefect_server)
     pipelines = tiny_pipeline(killed, train=TWO_D, distributed=FSDP_TP)
     log = killed / "run.log"
     # The 7th micro-batch of a process is the first of step 4: step-2 is then the newest checkpoint.
-    kill_at_checkpoint(pipelines, log, micro_step=7, timeout_s=900)
+    kill_at_checkpoint(pipelines, log, micro_step=7, timeout_s=900, api=prefect_server)
     finish(uninterrupted, clean / "run.log")
 
-    output = finish(fulltune_run(pipelines, log), log)
+    output = finish(fulltune_run(pipelines, log, prefect_server), log)
     assert "resumed from step 2" in output, output[-4000:]
     assert "registered tiny-model version 1" in output
 

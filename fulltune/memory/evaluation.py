@@ -39,7 +39,8 @@ class EvalRequest:
     `seq_len` is the longest eval row (data.max_length; 0: the training rows' length); `generate` whether exact
     match generates (`evaluate.max_generate_examples` > 0 on prompt/completion data); `harness_batch_size` the
     lm-evaluation-harness batch (None: no harness tasks), scored on requests of up to `harness_seq_len` tokens
-    (0: `seq_len`); `precision` `trained` or `fp32`.
+    (0: `seq_len`); `precision` `trained` or `fp32`; `processes` as `evaluate.processes` (auto, 1 or the
+    training's processes).
     """
 
     batch_size: int = 8
@@ -49,6 +50,7 @@ class EvalRequest:
     harness_batch_size: int | None = None
     harness_seq_len: int = 0
     precision: str = "trained"
+    processes: int | str = "auto"
 
 
 @dataclass(frozen=True)
@@ -186,14 +188,33 @@ def plan_evaluation(shape: ModelShape, settings: Settings, request: EvalRequest,
     Each phase's batch is the largest up to the configured one whose peak fits beside the weights (on CPU beside
     the load's transient too). Where the weights and a batch of 1 do not fit a CUDA device, the weights are
     layer-offloaded: the device keeps what fits beside the batch-1 phases, host RAM (`host_budget`) the rest.
-    A run trained sharded is evaluated sharded over its processes (`eval_processes`): `usable` is then one
-    process's, and so is every figure.
+    A run trained sharded may be evaluated sharded over its processes (`eval_processes`): `usable` is then one
+    process's, and so is every figure. Under `processes: auto` it is evaluated on one process instead when the
+    whole model and the configured batches fit one device: no second launch of its processes, and generation
+    without a gather of every unit per token.
     """
+    sharded = eval_processes(settings)
+    if sharded == 1 or request.processes == sharded:
+        return _plan_over(shape, settings, request, usable, host_budget, attn_implementation, sharded)
+    one = _plan_over(shape, settings, request, usable, host_budget, attn_implementation, 1)
+    if request.processes == 1:
+        return one
+    configured = (request.batch_size, request.batch_size if request.generate else 0, request.harness_batch_size)
+    if usable is not None and one.fits and one.offload_device_bytes is None and \
+            (one.loss_batch, one.generation_batch, one.harness_batch) == configured:
+        return replace(one, reason=f"{one.reason}; on one process: the whole model fits one device, so the "
+                                   f"{sharded} training processes are not launched again (evaluate.processes: "
+                                   f"{sharded} shards it like the training)")
+    return _plan_over(shape, settings, request, usable, host_budget, attn_implementation, sharded)
+
+
+def _plan_over(shape: ModelShape, settings: Settings, request: EvalRequest, usable: int | None,
+               host_budget: int | None, attn_implementation: str, processes: int) -> EvalPlan:
+    """`plan_evaluation` with each candidate on `processes` processes (1, or sharded like the training)."""
     dtype = eval_dtype(settings, request.precision)
     width = DTYPE_BYTES[dtype]
     seq_len = request.seq_len or settings.seq_len
     configured = (request.batch_size, request.batch_size if request.generate else 0, request.harness_batch_size or 0)
-    processes = eval_processes(settings)
 
     def memory(batches: tuple[int, int, int]) -> EvalMemory:
         m = eval_memory(shape, weight_bytes=width, batches=batches, seq_len=seq_len,

@@ -122,4 +122,4 @@ def evaluation_request(spec: PipelineSpec) -> Any:
     return EvalRequest(batch_size=e.batch_size, max_new_tokens=e.max_new_tokens,
                        generate=e.max_generate_examples > 0 and spec.data.format == "prompt_completion",
                        harness_batch_size=(e.lm_eval.batch_size or e.batch_size) if e.lm_eval else None,
-                       precision=e.precision)
+                       precision=e.precision, processes=e.processes)
