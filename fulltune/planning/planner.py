@@ -109,11 +109,24 @@ def trace_is_cheap(shape: ModelShape, request: PlanRequest) -> bool:
     return shape.num_layers * 3 * TRACE_SECONDS_PER_LAYER_PASS <= CHEAP_TRACE_SECONDS
 
 
+# A trace of the same step of the same model reads the same peak: kept for the process's life, so that planning
+# again (autotune's plan, an OOM replan, `plan` before `run` in one process) does not trace it again.
+_TRACED_PEAKS: dict[tuple[Any, ...], int] = {}
+
+
+def traced_peak(config: Any, settings: Settings) -> int:
+    """MemTracker's peak of `settings`' step of `config` under FakeTensorMode (`trace.simulate_memory`)."""
+    from fulltune.planning import trace
+
+    key = (trace.simulate_memory, config.to_json_string(use_diff=False), settings)
+    if key not in _TRACED_PEAKS:
+        _TRACED_PEAKS[key] = trace.simulate_memory(config, settings).peak_bytes
+    return _TRACED_PEAKS[key]
+
+
 def _traced(config: Any, shape: ModelShape, candidates: list[Candidate], usable: int
             ) -> tuple[list[Candidate], tuple[str, ...]]:
     """Trace the fastest fitting candidate; while the larger of estimate and trace does not fit, the next."""
-    from fulltune.planning.trace import simulate_memory
-
     candidates = list(candidates)
     reasons = []
     for _ in range(MAX_TRACES):
@@ -125,12 +138,12 @@ def _traced(config: Any, shape: ModelShape, candidates: list[Candidate], usable:
         if chosen.settings.strategy != "none" or chosen.settings.num_processes != 1:
             reasons.append("not traced: the trace runs one process; the estimate's measured uncertainty applies")
             break
-        traced_peak = simulate_memory(config, chosen.settings).peak_bytes
-        uncertainty = traced_uncertainty(shape, chosen.settings, chosen.estimate.peak_bytes, traced_peak)
+        peak = traced_peak(config, chosen.settings)
+        uncertainty = traced_uncertainty(shape, chosen.settings, chosen.estimate.peak_bytes, peak)
         traced = replace(chosen, uncertainty=uncertainty)
         candidates = [traced if c is chosen else _widened(c, uncertainty) for c in candidates]
         reasons.append(
-            f"traced {describe(chosen.settings)}: peak {format_bytes(traced_peak)} against the estimate's "
+            f"traced {describe(chosen.settings)}: peak {format_bytes(peak)} against the estimate's "
             f"{format_bytes(chosen.estimate.peak_bytes)}; planning for the larger"
             + ("" if fits_budget(traced, usable) else f" ({format_bytes(traced.planned_bytes)}: does not fit)")
         )
