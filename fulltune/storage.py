@@ -166,42 +166,77 @@ def _host() -> str:
 
 
 def process_identity(pid: int | None = None) -> dict[str, Any]:
-    """This process (or `pid`) as {"host", "pid", "started"}: enough to tell later whether it still runs.
-    The start time tells a reused pid from the original."""
+    """This process (or `pid`) as {"host", "pid", "started", "ticks", "boot"}: enough to tell later whether it
+    still runs. The start tells a reused pid from the original: `ticks` (clock ticks since boot) and `boot` (the
+    boot's id) where Linux gives them, else `started` (seconds since the epoch)."""
     import psutil
 
     process = psutil.Process(pid)
-    return {"host": _host(), "pid": process.pid, "started": process.create_time()}
+    identity: dict[str, Any] = {"host": _host(), "pid": process.pid, "started": process.create_time()}
+    ticks, boot = _start_ticks(process.pid), _boot_id()
+    if ticks is not None and boot is not None:
+        identity.update(ticks=ticks, boot=boot)
+    return identity
 
 
 def process_gone(identity: Any) -> bool:
     """Whether the process `identity` (from process_identity) has ended: no such pid, a zombie, or a
     pid reused by a later process. False when it cannot be told (another host, a malformed record), so
-    only a provably dead process is ever treated as gone."""
+    only a provably dead process is ever treated as gone.
+
+    The start is compared in clock ticks since boot where the record has them: the epoch start time psutil
+    derives from the boot time moves by as much as the system clock is stepped (NTP, a VM's clock), and a
+    live process — the run holding a stage lock, the launcher a trainer watches — must never look gone."""
     import psutil
 
     try:
         if identity["host"] != _host():
             return False
-        process = psutil.Process(int(identity["pid"]))
-        # psutil derives the start time from the boot time, which may drift by under a second.
-        return process.status() == psutil.STATUS_ZOMBIE or abs(process.create_time() - float(identity["started"])) > 1.0
+        pid = int(identity["pid"])
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return True
+        boot = _boot_id()
+        if identity.get("ticks") is not None and identity.get("boot") is not None and boot is not None:
+            return identity["boot"] != boot or _start_ticks(pid) != int(identity["ticks"])
+        # An older record: psutil's start time, which drifts with the boot time it is derived from.
+        return abs(process.create_time() - float(identity["started"])) > 1.0
     except psutil.NoSuchProcess:
         return True
     except (psutil.Error, KeyError, TypeError, ValueError):
         return False
 
 
-# `.tmp-<key>-<hostname>-<pid namespace or 0>-<pid>-<start time, ms>-<random>`: a process identity in a name.
-TEMP_DIR = re.compile(r"\.tmp-[0-9a-f]+-(?P<host>.+)-(?P<pidns>\d+)-(?P<pid>\d+)-(?P<started>\d+)-[0-9a-f]{8}")
+def _start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (field 22 of /proc/<pid>/stat); None without /proc or
+    without such a process. A clock step does not move it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    fields = stat.rpartition(b")")[2].split()  # the name, in parentheses, may hold spaces
+    return int(fields[19]) if len(fields) > 19 else None
+
+
+def _boot_id() -> str | None:
+    """This boot's id (a reboot restarts the clock ticks); None where Linux does not give it."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+# `.tmp-<key>-<hostname>-<pid namespace or 0>-<pid>-<start>-<random>`: a process identity in a name. The start is
+# `t<clock ticks since boot>` (this boot's), or in older names the start time in ms since the epoch.
+TEMP_DIR = re.compile(r"\.tmp-[0-9a-f]+-(?P<host>.+)-(?P<pidns>\d+)-(?P<pid>\d+)-(?P<started>t?\d+)-[0-9a-f]{8}")
 
 
 def temp_dir_name(key: str) -> str:
     """A build directory name that says who is writing it (TEMP_DIR): host, pid namespace, pid and start
     time, so that a sweep can tell a dead writer from a live one whose pid was reused."""
     me = process_identity()
-    return (f".tmp-{key[:16]}-{socket.gethostname()}-{_pid_namespace() or 0}-{me['pid']}-{int(me['started'] * 1000)}"
-            f"-{secrets.token_hex(4)}")
+    started = f"t{me['ticks']}" if "ticks" in me else str(int(me["started"] * 1000))
+    return f".tmp-{key[:16]}-{socket.gethostname()}-{_pid_namespace() or 0}-{me['pid']}-{started}-{secrets.token_hex(4)}"
 
 
 def remove_stale_temp_dirs(root: Path) -> None:
@@ -219,7 +254,11 @@ def remove_stale_temp_dirs(root: Path) -> None:
             continue
         namespace = int(match["pidns"])
         host = match["host"] if namespace == 0 else f"{match['host']}/pidns-{namespace}"
-        if process_gone({"host": host, "pid": int(match["pid"]), "started": int(match["started"]) / 1000}):
+        started = match["started"]
+        writer: dict[str, Any] = {"host": host, "pid": int(match["pid"])}
+        writer.update({"ticks": int(started[1:]), "boot": _boot_id()} if started.startswith("t")
+                      else {"started": int(started) / 1000})
+        if process_gone(writer):
             shutil.rmtree(entry, ignore_errors=True)
 
 

@@ -62,6 +62,33 @@ def test_a_killed_holders_stage_lock_is_cleared_and_a_live_ones_is_respected(tmp
     assert clear_stale_locks(str(tmp_path)) == [locks / f"{key}.lock"]
 
 
+def test_a_stepped_system_clock_makes_no_live_process_look_gone(tmp_path, monkeypatch):
+    """NTP or a VM's clock steps the wall clock, and with it the boot time psutil derives start times from: a
+    live run's stage lock stays its own (Ctrl-C then rolls back cleanly instead of failing with "No lock for
+    transaction"), a launcher stays alive to its trainers, a live build directory is kept."""
+    import psutil
+
+    from fulltune.storage import process_gone, process_identity, remove_stale_temp_dirs, temp_dir_name
+    from tasks.common import StageLockManager, locks_dir
+
+    me, parent = process_identity(), process_identity(os.getppid())
+    manager, key = StageLockManager(locks_dir(str(tmp_path))), "fulltune-fine-tune-abc"
+    assert manager.acquire_lock(key, "holder-1", acquire_timeout=1.0)
+    building = tmp_path / "tokenized" / temp_dir_name("0" * 64)
+    building.mkdir(parents=True)
+    booted = psutil.boot_time()
+    for step in (-90.0, 3.0, 3600.0):
+        monkeypatch.setattr(psutil._pslinux, "boot_time", lambda step=step: booted + step)
+        assert abs(psutil.Process(os.getpid()).create_time() - me["started"]) >= 3.0  # the clock did step
+        assert not process_gone(me) and not process_gone(parent)
+        assert manager.is_locked(key) and manager.is_lock_holder(key, "holder-1")
+        remove_stale_temp_dirs(building.parent)
+        assert building.is_dir()
+    manager.release_lock(key, "holder-1")
+    # What the start in ticks still tells: a reused pid (another start), another boot.
+    assert process_gone({**me, "ticks": me["ticks"] + 1}) and process_gone({**me, "boot": "another-boot"})
+
+
 @pytest.mark.slow
 def test_concurrent_runs_train_once_and_register_once(tmp_path):
     path = tiny_pipeline(tmp_path, train={"max_steps": 8, "checkpoint_every_steps": 2})
