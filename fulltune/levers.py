@@ -111,8 +111,8 @@ def _torchao_missing() -> bool:
 
 
 def _pipeline_rules() -> tuple[Rule, ...]:
-    """The pipeline stages' rules: the levers they do not run, fp16, the chunked loss beside data parallel,
-    1F1B's micro-batches."""
+    """The pipeline stages' rules: the levers they do not run, fp16, the chunked loss and the low-bit updates
+    beside data parallel, 1F1B's micro-batches."""
     def refuses(lever: str) -> Callable[[Combination], bool]:
         return lambda c: c.pipelined and c.on(lever)
 
@@ -131,6 +131,12 @@ def _pipeline_rules() -> tuple[Rule, ...]:
              "the chunked head reads the output head's weight outside its module, and with data parallel beside "
              "the stages that weight is a shard (FSDP) or a replicated DTensor (DDP); turn chunked_loss off (or "
              "auto), or set num_processes to pipeline_parallel"),
+        Rule(("train.optimizer", "distributed.strategy", "distributed.pipeline_parallel"),
+             lambda c: c.pipelined and c.strategy == "ddp" and c.num_processes > c.pipeline_parallel
+             and c.optimizer in ("adamw_8bit", "adamw_4bit"),
+             "DDP beside the stages keeps each stage's parameters as replicated DTensors, which the 8-bit and "
+             "4-bit updates have no rule for (bitsandbytes' optimizer_update_32bit refuses them); use adamw or "
+             "adafactor, or set num_processes to pipeline_parallel"),
         Rule(("train.gradient_accumulation_steps", "distributed.pipeline_schedule"),
              lambda c: c.pipelined and c.pipeline_schedule == "1f1b"
              and c.gradient_accumulation_steps is not None and c.gradient_accumulation_steps < c.pipeline_parallel,

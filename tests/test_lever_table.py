@@ -32,6 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "lever_table_worker.py"
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adafactor")
 STRATEGIES = {"none": 1, "ddp": 2, "fsdp": 2}
+# Pipeline stages (1F1B): (strategy, processes, stages) — 2 stages alone, and 2 stages beside 2 data-parallel
+# processes sharded (fsdp) or replicated (ddp).
+STAGED = {"pp2": ("none", 2, 2), "pp2 x fsdp2": ("fsdp", 4, 2), "pp2 x ddp2": ("ddp", 4, 2)}
 EFFECTIVE_BATCH = 4
 
 
@@ -44,22 +47,28 @@ def combinations() -> list[tuple[dict[str, bool], str, str]]:
     return out
 
 
+def layout_of(strategy: str) -> tuple[str, int, int]:
+    """(strategy, processes, pipeline stages) of a STRATEGIES or STAGED name."""
+    return STAGED.get(strategy) or (strategy, STRATEGIES[strategy], 1)
+
+
 def batch_of(on: dict[str, bool], strategy: str) -> tuple[int, int]:
     """(micro-batch, accumulation) a plan gives the combination: the step in backward takes one micro-batch."""
-    processes = STRATEGIES[strategy]
+    _, processes, stages = layout_of(strategy)
     accumulation = 1 if on["optimizer_in_backward"] else 2
-    return EFFECTIVE_BATCH // (processes * accumulation), accumulation
+    return EFFECTIVE_BATCH // (processes // stages * accumulation), accumulation
 
 
 def validate(on: dict[str, bool], optimizer: str, strategy: str) -> str | None:
     """None when the pipelines file validates; else the error message."""
     micro, accumulation = batch_of(on, strategy)
+    name, processes, stages = layout_of(strategy)
     raw = {"pipelines": {"t": {
         "model": {"name_or_path": "local/model"}, "data": {"train": "train.jsonl"}, "budget": {"device": "cpu"},
         "train": {"effective_batch_size": EFFECTIVE_BATCH, "micro_batch_size": micro,
                   "gradient_accumulation_steps": accumulation, "gradient_checkpointing": True,
                   "mixed_precision": "bf16", "optimizer": optimizer, **on},
-        "distributed": {"strategy": strategy, "num_processes": STRATEGIES[strategy]}}}}
+        "distributed": {"strategy": name, "num_processes": processes, "pipeline_parallel": stages}}}}
     try:
         validate_pipelines(raw)
     except ConfigError as exc:
@@ -77,10 +86,11 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def job_text(assets: dict[str, Path], on: dict[str, bool], optimizer: str, strategy: str, index: int) -> str:
     micro, accumulation = batch_of(on, strategy)
-    job = job_with(str(assets["model"]), str(assets["data"]), str(assets["root"] / "runs" / str(index)),
+    name, processes, stages = layout_of(strategy)
+    job = job_with(str(assets["model"]), str(assets["data"]), str(assets["root"] / "runs" / strategy / str(index)),
                    micro_batch_size=micro, gradient_accumulation_steps=accumulation, gradient_checkpointing=2,
-                   mixed_precision="bf16", optimizer=optimizer, strategy=strategy,
-                   num_processes=STRATEGIES[strategy], max_steps=2, checkpoint_every_steps=0, learning_rate=1e-2,
+                   mixed_precision="bf16", optimizer=optimizer, strategy=name, num_processes=processes,
+                   pipeline_parallel=stages, max_steps=2, checkpoint_every_steps=0, learning_rate=1e-2,
                    warmup_ratio=0.0, **on)
     return job.to_json()
 
@@ -163,3 +173,55 @@ def test_strategy_auto_is_not_decided_for_the_table() -> None:
     combination = levers.from_spec(spec)
     assert combination.strategy is None and levers.problems(combination) == []
     assert levers.problems(replace(combination, strategy="ddp"))  # fixed ddp breaks the offload rule
+
+
+def staged_combinations(layouts: tuple[str, ...]) -> dict[str, list[tuple[dict[str, bool], str]]]:
+    """Validate every lever set × optimizer under each pipeline layout of `layouts`; the accepted ones by layout.
+    A refused one names the pipeline and a field of the combination."""
+    accepted: dict[str, list] = {layout: [] for layout in layouts}
+    for values in itertools.product((False, True), repeat=len(levers.LEVERS)):
+        on = dict(zip(levers.LEVERS, values))
+        for optimizer in OPTIMIZERS:
+            for layout in layouts:
+                problem = validate(on, optimizer, layout)
+                if problem is None:
+                    accepted[layout].append((on, optimizer))
+                    continue
+                fields = [f"train.{name}" for name, value in on.items() if value] + [
+                    "train.optimizer", "distributed.strategy", "distributed.pipeline_parallel"]
+                assert "pipelines.t" in problem and any(field in problem for field in fields), problem
+    return accepted
+
+
+def train_accepted(assets: dict[str, Path], accepted: dict[str, list]) -> list[str]:
+    """Two optimizer steps of each accepted combination, one torchrun group per layout; what did not train."""
+    failures = []
+    for layout, combos in accepted.items():
+        texts = [job_text(assets, on, optimizer, layout, i) for i, (on, optimizer) in enumerate(combos)]
+        results = train_all(assets, texts, layout_of(layout)[1], layout.replace(" ", ""))
+        for (on, optimizer), result in zip(combos, results):
+            label = f"{layout} {optimizer} {[name for name, value in on.items() if value]}"
+            if "error" in result:
+                failures.append(f"{label}: {result['error']}")
+            elif not (all(loss == loss and loss < 1e4 for loss in result["losses"]) and result["moved"]):
+                failures.append(f"{label}: did not train: {result}")
+    return failures
+
+
+def test_every_lever_and_optimizer_with_two_pipeline_stages_is_refused_by_validate_or_trains(assets) -> None:
+    """With 2 stages (1F1B): the chunked head and pure bf16 with every optimizer (4-bit states with torchao); the
+    step in backward and both offloads are refused, each naming its fields. The combinations beside data
+    parallel are validated here and trained by the `heavy` test below (4 processes)."""
+    accepted = staged_combinations(tuple(STAGED))
+    optimizers = 3 + optim.torchao_available()
+    counts = {layout: len(combos) for layout, combos in accepted.items()}
+    # Beside data parallel the chunked head is refused, and the stages' DTensors (FSDP2 shards, DDP replicas) take
+    # adamw and adafactor only.
+    assert counts == {"pp2": 4 * optimizers, "pp2 x fsdp2": 2 * 2, "pp2 x ddp2": 2 * 2}, counts
+    assert train_accepted(assets, {"pp2": accepted["pp2"]}) == []
+
+
+@pytest.mark.heavy
+def test_every_lever_and_optimizer_with_pipeline_stages_beside_data_parallel_trains_if_validate_accepts(assets):
+    accepted = staged_combinations(("pp2 x fsdp2", "pp2 x ddp2"))
+    assert train_accepted(assets, accepted) == []
