@@ -124,9 +124,11 @@ def _main(argv: list[str] | None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except Interrupted as exc:
+        _stop_children()
         print(f"interrupted: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
+        _stop_children()
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # a full disk before or after the stages (the flow words the stages' own)
@@ -134,6 +136,14 @@ def _main(argv: list[str] | None) -> int:
             raise
         print(f"error: {disk_full_error(exc, Path.cwd(), 'the stages that finished are cached')}", file=sys.stderr)
         return DiskFull.exit_code
+
+
+def _stop_children() -> None:
+    """Stop the trainers and evaluators this process still waits on (fulltune.runtime.launch.stop_children);
+    none when the launcher was never imported."""
+    launch = sys.modules.get("fulltune.runtime.launch")
+    if launch is not None:
+        launch.stop_children()
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

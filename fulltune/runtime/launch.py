@@ -429,6 +429,22 @@ def run_training(job: TrainJob, on_output: Callable[[str], None] | None = None,
     return _outcome(output_dir, code, tail)
 
 
+# The children `run_child` is waiting on (training, a sharded evaluation): what an interrupt of this process stops.
+_RUNNING: set[subprocess.Popen] = set()
+
+
+def stop_children() -> None:
+    """SIGKILL the process group of every child `run_child` is still waiting on. For Ctrl-C that reached this
+    process in another thread than the one waiting: that thread then reads the end of the child's output and
+    returns, instead of keeping the process alive beside a child that waits for it to end."""
+    for child in list(_RUNNING):
+        if child.poll() is None:
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def run_child(command: list[str], on_output: Callable[[str], None] | None = None,
               env: dict[str, str] | None = None) -> tuple[int, list[str]]:
     """Run `command` (training or a sharded evaluation) in its own session, its output line by line to
@@ -448,6 +464,7 @@ def run_child(command: list[str], on_output: Callable[[str], None] | None = None
     # Own session: an interrupted flow stops the whole process group (torchrun and its workers).
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, bufsize=1, env=env, start_new_session=True)
+    _RUNNING.add(child)
     try:
         assert child.stdout is not None
         for line in child.stdout:  # text mode turns tqdm's carriage returns into lines too
@@ -460,6 +477,7 @@ def run_child(command: list[str], on_output: Callable[[str], None] | None = None
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
+        _RUNNING.discard(child)
     return code, list(tail)
 
 
