@@ -25,8 +25,11 @@ demo: install
 	$(BIN)/fulltune run demo
 
 # Two workers (pytest-xdist), a test file each at a time: most tests wait on child processes and servers.
+# The Ctrl-C test runs after them, on its own: beside the other worker's runs a Ctrl-C'd run has been seen to
+# hang (not yet explained); alone it exits in seconds.
 test: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not heavy"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not heavy and not alone"
+	$(BIN)/python -m pytest -q -m alone
 
 test-all: install
 	$(BIN)/python -m pytest -q

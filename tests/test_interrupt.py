@@ -17,7 +17,7 @@ import pytest
 from pipelines_fixture import tiny_pipeline
 from runs import fulltune_run, wait_for_checkpoint
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 # micro 2 × accumulation 2, a checkpoint every 2 steps; the run stalls in the first micro-batch of step 3,
 # so step-2 is the newest checkpoint when Ctrl-C arrives.
