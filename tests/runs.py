@@ -40,15 +40,18 @@ def fulltune_run(pipelines: Path, log: Path, api: str | None = None, **env: str)
     (the session's Prefect API, the `prefect_server` fixture) as `PREFECT_API_URL`, as a team with a Prefect
     server runs it; without, the run starts its own temporary server, as `make demo` does."""
     # The temporary Prefect server gets 20 s to start by default: too little on a busy 2-core machine.
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-                   "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300", **env}
-    environment.pop("PREFECT_API_URL", None)
-    if api is not None:
-        environment["PREFECT_API_URL"] = api
+    environment = with_prefect_api({**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                                    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300", **env}, api)
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, "-m", "fulltune.cli", "run", "tiny", "-f", str(pipelines)],
                                 cwd=pipelines.parent, env=environment, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+
+
+def with_prefect_api(environment: dict[str, str], api: str | None) -> dict[str, str]:
+    """`environment` naming `api` as PREFECT_API_URL, or none (the run then starts its own temporary server)."""
+    environment = {name: value for name, value in environment.items() if name != "PREFECT_API_URL"}
+    return environment if api is None else {**environment, "PREFECT_API_URL": api}
 
 
 def finish(run: subprocess.Popen, log: Path) -> str:

@@ -21,10 +21,9 @@ CLI = [sys.executable, "-m", "fulltune.cli"]
 def run_cli(*args: str, cwd: Path, api: str | None = None) -> subprocess.CompletedProcess:
     """The CLI in a process of its own; a run with `api` uses that Prefect API (PREFECT_API_URL), without
     one its own temporary server."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("PREFECT_API_URL", None)
-    if api is not None:
-        env["PREFECT_API_URL"] = api
+    from runs import with_prefect_api
+
+    env = with_prefect_api({**os.environ, "PYTHONPATH": str(ROOT)}, api)
     return subprocess.run([*CLI, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -38,15 +38,6 @@ STAGED = {"pp2": ("none", 2, 2), "pp2 x fsdp2": ("fsdp", 4, 2), "pp2 x ddp2": ("
 EFFECTIVE_BATCH = 4
 
 
-def combinations() -> list[tuple[dict[str, bool], str, str]]:
-    out = []
-    for values in itertools.product((False, True), repeat=len(levers.LEVERS)):
-        for optimizer in OPTIMIZERS:
-            for strategy in STRATEGIES:
-                out.append((dict(zip(levers.LEVERS, values)), optimizer, strategy))
-    return out
-
-
 def layout_of(strategy: str) -> tuple[str, int, int]:
     """(strategy, processes, pipeline stages) of a STRATEGIES or STAGED name."""
     return STAGED.get(strategy) or (strategy, STRATEGIES[strategy], 1)
@@ -109,16 +100,44 @@ def train_all(assets: dict[str, Path], texts: list[str], processes: int, name: s
     return json.loads(out.read_text())
 
 
+def accepted_by_validate(layouts: tuple[str, ...]) -> dict[str, list[tuple[dict[str, bool], str]]]:
+    """Validate every lever set × optimizer under each layout of `layouts` (STRATEGIES or STAGED names); the
+    accepted ones by layout. A refused one names the pipeline and a field of the combination."""
+    accepted: dict[str, list] = {layout: [] for layout in layouts}
+    for values in itertools.product((False, True), repeat=len(levers.LEVERS)):
+        on = dict(zip(levers.LEVERS, values))
+        for optimizer in OPTIMIZERS:
+            for layout in layouts:
+                problem = validate(on, optimizer, layout)
+                if problem is None:
+                    accepted[layout].append((on, optimizer))
+                    continue
+                fields = [f"train.{name}" for name, value in on.items() if value] + [
+                    "train.optimizer", "distributed.strategy"]
+                if layout_of(layout)[2] > 1:
+                    fields.append("distributed.pipeline_parallel")
+                assert "pipelines.t" in problem and any(field in problem for field in fields), problem
+    return accepted
+
+
+def train_accepted(assets: dict[str, Path], accepted: dict[str, list]) -> list[str]:
+    """Two optimizer steps of each accepted combination, one process or torchrun group per layout; what did
+    not train."""
+    failures = []
+    for layout, combos in accepted.items():
+        texts = [job_text(assets, on, optimizer, layout, i) for i, (on, optimizer) in enumerate(combos)]
+        results = train_all(assets, texts, layout_of(layout)[1], layout.replace(" ", ""))
+        for (on, optimizer), result in zip(combos, results):
+            label = f"{layout} {optimizer} {[name for name, value in on.items() if value]}"
+            if "error" in result:
+                failures.append(f"{label}: {result['error']}")
+            elif not (all(loss == loss and loss < 1e4 for loss in result["losses"]) and result["moved"]):
+                failures.append(f"{label}: did not train: {result}")
+    return failures
+
+
 def test_every_lever_optimizer_strategy_combination_is_refused_by_validate_or_trains(assets) -> None:
-    accepted: dict[str, list] = {strategy: [] for strategy in STRATEGIES}
-    for on, optimizer, strategy in combinations():
-        problem = validate(on, optimizer, strategy)
-        if problem is None:
-            accepted[strategy].append((on, optimizer))
-            continue
-        # Refused at validate: the message names the pipeline and a field of the combination.
-        fields = [f"train.{name}" for name, value in on.items() if value] + ["train.optimizer", "distributed.strategy"]
-        assert "pipelines.t" in problem and any(field in problem for field in fields), problem
+    accepted = accepted_by_validate(tuple(STRATEGIES))
     # What can train on a CPU device (no FSDP CPU offload): on one process 24 of the 32 lever sets (all but the
     # step in backward with the optimizer offload) with every optimizer (4-bit states only with torchao
     # installed); under DDP the 8 sets without those two; under FSDP, with adamw and adafactor, the 16 sets of
@@ -126,17 +145,7 @@ def test_every_lever_optimizer_strategy_combination_is_refused_by_validate_or_tr
     optimizers = 3 + optim.torchao_available()
     counts = {strategy: len(combos) for strategy, combos in accepted.items()}
     assert counts == {"none": 24 * optimizers, "ddp": 8 * optimizers, "fsdp": 16 * 2}, counts
-    failures = []
-    for strategy, combos in accepted.items():
-        texts = [job_text(assets, on, optimizer, strategy, i) for i, (on, optimizer) in enumerate(combos)]
-        results = train_all(assets, texts, STRATEGIES[strategy], strategy)
-        for (on, optimizer), result in zip(combos, results):
-            label = f"{strategy} {optimizer} {[name for name, value in on.items() if value]}"
-            if "error" in result:
-                failures.append(f"{label}: {result['error']}")
-            elif not (all(loss == loss and loss < 1e4 for loss in result["losses"]) and result["moved"]):
-                failures.append(f"{label}: did not train: {result}")
-    assert failures == []
+    assert train_accepted(assets, accepted) == []
 
 
 def test_a_refused_combination_exits_2_from_fulltune_validate_naming_its_fields(tmp_path: Path) -> None:
@@ -175,44 +184,11 @@ def test_strategy_auto_is_not_decided_for_the_table() -> None:
     assert levers.problems(replace(combination, strategy="ddp"))  # fixed ddp breaks the offload rule
 
 
-def staged_combinations(layouts: tuple[str, ...]) -> dict[str, list[tuple[dict[str, bool], str]]]:
-    """Validate every lever set × optimizer under each pipeline layout of `layouts`; the accepted ones by layout.
-    A refused one names the pipeline and a field of the combination."""
-    accepted: dict[str, list] = {layout: [] for layout in layouts}
-    for values in itertools.product((False, True), repeat=len(levers.LEVERS)):
-        on = dict(zip(levers.LEVERS, values))
-        for optimizer in OPTIMIZERS:
-            for layout in layouts:
-                problem = validate(on, optimizer, layout)
-                if problem is None:
-                    accepted[layout].append((on, optimizer))
-                    continue
-                fields = [f"train.{name}" for name, value in on.items() if value] + [
-                    "train.optimizer", "distributed.strategy", "distributed.pipeline_parallel"]
-                assert "pipelines.t" in problem and any(field in problem for field in fields), problem
-    return accepted
-
-
-def train_accepted(assets: dict[str, Path], accepted: dict[str, list]) -> list[str]:
-    """Two optimizer steps of each accepted combination, one torchrun group per layout; what did not train."""
-    failures = []
-    for layout, combos in accepted.items():
-        texts = [job_text(assets, on, optimizer, layout, i) for i, (on, optimizer) in enumerate(combos)]
-        results = train_all(assets, texts, layout_of(layout)[1], layout.replace(" ", ""))
-        for (on, optimizer), result in zip(combos, results):
-            label = f"{layout} {optimizer} {[name for name, value in on.items() if value]}"
-            if "error" in result:
-                failures.append(f"{label}: {result['error']}")
-            elif not (all(loss == loss and loss < 1e4 for loss in result["losses"]) and result["moved"]):
-                failures.append(f"{label}: did not train: {result}")
-    return failures
-
-
 def test_every_lever_and_optimizer_with_two_pipeline_stages_is_refused_by_validate_or_trains(assets) -> None:
     """With 2 stages (1F1B): the chunked head and pure bf16 with every optimizer (4-bit states with torchao); the
     step in backward and both offloads are refused, each naming its fields. The combinations beside data
     parallel are validated here and trained by the `heavy` test below (4 processes)."""
-    accepted = staged_combinations(tuple(STAGED))
+    accepted = accepted_by_validate(tuple(STAGED))
     optimizers = 3 + optim.torchao_available()
     counts = {layout: len(combos) for layout, combos in accepted.items()}
     # Beside data parallel the chunked head is refused, and the stages' DTensors (FSDP2 shards, DDP replicas) take
@@ -223,5 +199,5 @@ def test_every_lever_and_optimizer_with_two_pipeline_stages_is_refused_by_valida
 
 @pytest.mark.heavy
 def test_every_lever_and_optimizer_with_pipeline_stages_beside_data_parallel_trains_if_validate_accepts(assets):
-    accepted = staged_combinations(("pp2 x fsdp2", "pp2 x ddp2"))
+    accepted = accepted_by_validate(("pp2 x fsdp2", "pp2 x ddp2"))
     assert train_accepted(assets, accepted) == []

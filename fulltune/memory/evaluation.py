@@ -199,13 +199,17 @@ def plan_evaluation(shape: ModelShape, settings: Settings, request: EvalRequest,
     one = _plan_over(shape, settings, request, usable, host_budget, attn_implementation, 1)
     if request.processes == 1:
         return one
-    configured = (request.batch_size, request.batch_size if request.generate else 0, request.harness_batch_size)
     if usable is not None and one.fits and one.offload_device_bytes is None and \
-            (one.loss_batch, one.generation_batch, one.harness_batch) == configured:
+            (one.loss_batch, one.generation_batch, one.harness_batch or 0) == _configured(request):
         return replace(one, reason=f"{one.reason}; on one process: the whole model fits one device, so the "
                                    f"{sharded} training processes are not launched again (evaluate.processes: "
                                    f"{sharded} shards it like the training)")
     return _plan_over(shape, settings, request, usable, host_budget, attn_implementation, sharded)
+
+
+def _configured(request: EvalRequest) -> tuple[int, int, int]:
+    """The (loss, generation, harness) batches `evaluate.*` asks for; 0: the phase does not run."""
+    return request.batch_size, request.batch_size if request.generate else 0, request.harness_batch_size or 0
 
 
 def _plan_over(shape: ModelShape, settings: Settings, request: EvalRequest, usable: int | None,
@@ -214,7 +218,7 @@ def _plan_over(shape: ModelShape, settings: Settings, request: EvalRequest, usab
     dtype = eval_dtype(settings, request.precision)
     width = DTYPE_BYTES[dtype]
     seq_len = request.seq_len or settings.seq_len
-    configured = (request.batch_size, request.batch_size if request.generate else 0, request.harness_batch_size or 0)
+    configured = _configured(request)
 
     def memory(batches: tuple[int, int, int]) -> EvalMemory:
         m = eval_memory(shape, weight_bytes=width, batches=batches, seq_len=seq_len,
