@@ -21,6 +21,12 @@ for _name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE"):
 _HF_HOME = tempfile.mkdtemp(prefix="fulltune-test-hf-")
 os.environ["HF_HOME"] = _HF_HOME
 atexit.register(shutil.rmtree, _HF_HOME, True)
+# fulltune's machine cache (traced peaks, fulltune/planning/trace.py) of the session's own, shared by the
+# pytest-xdist workers (they inherit it from the process that starts them, which removes it at the end).
+if "FULLTUNE_TEST_CACHE_DIR" not in os.environ:
+    os.environ["FULLTUNE_TEST_CACHE_DIR"] = tempfile.mkdtemp(prefix="fulltune-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["FULLTUNE_TEST_CACHE_DIR"], True)
+os.environ["FULLTUNE_CACHE_DIR"] = os.environ["FULLTUNE_TEST_CACHE_DIR"]
 
 from pathlib import Path  # noqa: E402
 
@@ -44,6 +50,10 @@ def prefect_server():
     from prefect.settings import get_current_settings
     from prefect.testing.utilities import prefect_test_harness
 
+    from flows.server import UNUSED_SERVICES
+
+    for name, value in UNUSED_SERVICES.items():  # as the temporary server of a run: no idle polling
+        os.environ.setdefault(name, value)
     with prefect_test_harness(server_startup_timeout=120):
         yield get_current_settings().api.url
 

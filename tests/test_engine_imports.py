@@ -88,6 +88,18 @@ def test_no_engine_module_imports_prefect_even_inside_a_function() -> None:
     assert found == []
 
 
+def test_the_trainer_imports_neither_mlflow_nor_matplotlib_even_inside_a_function() -> None:
+    # The trainer writes metrics.jsonl; the launcher forwards it to MLflow and draws the loss curve
+    # (fulltune/runtime/run_tracking.py, which imports them only in the launching process's functions).
+    found = [f"{path.relative_to(ROOT)}:{line}: {target}"
+             for path in sorted((PACKAGE / "runtime").rglob("*.py")) if path.name != "run_tracking.py"
+             for line, target in imported_names(path) if target.split(".")[0] in ("mlflow", "matplotlib")]
+    assert found == []
+    probe = "import sys, fulltune.runtime.train; print(sorted({m.split('.')[0] for m in sys.modules} & {'mlflow', 'matplotlib'}))"
+    ran = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert ran.stdout.strip() == "[]"
+
+
 def test_validate_imports_neither_prefect_nor_mlflow() -> None:
     # `fulltune validate` is the pre-commit check of a pipelines file: it must not pay for the servers' clients.
     heavy = {*ORCHESTRATION, "mlflow"}

@@ -149,3 +149,36 @@ def test_device_check_dry_run_writes_its_report(tmp_path):
     assert {"compute_s", "pcie_s", "exposed_pcie_s", "host_step_s"} <= set(offload["predicted_terms"])
     assert report["fp16_loss_scaling"]["overflow_step_skipped_and_recovered"] is True
     assert "est err" in result.stdout
+
+
+def test_a_traced_peak_is_kept_for_the_next_process_and_a_damaged_entry_is_traced_again(tmp_path, monkeypatch):
+    from fulltune.planning import trace
+
+    monkeypatch.setenv("FULLTUNE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(planner_module, "_TRACED_PEAKS", {})
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=96)
+    settings = Settings(micro_batch_size=2, seq_len=16, gradient_accumulation_steps=2)
+    peak = planner_module.traced_peak(config, settings)
+    assert peak == simulate_memory(config, settings).peak_bytes
+    (kept,) = (tmp_path / "cache" / "traces").glob("*.json")
+
+    # Another process (an empty in-process memo) reads the kept peak: the trace is not run again, and the
+    # same config read from another directory (another workdir) is the same step.
+    traced = []
+
+    def counted(model_source, s, steps=2, short=True):
+        traced.append(s)
+        return simulate_memory(model_source, s, steps, short)
+
+    monkeypatch.setattr(trace, "simulate_memory", counted)
+    monkeypatch.setattr(trace, "TRACE_FUNCTION", counted)
+    monkeypatch.setattr(planner_module, "_TRACED_PEAKS", {})
+    config.save_pretrained(tmp_path / "elsewhere")
+    assert planner_module.traced_peak(transformers.AutoConfig.from_pretrained(tmp_path / "elsewhere"), settings) == peak
+    assert traced == []
+
+    kept.write_text("{\"peak_bytes\": ")  # damaged (a full disk, a killed write): traced again and rewritten
+    monkeypatch.setattr(planner_module, "_TRACED_PEAKS", {})
+    assert planner_module.traced_peak(config, settings) == peak and len(traced) == 1
+    assert json.loads(kept.read_text()) == {"peak_bytes": peak}

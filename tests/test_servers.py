@@ -59,7 +59,8 @@ class Servers:
         self.processes: list[subprocess.Popen] = []
         self.prefect_url = f"http://127.0.0.1:{free_port()}/api"
         self.mlflow_url = f"http://127.0.0.1:{free_port()}"
-        inherited = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+        # A real server as a team runs it: every service on (the session's test server turns idle ones off).
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_SERVER_SERVICES_"))}
         self.env = {**inherited, "PREFECT_HOME": str(root / "prefect-home"), "PREFECT_API_URL": self.prefect_url,
                     "MLFLOW_TRACKING_URI": self.mlflow_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                     "PREFECT_UI_ENABLED": "false", "PYTHONPATH": str(ROOT)}

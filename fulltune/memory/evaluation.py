@@ -172,13 +172,13 @@ class EvalPlan:
 
 def runtime_overhead(device: str, tensors: int) -> int:
     """The device memory beside the tensors: the CUDA context and allocator slack, or the CPU process itself
-    (the training process's measured constants: the evaluate stage imports the same libraries)."""
-    from fulltune.memory.estimate import CPU_ALLOCATOR_SLACK, CPU_PROCESS_BYTES, CUDA_ALLOCATOR_SLACK, \
+    (measured with the libraries the evaluate stage's process imports: MLflow and Prefect beside torch)."""
+    from fulltune.memory.estimate import CPU_ALLOCATOR_SLACK, CPU_EVAL_PROCESS_BYTES, CUDA_ALLOCATOR_SLACK, \
         CUDA_CONTEXT_BYTES
 
     if device == "cuda":
         return int(CUDA_CONTEXT_BYTES + CUDA_ALLOCATOR_SLACK * tensors)
-    return int(CPU_PROCESS_BYTES + CPU_ALLOCATOR_SLACK * tensors)
+    return int(CPU_EVAL_PROCESS_BYTES + CPU_ALLOCATOR_SLACK * tensors)
 
 
 def plan_evaluation(shape: ModelShape, settings: Settings, request: EvalRequest, usable: int | None,

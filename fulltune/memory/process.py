@@ -39,7 +39,7 @@ LOAD, FIRST_STEP, STEP, CHECKPOINT, EXPORT, EVALUATION = (
 # The phases of the training process, in the order it runs them; the evaluation stage is its own process.
 TRAINING_PHASES = (LOAD, FIRST_STEP, STEP, CHECKPOINT, EXPORT)
 # A CPU training process before its first step, measured with its model not yet loaded: the interpreter,
-# torch, transformers, accelerate and MLflow imported, the accelerator, the tokenizer and the rows set up,
+# torch, transformers and accelerate imported (MLflow then too), the accelerator, the tokenizer and the rows set up,
 # transformers' loading machinery (benchmarks/process_memory.py: 522-528 MiB on 6.5M and 76M Llamas; the
 # constant keeps ~6% above the largest), plus the ~110 MiB more of the shared libraries' file pages a freshly
 # installed environment keeps resident (see CPU_PROCESS_BYTES in memory/estimate.py).
@@ -48,7 +48,8 @@ TRAINING_PHASES = (LOAD, FIRST_STEP, STEP, CHECKPOINT, EXPORT)
 # max_shard_size convention names the files.
 EXPORT_SHARD_BYTES = 2 * 2**30
 CPU_LIBRARY_PAGES_SPREAD = 128 * 2**20  # ~110 MiB measured; the rest is margin (a fresh clone's export peaked 2 MiB over 110)
-CPU_LOAD_PROCESS_BYTES = 560 * 2**20 + CPU_LIBRARY_PAGES_SPREAD
+# Without MLflow in the trainer the load phase measured 48 MiB less (525 -> 477 MiB, 6.5M Llama fp32).
+CPU_LOAD_PROCESS_BYTES = 512 * 2**20 + CPU_LIBRARY_PAGES_SPREAD
 
 # Per row, in every rank (fulltune/data/batching.py): its length, targets and attention pairs (int64, int64,
 # float64) beside the mapped offsets and counts they are read from, and the epoch's step schedule, a list of

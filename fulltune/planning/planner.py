@@ -110,7 +110,8 @@ def trace_is_cheap(shape: ModelShape, request: PlanRequest) -> bool:
 
 
 # A trace of the same step of the same model reads the same peak: kept for the process's life, so that planning
-# again (autotune's plan, an OOM replan, `plan` before `run` in one process) does not trace it again.
+# again (autotune's plan, an OOM replan, `plan` before `run` in one process) does not trace it again, and in the
+# machine's cache (`trace.stored_peak`: ~/.cache/fulltune/traces), so that another process does not either.
 _TRACED_PEAKS: dict[tuple[Any, ...], int] = {}
 
 
@@ -118,9 +119,16 @@ def traced_peak(config: Any, settings: Settings) -> int:
     """MemTracker's peak of `settings`' step of `config` under FakeTensorMode (`trace.simulate_memory`)."""
     from fulltune.planning import trace
 
-    key = (trace.simulate_memory, config.to_json_string(use_diff=False), settings)
+    config_json = config.to_json_string(use_diff=False)
+    key = (trace.simulate_memory, config_json, settings)
     if key not in _TRACED_PEAKS:
-        _TRACED_PEAKS[key] = trace.simulate_memory(config, settings).peak_bytes
+        stored, peak = (trace.stored_peak(config_json, settings) if trace.simulate_memory is trace.TRACE_FUNCTION
+                        else (None, None))
+        if peak is None:
+            peak = trace.simulate_memory(config, settings).peak_bytes
+            if stored is not None:
+                trace.keep_peak(stored, peak)
+        _TRACED_PEAKS[key] = peak
     return _TRACED_PEAKS[key]
 
 

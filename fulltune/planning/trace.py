@@ -20,6 +20,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import json
+import os
+from pathlib import Path
 from typing import Any, Iterator
 
 from fulltune.memory.errors import MemoryConfigError
@@ -314,3 +317,58 @@ def measure_cuda(config: Any, settings: Settings, steps: int = 2) -> dict[str, i
     gc.collect()
     torch.cuda.empty_cache()
     return peaks
+
+
+# ---------------------------------------------------------------------------------------------------
+# Traced peaks kept across processes
+
+# The code a trace runs: the trainer's step and everything it builds (optimizers, loss, levers), the model loader.
+TRACED_CODE = ("planning/trace.py", "runtime", "memory/types.py", "models.py", "levers.py")
+CACHE_DIR_ENV = "FULLTUNE_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """Where fulltune keeps what any run on this machine may reuse: $FULLTUNE_CACHE_DIR, else
+    $XDG_CACHE_HOME/fulltune, else ~/.cache/fulltune."""
+    configured = os.environ.get(CACHE_DIR_ENV)
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fulltune"
+
+
+def stored_peak(config_json: str, settings: Settings) -> tuple[Path, int | None]:
+    """(where the traced peak of this step is kept, the peak when a trace of it was kept before).
+
+    A trace is a pure function of the model's config, the settings, the code it runs (`TRACED_CODE`) and the
+    installed torch and transformers: the same step traced again reads the same peak, so a later `plan` or
+    `run` on this machine (another workdir included) reads it instead of tracing for seconds."""
+    from dataclasses import asdict
+    from importlib.metadata import version
+
+    from fulltune.storage import code_version, hash_json
+
+    # Where the config was read from is not the model: the same config in another workdir traces the same.
+    config = {k: v for k, v in json.loads(config_json).items() if k not in ("_name_or_path", "_commit_hash")}
+    key = hash_json({"config": config, "settings": asdict(settings), "code": code_version(*TRACED_CODE),
+                     "torch": version("torch"), "transformers": version("transformers")})
+    path = cache_dir() / "traces" / f"{key}.json"
+    try:
+        peak = json.loads(path.read_text())["peak_bytes"]
+        return path, int(peak) if isinstance(peak, int) and peak >= 0 else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return path, None
+
+
+def keep_peak(path: Path, peak: int) -> None:
+    """Keep a traced peak for `stored_peak`; a cache that cannot be written (read-only home) is skipped."""
+    from fulltune.storage import atomic_write_text
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({"peak_bytes": int(peak)}))
+    except OSError:
+        pass
+
+
+# What the planner compares with: a replaced `simulate_memory` (a test's fake trace) is not read from the store.
+TRACE_FUNCTION = simulate_memory

@@ -412,7 +412,17 @@ def run_training(job: TrainJob, on_output: Callable[[str], None] | None = None,
     """
     import yaml
 
+    from fulltune.runtime.run_tracking import Forwarded
+
     output_dir = Path(job.paths.output_dir)
+    with Forwarded(job.tracking.mlflow_tracking_uri, job.tracking.mlflow_run_id, output_dir) as tracking:
+        result = _train_in_child(job, output_dir, on_output, env)
+        _draw_loss_curve(result, output_dir, tracking)
+    return result
+
+
+def _train_in_child(job: TrainJob, output_dir: Path, on_output: Callable[[str], None] | None,
+                    env: dict[str, str] | None) -> TrainResult:
     done = completed_result(output_dir)
     if done is not None:  # even if the tokenized data it came from was cleaned up since
         return done
@@ -427,6 +437,16 @@ def run_training(job: TrainJob, on_output: Callable[[str], None] | None = None,
 
     code, tail = run_child(training_command(job, job_file), on_output, env)
     return _outcome(output_dir, code, tail)
+
+
+def _draw_loss_curve(result: TrainResult, output_dir: Path, tracking: Any) -> None:
+    """loss_curve.png from the result's history, unless an earlier launch drew it; attached to the MLflow run."""
+    from fulltune.runtime.run_tracking import LOSS_CURVE_FILE, save_loss_curve
+
+    curve = output_dir / LOSS_CURVE_FILE
+    if not curve.is_file() and result.loss_history:
+        save_loss_curve(result.loss_history, curve)
+    tracking.attach(curve)
 
 
 # The children `run_child` is waiting on (training, a sharded evaluation): what an interrupt of this process stops.

@@ -262,10 +262,7 @@ def training_phases(job: TrainJob) -> dict[str, Any]:
         current[0] = phase
 
     sampler = Sampler(sample, 0.005).start()
-    from fulltune.runtime import train
-    # What the trainer imports, MLflow's client and system-metrics monitor included (its sink imports them).
-    import mlflow  # noqa: F401
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor  # noqa: F401
+    from fulltune.runtime import train  # what the trainer imports (MLflow is the launcher's: run_tracking.py)
 
     if os.environ.get("FULLTUNE_DEFAULT_MALLOC") != "1":
         from fulltune.runtime import allocator

@@ -16,7 +16,8 @@ stages torchtitan's trainer names:
     metrics     TrainMetrics owns every counter the logs and the result report (tokens, the interval's
                 loss, targets, rows, FLOPs, time) and logs every `log_every_steps`
                 (fulltune/runtime/train_metrics.py)
-    finish      output_dir/model/ (weights + tokenizer), result.json, loss_curve.png
+    finish      output_dir/model/ (weights + tokenizer), result.json; metrics.jsonl all along (the launcher
+                forwards it to MLflow and draws loss_curve.png: fulltune/runtime/run_tracking.py)
 
 Rerunning a killed job resumes from its newest checkpoint and ends with the same weights, bit for bit on
 CPU, and the same loss history as a run that was never interrupted: the data order is a pure function of
@@ -384,7 +385,7 @@ def export_model(run: TrainingRun) -> Path:
 
 
 def finish(run: TrainingRun, state: TrainState, metrics: TrainMetrics, resumed_from: int | None) -> TrainResult:
-    """Export the model, write result.json and the loss curve; returns the result."""
+    """Export the model, close metrics.jsonl and write result.json; returns the result."""
     model_dir = export_model(run)
     result = TrainResult(
         model_dir=str(model_dir),
@@ -400,7 +401,7 @@ def finish(run: TrainingRun, state: TrainState, metrics: TrainMetrics, resumed_f
         loss_history=metrics.loss_history,
     )
     if run.main_process:
-        metrics.close(run.output_dir / "loss_curve.png")
+        metrics.close()
         atomic_write_text(run.output_dir / RESULT_FILE, result.to_json())
     run.accelerator.wait_for_everyone()
     run.accelerator.end_training()

@@ -1,11 +1,10 @@
-"""The trainer's metrics: every counter the logs and the result report (`TrainMetrics`), the MLflow sink,
-the device's memory peaks, MFU's GPU peak and the loss curve."""
+"""The trainer's metrics: every counter the logs and the result report (`TrainMetrics`), the metrics file the
+launcher forwards to MLflow, the device's memory peaks and MFU's GPU peak."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import resource
 import sys
 import time
@@ -18,6 +17,7 @@ from tqdm import tqdm
 
 from fulltune.memory import flops
 from fulltune.runtime.launch import PROGRESS_FILE, TrainJob
+from fulltune.runtime.run_tracking import METRICS_FILE, metric_line
 from fulltune.runtime.step import StepOutcome
 from fulltune.storage import atomic_write_text
 
@@ -39,57 +39,22 @@ def memory_metrics(device: str) -> dict[str, float]:
     return {"cpu_rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-class MlflowMetrics:
-    """Metrics into the flow's existing MLflow run (main process only); a no-op without a run id."""
+class MetricsFile:
+    """Each log interval's metrics appended to `metrics.jsonl` (main process only), which the launching
+    process forwards to MLflow (fulltune/runtime/run_tracking.py): the trainer itself never imports MLflow."""
 
-    def __init__(self, job: TrainJob, enabled: bool) -> None:
-        self.run_id = job.tracking.mlflow_run_id if enabled else None
-        self.client = None
-        self.system = None
-        if self.run_id:
-            import mlflow
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-            from mlflow.tracking import MlflowClient
-
-            mlflow.set_tracking_uri(job.tracking.mlflow_tracking_uri)
-            self.client = MlflowClient(tracking_uri=job.tracking.mlflow_tracking_uri)
-            # CPU, memory and (with nvidia-ml-py) GPU utilisation, sampled beside the training metrics.
-            self.system = SystemMetricsMonitor(self.run_id, sampling_interval=10, samples_before_logging=1)
-            self.system.start()
-
-    def close(self) -> None:
-        if self.system is not None:
-            self.system.finish()
-            self.system = None
+    def __init__(self, output_dir: Path, enabled: bool) -> None:
+        self.handle = open(output_dir / METRICS_FILE, "a") if enabled else None
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        if self.client is None:
-            return
-        from mlflow.entities import Metric
+        if self.handle is not None:
+            self.handle.write(metric_line(step, int(time.time() * 1000), values))
+            self.handle.flush()
 
-        now = int(time.time() * 1000)
-        metrics = [Metric(key, float(value), now, step) for key, value in values.items() if math.isfinite(value)]
-        self.client.log_batch(self.run_id, metrics=metrics)
-
-    def log_artifact(self, path: Path) -> None:
-        if self.client is not None:
-            self.client.log_artifact(self.run_id, str(path))
-
-
-def save_loss_curve(history: list[list[float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
-    axes.plot([s for s, _ in history], [loss for _, loss in history], marker="." if len(history) < 50 else None)
-    axes.set_xlabel("optimizer step")
-    axes.set_ylabel("training loss (mean per token)")
-    axes.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
 
 
 class TrainMetrics:
@@ -110,7 +75,7 @@ class TrainMetrics:
                                           device=run.accelerator.device)
         self.interval_targets: int = saved.get("interval_targets", 0)
         self.grad_norm = torch.zeros((), device=run.accelerator.device)
-        self.sink = MlflowMetrics(run.job, run.main_process)
+        self.sink = MetricsFile(run.output_dir, run.main_process)
         self.peak = peak_flops(run.job)
         self.interval_tokens, self.interval_rows, self.interval_flops = 0, 0, 0.0
         self.seconds = 0.0
@@ -179,8 +144,6 @@ class TrainMetrics:
     def tokens_per_second(self) -> float:
         return (self.tokens - self.start_tokens) / self.seconds if self.seconds > 0 else 0.0
 
-    def close(self, curve: Path) -> None:
-        """Save the loss curve, attach it to the MLflow run and stop the system-metrics monitor."""
-        save_loss_curve(self.loss_history, curve)
-        self.sink.log_artifact(curve)
+    def close(self) -> None:
+        """Close the metrics file (the launcher draws the loss curve from result.json's history)."""
         self.sink.close()
