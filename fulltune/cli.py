@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -276,6 +277,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         warm_up(p.workdir)
         connect(server)
+        # What the imports made (Prefect, MLflow, torch, transformers: millions of objects) lives as long as the
+        # process: out of the collector's passes, each full one (and the evaluate stage's between models) then
+        # scans only what the run itself allocates.
+        gc.freeze()
         overrides = {".".join(parts): value for parts, value in map(parse_override, args.overrides)}
         summary = finetune_pipeline(pipeline=args.name, overrides=Overrides(extra=overrides) if overrides else None,
                                     pipelines_file=str(Path(args.file).resolve()))
