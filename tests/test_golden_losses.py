@@ -154,9 +154,9 @@ def train_case(case: str, root: Path) -> Golden:
     logged: list[dict[str, float]] = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the numbers must not depend on how many cores the machine has
-    # The metrics the trainer sends to MLflow, taken at the sink (this job has no MLflow run).
+    # The metrics the trainer writes for MLflow (metrics.jsonl), taken at the sink.
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(train_metrics.MlflowMetrics, "log", lambda self, step, values: logged.append({"step": step, **values}))
+        patch.setattr(train_metrics.MetricsFile, "log", lambda self, step, values: logged.append({"step": step, **values}))
         try:
             result = trainer.train(job)
         finally:
