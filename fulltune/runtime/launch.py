@@ -73,10 +73,11 @@ class JobPaths(Strict):
 
 
 class Tracking(Strict):
-    """Where the child reports beside output_dir."""
+    """Where the run reports beside output_dir: the child writes metrics.jsonl and progress.json, the launcher
+    forwards the metrics into this existing MLflow run (fulltune/runtime/run_tracking.py)."""
 
     mlflow_tracking_uri: str | None = None
-    mlflow_run_id: str | None = None  # metrics are logged into this existing run
+    mlflow_run_id: str | None = None
     progress_artifact_id: str | None = None  # the flow's Prefect artifact; the child only writes progress.json
 
 
