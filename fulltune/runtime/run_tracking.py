@@ -93,10 +93,16 @@ class Forwarded:
         if self.client is None:
             return
         self.stop.set()
+        if kind is not None:
+            # Interrupted or failed: leave at once, writing nothing more to MLflow from here (Ctrl-C is ending the
+            # run's MLflow run meanwhile); the lines wait in metrics.jsonl for the retry or the rerun. The monitor
+            # stops in a thread of its own: its `finish` joins its sampler and flushes to MLflow.
+            if self.system is not None:
+                threading.Thread(target=self.system.finish, name="fulltune-system-metrics-stop", daemon=True).start()
+            return
         if self.thread is not None:
             self.thread.join(timeout=10)
-        if kind is None or not issubclass(kind, KeyboardInterrupt):
-            self.forward()  # the last lines; on Ctrl-C a rerun forwards them
+        self.forward()  # the last lines
         if self.system is not None:
             self.system.finish()
 
