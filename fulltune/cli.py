@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import faulthandler
 import gc
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -104,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line `argv` (default: this program's arguments); its exit status."""
     if argv is None:  # the program itself; a caller in this process (a test) keeps its interpreter
         _leave_without_teardown()
+        # `kill -USR1 <pid>` prints every thread's stack to stderr: what a run that seems stuck is doing.
+        if hasattr(signal, "SIGUSR1"):
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         code = _main(argv)
     except SystemExit as exc:  # argparse: usage errors (2) and --help (0)

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -47,8 +48,10 @@ def interrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     try:
         code = run.wait(timeout=EXIT_WITHIN_S)
     except subprocess.TimeoutExpired:
+        os.kill(run.pid, signal.SIGUSR1)  # the CLI prints every thread's stack: where it is stuck
+        time.sleep(3)
         os.killpg(run.pid, signal.SIGKILL)
-        pytest.fail(f"still running {EXIT_WITHIN_S} s after Ctrl-C:\n{first_log.read_text()[-4000:]}")
+        pytest.fail(f"still running {EXIT_WITHIN_S} s after Ctrl-C:\n{first_log.read_text()[-12000:]}")
     _, alive = psutil.wait_procs(processes, timeout=30)
     rerun = fulltune_run(pipelines, rerun_log)
     rerun_code = rerun.wait(timeout=900)
