@@ -305,13 +305,18 @@ def atomic_dir(target: str | Path, is_intact: Callable[[Path], bool] = _exists) 
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write a text file (UTF-8) through a temporary file and a rename."""
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write a file through a temporary file and a rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

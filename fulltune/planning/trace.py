@@ -364,7 +364,6 @@ def keep_peak(path: Path, peak: int) -> None:
     from fulltune.storage import atomic_write_text
 
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps({"peak_bytes": int(peak)}))
     except OSError:
         pass
