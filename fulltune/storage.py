@@ -6,6 +6,8 @@
 - Publishing: `atomic_dir` builds a directory beside its final name and renames it into place;
   `atomic_write_text` does the same for one file. A build killed half way leaves only a `.tmp-*`
   directory, which `remove_stale_temp_dirs` deletes once its process is gone.
+- The machine cache: `cache_dir` is where fulltune keeps what any run on this machine may reuse (traced peaks,
+  the model configs transformers has built), each entry a pure function of what its key names.
 - Processes: `process_identity` / `process_gone` (host, PID namespace, pid and start time) are the one
   test of "has the process that wrote this ended", for stage locks, temp dirs and the trainer's launcher.
 """
@@ -28,6 +30,18 @@ from typing import Any
 
 CHUNK = 1 << 20
 HASH_CACHE = "file-hashes.json"
+
+
+CACHE_DIR_ENV = "FULLTUNE_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """Where fulltune keeps what any run on this machine may reuse: $FULLTUNE_CACHE_DIR, else
+    $XDG_CACHE_HOME/fulltune, else ~/.cache/fulltune."""
+    configured = os.environ.get(CACHE_DIR_ENV)
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fulltune"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -86,6 +86,11 @@ class Servers:
                 os.killpg(process.pid, signal.SIGKILL)
 
 
+# As infra/docker-compose.yml runs it: without MLflow's job runners (fulltune runs no MLflow server jobs; each
+# runner is a process of its own that imports MLflow).
+MLFLOW_SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("servers")
@@ -99,7 +104,8 @@ def servers(tmp_path_factory):
         mlflow = servers.start("mlflow", [str(BIN / "mlflow"), "server", "--backend-store-uri",
                                           f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination",
                                           str(root / "mlflow-artifacts"), "--host", "127.0.0.1", "--port",
-                                          str(mlflow_port), "--workers", "1"])
+                                          str(mlflow_port), "--workers", "1"],
+                               env={**servers.env, **MLFLOW_SERVER_ENV})
         wait_for(f"{servers.prefect_url}/health", prefect)
         wait_for(f"{servers.mlflow_url}/health", mlflow)
         yield servers

@@ -55,28 +55,32 @@ def test_run_refuses_an_inline_config_transformers_cannot_build_before_writing_a
     assert not (tmp_path / "work").exists()  # nothing written: no workdir, no tracking database, no data
 
 
-def test_a_run_builds_an_inline_config_once_per_workdir_and_each_changed_one_again(tmp_path: Path, monkeypatch) -> None:
+def test_an_inline_config_is_built_once_per_machine_and_each_changed_one_again(tmp_path: Path, monkeypatch) -> None:
     from fulltune import models
     from fulltune.errors import ConfigError
     from fulltune.stages import BUILT_CONFIGS, check_model_builds, resolve_pipeline
 
-    def pipeline(**fields: object):
-        path = pipelines_file(tmp_path, {"from_config": {**LLAMA, **fields}, "tokenizer": {"vocab_size": 96}})
+    def pipeline(directory: Path, **fields: object):
+        directory.mkdir(exist_ok=True)
+        path = pipelines_file(directory, {"from_config": {**LLAMA, **fields}, "tokenizer": {"vocab_size": 96}})
         return resolve_pipeline(str(path), "tiny")
 
+    monkeypatch.setenv("FULLTUNE_CACHE_DIR", str(tmp_path / "cache"))
     builds: list[object] = []
     build = models.check_model_config
     monkeypatch.setattr(models, "check_model_config", lambda config: (builds.append(config), build(config)))
-    (tmp_path / "work").mkdir()
-    check_model_builds(pipeline(), remember=True)
-    check_model_builds(pipeline(), remember=True)  # a rerun: built before in this workdir
-    assert len(builds) == 1 and (tmp_path / "work" / BUILT_CONFIGS).is_file()
-    check_model_builds(pipeline(), remember=False)  # `fulltune validate` builds every time
-    assert len(builds) == 2
+    check_model_builds(pipeline(tmp_path / "a"))
+    check_model_builds(pipeline(tmp_path / "a"))  # validate, then run: built before on this machine
+    check_model_builds(pipeline(tmp_path / "b"))  # the same config in another project's workdir
+    assert len(builds) == 1
+    (record,) = (tmp_path / "cache" / BUILT_CONFIGS).iterdir()
     with pytest.raises(ConfigError, match="pipelines.tiny.model.from_config: transformers cannot build"):
-        check_model_builds(pipeline(hidden_act="nope"), remember=True)  # a changed config is built again
-    (tmp_path / "work" / BUILT_CONFIGS).write_text("{not json")  # a damaged record: build again
-    check_model_builds(pipeline(), remember=True)
+        check_model_builds(pipeline(tmp_path / "a", hidden_act="nope"))  # a changed config is built again
+    with pytest.raises(ConfigError, match="transformers cannot build"):
+        check_model_builds(pipeline(tmp_path / "a", hidden_act="nope"))  # and a refused one is never recorded
+    assert len(builds) == 3 and list((tmp_path / "cache" / BUILT_CONFIGS).iterdir()) == [record]
+    record.unlink()  # a cleared cache: build again
+    check_model_builds(pipeline(tmp_path / "a"))
     assert len(builds) == 4
 
 

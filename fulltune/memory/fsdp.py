@@ -230,7 +230,7 @@ class Units:
             return
         step_temp = 0
         if settings.optimizer == "adafactor" and not levers.sharded_offload:
-            largest = max(math.prod(sh) for sh in x.shape.param_shapes)
+            largest = x.shape.largest_param_numel
             step_temp = 2 * self.wb * largest + levers.states_temp
         tl.add("optimizer step", x.grads_total, 0, 0, step_temp)
         if levers.sharded_offload and levers.host_temp:

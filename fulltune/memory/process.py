@@ -177,7 +177,7 @@ def _gather_bytes(shape: ModelShape, weight_bytes: int) -> int:
 
 
 def _largest_tensor(shape: ModelShape) -> int:
-    return max((_numel(s) for s in shape.param_shapes), default=0)
+    return shape.largest_param_numel
 
 
 def _numel(shape: tuple[int, ...]) -> int:

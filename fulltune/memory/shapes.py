@@ -9,6 +9,7 @@ Three layouts are modelled tensor by tensor (checked against `model.parameters()
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -61,22 +62,28 @@ class ModelShape:
     approximate: bool
     stored_bytes: int = 4  # bytes per parameter in the checkpoint (the config's dtype; fp32 when it names none)
 
-    @property
+    # Read for every candidate the planner weighs (thousands for a 70B model): computed once per shape.
+    @functools.cached_property
     def layer_numel(self) -> int:
         return sum(_numel(s) for s in self.layer_params)
 
-    @property
+    @functools.cached_property
     def layer_matmul_numel(self) -> int:
         """Parameters of one layer that autocast copies to 16 bit (linear weights and biases)."""
         return sum(_numel(s) for s in self.layer_params if not _is_norm(s, self.hidden))
 
-    @property
+    @functools.cached_property
     def num_params(self) -> int:
         return self.num_layers * self.layer_numel + sum(_numel(s) for s in self.other_params)
 
-    @property
-    def param_shapes(self) -> list[tuple[int, ...]]:
-        return list(self.other_params) + [s for _ in range(self.num_layers) for s in self.layer_params]
+    @functools.cached_property
+    def param_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(self.other_params) + tuple(s for _ in range(self.num_layers) for s in self.layer_params)
+
+    @functools.cached_property
+    def largest_param_numel(self) -> int:
+        """Elements of the largest parameter tensor (0 without parameters)."""
+        return max((_numel(s) for s in self.other_params + self.layer_params), default=0)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -106,22 +106,21 @@ class Timeline:
         """Record a phase: `grads` the gradients alive without the hook levers, `acts` the saved activations,
         `logits` the logit tensors, `temp` the phase's working set; `now` the gradient a hook is about to take;
         `unsharded` FSDP's gathered parameters and (unsharded gradients + reduce-scatter buffers) now."""
+        # Called for every phase of every candidate the planner weighs (millions for a 70B plan): plain
+        # arithmetic, the breakdown's keys in the order the report shows them.
         x, p = self.terms, self.persistent
-        settings = x.settings
-        on_host = settings.device == "cpu"  # host RAM is the device's memory: count it in the peak
+        on_host = x.settings.device == "cpu"  # host RAM is the device's memory: count it in the peak
         device_grads = now if x.hooks else grads
         # Offloaded activations move to the host once the forward has passed their layer.
         away = x.acts.offloaded if backward else 0
         # The hook has moved every gradient to the host but the one it is about to take (accumulating,
         # the host holds the sums of the earlier micro-batches already).
         host = x.levers.host_parts(grads if x.accumulating else max(grads - now, 0), away)
-        parts = {
-            "parameters": p.params + p.buffers + unsharded[0] + (host["parameters"] if on_host else 0),
-            "gradients": device_grads + p.buckets + unsharded[1] + (host["gradients"] if on_host else 0),
-            "optimizer_states": p.states + (host["optimizer_states"] if on_host else 0),
-            "activations": acts + p.batch - (0 if on_host else away),
-            "logits": logits,
-            "temporary": temp,
-        }
-        parts["host"] = sum(host.values())
-        self.phases.append((phase, sum(v for key, v in parts.items() if key != "host"), parts))
+        parameters = p.params + p.buffers + unsharded[0] + (host["parameters"] if on_host else 0)
+        gradients = device_grads + p.buckets + unsharded[1] + (host["gradients"] if on_host else 0)
+        states = p.states + (host["optimizer_states"] if on_host else 0)
+        activations = acts + p.batch - (0 if on_host else away)
+        parts = {"parameters": parameters, "gradients": gradients, "optimizer_states": states,
+                 "activations": activations, "logits": logits, "temporary": temp,
+                 "host": host["parameters"] + host["gradients"] + host["optimizer_states"] + host["activations"]}
+        self.phases.append((phase, 0 + parameters + gradients + states + activations + logits + temp, parts))

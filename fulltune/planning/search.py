@@ -9,6 +9,7 @@ opens the memory levers one at a time, cheapest first, until something fits (`st
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import math
 from dataclasses import dataclass, replace
@@ -227,10 +228,23 @@ def _torchao_available() -> bool:
     return torchao_available()
 
 
+# The candidates of the search under way (`staged_search`): each lever stage repeats the lever sets of the one
+# before it, and the strategies and degrees meet the same settings again, so a 70B plan that weighs ~8,600
+# candidates estimates ~3,800 distinct ones. Scoped to one search: nothing outlives it.
+_SEARCHED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fulltune_searched", default=None)
+
+
 def make_candidate(shape: ModelShape, settings: Settings, host_budget: int | None = None) -> Candidate:
+    searched = _SEARCHED.get()
+    key = (shape, settings, host_budget)
+    if searched is not None and key in searched:
+        return searched[key]
     estimate = _estimate(shape, settings)
     uncertainty = estimate_uncertainty(shape, settings, estimate.peak_bytes)
-    return Candidate(settings, estimate, step_seconds(shape, settings), uncertainty, host_budget)
+    candidate = Candidate(settings, estimate, step_seconds(shape, settings), uncertainty, host_budget)
+    if searched is not None:
+        searched[key] = candidate
+    return candidate
 
 
 def _planned(shape: ModelShape, settings: Settings) -> int:
@@ -313,6 +327,12 @@ def staged_search(shape: ModelShape, request: PlanRequest, usable: int, micros: 
     time, cheapest first (`LEVERS`), until something fits; every candidate seen is returned. With
     `strategy` auto, that search for every strategy `strategy.strategy_choices` offers; with
     `tensor_parallel` auto (None), for every degree `tensor_parallel_degrees` allows."""
+    if _SEARCHED.get() is None:  # the outermost call: one memo of candidates for the whole search
+        token = _SEARCHED.set({})
+        try:
+            return staged_search(shape, request, usable, micros, min_checkpointing)
+        finally:
+            _SEARCHED.reset(token)
     if request.pipeline_parallel is None:
         degrees, _ = pipeline_degrees(shape, request)
         if not degrees:

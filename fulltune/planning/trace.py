@@ -324,17 +324,6 @@ def measure_cuda(config: Any, settings: Settings, steps: int = 2) -> dict[str, i
 
 # The code a trace runs: the trainer's step and everything it builds (optimizers, loss, levers), the model loader.
 TRACED_CODE = ("planning/trace.py", "runtime", "memory/types.py", "models.py", "levers.py")
-CACHE_DIR_ENV = "FULLTUNE_CACHE_DIR"
-
-
-def cache_dir() -> Path:
-    """Where fulltune keeps what any run on this machine may reuse: $FULLTUNE_CACHE_DIR, else
-    $XDG_CACHE_HOME/fulltune, else ~/.cache/fulltune."""
-    configured = os.environ.get(CACHE_DIR_ENV)
-    if configured:
-        return Path(configured)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fulltune"
-
 
 def stored_peak(config_json: str, settings: Settings) -> tuple[Path, int | None]:
     """(where the traced peak of this step is kept, the peak when a trace of it was kept before).
@@ -345,7 +334,7 @@ def stored_peak(config_json: str, settings: Settings) -> tuple[Path, int | None]
     from dataclasses import asdict
     from importlib.metadata import version
 
-    from fulltune.storage import code_version, hash_json
+    from fulltune.storage import cache_dir, code_version, hash_json
 
     # Where the config was read from is not the model: the same config in another workdir traces the same.
     config = {k: v for k, v in json.loads(config_json).items() if k not in ("_name_or_path", "_commit_hash")}

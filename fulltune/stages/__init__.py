@@ -29,7 +29,7 @@ from fulltune.memory.types import Settings
 # because every stage and task takes them.
 from fulltune.planning.inputs import (  # noqa: F401
     BudgetDecision, ResolvedPipeline, describe_settings, evaluation_request, plan_request, resolved_budget, with_budget)
-from fulltune.storage import FileHashes, atomic_write_text, code_version, hash_json, tree_sha256
+from fulltune.storage import FileHashes, atomic_write_text, cache_dir, code_version, hash_json, tree_sha256
 from fulltune.pipelines_file import get_pipeline, load_pipelines
 from fulltune.spec import PipelineSpec
 
@@ -440,8 +440,8 @@ def registration_present(workdir: str, key: str, train_key: str) -> bool:
     return bool(marker) and registry.version_exists(marker["name"], marker["version"], train_key)
 
 
-# Inline model configs this workdir has seen transformers build: `check_model_builds` skips them.
-BUILT_CONFIGS = "built-model-configs.json"
+# Inline model configs transformers has built on this machine: `check_model_builds` skips them.
+BUILT_CONFIGS = "built-model-configs"
 
 
 def _model_config_identity(from_config: str | dict[str, Any]) -> str:
@@ -454,27 +454,23 @@ def _model_config_identity(from_config: str | dict[str, Any]) -> str:
                       "transformers": version("transformers"), "torch": version("torch")})
 
 
-def check_model_builds(p: ResolvedPipeline, remember: bool = False) -> None:
+def check_model_builds(p: ResolvedPipeline) -> None:
     """Build the pipeline's `model.from_config` on the meta device (`fulltune.models.check_model_config`), so
     that a config transformers cannot build is a ConfigError naming `pipelines.<name>.model.from_config`
     before anything is written or trained. Nothing to do for a checkpoint, or a config file that is missing
     (check_sources reports that).
 
-    With `remember` (a run, not `validate`), a config this workdir has built before
-    (`<workdir>/built-model-configs.json`, keyed by `_model_config_identity`) is not built again, and a
-    successful build is recorded once the workdir exists: the build imports torch and transformers, seconds
-    that a cached rerun would otherwise spend before its first stage.
+    A config built before on this machine is not built again: a build is a pure function of
+    `_model_config_identity` (the config, fulltune/models.py, the installed transformers and torch), recorded
+    in the machine cache (`<cache_dir>/built-model-configs/<identity>`, fulltune/storage.py `cache_dir`) once it
+    succeeds. The build imports torch and transformers, seconds that `validate`, `plan` and a cached rerun
+    would otherwise spend; a new or changed config is built, and a refused one is never recorded.
     """
     from_config = p.spec.model.from_config
     if not (isinstance(from_config, dict) or (isinstance(from_config, str) and Path(from_config).is_file())):
         return
-    record = Path(p.workdir) / BUILT_CONFIGS
-    identity = _model_config_identity(from_config) if remember else ""
-    try:
-        built = set(json.loads(record.read_text())) if remember else set()
-    except (OSError, ValueError, TypeError):  # none yet, or damaged: build again
-        built = set()
-    if identity in built:
+    record = cache_dir() / BUILT_CONFIGS / _model_config_identity(from_config)
+    if record.is_file():
         return
     from fulltune.models import check_model_config
 
@@ -482,19 +478,18 @@ def check_model_builds(p: ResolvedPipeline, remember: bool = False) -> None:
         check_model_config(from_config)
     except ConfigError as exc:
         raise ConfigError(f"pipelines.{p.name}.{exc}") from None
-    if remember and record.parent.is_dir():
-        try:
-            atomic_write_text(record, json.dumps(sorted(built | {identity}), indent=1))
-        except OSError:
-            pass  # a read-only workdir: the next run builds it again
+    try:
+        atomic_write_text(record, "built\n")
+    except OSError:
+        pass  # a read-only cache: the next check builds it again
 
 
 def ensure_local_data(p: ResolvedPipeline, check_hub: bool = False) -> None:
     """Fail fast, before any stage runs, on a local file the pipeline names that does not exist (every
     one of them in one message, each with its YAML path); with `check_hub`, also on a hub id that is
-    not in the cache while offline. An inline model config is built unless this workdir built it before
+    not in the cache while offline. An inline model config is built unless this machine built it before
     (a cached rerun then imports neither torch nor transformers here)."""
-    problems, _ = check_sources(p, check_hub=check_hub, remember=True)
+    problems, _ = check_sources(p, check_hub=check_hub, in_run=True)
     if problems:
         error = DataError if all(".data." in problem for problem in problems) else ConfigError
         raise error("\n".join(problems) if len(problems) == 1 else
@@ -518,23 +513,23 @@ def _references(p: ResolvedPipeline) -> list[tuple[str, str, str, str | None]]:
 
 
 def check_sources(p: ResolvedPipeline, check_hub: bool = True,
-                  remember: bool = False) -> tuple[list[str], list[str]]:
+                  in_run: bool = False) -> tuple[list[str], list[str]]:
     """(problems, notes) about the files and hub repositories the pipeline reads, each with its YAML path.
 
     A local file or directory must exist (a model directory must hold config.json). A hub id is looked
     up in the local Hugging Face cache when HF_HUB_OFFLINE=1 (a run could not fetch it); online it is
     left to run time, which a note says. A `model.from_config` is built on the meta device
-    (`check_model_builds`; with `remember`, not again when this workdir has built it before). Without
-    `remember` (`validate`), a tensor-parallel degree must split a local model (`check_model_split`).
+    (`check_model_builds`: not again once this machine has built it). Outside a run (`in_run` False:
+    `validate`), a tensor-parallel degree must split a local model (`check_model_split`).
     """
     from fulltune.data.tokenizer import TOKENIZER_FILES
 
     problems, notes = [], []
     try:
-        check_model_builds(p, remember=remember)
+        check_model_builds(p)
     except ConfigError as exc:
         problems.append(str(exc))
-    if not remember:  # a run checks the split in its budget stage, on the config it reads there
+    if not in_run:  # a run checks the split in its budget stage, on the config it reads there
         problems += _split_problems(p)
     token_env = p.spec.model.token_env
     if check_hub and token_env and not os.environ.get(token_env) and not hub.offline():

@@ -93,7 +93,7 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None, 
 
     budget = resolved_budget(p)
     config = read_model_config(p.spec.model, tokenizer_vocab)
-    check_model_builds(p, remember=True)  # `plan` and a budget stage run by a deployment: no check before them
+    check_model_builds(p)  # `plan` and a budget stage run by a deployment: no check before them
     check_positions(p, config)
     check_model_split(p, config)
     try:
