@@ -58,9 +58,19 @@ def prefect_server():
         yield get_current_settings().api.url
 
 
+# The longest files first (seconds of wall each on the 2-core CI machine, `make test`): pytest-xdist's
+# `--dist loadfile` hands files out in this order, so the last minutes are short files on both workers, not
+# one worker finishing a long file alone.
+LONGEST_FIRST = ("test_tensor_parallel.py", "test_servers.py", "test_lever_table.py", "test_train.py",
+                 "test_fsdp_run.py", "test_rerun.py", "test_cli.py", "test_plan_margin.py", "test_pipeline_run.py",
+                 "test_fsdp_levers.py", "test_hub.py", "test_cache_keys.py")
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
