@@ -26,13 +26,10 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/fulltune run demo
 
-# Two workers (pytest-xdist), a test file each at a time: most tests wait on child processes and servers.
-# The Ctrl-C test runs after them, on its own: beside the other worker's runs a Ctrl-C'd run has been seen to
-# hang (not yet explained); alone it exits in seconds.
+# Two workers (pytest-xdist), a test file each at a time, the longest first (tests/conftest.py LONGEST_FIRST).
 test: install
 	$(BIN)/python -m compileall -q -j 0 fulltune flows tasks tests benchmarks > /dev/null
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not heavy and not alone"
-	$(BIN)/python -m pytest -q -m alone
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not heavy"
 
 test-all: install
 	$(BIN)/python -m pytest -q

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import tempfile
 
 # Before anything imports prefect or tokenizers.
@@ -27,6 +28,15 @@ if "FULLTUNE_TEST_CACHE_DIR" not in os.environ:
     os.environ["FULLTUNE_TEST_CACHE_DIR"] = tempfile.mkdtemp(prefix="fulltune-test-cache-")
     atexit.register(shutil.rmtree, os.environ["FULLTUNE_TEST_CACHE_DIR"], True)
 os.environ["FULLTUNE_CACHE_DIR"] = os.environ["FULLTUNE_TEST_CACHE_DIR"]
+
+# The commands the tests start get Ctrl-C as a terminal's foreground job does. A shell that starts the test
+# runner in the background (`make test &`, a CI step run with `&`) ignores SIGINT and SIGQUIT in it, and an
+# ignored signal stays ignored across fork and exec: every `fulltune run` would then ignore the Ctrl-C that
+# tests/test_interrupt.py sends, and hang there. Restored to Python's own handlers here, the children start
+# with the default dispositions (exec resets a handled signal; only an ignored one is inherited).
+for _signal, _handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGQUIT, signal.SIG_DFL)):
+    if signal.getsignal(_signal) == signal.SIG_IGN:
+        signal.signal(_signal, _handler)
 
 from pathlib import Path  # noqa: E402
 
@@ -58,12 +68,16 @@ def prefect_server():
         yield get_current_settings().api.url
 
 
-# The longest files first (seconds of wall each on the 2-core CI machine, `make test`): pytest-xdist's
-# `--dist loadfile` hands files out in this order, so the last minutes are short files on both workers, not
-# one worker finishing a long file alone.
+# The longest files first (by their wall time on the 2-core CI machine): `make test`'s `--dist loadfile
+# --no-loadscope-reorder` hands files out in this order, so the last minutes are short files on both workers,
+# not one worker finishing a long file alone (xdist's own order, most tests first, left the files of one long
+# test to the end).
 LONGEST_FIRST = ("test_tensor_parallel.py", "test_servers.py", "test_lever_table.py", "test_train.py",
-                 "test_fsdp_run.py", "test_rerun.py", "test_cli.py", "test_plan_margin.py", "test_pipeline_run.py",
-                 "test_fsdp_levers.py", "test_hub.py", "test_cache_keys.py")
+                 "test_fsdp_run.py", "test_cli.py", "test_plan_margin.py", "test_pipeline_run.py",
+                 "test_fsdp_levers.py", "test_interrupt.py", "test_hub.py", "test_rerun.py", "test_cache_keys.py",
+                 "test_sharding.py", "test_sharded_load.py", "test_sharded_memory.py", "test_train_levers.py",
+                 "test_flow.py", "test_fsdp_optimizers.py", "test_tensor_parallel_memory.py", "test_autotune.py",
+                 "test_benchmark_gate.py", "test_concurrency.py", "test_cpu_rss.py", "test_frontier_plan.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -18,16 +18,17 @@ import pytest
 from pipelines_fixture import tiny_pipeline
 from runs import fulltune_run, wait_for_checkpoint
 
-pytestmark = [pytest.mark.slow, pytest.mark.alone]
+pytestmark = pytest.mark.slow
 
 # micro 2 × accumulation 2, a checkpoint every 2 steps; the run stalls in the first micro-batch of step 3,
 # so step-2 is the newest checkpoint when Ctrl-C arrives.
 TRAIN = {"effective_batch_size": 4, "micro_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 4,
          "checkpoint_every_steps": 2, "keep_checkpoints": 3}
 STALL = "stall_micro_step:5"
-# Ctrl-C must end the run in seconds, not the minutes of "Error logging to API" it took before. 45 s passed
-# alone but not always beside the other make-test worker's training processes on 2 cores; 90 s did not on a
-# slow day of this shared machine (the whole suite 1.6× slower); 180 s is still a bound.
+# Ctrl-C must end the run in seconds, not the minutes of "Error logging to API" it took before; 180 s is a
+# bound for a slow day of this shared 2-core machine beside the other make-test worker. (A test runner started
+# in the background ignored SIGINT and passed that to the run, which then never saw the Ctrl-C:
+# tests/conftest.py restores it.)
 EXIT_WITHIN_S = 180
 NOISE = ("Disassembly of", "LOAD_FAST", "RETURN_VALUE", "Removed shared tensor", "model card could not be retrieved",
          "Unable to find license information", "Skip logging GPU metrics", "Error logging to API", "Traceback")
