@@ -97,7 +97,7 @@ def phase_tensors(shape: ModelShape, settings: Settings, step_tensors: int) -> d
     weights = int(levers.weight_bytes * P * share)
     states = int(levers.states * (1.0 / settings.num_processes if settings.strategy != "none"
                                   and settings.strategy != "ddp" else 1.0))
-    largest = _largest_tensor(shape) * levers.weight_bytes
+    largest = shape.largest_param_numel * levers.weight_bytes
     if settings.device == "cpu":
         # The file's pages are resident memory; weights in another dtype are copies beside them.
         cast = levers.weight_bytes != shape.stored_bytes
@@ -125,7 +125,7 @@ def export_phase_bytes(shape: ModelShape, settings: Settings, file_bytes: int | 
     weight_bytes = lever_bytes(shape, settings).weight_bytes
     if settings.strategy == "fsdp" and settings.device == "cpu":
         return export_host_bytes(shape, weight_bytes, gathers_on_host=True, file_bytes=file_bytes)
-    return _largest_tensor(shape) * weight_bytes
+    return shape.largest_param_numel * weight_bytes
 
 
 def node_host_bytes(shape: ModelShape, settings: Settings, rank_host: int, ranks_per_node: int) -> dict[str, int]:
@@ -165,7 +165,7 @@ def export_host_bytes(shape: ModelShape, weight_bytes: int, gathers_on_host: boo
     """Rank 0's host RAM at the streamed FSDP export: one file's gathered tensors (at most `file_bytes`,
     default `EXPORT_SHARD_BYTES`, or the largest tensor when it is larger, never more than the model)
     and, when the all-gathers run in host RAM (`gathers_on_host`: CPU shards), the current gather's buffers."""
-    largest = _largest_tensor(shape) * weight_bytes
+    largest = shape.largest_param_numel * weight_bytes
     one_file = max(min(file_bytes or EXPORT_SHARD_BYTES, weight_bytes * shape.num_params), largest)
     return one_file + (_gather_bytes(shape, weight_bytes) if gathers_on_host else 0)
 
@@ -173,15 +173,4 @@ def export_host_bytes(shape: ModelShape, weight_bytes: int, gathers_on_host: boo
 def _gather_bytes(shape: ModelShape, weight_bytes: int) -> int:
     """A CPU all-gather's transient for the largest tensor: its output and the copy it is assembled from
     (benchmarks/export_memory.py: gathering a 16 MB tensor over gloo peaks 2.0× its size above the RSS before)."""
-    return 2 * _largest_tensor(shape) * weight_bytes
-
-
-def _largest_tensor(shape: ModelShape) -> int:
-    return shape.largest_param_numel
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return 2 * shape.largest_param_numel * weight_bytes

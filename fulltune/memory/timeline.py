@@ -123,4 +123,4 @@ class Timeline:
         parts = {"parameters": parameters, "gradients": gradients, "optimizer_states": states,
                  "activations": activations, "logits": logits, "temporary": temp,
                  "host": host["parameters"] + host["gradients"] + host["optimizer_states"] + host["activations"]}
-        self.phases.append((phase, 0 + parameters + gradients + states + activations + logits + temp, parts))
+        self.phases.append((phase, parameters + gradients + states + activations + logits + temp, parts))

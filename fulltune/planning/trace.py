@@ -21,7 +21,6 @@ import contextlib
 import copy
 import gc
 import json
-import os
 from pathlib import Path
 from typing import Any, Iterator
 
