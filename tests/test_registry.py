@@ -139,3 +139,32 @@ def test_register_aliases_and_load_champion_in_fresh_process(tmp_path, monkeypat
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "GENERATED <class 'str'>" in done.stdout
+
+
+def test_a_new_workdir_store_is_a_copy_of_the_machines_empty_one_and_opens_like_one_mlflow_made(tmp_path,
+                                                                                                monkeypatch):
+    """A new workdir's SQLite store starts from the empty store this MLflow version made once on the machine
+    (not from its schema migrations again); MLflow opens it as its own, and a store already there is kept."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("FULLTUNE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    empty = tmp_path / "cache" / "mlflow-store" / mlflow.__version__ / "mlflow.db"
+    registry.configure(tmp_path / "first")
+    assert empty.exists() and (tmp_path / "first" / "mlflow.db").exists()
+    made = empty.stat().st_mtime_ns
+
+    registry.configure(tmp_path / "second")
+    experiment_id = registry.experiment_id("tiny", tmp_path / "second")
+    client = MlflowClient()
+    run = client.create_run(experiment_id)
+    client.log_metric(run.info.run_id, "loss", 1.5)
+    client.create_registered_model("tiny-model")
+    default = client.get_experiment("0")
+    assert default.name == "Default" and default.artifact_location == str(tmp_path / "mlruns" / "0")
+    assert empty.stat().st_mtime_ns == made  # read, not made again
+    assert sorted(p.name for p in (tmp_path / "second").iterdir()) == ["mlflow.db"]  # no partial copy left
+
+    registry.configure(tmp_path / "second")  # an existing store is never replaced
+    assert MlflowClient().get_run(run.info.run_id).data.metrics == {"loss": 1.5}

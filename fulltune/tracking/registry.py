@@ -6,6 +6,8 @@ import contextlib
 import math
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +37,9 @@ TAG_COMPARISON_REASON = "fulltune.comparison_reason"
 # Why the version was or was not promoted; `fulltune.gate.<metric>` per condition of register.promote_if.
 TAG_GATE = "fulltune.gate"
 
+# A workdir's own MLflow store when MLFLOW_TRACKING_URI is not set.
+STORE_FILE = "mlflow.db"
+
 SECRET_KEY = re.compile(r"(token|password|secret|api[_-]?key|credential)", re.IGNORECASE)
 URI_PASSWORD = re.compile(r"(?<=://)([^:/@\s]+):([^@/\s]+)@")
 
@@ -46,7 +51,7 @@ def redact(text: str) -> str:
 
 def tracking_uri(workdir: str | Path) -> str:
     """`MLFLOW_TRACKING_URI` when set, else SQLite in the workdir (the registry needs a database)."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(workdir).resolve() / 'mlflow.db'}"
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(workdir).resolve() / STORE_FILE}"
 
 
 def configure(workdir: str | Path) -> str:
@@ -59,6 +64,8 @@ def configure(workdir: str | Path) -> str:
     import mlflow
 
     uri = tracking_uri(workdir)
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        seed_store(Path(workdir).resolve() / STORE_FILE)
     previous = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
     if previous is None:
@@ -66,6 +73,58 @@ def configure(workdir: str | Path) -> str:
     else:
         os.environ["MLFLOW_TRACKING_URI"] = previous
     return uri
+
+
+def seed_store(database: Path) -> None:
+    """Start a workdir's new SQLite store as a copy of an empty one this machine's MLflow made once.
+
+    MLflow builds a new database by running every schema migration it ships (alembic: about 3 CPU-seconds
+    for MLflow 3.x), in each new workdir. The empty store is made that way once per MLflow version, under
+    `fulltune.storage.cache_dir()`, and copied: the copy is at MLflow's newest schema, so MLflow opens it as
+    any database it made. The default experiment's artifact location is written as MLflow writes it for a
+    database it creates (`./mlruns/0` under the current directory). A database already there (this
+    workdir's, or one another run made a moment ago) is left alone, and anything that fails here leaves the
+    database for MLflow to create as before.
+    """
+    if database.exists():
+        return
+    with contextlib.suppress(OSError, ImportError):
+        import sqlite3
+        import time
+
+        empty = _empty_store()
+        database.parent.mkdir(parents=True, exist_ok=True)
+        partial = database.with_name(f".{database.name}.{os.getpid()}.partial")
+        try:
+            shutil.copyfile(empty, partial)
+            now = int(time.time() * 1000)
+            with contextlib.closing(sqlite3.connect(partial)) as connection, connection:
+                connection.execute("UPDATE experiments SET artifact_location = ?, creation_time = ?, "
+                                   "last_update_time = ? WHERE experiment_id = 0",
+                                   (str(Path.cwd() / "mlruns" / "0"), now, now))
+            os.link(partial, database)  # never over a database another process made first
+        except FileExistsError:
+            pass
+        finally:
+            partial.unlink(missing_ok=True)
+
+
+def _empty_store() -> Path:
+    """This machine's empty MLflow store for the installed MLflow version (made once, then read)."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from fulltune.storage import cache_dir
+
+    empty = cache_dir() / "mlflow-store" / mlflow.__version__ / STORE_FILE
+    if empty.exists():
+        return empty
+    empty.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=empty.parent) as scratch:
+        made = Path(scratch) / STORE_FILE
+        MlflowClient(tracking_uri=f"sqlite:///{made}").search_experiments(max_results=1)
+        os.replace(made, empty)
+    return empty
 
 
 def experiment_id(name: str, workdir: str | Path) -> str:
