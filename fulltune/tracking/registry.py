@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fulltune.storage import code_version
+from fulltune.storage import cache_dir, code_version, fsync_dir, fsync_tree
 
 if TYPE_CHECKING:
     from fulltune.evaluation.champion import Champion
@@ -63,10 +63,10 @@ def configure(workdir: str | Path) -> str:
     """
     import mlflow
 
-    uri = tracking_uri(workdir)
-    if not os.environ.get("MLFLOW_TRACKING_URI"):
-        seed_store(Path(workdir).resolve() / STORE_FILE)
     previous = os.environ.get("MLFLOW_TRACKING_URI")
+    uri = tracking_uri(workdir)
+    if not previous:
+        seed_store(Path(workdir).resolve() / STORE_FILE)
     mlflow.set_tracking_uri(uri)
     if previous is None:
         os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -94,7 +94,9 @@ def seed_store(database: Path) -> None:
 
         empty = _empty_store()
         database.parent.mkdir(parents=True, exist_ok=True)
-        partial = database.with_name(f".{database.name}.{os.getpid()}.partial")
+        fd, name = tempfile.mkstemp(prefix=f".tmp-{database.name}-", dir=database.parent)
+        os.close(fd)
+        partial = Path(name)
         try:
             shutil.copyfile(empty, partial)
             now = int(time.time() * 1000)
@@ -102,7 +104,10 @@ def seed_store(database: Path) -> None:
                 connection.execute("UPDATE experiments SET artifact_location = ?, creation_time = ?, "
                                    "last_update_time = ? WHERE experiment_id = 0",
                                    (str(Path.cwd() / "mlruns" / "0"), now, now))
+            with open(partial, "rb+") as handle:
+                os.fsync(handle.fileno())
             os.link(partial, database)  # never over a database another process made first
+            fsync_dir(database.parent)
         except FileExistsError:
             pass
         finally:
@@ -114,8 +119,6 @@ def _empty_store() -> Path:
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from fulltune.storage import cache_dir
-
     empty = cache_dir() / "mlflow-store" / mlflow.__version__ / STORE_FILE
     if empty.exists():
         return empty
@@ -123,6 +126,7 @@ def _empty_store() -> Path:
     with tempfile.TemporaryDirectory(dir=empty.parent) as scratch:
         made = Path(scratch) / STORE_FILE
         MlflowClient(tracking_uri=f"sqlite:///{made}").search_experiments(max_results=1)
+        fsync_tree(Path(scratch))  # every new workdir copies it: never a truncated one after a crash
         os.replace(made, empty)
     return empty
 
