@@ -2,8 +2,8 @@
 rendezvous train like one process, their exported checkpoint loads in one process like the unsharded
 one, the export streams file by file within the plan's host figure, and bf16 FSDP stays near one autocast
 process. `fulltune run` with `strategy: fsdp` (1 vs 2
-processes, a killed run resumed bit for bit, registration) is tests/test_fsdp_run.py; sharded loading is
-tests/test_sharded_load.py.
+processes, sharded evaluation, registration) is tests/test_fsdp_run.py, a killed sharded run resumed bit for
+bit tests/test_tensor_parallel.py (FSDP 2 × TP 2); sharded loading is tests/test_sharded_load.py.
 
 Every run is tests/sharding_worker.py: a 2-layer Llama (hidden 64) on fixed rows, 4 rows per optimizer
 step in the same order whatever the split: one process does 2 micro-batches of 2 rows, two FSDP processes
