@@ -136,11 +136,24 @@ def write_pipelines(root: Path) -> Path:
 def run_deployment(servers: Servers) -> str:
     """Start a run of the served demo deployment through the Prefect API and wait for its final state."""
     script = ("from prefect.deployments import run_deployment; "
-              "run = run_deployment('fulltune-pipeline/demo', timeout=900); print('STATE', run.state.type.value)")
+              "run = run_deployment('fulltune-pipeline/demo', timeout=900, poll_interval=1); "
+              "print('STATE', run.state.type.value)")
     done = subprocess.run([sys.executable, "-c", script], env=servers.env, cwd=servers.root, capture_output=True,
                           text=True, timeout=960)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()[-1]
+
+
+def deployment_names(servers: Servers) -> list[str]:
+    """The deployments the Prefect API knows, as `flow/deployment` (what `prefect deployment ls` lists)."""
+    def post(path: str) -> list[dict]:
+        request = urllib.request.Request(f"{servers.prefect_url}/{path}", data=b"{}", method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read())
+
+    flows = {flow["id"]: flow["name"] for flow in post("flows/filter")}
+    return [f"{flows.get(d['flow_id'])}/{d['name']}" for d in post("deployments/filter")]
 
 
 def model_versions(servers: Servers) -> list[dict]:
@@ -150,15 +163,15 @@ def model_versions(servers: Servers) -> list[dict]:
 
 def test_served_deployment_run_registers_champion_and_reruns_register_nothing(servers):
     pipelines = write_pipelines(servers.root)
-    serve = servers.start("serve", [str(BIN / "fulltune"), "serve", "-f", str(pipelines)])
+    # The runner looks for runs to start every second (Prefect's default is 10 s).
+    serve = servers.start("serve", [str(BIN / "fulltune"), "serve", "-f", str(pipelines)],
+                          env={**servers.env, "PREFECT_RUNNER_POLL_FREQUENCY": "1"})
     deadline = time.time() + 180
     while time.time() < deadline:
         assert serve.poll() is None, servers.log("serve")
-        found = subprocess.run([str(BIN / "prefect"), "deployment", "ls"], env=servers.env, capture_output=True,
-                               text=True, timeout=120)
-        if "fulltune-pipeline/demo" in found.stdout:
+        if "fulltune-pipeline/demo" in deployment_names(servers):
             break
-        time.sleep(2)
+        time.sleep(1)
     else:
         pytest.fail("the demo deployment never appeared:\n" + servers.log("serve"))
 
