@@ -14,6 +14,7 @@ import pytest
 
 from conftest import ROOT
 from pipelines_fixture import tiny_pipeline
+from runs import with_prefect_api
 
 HOLD_LOCK = """
 import sys, time
@@ -90,9 +91,11 @@ def test_a_stepped_system_clock_makes_no_live_process_look_gone(tmp_path, monkey
 
 
 @pytest.mark.slow
-def test_concurrent_runs_train_once_and_register_once(tmp_path):
+def test_concurrent_runs_train_once_and_register_once(tmp_path, prefect_server):
+    """Two runs of one pipeline at once, as a team's scheduler and a user start them against their Prefect server:
+    the stage locks in the workdir make the second wait for the first and take its results."""
     path = tiny_pipeline(tmp_path, train={"max_steps": 8, "checkpoint_every_steps": 2})
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = with_prefect_api({**os.environ, "PYTHONPATH": str(ROOT)}, prefect_server)
     runs = [subprocess.Popen([sys.executable, "-m", "fulltune.cli", "run", "tiny", "-f", str(path)], cwd=tmp_path,
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for _ in range(2)]
