@@ -2,8 +2,8 @@
 meta device, shards it and reads only its own shards from the checkpoint, and gets the same model as
 loading it whole and sharding it afterwards (`load_model` + `shard_model`, what every process did before).
 
-Each run is tests/sharding_worker.py under torchrun (2 processes, gloo); ~20 s each on 2 cores, hence
-`slow`. Every comparison is bit for bit: both paths hold the same fp32 values in the same shards and run
+Each test is one torchrun of tests/sharding_worker.py (2 processes, gloo) running its two loads one after
+the other; ~20 s each on 2 cores, hence `slow`. Every comparison is bit for bit: both paths hold the same fp32 values in the same shards and run
 the same sums.
 """
 
@@ -47,8 +47,8 @@ def assert_same(got: dict, want: dict) -> None:
 
 def test_tied_fp32_checkpoint_loads_bit_exact_and_trains_like_load_then_shard(tmp_path: Path) -> None:
     checkpoint = save_checkpoint(tmp_path / "tied", tied=True, dtype="float32")
-    new = two_sharded_from(tmp_path / "new", checkpoint, "--sharded-load", "--export-loaded", steps=STEPS)
-    old = two_sharded_from(tmp_path / "old", checkpoint, steps=STEPS)
+    new, old = tmp_path / "new", tmp_path / "old"
+    two_sharded_from((new, checkpoint, ("--sharded-load", "--export-loaded")), (old, checkpoint, ()), steps=STEPS)
     assert_same(weights(new / "loaded"), weights(checkpoint))
     assert result(new)["losses"] == result(old)["losses"]
     assert_same(weights(new / "model"), weights(old / "model"))
@@ -57,10 +57,11 @@ def test_tied_fp32_checkpoint_loads_bit_exact_and_trains_like_load_then_shard(tm
 def test_untied_bf16_checkpoint_loads_as_fp32_masters_from_safetensors_and_from_a_pickle(tmp_path: Path) -> None:
     import torch
 
-    read = two_sharded_from(tmp_path / "read", save_checkpoint(tmp_path / "st", tied=False, dtype="bfloat16"),
-                            "--sharded-load", "--export-loaded", steps=STEPS)
+    safetensors = save_checkpoint(tmp_path / "st", tied=False, dtype="bfloat16")
     pickled = save_checkpoint(tmp_path / "bin", tied=False, dtype="bfloat16", safetensors=False)
-    broadcast = two_sharded_from(tmp_path / "broadcast", pickled, "--sharded-load", "--export-loaded", steps=STEPS)
+    read, broadcast = tmp_path / "read", tmp_path / "broadcast"
+    options = ("--sharded-load", "--export-loaded")
+    two_sharded_from((read, safetensors, options), (broadcast, pickled, options), steps=STEPS)
     expected = {name: tensor.float() for name, tensor in weights(tmp_path / "st").items()}
     assert "lm_head.weight" in expected
     assert_same(weights(read / "loaded"), expected)  # bf16 → fp32 is exact

@@ -65,10 +65,14 @@ def two_sharded(out: Path, *options: str, steps: int = STEPS) -> dict:
     return result(out)
 
 
-def two_sharded_from(out: Path, checkpoint: Path, *options: str, steps: int = STEPS) -> Path:
-    """Two FSDP processes starting from a saved checkpoint; returns OUT (result.json, model/, loaded/)."""
-    two_sharded(out, "--load", str(checkpoint), *options, steps=steps)
-    return out
+def two_sharded_from(*runs: tuple[Path, Path, tuple[str, ...]], steps: int = STEPS) -> None:
+    """Runs of two FSDP processes, each (OUT, checkpoint, options) starting from a saved checkpoint, one after
+    another in the same two processes (one torchrun); each OUT gets result.json, model/ and loaded/."""
+    arguments: list[str] = []
+    for out, checkpoint, options in runs:
+        arguments += [*(["--then"] if arguments else []), str(out), "--shard", "--steps", str(steps), "--micro", "1",
+                      "--load", str(checkpoint), *options]
+    run(_torchrun("--standalone", "--nproc_per_node", "2", str(WORKER), *arguments))
 
 
 def weights(model_dir: Path) -> dict:
