@@ -120,9 +120,9 @@ def write_pipelines(root: Path) -> Path:
     demo["model"]["from_config"] = str(ROOT / demo["model"]["from_config"])
     demo["data"]["train"] = str(ROOT / demo["data"]["train"])
     demo["data"]["eval"] = str(ROOT / demo["data"]["eval"])
-    demo["train"].update({"max_steps": 20, "checkpoint_every_steps": 10, "log_every_steps": 5})
+    demo["train"].update({"max_steps": 8, "checkpoint_every_steps": 4, "log_every_steps": 4})
     demo["evaluate"].update({"max_generate_examples": 8})
-    # Served runs are about the servers: no harness task, and a gate 20 steps can pass.
+    # Served runs are about the servers: no harness task, and a gate 8 steps can pass.
     demo["evaluate"].pop("lm_eval", None)
     demo["register"]["promote_if"] = {"metric": "eval_loss"}
     demo["register"]["model_name"] = MODEL
