@@ -172,8 +172,8 @@ _NUMPY_TYPES = {"int32": "int32", "int64": "int64", "float": "float32", "double"
 def view(array: pa.Array) -> np.ndarray:
     """A numeric Arrow array as a numpy view of its buffer, without a copy.
 
-X
-    30 MB in every training process, which never uses it). An array with nulls, or of another type, takes
+    pyarrow's own `to_numpy` does the same but first imports pandas (its pandas shim: about 0.3 s and
+    40 MiB in every training process, which never uses it). An array with nulls, or of another type, takes
     `to_numpy` (a copy)."""
     import numpy as np
 
