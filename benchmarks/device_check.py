@@ -225,9 +225,9 @@ def fp16_case(config: Any, settings: Settings, steps: int, overflow_at: int) -> 
     return row
 
 
-def _safely(name: str, fn: Any, *args: Any) -> dict[str, Any]:
+def _safely(name: str, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except Exception as exc:  # one failing case (e.g. out of memory) must not lose the others
         return {"name": name, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=3)}
 
@@ -364,7 +364,7 @@ def run(dry_run: bool, peak_tflops: float | None, mfu_steps: int) -> dict[str, A
     from benchmarks.autotune import gpu_check  # the plan's top candidates measured in training children
 
     # The dry run measures two candidates (each a training child): enough to check the comparison's wiring.
-    report["autotune"] = _safely("autotune", gpu_check, dry_run, 3, 2 if dry_run else 3)
+    report["autotune"] = _safely("autotune", gpu_check, dry_run, candidates=2 if dry_run else 3)
     print("[autotune] done", file=sys.stderr, flush=True)
     return report
 

@@ -28,9 +28,10 @@ def test_two_fsdp_processes_train_like_one_and_evaluate_sharded(shared_run) -> N
 
     single, sharded = shared_run(**ONE_PROCESS), shared_run(**TWO_SHARDS)
     clean, one = sharded.finish(), single.finish()
-    assert "registered tiny-model version 1" in (clean / "run.log").read_text()
+    log = (clean / "run.log").read_text()
+    assert "registered tiny-model version 1" in log
     # Evaluated sharded over the run's 2 processes, with one process's metrics.
-    check_fsdp_run_evaluation(clean / "work", (clean / "run.log").read_text())
+    check_fsdp_run_evaluation(clean / "work", log)
     want = saved_model(clean / "work")
 
     # Two shards train like one process (fp32: only the order of the gradient sums differs).

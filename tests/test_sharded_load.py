@@ -3,8 +3,8 @@ meta device, shards it and reads only its own shards from the checkpoint, and ge
 loading it whole and sharding it afterwards (`load_model` + `shard_model`, what every process did before).
 
 Each test is one torchrun of tests/sharding_worker.py (2 processes, gloo) running its two loads one after
-the other; ~20 s each on 2 cores, hence `slow`. Every comparison is bit for bit: both paths hold the same fp32 values in the same shards and run
-the same sums.
+the other; ~20 s each on 2 cores, hence `slow`. Every comparison is bit for bit: both paths hold the same
+fp32 values in the same shards and run the same sums.
 """
 
 from __future__ import annotations

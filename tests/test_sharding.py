@@ -59,9 +59,13 @@ def one_process(out: Path, *options: str) -> dict:
     return result(out)
 
 
+def _sharded_run(out: Path, steps: int, *options: str) -> list[str]:
+    """The worker's arguments for one run of two FSDP processes, one row per micro-batch."""
+    return [str(out), "--shard", "--steps", str(steps), "--micro", "1", *options]
+
+
 def two_sharded(out: Path, *options: str, steps: int = STEPS) -> dict:
-    run(_torchrun("--standalone", "--nproc_per_node", "2", str(WORKER), str(out), "--shard",
-                  "--steps", str(steps), "--micro", "1", *options))
+    run(_torchrun("--standalone", "--nproc_per_node", "2", str(WORKER), *_sharded_run(out, steps, *options)))
     return result(out)
 
 
@@ -70,8 +74,8 @@ def two_sharded_from(*runs: tuple[Path, Path, tuple[str, ...]], steps: int = STE
     another in the same two processes (one torchrun); each OUT gets result.json, model/ and loaded/."""
     arguments: list[str] = []
     for out, checkpoint, options in runs:
-        arguments += [*(["--then"] if arguments else []), str(out), "--shard", "--steps", str(steps), "--micro", "1",
-                      "--load", str(checkpoint), *options]
+        arguments += ["--then"] if arguments else []
+        arguments += _sharded_run(out, steps, "--load", str(checkpoint), *options)
     run(_torchrun("--standalone", "--nproc_per_node", "2", str(WORKER), *arguments))
 
 
