@@ -8,8 +8,6 @@ OpenMP's thread hand-offs stall for ~100 ms per op, and results must not depend 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -86,12 +84,14 @@ def make_job(assets: dict[str, Path], output_dir: Path, model: str = "plain", **
     return job_with(str(assets[model]), str(assets["data"]), str(output_dir), **{**defaults, **fields})
 
 
-def run_with_fault(job: TrainJob, fault: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run `job` with a FULLTUNE_TEST_FAULT that kills the child; the launcher reports a crash."""
+def run_with_fault(job: TrainJob, fault: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Run `job` with a FULLTUNE_TEST_FAULT that kills the child; the launcher reports a crash. The child's lines."""
+    lines: list[str] = []
     with monkeypatch.context() as patch:
         patch.setenv("FULLTUNE_TEST_FAULT", fault)
         with pytest.raises(RuntimeError, match="exited with code -9"):
-            run_training(job, on_output=lambda line: None)
+            run_training(job, on_output=lines.append)
+    return lines
 
 
 def model_tensors(model_dir: str | Path) -> dict:
@@ -164,26 +164,30 @@ def test_training_reduces_loss_and_writes_the_run_directory(uninterrupted: tuple
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("fault", "resumed_from"), [
-    ("micro_step:15", 6),  # mid-accumulation: the first micro-batch of step 8
-    ("checkpoint_write:6", 3),  # checkpoint 6 half written: it is discarded
-    ("after_checkpoint:6", 6),  # right after checkpoint 6 was renamed into place
-])
-def test_killed_run_resumes_bit_exact(fault: str, resumed_from: int, assets: dict[str, Path], tmp_path: Path,
-                                      uninterrupted: tuple[TrainJob, TrainResult],
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_run_killed_at_each_point_resumes_bit_exact(assets: dict[str, Path], tmp_path: Path,
+                                                      uninterrupted: tuple[TrainJob, TrainResult],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """One run killed three times, each rerun (the same job, as a Prefect retry would) killed at the next point,
+    then finished: each rerun resumes where the previous kill left it, and the end is the uninterrupted run."""
     import torch
 
     base_job, expected = uninterrupted
     job = base_job.replace(output_dir=str(tmp_path / "run"))
-    run_with_fault(job, fault, monkeypatch)
     checkpoints = tmp_path / "run" / "checkpoints"
-    if fault.startswith("checkpoint_write"):
-        assert (checkpoints / ".tmp-step-6").is_dir() and not (checkpoints / "step-6").exists()
-    assert not (tmp_path / "run" / "model").exists()
+    for fault, resumed_from in [
+        ("checkpoint_write:6", None),  # checkpoint 6 half written: it is discarded
+        ("after_checkpoint:6", 3),  # right after checkpoint 6 was renamed into place
+        ("micro_step:15", 6),  # mid-accumulation: the first micro-batch of step 8
+    ]:
+        lines = run_with_fault(job, fault, monkeypatch)
+        start = f"resumed from step {resumed_from}" if resumed_from else "from the start"
+        assert any(start in line for line in lines), (fault, lines[-20:])
+        if fault.startswith("checkpoint_write"):
+            assert (checkpoints / ".tmp-step-6").is_dir() and not (checkpoints / "step-6").exists()
+        assert not (tmp_path / "run" / "model").exists()
 
-    result = quiet(job)  # the same job again, as a Prefect retry would
-    assert result.resumed_from_step == resumed_from
+    result = quiet(job)
+    assert result.resumed_from_step == 6
     assert result.loss_history == expected.loss_history
     assert result.tokens == expected.tokens and result.steps == expected.steps
     got, want = model_tensors(result.model_dir), model_tensors(expected.model_dir)
@@ -282,18 +286,21 @@ def test_repeated_nonfinite_losses_stop_with_exit_code_2(assets: dict[str, Path]
 @pytest.mark.slow
 def test_out_of_memory_exits_3_and_raises_out_of_memory(assets: dict[str, Path], tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from fulltune.runtime import launch
+
     job = make_job(assets, tmp_path / "run", max_steps=3, checkpoint_every_steps=0)
     monkeypatch.setenv("FULLTUNE_TEST_FAULT", "oom:2")
+    codes, lines = [], []  # the child's exit code as the launcher reads it, and its lines
+    monkeypatch.setattr(launch, "_outcome", lambda out, code, tail: codes.append(code) or _outcome(out, code, tail))
     with pytest.raises(OutOfMemory) as raised:
-        quiet(job)
+        run_training(job, on_output=lines.append)
+    assert codes == [3]
     assert raised.value.observed_peak_bytes > 0
     assert not isinstance(raised.value, (ConfigError, DataError, TrainingError))
     out = Path(job.paths.output_dir)
     assert json.loads((out / "oom.json").read_text())["peak_bytes"] == raised.value.observed_peak_bytes
     assert not (out / "model").exists()
-    child = subprocess.run([sys.executable, "-m", "fulltune.runtime.train", str(out / "JOB.json")],
-                           capture_output=True, text=True, check=False)
-    assert child.returncode == 3 and "out of memory" in child.stderr
+    assert lines[-1].startswith("fulltune train: out of memory (peak "), lines[-5:]
 
 
 @pytest.mark.slow
