@@ -35,8 +35,10 @@ NOISE = ("Disassembly of", "LOAD_FAST", "RETURN_VALUE", "Removed shared tensor",
 
 
 @pytest.fixture(scope="module")
-def interrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Start a run, Ctrl-C it once step-2 is written, then rerun it: what each did."""
+def interrupted(tmp_path_factory: pytest.TempPathFactory, prefect_server) -> dict:
+    """Start a run (with its own temporary Prefect server, as `make demo` does), Ctrl-C it once step-2 is
+    written, then rerun it (on the session's Prefect API: the temporary server's full run and its rerun are
+    tests/test_rerun.py's): what each did."""
     import psutil
 
     root = tmp_path_factory.mktemp("interrupt")
@@ -54,7 +56,7 @@ def interrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
         os.killpg(run.pid, signal.SIGKILL)
         pytest.fail(f"still running {EXIT_WITHIN_S} s after Ctrl-C:\n{first_log.read_text()[-12000:]}")
     _, alive = psutil.wait_procs(processes, timeout=30)
-    rerun = fulltune_run(pipelines, rerun_log)
+    rerun = fulltune_run(pipelines, rerun_log, prefect_server)
     rerun_code = rerun.wait(timeout=900)
     return {"code": code, "output": first_log.read_text(), "left_running": alive, "rerun_code": rerun_code,
             "rerun_output": rerun_log.read_text(), "workdir": root / "work"}

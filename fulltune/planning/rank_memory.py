@@ -40,7 +40,9 @@ def measure_ranks(kind: str, config: dict[str, Any], settings: Settings, process
                   **options: Any) -> list[dict[str, Any]]:
     """Run `kind` (see the module's docstring) of the Llama `config` (LlamaConfig keyword arguments) under
     `settings` in `processes` torchrun ranks; every rank's result, in rank order. `options`: the pipeline's
-    `schedule`, `steps` and `timed_steps`; the export's `out` (a directory), `shard_bytes` and `whole`.
+    `schedule`, `steps` and `timed_steps`; the export's `out` (a directory), `shard_bytes` and `whole`; fsdp's and
+    tensor_parallel's `cases` (a list of {"config", "settings"} measured in turn: each rank's result is then the
+    list of its cases' results).
 
     Raises:
         RuntimeError: no result came back (torchrun's output); subprocess.TimeoutExpired past `timeout_s`.
@@ -59,14 +61,26 @@ def against_estimate(kind: str, config: dict[str, Any], settings: Settings, proc
     """`kind` (fsdp or tensor_parallel) measured in every rank against `estimate_memory`'s per-rank peak:
     {"estimate_peak_bytes", "estimate_peak_phase", "ranks": [{"rank", "measured_peak_bytes",
     "measured_breakdown", "fsdp_categories", "error"}]}, `error` the estimate's relative to the rank's peak."""
+    return against_estimates(kind, [(config, settings)], processes)[0]
+
+
+def against_estimates(kind: str, cases: list[tuple[dict[str, Any], Settings]], processes: int) -> list[dict[str, Any]]:
+    """`against_estimate` of each (config, settings) of `cases`, one after another in the same `processes` ranks
+    (one torchrun: the ranks start once); the results in the order of `cases`."""
     from fulltune.memory import estimate_memory
 
-    ranks = measure_ranks(kind, config, settings, processes)
-    estimate = estimate_memory(_config(config), settings)
-    return {"estimate_peak_bytes": estimate.peak_bytes, "estimate_peak_phase": estimate.peak_phase,
-            "ranks": [{"rank": rank, "measured_peak_bytes": r["peak_bytes"], "measured_breakdown": r["breakdown"],
-                       "fsdp_categories": r["raw"], "error": estimate.peak_bytes / r["peak_bytes"] - 1}
-                      for rank, r in enumerate(ranks)]}
+    (config, settings), *_ = cases
+    measured = measure_ranks(kind, config, settings, processes,
+                             cases=[{"config": config, "settings": asdict(settings)} for config, settings in cases])
+    results = []
+    for i, (config, settings) in enumerate(cases):
+        estimate = estimate_memory(_config(config), settings)
+        results.append({
+            "estimate_peak_bytes": estimate.peak_bytes, "estimate_peak_phase": estimate.peak_phase,
+            "ranks": [{"rank": rank, "measured_peak_bytes": r[i]["peak_bytes"], "measured_breakdown": r[i]["breakdown"],
+                       "fsdp_categories": r[i]["raw"], "error": estimate.peak_bytes / r[i]["peak_bytes"] - 1}
+                      for rank, r in enumerate(measured)]})
+    return results
 
 
 def _llama(config: dict[str, Any], settings: Settings) -> Any:
@@ -390,8 +404,14 @@ def main(argv: list[str] | None = None) -> int:
     elif spec["kind"] == "pipeline":
         measured = pipeline_rank(config, settings, spec["schedule"], spec["steps"], spec["timed_steps"],
                                  spec["stages"], spec["data_parallel"])
-    else:
-        measured = (fsdp_rank if spec["kind"] == "fsdp" else tensor_parallel_rank)(config, settings)
+    else:  # fsdp, tensor_parallel: each case of `cases` in turn, the last one's tensors freed first
+        import gc
+
+        measure = fsdp_rank if spec["kind"] == "fsdp" else tensor_parallel_rank
+        measured = []
+        for case in spec.get("cases") or [{"config": config, "settings": spec["settings"]}]:
+            gc.collect()
+            measured.append(measure(case["config"], Settings(**case["settings"])))
     send_to_driver(measured, Path(args[1]))
     return 0
 
