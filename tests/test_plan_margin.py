@@ -148,6 +148,11 @@ def test_device_check_dry_run_writes_its_report(tmp_path):
     assert "skipped" in offload and offload["predicted_seconds_per_step"] > 0
     assert {"compute_s", "pcie_s", "exposed_pcie_s", "host_step_s"} <= set(offload["predicted_terms"])
     assert report["fp16_loss_scaling"]["overflow_step_skipped_and_recovered"] is True
+    # The evaluate stage ran at its planned batches (on CPU, the modelled peak only), and autotune measured each
+    # candidate in a training child of its own.
+    assert report["evaluation"]["modelled_peak"] > 0 and report["evaluation"]["plan"]["loss_batch"] >= 1
+    candidates = [c for row in report["autotune"]["rows"] for c in row["candidates"]]
+    assert len(candidates) >= 2 and all(c["status"] == "measured" and c["step_seconds"] > 0 for c in candidates)
     assert "est err" in result.stdout
 
 
