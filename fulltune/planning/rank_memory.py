@@ -41,8 +41,8 @@ def measure_ranks(kind: str, config: dict[str, Any], settings: Settings, process
     """Run `kind` (see the module's docstring) of the Llama `config` (LlamaConfig keyword arguments) under
     `settings` in `processes` torchrun ranks; every rank's result, in rank order. `options`: the pipeline's
     `schedule`, `steps` and `timed_steps`; the export's `out` (a directory), `shard_bytes` and `whole`; fsdp's and
-    tensor_parallel's `cases` (a list of {"config", "settings"} measured in turn: each rank's result is then the
-    list of its cases' results).
+    tensor_parallel's `cases` (`against_estimates`: a list of {"config", "settings"} measured in turn; each rank's
+    result is the list of its cases' results).
 
     Raises:
         RuntimeError: no result came back (torchrun's output); subprocess.TimeoutExpired past `timeout_s`.
@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
 
         measure = fsdp_rank if spec["kind"] == "fsdp" else tensor_parallel_rank
         measured = []
-        for case in spec.get("cases") or [{"config": config, "settings": spec["settings"]}]:
+        for case in spec["cases"]:
             gc.collect()
             measured.append(measure(case["config"], Settings(**case["settings"])))
     send_to_driver(measured, Path(args[1]))
