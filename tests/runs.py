@@ -54,6 +54,16 @@ def with_prefect_api(environment: dict[str, str], api: str | None) -> dict[str, 
     return environment if api is None else {**environment, "PREFECT_API_URL": api}
 
 
+def assert_rank_peaks_within(workdir: Path, stages: list[int], under: float = 0.03, over: float = 0.03) -> None:
+    """Each process's step peak, measured by the run, against the plan's estimate for it (result.json): the
+    estimate at most `under` below the measurement and `over` above it."""
+    (result,) = workdir.glob("runs/*/result.json")
+    peaks = json.loads(result.read_text())["rank_peaks"]
+    assert [p["stage"] for p in peaks] == stages, peaks
+    for p in peaks:
+        assert -under <= p["estimated_bytes"] / p["measured_bytes"] - 1 <= over, peaks
+
+
 def finish(run: subprocess.Popen, log: Path) -> str:
     """Wait for `run` to succeed; its log."""
     assert run.wait(timeout=900) == 0, log.read_text()[-4000:]

@@ -99,14 +99,17 @@ def test_two_stages_train_like_one_process_resume_bit_exact_after_a_kill_and_exp
     import torch
     from transformers import AutoModelForCausalLM
 
-    from runs import assert_same_weights, finish, fulltune_run, kill_at_checkpoint, loss_history, saved_model
+    from runs import (assert_rank_peaks_within, assert_same_weights, finish, fulltune_run, kill_at_checkpoint,
+                      loss_history, saved_model)
 
     one, clean, killed = (tmp_path / name for name in ("one", "clean", "killed"))
     for directory in (one, clean, killed):
         directory.mkdir()
     single = fulltune_run(tiny_pipeline(one, model=UNTIED, train=ONE), one / "run.log", prefect_server)
+    # The uninterrupted run measures each stage's step peak (MemTracker on the real tensors: CPU has no device
+    # peak) and sets it beside the plan's estimate for that stage.
     uninterrupted = fulltune_run(tiny_pipeline(clean, model=UNTIED, train=ONE, distributed=STAGES),
-                                 clean / "run.log", prefect_server)
+                                 clean / "run.log", prefect_server, FULLTUNE_TRACK_MEMORY="1")
     pipelines = tiny_pipeline(killed, model=UNTIED, train=ONE, distributed=STAGES)
     log = killed / "run.log"
     # Micro-batch 13 is the first of step 4: the run stalls there with step-2 its newest checkpoint.
@@ -118,8 +121,9 @@ def test_two_stages_train_like_one_process_resume_bit_exact_after_a_kill_and_exp
     assert "resumed from step 2" in output, output[-4000:]
     assert "2 pipeline stages (1f1b)" in output
     assert "registered tiny-model version 1" in output
-    finish(uninterrupted, clean / "run.log")
+    assert "step peak per process: rank 0 (stage 0)" in finish(uninterrupted, clean / "run.log")
     finish(single, one / "run.log")
+    assert_rank_peaks_within(clean / "work", stages=[0, 1])  # within 3% either way
 
     # Killed and rerun equals uninterrupted, tensor for tensor.
     want = _exported(clean / "work")

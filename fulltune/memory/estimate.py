@@ -96,6 +96,19 @@ def estimate_memory(config: Any, settings: Settings) -> MemoryEstimate:
     return _estimate(shape, settings)
 
 
+def rank_peak_bytes(config: Any, settings: Settings, rank: int) -> int:
+    """The tensors at process `rank`'s step peak (`MemoryEstimate.peak_bytes`, what the trainer measures per
+    rank: `fulltune.runtime.step_memory`): its pipeline stage's under `pipeline_parallel` > 1 (a stage is
+    `ParallelDims.stage`'s consecutive ranks), otherwise the one figure every process shares."""
+    shape = model_shape(config)
+    if settings.pipeline_parallel > 1:
+        from fulltune.memory.pipeline import estimate_stages, per_stage
+
+        stages = estimate_stages(shape, per_stage(settings), settings.pipeline_parallel, settings.pipeline_schedule)
+        return stages[settings.dims.stage(rank)].peak_bytes
+    return _estimate(shape, settings).peak_bytes
+
+
 def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = None) -> MemoryEstimate:
     """`estimate_memory` on a parsed shape; `timeline` (if given) receives every (phase, bytes, parts)."""
     if settings.pipeline_parallel > 1:  # the largest pipeline stage (memory/pipeline.py, which imports this module)

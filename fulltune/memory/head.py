@@ -22,14 +22,32 @@ def chunked_head_bytes(targets: int, hidden: int, vocab: int, compute_bytes: int
 
     saved: the per-row logsumexp kept from forward to backward (fp32).
     backward: the peak of backward's temporaries: the fp32 gradient of the head input, one weight-row
-    tile's fp32 gradient accumulator and its cast, and one tile's fp32 logits and gradient with the
-    gradient's cast to the compute dtype (forward's tile temporaries are fewer).
+    tile's fp32 gradient accumulator and its cast, and the tiles (`_tile_peak`).
     """
     rows, cols = min(targets, row_chunk), min(vocab, vocab_chunk)
-    tile = rows * cols * (4 + 4 + compute_bytes)
     weight_tile = cols * hidden * (4 + compute_bytes)
-    return {"saved": 4 * targets, "backward": 4 * targets * hidden + weight_tile + tile}
+    tiles = _tile_peak(targets, vocab, compute_bytes, row_chunk, vocab_chunk)
+    return {"saved": 4 * targets, "backward": 4 * targets * hidden + weight_tile + tiles}
 
+
+def _tile_peak(targets: int, vocab: int, c: int, row_chunk: int, vocab_chunk: int) -> int:
+    """The largest the backward's tiles hold at once. A tile holds its logits (compute dtype) and their fp32
+    gradient with its cast to a 16-bit compute dtype (an fp32 one is the gradient itself): 8 bytes per entry in
+    fp32 and in bf16. Every tile after the first also has the previous tile's cast gradient beside it (its
+    variable is rebound only when the next gradient exists). Tiles run over the rows within each vocabulary
+    slice. Measured with MemTracker on real tensors, the head the step's peak (2 × 127 targets): one tile
+    (vocabulary 4,096) within 0.2%, three vocabulary slices (20,000) within 0.1% in fp32 and bf16; counted
+    before as 12 and 10 bytes per entry whatever the tiles, one tile was 11.6% (fp32) and 5.6% (bf16) over."""
+    own = c + 4 + (c if c != 4 else 0)  # per entry
+    row_sizes = [min(row_chunk, targets - r) for r in (0, row_chunk)] if targets > row_chunk else [targets]
+    col_sizes = [min(vocab_chunk, vocab - v) for v in (0, vocab_chunk)] if vocab > vocab_chunk else [vocab]
+    last_rows = targets - (targets - 1) // row_chunk * row_chunk
+    peaks = [own * row_sizes[0] * col_sizes[0]]  # the first tile
+    if len(row_sizes) > 1:  # the next row tile of a slice, beside a whole row tile's gradient
+        peaks.append(own * row_sizes[1] * col_sizes[0] + c * row_sizes[0] * col_sizes[0])
+    if len(col_sizes) > 1:  # the next slice's first tile, beside the previous slice's last tile's gradient
+        peaks.append(own * row_sizes[0] * col_sizes[1] + c * last_rows * col_sizes[0])
+    return max(peaks)
 
 
 def head_phases(tl: Timeline) -> None:

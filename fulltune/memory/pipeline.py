@@ -137,13 +137,18 @@ def worst_stage(stages: tuple[StageEstimate, ...]) -> StageEstimate:
     return max(stages, key=lambda s: (s.device_bytes, -s.stage))
 
 
+def per_stage(settings: Settings) -> Settings:
+    """Pipelined `settings` (`pipeline_parallel` P > 1) as `estimate_stages` reads them: one stage's processes."""
+    return replace(settings, num_processes=settings.num_processes // settings.pipeline_parallel, pipeline_parallel=1)
+
+
 def stage_memory_estimate(shape: ModelShape, settings: Settings) -> MemoryEstimate:
     """The plan's estimate of pipelined `settings` (`pipeline_parallel` P > 1, num_processes / P processes per
     stage): the largest stage of `estimate_stages` is the figure per device, its peak phase named with its stage.
 
     Only the step is counted: every process builds the whole model before it keeps its stage, which this does
     not see (a process's load phase; on CPU the step's peak is the larger for any model that trains)."""
-    one = replace(settings, num_processes=settings.num_processes // settings.pipeline_parallel, pipeline_parallel=1)
+    one = per_stage(settings)
     worst = worst_stage(estimate_stages(shape, one, settings.pipeline_parallel, settings.pipeline_schedule))
     first, last = worst.layers
     dp = one.num_processes

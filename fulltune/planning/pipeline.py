@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fulltune.memory.pipeline import (SCHEDULE_NAMES, UNSUPPORTED_LEVERS, StageEstimate, bubble_fraction,
-                                      estimate_stages, stage_settings, stage_shape, worst_stage)
+                                      estimate_stages, per_stage, stage_settings, stage_shape, worst_stage)
 from fulltune.memory.shapes import ModelShape, model_shape
 from fulltune.memory.types import PlanRequest, Settings
 from fulltune.memory.uncertainty import estimate_uncertainty
@@ -172,8 +172,7 @@ def pipeline_reasons(shape: ModelShape, request: PlanRequest, candidates: list[C
 
 def _stages_text(shape: ModelShape, s: Settings, chosen: Candidate) -> str:
     """A pipelined choice in words: its schedule and micro-batches, each stage's peak, the bubble, the sends."""
-    one = replace(s, num_processes=s.num_processes // s.pipeline_parallel, pipeline_parallel=1)
-    e = estimate_pipeline(shape, one, s.pipeline_parallel, s.pipeline_schedule)
+    e = estimate_pipeline(shape, per_stage(s), s.pipeline_parallel, s.pipeline_schedule)
     peaks = ", ".join(format_bytes(stage.device_bytes) for stage in e.stages)
     return (f"{SCHEDULE_NAMES[e.schedule]}, {e.micro_batches} micro-batches of {e.micro_batch_size}; stage peaks "
             f"{peaks} (stage {e.worst.stage} the largest, {format_bytes(chosen.expected_bytes)} expected); bubble "

@@ -219,27 +219,6 @@ def _pipeline_model(config: dict[str, Any], settings: Settings) -> Any:
     return model
 
 
-def _peak_tracker() -> Any:
-    """MemTracker without its per-module statistics: a pipeline stage's forward runs once per micro-batch,
-    interleaved with backwards, which its module bookkeeping refuses; the global peak is all that is compared."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class PeakTracker(MemTracker):
-        def _pre_fw_hook(self, *args: Any, **kwargs: Any) -> None:
-            pass
-
-        def _post_fw_hook(self, *args: Any, **kwargs: Any) -> None:
-            pass
-
-        def _pre_bw_hook(self, *args: Any, **kwargs: Any) -> None:
-            pass
-
-        def _post_bw_hook(self, *args: Any, **kwargs: Any) -> None:
-            pass
-
-    return PeakTracker()
-
-
 def pipeline_rank(config: dict[str, Any], settings: Settings, schedule: str, steps: int, timed_steps: int,
                   stages: int, data_parallel: str = "none") -> dict[str, Any]:
     """This rank's stage under `schedule`: `steps` tracked optimizer steps (their losses and the stage's peak),
@@ -255,6 +234,7 @@ def pipeline_rank(config: dict[str, Any], settings: Settings, schedule: str, ste
     from fulltune.runtime.optim import optimizer_for
     from fulltune.runtime.pipeline_parallel import PipelineRun
     from fulltune.runtime.step import LocalAccelerator, OptimizerStep, StepParts, run_step
+    from fulltune.runtime.step_memory import peak_tracker, tracked_peak_bytes
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     replicas = dist.get_world_size() // stages
@@ -268,7 +248,7 @@ def pipeline_rank(config: dict[str, Any], settings: Settings, schedule: str, ste
     # The trainer's step: the schedule in place of the micro-batch loop, then its OptimizerStep.
     parts = StepParts(accelerator, run.stage, None, optimizer, OptimizerStep(accelerator, run.stage, optimizer, None, 1.0),
                       settings.gradient_accumulation_steps, pipeline=run)
-    tracker = _peak_tracker()
+    tracker = peak_tracker()
     tracker.track_external(run.stage, optimizer)
     seconds = []
 
@@ -284,7 +264,7 @@ def pipeline_rank(config: dict[str, Any], settings: Settings, schedule: str, ste
         losses = [step_of(step) for step in range(1, steps + 1)]
     for step in range(steps + 1, steps + timed_steps + 1):
         step_of(step)
-    return {"peak_bytes": int(max(tracker._peak_mem.values())), "losses": losses, "seconds": seconds,
+    return {"peak_bytes": tracked_peak_bytes(tracker), "losses": losses, "seconds": seconds,
             "parameters": sum(p.numel() for p in run.stage.parameters())}
 
 

@@ -14,6 +14,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import replace
 
+from fulltune.memory.pipeline import per_stage
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import Settings
 
@@ -104,9 +105,7 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
     group's collectives (`tensor_parallel_seconds`).
     """
     if settings.pipeline_parallel > 1:  # the slowest stage through the fill, the steady state and the drain
-        one = replace(settings, num_processes=settings.num_processes // settings.pipeline_parallel,
-                      pipeline_parallel=1)
-        return pipeline_step_seconds(shape, one, settings.pipeline_parallel)[0]
+        return pipeline_step_seconds(shape, per_stage(settings), settings.pipeline_parallel)[0]
     compute = compute_seconds(shape, settings)
     shard = settings.num_processes if settings.strategy in ("fsdp", "deepspeed_zero2", "deepspeed_zero3") else 1
     traffic = (CPU_OPTIMIZER_TRAFFIC if settings.device == "cpu" else OPTIMIZER_TRAFFIC)[settings.optimizer]

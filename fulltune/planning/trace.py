@@ -28,11 +28,6 @@ from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.types import BREAKDOWN_KEYS, MemoryEstimate, Settings
 
 
-def _optimizers(optimizer: Any) -> list[Any]:
-    """The optimizer and, for the lever wrappers, the inner ones that hold the states (MemTracker labels)."""
-    return [optimizer, *getattr(optimizer, "inner_optimizers", lambda: [])()]
-
-
 def make_batch(vocab: int, settings: Settings, device: str) -> tuple[dict[str, Any], Any]:
     """Inputs and targets of one micro-batch: every position but a row's last has a target (the
     worst case the estimate assumes) unless `settings.target_fraction` leaves the first ones out."""
@@ -237,6 +232,8 @@ def simulate_memory(model_source: Any, settings: Settings, steps: int = 2, short
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from fulltune.runtime.step_memory import state_holders
+
     from fulltune.runtime import optim
 
     _check_single_process(settings)
@@ -248,7 +245,7 @@ def simulate_memory(model_source: Any, settings: Settings, steps: int = 2, short
         with tracker, _rows_known_unpacked(traced), _static_nonzero():
             # Built under the tracker: the offloaded fp32 masters it makes are counted.
             optimizer = optim.optimizer_for(model, traced, fake=True)
-            tracker.track_external(*_optimizers(optimizer))
+            tracker.track_external(*state_holders(optimizer))
             train_steps(model, optimizer, traced, steps, "cpu", tracker, short)
         result = _tracker_result(tracker, "traced (FakeTensorMode)")
     return result
@@ -279,6 +276,8 @@ def measure_memory(config: Any, settings: Settings, steps: int = 2) -> int:
         return measure_cuda(config, settings, steps)["allocated"]
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from fulltune.runtime.step_memory import state_holders
+
     from fulltune.runtime import optim
 
     torch.manual_seed(0)
@@ -286,7 +285,7 @@ def measure_memory(config: Any, settings: Settings, steps: int = 2) -> int:
         model = build_model(config, settings)
         optimizer = optim.optimizer_for(model, settings)
         tracker = MemTracker()
-        tracker.track_external(model, *_optimizers(optimizer))
+        tracker.track_external(model, *state_holders(optimizer))
         with tracker:
             train_steps(model, optimizer, settings, steps, "cpu", tracker)
         peak = max(tracker._peak_mem.values())

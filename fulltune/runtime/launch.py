@@ -238,6 +238,9 @@ class TrainResult:
     nonfinite_steps: int  # optimizer steps skipped because the loss or gradient norm was not finite
     resumed_from_step: int | None
     loss_history: list[list[float]] = field(default_factory=list)  # [step, mean loss of the log interval]
+    # Each process's step peak beside its estimate, when measured (fulltune/runtime/step_memory.py): rank, stage,
+    # measured_bytes, estimated_bytes, error (+ when the estimate is above).
+    rank_peaks: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

@@ -57,7 +57,8 @@ from fulltune.storage import atomic_dir, atomic_write_text
 from fulltune.runtime.loss import TargetHead
 from fulltune.runtime import allocator
 from fulltune.runtime.offload import ActivationOffload
-from fulltune.runtime import pipeline_parallel
+from fulltune.runtime import pipeline_parallel, step_memory
+from fulltune.runtime.step_memory import StepMemory
 from fulltune.runtime.pipeline_parallel import PipelineRun
 from fulltune.runtime.step import OptimizerStep, StepOutcome, StepParts, run_step
 from fulltune.runtime.step_checkpoints import CHECKPOINT_DIR, TrainState, resume, save_checkpoint
@@ -118,6 +119,7 @@ class TrainingRun:
     num_layers: int
     flops: flops.FlopCoefficients  # of the model, for MFU (fulltune/memory/flops.py)
     pipeline: PipelineRun | None = None  # this process's pipeline stage and its schedule (pipeline_parallel > 1)
+    model_config: Any = None  # the whole model's transformers config (the memory estimate per rank reads it)
 
     @property
     def processes(self) -> int:
@@ -172,7 +174,8 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
     data, schedule, total_steps = setup_data(job, job.dims.dp)
     tokenizer = load_job_tokenizer(job)
     model, use_cache, (checkpointed, head), coefficients = load_model_with_levers(job)
-    model_layers = model.config.num_hidden_layers
+    config = model.config
+    model_layers = config.num_hidden_layers
     hooks = hooks or TrainHooks()
     pipeline = None
     if job.distributed.pipeline_parallel > 1:  # this process keeps its stage only (fulltune/runtime/pipeline_parallel.py)
@@ -188,7 +191,7 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
     return TrainingRun(job, accelerator, data, schedule, total_steps, tokenizer, pad_token_id_of(tokenizer), model,
                        head, optimizer, scheduler, OptimizerStep(accelerator, model, optimizer, scheduler,
                                                                  job.train.max_grad_norm),
-                       hooks, use_cache, checkpointed, model_layers, coefficients, pipeline)
+                       hooks, use_cache, checkpointed, model_layers, coefficients, pipeline, config)
 
 
 def pipeline_stage(job: TrainJob, model: torch.nn.Module, head: TargetHead, length: int, device: Any,
@@ -384,8 +387,14 @@ def export_model(run: TrainingRun) -> Path:
     return model_dir
 
 
-def finish(run: TrainingRun, state: TrainState, metrics: TrainMetrics, resumed_from: int | None) -> TrainResult:
-    """Export the model, close metrics.jsonl and write result.json; returns the result."""
+def finish(run: TrainingRun, state: TrainState, metrics: TrainMetrics, resumed_from: int | None,
+           memory: StepMemory | None = None) -> TrainResult:
+    """Export the model, close metrics.jsonl and write result.json (with each process's step peak beside its
+    estimate when they were measured: fulltune/runtime/step_memory.py); returns the result."""
+    measured = memory.gathered() if memory is not None else None  # a collective: before rank 0 writes alone
+    peaks = step_memory.rank_peaks(measured, run.model_config, run.job.plan) if measured else []
+    if peaks and run.main_process:
+        print(f"fulltune train: {step_memory.describe(peaks)}", file=sys.stderr, flush=True)
     model_dir = export_model(run)
     result = TrainResult(
         model_dir=str(model_dir),
@@ -399,6 +408,7 @@ def finish(run: TrainingRun, state: TrainState, metrics: TrainMetrics, resumed_f
         nonfinite_steps=state.nonfinite_steps,
         resumed_from_step=resumed_from,
         loss_history=metrics.loss_history,
+        rank_peaks=step_memory.as_dicts(peaks),
     )
     if run.main_process:
         metrics.close()
@@ -426,12 +436,14 @@ def train(job: TrainJob, hooks: TrainHooks | None = None) -> TrainResult:
     run = setup(job, hooks or hooks_from_env())
     state, saved_counters, resumed_from = resume(run)
     metrics = TrainMetrics(run, saved_counters)
+    memory = StepMemory(job.plan.device, run.model, run.optimizer)
     announce(run, resumed_from)
     with metrics.running(state.step):
         while state.step < run.total_steps:
             run.hooks.before_step(state.step + 1)
             step_rows = run.schedule.step_rows(state.step)
-            outcome = train_step(run, step_rows, state.step + 1)
+            with memory.step():
+                outcome = train_step(run, step_rows, state.step + 1)
             count_skipped_step(run, state, outcome)
             state.step += 1
             metrics.record_step(step_rows, outcome)
@@ -441,7 +453,7 @@ def train(job: TrainJob, hooks: TrainHooks | None = None) -> TrainResult:
             if every and state.step % every == 0 and state.step < run.total_steps:
                 save_checkpoint(run, state, metrics.state_dict())
                 run.hooks.checkpoint_published(state.step)
-    return finish(run, state, metrics, resumed_from)
+    return finish(run, state, metrics, resumed_from, memory)
 
 
 def announce(run: TrainingRun, resumed_from: int | None) -> None:

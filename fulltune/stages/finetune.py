@@ -77,6 +77,9 @@ def fine_tune(p: ResolvedPipeline, key: str, data: Any, tokenizer: str, decision
     }
     if result.peak_memory_bytes is not None:
         metrics["peak_memory_bytes"] = float(result.peak_memory_bytes)
+    if result.rank_peaks:  # each process's step peak against its estimate (fulltune/runtime/step_memory.py)
+        metrics["step_peak_bytes"] = float(max(r["measured_bytes"] for r in result.rank_peaks))
+        metrics["step_peak_estimate_error"] = max((r["error"] for r in result.rank_peaks), key=abs)
     curve = Path(result.model_dir).parent / "loss_curve.png"
     record_outputs(p.workdir, FINE_TUNE, key, [result.model_dir, base_model] if base_model.startswith("/")
                    else [result.model_dir])
