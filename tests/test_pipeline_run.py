@@ -124,6 +124,15 @@ def test_two_stages_train_like_one_process_resume_bit_exact_after_a_kill_and_exp
     assert "step peak per process: rank 0 (stage 0)" in finish(uninterrupted, clean / "run.log")
     finish(single, one / "run.log")
     assert_rank_peaks_within(clean / "work", stages=[0, 1])  # within 3% either way
+    from mlflow.tracking import MlflowClient
+
+    from fulltune.tracking import registry
+
+    registry.configure(clean / "work")
+    client = MlflowClient()
+    (version,) = client.search_model_versions("name='tiny-model'")
+    metrics = client.get_run(version.run_id).data.metrics
+    assert abs(metrics["step_peak_estimate_error"]) <= 0.03 and metrics["step_peak_bytes"] > 0, metrics
 
     # Killed and rerun equals uninterrupted, tensor for tensor.
     want = _exported(clean / "work")

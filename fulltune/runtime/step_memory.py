@@ -112,12 +112,17 @@ class StepMemory:
 
 
 def rank_peaks(measured: list[int], config: Any, settings: Any) -> list[RankPeak]:
-    """Each rank's measured peak beside `rank_peak_bytes`' estimate for it under the plan's `settings`."""
+    """Each rank's measured peak beside `rank_peak_bytes`' estimate for it under the plan's `settings`; none when
+    the memory model cannot estimate this model (a report after training must not fail the run)."""
+    from fulltune.memory.errors import MemoryConfigError
     from fulltune.memory.estimate import rank_peak_bytes
 
     dims = settings.dims
-    return [RankPeak(rank, dims.stage(rank), peak, rank_peak_bytes(config, settings, rank))
-            for rank, peak in enumerate(measured)]
+    try:
+        return [RankPeak(rank, dims.stage(rank), peak, rank_peak_bytes(config, settings, rank))
+                for rank, peak in enumerate(measured) if peak > 0]
+    except (MemoryConfigError, ValueError):
+        return []
 
 
 def describe(peaks: list[RankPeak]) -> str:

@@ -48,7 +48,7 @@ def fine_tune(p: ResolvedPipeline, key: str, data: Any, tokenizer: str, decision
     from fulltune.runtime import launch
     from fulltune.memory import Settings
     from fulltune.models import prepare_base_model
-    from fulltune.tracking.registry import set_run_tags
+    from fulltune.tracking.registry import log_metrics, set_run_tags
     from fulltune.planning.replan import train_with_oom_replans
 
     base_model = prepare_base_model(p.spec.model, tokenizer, p.workdir, p.spec.train.seed)
@@ -78,8 +78,11 @@ def fine_tune(p: ResolvedPipeline, key: str, data: Any, tokenizer: str, decision
     if result.peak_memory_bytes is not None:
         metrics["peak_memory_bytes"] = float(result.peak_memory_bytes)
     if result.rank_peaks:  # each process's step peak against its estimate (fulltune/runtime/step_memory.py)
-        metrics["step_peak_bytes"] = float(max(r["measured_bytes"] for r in result.rank_peaks))
-        metrics["step_peak_estimate_error"] = max((r["error"] for r in result.rank_peaks), key=abs)
+        peaks = {"step_peak_bytes": float(max(r["measured_bytes"] for r in result.rank_peaks)),
+                 "step_peak_estimate_error": max((r["error"] for r in result.rank_peaks), key=abs)}
+        metrics.update(peaks)
+        if mlflow_run_id:
+            log_metrics(mlflow_run_id, peaks)
     curve = Path(result.model_dir).parent / "loss_curve.png"
     record_outputs(p.workdir, FINE_TUNE, key, [result.model_dir, base_model] if base_model.startswith("/")
                    else [result.model_dir])
