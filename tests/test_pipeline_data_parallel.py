@@ -80,23 +80,26 @@ def _estimate(path: Path, capsys) -> dict:
 
 def test_plan_counts_a_stage_sharded_over_its_data_parallel_processes(tmp_path, capsys):
     """The same micro-batches through each stage (micro 2 × accumulation 2): alone, and beside a second replica
-    sharding it (FSDP 2). Per rank the optimizer states are halved; the weights are the gathered ones (kept
-    through the backwards: the schedule reduces the gradients once, after the last) plus the rank's half as
-    its shard; the gradients accumulate unsharded as alone."""
+    sharding it (FSDP 2). Per rank the optimizer states are halved and the gradients accumulate unsharded as alone
+    (the schedule reduces them once, after the last backward); the weights are the rank's half as its shards plus
+    the units gathered in the peak's phase: here the first stage's layer 0 as its backward gathers it, twice
+    (FSDP2's all-gather output and the weights copied out of it)."""
+    from transformers import LlamaConfig
+
+    from fulltune.memory.shapes import model_shape
+
     alone_dir, sharded_dir = tmp_path / "alone", tmp_path / "sharded"
     alone_dir.mkdir(), sharded_dir.mkdir()
     alone = _estimate(tiny_pipeline(alone_dir, model=UNTIED, train={**STAGED, "effective_batch_size": 4},
                                     distributed={"num_processes": 2, "pipeline_parallel": 2}), capsys)
     sharded = _estimate(tiny_pipeline(sharded_dir, model=UNTIED, train=STAGED, distributed=PP_FSDP), capsys)
     a, s = alone["breakdown"], sharded["breakdown"]
-    assert alone["peak_phase"] == sharded["peak_phase"], (alone["peak_phase"], sharded["peak_phase"])
+    assert alone["peak_phase"] == sharded["peak_phase"] == "stage 0: backward of layer 0", (alone, sharded)
     rotary = 4 * 4  # the rotary inverse frequencies (head dim 8: 4 of them): a buffer, not sharded
+    layer = 4 * model_shape(LlamaConfig(**UNTIED["from_config"])).layer_numel
     assert s["optimizer_states"] == pytest.approx(a["optimizer_states"] / 2, abs=8)
-    assert s["parameters"] - rotary == pytest.approx(1.5 * (a["parameters"] - rotary), abs=8)
+    assert s["parameters"] - rotary == pytest.approx((a["parameters"] - rotary) / 2 + 2 * layer, abs=8)
     assert s["gradients"] == a["gradients"] and s["activations"] == a["activations"]
-    # Smaller per rank by the states' sharded half, less the shard kept beside the gathered weights.
-    saved = a["optimizer_states"] / 2 - (a["parameters"] - rotary) / 2
-    assert sharded["peak_bytes"] == pytest.approx(alone["peak_bytes"] - saved, abs=16)
     assert sharded["peak_bytes"] < alone["peak_bytes"]
     # DDP beside the stages (FSDP2's replicate): the replicated parameters beside the gathered copy, every state.
     replicated_dir = tmp_path / "replicated"
@@ -163,9 +166,9 @@ def test_two_stages_by_two_shards_train_like_one_process_resume_bit_exact_and_ex
     assert "× 2 processes × 2 pipeline stages (1f1b)" in output, output[-4000:]
     assert "registered tiny-model version 1" in output
     finish(uninterrupted, clean / "run.log")
-    # Each stage's FSDP shards: the stage model counts every unit gathered through the step, where the schedule
-    # gathers a unit from its backward until its next forward, so it errs high (BENCHMARKS.md: up to 10%).
-    assert_rank_peaks_within(clean / "work", stages=[0, 0, 1, 1], over=0.10)
+    # Each stage's FSDP shards. A layer of this model is 4% of a rank's peak, and whether the prefetched
+    # all-gather of the next one is alive at the peak depends on gloo's timing: 5% below.
+    assert_rank_peaks_within(clean / "work", stages=[0, 0, 1, 1], under=0.05)
 
     # Killed and rerun equals uninterrupted, tensor for tensor.
     model_dir, want = _exported(clean / "work")

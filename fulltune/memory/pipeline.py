@@ -25,14 +25,14 @@ schedule keeps beside it:
 Data parallel beside the stages (num_processes = P × dp, fulltune/runtime/pipeline_parallel.py): under FSDP a
 stage's weight shards and optimizer states are FSDP's share (`fsdp.persistent`, 1/dp each); the schedule
 accumulates the micro-batches' gradients unsharded and reduces them once, after the step's last backward, and a
-unit keeps its gathered weights from its backward on, so the stage is walked as the replicated layout (the
-gathered weights and the unsharded gradients) with the shards and the sharded states beside it. Under DDP
-(`replicate`, FSDP2's replicated layout) the replicated parameters are a second copy beside the gathered ones.
-The figure is per rank. Measured per rank on CPU (2 stages × 2: benchmarks/pipeline_parallel.py's `*-fsdp2` and
-`*-ddp2` cases, hidden 128, 4 layers, vocabulary 4096, 4 micro-batches of 2 × 128; BENCHMARKS.md): under FSDP from 0.2% below to 10% above the
-measured peak (fp32 and bf16, 1F1B and GPipe, 2 layers checkpointed), mostly above: a unit is resharded by its next
-forward and the first stage's embedding is gathered only in its own backward, which this does not follow; DDP
-within 0.2% (fp32 1F1B).
+unit keeps its gathered weights from its backward until its next forward reshards it, so the stage is walked as the
+replicated layout (the unsharded gradients) with the shards, the sharded states and each phase's gathered units
+beside it (`GatheredUnits`). Under DDP (`replicate`, FSDP2's replicated layout) the replicated parameters are a
+second copy beside the gathered ones. The figure is per rank. Measured per rank on CPU (2 stages × 2:
+benchmarks/pipeline_parallel.py's `*-fsdp2` and `*-ddp2` cases, hidden 128, 4 layers, vocabulary 4096, 4
+micro-batches of 2 × 128; BENCHMARKS.md): under FSDP from 1.91% below to 0.04% below the measured peak (fp32 and
+bf16, 1F1B and GPipe, 2 layers checkpointed; counted as every unit gathered through the step it was 2–10% above);
+DDP within 0.2% (fp32 1F1B).
 
 The step time of a pipelined step (the bubble, the point-to-point sends) is the planner's
 (`fulltune.planning.step_time.pipeline_step_seconds`), and so is the plan's pipeline advice and search
@@ -47,6 +47,7 @@ from typing import Any
 from fulltune.levers import PIPELINE_REFUSED_LEVERS
 from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.shapes import ModelShape, model_shape
+from fulltune.memory.timeline import Timeline
 from fulltune.memory.types import MemoryEstimate, Settings
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -272,7 +273,7 @@ def _single_micro_batch(sub: ModelShape, ss: Settings, first: bool, last: bool, 
     embedding on the first stage and the head on the last; the step's batch has `micro_batches` micro-batches."""
     from fulltune.memory.estimate import replicated
     from fulltune.memory.fsdp import persistent
-    from fulltune.memory.timeline import Timeline, step_terms
+    from fulltune.memory.timeline import step_terms
     from fulltune.memory.walk import walk
 
     # Data parallel beside the stages: the schedule accumulates every micro-batch's gradients unsharded and
@@ -290,14 +291,101 @@ def _single_micro_batch(sub: ModelShape, ss: Settings, first: bool, last: bool, 
                    final_norm=acts.final_norm if last else 0, lm_head_input=acts.lm_head_input if last else 0)
     x = replace(x, acts=acts)
     p = persistent(x)
+    gathered = None
     if ss.strategy in ("fsdp", "ddp") and ss.num_processes > 1:
         sharded = persistent(step_terms(sub, ss, ss))
-        p = replace(p, params=p.params + sharded.params, states=sharded.states)
+        if ss.strategy == "fsdp":  # the units' gathered weights come and go phase by phase (`GatheredUnits`)
+            gathered = GatheredUnits(sub, x.levers.weight_bytes, (start, start + sub.num_layers), first, last,
+                                     fresh=ss.gradient_accumulation_steps == 1)
+            p = replace(p, params=sharded.params + gathered.root, states=sharded.states)
+        else:  # DDP's replicated parameters beside the copy the step computes with
+            p = replace(p, params=p.params + sharded.params, states=sharded.states)
     b, s = ss.micro_batch_size, ss.seq_len
     rows = b * micro_batches
     # Every stage has the step's position ids (and attention mask); the first its token ids, the last its
     # labels and one micro-batch's target index and tokens (int64).
     batch = 8 * rows * s * (1 + int(ss.attention_mask) + int(first) + int(last)) + (2 * 8 * x.t if last else 0)
-    tl = Timeline(x, replace(p, batch=batch))
+    tl = Timeline(x, replace(p, batch=batch)) if gathered is None else StageTimeline(x, replace(p, batch=batch),
+                                                                                     units=gathered)
     walk(tl, replicated(tl, layers=(start, start + sub.num_layers), embedding=first, head=last))
     return tl.phases, acts.total, x
+
+
+@dataclass(frozen=True)
+class GatheredUnits:
+    """Which of an FSDP-sharded stage's units hold their gathered weights in each phase of a micro-batch
+    (fulltune/runtime/pipeline_parallel.py `data_parallel_stage`: the embedding and each layer a unit, the head a
+    unit kept gathered after its forward, the stage the root). The schedule keeps a unit gathered from its
+    backward on (`set_reshard_after_backward(False)`) until its next forward reshards it, so while a micro-batch
+    runs its backward the units it has backwarded are gathered, and the unit below it (FSDP2's backward
+    prefetch: the layer below, or the first stage's embedding below its first layer), the others not; the head
+    stays gathered from its first forward to the step's end. Found by reading which units were unsharded at each
+    rank's measured peak (FSDP2's `FSDPParamGroup.is_unsharded`). Counted before as all gathered through the
+    step, the estimate was 2–10% over; now 0.04–1.91% under (the module docstring's cases)."""
+
+    shape: ModelShape  # the stage's
+    weight_bytes: int
+    layers: tuple[int, int]  # [start, end) in the model's numbering
+    first: bool
+    last: bool
+    fresh: bool  # the step's first micro-batch: the head is not gathered before its forward
+
+    @property
+    def root(self) -> int:
+        """The root's weights (the final norm), gathered through the step."""
+        return self.weight_bytes * sum(_numel(p) for p in self.shape.other_params if len(p) == 1)
+
+    @property
+    def embedding(self) -> int:
+        """The input embedding's weights on the first stage (0 on the others)."""
+        tables = [p for p in self.shape.other_params if len(p) == 2]
+        return self.weight_bytes * _numel(tables[0]) if self.first and tables else 0
+
+    def bytes_in(self, phase: str) -> int:
+        """The units' gathered weights (beyond their shards) during `phase`."""
+        layer = self.weight_bytes * self.shape.layer_numel
+        head = self.weight_bytes * self.shape.vocab * self.shape.hidden if self.last else 0
+        start, end = self.layers
+        if phase == "forward":  # the stage's last layer computing; the head from an earlier micro-batch
+            return layer + (0 if self.fresh else head)
+        if phase.startswith("backward of layer "):  # this layer and the ones above, and the unit below prefetched
+            i = int(phase.removeprefix("backward of layer "))
+            return (end - i) * layer + (layer if i > start else self.embedding) + head
+        if phase == "backward of the embeddings":
+            return (end - start) * layer + self.embedding
+        if phase == "optimizer step":  # resharded after the step's last backward
+            return 0
+        return head  # the head's forward and backward
+
+    def gather_bytes(self, phase: str) -> int:
+        """The gathered weights while "backward of layer i" gathers layer i: the ones above and the head, and
+        layer i twice (FSDP2's all-gather output and the weights it is copied into)."""
+        layer = self.weight_bytes * self.shape.layer_numel
+        head = self.weight_bytes * self.shape.vocab * self.shape.hidden if self.last else 0
+        return (self.layers[1] - int(phase.removeprefix("backward of layer ")) + 1) * layer + head
+
+
+
+@dataclass
+class StageTimeline(Timeline):
+    """A `Timeline` whose phases add `units.bytes_in(phase)` to the parameters."""
+
+    units: GatheredUnits | None = None
+
+    def add(self, phase: str, grads: int, acts: int, logits: int, temp: int, now: int = 0, backward: bool = True,
+            unsharded: tuple[int, int] = (0, 0)) -> None:
+        if phase.startswith("backward of layer ") and (not self.phases or self.phases[-1][0] != phase):
+            # The layer's gather as its backward begins: its activations saved, the stream's gradient arrived,
+            # and its all-gather output beside the weights being copied out of it (the prefetch comes after).
+            x = self.terms
+            super().add(phase, grads, acts, logits, x.layer.saved + x.bsh4, now, backward,
+                        (unsharded[0] + self.units.gather_bytes(phase), unsharded[1]))
+        super().add(phase, grads, acts, logits, temp, now, backward,
+                    (unsharded[0] + self.units.bytes_in(phase), unsharded[1]))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -62,6 +62,13 @@ FSDP_LEVERS_MEASURED = ("chunked_loss", "optimizer_in_backward")
 # (benchmarks/tensor_parallel_memory.py): its step also keeps FSDP's entry when that is larger.
 TP_MEASURED = (0.0009, "tensor parallel 2 per rank on CPU, fp32, micro-batch 1 (worst of 18 configurations, "
                        "benchmarks/tensor_parallel_memory.py)")
+# A pipeline stage's per-rank peak (`memory/pipeline.py`), measured in every rank with MemTracker on CPU through
+# the trainer's step (benchmarks/pipeline_parallel.py, BENCHMARKS.md): a pipelined step keeps the larger of this
+# and its kind's entry.
+PIPELINE_MEASURED = (0.0191, "pipeline stages per rank on CPU: FSDP beside 2 stages, bf16 1F1B, one rank of the "
+                             "first stage 1.91% under (that rank's peak varies from run to run by about one unit's "
+                             "all-gather: gloo's timing); a middle stage of 4 at 1.00% under "
+                             "(benchmarks/pipeline_parallel.py)")
 # Kinds never measured against a real step: a model type modelled as a Llama-like decoder, and the
 # other multi-process strategies (DDP, DeepSpeed ZeRO).
 UNMEASURED = 0.05
@@ -124,6 +131,8 @@ def estimate_uncertainty(shape: ModelShape, settings: Settings, peak_bytes: int)
         measured, where = FSDP_MEASURED
     if settings.tensor_parallel > 1 and TP_MEASURED[0] > measured:
         measured, where = TP_MEASURED
+    if settings.pipeline_parallel > 1 and PIPELINE_MEASURED[0] > measured:
+        measured, where = PIPELINE_MEASURED
     fraction = max(measured, FLOOR)
     evidence = f"largest measured {measured:.2%}: {where}"
     if fraction > measured:
