@@ -110,6 +110,14 @@ def _torchao_missing() -> bool:
     return importlib.util.find_spec("torchao") is None
 
 
+def _stepped_by_hooks(lever: str, where: str, fsdp: str) -> Rule:
+    """A lever that steps from gradient hooks, refused where several processes average their gradients
+    outside FSDP (DDP): the hooks would run before the average."""
+    return Rule((f"train.{lever}", where), lambda c: c.on(lever) and c.num_processes > 1 and c.fixed_not_fsdp,
+                "under DDP its gradient hooks run before the gradients are averaged over processes; train on one "
+                f"process, or {fsdp}")
+
+
 def _pipeline_rules() -> tuple[Rule, ...]:
     """The pipeline stages' rules: the levers they do not run, fp16, the chunked loss and the low-bit updates
     beside data parallel, 1F1B's micro-batches."""
@@ -154,17 +162,13 @@ RULES: tuple[Rule, ...] = (
          lambda c: c.on("optimizer_in_backward") and c.on("offload_optimizer"),
          "choose one: offloading already frees the device's gradients in backward"),
     # Under FSDP2 the hooks run on each reduce-scattered shard (fulltune/runtime/optim.py InBackwardOptimizer).
-    Rule(("train.optimizer_in_backward", "distributed.strategy"),
-         lambda c: c.on("optimizer_in_backward") and c.num_processes > 1 and c.fixed_not_fsdp,
-         "under DDP its gradient hooks run before the gradients are averaged over processes; train on one "
-         "process or use strategy fsdp (which steps each parameter's shard once its gradient is reduced)"),
+    _stepped_by_hooks("optimizer_in_backward", "distributed.strategy",
+                      "use strategy fsdp (which steps each parameter's shard once its gradient is reduced)"),
     Rule(("train.optimizer_in_backward", "distributed.tensor_parallel"),
          lambda c: c.on("optimizer_in_backward") and c.tensor_parallel_on,
          "stepping in backward is not combined with tensor parallel; set tensor_parallel to 1 or turn it off"),
-    Rule(("train.offload_optimizer", "distributed.num_processes"),
-         lambda c: c.on("offload_optimizer") and c.num_processes > 1 and c.fixed_not_fsdp,
-         "its gradient hooks run before the gradients are averaged over processes; train on one process, or "
-         "use strategy fsdp on cuda (FSDP's CPU offload)"),
+    _stepped_by_hooks("offload_optimizer", "distributed.num_processes",
+                      "use strategy fsdp on cuda (FSDP's CPU offload)"),
     # Under FSDP the lever is FSDP2's CPUOffloadPolicy (fulltune/runtime/sharding.py), which needs an accelerator.
     Rule(("train.offload_optimizer", "budget.device"),
          lambda c: c.on("offload_optimizer") and c.strategy == "fsdp" and c.device == "cpu",

@@ -34,6 +34,7 @@ NOT_HASHED = {
     "fulltune.errors": "exception types: which message a failure prints, not what a stage computes",
     "fulltune.memory.errors": "exception types: which message a failure prints, not what a stage computes",
     "fulltune.spec": "the pipelines file's schema: a stage reads the validated values, which its key hashes",
+    "fulltune.spec_gates": "the schema's evaluate and register sections: read as validated values, which keys hash",
     "fulltune.logs": "which library log lines are dropped: what a stage prints, not what it computes",
 }
 # Engine functions a stage calls beside computing its result: they word it for people (log lines, MLflow tags,

@@ -84,103 +84,139 @@ class LayerBytes:
     mlp_first_grad: int  # fp32 gradient bytes of the MLP output projection (made first in backward)
 
 
+@dataclass(frozen=True)
+class _Sizes:
+    """The tensor sizes one layer's counts are made of, for one micro-batch."""
+
+    b: int  # micro-batch rows
+    s: int  # sequence length
+    c: int  # bytes per element of the activations autocast produces
+    mixed: bool  # 16-bit compute over fp32 weights: autocast casts each projection's input
+    bsh4: int  # one residual-stream tensor (the weights' dtype)
+    bshc: int  # one (b, s, h) tensor in the compute dtype
+    bsI: int  # one (b, s, intermediate) tensor in the compute dtype
+    attn_core: int  # the attention core's saved tensors (`attention_bytes`)
+    fused: bool  # a fused attention kernel
+
+
+@dataclass(frozen=True)
+class _Halves:
+    """What one layout's layer keeps and holds, before the terms every layout shares."""
+
+    attn_saved: int  # the attention half's saved tensors
+    mlp_saved: int  # the MLP half's saved tensors
+    mlp_backward: int  # the MLP backward's extra working set (without the stream's gradient)
+    forward_transient: int
+
+
 def layer_bytes(shape: ModelShape, settings: Settings) -> LayerBytes:
     """One decoder layer's saved tensors, transients and gradients under `settings` (per micro-batch)."""
     b, s = settings.micro_batch_size, settings.seq_len
     h, I = shape.hidden, shape.intermediate
-    a, kv, d = shape.heads, shape.kv_heads, shape.head_dim
     c = compute_bytes(settings)
     mixed = c == 2
-    pure = settings.pure_bf16
-    # One residual-stream tensor: fp32 with fp32 weights (autocast or not), bf16 with pure bf16 weights.
-    bsh4 = stream_bytes(settings) * b * s * h
-    bshc = b * s * h * c
-    bsI = b * s * I * c
     attn_core, attn_work, fused = attention_bytes(shape, settings, c)
+    # One residual-stream tensor: fp32 with fp32 weights (autocast or not), bf16 with pure bf16 weights.
+    z = _Sizes(b=b, s=s, c=c, mixed=mixed, bsh4=stream_bytes(settings) * b * s * h, bshc=b * s * h * c,
+               bsI=b * s * I * c, attn_core=attn_core, fused=fused)
     # FSDP / ZeRO-3 gather 16-bit parameters per layer and free them after use, so autocast
     # copies are not kept (the gathered layers are counted with the communication buffers);
     # bf16 weights need no copies.
     sharded_params = settings.strategy in ("fsdp", "deepspeed_zero3")
-    weight_copies = 2 * shape.layer_matmul_numel if mixed and not sharded_params and not pure else 0
+    weight_copies = 2 * shape.layer_matmul_numel if mixed and not sharded_params and not settings.pure_bf16 else 0
     mlp_params = 2 * h * I + (I * h if shape.gated_mlp else 0)
+    halves = _LAYOUT_HALVES[shape.layout](shape, settings, z)
     # The grad of the layer output (residual stream) is alive through the layer's backward.
-    grad_stream = bsh4
-
-    if shape.layout == "llama":
-        # RMSNorm: fp32 input (the residual stream), 1/rms (b, s, 1) and the normalised x. The layer
-        # input is counted as the previous layer's output; the mid residual belongs to this layer.
-        norm = bsh4 + 4 * b * s
-        # Linear inputs: fp32 norm outputs (shared by q/k/v and by gate/up), or under autocast one
-        # 16-bit cast per projection (q, k, v, gate, up each cast their input separately).
-        attn_inputs = 3 * b * s * h * 2 if mixed else bsh4
-        mlp_inputs = 2 * b * s * h * 2 if mixed else bsh4
-        mid_residual = bsh4  # the post-attention norm's input
-        if pure:
-            # bf16 weights: RMSNorm upcasts its bf16 input to fp32 (a new tensor, kept by pow and mul),
-            # keeps 1/rms and the normalised x cast back to bf16; its bf16 output feeds the
-            # projections as it is (no autocast casts). The bf16 input itself is not kept.
-            norm = 4 * b * s * h + 4 * b * s + bsh4
-            attn_inputs = mlp_inputs = bsh4
-            mid_residual = 0
-        qk_norm = 0
-        if shape.qk_norm:
-            # Qwen3 RMSNorm on q and k per head: the fp32 (upcast) input, 1/rms, and the
-            # normalised x cast back to the compute dtype.
-            qk_norm = (4 + c) * b * s * (a + kv) * d + 4 * b * s * (a + kv)
-        attn_saved = norm + attn_inputs + attn_core + qk_norm
-        # Gated MLP: gate output (act input), act output, up output, product (down input).
-        mlp_saved = mid_residual + norm + mlp_inputs + 4 * bsI
-        # Backward of the gated product: grad of the product and of both factors at once.
-        mlp_backward = 2 * bsI
-        forward_transient = 8 * b * s * h  # RMSNorm's fp32 temporaries
-    elif shape.layout == "gpt2":
-        # LayerNorm: input (stream / mid residual), mean and rstd (b, s, 1).
-        norm = 8 * b * s
-        attn_inputs = b * s * h * 2 if mixed else bsh4
-        mlp_inputs = attn_inputs
-        # SDPA's q, k and v are views of the c_attn output (b, s, 3h): that whole buffer is kept.
-        fused_qkv = 3 * bshc - b * s * a * d * c - 2 * b * s * kv * d * c
-        attn_saved = norm + attn_inputs + attn_core + (fused_qkv if fused else 0)
-        if shape.activation in ("gelu_new", "gelu_fast", "gelu_pytorch_tanh_python"):
-            # The python tanh-GELU keeps four (b, s, I) tensors. CUDA autocast runs `pow` in fp32
-            # (torch.amp op lists), which makes three of them fp32; CPU autocast keeps them 16-bit.
-            if mixed and settings.device == "cuda":
-                act_saved = b * s * I * (4 + 4 + 4 + 2)
-            else:
-                act_saved = 4 * bsI
-            mlp_backward = 2 * bsI
-        else:
-            act_saved, mlp_backward = bsI, bsI
-        mlp_saved = bsh4 + norm + mlp_inputs + act_saved + bsI
-        if shape.hidden_dropout > 0:
-            # Dropout keeps its mask: in the input's dtype on CPU, boolean on CUDA.
-            mask_bytes = b * s * h * (c if settings.device == "cpu" else 1)
-            attn_saved += mask_bytes
-            mlp_saved += mask_bytes
-        forward_transient = 2 * bsh4
-    else:  # gpt_neox
-        norm = 8 * b * s
-        attn_inputs = b * s * h * 2 if mixed else bsh4
-        mlp_inputs = attn_inputs
-        # q and k are rebuilt by the partial rotary concat; v is a view of the fused qkv output
-        # (b, s, 3h), which is kept whole; the reshape before `dense` copies the attention output.
-        fused_qkv = 3 * bshc - b * s * kv * d * c + bshc
-        attn_saved = norm + attn_inputs + attn_core + (fused_qkv if fused else 0)
-        mlp_saved = norm + mlp_inputs + 2 * bsI + (0 if shape.parallel_residual else bsh4)
-        mlp_backward = bsI
-        forward_transient = 2 * bsh4
+    grad_stream = z.bsh4
     return LayerBytes(
-        saved=attn_saved + mlp_saved + weight_copies,
+        saved=halves.attn_saved + halves.mlp_saved + weight_copies,
         # The attention half keeps its share of the 16-bit weight copies after the MLP backward.
-        attn_saved=attn_saved + weight_copies * (shape.layer_matmul_numel - mlp_params) // shape.layer_matmul_numel,
-        forward_transient=forward_transient,
-        mlp_backward=grad_stream + mlp_backward,
-        attn_backward=grad_stream + bshc + attn_work,
-        checkpoint_saved=bsh4,
+        attn_saved=halves.attn_saved
+        + weight_copies * (shape.layer_matmul_numel - mlp_params) // shape.layer_matmul_numel,
+        forward_transient=halves.forward_transient,
+        mlp_backward=grad_stream + halves.mlp_backward,
+        attn_backward=grad_stream + z.bshc + attn_work,
+        checkpoint_saved=z.bsh4,
         grads=4 * shape.layer_numel,
         mlp_grads=4 * mlp_params,
         mlp_first_grad=4 * h * I,
     )
+
+
+def _llama_halves(shape: ModelShape, settings: Settings, z: _Sizes) -> _Halves:
+    b, s, h, bsh4 = z.b, z.s, shape.hidden, z.bsh4
+    # RMSNorm: fp32 input (the residual stream), 1/rms (b, s, 1) and the normalised x. The layer
+    # input is counted as the previous layer's output; the mid residual belongs to this layer.
+    norm = bsh4 + 4 * b * s
+    # Linear inputs: fp32 norm outputs (shared by q/k/v and by gate/up), or under autocast one
+    # 16-bit cast per projection (q, k, v, gate, up each cast their input separately).
+    attn_inputs = 3 * b * s * h * 2 if z.mixed else bsh4
+    mlp_inputs = 2 * b * s * h * 2 if z.mixed else bsh4
+    mid_residual = bsh4  # the post-attention norm's input
+    if settings.pure_bf16:
+        # bf16 weights: RMSNorm upcasts its bf16 input to fp32 (a new tensor, kept by pow and mul),
+        # keeps 1/rms and the normalised x cast back to bf16; its bf16 output feeds the
+        # projections as it is (no autocast casts). The bf16 input itself is not kept.
+        norm = 4 * b * s * h + 4 * b * s + bsh4
+        attn_inputs = mlp_inputs = bsh4
+        mid_residual = 0
+    qk_norm = 0
+    if shape.qk_norm:
+        # Qwen3 RMSNorm on q and k per head: the fp32 (upcast) input, 1/rms, and the
+        # normalised x cast back to the compute dtype.
+        a, kv, d = shape.heads, shape.kv_heads, shape.head_dim
+        qk_norm = (4 + z.c) * b * s * (a + kv) * d + 4 * b * s * (a + kv)
+    return _Halves(attn_saved=norm + attn_inputs + z.attn_core + qk_norm,
+                   # Gated MLP: gate output (act input), act output, up output, product (down input).
+                   mlp_saved=mid_residual + norm + mlp_inputs + 4 * z.bsI,
+                   # Backward of the gated product: grad of the product and of both factors at once.
+                   mlp_backward=2 * z.bsI,
+                   forward_transient=8 * b * s * h)  # RMSNorm's fp32 temporaries
+
+
+def _gpt2_halves(shape: ModelShape, settings: Settings, z: _Sizes) -> _Halves:
+    b, s, h, c, bsI = z.b, z.s, shape.hidden, z.c, z.bsI
+    # LayerNorm: input (stream / mid residual), mean and rstd (b, s, 1).
+    norm = 8 * b * s
+    attn_inputs = b * s * h * 2 if z.mixed else z.bsh4
+    mlp_inputs = attn_inputs
+    # SDPA's q, k and v are views of the c_attn output (b, s, 3h): that whole buffer is kept.
+    fused_qkv = 3 * z.bshc - b * s * shape.heads * shape.head_dim * c - 2 * b * s * shape.kv_heads * shape.head_dim * c
+    attn_saved = norm + attn_inputs + z.attn_core + (fused_qkv if z.fused else 0)
+    if shape.activation in ("gelu_new", "gelu_fast", "gelu_pytorch_tanh_python"):
+        # The python tanh-GELU keeps four (b, s, I) tensors. CUDA autocast runs `pow` in fp32
+        # (torch.amp op lists), which makes three of them fp32; CPU autocast keeps them 16-bit.
+        if z.mixed and settings.device == "cuda":
+            act_saved = b * s * shape.intermediate * (4 + 4 + 4 + 2)
+        else:
+            act_saved = 4 * bsI
+        mlp_backward = 2 * bsI
+    else:
+        act_saved, mlp_backward = bsI, bsI
+    mlp_saved = z.bsh4 + norm + mlp_inputs + act_saved + bsI
+    if shape.hidden_dropout > 0:
+        # Dropout keeps its mask: in the input's dtype on CPU, boolean on CUDA.
+        mask_bytes = b * s * h * (c if settings.device == "cpu" else 1)
+        attn_saved += mask_bytes
+        mlp_saved += mask_bytes
+    return _Halves(attn_saved=attn_saved, mlp_saved=mlp_saved, mlp_backward=mlp_backward,
+                   forward_transient=2 * z.bsh4)
+
+
+def _neox_halves(shape: ModelShape, settings: Settings, z: _Sizes) -> _Halves:
+    b, s, h = z.b, z.s, shape.hidden
+    norm = 8 * b * s
+    attn_inputs = b * s * h * 2 if z.mixed else z.bsh4
+    mlp_inputs = attn_inputs
+    # q and k are rebuilt by the partial rotary concat; v is a view of the fused qkv output
+    # (b, s, 3h), which is kept whole; the reshape before `dense` copies the attention output.
+    fused_qkv = 3 * z.bshc - b * s * shape.kv_heads * shape.head_dim * z.c + z.bshc
+    return _Halves(attn_saved=norm + attn_inputs + z.attn_core + (fused_qkv if z.fused else 0),
+                   mlp_saved=norm + mlp_inputs + 2 * z.bsI + (0 if shape.parallel_residual else z.bsh4),
+                   mlp_backward=z.bsI, forward_transient=2 * z.bsh4)
+
+
+_LAYOUT_HALVES = {"llama": _llama_halves, "gpt2": _gpt2_halves, "gpt_neox": _neox_halves}
 
 
 @dataclass(frozen=True)

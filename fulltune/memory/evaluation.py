@@ -251,6 +251,11 @@ def _plan_over(shape: ModelShape, settings: Settings, request: EvalRequest, usab
         return plan(fitted, True, f"evaluation in {dtype}{where}: " + (
             "batches lowered to fit: " + ", ".join(lowered) if lowered else "the configured batches fit"))
     smallest = tuple(min(1, n) for n in configured)
+    if settings.device != "cuda":
+        m = memory(smallest)
+        return plan(smallest, False, f"evaluation{where} needs {format_bytes(total(m))} with batch 1 "
+                                     f"({format_bytes(m.weights)} of weights), over the usable "
+                                     f"{format_bytes(usable)}; a CPU device has no memory to offload its weights to")
     if processes > 1:
         return _sharded_offloaded(plan, memory, configured, settings, usable, host_budget, total)
     return _offloaded(plan, memory(smallest), smallest, settings, usable, host_budget, total)
@@ -259,22 +264,20 @@ def _plan_over(shape: ModelShape, settings: Settings, request: EvalRequest, usab
 def _sharded_offloaded(plan: Any, memory: Any, configured: tuple[int, int, int], settings: Settings, usable: int,
                        host_budget: int | None, total: Any) -> EvalPlan:
     """Sharded, where a process's shards and a batch of 1 do not fit its GPU: every shard in host RAM (FSDP2's CPU
-    offload, as `train.offload_optimizer` trains), the GPU holding the gathered units and the batches, fitted again."""
+    offload, as `train.offload_optimizer` trains), the GPU holding the gathered units and the batches, fitted again.
+    CUDA only (the caller refuses a CPU device)."""
     processes = settings.num_processes
     smallest = tuple(min(1, n) for n in configured)
     need = format_bytes(total(memory(smallest)))
-    if settings.device != "cuda":
-        return plan(smallest, False, f"evaluation sharded over {processes} processes needs {need} per process with "
-                                     f"batch 1, over the usable {format_bytes(usable)}")
     fitted = tuple(_largest(lambda b, i=i: total(replace(memory(_only(configured, i, b)), weights=0)) <= usable, n)
                    for i, n in enumerate(configured))
     shards = memory(smallest).weights
     host = shards * processes  # every process of the machine holds its shards there
-    if not all(b or not n for b, n in zip(fitted, configured)) or (host_budget is not None and host > host_budget):
-        room = "" if host_budget is None else f", host RAM {format_bytes(host_budget)} (budget.host_memory)"
+    if not all(b or not n for b, n in zip(fitted, configured)) or _over(host, host_budget):
         return plan(smallest, False, f"evaluation sharded over {processes} processes does not fit even with its "
                                      f"shards in host RAM: batch 1 needs {need} per process of the usable "
-                                     f"{format_bytes(usable)}, {format_bytes(host)} of shards for the host{room}")
+                                     f"{format_bytes(usable)}, {format_bytes(host)} of shards for the host"
+                                     f"{_host_room(host_budget)}")
     offloaded = plan(fitted, True, f"evaluation sharded over {processes} processes (FSDP2, per process) with its "
                                    f"shards in host RAM ({format_bytes(host)} per machine; the shards and batch 1 do "
                                    f"not fit one GPU: {need}), batches {fitted[0]}/{fitted[1]}",
@@ -284,27 +287,33 @@ def _sharded_offloaded(plan: Any, memory: Any, configured: tuple[int, int, int],
 
 def _offloaded(plan: Any, m: EvalMemory, smallest: tuple[int, int, int], settings: Settings, usable: int,
                host_budget: int | None, total: Any) -> EvalPlan:
-    """Batch 1 with the weights that do not fit the device in host RAM (accelerate's `device_map="auto"`)."""
+    """Batch 1 with the weights that do not fit the device in host RAM (accelerate's `device_map="auto"`); CUDA
+    only (the caller refuses a CPU device)."""
     need = format_bytes(total(m))
-    if settings.device != "cuda":
-        return plan(smallest, False, f"evaluation needs {need} with batch 1 ({format_bytes(m.weights)} of weights), "
-                                     f"over the usable {format_bytes(usable)}; a CPU device has no memory to "
-                                     "offload its weights to")
     beside = total(replace(m, weights=0, load=0))
     # The most weight bytes the device holds beside batch 1's phases, its runtime overhead included.
     on_device = _largest(lambda w: total(replace(m, weights=w, load=0)) <= usable, m.weights)
     on_host = m.weights - on_device
-    if on_device <= 0 or (host_budget is not None and on_host > host_budget):
-        host = "" if host_budget is None else f", host RAM {format_bytes(host_budget)} (budget.host_memory)"
+    if on_device <= 0 or _over(on_host, host_budget):
         return plan(smallest, False, f"evaluation does not fit even layer-offloaded: batch 1 needs "
                                      f"{format_bytes(beside)} of the usable {format_bytes(usable)} beside the weights, "
-                                     f"{format_bytes(on_host)} of weights left for the host{host}")
+                                     f"{format_bytes(on_host)} of weights left for the host{_host_room(host_budget)}")
     offloaded = plan(smallest, True, f"evaluation layer-offloaded with accelerate's big-model loading: "
                                      f"{format_bytes(on_device)} of the {format_bytes(m.weights)} weights on the "
                                      f"device, {format_bytes(on_host)} in host RAM, batch 1 (the weights and a batch "
                                      f"do not fit one device: {need})",
                      offload_device_bytes=on_device, offload_host_bytes=on_host)
     return replace(offloaded, device_bytes=total(replace(m, weights=on_device, load=0)))  # its share of the weights
+
+
+def _over(host: int, host_budget: int | None) -> bool:
+    """Whether `host` bytes are more than budget.host_memory allows (no limit when it is unset)."""
+    return host_budget is not None and host > host_budget
+
+
+def _host_room(host_budget: int | None) -> str:
+    """The host RAM a refusal names beside the device's (nothing when budget.host_memory is unset)."""
+    return "" if host_budget is None else f", host RAM {format_bytes(host_budget)} (budget.host_memory)"
 
 
 def _load_bytes(shape: ModelShape, settings: Settings, width: int) -> int:

@@ -79,37 +79,7 @@ def evaluation_line(evaluation: dict) -> str:
 
 def format_plan_table(plan: MemoryPlan) -> str:
     """A readable table: configured vs planned breakdown, totals, budget, reasons, alternatives."""
-    budget = plan.budget_bytes
-    configured, planned = plan.configured_estimate, plan.plan_estimate
-    rows: list[tuple[str, str, str]] = []
-    for key in BREAKDOWN_KEYS:
-        rows.append((key.replace("_", " "), format_bytes(configured.breakdown.get(key, 0)),
-                     format_bytes(planned.breakdown.get(key, 0))))
-    rows.append(("step peak (allocated)", format_bytes(configured.peak_bytes), format_bytes(planned.peak_bytes)))
-    rows.append(("step total", format_bytes(_step_total(configured)), format_bytes(_step_total(planned))))
-    rows.append(("step peak during", configured.peak_phase, planned.peak_phase))
-    rows.append(("process peak", format_bytes(configured.device_bytes), format_bytes(planned.device_bytes)))
-    if budget is not None:
-        pct = [f"{100 * e.device_bytes / budget:.0f}% of budget" for e in (configured, planned)]
-        rows.append(("", pct[0], pct[1]))
-    rows.append(("process peak in", _process_phase(configured), _process_phase(planned)))
-    w0 = max(len(r[0]) for r in rows + [("", "", "")])
-    w1 = max(max(len(r[1]) for r in rows), len("configured"))
-    w2 = max(max(len(r[2]) for r in rows), len("plan"))
-    sep = f"+-{'-' * w0}-+-{'-' * w1}-+-{'-' * w2}-+"
-    lines = []
-    head = "fits" if plan.fits else "DOES NOT FIT"
-    budget_text = format_bytes(budget) if budget is not None else "none"
-    usable = f", usable {format_bytes(plan.usable_bytes)}" if plan.usable_bytes is not None else ""
-    lines.append(f"memory plan on {plan.device}: budget {budget_text}{usable} — {head}")
-    lines.append(sep)
-    lines.append(f"| {'':{w0}} | {'configured':>{w1}} | {'plan':>{w2}} |")
-    lines.append(sep)
-    for i, (a, b, c) in enumerate(rows):
-        if i == len(BREAKDOWN_KEYS):
-            lines.append(sep)
-        lines.append(f"| {a:{w0}} | {b:>{w1}} | {c:>{w2}} |")
-    lines.append(sep)
+    lines = _table_lines(plan)
     margin = margin_line(plan)
     if margin:
         lines.append(margin)
@@ -135,19 +105,59 @@ def format_plan_table(plan: MemoryPlan) -> str:
         lines.extend(f"  - {s}" for s in plan.suggestions)
     if plan.pipeline_parallel:
         lines.append(plan.pipeline_parallel["advice"])
-    if plan.alternatives:
-        lines.append("alternatives:")
-        for alt in plan.alternatives[:5]:
-            tp = f", tensor parallel {alt['tensor_parallel']}" if alt.get("tensor_parallel", 1) > 1 else ""
-            lines.append(
-                f"  - micro {alt['micro_batch_size']} × accum {alt['gradient_accumulation_steps']}, "
-                f"ckpt {alt['gradient_checkpointing']}, {alt['mixed_precision']}, {alt['optimizer']}"
-                f"{''.join(f', {name}' for name in LEVERS if alt.get(name))}{tp}: "
-                f"{format_bytes(alt['device_bytes'])} — {alt['rejected_because']}"
-            )
-    for note in dict.fromkeys(configured.notes + planned.notes):
+    lines.extend(_alternative_lines(plan))
+    for note in dict.fromkeys(plan.configured_estimate.notes + plan.plan_estimate.notes):
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def _table_lines(plan: MemoryPlan) -> list[str]:
+    """The plan's heading and its configured-against-planned table."""
+    budget = plan.budget_bytes
+    configured, planned = plan.configured_estimate, plan.plan_estimate
+    rows: list[tuple[str, str, str]] = []
+    for key in BREAKDOWN_KEYS:
+        rows.append((key.replace("_", " "), format_bytes(configured.breakdown.get(key, 0)),
+                     format_bytes(planned.breakdown.get(key, 0))))
+    rows.append(("step peak (allocated)", format_bytes(configured.peak_bytes), format_bytes(planned.peak_bytes)))
+    rows.append(("step total", format_bytes(_step_total(configured)), format_bytes(_step_total(planned))))
+    rows.append(("step peak during", configured.peak_phase, planned.peak_phase))
+    rows.append(("process peak", format_bytes(configured.device_bytes), format_bytes(planned.device_bytes)))
+    if budget is not None:
+        pct = [f"{100 * e.device_bytes / budget:.0f}% of budget" for e in (configured, planned)]
+        rows.append(("", pct[0], pct[1]))
+    rows.append(("process peak in", _process_phase(configured), _process_phase(planned)))
+    w0 = max(len(r[0]) for r in rows + [("", "", "")])
+    w1 = max(max(len(r[1]) for r in rows), len("configured"))
+    w2 = max(max(len(r[2]) for r in rows), len("plan"))
+    sep = f"+-{'-' * w0}-+-{'-' * w1}-+-{'-' * w2}-+"
+    head = "fits" if plan.fits else "DOES NOT FIT"
+    budget_text = format_bytes(budget) if budget is not None else "none"
+    usable = f", usable {format_bytes(plan.usable_bytes)}" if plan.usable_bytes is not None else ""
+    lines = [f"memory plan on {plan.device}: budget {budget_text}{usable} — {head}", sep,
+             f"| {'':{w0}} | {'configured':>{w1}} | {'plan':>{w2}} |", sep]
+    for i, (a, b, c) in enumerate(rows):
+        if i == len(BREAKDOWN_KEYS):
+            lines.append(sep)
+        lines.append(f"| {a:{w0}} | {b:>{w1}} | {c:>{w2}} |")
+    lines.append(sep)
+    return lines
+
+
+def _alternative_lines(plan: MemoryPlan) -> list[str]:
+    """The first five alternatives the search weighed, each with why it was not chosen."""
+    if not plan.alternatives:
+        return []
+    lines = ["alternatives:"]
+    for alt in plan.alternatives[:5]:
+        tp = f", tensor parallel {alt['tensor_parallel']}" if alt.get("tensor_parallel", 1) > 1 else ""
+        lines.append(
+            f"  - micro {alt['micro_batch_size']} × accum {alt['gradient_accumulation_steps']}, "
+            f"ckpt {alt['gradient_checkpointing']}, {alt['mixed_precision']}, {alt['optimizer']}"
+            f"{''.join(f', {name}' for name in LEVERS if alt.get(name))}{tp}: "
+            f"{format_bytes(alt['device_bytes'])} — {alt['rejected_because']}"
+        )
+    return lines
 
 
 _COLORS = {

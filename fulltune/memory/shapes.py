@@ -49,17 +49,17 @@ class ModelShape:
     intermediate: int
     vocab: int
     tied: bool
-    gated_mlp: bool
     activation: str
-    qk_norm: bool
     rotary_dim: int
-    parallel_residual: bool
-    attention_dropout: float
-    hidden_dropout: float
-    embedding_dropout: float
     layer_params: tuple[tuple[int, ...], ...]  # parameter shapes of one decoder layer
     other_params: tuple[tuple[int, ...], ...]  # embeddings, final norm, untied lm head
-    approximate: bool
+    gated_mlp: bool = False
+    qk_norm: bool = False
+    parallel_residual: bool = False
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    embedding_dropout: float = 0.0
+    approximate: bool = False  # a model type read as one of the three layouts, never measured itself
     stored_bytes: int = 4  # bytes per parameter in the checkpoint (the config's dtype; fp32 when it names none)
 
     # Read for every candidate the planner weighs (thousands for a 70B model): computed once per shape.
@@ -186,29 +186,15 @@ def _llama_shape(config: Any, model_type: str) -> ModelShape:
     if not tied:
         other.append((V, h))
     act = str(_get(config, "hidden_act", "hidden_activation", default="silu"))
-    return ModelShape(
-        layout="llama",
-        model_type=model_type,
-        num_layers=L,
-        hidden=h,
-        heads=a,
-        kv_heads=kv,
-        head_dim=d,
-        intermediate=I,
-        vocab=V,
-        tied=tied,
-        gated_mlp=True,
-        activation=act,
-        qk_norm=qk_norm,
-        rotary_dim=d,
-        parallel_residual=False,
-        attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
-        hidden_dropout=0.0,
-        embedding_dropout=0.0,
-        layer_params=tuple(layer),
-        other_params=tuple(other),
-        approximate=model_type not in LLAMA_LIKE,
-    )
+    return ModelShape(layout="llama", model_type=model_type, num_layers=L, hidden=h, heads=a, kv_heads=kv, head_dim=d,
+                      intermediate=I, vocab=V, tied=tied, gated_mlp=True, activation=act, qk_norm=qk_norm,
+                      rotary_dim=d, attention_dropout=_rate(config, "attention_dropout"), layer_params=tuple(layer),
+                      other_params=tuple(other), approximate=model_type not in LLAMA_LIKE)
+
+
+def _rate(config: Any, name: str) -> float:
+    """A dropout rate of the config (0 when it names none)."""
+    return float(getattr(config, name, 0.0) or 0.0)
 
 
 def _gpt2_shape(config: Any) -> ModelShape:
@@ -223,29 +209,12 @@ def _gpt2_shape(config: Any) -> ModelShape:
     tied = bool(getattr(config, "tie_word_embeddings", True))
     if not tied:
         other.append((V, h))
-    return ModelShape(
-        layout="gpt2",
-        model_type="gpt2",
-        num_layers=L,
-        hidden=h,
-        heads=a,
-        kv_heads=a,
-        head_dim=h // a,
-        intermediate=I,
-        vocab=V,
-        tied=tied,
-        gated_mlp=False,
-        activation=str(getattr(config, "activation_function", "gelu_new")),
-        qk_norm=False,
-        rotary_dim=0,
-        parallel_residual=False,
-        attention_dropout=float(getattr(config, "attn_pdrop", 0.0) or 0.0),
-        hidden_dropout=float(getattr(config, "resid_pdrop", 0.0) or 0.0),
-        embedding_dropout=float(getattr(config, "embd_pdrop", 0.0) or 0.0),
-        layer_params=tuple(layer),
-        other_params=tuple(other),
-        approximate=False,
-    )
+    return ModelShape(layout="gpt2", model_type="gpt2", num_layers=L, hidden=h, heads=a, kv_heads=a, head_dim=h // a,
+                      intermediate=I, vocab=V, tied=tied, rotary_dim=0,
+                      activation=str(getattr(config, "activation_function", "gelu_new")),
+                      attention_dropout=_rate(config, "attn_pdrop"), hidden_dropout=_rate(config, "resid_pdrop"),
+                      embedding_dropout=_rate(config, "embd_pdrop"), layer_params=tuple(layer),
+                      other_params=tuple(other))
 
 
 def _neox_shape(config: Any) -> ModelShape:
@@ -272,26 +241,10 @@ def _neox_shape(config: Any) -> ModelShape:
     other: list[tuple[int, ...]] = [(V, h), (h,), (h,)]
     if not tied:
         other.append((V, h))
-    return ModelShape(
-        layout="gpt_neox",
-        model_type="gpt_neox",
-        num_layers=L,
-        hidden=h,
-        heads=a,
-        kv_heads=a,
-        head_dim=d,
-        intermediate=I,
-        vocab=V,
-        tied=tied,
-        gated_mlp=False,
-        activation=str(getattr(config, "hidden_act", "gelu")),
-        qk_norm=False,
-        rotary_dim=rot,
-        parallel_residual=bool(getattr(config, "use_parallel_residual", True)),
-        attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
-        hidden_dropout=float(getattr(config, "hidden_dropout", 0.0) or 0.0),
-        embedding_dropout=0.0,
-        layer_params=tuple(layer),
-        other_params=tuple(other),
-        approximate=False,
-    )
+    return ModelShape(layout="gpt_neox", model_type="gpt_neox", num_layers=L, hidden=h, heads=a, kv_heads=a,
+                      head_dim=d, intermediate=I, vocab=V, tied=tied, rotary_dim=rot,
+                      activation=str(getattr(config, "hidden_act", "gelu")),
+                      parallel_residual=bool(getattr(config, "use_parallel_residual", True)),
+                      attention_dropout=_rate(config, "attention_dropout"),
+                      hidden_dropout=_rate(config, "hidden_dropout"), layer_params=tuple(layer),
+                      other_params=tuple(other))

@@ -142,32 +142,17 @@ class Settings:
 
     def choices(self) -> dict[str, Any]:
         """The fields the planner chooses, as `plan --json` and the alternatives report them."""
-        return {
-            "micro_batch_size": self.micro_batch_size,
-            "gradient_accumulation_steps": self.gradient_accumulation_steps,
-            "gradient_checkpointing": self.gradient_checkpointing,
-            "mixed_precision": self.mixed_precision,
-            "optimizer": self.optimizer,
-            **self.levers(),
-        }
+        return {name: getattr(self, name) for name in CHOSEN} | self.levers()
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "micro_batch_size": self.micro_batch_size,
-            "seq_len": self.seq_len,
-            "gradient_accumulation_steps": self.gradient_accumulation_steps,
-            "gradient_checkpointing": self.gradient_checkpointing,
-            "mixed_precision": self.mixed_precision,
-            "optimizer": self.optimizer,
-            "attn_implementation": self.attn_implementation,
-            "device": self.device,
-            "strategy": self.strategy,
-            "num_processes": self.num_processes,
-            "tensor_parallel": self.tensor_parallel,
-            "attention_mask": self.attention_mask,
-            "target_fraction": self.target_fraction,
-            **self.levers(),
-        }
+        return {name: getattr(self, name) for name in RECORDED} | self.levers()
+
+
+# The fields the planner chooses, and those `to_dict` records (in this order; the levers follow).
+CHOSEN = ("micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "mixed_precision", "optimizer")
+RECORDED = ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "gradient_checkpointing", "mixed_precision",
+            "optimizer", "attn_implementation", "device", "strategy", "num_processes", "tensor_parallel",
+            "attention_mask", "target_fraction")
 
 
 def _check_levers(settings: Any) -> None:

@@ -166,11 +166,8 @@ def shard_model(model: Any, device: str = "cpu", mixed_precision: str = "no", me
 
 
 def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision: str = "no", dtype: Any = None,
-                       before_shard: Callable[[Any], None] | None = None, mesh: Any = None,
-                       reshard_after_forward: bool = True, dims: Any = None, revision: str | None = None,
-                       trust_remote_code: bool = False, allow_pickle_weights: bool = False,
-                       attn_implementation: str = "sdpa", token: str | None = None,
-                       offload: bool = False) -> Any:
+                       before_shard: Callable[[Any], None] | None = None, dims: Any = None, offload: bool = False,
+                       **source: Any) -> Any:
     """Load a Hugging Face causal LM straight into FSDP2 shards: no process ever holds the full model
     (except rank 0 in the fallback below). Collective: every process calls it with the same arguments.
 
@@ -191,8 +188,11 @@ def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision
 
     The result equals `load_model` + `before_shard` + `shard_model` bit for bit. Tied embeddings stay one
     parameter. `offload=True` (`train.offload_optimizer` under FSDP; CUDA only, not with tensor parallel):
-    the shards are allocated in pinned host RAM and read there, the buffers go to the device. `path` is a local directory or a hub id (`revision` and `token` resolve its snapshot, from
-    the cache when offline). `dtype` is the weights' dtype before `before_shard` (default fp32). Peak host
+    the shards are allocated in pinned host RAM and read there, the buffers go to the device. `path` is a local
+    directory or a hub id (`revision` and `token` resolve its snapshot, from
+    the cache when offline). `source` is how `fulltune.models.load_model` reads the checkpoint: `revision`, `token`,
+    `trust_remote_code`, `allow_pickle_weights`, `attn_implementation`. `dtype` is the weights' dtype before
+    `before_shard` (default fp32). Peak host
     memory per process: its shards plus one checkpoint tensor's slice being read.
 
     Raises ConfigError (a user error naming model.name_or_path) when the checkpoint cannot be read.
@@ -203,14 +203,15 @@ def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision
 
     from fulltune.errors import ConfigError
 
-    directory = _checkpoint_dir(str(path), revision, token)
+    trust_remote_code = source.get("trust_remote_code", False)
+    directory = _checkpoint_dir(str(path), source.get("revision"), source.get("token"))
     try:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model.name_or_path: cannot read a model config from {str(path)!r}: {exc}") from None
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32, trust_remote_code=trust_remote_code,
-                                                 attn_implementation=attn_implementation)
+                                                 attn_implementation=source.get("attn_implementation", "sdpa"))
     model.tie_weights()  # transformers ties only materialised parameters when it builds a model
     if (Path(directory) / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(directory)
@@ -223,18 +224,15 @@ def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision
             raise ValueError("FSDP's CPU offload does not combine with tensor parallel here")
         from fulltune.runtime import parallel
 
-        parallel.apply(model, dims, device, mixed_precision, mesh=mesh)
+        parallel.apply(model, dims, device, mixed_precision)
     else:
-        shard_model(model, device=device, mixed_precision=mixed_precision, mesh=mesh,
-                    reshard_after_forward=reshard_after_forward, offload=offload)
+        shard_model(model, device=device, mixed_precision=mixed_precision, offload=offload)
     _materialize(model, device, offload)
     names = _checkpoint_names(model, directory)
     if names is not None:
         _read_own_shards(model, directory, names)
     else:
-        _broadcast_from_rank0(model, str(path), revision=revision, trust_remote_code=trust_remote_code,
-                              allow_pickle_weights=allow_pickle_weights, attn_implementation=attn_implementation,
-                              token=token)
+        _broadcast_from_rank0(model, str(path), **source)
     return model
 
 
