@@ -3,7 +3,8 @@
 A pipelines file has a `workdir`, optional `defaults` (merged into every pipeline) and a mapping of
 named `pipelines`. It parses into frozen pydantic models that reject unknown keys; every problem is
 reported at once with its YAML path (`pipelines.demo.train.learning_rate: must be > 0`). Reading a file,
-merging `defaults` and applying `--set` overrides is fulltune/pipelines_file.py's.
+merging `defaults` and applying `--set` overrides is fulltune/pipelines_file.py's; the `evaluate` and
+`register` sections are fulltune/spec_gates.py's (importable from here too).
 """
 
 from __future__ import annotations
