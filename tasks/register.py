@@ -20,13 +20,13 @@ from tasks.finetune import TrainedModel
 def register_task(p: ResolvedPipeline, key: str, data: TokenizedData, trained: TrainedModel, report: EvalReport,
                   mlflow_run_id: str, flow_run_id: str) -> Registration:
     """fulltune.tracking.registry.register_version, with its decision in the log and as an artifact."""
-    from fulltune.tracking.registry import register_version
+    from fulltune.tracking.registry import TrainedVersion, register_version
 
     logger = get_run_logger()
-    registration = register_version(
-        p.spec, p.name, model_dir=trained.model_dir, base_model=trained.base_model, train_key=trained.key,
-        settings=trained.settings, train_metrics=trained.metrics, data=data, report=report,
-        mlflow_run_id=mlflow_run_id, flow_run_id=flow_run_id)
+    version = TrainedVersion(model_dir=trained.model_dir, train_key=trained.key, settings=trained.settings,
+                             train_metrics=trained.metrics, data=data)
+    registration = register_version(p.spec, p.name, version, report, mlflow_run_id=mlflow_run_id,
+                                    flow_run_id=flow_run_id)
     record_outputs(p.workdir, REGISTER, key, [], {"name": registration.name, "version": registration.version,
                                                      "train_key": trained.key})
     logger.info("%s version %s %s: %s", registration.name, registration.version, list(registration.aliases),

@@ -9,7 +9,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -518,9 +518,20 @@ def _version(package: str) -> str:
 # The stage: register the new version, gate the champion, say what it is
 
 
-def register_version(spec: PipelineSpec, pipeline: str, *, model_dir: str, base_model: str, train_key: str,
-                     settings: dict[str, Any], train_metrics: dict[str, float], data: TokenizedData,
-                     report: EvalReport, mlflow_run_id: str, flow_run_id: str) -> Registration:
+@dataclass(frozen=True)
+class TrainedVersion:
+    """What a new version was trained from and how: the fine-tune stage's checkpoint, plan and metrics, and the
+    tokenized data it read."""
+
+    model_dir: str
+    train_key: str
+    settings: dict[str, Any]
+    train_metrics: dict[str, float]
+    data: TokenizedData
+
+
+def register_version(spec: PipelineSpec, pipeline: str, trained: TrainedVersion, report: EvalReport, *,
+                     mlflow_run_id: str, flow_run_id: str) -> Registration:
     """Stage 5: the fine-tuned checkpoint as a new version of `register.model_name` with `challenger`,
     and `champion` when `register.promote_if` holds; the version's tags hold the reason for the decision
     and its description says what was trained on what, with which plan, and how it compared.
@@ -528,22 +539,21 @@ def register_version(spec: PipelineSpec, pipeline: str, *, model_dir: str, base_
     Weights already registered (only the evaluation changed) make no new version.
     """
     name = spec.model_name(pipeline)
-    existing = find_version(name, train_key)
+    existing = find_version(name, trained.train_key)
     if existing is not None:
         aliases = aliases_of(name, existing)
         return Registration(name, existing, aliases, CHAMPION in aliases, "same weights as an existing version",
                             mlflow_run_id)
     decision = promotion_decision(spec.registration, report)
-    tags = {TAG_PIPELINE: pipeline, TAG_DATA: data.fingerprint, TAG_CONFIG: spec.config_hash(),
-            TAG_VERSION: code_version(), TAG_TRAIN_KEY: train_key, TAG_FLOW_RUN: flow_run_id, **comparison_tags(report)}
-    description = describe_version(spec, pipeline, base_model=base_model, model_dir=model_dir, settings=settings,
-                                   train_metrics=train_metrics, data=data, report=report, decision=decision)
-    return register_model(model_dir, name, mlflow_run_id, tags, report.candidates["fine_tuned"].as_dict(), decision,
-                          description)
+    tags = {TAG_PIPELINE: pipeline, TAG_DATA: trained.data.fingerprint, TAG_CONFIG: spec.config_hash(),
+            TAG_VERSION: code_version(), TAG_TRAIN_KEY: trained.train_key, TAG_FLOW_RUN: flow_run_id,
+            **comparison_tags(report)}
+    description = describe_version(spec, pipeline, trained, report, decision)
+    return register_model(trained.model_dir, name, mlflow_run_id, tags, report.candidates["fine_tuned"].as_dict(),
+                          decision, description)
 
 
-def describe_version(spec: PipelineSpec, pipeline: str, *, base_model: str, model_dir: str, settings: dict[str, Any],
-                     train_metrics: dict[str, float], data: TokenizedData, report: EvalReport,
+def describe_version(spec: PipelineSpec, pipeline: str, trained: TrainedVersion, report: EvalReport,
                      decision: GateDecision) -> str:
     """The registered version's description (markdown): the model and data it was trained from, the plan,
     the evaluation of base, fine-tuned and champion side by side, and the gate's decision."""
@@ -557,20 +567,21 @@ def describe_version(spec: PipelineSpec, pipeline: str, *, base_model: str, mode
         source += f" @ {spec.model.revision[:12]}"
     held_out = (f"`{describe(spec.data.eval)}`" if spec.data.eval else
                 f"{spec.data.eval_split:.0%} of the training examples held out (seed {spec.train.seed})")
+    settings, train_metrics, data = trained.settings, trained.train_metrics, trained.data
     try:
-        layers = int(json_module.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])
+        layers = int(json_module.loads((Path(trained.model_dir) / "config.json").read_text())["num_hidden_layers"])
     except (OSError, KeyError, ValueError):  # a checkpoint without a readable config: "all layers" or "off"
         layers = int(settings.get("gradient_checkpointing") or 0)
     steps = int(train_metrics.get("steps", 0))
-    trained = f"{steps} optimizer steps" + (f", final train loss {train_metrics['train_loss']:.4f}"
-                                            if "train_loss" in train_metrics else "")
+    run = f"{steps} optimizer steps" + (f", final train loss {train_metrics['train_loss']:.4f}"
+                                        if "train_loss" in train_metrics else "")
     lines = [
         f"Pipeline `{pipeline}`: {source} fully fine-tuned on `{describe(spec.data.train)}` (format {data.format}, "
         f"{data.num_train_examples} examples, {data.train_label_tokens} target tokens per epoch"
         f"{', packed' if data.packing else ''}; data fingerprint {data.fingerprint[:12]}).",
         "",
         f"Plan: {describe_settings(settings, layers)}, effective batch {spec.train.effective_batch_size}, "
-        f"learning rate {spec.train.learning_rate:g}; {trained}.",
+        f"learning rate {spec.train.learning_rate:g}; {run}.",
         "",
         f"Evaluated on {held_out}: {report.num_examples} examples, the base model, this one"
         + (f" and the champion (version {report.champion_version}, compared on {report.comparison.replace('_', ' ')})"
