@@ -165,6 +165,10 @@ def shard_model(model: Any, device: str = "cpu", mixed_precision: str = "no", me
     return model
 
 
+# How a checkpoint is read (`fulltune.models.load_model`'s options), passed through by `load_sharded_model`.
+SOURCE_OPTIONS = ("revision", "token", "trust_remote_code", "allow_pickle_weights", "attn_implementation")
+
+
 def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision: str = "no", dtype: Any = None,
                        before_shard: Callable[[Any], None] | None = None, dims: Any = None, offload: bool = False,
                        **source: Any) -> Any:
@@ -189,11 +193,10 @@ def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision
     The result equals `load_model` + `before_shard` + `shard_model` bit for bit. Tied embeddings stay one
     parameter. `offload=True` (`train.offload_optimizer` under FSDP; CUDA only, not with tensor parallel):
     the shards are allocated in pinned host RAM and read there, the buffers go to the device. `path` is a local
-    directory or a hub id (`revision` and `token` resolve its snapshot, from
-    the cache when offline). `source` is how `fulltune.models.load_model` reads the checkpoint: `revision`, `token`,
-    `trust_remote_code`, `allow_pickle_weights`, `attn_implementation`. `dtype` is the weights' dtype before
-    `before_shard` (default fp32). Peak host
-    memory per process: its shards plus one checkpoint tensor's slice being read.
+    directory or a hub id. `source` is how `fulltune.models.load_model` reads the checkpoint (`SOURCE_OPTIONS`:
+    `revision` and `token` resolve a hub id's snapshot, from the cache when offline). `dtype` is the weights' dtype
+    before `before_shard` (default fp32). Peak host memory per process: its shards plus one checkpoint tensor's
+    slice being read.
 
     Raises ConfigError (a user error naming model.name_or_path) when the checkpoint cannot be read.
     """
@@ -203,6 +206,9 @@ def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision
 
     from fulltune.errors import ConfigError
 
+    unknown = sorted(set(source) - set(SOURCE_OPTIONS))
+    if unknown:
+        raise TypeError(f"load_sharded_model: unknown checkpoint options {unknown}")
     trust_remote_code = source.get("trust_remote_code", False)
     directory = _checkpoint_dir(str(path), source.get("revision"), source.get("token"))
     try:
