@@ -26,14 +26,13 @@ def evaluate_task(p: ResolvedPipeline, key: str, data: TokenizedData, trained: T
                   evaluation: dict[str, Any] | None = None) -> EvalReport:
     """fulltune.evaluation.evaluate.evaluate_candidates in the plan's `evaluation` (dtype, fitted batches, placement), with
     its metrics in MLflow, the report on disk and as an artifact."""
-    from fulltune.evaluation.evaluate import evaluate_candidates
+    from fulltune.evaluation.evaluate import Candidates, evaluate_candidates
     from fulltune.tracking.registry import comparison_tags, log_metrics, set_run_tags
 
     logger = get_run_logger()
-    report = evaluate_candidates(p.spec, eval_file=data.eval_file, base_model=trained.base_model,
-                                 model_dir=trained.model_dir, tokenizer=trained.tokenizer, champion=champion,
-                                 workdir=p.workdir, base_dir=str(Path(p.pipelines_file).parent), device=device,
-                                 progress=logger.info, evaluation=evaluation)
+    candidates = Candidates(eval_file=data.eval_file, base_model=trained.base_model, model_dir=trained.model_dir,
+                            tokenizer=trained.tokenizer, workdir=p.workdir, base_dir=str(Path(p.pipelines_file).parent))
+    report = evaluate_candidates(p.spec, candidates, champion, device, progress=logger.info, evaluation=evaluation)
     for name, values in {**report.candidates, "champion_own_tokenizer": report.champion_own_tokens}.items():
         if values is not None:
             logger.info("%s: %s", name, values.as_dict())

@@ -23,9 +23,11 @@ __all__ = ["TrainedModel", "finetune_task"]
 def finetune_task(p: ResolvedPipeline, key: str, data: TokenizedData, tokenizer: str, decision: BudgetDecision,
                   mlflow_uri: str, mlflow_run_id: str) -> TrainedModel:
     """Train with the planned settings; a retry resumes from the newest checkpoint."""
-    logger = get_run_logger()
-    return fine_tune(p, key, data, tokenizer, decision, mlflow_uri, mlflow_run_id, log=logger.info,
-                     warn=logger.warning, watch=lambda output_dir: _Progress(p.name, output_dir))
+    from fulltune.runtime.launch import Tracking
+
+    tracking = Tracking(mlflow_tracking_uri=mlflow_uri, mlflow_run_id=mlflow_run_id)
+    return fine_tune(p, key, data, tokenizer, decision, tracking, logger=get_run_logger(),
+                     watch=lambda output_dir: _Progress(p.name, output_dir))
 
 
 class _Progress:

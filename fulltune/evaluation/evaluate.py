@@ -413,8 +413,20 @@ def _prompt_ids(row: dict[str, Any]) -> list[int]:
 # The stage: every candidate on the same examples, the champion compared fairly
 
 
-def evaluate_candidates(spec: PipelineSpec, *, eval_file: str, base_model: str, model_dir: str, tokenizer: str,
-                        champion: Champion | None, workdir: str, base_dir: str, device: str,
+@dataclass(frozen=True)
+class Candidates:
+    """What the evaluate stage reads and where it writes: the held-out rows, the base model with the run's
+    tokenizer, the fine-tuned checkpoint (its own tokenizer), the workdir and the pipelines file's directory."""
+
+    eval_file: str
+    base_model: str
+    model_dir: str
+    tokenizer: str
+    workdir: str
+    base_dir: str
+
+
+def evaluate_candidates(spec: PipelineSpec, candidates: Candidates, champion: Champion | None, device: str, *,
                         progress: Progress | None = None, evaluation: dict[str, Any] | None = None) -> EvalReport:
     """Stage 4: the base model (with the run's tokenizer), the fine-tuned model and the current champion
     (each with its own tokenizer) on the same held-out examples and the same benchmarks, one after another,
@@ -422,16 +434,18 @@ def evaluate_candidates(spec: PipelineSpec, *, eval_file: str, base_model: str, 
 
     `evaluation` is the plan's evaluate stage (memory/evaluation.py `EvalPlan.to_dict`): every candidate loads
     in its dtype (the trained precision), placed as it says (sharded over its `processes` when the training
-    was), and runs its fitted batches. None: fp32, one process and the `evaluate.*` batches. `base_dir` is the pipelines file's directory (task YAMLs and metric modules are
-    found from there); the champion's checkpoint is downloaded under `<workdir>/champions/`.
+    was), and runs its fitted batches. None: fp32, one process and the `evaluate.*` batches. Task YAMLs and metric
+    modules are found from `candidates.base_dir`; the champion's checkpoint is downloaded under
+    `<workdir>/champions/`.
     """
     from fulltune.evaluation.champion import compare_with_champion
     from fulltune.evaluation.harness import Benchmarks
     from fulltune.models import hub_token
 
-    e, m = spec.evaluate, spec.model
-    rows = read_eval_rows(eval_file, e.max_examples)
-    benchmarks = Benchmarks.from_spec(spec, base_dir)
+    e, m, c = spec.evaluate, spec.model, candidates
+    workdir, model_dir, tokenizer = c.workdir, c.model_dir, c.tokenizer
+    rows = read_eval_rows(c.eval_file, e.max_examples)
+    benchmarks = Benchmarks.from_spec(spec, c.base_dir)
     if benchmarks is not None and evaluation is not None and evaluation.get("harness_batch"):
         benchmarks = replace(benchmarks, batch_size=evaluation["harness_batch"])
     load = {"revision": m.revision, "trust_remote_code": m.trust_remote_code,
@@ -442,18 +456,17 @@ def evaluate_candidates(spec: PipelineSpec, *, eval_file: str, base_model: str, 
         evaluation["loss_batch"] if evaluation else e.batch_size, e.max_generate_examples, e.max_new_tokens, device,
         (evaluation["generation_batch"] or None) if evaluation else None,
         evaluation.get("processes", 1) if evaluation else 1, str(Path(workdir) / "evals"),
-        eval_sources(spec.data, eval_file)),
+        eval_sources(spec.data, c.eval_file)),
         "benchmarks": benchmarks, "progress": progress}
-    candidates = {"base": (base_model, tokenizer, load),
-                  "fine_tuned": (model_dir, model_dir, {**load, "revision": None})}
+    models = {"base": (c.base_model, tokenizer, load), "fine_tuned": (model_dir, model_dir, {**load, "revision": None})}
     if options["options"].processes > 1:  # one launch of the processes for both
         from fulltune.evaluation.sharded import Candidate, evaluate_sharded_candidates
 
-        metrics = evaluate_sharded_candidates([Candidate(name, *candidate) for name, candidate in candidates.items()],
+        metrics = evaluate_sharded_candidates([Candidate(name, *candidate) for name, candidate in models.items()],
                                               rows, options["options"], benchmarks, progress)
     else:
         metrics = {name: evaluate_model(path, tokenizer_path, rows, load_kwargs=kwargs, name=name, **options)
-                   for name, (path, tokenizer_path, kwargs) in candidates.items()}
+                   for name, (path, tokenizer_path, kwargs) in models.items()}
 
     return compare_with_champion(spec, rows, metrics, champion, model_dir=model_dir, workdir=workdir,
                                  options=options, load=load)

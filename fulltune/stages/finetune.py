@@ -32,14 +32,22 @@ class TrainedModel:
     replans: tuple[str, ...] = ()
 
 
-def fine_tune(p: ResolvedPipeline, key: str, data: Any, tokenizer: str, decision: BudgetDecision, mlflow_uri: str,
-              mlflow_run_id: str, *, log: Callable[[str], None] = print, warn: Callable[[str], None] | None = None,
+class PrintLog:
+    """A logger for `fine_tune` outside Prefect: info and warnings printed."""
+
+    info = warning = staticmethod(print)
+
+
+def fine_tune(p: ResolvedPipeline, key: str, data: Any, tokenizer: str, decision: BudgetDecision, tracking: Any, *,
+              logger: Any = PrintLog,
               watch: Callable[[Path], AbstractContextManager[Any]] = lambda output_dir: nullcontext()) -> TrainedModel:
-    """Train `data` (a TokenizedData) with `decision`'s settings under `<workdir>/runs/<key>`.
+    """Train `data` (a TokenizedData) with `decision`'s settings under `<workdir>/runs/<key>`, reporting to
+    `tracking` (a `fulltune.runtime.launch.Tracking`: the MLflow server and run).
 
     On an out-of-memory crash the run is replanned and resumed, at most twice (fulltune/planning/replan.py); each
-    replan is logged (`warn`, default `log`) and tagged on MLflow run `mlflow_run_id`. `watch(output_dir)` is entered around
-    each training attempt (the task mirrors progress.json into a progress artifact there).
+    replan is a warning of `logger` (anything with `info` and `warning`, a `logging.Logger` say) and a tag of the
+    MLflow run. `watch(output_dir)` is entered around each training attempt (the task mirrors progress.json into
+    a progress artifact there).
 
     Raises:
         Interrupted: Ctrl-C; the message says which step a rerun resumes from.
@@ -56,7 +64,8 @@ def fine_tune(p: ResolvedPipeline, key: str, data: Any, tokenizer: str, decision
     def make_job(plan: Settings, output_dir: Path) -> Any:
         return launch.job_from_pipeline(p.spec, plan, model_path=base_model, tokenizer_path=tokenizer,
                                         train_file=data.train_rows_file, output_dir=str(output_dir),
-                                        mlflow_tracking_uri=mlflow_uri, mlflow_run_id=mlflow_run_id)
+                                        mlflow_tracking_uri=tracking.mlflow_tracking_uri,
+                                        mlflow_run_id=tracking.mlflow_run_id)
 
     def run(job: Any) -> Any:
         output_dir = Path(job.paths.output_dir)
@@ -64,10 +73,10 @@ def fine_tune(p: ResolvedPipeline, key: str, data: Any, tokenizer: str, decision
             return launch.run_training(job)
 
     def on_replan(replan: int, why: str) -> None:
-        (warn or log)(why)
-        set_run_tags(mlflow_run_id, {f"fulltune.oom_replan.{replan}": why})
+        logger.warning(why)
+        set_run_tags(tracking.mlflow_run_id, {f"fulltune.oom_replan.{replan}": why})
 
-    log(f"training with {describe_settings(decision.settings, decision.num_layers)}")
+    logger.info(f"training with {describe_settings(decision.settings, decision.num_layers)}")
     trained = train_with_oom_replans(p, decision, key, make_job, run=run, on_replan=on_replan)
     result = trained.result
     metrics = {
@@ -81,8 +90,8 @@ def fine_tune(p: ResolvedPipeline, key: str, data: Any, tokenizer: str, decision
         peaks = {"step_peak_bytes": float(max(r["measured_bytes"] for r in result.rank_peaks)),
                  "step_peak_estimate_error": max((r["error"] for r in result.rank_peaks), key=abs)}
         metrics.update(peaks)
-        if mlflow_run_id:
-            log_metrics(mlflow_run_id, peaks)
+        if tracking.mlflow_run_id:
+            log_metrics(tracking.mlflow_run_id, peaks)
     curve = Path(result.model_dir).parent / "loss_curve.png"
     record_outputs(p.workdir, FINE_TUNE, key, [result.model_dir, base_model] if base_model.startswith("/")
                    else [result.model_dir])
