@@ -24,7 +24,7 @@ vocabulary 1k–8k, sequence 128–512, effective batch 8–32) this script
    the measured-fastest feasible candidate (within 5% of it counts as a tie).
 
 On CPU the planner reserves a fixed 1 GiB + 5% of the tensor peak for the process itself
-(interpreter, libraries, allocator slack: `estimate.CPU_PROCESS_BYTES`, `CPU_ALLOCATOR_SLACK`),
+(interpreter, libraries, allocator slack: `overhead.CPU_PROCESS_BYTES`, `CPU_ALLOCATOR_SLACK`),
 and MemTracker measures tensors only; so the check is on the tensors' share of the budget,
 (budget − 1 GiB) / 1.05, and the budget is set so that the planner's usable share
 (budget × (1 − headroom) − 1 GiB) / 1.05 is the chosen fraction of the naive peak.
@@ -53,7 +53,7 @@ import transformers
 
 from fulltune.memory import PlanRequest, Settings, estimate_memory
 from fulltune.planning import configured_settings, plan_memory, step_seconds
-from fulltune.memory.estimate import CPU_ALLOCATOR_SLACK, CPU_PROCESS_BYTES
+from fulltune.memory.overhead import CPU_ALLOCATOR_SLACK, CPU_PROCESS_BYTES
 from fulltune.memory.shapes import model_shape
 from fulltune.runtime import optim
 from fulltune.planning.trace import build_model, quiet, train_steps

@@ -69,13 +69,13 @@ def test_same_settings_on_another_machine_replan_but_keep_the_model(local, monke
 
 @pytest.mark.slow
 def test_smaller_machine_under_auto_replans_and_retrains(local, monkeypatch):
-    from fulltune.memory import budget, estimate
+    from fulltune.memory import budget, overhead
     from fulltune.pipelines_file import load_pipelines
 
     # On CPU the evaluate stage's process (Prefect and MLflow imported) is ~96 MiB larger than the trainer's,
     # which for this tiny model makes the evaluation the pipeline's peak: a machine too small for the training's
     # settings would fail the evaluation first. Counted as small as the trainer here, the training decides.
-    monkeypatch.setattr(estimate, "CPU_EVAL_PROCESS_BYTES", estimate.CPU_PROCESS_BYTES)
+    monkeypatch.setattr(overhead, "CPU_EVAL_PROCESS_BYTES", overhead.CPU_PROCESS_BYTES)
     before = _plan(local)["plan"]
     headroom = load_pipelines(local).pipelines["tiny"].budget.headroom
     # Just too small for the settings chosen so far: the planner must split the batch differently.

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from fulltune import hub
 from fulltune.errors import DataError, root_message
+from fulltune.storage import FileHashes, hash_parts
 
 if TYPE_CHECKING:
     import datasets
@@ -358,3 +359,18 @@ def _require_utf8(path: Path, what: str) -> None:
     if problem:
         raise DataError(f"{what}: {problem}")
 
+
+def update_hash_with_source(h: Any, source: str, *, what: str, token: str | None = None,
+                            hashes: FileHashes | None = None) -> None:
+    """Add a data source to a hash: its files' digests for local data, the id, commit and split for a hub
+    dataset. `hashes` remembers digests across calls (default: every file is read)."""
+    files = local_data_files(source, what)
+    if files is None:
+        hash_parts(h, "hub", hub_dataset_key(source, what, token))
+        return
+    hashes = hashes or FileHashes(None)
+    root = Path(source).expanduser()
+    for file in files:
+        # The name inside a directory (or the suffix of a single file) decides how the bytes are read.
+        hash_parts(h, "file", file.relative_to(root).as_posix() if root.is_dir() else file.suffix.lower())
+        hash_parts(h, hashes.sha256(file))

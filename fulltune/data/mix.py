@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fulltune.data.files import load_records, record_locator
+from fulltune.data.files import load_records, record_locator, update_hash_with_source
 from fulltune.data.formats import check_target_text, format_columns, no_labels_message, start_encoding
 from fulltune.data.sources import Source
 from fulltune.data.workers import read_shards, tokenize_shards, worker_count
@@ -65,7 +65,6 @@ class SourceExamples:
 def source_fingerprint(source: Source, tokenizer_digest: str, version: int, *, token: str | None,
                        hashes: FileHashes) -> str:
     """sha256 of what a source's tokenized examples depend on (see the module docstring)."""
-    from fulltune.data.store import update_hash_with_source
 
     h = hashlib.sha256()
     hash_parts(h, "fulltune-source", str(version))

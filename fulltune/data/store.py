@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fulltune import hub
-from fulltune.data.files import hub_dataset_key, local_data_files
+from fulltune.data.files import update_hash_with_source
 from fulltune.data.formats import IGNORE_INDEX, format_columns, no_target_text_message, pad_token_id_of
 from fulltune.data.mapped import MappedRowsWriter, row_target_counts
 from fulltune.data.mix import (
@@ -110,22 +110,6 @@ class TokenizedData:
 
 # ---------------------------------------------------------------------------------------------------
 # Fingerprints
-
-
-def update_hash_with_source(h: Any, source: str, *, what: str, token: str | None = None,
-                            hashes: FileHashes | None = None) -> None:
-    """Add a data source to a hash: its files' digests for local data, the id, commit and split for a hub
-    dataset. `hashes` remembers digests across calls (default: every file is read)."""
-    files = local_data_files(source, what)
-    if files is None:
-        hash_parts(h, "hub", hub_dataset_key(source, what, token))
-        return
-    hashes = hashes or FileHashes(None)
-    root = Path(source).expanduser()
-    for file in files:
-        # The name inside a directory (or the suffix of a single file) decides how the bytes are read.
-        hash_parts(h, "file", file.relative_to(root).as_posix() if root.is_dir() else file.suffix.lower())
-        hash_parts(h, hashes.sha256(file))
 
 
 def _update_hash_with_tokenizer(h: Any, tokenizer: str, hashes: FileHashes) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 from fulltune.data.files import load_records, local_data_files
 from fulltune.data.formats import format_columns, require_columns
 from fulltune.data.sources import Source, sources
-from fulltune.data.store import update_hash_with_source
+from fulltune.data.files import update_hash_with_source
 from fulltune import hub
 from fulltune.errors import ConfigError
 from fulltune.spec import DataSpec, ModelSpec, TrainTokenizer

@@ -25,32 +25,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from fulltune.memory.overhead import evaluation_overhead
 from fulltune.memory.shapes import ModelShape
-from fulltune.memory.types import MemoryPlan, PlanRequest, Settings
+from fulltune.memory.types import EvalRequest, MemoryPlan, PlanRequest, Settings
 from fulltune.memory.units import format_bytes
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
-@dataclass(frozen=True)
-class EvalRequest:
-    """The evaluate stage as `evaluate.*` configures it: the batches are upper bounds the plan may lower.
-
-    `seq_len` is the longest eval row (data.max_length; 0: the training rows' length); `generate` whether exact
-    match generates (`evaluate.max_generate_examples` > 0 on prompt/completion data); `harness_batch_size` the
-    lm-evaluation-harness batch (None: no harness tasks), scored on requests of up to `harness_seq_len` tokens
-    (0: `seq_len`); `precision` `trained` or `fp32`; `processes` as `evaluate.processes` (auto, 1 or the
-    training's processes).
-    """
-
-    batch_size: int = 8
-    seq_len: int = 0
-    max_new_tokens: int = 32
-    generate: bool = True
-    harness_batch_size: int | None = None
-    harness_seq_len: int = 0
-    precision: str = "trained"
-    processes: int | str = "auto"
 
 
 @dataclass(frozen=True)
@@ -170,17 +150,6 @@ class EvalPlan:
                     "device_bytes": self.offload_device_bytes, "host_bytes": self.offload_host_bytes}}
 
 
-def runtime_overhead(device: str, tensors: int) -> int:
-    """The device memory beside the tensors: the CUDA context and allocator slack, or the CPU process itself
-    (measured with the libraries the evaluate stage's process imports: MLflow and Prefect beside torch)."""
-    from fulltune.memory.estimate import CPU_ALLOCATOR_SLACK, CPU_EVAL_PROCESS_BYTES, CUDA_ALLOCATOR_SLACK, \
-        CUDA_CONTEXT_BYTES
-
-    if device == "cuda":
-        return int(CUDA_CONTEXT_BYTES + CUDA_ALLOCATOR_SLACK * tensors)
-    return int(CPU_EVAL_PROCESS_BYTES + CPU_ALLOCATOR_SLACK * tensors)
-
-
 def plan_evaluation(shape: ModelShape, settings: Settings, request: EvalRequest, usable: int | None,
                     host_budget: int | None = None, attn_implementation: str = "sdpa") -> EvalPlan:
     """The evaluate stage of a run trained with `settings`, fitted to `usable` device bytes (None: as configured).
@@ -232,7 +201,7 @@ def _plan_over(shape: ModelShape, settings: Settings, request: EvalRequest, usab
         return replace(m, load=_load_bytes(shape, settings, width))
 
     def total(m: EvalMemory) -> int:
-        return m.peak_bytes + runtime_overhead(settings.device, m.peak_bytes)
+        return m.peak_bytes + evaluation_overhead(settings.device, m.peak_bytes)
 
     where = f" sharded over {processes} processes (FSDP2, per process)" if processes > 1 else ""
 

@@ -15,28 +15,11 @@ NCCL's own buffers are not tensors and are not counted.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from fulltune.memory.timeline import Persistent, StepTerms, Timeline
+from fulltune.memory.timeline import Persistent, StepTerms, Timeline, shares
 from fulltune.memory.types import Settings
 from fulltune.memory.walk import Layout
-
-
-@dataclass(frozen=True)
-class Shares:
-    """The fraction of the whole model's weights, gradients and optimizer states one process keeps."""
-
-    params: float
-    grads: float
-    states: float
-
-
-def shares(settings: Settings) -> Shares:
-    """FSDP shards all three over the processes; DDP none."""
-    n = settings.num_processes
-    if settings.strategy == "fsdp":
-        return Shares(1.0 / n, 1.0 / n, 1.0 / n)
-    return Shares(1.0, 1.0, 1.0)
 
 
 def fsdp_walk(settings: Settings) -> bool:

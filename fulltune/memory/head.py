@@ -24,7 +24,7 @@ def chunked_head_bytes(targets: int, hidden: int, vocab: int, compute_bytes: int
     backward: the peak of backward's temporaries: the fp32 gradient of the head input, one weight-row
     tile's fp32 gradient accumulator and its cast, and the tiles (`_tile_peak`).
     """
-    rows, cols = min(targets, row_chunk), min(vocab, vocab_chunk)
+    cols = min(vocab, vocab_chunk)
     weight_tile = cols * hidden * (4 + compute_bytes)
     tiles = _tile_peak(targets, vocab, compute_bytes, row_chunk, vocab_chunk)
     return {"saved": 4 * targets, "backward": 4 * targets * hidden + weight_tile + tiles}

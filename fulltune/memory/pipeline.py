@@ -200,7 +200,7 @@ def stage_settings(settings: Settings, num_stages: int, stage: int, num_layers: 
 
 
 def _stage_estimate(shape: ModelShape, settings: Settings, P: int, s: int, schedule: str) -> StageEstimate:
-    from fulltune.memory.estimate import _runtime_overhead
+    from fulltune.memory.overhead import training_overhead
     from fulltune.memory.process import STEP
 
     sub, ss = stage_shape(shape, P, s), stage_settings(settings, P, s, shape.num_layers)
@@ -236,7 +236,7 @@ def _stage_estimate(shape: ModelShape, settings: Settings, P: int, s: int, sched
     peak = total + extra
     breakdown = {key: int(value) for key, value in parts.items() if key != "host"}
     breakdown["activations"] += int(extra)
-    overhead = _runtime_overhead(ss, peak, STEP, sub)
+    overhead = training_overhead(ss, peak, STEP, sub)
     breakdown["runtime_overhead"] = int(overhead)
     return StageEstimate(s, tuple(stage_layers(shape.num_layers, P)[s]), in_flight(schedule, s, P, M), int(peak),
                          int(peak + overhead), name, breakdown, int(receive))
@@ -269,9 +269,9 @@ def _single_micro_batch(sub: ModelShape, ss: Settings, first: bool, last: bool, 
     """One micro-batch's forward and backward through a stage, and the optimizer step: the phases, the
     micro-batch's saved activations, and the step's terms. With `ss.gradient_accumulation_steps` above 1 the
     stage's gradients exist from the start (an earlier micro-batch made them); at 1 they appear during its
-    backward. The single-process walk (`walk.walk` with `estimate.replicated`) on the stage's layers, with the
+    backward. The single-process walk (`walk.walk` with `replicated.replicated`) on the stage's layers, with the
     embedding on the first stage and the head on the last; the step's batch has `micro_batches` micro-batches."""
-    from fulltune.memory.estimate import replicated
+    from fulltune.memory.replicated import replicated
     from fulltune.memory.fsdp import persistent
     from fulltune.memory.timeline import step_terms
     from fulltune.memory.walk import walk

@@ -17,7 +17,7 @@ phase on CPU, where `budget.memory` is the process's resident memory (benchmarks
   processes for a run trained sharded: it is planned (per process) from the pipeline's `evaluate.*` settings in
   `memory/evaluation.py`, and the planner adds it to the plan's phases.
 
-The runtime overhead (`estimate._runtime_overhead`) is added to every phase; the load phase's is its own.
+The runtime overhead (`overhead.training_overhead`) is added to every phase; the load phase's is its own.
 
 Host RAM is planned per machine (`node_host_bytes`): the offloaded tensors of every process on it and, under
 FSDP, the export's gathered tensors (one file's on rank 0: the export streams, `export_host_bytes`). The
@@ -42,7 +42,7 @@ TRAINING_PHASES = (LOAD, FIRST_STEP, STEP, CHECKPOINT, EXPORT)
 # torch, transformers and accelerate imported (MLflow then too), the accelerator, the tokenizer and the rows set up,
 # transformers' loading machinery (benchmarks/process_memory.py: 522-528 MiB on 6.5M and 76M Llamas; the
 # constant keeps ~6% above the largest), plus the ~110 MiB more of the shared libraries' file pages a freshly
-# installed environment keeps resident (see CPU_PROCESS_BYTES in memory/estimate.py).
+# installed environment keeps resident (see CPU_PROCESS_BYTES in memory/overhead.py).
 # The most gathered weights rank 0 holds at once while exporting (fulltune/runtime/sharding.py `save_pretrained`):
 # one safetensors file's worth (a tensor larger than this is a file of its own). transformers' own
 # max_shard_size convention names the files.

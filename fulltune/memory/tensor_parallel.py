@@ -38,10 +38,10 @@ from dataclasses import dataclass, replace
 
 from fulltune.memory.activations import LayerBytes, ModelActivations, attention_bytes, compute_bytes, stream_bytes
 from fulltune.memory.errors import MemoryConfigError
-from fulltune.memory.fsdp import Units, shares
+from fulltune.memory.fsdp import Units
 from fulltune.memory.lever_bytes import lever_bytes
 from fulltune.memory.shapes import ModelShape
-from fulltune.memory.timeline import StepTerms, Timeline
+from fulltune.memory.timeline import StepTerms, Timeline, shares
 from fulltune.memory.types import Settings
 from fulltune.memory.walk import Layout
 

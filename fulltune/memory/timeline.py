@@ -63,10 +63,25 @@ class StepTerms:
         return 4 * self.t * self.shape.vocab
 
 
+@dataclass(frozen=True)
+class Shares:
+    """The fraction of the whole model's weights, gradients and optimizer states one process keeps."""
+
+    params: float
+    grads: float
+    states: float
+
+
+def shares(settings: Settings) -> Shares:
+    """FSDP shards all three over the processes (fulltune/memory/fsdp.py); DDP none."""
+    n = settings.num_processes
+    if settings.strategy == "fsdp":
+        return Shares(1.0 / n, 1.0 / n, 1.0 / n)
+    return Shares(1.0, 1.0, 1.0)
+
+
 def step_terms(shape: ModelShape, settings: Settings, act: Settings) -> StepTerms:
     """The shared numbers of a step of `settings`, whose activations are those of `act`."""
-    from fulltune.memory.fsdp import shares
-
     levers = lever_bytes(shape, settings)
     layer = layer_bytes(shape, act)
     c = compute_bytes(act)

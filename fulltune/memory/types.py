@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, get_args
+from typing import Any, get_args
 
 from fulltune import spec
 from fulltune.degrees import ParallelDims
 from fulltune.levers import LEVERS  # the lever table's names, in the order the planner tries them
 from fulltune.memory.errors import MemoryConfigError
-
-if TYPE_CHECKING:
-    from fulltune.memory.evaluation import EvalRequest
 
 # The choices are the spec's (fulltune/spec.py), defined once there.
 MIXED_PRECISIONS = get_args(spec.MixedPrecision)
@@ -207,6 +204,27 @@ class MemoryEstimate:
             "phases": {key: int(value) for key, value in self.phases.items()},
             "process_peak_phase": self.process_peak_phase or "training step",
         }
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """The evaluate stage as `evaluate.*` configures it: the batches are upper bounds the plan may lower.
+
+    `seq_len` is the longest eval row (data.max_length; 0: the training rows' length); `generate` whether exact
+    match generates (`evaluate.max_generate_examples` > 0 on prompt/completion data); `harness_batch_size` the
+    lm-evaluation-harness batch (None: no harness tasks), scored on requests of up to `harness_seq_len` tokens
+    (0: `seq_len`); `precision` `trained` or `fp32`; `processes` as `evaluate.processes` (auto, 1 or the
+    training's processes).
+    """
+
+    batch_size: int = 8
+    seq_len: int = 0
+    max_new_tokens: int = 32
+    generate: bool = True
+    harness_batch_size: int | None = None
+    harness_seq_len: int = 0
+    precision: str = "trained"
+    processes: int | str = "auto"
 
 
 @dataclass(frozen=True)

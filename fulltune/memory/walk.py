@@ -12,7 +12,7 @@ Every layout's step is this walk over `timeline.StepTerms`, driven by a `Layout`
   `tensor_parallel.py`) and the few tensors a layout adds to the forward and the embedding (tensor parallel's
   whole stream, its masked lookup).
 
-The descriptions live beside the code that knows each layout: `estimate.replicated`, `fsdp.fsdp_layout`,
+The descriptions live beside the code that knows each layout: `replicated.replicated`, `fsdp.fsdp_layout`,
 `tensor_parallel.tp_layout`, `pipeline` (a stage). A new parallelism is a new `Layout`, not a new walk.
 """
 
