@@ -333,37 +333,42 @@ class GatheredUnits:
     @property
     def root(self) -> int:
         """The root's weights (the final norm), gathered through the step."""
-        return self.weight_bytes * sum(_numel(p) for p in self.shape.other_params if len(p) == 1)
+        return self.weight_bytes * sum(p[0] for p in self.shape.other_params if len(p) == 1)
 
     @property
     def embedding(self) -> int:
         """The input embedding's weights on the first stage (0 on the others)."""
         tables = [p for p in self.shape.other_params if len(p) == 2]
-        return self.weight_bytes * _numel(tables[0]) if self.first and tables else 0
+        return self.weight_bytes * tables[0][0] * tables[0][1] if self.first and tables else 0
+
+    @property
+    def layer(self) -> int:
+        """One decoder layer's weights."""
+        return self.weight_bytes * self.shape.layer_numel
+
+    @property
+    def head(self) -> int:
+        """The output head's weights on the last stage (0 on the others)."""
+        return self.weight_bytes * self.shape.vocab * self.shape.hidden if self.last else 0
 
     def bytes_in(self, phase: str) -> int:
         """The units' gathered weights (beyond their shards) during `phase`."""
-        layer = self.weight_bytes * self.shape.layer_numel
-        head = self.weight_bytes * self.shape.vocab * self.shape.hidden if self.last else 0
         start, end = self.layers
         if phase == "forward":  # the stage's last layer computing; the head from an earlier micro-batch
-            return layer + (0 if self.fresh else head)
+            return self.layer + (0 if self.fresh else self.head)
         if phase.startswith("backward of layer "):  # this layer and the ones above, and the unit below prefetched
             i = int(phase.removeprefix("backward of layer "))
-            return (end - i) * layer + (layer if i > start else self.embedding) + head
+            return (end - i) * self.layer + (self.layer if i > start else self.embedding) + self.head
         if phase == "backward of the embeddings":
-            return (end - start) * layer + self.embedding
+            return (end - start) * self.layer + self.embedding
         if phase == "optimizer step":  # resharded after the step's last backward
             return 0
-        return head  # the head's forward and backward
+        return self.head  # the head's forward and backward
 
     def gather_bytes(self, phase: str) -> int:
         """The gathered weights while "backward of layer i" gathers layer i: the ones above and the head, and
         layer i twice (FSDP2's all-gather output and the weights it is copied into)."""
-        layer = self.weight_bytes * self.shape.layer_numel
-        head = self.weight_bytes * self.shape.vocab * self.shape.hidden if self.last else 0
-        return (self.layers[1] - int(phase.removeprefix("backward of layer ")) + 1) * layer + head
-
+        return (self.layers[1] - int(phase.removeprefix("backward of layer ")) + 1) * self.layer + self.head
 
 
 @dataclass
@@ -382,10 +387,3 @@ class StageTimeline(Timeline):
                         (unsharded[0] + self.units.gather_bytes(phase), unsharded[1]))
         super().add(phase, grads, acts, logits, temp, now, backward,
                     (unsharded[0] + self.units.bytes_in(phase), unsharded[1]))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
