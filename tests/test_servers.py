@@ -76,10 +76,12 @@ class Servers:
         return (self.root / f"{name}.log").read_text()[-4000:]
 
     def stop(self) -> None:
+        """The last started first, each gone before the next is told (a runner stops gracefully through the
+        Prefect API: stopped after the server, it retries an API that is gone)."""
         for process in reversed(self.processes):
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-        for process in self.processes:
+            if process.poll() is not None:
+                continue
+            os.killpg(process.pid, signal.SIGTERM)
             try:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
