@@ -273,8 +273,9 @@ def eval_config() -> Any:
                        num_attention_heads=4, max_position_embeddings=2 * LENGTH, pad_token_id=0, eos_token_id=1)
 
 
-def eval_assets(root: Path) -> dict[str, Any]:
-    """The base model (fp32), the fine-tuned model (its bf16 export), a word-level tokenizer and the rows."""
+def eval_assets(root: Path, rows: int = ROWS) -> dict[str, Any]:
+    """The base model (fp32), the fine-tuned model (its bf16 export), a word-level tokenizer and `rows` rows
+    (the configured fp32 batch of 32 needs `ROWS`; a planned batch needs only a full batch or two)."""
     import random
 
     import torch
@@ -292,13 +293,13 @@ def eval_assets(root: Path) -> dict[str, Any]:
         for item in tokenizer.iterdir():
             (root / name / item.name).write_bytes(item.read_bytes())
     rng = random.Random(0)
-    rows = []
-    for _ in range(ROWS):
+    made = []
+    for _ in range(rows):
         ids = [rng.randrange(2, VOCAB) for _ in range(LENGTH)]
-        rows.append({"input_ids": ids, "labels": [-100] * PROMPT + ids[PROMPT:], "position_ids": list(range(LENGTH)),
+        made.append({"input_ids": ids, "labels": [-100] * PROMPT + ids[PROMPT:], "position_ids": list(range(LENGTH)),
                      "prompt": " ".join(f"t{i}" for i in ids[:PROMPT]),
                      "completion": " ".join(f"t{i}" for i in ids[PROMPT:PROMPT + NEW_TOKENS])})
-    (root / "rows.json").write_text(json.dumps(rows))
+    (root / "rows.json").write_text(json.dumps(made))
     return {"root": str(root), "rows": str(root / "rows.json")}
 
 

@@ -124,8 +124,9 @@ def test_the_evaluate_stage_stays_inside_its_planned_phase_where_fp32_copies_exc
 
     budget = parse_bytes(memory_runs.BUDGET)
     assert memory_runs.evaluation_plan(None)["device_bytes"] > budget  # fp32 copies, the configured batch
-    assets = memory_runs.eval_assets(tmp_path)
+    # Two full planned loss batches (11 rows each) and every generated example: the peak of each phase.
+    assets = memory_runs.eval_assets(tmp_path, rows=2 * 11 + 2)
     measured = memory_runs.measure_evaluation(assets, memory_runs.BUDGET)
     planned = measured["evaluation"]
-    assert planned["dtype"] == "bf16" and planned["loss_batch"] < memory_runs.BATCH
+    assert planned["dtype"] == "bf16" and planned["loss_batch"] == 11 < memory_runs.BATCH
     assert measured["peak_rss"] <= planned["device_bytes"] <= 0.95 * budget, json.dumps(measured)
