@@ -4,8 +4,8 @@ another in this process (or in each process of a torchrun group), for tests/test
     python tests/lever_table_worker.py JOBS.json OUT.json
     torchrun --standalone --nproc_per_node 2 tests/lever_table_worker.py JOBS.json OUT.json
 
-JOBS.json: a list of TrainJob JSON texts. OUT.json (rank 0): one entry per job, {"losses": [...], "moved": bool}
-(the weights changed) or {"error": "..."}; a job that fails is recorded and the next one runs. Accelerate's
+JOBS.json: a list of TrainJob JSON texts. OUT.json (rank 0): one entry per job, {"losses": [...], "moved": bool,
+"schedule": the pipeline schedule's class or null} (the weights changed) or {"error": "..."}; a job that fails is recorded and the next one runs. Accelerate's
 state is process-wide, so it is reset between jobs (the process group stays).
 """
 
@@ -45,7 +45,8 @@ def train_briefly(job_text: str, steps: int = 2) -> dict:
         remove()  # the lever wrappers' gradient hooks
     if sharding.is_sharded(run.model):
         run.accelerator.wait_for_everyone()
-    return {"losses": losses, "moved": moved}
+    schedule = type(run.pipeline.schedule).__name__ if run.pipeline is not None else None
+    return {"losses": losses, "moved": moved, "schedule": schedule}
 
 
 def main() -> None:

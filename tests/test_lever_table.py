@@ -50,16 +50,26 @@ def batch_of(on: dict[str, bool], strategy: str) -> tuple[int, int]:
     return EFFECTIVE_BATCH // (processes // stages * accumulation), accumulation
 
 
+SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}  # torch.distributed.pipelining's classes
+
+
+def schedule_of(on: dict[str, bool]) -> str:
+    """The pipeline schedule a combination trains under: both schedules train, each for half of the lever sets
+    (GPipe where pure bf16 is on, 1F1B where it is off)."""
+    return "gpipe" if on["pure_bf16"] else "1f1b"
+
+
 def validate(on: dict[str, bool], optimizer: str, strategy: str) -> str | None:
     """None when the pipelines file validates; else the error message."""
     micro, accumulation = batch_of(on, strategy)
     name, processes, stages = layout_of(strategy)
+    schedule = {"pipeline_schedule": schedule_of(on)} if stages > 1 else {}
     raw = {"pipelines": {"t": {
         "model": {"name_or_path": "local/model"}, "data": {"train": "train.jsonl"}, "budget": {"device": "cpu"},
         "train": {"effective_batch_size": EFFECTIVE_BATCH, "micro_batch_size": micro,
                   "gradient_accumulation_steps": accumulation, "gradient_checkpointing": True,
                   "mixed_precision": "bf16", "optimizer": optimizer, **on},
-        "distributed": {"strategy": name, "num_processes": processes, "pipeline_parallel": stages}}}}
+        "distributed": {"strategy": name, "num_processes": processes, "pipeline_parallel": stages, **schedule}}}}
     try:
         validate_pipelines(raw)
     except ConfigError as exc:
@@ -82,7 +92,7 @@ def job_text(assets: dict[str, Path], on: dict[str, bool], optimizer: str, strat
                    micro_batch_size=micro, gradient_accumulation_steps=accumulation, gradient_checkpointing=2,
                    mixed_precision="bf16", optimizer=optimizer, strategy=name, num_processes=processes,
                    pipeline_parallel=stages, max_steps=2, checkpoint_every_steps=0, learning_rate=1e-2,
-                   warmup_ratio=0.0, **on)
+                   warmup_ratio=0.0, **({"pipeline_schedule": schedule_of(on)} if stages > 1 else {}), **on)
     return job.to_json()
 
 
@@ -133,6 +143,8 @@ def train_accepted(assets: dict[str, Path], accepted: dict[str, list]) -> list[s
                 failures.append(f"{label}: {result['error']}")
             elif not (all(loss == loss and loss < 1e4 for loss in result["losses"]) and result["moved"]):
                 failures.append(f"{label}: did not train: {result}")
+            elif layout_of(layout)[2] > 1 and result["schedule"] != SCHEDULES[schedule_of(on)]:
+                failures.append(f"{label}: trained under {result['schedule']}, not {schedule_of(on)}")
     return failures
 
 
@@ -185,7 +197,7 @@ def test_strategy_auto_is_not_decided_for_the_table() -> None:
 
 
 def test_every_lever_and_optimizer_with_two_pipeline_stages_is_refused_by_validate_or_trains(assets) -> None:
-    """With 2 stages (1F1B): the chunked head and pure bf16 with every optimizer (4-bit states with torchao); the
+    """With 2 stages (1F1B, and GPipe for the lever sets with pure bf16): the chunked head and pure bf16 with every optimizer (4-bit states with torchao); the
     step in backward and both offloads are refused, each naming its fields. The combinations beside data
     parallel are validated here and trained by the `heavy` test below (4 processes)."""
     accepted = accepted_by_validate(tuple(STAGED))
