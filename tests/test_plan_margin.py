@@ -143,10 +143,38 @@ def test_device_check_dry_run_writes_its_report(tmp_path):
     assert levers["measured_allocated"] < 0.8 * plain["measured_allocated"]
     assert levers["trace_peak"] == pytest.approx(levers["measured_allocated"], rel=0.02)
     assert report["mfu"]["tokens_per_second"] > 0
-    # The host-parameter case is GPU-only; the dry run plans it: the predicted step time and its assumed terms.
+    # The host-parameter case is GPU-only: each part ran in a child process of its own. The probes ran on CPU (the
+    # copy probe host→host; each variant's host optimizer for real), both variants were planned, with the settings
+    # they run, and their step loop ran on CPU at a tiny shape without offload, set against its plan term by term.
     offload = report["fsdp_offload"]
-    assert "skipped" in offload and offload["predicted_seconds_per_step"] > 0
-    assert {"compute_s", "pcie_s", "exposed_pcie_s", "host_step_s"} <= set(offload["predicted_terms"])
+    probes = offload["probes"]
+    assert "error" not in probes, probes.get("stderr_tail")
+    assert probes["copy"]["kind"].startswith("host→host") and probes["copy"]["host_to_device_bytes_per_s"] > 0
+    assert {(o["optimizer"], o["pure_bf16"]) for o in probes["host_optimizer"]} == {("adamw", False), ("adafactor", True)}
+    assert all(o["bytes_per_s"] > 0 and o["bytes_per_parameter"] > 0 for o in probes["host_optimizer"])
+    variants = {v["name"]: v for v in offload["variants"]}
+    assert set(variants) == {"adamw", "planner_levers"}
+    for v in variants.values():
+        assert "error" not in v and "skipped" in v and v["lever_problems"] == [], v.get("stderr_tail")
+        assert v["settings"]["offload_optimizer"] and v["settings"]["strategy"] == "fsdp" and v["settings"]["device"] == "cuda"
+        plan = v["plan"]
+        assert plan["predicted_seconds_per_step"] > 0 and plan["planned_host"] > 0 and plan["planned_pinned"] > 0
+        assert {"compute_s", "pcie_s", "exposed_pcie_s", "host_step_s"} <= set(plan["predicted_terms"])
+        assert {"PCIE_BYTES_PER_S", "HOST_OPTIMIZER_BYTES_PER_S", "OFFLOAD_OVERLAP"} <= set(plan["assumed"])
+        measured = v["dry_run"]["measured"]
+        assert measured["timed_steps"] >= 1 and len(measured["losses"]) == measured["timed_steps"] + 1
+        assert measured["forward_backward_s"] > 0 and measured["optimizer_s"] > 0 and measured["host_rss_increase"] > 0
+        terms = {c["term"]: c for c in v["dry_run"]["comparisons"]}
+        assert terms["step time"]["measured"] == measured["seconds_per_step"]
+        assert "OFFLOAD_OVERLAP, implied" in terms and "HOST_OPTIMIZER_BYTES_PER_S, implied by the step" in terms
+        assert any(term.startswith("HOST_OPTIMIZER_BYTES_PER_S, probe") for term in terms)
+    levers_run = variants["planner_levers"]
+    assert {k: levers_run["settings"][k] for k in ("optimizer", "pure_bf16", "chunked_loss", "gradient_checkpointing")} \
+        == {"optimizer": "adafactor", "pure_bf16": True, "chunked_loss": True, "gradient_checkpointing": 22}
+    assert levers_run["dry_run"]["measured"]["optimizer"] == "GatheredAdafactor"
+    assert levers_run["dry_run"]["measured"]["checkpointed_layers"] == 3
+    assert variants["adamw"]["settings"]["optimizer"] == "adamw" and variants["adamw"]["settings"]["gradient_checkpointing"] == 0
+    assert "Parameters in host RAM" in result.stdout and "OFFLOAD_OVERLAP, implied" in result.stdout
     assert report["fp16_loss_scaling"]["overflow_step_skipped_and_recovered"] is True
     # The evaluate stage ran at its planned batches (on CPU, the modelled peak only), and autotune measured each
     # candidate in a training child of its own.
