@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fulltune.memory.types import PlanRequest
-from fulltune.memory.units import format_bytes
+from fulltune.memory.units import format_bytes, format_seconds
 
 if TYPE_CHECKING:
     from fulltune.memory.shapes import ModelShape
@@ -64,31 +64,51 @@ def strategy_reasons(shape: ModelShape, request: PlanRequest, candidates: list[C
             continue
         if fits_budget(c, usable):
             verdict = "is slower" if c.seconds > chosen.seconds else "is no faster"
-            others.append(f"{name} {verdict} ({c.seconds:.3g} s/step)")
+            others.append(f"{name} {verdict} ({format_seconds(c.seconds, 's/step')})")
         else:
             others.append(f"{name} does not fit ({format_bytes(c.expected_bytes)} ± {format_bytes(c.uncertainty.bytes)})")
-    out = [f"strategy {s.strategy} (distributed.strategy auto): {chosen.seconds:.3g} s/step"
+    out = [f"strategy {s.strategy} (distributed.strategy auto): {format_seconds(chosen.seconds, 's/step')}"
            + ("; " + "; ".join(others) if others else "")]
     if host_parameters(s):
         none = best.get("none")
         need = f"; strategy none needs {format_bytes(none.expected_bytes)}" if none is not None else ""
         out.append(f"parameters in host RAM (FSDP2 CPU offload over one GPU): device "
                    f"{format_bytes(chosen.expected_bytes)}, host {format_bytes(chosen.estimate.host_bytes)}{need}")
-        out.append(step_terms(shape, s))
+        out.extend(step_terms(shape, s))
     return out
 
 
-def step_terms(shape: ModelShape, settings: object) -> str:
-    """The step-time terms of parameters in host RAM, each constant named as the assumption it is."""
+def step_terms(shape: ModelShape, settings: object) -> list[str]:
+    """The step time of parameters in host RAM as the sum of its terms, and each constant named as the
+    assumption it is (or the measured correction that scales them: fulltune/planning/autotune.py)."""
     from fulltune.planning import step_time as p
 
-    t = p.fsdp_offload_terms(shape, settings)  # type: ignore[arg-type]
-    return (f"step-time terms (assumed, not measured): compute {t['compute_s']:.3g} s at "
-            f"{p.FLOPS[('cuda', settings.mixed_precision)] / 1e12:.0f} TFLOP/s; PCIe {t['pcie_s']:.3g} s "  # type: ignore[attr-defined]
-            f"({format_bytes(int(t['pcie_bytes']))}: weights in for forward and backward, gradients out, per "
-            f"micro-batch, at {p.PCIE_BYTES_PER_S / 1e9:.0f} GB/s), of which {t['exposed_pcie_s']:.3g} s not "
-            f"hidden behind compute ({p.OFFLOAD_OVERLAP:.0%} overlap); host optimizer step {t['host_step_s']:.3g} s "
-            f"at {p.HOST_OPTIMIZER_BYTES_PER_S / 1e9:.3g} GB/s")
+    s = settings
+    t = p.fsdp_offload_terms(shape, s)  # type: ignore[arg-type]
+    penalty = p.OPTIMIZER_PENALTY[s.optimizer]  # type: ignore[attr-defined]
+    exposed_out = t["exposed_pcie_s"] - t["params_in_s"]
+    levers = {name: v for name, v in p.lever_seconds(shape, s).items() if name != "offload_optimizer"}  # type: ignore[arg-type]
+    total = t["compute_s"] * penalty + t["exposed_pcie_s"] + t["host_step_s"] + sum(levers.values())
+    moving = total - t["compute_s"] * (penalty - 1)  # the wall time: without the ranking penalty
+    tokens = s.micro_batch_size * s.gradient_accumulation_steps * s.seq_len  # type: ignore[attr-defined]
+    ranked = f" × {penalty:g} ({s.optimizer} converges slower: a ranking term)" if penalty != 1 else ""  # type: ignore[attr-defined]
+    correction = p.STEP_TIME_CORRECTION.get()
+    scale = correction(s) if correction is not None else None  # type: ignore[arg-type]
+    measured = (f"; the sum is then scaled by × {scale:.3g}, measured by autotune on this kind of device"
+                if scale is not None else "")
+    flops = p.FLOPS[("cuda", s.mixed_precision)]  # type: ignore[attr-defined]
+    return [f"step time {format_seconds(total)} = compute {format_seconds(t['compute_s'])}{ranked} + parameters in "
+            f"{format_seconds(t['params_in_s'])} (on the compute stream: one process's FSDP2 copies each unit in "
+            f"as it computes) + gradients out {format_seconds(max(0.0, exposed_out))} (of "
+            f"{format_seconds(t['grads_out_s'])}: the rest hidden behind compute) + host optimizer step "
+            f"{format_seconds(t['host_step_s'])}"
+            + "".join(f" + {name} {format_seconds(v)}" for name, v in levers.items())
+            + f"; about {tokens / moving:,.0f} tokens/s "
+            f"({format_bytes(int(t['pcie_bytes']))} over PCIe per step)",
+            f"step-time terms assumed, not measured{measured}: compute at {flops / 1e12:.0f} TFLOP/s, PCIe at "
+            f"{p.PCIE_BYTES_PER_S / 1e9:.0f} GB/s each way, {p.OFFLOAD_OVERLAP:.0%} of compute hides the gradient "
+            f"copies, the host optimizer at {p.HOST_OPTIMIZER_BYTES_PER_S / 1e9:.3g} GB/s "
+            f"(python -m benchmarks.device_check measures each)"]
 
 
 def host_parameter_suggestion(shape: ModelShape, request: PlanRequest) -> str | None:
@@ -110,4 +130,4 @@ def host_parameter_suggestion(shape: ModelShape, request: PlanRequest) -> str | 
     where = "parameters in host RAM (FSDP2 CPU offload)" if host_parameters(best.settings) else "FSDP over it"
     return (f"distributed.strategy: fsdp (or auto) on this one GPU would fit with {where}: device "
             f"{format_bytes(best.expected_bytes)}, host {format_bytes(best.estimate.host_bytes)}, "
-            f"{best.seconds:.3g} s/step")
+            f"{format_seconds(best.seconds, 's/step')}")
