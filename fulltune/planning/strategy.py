@@ -12,7 +12,7 @@ strategy without sharding, stays.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fulltune.memory.types import PlanRequest
 from fulltune.memory.units import format_bytes, format_seconds
@@ -78,19 +78,31 @@ def strategy_reasons(shape: ModelShape, request: PlanRequest, candidates: list[C
     return out
 
 
+def host_step(shape: ModelShape, settings: object) -> dict[str, Any]:
+    """A step with the parameters in host RAM, term by term (`step_time.fsdp_offload_terms`, the other levers'
+    seconds): `seconds` as the planner ranks it (the optimizer's penalty included, `step_seconds` without a
+    measured correction), `wall_s` without that penalty, and the `tokens_per_s` it predicts."""
+    from fulltune.planning import step_time as p
+
+    s = settings
+    t = p.fsdp_offload_terms(shape, s)  # type: ignore[arg-type]
+    penalty = p.OPTIMIZER_PENALTY[s.optimizer]  # type: ignore[attr-defined]
+    levers = {name: v for name, v in p.lever_seconds(shape, s).items() if name != "offload_optimizer"}  # type: ignore[arg-type]
+    wall = t["compute_s"] + t["exposed_pcie_s"] + t["host_step_s"] + sum(levers.values())
+    tokens = s.micro_batch_size * s.gradient_accumulation_steps * s.seq_len * s.num_processes  # type: ignore[attr-defined]
+    return {**t, "penalty": penalty, "levers": levers, "seconds": wall + t["compute_s"] * (penalty - 1),
+            "wall_s": wall, "tokens_per_s": tokens / wall}
+
+
 def step_terms(shape: ModelShape, settings: object) -> list[str]:
     """The step time of parameters in host RAM as the sum of its terms, and each constant named as the
     assumption it is (or the measured correction that scales them: fulltune/planning/autotune.py)."""
     from fulltune.planning import step_time as p
 
     s = settings
-    t = p.fsdp_offload_terms(shape, s)  # type: ignore[arg-type]
-    penalty = p.OPTIMIZER_PENALTY[s.optimizer]  # type: ignore[attr-defined]
+    t = host_step(shape, s)
+    penalty, levers, total = t["penalty"], t["levers"], t["seconds"]
     exposed_out = t["exposed_pcie_s"] - t["params_in_s"]
-    levers = {name: v for name, v in p.lever_seconds(shape, s).items() if name != "offload_optimizer"}  # type: ignore[arg-type]
-    total = t["compute_s"] * penalty + t["exposed_pcie_s"] + t["host_step_s"] + sum(levers.values())
-    moving = total - t["compute_s"] * (penalty - 1)  # the wall time: without the ranking penalty
-    tokens = s.micro_batch_size * s.gradient_accumulation_steps * s.seq_len  # type: ignore[attr-defined]
     ranked = f" × {penalty:g} ({s.optimizer} converges slower: a ranking term)" if penalty != 1 else ""  # type: ignore[attr-defined]
     correction = p.STEP_TIME_CORRECTION.get()
     scale = correction(s) if correction is not None else None  # type: ignore[arg-type]
@@ -103,7 +115,7 @@ def step_terms(shape: ModelShape, settings: object) -> list[str]:
             f"{format_seconds(t['grads_out_s'])}: the rest hidden behind compute) + host optimizer step "
             f"{format_seconds(t['host_step_s'])}"
             + "".join(f" + {name} {format_seconds(v)}" for name, v in levers.items())
-            + f"; about {tokens / moving:,.0f} tokens/s "
+            + f"; about {t['tokens_per_s']:,.0f} tokens/s "
             f"({format_bytes(int(t['pcie_bytes']))} over PCIe per step)",
             f"step-time terms assumed, not measured{measured}: compute at {flops / 1e12:.0f} TFLOP/s, PCIe at "
             f"{p.PCIE_BYTES_PER_S / 1e9:.0f} GB/s each way, {p.OFFLOAD_OVERLAP:.0%} of compute hides the gradient "
