@@ -65,7 +65,7 @@ def test_strategy_auto_keeps_the_parameters_on_one_gpu_where_they_fit():
     plan = plan_memory(LLAMA_8B, gpu_request(budget_bytes=80 * GiB, strategy="auto", effective_batch_size=1,
                                              seq_len=512))
     assert plan.fits and plan.settings.strategy == "none"
-    assert plan.to_dict()["plan"]["strategy"] == "none"
+    assert plan.to_dict()["plan"]["strategy"] == "none" and plan.to_dict()["plan"]["host_step"] is None
     assert any(r.startswith("strategy none (distributed.strategy auto)") for r in plan.reasons)
 
 
@@ -146,8 +146,15 @@ def test_parameters_in_host_ram_fit_70b_and_120b_on_one_gpu_with_a_step_time_tha
     assert s.micro_batch_size * s.gradient_accumulation_steps == 64
     assert plan.expected_bytes <= plan.usable_bytes and plan.plan_estimate.host_bytes <= host_gib * GiB
     terms = next(r for r in plan.reasons if r.startswith("step time "))
-    # The terms add up to the step time the plan ranks by.
+    # The terms add up to the step time the plan ranks by; `plan --json` carries them, with what is assumed.
     assert terms.startswith(f"step time {format_seconds(plan.estimated_step_seconds)} = compute ")
+    step = plan.to_dict()["plan"]["host_step"]
+    assert step["seconds"] == pytest.approx(plan.estimated_step_seconds)
+    assert step["wall_s"] == pytest.approx(step["compute_s"] + step["exposed_pcie_s"] + step["host_step_s"]
+                                           + sum(step["levers"].values()))
+    assert step["exposed_pcie_s"] >= step["params_in_s"] > 0  # one process: the parameter copies are not hidden
+    assert step["tokens_per_s"] == pytest.approx(64 * 4096 / step["wall_s"])
+    assert step["assumed"]["pcie_bytes_per_s"] == 25e9 and step["measured_correction"] is None
 
 
 def test_levers_fixed_off_are_never_turned_on():

@@ -90,8 +90,12 @@ def host_step(shape: ModelShape, settings: object) -> dict[str, Any]:
     levers = {name: v for name, v in p.lever_seconds(shape, s).items() if name != "offload_optimizer"}  # type: ignore[arg-type]
     wall = t["compute_s"] + t["exposed_pcie_s"] + t["host_step_s"] + sum(levers.values())
     tokens = s.micro_batch_size * s.gradient_accumulation_steps * s.seq_len * s.num_processes  # type: ignore[attr-defined]
+    correction = p.STEP_TIME_CORRECTION.get()
+    assumed = {"flops": p.FLOPS[("cuda", s.mixed_precision)], "pcie_bytes_per_s": p.PCIE_BYTES_PER_S,  # type: ignore[attr-defined]
+               "offload_overlap": p.OFFLOAD_OVERLAP, "host_optimizer_bytes_per_s": p.HOST_OPTIMIZER_BYTES_PER_S}
     return {**t, "penalty": penalty, "levers": levers, "seconds": wall + t["compute_s"] * (penalty - 1),
-            "wall_s": wall, "tokens_per_s": tokens / wall}
+            "wall_s": wall, "tokens_per_s": tokens / wall, "assumed": assumed,
+            "measured_correction": correction(s) if correction is not None else None}  # type: ignore[arg-type]
 
 
 def step_terms(shape: ModelShape, settings: object) -> list[str]:
@@ -104,8 +108,7 @@ def step_terms(shape: ModelShape, settings: object) -> list[str]:
     penalty, levers, total = t["penalty"], t["levers"], t["seconds"]
     exposed_out = t["exposed_pcie_s"] - t["params_in_s"]
     ranked = f" × {penalty:g} ({s.optimizer} converges slower: a ranking term)" if penalty != 1 else ""  # type: ignore[attr-defined]
-    correction = p.STEP_TIME_CORRECTION.get()
-    scale = correction(s) if correction is not None else None  # type: ignore[arg-type]
+    scale = t["measured_correction"]
     measured = (f"; the sum is then scaled by × {scale:.3g}, measured by autotune on this kind of device"
                 if scale is not None else "")
     flops = p.FLOPS[("cuda", s.mixed_precision)]  # type: ignore[attr-defined]
