@@ -65,7 +65,7 @@ def test_strategy_auto_keeps_the_parameters_on_one_gpu_where_they_fit():
     plan = plan_memory(LLAMA_8B, gpu_request(budget_bytes=80 * GiB, strategy="auto", effective_batch_size=1,
                                              seq_len=512))
     assert plan.fits and plan.settings.strategy == "none"
-    assert plan.to_dict()["plan"]["strategy"] == "none"
+    assert plan.to_dict()["plan"]["strategy"] == "none" and plan.to_dict()["plan"]["host_step"] is None
     assert any(r.startswith("strategy none (distributed.strategy auto)") for r in plan.reasons)
 
 
@@ -84,8 +84,77 @@ def test_strategy_auto_puts_the_parameters_in_host_ram_where_only_that_fits_one_
     assert plan.expected_bytes <= plan.usable_bytes and plan.plan_estimate.host_bytes <= 256 * GiB
     line = next(r for r in plan.reasons if r.startswith("parameters in host RAM (FSDP2 CPU offload over one GPU)"))
     assert "strategy none needs" in line
-    terms = next(r for r in plan.reasons if r.startswith("step-time terms (assumed, not measured)"))
-    assert "PCIe" in terms and "host optimizer step" in terms and "overlap" in terms
+    terms = next(r for r in plan.reasons if r.startswith("step time "))
+    assert "parameters in" in terms and "host optimizer step" in terms and "tokens/s" in terms
+    assumed = next(r for r in plan.reasons if r.startswith("step-time terms assumed, not measured"))
+    assert "PCIe at 25 GB/s" in assumed and "host optimizer at 1.5 GB/s" in assumed
+
+
+def test_one_process_copies_its_parameters_in_on_the_compute_stream():
+    """FSDP2 at world size 1 gathers on the compute stream: the parameter copies add to the step in full, only
+    the gradient copies hide behind compute; over several processes both hide (torch 2.13's FSDPParamGroup)."""
+    from fulltune.planning.step_time import OFFLOAD_OVERLAP, fsdp_offload_terms
+
+    shape = model_shape(LLAMA_8B)
+    one = Settings(micro_batch_size=2, seq_len=4096, device="cuda", mixed_precision="bf16", strategy="fsdp",
+                   num_processes=1, offload_optimizer=True, attention_mask=False)
+    t = fsdp_offload_terms(shape, one)
+    assert t["params_in_s"] == pytest.approx(2 * t["grads_out_s"])
+    assert t["pcie_bytes"] == 3 * 4 * shape.num_params  # fp32 shards: in twice, out once
+    assert t["exposed_pcie_s"] == pytest.approx(t["params_in_s"] + max(0.0, t["grads_out_s"] - OFFLOAD_OVERLAP * t["compute_s"]))
+    eight = fsdp_offload_terms(shape, replace(one, num_processes=8))
+    assert eight["exposed_pcie_s"] == pytest.approx(max(0.0, eight["pcie_s"] - OFFLOAD_OVERLAP * eight["compute_s"]))
+    assert eight["exposed_pcie_s"] < t["exposed_pcie_s"] / 8
+
+
+def test_one_process_under_cpu_offload_counts_the_parameter_it_stages_while_gathering():
+    """Each parameter comes in as an fp32 copy and its bf16 cast before the gathered unit holds it: the embedding
+    when it is gathered, the largest layer matrix while a layer is."""
+    one = Settings(micro_batch_size=1, seq_len=2048, device="cuda", mixed_precision="bf16", strategy="fsdp",
+                   num_processes=1, offload_optimizer=True, attention_mask=False, gradient_checkpointing=32)
+    from fulltune.memory.estimate import _estimate
+
+    shape = model_shape(LLAMA_8B)
+    staged, plain = [], []
+    _estimate(shape, one, staged)
+    _estimate(shape, replace(one, offload_optimizer=False), plain)
+    vh, layer = 128256 * 4096, 4096 * 14336  # the embedding; a layer's largest matrix (an MLP projection)
+    # The embedding's forward: the gathered bf16 embedding and the root (final norm), plus the embedding's fp32
+    # copy and bf16 cast being staged; without offload its fp32 shard is among the persistent parameters.
+    assert staged[0][0] == "forward" and staged[0][2]["parameters"] == 2 * vh + 2 * 4096 + 6 * vh + 4 * (128 // 2)
+    assert plain[0][2]["parameters"] > staged[0][2]["parameters"]
+    # A layer's backward, first phase: the layer gathered again, its largest matrix staged.
+    layer5 = [parts for name, _, parts in staged if name == "backward of layer 5"]
+    assert layer5[0]["parameters"] - layer5[1]["parameters"] == 6 * layer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("config", "budget_gib", "host_gib"), [
+    (LLAMA_70B, 80, 1024),  # Llama-3-70B, seq 4096 packed, effective batch 64, one 80 GiB GPU
+    (llama3(12288, 33792, 72, 96), 141, 1536),  # a 120B Llama shape on one 141 GiB GPU: MegaTrain's record
+])
+def test_parameters_in_host_ram_fit_70b_and_120b_on_one_gpu_with_a_step_time_that_adds_up(config, budget_gib,
+                                                                                          host_gib):
+    from fulltune.memory.units import format_seconds
+
+    request = PlanRequest(effective_batch_size=64, seq_len=4096, device="cuda", bf16_supported=True,
+                          budget_bytes=budget_gib * GiB, attention_mask=False, strategy="auto", num_processes=1,
+                          host_memory_bytes=host_gib * GiB)
+    plan = plan_memory(config, request)
+    s = plan.settings
+    assert plan.fits and (s.strategy, s.num_processes, s.offload_optimizer) == ("fsdp", 1, True)
+    assert s.micro_batch_size * s.gradient_accumulation_steps == 64
+    assert plan.expected_bytes <= plan.usable_bytes and plan.plan_estimate.host_bytes <= host_gib * GiB
+    terms = next(r for r in plan.reasons if r.startswith("step time "))
+    # The terms add up to the step time the plan ranks by; `plan --json` carries them, with what is assumed.
+    assert terms.startswith(f"step time {format_seconds(plan.estimated_step_seconds)} = compute ")
+    step = plan.to_dict()["plan"]["host_step"]
+    assert step["seconds"] == pytest.approx(plan.estimated_step_seconds)
+    assert step["wall_s"] == pytest.approx(step["compute_s"] + step["exposed_pcie_s"] + step["host_step_s"]
+                                           + sum(step["levers"].values()))
+    assert step["exposed_pcie_s"] >= step["params_in_s"] > 0  # one process: the parameter copies are not hidden
+    assert step["tokens_per_s"] == pytest.approx(64 * 4096 / step["wall_s"])
+    assert step["assumed"]["pcie_bytes_per_s"] == 25e9 and step["measured_correction"] is None
 
 
 def test_levers_fixed_off_are_never_turned_on():

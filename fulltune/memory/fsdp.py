@@ -58,6 +58,21 @@ def persistent(x: StepTerms) -> Persistent:
     )
 
 
+def staging_bytes(x: StepTerms) -> int:
+    """Bytes per gathered element that FSDP2 stages on the device while it gathers a unit under CPU offload over
+    one process (0 otherwise). At world size 1 torch 2.13's `FSDPParamGroup.wait_for_unshard` copies each
+    parameter in on the compute stream: `all_gather_inputs` moves the host shard to the device (its stored
+    dtype), casts it to the gathered dtype, and that is copied into the unit's buffer. So the unit's largest
+    parameter, in both dtypes, exists for a moment beside the gathered unit. Several processes copy their
+    shards into the all-gather buffer the walk already counts (`Units.copies`)."""
+    settings = x.settings
+    if not x.levers.sharded_offload or settings.num_processes != 1:
+        return 0
+    wb = x.levers.weight_bytes
+    gathered = 2 if settings.mixed_precision == "bf16" else wb
+    return wb + (gathered if gathered != wb else 0)
+
+
 class Units:
     """FSDP2's units on one rank (fulltune/runtime/sharding.py): where each unit's gradient goes and what the unit and
     the collectives hold, phase by phase (`walk.Gradients`).
@@ -90,20 +105,27 @@ class Units:
         self.done = x.grads_total if x.accumulating else 0
         self.waiting = 0  # a tied head's unsharded gradient, waiting for the embedding's
         self.kept_rs = 0  # the last unit's reduce-scatter buffer, kept until the next one
+        # Parameters staged while a unit is gathered (`staging_bytes`): counted in the phase of the gather or,
+        # where the walk has no phase of its own for it, the first phase after it (an upper bound there).
+        staged = staging_bytes(x)
+        self.staged_layer = staged * max((math.prod(p) for p in shape.layer_params), default=0)
+        self.staged_vh = staged * self.vh
 
     def gathered_embedding(self) -> int:
         """The input embedding's gathered weight and all-gather buffer in its forward (tied: the root's)."""
         pb, vh, root_g = self.pb, self.vh, self.root_g
-        return self.copies * pb * vh + root_g if not self.tied else self.copies * root_g
+        return (self.copies * pb * vh + root_g if not self.tied else self.copies * root_g) + self.staged_vh
 
     def gathered_last_layer(self) -> int:
         """The last layer gathered in its forward (the previous gather's buffer kept), the root gathered."""
-        return self.copies * self.pb * self.lay + self.root_g
+        return self.copies * self.pb * self.lay + self.root_g + self.staged_layer
 
     def in_head(self) -> int:
         """Gathered in the head's forward: untied, its weight and its all-gather buffer; tied, the root's."""
         pb = self.pb
-        return self.copies * pb * self.vh + self.root_g if not self.tied else self.root_g + (self.copies - 1) * pb * self.lay
+        if self.tied:
+            return self.root_g + (self.copies - 1) * pb * self.lay
+        return self.copies * pb * self.vh + self.root_g + self.staged_vh
 
     def kept_head(self) -> int:
         """Gathered in the loss, after the root's forward: only an untied head stays gathered."""
@@ -112,7 +134,7 @@ class Units:
     def gathered_head(self) -> int:
         """Gathered in the head's backward: its weight (tied: the root gathered again), the last layer's gather
         prefetched."""
-        return (self.pb * self.vh if not self.tied else self.root_g) + self._next_layer()
+        return (self.pb * self.vh if not self.tied else self.root_g + self.staged_vh) + self._next_layer()
 
     def _next_layer(self) -> int:
         return self.pb * self.lay if self.prefetching else 0
@@ -172,6 +194,7 @@ class Units:
         h, I = shape.hidden, shape.intermediate
         made = h * I if first else 2 * h * I + (I * h if shape.gated_mlp else 0)
         gathered = pb * self.lay + self._prefetch(i) + (self.root_g if self.tied else 0)
+        gathered += self.staged_layer if first else 0  # the layer was gathered again just before
         return {"grads": self.done, "temp": 0, "unsharded": (gathered, self.waiting + self.kept_rs + pb * made)}
 
     def finish(self, tl: Timeline, name: str, i: int, acts: int) -> None:
@@ -195,7 +218,7 @@ class Units:
             tl.add(name, self.done, acts, 0, self.post_backward(tl, root, list(shape.other_params)),
                    unsharded=(0, summed + rb * root))
         else:
-            tl.add(name, self.done, acts, 0, self.masked, unsharded=(pb * vh, self.kept_rs + pb * vh))
+            tl.add(name, self.done, acts, 0, self.masked, unsharded=(pb * vh + self.staged_vh, self.kept_rs + pb * vh))
             tl.add(name, self.done, acts, 0, self.post_backward(tl, vh, [(shape.vocab, shape.hidden)]) + self.masked,
                    unsharded=(0, pb * vh + rb * vh))
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from fulltune.memory.types import BREAKDOWN_KEYS, LEVERS, MemoryEstimate, MemoryPlan, Settings
-from fulltune.memory.units import format_bytes
+from fulltune.memory.units import format_bytes, format_seconds
 
 
 def _settings_line(plan: MemoryPlan) -> str:
@@ -90,12 +90,12 @@ def format_plan_table(plan: MemoryPlan) -> str:
         lines.append(f"logits: at most {share:.0%} of a row's positions have a target (from the data); the output "
                      f"head runs only there")
     if plan.estimated_step_seconds is not None:
-        lines.append(f"estimated step time (ranking model): {plan.estimated_step_seconds:.3g} s")
+        lines.append(f"estimated step time (ranking model): {format_seconds(plan.estimated_step_seconds)}")
     host = plan.plan_estimate.host_bytes
     if host:
         where = "inside the device total (a CPU device's memory is the host's)" if plan.device == "cpu" else \
             "besides the device memory"
-        lines.append(f"host RAM for the offloaded tensors: {format_bytes(host)}, {where}")
+        lines.append(f"host RAM for the offloaded tensors: {format_bytes(host)} per process, {where}")
     lines.extend(_data_host_lines(plan))
     if plan.reasons:
         lines.append("why:")

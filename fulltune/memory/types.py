@@ -357,6 +357,7 @@ class MemoryPlan:
     pipeline_parallel: dict[str, Any] | None = None  # what P pipeline stages would need (memory/pipeline.py)
     evaluation: dict[str, Any] | None = None  # the evaluate stage's plan (memory/evaluation.py EvalPlan.to_dict)
     data_host: dict[str, int] | None = None  # host RAM per machine for the training data (process.data_host_bytes)
+    host_step: dict[str, Any] | None = None  # parameters in host RAM: the step's terms (planning/strategy.host_step)
 
     @property
     def spare_bytes(self) -> int | None:
@@ -384,6 +385,7 @@ class MemoryPlan:
                 "estimated_step_seconds": self.estimated_step_seconds,
                 "host_bytes": int(self.plan_estimate.host_bytes),
                 "estimate": self.plan_estimate.to_dict(),
+                "host_step": self.host_step,
             },
             "alternatives": [dict(a) for a in self.alternatives],
             "reasons": list(self.reasons),

@@ -32,3 +32,16 @@ def format_bytes(n: int | float | None) -> str:
             digits = 2 if value < 10 else 1 if value < 100 else 0
             return f"{sign}{value:.{digits}f} {unit}"
     return f"{sign}{int(n)} B"
+
+
+def format_seconds(value: float | None, unit: str = "s") -> str:
+    """A duration: `0.5 s`, `12.3 s`, `780 s`, `1,270 s (21 min)`, `9,000 s (2.5 h)` (three significant digits,
+    whole seconds from 100, minutes or hours beside it from 1,000); `unit` "s/step" for a step's."""
+    if value is None:
+        return "-"
+    if value < 100:
+        return f"{value:.3g} {unit}"
+    if value < 1000:
+        return f"{value:.0f} {unit}"
+    beside = f"{value / 60:.0f} min" if value < 6000 else f"{value / 3600:.2g} h"
+    return f"{value:,.0f} {unit} ({beside})"

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from fulltune.memory.units import format_seconds
 from fulltune.runtime.faults import PROBE_ENV
 
 if TYPE_CHECKING:
@@ -531,8 +532,8 @@ def _choice(trials: list[Trial]) -> tuple[int | None, str]:
         reason = "the planned settings measured fastest among those that fit"
     else:
         t0, tc = trials[0], trials[chosen]
-        planned = f"{t0.measured_step_seconds:.3g} s" if t0.measured_step_seconds else t0.outcome
-        reason = (f"candidate {chosen} measured fastest among those that fit: {tc.measured_step_seconds:.3g} s/step "
+        planned = f"{format_seconds(t0.measured_step_seconds)}" if t0.measured_step_seconds else t0.outcome
+        reason = (f"candidate {chosen} measured fastest among those that fit: {format_seconds(tc.measured_step_seconds, 's/step')} "
                   f"against the planned settings' {planned}")
     return chosen, reason
 
@@ -566,10 +567,3 @@ def describe(settings: Settings) -> str:
              "fp32" if settings.mixed_precision == "no" else settings.mixed_precision, settings.optimizer]
     parts += [name for name, on in settings.levers().items() if on]
     return ", ".join(parts)
-
-
-def format_seconds(value: float | None) -> str:
-    """A duration as measured: `0.5 s`, `12.3 s`, `600 s` (three significant digits, whole seconds from 100)."""
-    if value is None:
-        return "-"
-    return f"{value:.0f} s" if value >= 100 else f"{value:.3g} s"

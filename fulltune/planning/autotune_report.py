@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fulltune.planning.autotune import describe, format_seconds
+from fulltune.memory.units import format_seconds
+from fulltune.planning.autotune import describe
 
 if TYPE_CHECKING:
     from fulltune.planning.autotune import Tuning

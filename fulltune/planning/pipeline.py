@@ -16,7 +16,7 @@ from fulltune.memory.pipeline import (SCHEDULE_NAMES, UNSUPPORTED_LEVERS, StageE
 from fulltune.memory.shapes import ModelShape, model_shape
 from fulltune.memory.types import PlanRequest, Settings
 from fulltune.memory.uncertainty import estimate_uncertainty
-from fulltune.memory.units import format_bytes
+from fulltune.memory.units import format_bytes, format_seconds
 from fulltune.planning.search import Candidate, divisors, fits_budget
 from fulltune.planning.step_time import pipeline_step_seconds
 
@@ -126,9 +126,9 @@ def _advice(shape: ModelShape, e: PipelineEstimate, checkpointing: int, fits: bo
             f"{e.micro_batch_size}, checkpointing {checkpointing} of {shape.num_layers} layers)")
     if fits:
         text = (f"{what} would fit at {format_bytes(worst.device_bytes)} on {where}, bubble {e.bubble:.0%}, "
-                f"step {e.step_seconds:.3g} s on {e.num_stages} devices")
+                f"step {format_seconds(e.step_seconds)} on {e.num_stages} devices")
         if plan_fits and plan_seconds is not None:
-            text += f" (the plan: {plan_seconds:.3g} s on one device per process, with its offload)"
+            text += f" (the plan: {format_seconds(plan_seconds)} on one device per process, with its offload)"
     else:
         text = (f"{what} would not fit either: {where} needs {format_bytes(worst.device_bytes)} "
                 f"(pipeline stages alone do not shard a stage's weights, gradients or optimizer states)")
@@ -154,14 +154,14 @@ def pipeline_reasons(shape: ModelShape, request: PlanRequest, candidates: list[C
     else:
         where = f"strategy {s.strategy} over {s.num_processes}" if s.num_processes > 1 else "one"
         head += f"no stages: {where} {device_word(s.device)}{'es' if s.device != 'cuda' and s.num_processes > 1 else ''}"
-        head += f"{'s' if s.device == 'cuda' and s.num_processes > 1 else ''}, {chosen.seconds:.3g} s/step"
+        head += f"{'s' if s.device == 'cuda' and s.num_processes > 1 else ''}, {format_seconds(chosen.seconds, 's/step')}"
     others = []
     for degree, c in sorted(best.items()):
         if degree == P:
             continue
         if fits_budget(c, usable):
             verdict = "is slower" if c.seconds > chosen.seconds else "is no faster"
-            others.append(f"{degree} {verdict} ({c.seconds:.3g} s/step)")
+            others.append(f"{degree} {verdict} ({format_seconds(c.seconds, 's/step')})")
         else:
             others.append(f"{degree} does not fit ({format_bytes(c.expected_bytes)} ± "
                           f"{format_bytes(c.uncertainty.bytes)} on its largest {'stage' if degree > 1 else 'process'})")
@@ -176,5 +176,5 @@ def _stages_text(shape: ModelShape, s: Settings, chosen: Candidate) -> str:
     peaks = ", ".join(format_bytes(stage.device_bytes) for stage in e.stages)
     return (f"{SCHEDULE_NAMES[e.schedule]}, {e.micro_batches} micro-batches of {e.micro_batch_size}; stage peaks "
             f"{peaks} (stage {e.worst.stage} the largest, {format_bytes(chosen.expected_bytes)} expected); bubble "
-            f"{e.bubble:.0%} of the micro-batch slots; point-to-point sends {e.p2p_seconds:.3g} s of "
-            f"{chosen.seconds:.3g} s/step")
+            f"{e.bubble:.0%} of the micro-batch slots; point-to-point sends {format_seconds(e.p2p_seconds)} of "
+            f"{format_seconds(chosen.seconds, 's/step')}")

@@ -34,7 +34,7 @@ from fulltune.planning.search import (Candidate, configured_for, configured_requ
                                       divisors, fits_budget, host_budget_for, make_candidate, per_process,
                                       staged_search)
 from fulltune.planning.step_time import step_seconds
-from fulltune.planning.strategy import strategy_reasons
+from fulltune.planning.strategy import host_parameters, host_step, strategy_reasons
 
 __all__ = ["configured_settings", "plan_memory", "replan_after_oom", "step_seconds", "trace_is_cheap"]
 
@@ -216,6 +216,7 @@ def _finish(
         uncertainty=chosen.uncertainty.to_dict(),
         expected_bytes=chosen.expected_bytes,
         pipeline_parallel=pipeline,
+        host_step=host_step(shape, chosen.settings) if host_parameters(chosen.settings) else None,
     )
 
 

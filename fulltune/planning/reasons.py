@@ -10,7 +10,7 @@ from typing import Any
 from fulltune.memory.estimate import _estimate
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import MemoryEstimate, PlanRequest, Settings
-from fulltune.memory.units import format_bytes
+from fulltune.memory.units import format_bytes, format_seconds
 from fulltune.planning.search import Candidate, device_word, fits_budget, staged_search, tensor_parallel_degrees
 from fulltune.planning.step_time import step_seconds, tensor_parallel_seconds
 from fulltune.planning.strategy import host_parameter_suggestion
@@ -58,12 +58,13 @@ def change_reasons(shape: ModelShape, configured: Settings, chosen: Candidate, u
     if s.mixed_precision != configured.mixed_precision:
         out.append(f"mixed precision {configured.mixed_precision} → {s.mixed_precision}")
     if s.optimizer != configured.optimizer:
-        before = _estimate(shape, replace(s, optimizer=configured.optimizer)).breakdown["optimizer_states"]
-        after = chosen.estimate.breakdown["optimizer_states"]
-        out.append(
-            f"optimizer {configured.optimizer} → {s.optimizer}: optimizer states "
-            f"{format_bytes(before)} → {format_bytes(after)}"
-        )
+        other = _estimate(shape, replace(s, optimizer=configured.optimizer))
+        if s.offload_optimizer:  # the states live in host RAM: what the host holds changes
+            where, before, after = "host RAM", other.host_bytes, chosen.estimate.host_bytes
+        else:
+            where = "optimizer states"
+            before, after = other.breakdown["optimizer_states"], chosen.estimate.breakdown["optimizer_states"]
+        out.append(f"optimizer {configured.optimizer} → {s.optimizer}: {where} {format_bytes(before)} → {format_bytes(after)}")
     out.extend(_lever_reasons(shape, configured, chosen))
     if s.gradient_checkpointing and s.gradient_checkpointing != configured.gradient_checkpointing:
         k = configured.gradient_checkpointing
@@ -106,9 +107,9 @@ def tensor_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates:
     if T > 1:
         traffic = collectives(shape, s)
         head = (f"tensor parallel {T} ({s.dims.dp} data-parallel × {T}, distributed.tensor_parallel auto): "
-                f"{format_bytes(chosen.expected_bytes)} per {device_word(s.device)}, {chosen.seconds:.3g} s/step, "
+                f"{format_bytes(chosen.expected_bytes)} per {device_word(s.device)}, {format_seconds(chosen.seconds, 's/step')}, "
                 f"of which "
-                f"{tensor_parallel_seconds(shape, s):.3g} s are its collectives ({format_bytes(int(traffic.bytes))} "
+                f"{format_seconds(tensor_parallel_seconds(shape, s))} are its collectives ({format_bytes(int(traffic.bytes))} "
                 f"per rank)")
     elif request.strategy != "fsdp":
         head = (f"tensor parallel 1 (distributed.tensor_parallel auto): tensor parallel runs under strategy fsdp, "
@@ -120,7 +121,7 @@ def tensor_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates:
         if degree == T:
             continue
         if fits_budget(c, usable):
-            others.append(f"{degree} is slower ({c.seconds:.3g} s/step)")
+            others.append(f"{degree} is slower ({format_seconds(c.seconds, 's/step')})")
         else:
             others.append(f"{degree} does not fit ({format_bytes(c.expected_bytes)} ± {format_bytes(c.uncertainty.bytes)})")
     _, refused = tensor_parallel_degrees(shape, request)
@@ -177,7 +178,7 @@ def _lever_reasons(shape: ModelShape, configured: Settings, chosen: Candidate) -
     for name, t in trade.items():
         if getattr(configured, name):
             continue
-        cost = f"+{t['seconds']:.3g} s/step" if t["seconds"] >= 0.0005 else "no measurable step time"
+        cost = f"+{format_seconds(t['seconds'], 's/step')}" if t["seconds"] >= 0.0005 else "no measurable step time"
         text = _pure_bf16_text(chosen.settings) if name == "pure_bf16" else _LEVER_TEXT[name]
         if name == "offload_optimizer" and chosen.settings.strategy == "fsdp":
             text = _FSDP_OFFLOAD_TEXT
@@ -271,7 +272,7 @@ def alternatives_for(candidates: list[Candidate], fitting: list[Candidate], chos
     """The plan's alternatives: the next four that fit (slower), then the three fastest that do not."""
     out = []
     for c in fitting[1:5]:
-        out.append(alternative_entry(c, f"slower: {c.seconds:.3g} s/step vs {chosen.seconds:.3g} s/step"))
+        out.append(alternative_entry(c, f"slower: {format_seconds(c.seconds, 's/step')} vs {format_seconds(chosen.seconds, 's/step')}"))
     over_budget = sorted((c for c in candidates if not fits_budget(c, usable) and c is not chosen),
                          key=lambda c: c.seconds)
     for c in over_budget[:3]:

@@ -69,8 +69,13 @@ PCIE_BYTES_PER_S = 25e9
 #   is in that range too), and bitsandbytes' 8-bit AdamW on a CPU is ~20× slower (its scalar fallback);
 HOST_OPTIMIZER_BYTES_PER_S = 1.5e9
 HOST_OPTIMIZER_SLOWDOWN = {"adamw": 1.0, "adamw_8bit": 20.0, "adamw_4bit": 1.0, "adafactor": 1.0}
-# - under FSDP's CPU offload the parameter and gradient copies of one unit overlap the compute of its neighbour
-#   (FSDP2 prefetches the next all-gather); assumed: 80% of the compute time hides copies, the rest is exposed;
+# - under FSDP's CPU offload over several processes the parameter and gradient copies of one unit overlap the
+#   compute of its neighbour (FSDP2 copies the shards in on its all-gather streams and prefetches the next unit;
+#   gradients go out on its reduce-scatter stream); assumed: 80% of the compute time hides copies, the rest is
+#   exposed. Over one process (parameters in host RAM on one GPU) FSDP2 skips its all-gather streams (torch 2.13
+#   `FSDPParamGroup.unshard` returns at world size 1, and `wait_for_unshard` copies each shard in on the compute
+#   stream), so the parameter copies are not hidden at all; the gradient copies still leave on the reduce-scatter
+#   stream and overlap as above;
 OFFLOAD_OVERLAP = 0.8
 # - tensor parallel's collectives run inside one machine (parallel.py puts a "tp" group on consecutive ranks):
 #   ~150 GB/s of all-gather / reduce-scatter bandwidth per GPU over NVLink (NCCL's bus bandwidth on A100/H100
@@ -182,20 +187,27 @@ def lever_seconds(shape: ModelShape, settings: Settings) -> dict[str, float]:
 
 def fsdp_offload_terms(shape: ModelShape, settings: Settings) -> dict[str, float]:
     """The step-time terms of FSDP2's CPU offload (`offload_optimizer` under fsdp), per rank; over one process
-    these are the parameters in host RAM. Each micro-batch copies every unit's parameter shard up for the
+    these are the parameters in host RAM. Each micro-batch copies every unit's parameter shard in for the
     forward's all-gather and again for the backward's (FSDP2 reshards after forward; a checkpointed layer
-    recomputes inside that backward unit, so recompute brings no third copy) and its gradient shard down:
-    3 × weight bytes × P / n over `PCIE_BYTES_PER_S`. The copies run on FSDP2's all-gather and reduce-scatter
-    streams while the previous unit computes (prefetch), so `OFFLOAD_OVERLAP` of the compute time hides them;
-    the host optimizer step waits for the last gradient and runs alone (`_lever_host_traffic` at
-    `HOST_OPTIMIZER_BYTES_PER_S`). Every constant is an assumption until benchmarks/device_check.py measures it."""
+    recomputes inside that backward unit, so recompute brings no third copy) and its gradient shard out:
+    2 + 1 × weight bytes × P / n over `PCIE_BYTES_PER_S` (`params_in_s`, `grads_out_s`). Over several processes
+    both run on FSDP2's side streams while the neighbouring unit computes, so `OFFLOAD_OVERLAP` of the compute
+    time hides them; over one process the parameter copies run on the compute stream (see `OFFLOAD_OVERLAP`) and
+    only the gradient copies can hide. The host optimizer step waits for the last gradient and runs alone
+    (`_lever_host_traffic` at `HOST_OPTIMIZER_BYTES_PER_S`). Every constant is an assumption until
+    benchmarks/device_check.py measures it."""
     weight = 2 if settings.pure_bf16 else 4
-    pcie = settings.gradient_accumulation_steps * 3 * weight * shape.num_params / settings.num_processes
-    pcie_s = pcie / PCIE_BYTES_PER_S
+    per_copy = settings.gradient_accumulation_steps * weight * shape.num_params / settings.num_processes
+    params_in_s, grads_out_s = 2 * per_copy / PCIE_BYTES_PER_S, per_copy / PCIE_BYTES_PER_S
     compute_s = compute_seconds(shape, settings)
+    hidden = OFFLOAD_OVERLAP * compute_s
+    if settings.num_processes == 1:  # the parameters come in on the compute stream
+        exposed = params_in_s + max(0.0, grads_out_s - hidden)
+    else:
+        exposed = max(0.0, params_in_s + grads_out_s - hidden)
     host = _lever_host_traffic(shape, settings) / HOST_OPTIMIZER_BYTES_PER_S
-    return {"compute_s": compute_s, "pcie_bytes": pcie, "pcie_s": pcie_s,
-            "exposed_pcie_s": max(0.0, pcie_s - OFFLOAD_OVERLAP * compute_s),
+    return {"compute_s": compute_s, "pcie_bytes": 3 * per_copy, "pcie_s": params_in_s + grads_out_s,
+            "params_in_s": params_in_s, "grads_out_s": grads_out_s, "exposed_pcie_s": exposed,
             "host_step_s": host * HOST_OPTIMIZER_SLOWDOWN[settings.optimizer]}
 
 

@@ -12,10 +12,10 @@ strategy without sharding, stays.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fulltune.memory.types import PlanRequest
-from fulltune.memory.units import format_bytes
+from fulltune.memory.units import format_bytes, format_seconds
 
 if TYPE_CHECKING:
     from fulltune.memory.shapes import ModelShape
@@ -64,31 +64,66 @@ def strategy_reasons(shape: ModelShape, request: PlanRequest, candidates: list[C
             continue
         if fits_budget(c, usable):
             verdict = "is slower" if c.seconds > chosen.seconds else "is no faster"
-            others.append(f"{name} {verdict} ({c.seconds:.3g} s/step)")
+            others.append(f"{name} {verdict} ({format_seconds(c.seconds, 's/step')})")
         else:
             others.append(f"{name} does not fit ({format_bytes(c.expected_bytes)} ± {format_bytes(c.uncertainty.bytes)})")
-    out = [f"strategy {s.strategy} (distributed.strategy auto): {chosen.seconds:.3g} s/step"
+    out = [f"strategy {s.strategy} (distributed.strategy auto): {format_seconds(chosen.seconds, 's/step')}"
            + ("; " + "; ".join(others) if others else "")]
     if host_parameters(s):
         none = best.get("none")
         need = f"; strategy none needs {format_bytes(none.expected_bytes)}" if none is not None else ""
         out.append(f"parameters in host RAM (FSDP2 CPU offload over one GPU): device "
                    f"{format_bytes(chosen.expected_bytes)}, host {format_bytes(chosen.estimate.host_bytes)}{need}")
-        out.append(step_terms(shape, s))
+        out.extend(step_terms(shape, s))
     return out
 
 
-def step_terms(shape: ModelShape, settings: object) -> str:
-    """The step-time terms of parameters in host RAM, each constant named as the assumption it is."""
+def host_step(shape: ModelShape, settings: object) -> dict[str, Any]:
+    """A step with the parameters in host RAM, term by term (`step_time.fsdp_offload_terms`, the other levers'
+    seconds): `seconds` as the planner ranks it (the optimizer's penalty included, `step_seconds` without a
+    measured correction), `wall_s` without that penalty, and the `tokens_per_s` it predicts."""
     from fulltune.planning import step_time as p
 
-    t = p.fsdp_offload_terms(shape, settings)  # type: ignore[arg-type]
-    return (f"step-time terms (assumed, not measured): compute {t['compute_s']:.3g} s at "
-            f"{p.FLOPS[('cuda', settings.mixed_precision)] / 1e12:.0f} TFLOP/s; PCIe {t['pcie_s']:.3g} s "  # type: ignore[attr-defined]
-            f"({format_bytes(int(t['pcie_bytes']))}: weights in for forward and backward, gradients out, per "
-            f"micro-batch, at {p.PCIE_BYTES_PER_S / 1e9:.0f} GB/s), of which {t['exposed_pcie_s']:.3g} s not "
-            f"hidden behind compute ({p.OFFLOAD_OVERLAP:.0%} overlap); host optimizer step {t['host_step_s']:.3g} s "
-            f"at {p.HOST_OPTIMIZER_BYTES_PER_S / 1e9:.3g} GB/s")
+    s = settings
+    t = p.fsdp_offload_terms(shape, s)  # type: ignore[arg-type]
+    penalty = p.OPTIMIZER_PENALTY[s.optimizer]  # type: ignore[attr-defined]
+    levers = {name: v for name, v in p.lever_seconds(shape, s).items() if name != "offload_optimizer"}  # type: ignore[arg-type]
+    wall = t["compute_s"] + t["exposed_pcie_s"] + t["host_step_s"] + sum(levers.values())
+    tokens = s.micro_batch_size * s.gradient_accumulation_steps * s.seq_len * s.num_processes  # type: ignore[attr-defined]
+    correction = p.STEP_TIME_CORRECTION.get()
+    assumed = {"flops": p.FLOPS[("cuda", s.mixed_precision)], "pcie_bytes_per_s": p.PCIE_BYTES_PER_S,  # type: ignore[attr-defined]
+               "offload_overlap": p.OFFLOAD_OVERLAP, "host_optimizer_bytes_per_s": p.HOST_OPTIMIZER_BYTES_PER_S}
+    return {**t, "penalty": penalty, "levers": levers, "seconds": wall + t["compute_s"] * (penalty - 1),
+            "wall_s": wall, "tokens_per_s": tokens / wall, "assumed": assumed,
+            "measured_correction": correction(s) if correction is not None else None}  # type: ignore[arg-type]
+
+
+def step_terms(shape: ModelShape, settings: object) -> list[str]:
+    """The step time of parameters in host RAM as the sum of its terms, and each constant named as the
+    assumption it is (or the measured correction that scales them: fulltune/planning/autotune.py)."""
+    from fulltune.planning import step_time as p
+
+    s = settings
+    t = host_step(shape, s)
+    penalty, levers, total = t["penalty"], t["levers"], t["seconds"]
+    exposed_out = t["exposed_pcie_s"] - t["params_in_s"]
+    ranked = f" × {penalty:g} ({s.optimizer} converges slower: a ranking term)" if penalty != 1 else ""  # type: ignore[attr-defined]
+    scale = t["measured_correction"]
+    measured = (f"; the sum is then scaled by × {scale:.3g}, measured by autotune on this kind of device"
+                if scale is not None else "")
+    flops = p.FLOPS[("cuda", s.mixed_precision)]  # type: ignore[attr-defined]
+    return [f"step time {format_seconds(total)} = compute {format_seconds(t['compute_s'])}{ranked} + parameters in "
+            f"{format_seconds(t['params_in_s'])} (on the compute stream: one process's FSDP2 copies each unit in "
+            f"as it computes) + gradients out {format_seconds(max(0.0, exposed_out))} (of "
+            f"{format_seconds(t['grads_out_s'])}: the rest hidden behind compute) + host optimizer step "
+            f"{format_seconds(t['host_step_s'])}"
+            + "".join(f" + {name} {format_seconds(v)}" for name, v in levers.items())
+            + f"; about {t['tokens_per_s']:,.0f} tokens/s "
+            f"({format_bytes(int(t['pcie_bytes']))} over PCIe per step)",
+            f"step-time terms assumed, not measured{measured}: compute at {flops / 1e12:.0f} TFLOP/s, PCIe at "
+            f"{p.PCIE_BYTES_PER_S / 1e9:.0f} GB/s each way, {p.OFFLOAD_OVERLAP:.0%} of compute hides the gradient "
+            f"copies, the host optimizer at {p.HOST_OPTIMIZER_BYTES_PER_S / 1e9:.3g} GB/s "
+            f"(python -m benchmarks.device_check measures each)"]
 
 
 def host_parameter_suggestion(shape: ModelShape, request: PlanRequest) -> str | None:
@@ -110,4 +145,4 @@ def host_parameter_suggestion(shape: ModelShape, request: PlanRequest) -> str | 
     where = "parameters in host RAM (FSDP2 CPU offload)" if host_parameters(best.settings) else "FSDP over it"
     return (f"distributed.strategy: fsdp (or auto) on this one GPU would fit with {where}: device "
             f"{format_bytes(best.expected_bytes)}, host {format_bytes(best.estimate.host_bytes)}, "
-            f"{best.seconds:.3g} s/step")
+            f"{format_seconds(best.seconds, 's/step')}")

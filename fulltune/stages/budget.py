@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fulltune.errors import BudgetError, ConfigError
+from fulltune.memory.units import format_seconds
 from fulltune.planning.autotune import (AUTO_RATIO, AUTOTUNE_DIR, CHILD_START_SECONDS, Options, analytic_step_seconds,
                                         calibrated, candidates, hardware, options, planned_settings, tune)
 from fulltune.planning.autotune_report import format_table, render_png
@@ -327,8 +328,8 @@ def choose_packing(p: ResolvedPipeline, tokenizer: str) -> tuple[bool, str]:
     epochs = {False: _epoch_seconds(p, tokenizer, False, len(lengths), _padded_length(lengths, p), labels),
               True: _epoch_seconds(p, tokenizer, True, rows, spec.max_length, labels)}
     pack = epochs[True] < epochs[False]
-    return pack, (f"{'packed rows' if pack else 'one example per row'}: predicted epoch {epochs[True]:.3g} s "
-                  f"packed, {epochs[False]:.3g} s one example per row")
+    return pack, (f"{'packed rows' if pack else 'one example per row'}: predicted epoch {format_seconds(epochs[True])} "
+                  f"packed, {format_seconds(epochs[False])} one example per row")
 
 
 def _device_present(device: str) -> bool:
