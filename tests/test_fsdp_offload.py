@@ -7,7 +7,7 @@ loading refuses a CPU device before reading anything), and the memory model (no 
 every rank's shards in host RAM, a machine's host RAM counts all its ranks and rank 0's export). The CUDA
 step itself is benchmarks/device_check.py's host-parameter case (`fsdp_offload_case`), which
 `python -m benchmarks.device_check --out device_check.json` runs with the other GPU checks, each variant in a
-child process of its own; one alone: `python -m benchmarks.device_check --host-params adamw --out adamw.json`.
+child process of its own; one alone: `python -m benchmarks.host_params_check adamw --out adamw.json`.
 """
 
 from __future__ import annotations
