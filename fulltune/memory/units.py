@@ -35,10 +35,15 @@ def format_bytes(n: int | float | None) -> str:
 
 
 def format_seconds(value: float | None, unit: str = "s") -> str:
-    """A duration: `0.5 s`, `12.3 s`, `780 s`, `1,270 s (21 min)`, `9,000 s (2.5 h)` (three significant digits,
-    whole seconds from 100, minutes or hours beside it from 1,000); `unit` "s/step" for a step's."""
+    """A duration: `85.8 µs`, `12.5 ms`, `0.5 s`, `12.3 s`, `780 s`, `1,270 s (21 min)`, `9,000 s (2.5 h)` (three
+    significant digits, whole seconds from 100, minutes or hours beside it from 1,000); `unit` "s/step" for a
+    step's."""
     if value is None:
         return "-"
+    if 0 < abs(value) < 1e-3:  # a tiny model's step on the ranking model: microseconds, not 8.58e-05 s
+        return f"{value * 1e6:.3g} µ{unit}"
+    if 0 < abs(value) < 0.1:
+        return f"{value * 1e3:.3g} m{unit}"
     if value < 100:
         return f"{value:.3g} {unit}"
     if value < 1000:

@@ -444,8 +444,6 @@ def _stages_problem(shape: ModelShape, request: PlanRequest, degree: int) -> str
     """Why `degree` pipeline stages over the request's processes cannot train (None: they can)."""
     if degree < request.num_processes and request.strategy == "none":
         return "strategy none: every process is a stage (data parallel beside the stages needs ddp or fsdp)"
-    if degree < request.num_processes and request.strategy == "auto":
-        return "strategy auto: data parallel beside the stages needs a fixed strategy, ddp or fsdp"
     if degree > shape.num_layers:
         return f"{degree} stages need a decoder layer each; the model has {shape.num_layers}"
     if shape.tied:
@@ -460,7 +458,8 @@ def _stages_problem(shape: ModelShape, request: PlanRequest, degree: int) -> str
 
 
 def as_pipeline(request: PlanRequest, degree: int) -> PlanRequest:
-    """The request with `degree` pipeline stages: the request's own strategy for 1 and for stages under ddp or
-    fsdp (data parallel over each stage's processes), strategy none for stages under none or auto."""
-    alone = degree > 1 and request.strategy in ("none", "auto")
+    """The request with `degree` pipeline stages: the request's own strategy for 1 and for stages with data
+    parallel beside them (ddp, fsdp, or auto: the search then tries both over each stage's processes), strategy
+    none where every process is a stage."""
+    alone = degree > 1 and (request.strategy == "none" or degree == request.num_processes)
     return replace(request, pipeline_parallel=degree, strategy="none" if alone else request.strategy)
