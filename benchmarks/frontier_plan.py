@@ -27,7 +27,7 @@ from fulltune.memory.evaluation import EvalRequest
 from fulltune.memory.process import node_host_bytes
 from fulltune.memory.shapes import model_shape
 from fulltune.planning import plan_memory
-from fulltune.planning.strategy import host_step
+from fulltune.planning.step_time import host_step
 
 GiB = 2**30
 # name: (hidden, intermediate, layers, heads, kv heads) — Llama-3.2 1B/3B, Llama-3.1 8B, a 13B-class and

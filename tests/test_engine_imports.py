@@ -142,8 +142,6 @@ CIRCLES_ALLOWED: dict[frozenset[str], str] = {
         "the sharded load applies the tensor-parallel plan, which shards with FSDP over its dp mesh",
     frozenset({"fulltune.evaluation.champion", "fulltune.evaluation.evaluate", "fulltune.evaluation.sharded"}):
         "the evaluate stage compares with the champion and runs sharded candidates, both reusing its metrics",
-    frozenset({"fulltune.planning.reasons", "fulltune.planning.search", "fulltune.planning.strategy"}):
-        "`strategy: auto` ranks the search's candidates with the reasons' ordering",
     frozenset({"fulltune.stages", "fulltune.stages.budget", "fulltune.stages.tokenize"}):
         "`data.packing: auto` is decided by the budget stage's planning while tokenizing",
     frozenset({"fulltune.runtime.step_checkpoints", "fulltune.runtime.train", "fulltune.runtime.train_metrics"}):

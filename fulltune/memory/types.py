@@ -357,7 +357,7 @@ class MemoryPlan:
     pipeline_parallel: dict[str, Any] | None = None  # what P pipeline stages would need (memory/pipeline.py)
     evaluation: dict[str, Any] | None = None  # the evaluate stage's plan (memory/evaluation.py EvalPlan.to_dict)
     data_host: dict[str, int] | None = None  # host RAM per machine for the training data (process.data_host_bytes)
-    host_step: dict[str, Any] | None = None  # parameters in host RAM: the step's terms (planning/strategy.host_step)
+    host_step: dict[str, Any] | None = None  # parameters in host RAM: the step's terms (planning/step_time.host_step)
 
     @property
     def spare_bytes(self) -> int | None:

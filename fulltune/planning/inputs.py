@@ -8,7 +8,7 @@ and `describe_settings` its one line for people.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fulltune import levers

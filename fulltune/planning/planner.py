@@ -29,12 +29,12 @@ from fulltune.memory.uncertainty import Uncertainty, traced_uncertainty
 from fulltune.memory.units import format_bytes
 from fulltune.planning.pipeline import needs_advice, pipeline_advice, pipeline_reasons
 from fulltune.planning.reasons import (alternatives_for, change_reasons, configured_reason, describe, host_reasons,
-                                       suggestions_for, tensor_parallel_reasons)
+                                       strategy_reasons, suggestions_for, tensor_parallel_reasons)
 from fulltune.planning.search import (Candidate, configured_for, configured_request, configured_settings,
                                       divisors, fits_budget, host_budget_for, make_candidate, per_process,
                                       staged_search)
-from fulltune.planning.step_time import step_seconds
-from fulltune.planning.strategy import host_parameters, host_step, strategy_reasons
+from fulltune.planning.step_time import host_step, step_seconds
+from fulltune.planning.strategy import host_parameters
 
 __all__ = ["configured_settings", "plan_memory", "replan_after_oom", "step_seconds", "trace_is_cheap"]
 

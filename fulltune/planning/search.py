@@ -463,3 +463,16 @@ def as_pipeline(request: PlanRequest, degree: int) -> PlanRequest:
     none where every process is a stage."""
     alone = degree > 1 and (request.strategy == "none" or degree == request.num_processes)
     return replace(request, pipeline_parallel=degree, strategy="none" if alone else request.strategy)
+
+
+def best_by(candidates: list[Candidate], key: Any, usable: int) -> dict[Any, Candidate]:
+    """Each `key(candidate)`'s best candidate: the fastest that fits, else the smallest."""
+    def rank(c: Candidate) -> tuple[bool, float]:
+        fits = fits_budget(c, usable)
+        return not fits, c.seconds if fits else c.planned_bytes
+
+    best: dict[Any, Candidate] = {}
+    for c in candidates:
+        if key(c) not in best or rank(c) < rank(best[key(c)]):
+            best[key(c)] = c
+    return best
