@@ -27,7 +27,8 @@ def evaluate_task(p: ResolvedPipeline, key: str, data: TokenizedData, trained: T
     """fulltune.evaluation.evaluate.evaluate_candidates in the plan's `evaluation` (dtype, fitted batches, placement), with
     its metrics in MLflow, the report on disk and as an artifact."""
     from fulltune.evaluation.evaluate import Candidates, evaluate_candidates
-    from fulltune.tracking.registry import comparison_tags, log_metrics, set_run_tags
+    from fulltune.tracking.gates import comparison_tags
+    from fulltune.tracking.registry import log_metrics, set_run_tags
 
     logger = get_run_logger()
     candidates = Candidates(eval_file=data.eval_file, base_model=trained.base_model, model_dir=trained.model_dir,

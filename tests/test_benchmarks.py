@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from fulltune.cli import main
-from fulltune.tracking.registry import decide_gates
+from fulltune.tracking.gates import decide_gates
 from fulltune.spec import PromoteIf
 
 from conftest import ROOT
@@ -145,7 +145,7 @@ def test_a_metric_the_evaluation_did_not_produce_never_promotes():
 
 
 def test_gate_tags_hold_each_condition_and_the_decision():
-    from fulltune.tracking.registry import gate_tags
+    from fulltune.tracking.gates import gate_tags
 
     decision = decide_gates({"eval_loss": 0.9, "t/acc": 0.2}, {"eval_loss": 1.0, "t/acc": 0.5}, None,
                             gates({"metric": "eval_loss"}, {"metric": "t/acc", "mode": "max", "max_regression": 0.1}),

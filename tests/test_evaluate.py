@@ -15,7 +15,7 @@ from fulltune.errors import ConfigError
 from fulltune.evaluation.champion import champion_rows, measure_champion, tokenize_records
 from fulltune.evaluation.evaluate import (NOT_COMPARED, PER_BYTE, REFUSED, SAME_TOKENS, EvalOptions, EvalReport,
                                           ModelMetrics, evaluate_model)
-from fulltune.tracking.registry import decide_promotion
+from fulltune.tracking.gates import decide_promotion
 from fulltune.models import load_tokenizer
 from fulltune.spec import DataSpec
 from tests.tiny import make_model, make_tokenizer

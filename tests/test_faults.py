@@ -208,7 +208,7 @@ def test_a_failed_registration_leaves_no_version_and_no_copy_of_the_model(tmp_pa
     the weights may stay behind, or every retry (Prefect makes two) adds another full copy."""
     from mlflow.tracking import MlflowClient
 
-    from fulltune.tracking import registry
+    from fulltune.tracking import gates, registry
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     registry.configure(tmp_path)
@@ -221,7 +221,7 @@ def test_a_failed_registration_leaves_no_version_and_no_copy_of_the_model(tmp_pa
     monkeypatch.setattr(MlflowClient, "set_registered_model_alias", unreachable)
     with pytest.raises(ConnectionError):
         registry.register_model(model, "tiny", run, {registry.TAG_TRAIN_KEY: "k"}, {"eval_loss": 1.0},
-                                registry.GateDecision(True, "no champion yet"))
+                                gates.GateDecision(True, "no champion yet"))
     assert MlflowClient().search_model_versions("name='tiny'") == []
     assert not list(tmp_path.glob("mlartifacts/**/model.safetensors"))
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from fulltune.tracking import registry
-from fulltune.tracking.registry import GateDecision, decide_promotion
+from fulltune.tracking import gates, registry
+from fulltune.tracking.gates import GateDecision, decide_promotion
 from fulltune.spec import PromoteIf
 
 from tiny import make_model, make_tokenizer
@@ -61,10 +61,10 @@ def test_gate_fails_a_condition_on_a_nan_or_missing_value_on_either_side(side, v
     # The metric form (must beat the champion, and the base model).
     scores = {"candidate": GOOD, "champion": {"eval_loss": 2.0, "fmt": 0.5}, "base": {"eval_loss": 3.0, "fmt": 0.5},
               **values}
-    decision = registry.decide_gates(scores["candidate"], scores["champion"], scores["base"],
+    decision = gates.decide_gates(scores["candidate"], scores["champion"], scores["base"],
                                      [_gate(metric="eval_loss")], True)
     assert not decision.promote
-    tag = registry.gate_tags(decision)["fulltune.gate.eval_loss"]
+    tag = gates.gate_tags(decision)["fulltune.gate.eval_loss"]
     assert tag.startswith("failed: ") and side in tag and ("missing" in tag or "not finite" in tag)
 
 
@@ -76,27 +76,27 @@ def test_gate_fails_a_condition_on_a_nan_or_missing_value_on_either_side(side, v
 ])
 def test_a_guard_holds_against_no_nan_or_missing_reference(side, champion, base):
     # `fmt 0 within max_regression 0.0 of the base model's nan` used to promote.
-    decision = registry.decide_gates({"eval_loss": 1.0, "fmt": 0.0}, champion, base,
+    decision = gates.decide_gates({"eval_loss": 1.0, "fmt": 0.0}, champion, base,
                                      [_gate(metric="fmt", mode="max", max_regression=0.0)], True)
     assert not decision.promote
-    tag = registry.gate_tags(decision)["fulltune.gate.fmt"]
+    tag = gates.gate_tags(decision)["fulltune.gate.fmt"]
     assert tag.startswith("failed: ") and side in tag and "max_regression 0.0" in tag
 
 
 @pytest.mark.parametrize("champion", [{"eval_loss": 2.0, "fmt": NAN}, {"eval_loss": 2.0}])
 def test_a_list_of_conditions_fails_on_the_one_with_a_nan_or_missing_value(champion):
-    gates = [_gate(metric="eval_loss"), _gate(metric="fmt", mode="max", max_regression=0.1)]
-    decision = registry.decide_gates({"eval_loss": 1.0, "fmt": 0.5}, champion, {"eval_loss": 3.0, "fmt": 0.5},
-                                     gates, True)
+    conditions = [_gate(metric="eval_loss"), _gate(metric="fmt", mode="max", max_regression=0.1)]
+    decision = gates.decide_gates({"eval_loss": 1.0, "fmt": 0.5}, champion, {"eval_loss": 3.0, "fmt": 0.5},
+                                  conditions, True)
     assert not decision.promote
-    tags = registry.gate_tags(decision)
+    tags = gates.gate_tags(decision)
     assert tags["fulltune.gate.eval_loss"].startswith("passed: ")
     assert tags["fulltune.gate.fmt"].startswith("failed: fmt 0.5: the champion's fmt is")
     assert tags["fulltune.gate"] == tags["fulltune.gate.fmt"].removeprefix("failed: ")
 
 
 def test_a_guard_with_finite_values_on_both_sides_still_passes():
-    decision = registry.decide_gates({"eval_loss": 1.0, "fmt": 0.45}, {"eval_loss": 2.0, "fmt": 0.5}, None,
+    decision = gates.decide_gates({"eval_loss": 1.0, "fmt": 0.45}, {"eval_loss": 2.0, "fmt": 0.5}, None,
                                      [_gate(metric="eval_loss"), _gate(metric="fmt", mode="max", max_regression=0.1)],
                                      True)
     assert decision.promote

@@ -54,8 +54,8 @@ STAGE_CODE = {
     # A run trained sharded evaluates sharded, in children the training's launch path starts (evaluation/sharded.py).
     EVALUATE: ("evaluation", "runtime/loss.py", "runtime/launch.py", "runtime/sharding.py", "runtime/parallel.py",
                "runtime/checkpointing.py", "memory/head.py", "data", "models.py", "hub.py", "degrees.py", "storage.py",
-               "tracking/registry.py"),
-    REGISTER: ("tracking/registry.py", "evaluation/evaluate.py"),
+               "tracking/registry.py", "tracking/gates.py"),
+    REGISTER: ("tracking/registry.py", "tracking/gates.py", "evaluation/evaluate.py"),
 }
 
 
