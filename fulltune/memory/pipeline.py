@@ -155,7 +155,8 @@ def stage_memory_estimate(shape: ModelShape, settings: Settings) -> MemoryEstima
     dp = one.num_processes
     beside = f", per rank of its {dp} {one.strategy.upper()} processes" if dp > 1 and one.strategy != "none" else ""
     note = (f"pipeline stage {worst.stage} of {settings.pipeline_parallel} (layers {first}–{last - 1}, "
-            f"{worst.in_flight} micro-batches in flight{beside}) is the largest: its peak is the device figure")
+            f"{worst.in_flight} micro-batch{'es' if worst.in_flight != 1 else ''} in flight{beside}) is the largest: "
+            f"its peak is the device figure")
     return MemoryEstimate(worst.peak_bytes, worst.device_bytes, dict(worst.breakdown),
                           f"stage {worst.stage}: {worst.peak_phase}", notes=(note,),
                           step_device_bytes=worst.device_bytes, phases={"training step": worst.device_bytes},

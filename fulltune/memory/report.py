@@ -106,8 +106,10 @@ def format_plan_table(plan: MemoryPlan) -> str:
     if plan.pipeline_parallel:
         lines.append(plan.pipeline_parallel["advice"])
     lines.extend(_alternative_lines(plan))
-    for note in dict.fromkeys(plan.configured_estimate.notes + plan.plan_estimate.notes):
-        lines.append(f"note: {note}")
+    configured, planned = plan.configured_estimate.notes, plan.plan_estimate.notes
+    for note in dict.fromkeys(configured + planned):  # a note of one of the two says whose it is
+        whose = "" if note in configured and note in planned else " (plan)" if note in planned else " (configured)"
+        lines.append(f"note{whose}: {note}")
     return "\n".join(lines)
 
 
