@@ -22,12 +22,11 @@ import argparse
 import transformers
 
 from fulltune.memory import PlanRequest, format_bytes
-from fulltune.memory.units import format_seconds
 from fulltune.memory.evaluation import EvalRequest
 from fulltune.memory.process import node_host_bytes
 from fulltune.memory.shapes import model_shape
+from fulltune.memory.units import format_seconds
 from fulltune.planning import plan_memory
-from fulltune.planning.step_time import host_step
 
 GiB = 2**30
 # name: (hidden, intermediate, layers, heads, kv heads) — Llama-3.2 1B/3B, Llama-3.1 8B, a 13B-class and
@@ -122,7 +121,7 @@ def host_parameter_rows() -> list[str]:
                               budget_bytes=budget, attention_mask=False, strategy="auto", host_memory_bytes=host,
                               evaluation=EVALUATION)
         plan = plan_memory(shape, request)
-        step = host_step(model_shape(shape), plan.settings)  # the wall time's terms, without a ranking penalty
+        step = plan.host_step  # the plan's step terms: the wall time and tokens/s, without the ranking penalty
         lines.append(f"{row(name, plan, shape)} {plan.settings.strategy} | {format_seconds(step['wall_s'])} | "
                      f"{step['tokens_per_s']:.0f} |")
     return lines

@@ -529,7 +529,8 @@ def host_param_comparisons(plan: dict[str, Any], measured: dict[str, Any], setti
         add("HOST_OPTIMIZER_BYTES_PER_S, implied by the step", rate, predicted_host * rate / host_step, "B/s",
             "host_step_s's bytes (with its slowdown factor) over the measured optimizer step")
     for probe in (probes or {}).get("host_optimizer") or []:
-        if "error" not in probe and (probe["optimizer"], probe["pure_bf16"]) == (settings["optimizer"], settings["pure_bf16"]):
+        same = (probe.get("optimizer"), probe.get("pure_bf16")) == (settings["optimizer"], settings["pure_bf16"])
+        if "error" not in probe and same:
             add(f"HOST_OPTIMIZER_BYTES_PER_S, probe ({probe['implementation']})", rate, probe["bytes_per_s"], "B/s",
                 f"{probe['parameters'] / 1e6:.3g}M {probe['dtype']} parameters on {probe['cpu_threads']} CPU threads")
     add("clip: gradient norm over the shards", None, measured["clip_s"], "s", "not in the step-time model")
@@ -622,7 +623,8 @@ def _measured_lines(plan: dict[str, Any], m: dict[str, Any]) -> list[str]:
         f"{format_bytes(m['host_rss_lifetime_peak'])}",
         f"    step {m['seconds_per_step']:.3g} s vs predicted {predicted:.3g} s "
         f"({_error(predicted, m['seconds_per_step'])}): forward+backward {m['forward_backward_s']:.3g} s, clip "
-        f"{m['clip_s']:.3g} s, optimizer {m['optimizer_s']:.3g} s; shards pinned: {m['shards_pinned']}; losses {_losses(m)}"]
+        f"{m['clip_s']:.3g} s, optimizer {m['optimizer_s']:.3g} s; shards pinned: {m['shards_pinned']}; "
+        f"losses {_losses(m)}"]
 
 
 def _planned_lines(v: dict[str, Any]) -> list[str]:
@@ -690,14 +692,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("part", choices=(HOST_PARAM_PROBES, *HOST_PARAM_VARIANTS))
     parser.add_argument("--out", required=True, help="where to write the part's JSON")
-    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: checks the script, measures nothing")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="tiny shapes on CPU: checks the script, measures nothing")
     parser.add_argument("--steps", type=int, default=2, help="timed steps, after one warm-up step")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         report = host_params_child(args.part, args.dry_run, args.steps)
     except Exception as exc:  # reported to the parent in the JSON it reads
-        report = {"name": args.part, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
+        report = {"name": args.part, "error": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc(limit=8)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")

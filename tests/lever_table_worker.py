@@ -4,9 +4,10 @@ another in this process (or in each process of a torchrun group), for tests/test
     python tests/lever_table_worker.py JOBS.json OUT.json
     torchrun --standalone --nproc_per_node 2 tests/lever_table_worker.py JOBS.json OUT.json
 
-JOBS.json: a list of TrainJob JSON texts. OUT.json (rank 0): one entry per job, {"losses": [...], "moved": bool,
-"schedule": the pipeline schedule's class or null} (the weights changed) or {"error": "..."}; a job that fails is recorded and the next one runs. Accelerate's
-state is process-wide, so it is reset between jobs (the process group stays).
+JOBS.json: a list of TrainJob JSON texts. OUT.json (rank 0): one entry per job, {"losses": [...], "moved": bool
+(the weights changed), "schedule": the pipeline schedule's class or null} or {"error": "..."}; a job that fails
+is recorded and the next one runs. Accelerate's state is process-wide, so it is reset between jobs (the process
+group stays).
 """
 
 from __future__ import annotations

@@ -197,8 +197,9 @@ def test_strategy_auto_is_not_decided_for_the_table() -> None:
 
 
 def test_every_lever_and_optimizer_with_two_pipeline_stages_is_refused_by_validate_or_trains(assets) -> None:
-    """With 2 stages (1F1B, and GPipe for the lever sets with pure bf16): the chunked head and pure bf16 with every optimizer (4-bit states with torchao); the
-    step in backward and both offloads are refused, each naming its fields. The combinations beside data
+    """With 2 stages (1F1B, and GPipe for the lever sets with pure bf16): the chunked head and pure bf16 with every
+    optimizer (4-bit states with torchao); the step in backward and both offloads are refused, each naming its
+    fields. The combinations beside data
     parallel are validated here and trained by the `heavy` test below (4 processes)."""
     accepted = accepted_by_validate(tuple(STAGED))
     optimizers = 3 + optim.torchao_available()

@@ -532,9 +532,9 @@ def _choice(trials: list[Trial]) -> tuple[int | None, str]:
         reason = "the planned settings measured fastest among those that fit"
     else:
         t0, tc = trials[0], trials[chosen]
-        planned = f"{format_seconds(t0.measured_step_seconds)}" if t0.measured_step_seconds else t0.outcome
-        reason = (f"candidate {chosen} measured fastest among those that fit: {format_seconds(tc.measured_step_seconds, 's/step')} "
-                  f"against the planned settings' {planned}")
+        planned = format_seconds(t0.measured_step_seconds) if t0.measured_step_seconds else t0.outcome
+        reason = (f"candidate {chosen} measured fastest among those that fit: "
+                  f"{format_seconds(tc.measured_step_seconds, 's/step')} against the planned settings' {planned}")
     return chosen, reason
 
 

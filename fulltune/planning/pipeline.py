@@ -154,7 +154,8 @@ def pipeline_reasons(shape: ModelShape, request: PlanRequest, candidates: list[C
     else:
         where = f"strategy {s.strategy} over {s.num_processes}" if s.num_processes > 1 else "one"
         head += f"no stages: {where} {device_word(s.device)}{'es' if s.device != 'cuda' and s.num_processes > 1 else ''}"
-        head += f"{'s' if s.device == 'cuda' and s.num_processes > 1 else ''}, {format_seconds(chosen.seconds, 's/step')}"
+        head += (f"{'s' if s.device == 'cuda' and s.num_processes > 1 else ''}, "
+                 f"{format_seconds(chosen.seconds, 's/step')}")
     others = []
     for degree, c in sorted(best.items()):
         if degree == P:

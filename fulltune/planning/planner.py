@@ -184,7 +184,9 @@ def _finish(
     ]
     reasons.append(configured_reason(configured, configured_estimate, usable))
     reasons.extend(change_reasons(shape, configured, chosen, usable))
-    reasons.extend(strategy_reasons(shape, request, candidates, chosen, usable))
+    # Where the parameters live in host RAM: the step's terms, for the reasons and `plan --json`.
+    host = host_step(shape, chosen.settings) if host_parameters(chosen.settings) else None
+    reasons.extend(strategy_reasons(request, candidates, chosen, usable, host))
     reasons.extend(tensor_parallel_reasons(shape, replace(request, strategy=chosen.settings.strategy), candidates,
                                             chosen, usable))
     reasons.extend(pipeline_reasons(shape, request, candidates, chosen, usable))
@@ -216,7 +218,7 @@ def _finish(
         uncertainty=chosen.uncertainty.to_dict(),
         expected_bytes=chosen.expected_bytes,
         pipeline_parallel=pipeline,
-        host_step=host_step(shape, chosen.settings) if host_parameters(chosen.settings) else None,
+        host_step=host,
     )
 
 

@@ -65,7 +65,8 @@ def change_reasons(shape: ModelShape, configured: Settings, chosen: Candidate, u
         else:
             where = "optimizer states"
             before, after = other.breakdown["optimizer_states"], chosen.estimate.breakdown["optimizer_states"]
-        out.append(f"optimizer {configured.optimizer} → {s.optimizer}: {where} {format_bytes(before)} → {format_bytes(after)}")
+        out.append(f"optimizer {configured.optimizer} → {s.optimizer}: {where} {format_bytes(before)} → "
+                   f"{format_bytes(after)}")
     out.extend(_lever_reasons(shape, configured, chosen))
     if s.gradient_checkpointing and s.gradient_checkpointing != configured.gradient_checkpointing:
         k = configured.gradient_checkpointing
@@ -95,10 +96,10 @@ def tensor_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates:
     if T > 1:
         traffic = collectives(shape, s)
         head = (f"tensor parallel {T} ({s.dims.dp} data-parallel × {T}, distributed.tensor_parallel auto): "
-                f"{format_bytes(chosen.expected_bytes)} per {device_word(s.device)}, {format_seconds(chosen.seconds, 's/step')}, "
-                f"of which "
-                f"{format_seconds(tensor_parallel_seconds(shape, s))} are its collectives ({format_bytes(int(traffic.bytes))} "
-                f"per rank)")
+                f"{format_bytes(chosen.expected_bytes)} per {device_word(s.device)}, "
+                f"{format_seconds(chosen.seconds, 's/step')}, of which "
+                f"{format_seconds(tensor_parallel_seconds(shape, s))} are its collectives "
+                f"({format_bytes(int(traffic.bytes))} per rank)")
     elif request.strategy != "fsdp":
         head = (f"tensor parallel 1 (distributed.tensor_parallel auto): tensor parallel runs under strategy fsdp, "
                 f"this pipeline's is {request.strategy}")
@@ -260,7 +261,8 @@ def alternatives_for(candidates: list[Candidate], fitting: list[Candidate], chos
     """The plan's alternatives: the next four that fit (slower), then the three fastest that do not."""
     out = []
     for c in fitting[1:5]:
-        out.append(alternative_entry(c, f"slower: {format_seconds(c.seconds, 's/step')} vs {format_seconds(chosen.seconds, 's/step')}"))
+        out.append(alternative_entry(c, f"slower: {format_seconds(c.seconds, 's/step')} vs "
+                                        f"{format_seconds(chosen.seconds, 's/step')}"))
     over_budget = sorted((c for c in candidates if not fits_budget(c, usable) and c is not chosen),
                          key=lambda c: c.seconds)
     for c in over_budget[:3]:
@@ -269,10 +271,11 @@ def alternatives_for(candidates: list[Candidate], fitting: list[Candidate], chos
     return out
 
 
-def strategy_reasons(shape: ModelShape, request: PlanRequest, candidates: list[Candidate], chosen: Candidate,
-                     usable: int) -> list[str]:
+def strategy_reasons(request: PlanRequest, candidates: list[Candidate], chosen: Candidate, usable: int,
+                     host: dict[str, Any] | None) -> list[str]:
     """With strategy auto: the strategy chosen and each other one's best candidate; where the parameters live
-    in host RAM, that line with its device and host bytes, what `none` needs and the step-time terms."""
+    in host RAM (`host`: `step_time.host_step` of the chosen settings), that line with its device and host
+    bytes, what `none` needs and the step-time terms."""
     if request.strategy != "auto":
         return []
     best = best_by(candidates, lambda c: c.settings.strategy, usable)
@@ -288,41 +291,36 @@ def strategy_reasons(shape: ModelShape, request: PlanRequest, candidates: list[C
             others.append(f"{name} does not fit ({format_bytes(c.expected_bytes)} ± {format_bytes(c.uncertainty.bytes)})")
     out = [f"strategy {s.strategy} (distributed.strategy auto): {format_seconds(chosen.seconds, 's/step')}"
            + ("; " + "; ".join(others) if others else "")]
-    if host_parameters(s):
+    if host is not None:
         none = best.get("none")
         need = f"; strategy none needs {format_bytes(none.expected_bytes)}" if none is not None else ""
         out.append(f"parameters in host RAM (FSDP2 CPU offload over one GPU): device "
                    f"{format_bytes(chosen.expected_bytes)}, host {format_bytes(chosen.estimate.host_bytes)}{need}")
-        out.extend(step_terms(shape, s))
+        out.extend(step_terms(host, s))
     return out
 
 
-def step_terms(shape: ModelShape, settings: object) -> list[str]:
-    """The step time of parameters in host RAM as the sum of its terms, and each constant named as the
-    assumption it is (or the measured correction that scales them: fulltune/planning/autotune.py)."""
-    from fulltune.planning import step_time as p
-
-    s = settings
-    t = p.host_step(shape, s)
-    penalty, levers, total = t["penalty"], t["levers"], t["seconds"]
+def step_terms(t: dict[str, Any], settings: Settings) -> list[str]:
+    """The step time of parameters in host RAM (`t`: `step_time.host_step`) as the sum of its terms, and each
+    constant named as the assumption it is (or the measured correction that scales them:
+    fulltune/planning/autotune.py)."""
+    penalty, assumed, scale = t["penalty"], t["assumed"], t["measured_correction"]
     exposed_out = t["exposed_pcie_s"] - t["params_in_s"]
-    ranked = f" × {penalty:g} ({s.optimizer} converges slower: a ranking term)" if penalty != 1 else ""  # type: ignore[attr-defined]
-    scale = t["measured_correction"]
+    ranked = f" × {penalty:g} ({settings.optimizer} converges slower: a ranking term)" if penalty != 1 else ""
     measured = (f"; the sum is then scaled by × {scale:.3g}, measured by autotune on this kind of device"
                 if scale is not None else "")
-    flops = p.FLOPS[("cuda", s.mixed_precision)]  # type: ignore[attr-defined]
-    return [f"step time {format_seconds(total)} = compute {format_seconds(t['compute_s'])}{ranked} + parameters in "
-            f"{format_seconds(t['params_in_s'])} (on the compute stream: one process's FSDP2 copies each unit in "
-            f"as it computes) + gradients out {format_seconds(max(0.0, exposed_out))} (of "
+    return [f"step time {format_seconds(t['seconds'])} = compute {format_seconds(t['compute_s'])}{ranked} + "
+            f"parameters in {format_seconds(t['params_in_s'])} (on the compute stream: one process's FSDP2 copies "
+            f"each unit in as it computes) + gradients out {format_seconds(max(0.0, exposed_out))} (of "
             f"{format_seconds(t['grads_out_s'])}: the rest hidden behind compute) + host optimizer step "
             f"{format_seconds(t['host_step_s'])}"
-            + "".join(f" + {name} {format_seconds(v)}" for name, v in levers.items())
+            + "".join(f" + {name} {format_seconds(v)}" for name, v in t["levers"].items())
             + f"; about {t['tokens_per_s']:,.0f} tokens/s "
             f"({format_bytes(int(t['pcie_bytes']))} over PCIe per step)",
-            f"step-time terms assumed, not measured{measured}: compute at {flops / 1e12:.0f} TFLOP/s, PCIe at "
-            f"{p.PCIE_BYTES_PER_S / 1e9:.0f} GB/s each way, {p.OFFLOAD_OVERLAP:.0%} of compute hides the gradient "
-            f"copies, the host optimizer at {p.HOST_OPTIMIZER_BYTES_PER_S / 1e9:.3g} GB/s "
-            f"(python -m benchmarks.device_check measures each)"]
+            f"step-time terms assumed, not measured{measured}: compute at {assumed['flops'] / 1e12:.0f} TFLOP/s, "
+            f"PCIe at {assumed['pcie_bytes_per_s'] / 1e9:.0f} GB/s each way, {assumed['offload_overlap']:.0%} of "
+            f"compute hides the gradient copies, the host optimizer at "
+            f"{assumed['host_optimizer_bytes_per_s'] / 1e9:.3g} GB/s (python -m benchmarks.device_check measures each)"]
 
 
 def host_parameter_suggestion(shape: ModelShape, request: PlanRequest) -> str | None:

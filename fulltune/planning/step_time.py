@@ -255,19 +255,20 @@ def pipeline_step_seconds(shape: ModelShape, settings: Settings, num_stages: int
     return slots * (max(per_micro_batch) + send) + max(optimizer), slots * send
 
 
-def host_step(shape: ModelShape, settings: object) -> dict[str, Any]:
-    """A step with the parameters in host RAM, term by term (`step_time.fsdp_offload_terms`, the other levers'
-    seconds): `seconds` as the planner ranks it (the optimizer's penalty included, `step_seconds` without a
-    measured correction), `wall_s` without that penalty, and the `tokens_per_s` it predicts."""
+def host_step(shape: ModelShape, settings: Settings) -> dict[str, Any]:
+    """A step with the parameters in host RAM, term by term (`fsdp_offload_terms`, the other levers' seconds):
+    `seconds` as the planner ranks it (the optimizer's penalty included, `step_seconds` without a measured
+    correction), `wall_s` without that penalty, the `tokens_per_s` it predicts, the `assumed` constants and the
+    `measured_correction` autotune set, if any."""
     s = settings
-    t = fsdp_offload_terms(shape, s)  # type: ignore[arg-type]
-    penalty = OPTIMIZER_PENALTY[s.optimizer]  # type: ignore[attr-defined]
-    levers = {name: v for name, v in lever_seconds(shape, s).items() if name != "offload_optimizer"}  # type: ignore[arg-type]
+    t = fsdp_offload_terms(shape, s)
+    penalty = OPTIMIZER_PENALTY[s.optimizer]
+    levers = {name: v for name, v in lever_seconds(shape, s).items() if name != "offload_optimizer"}
     wall = t["compute_s"] + t["exposed_pcie_s"] + t["host_step_s"] + sum(levers.values())
-    tokens = s.micro_batch_size * s.gradient_accumulation_steps * s.seq_len * s.num_processes  # type: ignore[attr-defined]
+    tokens = s.micro_batch_size * s.gradient_accumulation_steps * s.seq_len * s.num_processes
     correction = STEP_TIME_CORRECTION.get()
-    assumed = {"flops": FLOPS[("cuda", s.mixed_precision)], "pcie_bytes_per_s": PCIE_BYTES_PER_S,  # type: ignore[attr-defined]
+    assumed = {"flops": FLOPS[("cuda", s.mixed_precision)], "pcie_bytes_per_s": PCIE_BYTES_PER_S,
                "offload_overlap": OFFLOAD_OVERLAP, "host_optimizer_bytes_per_s": HOST_OPTIMIZER_BYTES_PER_S}
     return {**t, "penalty": penalty, "levers": levers, "seconds": wall + t["compute_s"] * (penalty - 1),
             "wall_s": wall, "tokens_per_s": tokens / wall, "assumed": assumed,
-            "measured_correction": correction(s) if correction is not None else None}  # type: ignore[arg-type]
+            "measured_correction": correction(s) if correction is not None else None}
