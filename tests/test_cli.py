@@ -204,3 +204,18 @@ def test_a_full_disk_outside_the_stages_is_one_line_and_exit_2(tmp_path, capsys,
     monkeypatch.setitem(cli.COMMANDS, "run", no_space)
     assert main(["run", "tiny", "-f", str(path)]) == 2
     assert f"while writing {tmp_path / 'work' / 'mlflow.db'}" in capsys.readouterr().err
+
+
+def test_a_key_written_twice_exits_2_naming_it_before_anything_runs(tmp_path, capsys):
+    # YAML would keep the second `train:` only: the run trained at another learning rate and batch than written.
+    path = tiny_pipeline(tmp_path)
+    text = path.read_text().replace("    evaluate:\n", "    train:\n      learning_rate: 2.0e-5\n    evaluate:\n", 1)
+    path.write_text(text)
+    for command in (["validate", str(path)], ["run", "tiny", "-f", str(path)], ["plan", "tiny", "-f", str(path)]):
+        assert main(command) == 2
+        assert "pipelines.tiny.train appears twice in one mapping (first at line" in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()
+    # Two pipelines of one name are the same mistake one level up.
+    path.write_text(text.replace("pipelines:\n", "pipelines:\n  tiny: {model: {name_or_path: x}, data: {train: y}}\n"))
+    assert main(["validate", str(path)]) == 2
+    assert "pipelines.tiny appears twice" in capsys.readouterr().err
