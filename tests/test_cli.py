@@ -219,3 +219,13 @@ def test_a_key_written_twice_exits_2_naming_it_before_anything_runs(tmp_path, ca
     path.write_text(text.replace("pipelines:\n", "pipelines:\n  tiny: {model: {name_or_path: x}, data: {train: y}}\n"))
     assert main(["validate", str(path)]) == 2
     assert "pipelines.tiny appears twice" in capsys.readouterr().err
+
+
+def test_plan_json_prints_the_plan_when_nothing_fits(tmp_path, capsys):
+    path = tiny_pipeline(tmp_path, budget={"device": "cpu", "memory": "10MiB"})
+    assert main(["plan", "tiny", "-f", str(path), "--json"]) == 2
+    out, err = capsys.readouterr()
+    plan = json.loads(out)  # the whole of stdout is the plan object
+    assert plan["fits"] is False and plan["budget_bytes"] == 10 * 2**20
+    assert plan["suggestions"][0].startswith("a budget of ") and plan["estimate"]["breakdown"]["parameters"] > 0
+    assert "no configuration fits the budget" in err

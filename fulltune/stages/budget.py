@@ -116,10 +116,10 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None, 
         picture.parent.mkdir(parents=True, exist_ok=True)
         render_breakdown_png(plan, picture)
     if not as_json["fits"]:
-        raise BudgetError(f"pipelines.{p.name}.budget.memory: no configuration fits the budget\n{table}")
+        raise BudgetError(f"pipelines.{p.name}.budget.memory: no configuration fits the budget\n{table}", as_json)
     if p.spec.budget.on_overflow == "fail" and plan.configured_estimate.device_bytes > budget.usable_bytes:
         raise BudgetError(f"pipelines.{p.name}.budget.on_overflow is 'fail' and the configured settings do not fit\n"
-                          f"{table}")
+                          f"{table}", as_json)
     return BudgetDecision(plan.settings, as_json, table, seq_len, int(config.num_hidden_layers),
                           str(picture) if picture is not None else None, tokenizer_vocab, target_fraction)
 
