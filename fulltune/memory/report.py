@@ -93,9 +93,11 @@ def format_plan_table(plan: MemoryPlan) -> str:
         lines.append(f"estimated step time (ranking model): {format_seconds(plan.estimated_step_seconds)}")
     host = plan.plan_estimate.host_bytes
     if host:
-        where = "inside the device total (a CPU device's memory is the host's)" if plan.device == "cpu" else \
-            "besides the device memory"
-        lines.append(f"host RAM for the offloaded tensors: {format_bytes(host)} per process, {where}")
+        # On a GPU the plan counts one machine's host RAM (every rank's offloaded tensors, what budget.host_memory
+        # holds: planning/search.py `_per_machine`); a CPU device's memory is each process's own.
+        where = "per process, inside the device total (a CPU device's memory is the host's)" if plan.device == "cpu" \
+            else "per machine, besides the device memory"
+        lines.append(f"host RAM for the offloaded tensors: {format_bytes(host)} {where}")
     lines.extend(_data_host_lines(plan))
     if plan.reasons:
         lines.append("why:")
