@@ -381,3 +381,12 @@ def test_a_gpu_plan_made_without_a_gpu_says_what_host_memory_auto_assumed(tmp_pa
     reasons = json.loads(capsys.readouterr().out)["reasons"]
     assert any("host_memory is auto and this machine has no GPU" in r and "set budget.host_memory" in r
                for r in reasons), reasons
+
+
+def test_the_alternatives_name_each_settings_once():
+    # The search's stages reach some settings twice (8B on 48 GiB: one of the three that do not fit).
+    plan = plan_memory(LLAMA_8B, gpu_request(budget_bytes=48 * GiB, seq_len=2048))
+    settings = [{k: v for k, v in alt.items() if k != "rejected_because"} for alt in plan.alternatives]
+    assert len(settings) > 1 and all(a != b for i, a in enumerate(settings) for b in settings[i + 1:])
+    lines = format_plan_table(plan).split("alternatives:\n")[1].splitlines()
+    assert len(lines) == len(set(lines)) == min(len(settings), 5)  # the table shows the first five

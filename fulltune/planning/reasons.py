@@ -258,16 +258,25 @@ def configured_reason(configured: Settings, estimate: MemoryEstimate, usable: in
 
 def alternatives_for(candidates: list[Candidate], fitting: list[Candidate], chosen: Candidate, usable: int
                      ) -> list[dict[str, Any]]:
-    """The plan's alternatives: the next four that fit (slower), then the three fastest that do not."""
+    """The plan's alternatives: the next four that fit (slower), then the three fastest that do not; each
+    settings once (the search's stages may reach the same settings twice) and never the chosen ones."""
     out = []
-    for c in fitting[1:5]:
+    for c in _distinct(fitting, chosen)[:4]:
         out.append(alternative_entry(c, f"slower: {format_seconds(c.seconds, 's/step')} vs "
                                         f"{format_seconds(chosen.seconds, 's/step')}"))
-    over_budget = sorted((c for c in candidates if not fits_budget(c, usable) and c is not chosen),
-                         key=lambda c: c.seconds)
-    for c in over_budget[:3]:
+    over_budget = sorted((c for c in candidates if not fits_budget(c, usable)), key=lambda c: c.seconds)
+    for c in _distinct(over_budget, chosen)[:3]:
         out.append(alternative_entry(c, f"does not fit: {format_bytes(c.expected_bytes)} ± "
                                         f"{format_bytes(c.uncertainty.bytes)} > {format_bytes(usable)} usable"))
+    return out
+
+
+def _distinct(candidates: list[Candidate], chosen: Candidate) -> list[Candidate]:
+    """`candidates` in order, each settings once, without the chosen settings."""
+    out: list[Candidate] = []
+    for c in candidates:
+        if c.settings != chosen.settings and all(c.settings != kept.settings for kept in out):
+            out.append(c)
     return out
 
 
