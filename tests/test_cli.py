@@ -13,7 +13,7 @@ import pytest
 from fulltune.cli import main
 
 from conftest import ROOT
-from pipelines_fixture import tiny_pipeline
+from pipelines_fixture import TINY_LLAMA, tiny_pipeline
 
 CLI = [sys.executable, "-m", "fulltune.cli"]
 
@@ -229,3 +229,17 @@ def test_plan_json_prints_the_plan_when_nothing_fits(tmp_path, capsys):
     assert plan["fits"] is False and plan["budget_bytes"] == 10 * 2**20
     assert plan["suggestions"][0].startswith("a budget of ") and plan["estimate"]["breakdown"]["parameters"] > 0
     assert "no configuration fits the budget" in err
+
+
+def test_a_micro_batch_that_leaves_1f1b_fewer_micro_batches_than_stages_is_refused_naming_it(tmp_path, capsys):
+    # Two stages, 1F1B, micro-batch = the effective batch: one micro-batch per step for two stages.
+    path = tiny_pipeline(tmp_path, model={"from_config": {**TINY_LLAMA, "tie_word_embeddings": False}},
+                         distributed={"num_processes": 2, "pipeline_parallel": 2}, train={"micro_batch_size": 4})
+    for command in (["validate", str(path)], ["run", "tiny", "-f", str(path)]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert "pipelines.tiny: train.micro_batch_size with distributed.pipeline_schedule: 1F1B needs" in err
+        assert "model.from_config" not in err
+    assert not (tmp_path / "work").exists()
+    # Two micro-batches of 2 per step train (the accumulation the planner fills in is 2).
+    assert main(["validate", str(path), "--set", "train.micro_batch_size=2"]) == 0
