@@ -158,7 +158,9 @@ class BudgetSpec(Strict):
     """The memory the run must fit in."""
 
     device: Literal["auto", Device] = Field("auto", description="Device to plan for; auto = cuda if present.")
-    memory: int | str = Field("auto", description="Budget per device: `auto` (device total), bytes, or '24GiB'.")
+    memory: int | str = Field("auto", description="Budget per device: `auto` (the GPU's total; on CPU each process's "
+                                                  "share of the machine's RAM, which its processes share), bytes, "
+                                                  "or '24GiB'.")
     on_overflow: Literal["plan", "fail"] = Field(
         "plan", description="`plan`: change micro-batch/checkpointing/optimizer to fit; `fail`: exit with the breakdown."
     )

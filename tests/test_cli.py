@@ -243,3 +243,17 @@ def test_a_micro_batch_that_leaves_1f1b_fewer_micro_batches_than_stages_is_refus
     assert not (tmp_path / "work").exists()
     # Two micro-batches of 2 per step train (the accumulation the planner fills in is 2).
     assert main(["validate", str(path), "--set", "train.micro_batch_size=2"]) == 0
+
+
+def test_cpu_processes_share_the_machines_ram_under_memory_auto(tmp_path, capsys):
+    from fulltune.memory.budget import host_ram
+
+    path = tiny_pipeline(tmp_path, distributed={"strategy": "ddp", "num_processes": 3}, train={"effective_batch_size": 6})
+    assert main(["plan", "tiny", "-f", str(path), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["budget_bytes"] == host_ram() // 3  # each process plans against its third of the RAM, not all of it
+    assert any("memory is auto on cpu: this machine's" in r and "shared by its 3 processes" in r
+               for r in plan["reasons"])
+    # Two machines of 2 processes each (3 rounded up): each process's share of its own machine.
+    assert main(["plan", "tiny", "-f", str(path), "--json", "--set", "distributed.num_machines=2"]) == 0
+    assert json.loads(capsys.readouterr().out)["budget_bytes"] == host_ram() // 2

@@ -46,9 +46,10 @@ def with_budget(p: ResolvedPipeline) -> ResolvedPipeline:
     """
     if p.budget is not None:
         return p
-    b = p.spec.budget
+    b, d = p.spec.budget, p.spec.distributed
+    per_machine = -(-d.num_processes // d.num_machines)  # the processes are spread evenly over the machines
     return replace(p, budget=resolve_budget(b.device, b.memory, b.headroom, b.host_memory,
-                                            where=f"pipelines.{p.name}.budget"))
+                                            where=f"pipelines.{p.name}.budget", processes=per_machine))
 
 
 def resolved_budget(p: ResolvedPipeline) -> Budget:
@@ -111,6 +112,7 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         num_machines=d.num_machines,
         evaluation=evaluation_request(p.spec),
         host_memory_assumed=budget.host_assumed,
+        memory_shared=budget.shared,
     )
 
 
