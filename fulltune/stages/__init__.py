@@ -59,6 +59,21 @@ STAGE_CODE = {
 }
 
 
+# Fields that change neither the plan nor the trained weights: how often a run checkpoints, logs and keeps
+# checkpoints (a resume is bit-exact, so the cadence cannot change the weights), how many non-finite steps in a
+# row stop it, and the name of the variable a hub token is read from. The budget and training keys leave them
+# out, so changing one after Ctrl-C resumes the same run from its newest checkpoint instead of training anew.
+OUTSIDE_THE_WEIGHTS = {"train": {"checkpoint_every_steps", "keep_checkpoints", "log_every_steps",
+                                 "max_nonfinite_steps"},
+                       "model": {"token_env"}}
+
+
+def _weights_inputs(spec: PipelineSpec) -> dict[str, Any]:
+    """The `model:` and `train:` sections as the budget and training keys see them (OUTSIDE_THE_WEIGHTS out)."""
+    return {section: getattr(spec, section).model_dump(mode="json", exclude=OUTSIDE_THE_WEIGHTS[section])
+            for section in ("model", "train")}
+
+
 def resolve_pipeline(pipelines_file: str, name: str, overrides: list[str] | dict[str, Any] | None = None) -> ResolvedPipeline:
     """Load the file, apply `--set` overrides to pipeline `name`, validate; the workdir becomes absolute.
 
@@ -223,8 +238,7 @@ def budget_key(p: ResolvedPipeline, train_fingerprint: str) -> str:
     spec = p.spec
     return hash_json({
         "stage": MEMORY_BUDGET, "code": code_version(*STAGE_CODE[MEMORY_BUDGET]), "data": train_fingerprint,
-        "model": spec.model.model_dump(mode="json"), "model_source": _model_source(p),
-        "budget": spec.budget.model_dump(mode="json"), "train": spec.train.model_dump(mode="json"),
+        **_weights_inputs(spec), "model_source": _model_source(p), "budget": spec.budget.model_dump(mode="json"),
         "distributed": spec.distributed.model_dump(mode="json"),
         "evaluation": asdict(evaluation_request(spec)),  # the evaluate stage is planned here too
         "resolved": asdict(resolved_budget(p)),
@@ -247,8 +261,7 @@ def train_key(p: ResolvedPipeline, train_fingerprint: str, settings: Settings | 
     return hash_json({
         "stage": FINE_TUNE, "code": code_version(*STAGE_CODE[FINE_TUNE]), "data": train_fingerprint,
         "settings": asdict(settings) if isinstance(settings, Settings) else settings,
-        "model": spec.model.model_dump(mode="json"), "model_source": _model_source(p),
-        "train": spec.train.model_dump(mode="json", exclude={"log_every_steps", "keep_checkpoints"}),
+        **_weights_inputs(spec), "model_source": _model_source(p),
         "distributed": spec.distributed.model_dump(mode="json"),
     })[:24]
 
