@@ -268,13 +268,16 @@ def train_key(p: ResolvedPipeline, train_fingerprint: str, settings: Settings | 
 
 def evaluate_key(p: ResolvedPipeline, trained_key: str, data_fingerprint: str, champion_version: str | None,
                  evaluation: dict[str, Any] | None = None) -> str:
-    """`data_fingerprint` is the whole one (TokenizedData.fingerprint): it covers the held-out data;
+    """`data_fingerprint` is the whole one (TokenizedData.fingerprint): it covers the held-out data's content, and
+    `sources` what each data.eval source is called in the metrics (renaming a file renames its metrics);
     `evaluation` the plan's evaluate stage: its dtype and batches decide the metrics, not its byte counts."""
+    from fulltune.data.sources import eval_source_names
+
     return hash_json({
         "evaluation": {name: evaluation[name] for name in ("dtype", "loss_batch", "generation_batch", "harness_batch")}
         if evaluation else None,
         "stage": EVALUATE, "code": code_version(*STAGE_CODE[EVALUATE]), "train": trained_key,
-        "data": data_fingerprint,
+        "data": data_fingerprint, "sources": eval_source_names(p.spec.data),
         # how long a metric function may run does not change what it computes
         "evaluate": p.spec.evaluate.model_dump(mode="json", exclude={"metric_timeout"}), "champion": champion_version,
         # version numbers count per registered model: two pipelines sharing a workdir may both have a "3"
