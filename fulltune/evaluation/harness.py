@@ -35,6 +35,7 @@ import yaml
 
 from fulltune.errors import ConfigError
 from fulltune.spec import BUILTIN_METRICS, DEFAULT_METRIC_TIMEOUT, PipelineSpec
+from fulltune.spec_gates import metric_part
 
 YAML_SUFFIXES = (".yaml", ".yml")
 # `datasets` builders that read `data_files` from disk; any other dataset_path is a hub dataset.
@@ -313,6 +314,10 @@ def unknown_metric(metric: str, tasks: list[HarnessTask], custom: Mapping[str, s
     data.eval sources, whose built-in metrics are reported one by one (`eval_loss/<source>`)."""
     if metric in BUILTIN_METRICS or metric in custom:
         return None
+    reported = "/".join(metric_part(part) for part in metric.split("/"))
+    if reported != metric:
+        return (f"{metric!r} is not a metric name MLflow accepts (letters, digits, '_', '-', '.' between the "
+                f"'/'s); it is reported as {reported!r}")
     head, _, tail = metric.partition("/")
     if head in BUILTIN_METRICS and tail:
         if tail in (sources or []):
@@ -427,10 +432,18 @@ def custom_metrics(spec_metrics: Mapping[str, str], base_dir: str | Path, comple
         except (Exception, SystemExit) as exc:  # a bug in the team's metric: stop with its message, never retry
             raise ConfigError(f"{where} raised {type(exc).__name__}: {exc}") from None
         items = result.items() if isinstance(result, Mapping) else [(None, result)]
+        keys: dict[str, Any] = {}
         for key, value in items:
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ConfigError(f"{where} returned {value!r}; return a number or a mapping of numbers")
-            values[name if key is None else f"{name}/{key}"] = float(value)
+            # A key is reported in the characters MLflow accepts in a metric name ("digits (strict)" →
+            # digits/digits_strict), as a gate names it; two keys that read the same there would overwrite.
+            reported = name if key is None else f"{name}/{metric_part(str(key))}"
+            if reported in keys:
+                raise ConfigError(f"{where} returned the keys {keys[reported]!r} and {key!r}, both reported as "
+                                  f"{reported} (metric names keep letters, digits, '_', '-', '.'); rename one")
+            keys[reported] = key
+            values[reported] = float(value)
     return values
 
 
