@@ -65,8 +65,11 @@ class EvaluateSpec(Strict):
     """Held-out evaluation of the base model, the fine-tuned model and the current champion."""
 
     batch_size: int = Field(8, ge=1, description="Sequences per evaluation forward pass.")
-    max_examples: int | None = Field(None, ge=1, description="Evaluate on at most this many held-out examples.")
-    max_generate_examples: int = Field(32, ge=0, description="Greedy generations for exact match (prompt_completion).")
+    max_examples: int | None = Field(None, ge=1, description="Evaluate on at most this many held-out examples (the "
+                                                            "first of each data.eval source).")
+    max_generate_examples: int = Field(32, ge=0, description="Greedy generations for exact match: the first examples "
+                                                             "with a completion (prompt_completion) of each data.eval "
+                                                             "source.")
     max_new_tokens: int = Field(32, ge=1, description="Tokens generated per example.")
     compare_champion: bool = Field(True, description="Also evaluate the current champion on the same data.")
     processes: int | Literal["auto"] = Field(

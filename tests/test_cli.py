@@ -257,3 +257,40 @@ def test_cpu_processes_share_the_machines_ram_under_memory_auto(tmp_path, capsys
     # Two machines of 2 processes each (3 rounded up): each process's share of its own machine.
     assert main(["plan", "tiny", "-f", str(path), "--json", "--set", "distributed.num_machines=2"]) == 0
     assert json.loads(capsys.readouterr().out)["budget_bytes"] == host_ram() // 2
+
+
+def test_validate_names_each_eval_source_as_its_metrics_are_reported(tmp_path, capsys):
+    from fulltune.data.sources import eval_source_names
+    from fulltune.spec import DataSpec
+
+    from pipelines_fixture import write_addition_data
+
+    for name in ("data/demo/eval.jsonl", "data/other/eval.jsonl", "data/demo/eval-1.jsonl", "held-out (v2).jsonl"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        write_addition_data(tmp_path / name, 4)
+    (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "1+1="}]}\n')
+    evals = ["data/demo/eval.jsonl", "data/other/eval.jsonl", "data/demo/eval-1.jsonl", "held-out (v2).jsonl",
+             {"path": "chat.jsonl", "format": "chat"}]
+    refused = {
+        # Three names that share a name after one round of positions: every name stays distinct.
+        "eval_loss/eval-1": "no data.eval source 'eval-1' to report eval_loss of (the data.eval sources are eval-0, "
+                            "eval-1-1, eval-1-2, held-out_v2, chat)",
+        "eval_loss/held-out (v2)": "'eval_loss/held-out (v2)' is not a metric name MLflow accepts (letters, digits, "
+                                   "'_', '-', '.' between the '/'s); it is reported as 'eval_loss/held-out_v2'",
+        "exact_match/chat": "data.eval source chat has no completions to compare generations with",
+    }
+    for metric, message in refused.items():
+        path = tiny_pipeline(tmp_path, data={"eval": evals}, register={"promote_if": {"metric": metric}})
+        assert main(["validate", str(path)]) == 2
+        assert f"pipelines.tiny.register.promote_if[0].metric: {message}" in capsys.readouterr().err
+    assert main(["run", "tiny", "-f", str(path)]) == 2 and not (tmp_path / "work").exists()
+    for metric in ("eval_loss/eval-1-2", "eval_loss/held-out_v2", "exact_match/held-out_v2", "exact_match"):
+        path = tiny_pipeline(tmp_path, data={"eval": evals}, register={"promote_if": {"metric": metric}})
+        assert main(["validate", str(path)]) == 0, capsys.readouterr().err
+    path = tiny_pipeline(tmp_path, data={"eval": evals}, evaluate={"max_generate_examples": 0},
+                         register={"promote_if": {"metric": "exact_match"}})
+    assert main(["validate", str(path)]) == 2
+    assert "exact match is measured on generations, and evaluate.max_generate_examples is 0" in capsys.readouterr().err
+    # A hub split is named `<name>-<split>` however it is written.
+    split = DataSpec(train="t.jsonl", eval=["org/name:validation", {"path": "org/other", "split": "test"}])
+    assert eval_source_names(split) == ["name-validation", "other-test"]

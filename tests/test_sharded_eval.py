@@ -11,8 +11,9 @@ from typing import Any
 
 from fulltune.evaluation.evaluate import EvalOptions, ModelMetrics, evaluate_model
 
-# 7 rows in two sources of 4 and 3, loss batch 3 → 3 batches (3+1, 3) over 2 ranks; generation batch 2 over 5 rows
-# → 3 batches: rank 1 runs one batch fewer of each and pads it (the forwards of every rank must match under FSDP).
+# 7 rows in two sources of 4 and 3, loss batch 3 → 3 batches (3+1, 3) over 2 ranks; generation batch 2 over the first
+# 3 rows of each source → 3 batches: rank 1 runs one batch fewer of each and pads it (the forwards of every rank must
+# match under FSDP).
 PAIRS = [("12+35=", "47"), ("the cat ", "sat on the mat"), ("hello ", "world"), ("fine ", "tuning"),
          ("0123", "456789"), ("+-", "=*/"), ("the ", "mat")]
 
@@ -50,7 +51,7 @@ def test_two_sharded_processes_evaluate_like_one(tmp_path: Path) -> None:
               "fine_tuned": make_model(tmp_path / "tuned", tokenizer_dir, seed=1)}
     rows = _rows(tokenizer_dir)
     # Two data.eval sources: their metrics beside the totals (batches never span two sources).
-    options = EvalOptions(batch_size=3, generate_examples=5, max_new_tokens=4, device="cpu", generation_batch_size=2,
+    options = EvalOptions(batch_size=3, generate_examples=3, max_new_tokens=4, device="cpu", generation_batch_size=2,
                           sources=(("general", 4), ("domain", 3)))
     load = {"dtype": "fp32"}
     single = {name: evaluate_model(path, tokenizer_dir, rows, options, load_kwargs=load)
@@ -66,7 +67,7 @@ def test_two_sharded_processes_evaluate_like_one(tmp_path: Path) -> None:
         got = sharded[name]
         assert_same_metrics(got, want)
         assert got.eval_tokens == want.eval_tokens and got.target_bytes == want.target_bytes
-        assert got.samples == want.samples and got.generated_examples == 5
+        assert got.samples == want.samples and got.generated_examples == 6
         for source in ("general", "domain"):
             assert math.isclose(got.as_dict()[f"eval_loss/{source}"], want.as_dict()[f"eval_loss/{source}"],
                                 rel_tol=1e-5)

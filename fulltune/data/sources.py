@@ -113,3 +113,13 @@ def _source_name(item: EvalSource) -> str:
         path, split = hub.split_dataset_id(path)  # `org/name:split`, as `{path: org/name, split: …}` is named
     return metric_part(Path(path.rstrip("/")).stem + (f"-{split}" if split else ""))
 
+
+def generating_sources(data: DataSpec) -> list[bool]:
+    """For each per-source name (`eval_source_names`, one item for a single or absent data.eval: the total),
+    whether its rows carry a completion to compare a generation with: a `prompt_completion` source does, a chat or
+    text one does not. Without data.eval the held-out rows come from every train source."""
+    value = data.eval if data.eval is not None else data.train
+    formats = [(item.format or data.format) for item in value] if isinstance(value, list) else [data.format]
+    if isinstance(data.eval, list):
+        return [f == "prompt_completion" for f in formats]
+    return [any(f == "prompt_completion" for f in formats)]

@@ -280,7 +280,7 @@ def _registered_index() -> dict[str, str | bool]:
 def check_benchmarks(spec: PipelineSpec, base_dir: str | Path, prefix: str) -> list[str]:
     """Problems with `evaluate.lm_eval`, `evaluate.metrics` and the metrics `register.promote_if` names,
     each with its YAML path under `prefix` (`pipelines.<name>`)."""
-    from fulltune.data.sources import eval_source_names
+    from fulltune.data.sources import eval_source_names, generating_sources
 
     tasks, problems = _resolve_tasks(spec, base_dir, f"{prefix}.evaluate.lm_eval.tasks")
     if spec.evaluate.lm_eval is not None:
@@ -291,14 +291,16 @@ def check_benchmarks(spec: PipelineSpec, base_dir: str | Path, prefix: str) -> l
             load_callable(target, base_dir)
         except ConfigError as exc:
             problems.append(f"{prefix}.evaluate.metrics.{name}: {exc}")
-    if custom and (spec.data.format != "prompt_completion" or spec.evaluate.max_generate_examples == 0):
-        problems.append(f"{prefix}.evaluate.metrics: the metrics score generated completions, which need "
-                        "data.format prompt_completion and evaluate.max_generate_examples > 0")
+    generated = spec.evaluate.max_generate_examples > 0 and any(generating_sources(spec.data))
+    if custom and not generated:
+        problems.append(f"{prefix}.evaluate.metrics: the metrics score generated completions, which need an eval "
+                        "source of format prompt_completion and evaluate.max_generate_examples > 0")
     some_tasks_failed = bool(problems) and spec.evaluate.lm_eval is not None
     for i, gate in enumerate(spec.registration.gates):
         if some_tasks_failed and "/" in gate.metric and gate.metric.partition("/")[0] not in {t.name for t in tasks}:
             continue  # the metric may be one of a task whose problem is listed already
-        problem = unknown_metric(gate.metric, tasks, custom, eval_source_names(spec.data))
+        problem = unknown_metric(gate.metric, tasks, custom, eval_source_names(spec.data)) or \
+            _not_generated(gate.metric, spec)
         if problem:
             problems.append(f"{prefix}.register.promote_if[{i}].metric: {problem}")
             continue
@@ -306,6 +308,25 @@ def check_benchmarks(spec: PipelineSpec, base_dir: str | Path, prefix: str) -> l
         if wrong:
             problems.append(f"{prefix}.register.promote_if[{i}].mode: {wrong}")
     return problems
+
+
+def _not_generated(metric: str, spec: PipelineSpec) -> str | None:
+    """Why exact match (`exact_match`, `exact_match/<source>`) is never measured for this pipeline, or None: it
+    compares generations with completions, which only prompt_completion sources have."""
+    from fulltune.data.sources import eval_source_names, generating_sources
+
+    head, _, tail = metric.partition("/")
+    if head != "exact_match":
+        return None
+    if spec.evaluate.max_generate_examples == 0:
+        return "exact match is measured on generations, and evaluate.max_generate_examples is 0"
+    names, generating = eval_source_names(spec.data), generating_sources(spec.data)
+    if tail and tail in names and not generating[names.index(tail)]:
+        return (f"data.eval source {tail} has no completions to compare generations with (its format is chat or "
+                "text); exact match is measured on prompt_completion sources")
+    if not tail and not any(generating):
+        return "no eval source has completions to compare generations with (exact match needs prompt_completion)"
+    return None
 
 
 def unknown_metric(metric: str, tasks: list[HarnessTask], custom: Mapping[str, str],

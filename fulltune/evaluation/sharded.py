@@ -14,7 +14,8 @@ CPU, NCCL on CUDA):
       │    tokens, all-gather of the generations; rank 0 writes eval-result.json
       └─ ModelMetrics per candidate (the metric functions run here, on the gathered generations)
 
-The batches are the one-process evaluation's (`EvalOptions.batch_size`, rows in order), dealt round-robin:
+The batches are the one-process evaluation's (`EvalOptions.batch_size`, rows in order; the rows each source
+generates for, `evaluate.generation_rows`), dealt round-robin:
 batch i runs on rank i mod N with the same rows, padding and gathered weights, so the loss sums and the greedy
 texts are those of one process (the loss to float64 summation order). FSDP2 all-gathers a unit in every
 forward, so every rank makes the same number of forward calls: a rank with fewer batches repeats its first one
@@ -34,8 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fulltune.errors import UserError
-from fulltune.evaluation.evaluate import (EvalOptions, ModelMetrics, Progress, batch_loss, generate_batch, generates,
-                                          loss_batches, metrics_of)
+from fulltune.evaluation.evaluate import (EvalOptions, ModelMetrics, Progress, batch_loss, generate_batch,
+                                          generation_rows, loss_batches, metrics_of)
 
 if TYPE_CHECKING:
     from fulltune.evaluation.harness import Benchmarks
@@ -209,10 +210,11 @@ def _generations(model: Any, tokenizer: Any, rows: list[dict[str, Any]], options
     batches, gathered."""
     import torch.distributed as dist
 
-    if not generates(rows, options):
+    chosen = [rows[i] for group in generation_rows(rows, options) for i in group]
+    if not chosen:
         return []
     rank, world = dist.get_rank(), dist.get_world_size()
-    chosen, size = rows[:options.generate_examples], options.generation_batch
+    size = options.generation_batch
     batches = [chosen[start:start + size] for start in range(0, len(chosen), size)]
     mine = []
     for done, (batch, counted) in enumerate(_dealt(batches, rank, world), start=1):

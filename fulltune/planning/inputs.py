@@ -118,10 +118,11 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
 
 def evaluation_request(spec: PipelineSpec) -> Any:
     """The evaluate stage as `evaluate.*` configures it, for the plan (memory/evaluation.py)."""
+    from fulltune.data.sources import generating_sources
     from fulltune.memory.evaluation import EvalRequest
 
     e = spec.evaluate
     return EvalRequest(batch_size=e.batch_size, max_new_tokens=e.max_new_tokens,
-                       generate=e.max_generate_examples > 0 and spec.data.format == "prompt_completion",
+                       generate=e.max_generate_examples > 0 and any(generating_sources(spec.data)),
                        harness_batch_size=(e.lm_eval.batch_size or e.batch_size) if e.lm_eval else None,
                        precision=e.precision, processes=e.processes)
