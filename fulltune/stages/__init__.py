@@ -512,8 +512,9 @@ def ensure_local_data(p: ResolvedPipeline, check_hub: bool = False) -> None:
                     f"{len(problems)} problem(s)\n  " + "\n  ".join(problems))
 
 
-def _references(p: ResolvedPipeline) -> list[tuple[str, str, str, str | None]]:
-    """(YAML field, reference, kind, hub revision) of every file or repository the pipeline reads."""
+def references(p: ResolvedPipeline) -> list[tuple[str, str, str, str | None]]:
+    """(YAML field, reference, kind, hub revision) of every file or repository the pipeline reads, each list
+    item on its own (`data.train[2]`), whatever shape the YAML gave it (a string, a list, `{path, split}`)."""
     from fulltune.data.sources import sources
     from fulltune.data.tokenizer import tokenizer_revision
 
@@ -550,7 +551,7 @@ def check_sources(p: ResolvedPipeline, check_hub: bool = True,
     token_env = p.spec.model.token_env
     if check_hub and token_env and not os.environ.get(token_env) and not hub.offline():
         problems.append(f"pipelines.{p.name}.model.token_env: environment variable {token_env} is not set")
-    for field, reference, kind, revision in _references(p):
+    for field, reference, kind, revision in references(p):
         where = f"pipelines.{p.name}.{field}"
         if is_hub(reference):
             if not check_hub:
