@@ -83,7 +83,11 @@ def check_fsdp_run_evaluation(workdir: Path, log: str) -> None:
     import mlflow
     import pyarrow.parquet as pq
 
+    from fulltune.evaluation.harness import Benchmarks
+    from fulltune.pipelines_file import get_pipeline, load_pipelines
+
     assert "fine_tuned: evaluating sharded over 2 processes (FSDP2)" in log
+    spec = get_pipeline(load_pipelines(workdir.parent / "pipelines.yaml"), "tiny")
     (model_dir,) = workdir.glob("runs/*/model")
     # The eval rows beside the rows it trained on (the plan may have tokenized the data both ways to choose packing).
     train_file = json.loads((model_dir.parent / "JOB.json").read_text())["paths"]["train_file"]
@@ -92,8 +96,9 @@ def check_fsdp_run_evaluation(workdir: Path, log: str) -> None:
     (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
     logged = {key.removeprefix("fine_tuned."): value for key, value in run.data.metrics.items()
               if key.startswith("fine_tuned.")}
-    # The pipeline's evaluate.* (tests/pipelines_fixture.py: batch 8, 4 generated examples of 3 new tokens), which
-    # its plan keeps on this machine; fp32, as it trained.
+    # The pipeline's evaluate.* (tests/pipelines_fixture.py: batch 8, 4 generated examples of 3 new tokens, and the
+    # demo's lm-evaluation-harness task, tests/runs.py), which its plan keeps on this machine; fp32, as it trained.
     single = evaluate_model(str(model_dir), str(model_dir), rows, EvalOptions(8, 4, 3, "cpu"),
-                            load_kwargs={"dtype": "fp32"})
+                            load_kwargs={"dtype": "fp32"}, benchmarks=Benchmarks.from_spec(spec, workdir.parent))
     assert_same_metrics(logged, single)
+    assert logged["reversal_mc/acc"] == single.extra["reversal_mc/acc"]

@@ -271,7 +271,15 @@ def _evaluate_candidate(candidate: dict[str, Any], rows: list[dict[str, Any]], o
     sums = _loss_sums(model, tokenizer, rows, options, report)
     samples = _generations(model, tokenizer, rows, options, report)
     benchmarks = _benchmarks(harness)
-    extra = benchmarks.on_model(model, tokenizer, options.device) if benchmarks is not None else {}
+    extra = {}
+    if benchmarks is not None:
+        import torch
+
+        # In inference mode like the loss and the generations: FSDP2 keeps the all-gather buffers it made there
+        # (inference tensors), and lm-evaluation-harness's own no_grad would write them outside it, which torch
+        # refuses ("Inplace update to inference tensor outside InferenceMode").
+        with torch.inference_mode():
+            extra = benchmarks.on_model(model, tokenizer, options.device)
     del model
     return {"sums": sums, "samples": samples, "extra": extra}
 
