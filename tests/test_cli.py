@@ -294,3 +294,25 @@ def test_validate_names_each_eval_source_as_its_metrics_are_reported(tmp_path, c
     # A hub split is named `<name>-<split>` however it is written.
     split = DataSpec(train="t.jsonl", eval=["org/name:validation", {"path": "org/other", "split": "test"}])
     assert eval_source_names(split) == ["name-validation", "other-test"]
+
+
+@pytest.mark.slow
+def test_an_unset_strategy_lets_the_plan_choose_it_for_one_process(tmp_path, capsys):
+    # An 8B Llama on one 12 GiB GPU: its 16 GiB of bf16 weights fit only in host RAM, under FSDP2's CPU offload over
+    # the one process. Without a `distributed:` section the plan chooses that, and says so.
+    llama_8b = {**TINY_LLAMA, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 2048,
+                "tie_word_embeddings": False}
+    path = tiny_pipeline(tmp_path, model={"from_config": llama_8b, "tokenizer": {"vocab_size": 128256}},
+                         data={"max_length": 2048}, budget={"device": "cuda", "memory": "12GiB", "host_memory": "256GiB"},
+                         train={"effective_batch_size": 8, "mixed_precision": "bf16"})
+    assert main(["plan", "tiny", "-f", str(path), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and (plan["plan"]["strategy"], plan["plan"]["offload_optimizer"]) == ("fsdp", True)
+    assert "pipelines.tiny.distributed.strategy is not set: for one process the plan chooses it as under auto" \
+        in plan["reasons"]
+    assert any(r.startswith("strategy fsdp (distributed.strategy auto)") for r in plan["reasons"])
+    # A strategy the user set is kept: none does not fit, and the advice names the one that does.
+    assert main(["plan", "tiny", "-f", str(path), "--json", "--set", "distributed.strategy=none"]) == 2
+    plan = json.loads(capsys.readouterr().out)
+    assert not plan["fits"] and any(s.startswith("distributed.strategy: fsdp (or auto)") for s in plan["suggestions"])

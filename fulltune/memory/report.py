@@ -155,6 +155,8 @@ def _alternative_lines(plan: MemoryPlan) -> list[str]:
     lines = ["alternatives:"]
     for alt in plan.alternatives[:5]:
         tp = f", tensor parallel {alt['tensor_parallel']}" if alt.get("tensor_parallel", 1) > 1 else ""
+        if alt.get("strategy", plan.settings.strategy) != plan.settings.strategy:  # strategy auto weighed another
+            tp = f", strategy {alt['strategy']}{tp}"
         lines.append(
             f"  - micro {alt['micro_batch_size']} × accum {alt['gradient_accumulation_steps']}, "
             f"ckpt {alt['gradient_checkpointing']}, {alt['mixed_precision']}, {alt['optimizer']}"

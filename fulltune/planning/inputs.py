@@ -112,7 +112,9 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         num_machines=d.num_machines,
         evaluation=evaluation_request(p.spec),
         host_memory_assumed=budget.host_assumed,
-        memory_shared=budget.shared,
+        notes=(*((budget.shared,) if budget.shared else ()),
+               *((f"pipelines.{p.name}.distributed.strategy is not set: for one process the plan chooses it as "
+                  "under auto",) if d.strategy_unset and d.strategy == "auto" else ())),
     )
 
 

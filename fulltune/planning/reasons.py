@@ -33,9 +33,8 @@ def describe(settings: Settings) -> str:
 def alternative_entry(c: Candidate, why: str) -> dict[str, Any]:
     return {
         **c.settings.choices(),
-        "tensor_parallel": c.settings.tensor_parallel,
-        **({"pipeline_parallel": c.settings.pipeline_parallel, "strategy": c.settings.strategy}
-           if c.settings.pipeline_parallel > 1 else {}),
+        "tensor_parallel": c.settings.tensor_parallel, "strategy": c.settings.strategy,
+        **({"pipeline_parallel": c.settings.pipeline_parallel} if c.settings.pipeline_parallel > 1 else {}),
         "peak_bytes": c.estimate.peak_bytes,
         "device_bytes": c.estimate.device_bytes,
         "uncertainty_bytes": c.uncertainty.bytes,
