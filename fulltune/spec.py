@@ -268,12 +268,13 @@ class DistributedSpec(Strict):
     """How many processes train, and how model state is shared between them."""
 
     strategy: Strategy = Field(
-        "auto", description="`none` trains in one process; `ddp` replicates the model in every process; `fsdp` "
-                    "shards weights, gradients and optimizer states over the data-parallel processes (FSDP2); `auto`: the "
-                    "plan chooses the fastest that fits: for one process `none` or `fsdp` over it (with "
-                    "train.offload_optimizer, FSDP2's CPU offload keeps the parameters in host RAM), for "
-                    "several `ddp` or `fsdp`. Unset: `auto` for one process (the plan names its choice), `none` where "
-                    "every process is a pipeline stage; other numbers of processes need one set."
+        "auto",
+        description="`none` trains in one process; `ddp` replicates the model in every process; `fsdp` shards weights, "
+                    "gradients and optimizer states over the data-parallel processes (FSDP2); `auto`: the plan chooses "
+                    "the fastest that fits: for one process `none` or `fsdp` over it (with train.offload_optimizer, "
+                    "FSDP2's CPU offload keeps the parameters in host RAM), for several `ddp` or `fsdp`. Unset: `auto` "
+                    "for one process (the plan names its choice), `none` where every process is a pipeline stage; "
+                    "other numbers of processes need one set."
     )
     num_processes: int = Field(1, ge=1, le=4096, description="Processes (usually GPUs) in total.")
     num_machines: int = Field(1, ge=1, description="Machines taking part.")

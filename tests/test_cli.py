@@ -248,7 +248,8 @@ def test_a_micro_batch_that_leaves_1f1b_fewer_micro_batches_than_stages_is_refus
 def test_cpu_processes_share_the_machines_ram_under_memory_auto(tmp_path, capsys):
     from fulltune.memory.budget import host_ram
 
-    path = tiny_pipeline(tmp_path, distributed={"strategy": "ddp", "num_processes": 3}, train={"effective_batch_size": 6})
+    path = tiny_pipeline(tmp_path, distributed={"strategy": "ddp", "num_processes": 3},
+                         train={"effective_batch_size": 6})
     assert main(["plan", "tiny", "-f", str(path), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["budget_bytes"] == host_ram() // 3  # each process plans against its third of the RAM, not all of it
@@ -304,7 +305,8 @@ def test_an_unset_strategy_lets_the_plan_choose_it_for_one_process(tmp_path, cap
                 "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 2048,
                 "tie_word_embeddings": False}
     path = tiny_pipeline(tmp_path, model={"from_config": llama_8b, "tokenizer": {"vocab_size": 128256}},
-                         data={"max_length": 2048}, budget={"device": "cuda", "memory": "12GiB", "host_memory": "256GiB"},
+                         data={"max_length": 2048},
+                         budget={"device": "cuda", "memory": "12GiB", "host_memory": "256GiB"},
                          train={"effective_batch_size": 8, "mixed_precision": "bf16"})
     assert main(["plan", "tiny", "-f", str(path), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)

@@ -115,8 +115,8 @@ def test_run_parameters_may_set_the_training_knobs_and_what_the_pipeline_opts_in
     # A path outside the project is refused in every shape data.eval takes; inside it, or a hub id, passes.
     outside = tmp_path.parent / "elsewhere.jsonl"
     outside.write_text((tmp_path / "train.jsonl").read_text())
-    for shape in (str(outside), [str(outside)], ["held_out.jsonl", {"path": str(outside)}], [{"path": "../elsewhere.jsonl"}],
-                  {"eval": [str(outside)]}):
+    for shape in (str(outside), [str(outside)], ["held_out.jsonl", {"path": str(outside)}],
+                  [{"path": "../elsewhere.jsonl"}], {"eval": [str(outside)]}):
         dotted = flatten({"data": shape} if isinstance(shape, dict) else {"data.eval": shape})
         with pytest.raises(ConfigError, match=r"overrides\.data(\.eval)?: .*elsewhere\.jsonl \(data\.eval.*\) is "
                                               r"outside"):
