@@ -113,8 +113,9 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         evaluation=evaluation_request(p.spec),
         host_memory_assumed=budget.host_assumed,
         notes=(*((budget.shared,) if budget.shared else ()),
+               # (on a CPU device one process has no strategy to choose: planning/strategy.py)
                *((f"pipelines.{p.name}.distributed.strategy is not set: for one process the plan chooses it as "
-                  "under auto",) if d.strategy_unset and d.strategy == "auto" else ())),
+                  "under auto",) if d.strategy_unset and d.strategy == "auto" and budget.device != "cpu" else ())),
     )
 
 

@@ -14,7 +14,7 @@ from fulltune.memory.units import format_bytes, format_seconds
 from fulltune.planning.search import (Candidate, best_by, device_word, fits_budget, staged_search,
                                       tensor_parallel_degrees)
 from fulltune.planning.step_time import step_seconds, tensor_parallel_seconds
-from fulltune.planning.strategy import host_parameters
+from fulltune.planning.strategy import host_parameters, strategy_choices
 
 
 def describe(settings: Settings) -> str:
@@ -284,7 +284,7 @@ def strategy_reasons(request: PlanRequest, candidates: list[Candidate], chosen: 
     """With strategy auto: the strategy chosen and each other one's best candidate; where the parameters live
     in host RAM (`host`: `step_time.host_step` of the chosen settings), that line with its device and host
     bytes, what `none` needs and the step-time terms."""
-    if request.strategy != "auto":
+    if request.strategy != "auto" or len(strategy_choices(request)) == 1:  # nothing was chosen between
         return []
     best = best_by(candidates, lambda c: c.settings.strategy, usable)
     s = chosen.settings
