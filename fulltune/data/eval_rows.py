@@ -71,8 +71,8 @@ class EvalRows(Sequence):
 
     def has_completion(self, start: int, stop: int) -> list[bool]:
         """Whether each of rows start … stop − 1 has a completion (read from that column only)."""
-        return [bool(v) for piece in self._pieces(start, stop, ["completion"]) for v in piece.column(0).is_valid()
-                .to_pylist()]
+        pieces = self._pieces(start, stop, ["completion"])
+        return [bool(valid) for piece in pieces for valid in piece.column(0).is_valid().to_pylist()]
 
     def _range(self, start: int, stop: int) -> list[dict[str, Any]]:
         """Rows start … stop − 1."""
