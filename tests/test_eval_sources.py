@@ -32,7 +32,7 @@ def _pairs(n: int, seed: int) -> list[tuple[str, str]]:
 def _pipeline(root: Path, evals, gates: list[dict]) -> Path:
     return tiny_pipeline(root, data={"train": "train.csv", "eval": evals, "max_length": 32},
                          evaluate={"max_examples": 3, "max_generate_examples": 2,
-                                   "metrics": {"digits": "team_metrics:digits"}},
+                                   "metrics": {"digits": "reported_metrics:digits"}},
                          register={"promote_if": gates, "require_better_than_base": True})
 
 
@@ -52,7 +52,7 @@ def grown(tmp_path_factory, prefect_server) -> dict:
     (root / "chat.jsonl").write_text("".join(json.dumps({"messages": [
         {"role": "user", "content": p}, {"role": "assistant", "content": c}]}) + "\n" for p, c in _pairs(5, 2)))
     (root / "notes.txt").write_text("".join(f"{p}{c}\n" for p, c in _pairs(6, 3)))
-    (root / "team_metrics.py").write_text(TEAM_METRICS)
+    (root / "reported_metrics.py").write_text(TEAM_METRICS)
     path = _pipeline(root, HELD_OUT, [GATE])
     log = finish(fulltune_run(path, root / "first.log", prefect_server), root / "first.log")
     three = _flow(_pipeline(root, THREE, [GATE, {"metric": "exact_match/held-out_v2", "max_regression": 1.0}]))
