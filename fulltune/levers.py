@@ -1,11 +1,19 @@
-"""The memory levers and the one table of rules for combining them: `fulltune validate`, `fulltune plan`,
-the planner's search, the train job and the trainer all read it.
+"""The memory levers: one record each (`Lever`), and the one table of rules for combining them. `fulltune validate`,
+`fulltune plan`, the planner's search, the step-time model, the plan's reasons, the train job and the trainer all
+read it.
 
-A lever is a key of the pipeline's `train:` section (true, false or `auto`). Each rule below names the
-YAML fields it reads and says why the combination cannot train; a combination that breaks no rule trains
-(`tests/test_lever_table.py` enumerates levers × optimizer × strategy and proves it both ways). A rule
-sees a field as `None` while it is still `auto`: it then holds only if no choice the planner could make
-would satisfy it — the planner, which fills the `auto` fields, keeps only candidates that break no rule.
+A lever is a key of the pipeline's `train:` section (true, false or `auto`). Its record holds everything the engine
+says and does about it beside the bytes it moves (those are the memory model's, fulltune/memory/): the field's
+description (the spec's, `Settings`' and `PlanRequest`'s lever fields are made from the records: `spec_fields`,
+`lever_fields`), the plan's sentence, the step time it adds (`cost`, over the step-time model's terms; a lever
+that adds none says so with `NoAddedTime`), whether it is slow, why pipeline stages refuse it, and the runtime
+function that applies it to the model (fulltune/runtime/checkpointing.py `apply_model_levers` runs them for the
+trainer and the memory trace alike). tests/test_lever_table.py fails for a lever without a cost or a sentence.
+
+Each rule of `RULES` names the YAML fields it reads and says why the combination cannot train; a combination that
+breaks no rule trains (`tests/test_lever_table.py` enumerates levers × optimizer × strategy and proves it both
+ways). A rule sees a field as `None` while it is still `auto`: it then holds only if no choice the planner could
+make would satisfy it — the planner, which fills the `auto` fields, keeps only candidates that break no rule.
 
     lever                  what it does                                           what it needs
     chunked_loss           head + cross-entropy in tiles, recomputed in backward  not tensor parallel (the
@@ -22,26 +30,187 @@ would satisfy it — the planner, which fills the `auto` fields, keeps only cand
                                                                                   cuda (CPUOffloadPolicy)
 
 Pipeline stages (`distributed.pipeline_parallel` > 1, fulltune/runtime/pipeline_parallel.py) run the chunked
-loss and pure bf16, not the step in backward or the offloads (PIPELINE_REFUSED_LEVERS), nor fp16's grad scaler;
-1F1B needs a micro-batch per stage. Data parallel beside them (num_processes = pipeline_parallel × dp, strategy
-fsdp or ddp over each stage's dp processes) trains, except with the chunked loss.
+loss and pure bf16, not the step in backward or the offloads (each record's `pipeline_refusal`), nor fp16's grad
+scaler; 1F1B needs a micro-batch per stage. Data parallel beside them (num_processes = pipeline_parallel × dp,
+strategy fsdp or ddp over each stage's dp processes) trains, except with the chunked loss.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from fulltune.errors import ConfigError
 
+# The compensated update pure bf16 weights get (fulltune/runtime/optim.py), and which one each optimizer gets
+# unless told otherwise.
+COMPENSATIONS = ("kahan", "stochastic_rounding", "none")
+
+
+def default_compensation(optimizer: str) -> str:
+    """The compensated update `pure_bf16` gets for `optimizer` unless told otherwise."""
+    return {"adamw": "kahan", "adamw_4bit": "stochastic_rounding"}.get(optimizer, "none")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The levers, one record each
+
+
+@dataclass(frozen=True)
+class NoAddedTime:
+    """A lever's cost where it adds no step time of its own, and why: the step-time model then counts nothing
+    for it (never by omission)."""
+
+    why: str
+
+    def __call__(self, settings: Any, step: Any) -> float:
+        return 0.0
+
+
+@dataclass(frozen=True)
+class Lever:
+    """One memory lever: the `train.<name>` key and what the engine says and does about it.
+
+    `sentence(settings)`: what the plan says it does, for the settings that run it. `cost(settings, step)`: the
+    seconds it adds to one optimizer step, from the step-time model's terms (`step`: fulltune/planning/step_time.py
+    `StepCosts`: throughputs, link speeds, the model's size), or `NoAddedTime(why)`. `slow`: it moves tensors
+    between host and device every step, so on a CPU device (host RAM is the device's memory) it saves nothing and
+    the planner never chooses it there, and a plan that fits only with it hears what pipeline stages would do
+    instead. `pipeline_refusal`: why pipeline stages do not run it (None: they do). `apply`: the runtime function
+    ("module:function", called as function(model, settings)) that changes the model for it, or None when its
+    code path is the optimizer's or the loss's.
+    """
+
+    name: str
+    description: str
+    sentence: Callable[[Any], str]
+    cost: Callable[[Any, Any], float]
+    slow: bool = False
+    pipeline_refusal: str | None = None
+    apply: str | None = None
+
+
+def _pure_bf16_sentence(s: Any) -> str:
+    """What pure bf16 means for the chosen optimizer: whether small updates survive the rounding."""
+    if s.offload_optimizer and s.strategy != "fsdp":
+        return "pure bf16 weights and gradients on the device; the fp32 masters on the host keep small updates"
+    compensation = default_compensation(s.optimizer)
+    if compensation == "none":
+        return (f"pure bf16 weights and gradients; {s.optimizer} offers no compensated update, so updates "
+                "below 1/256 of a weight are rounded away (as in torchtune's pure-bf16 recipes); set "
+                "train.pure_bf16: false to keep fp32 weights")
+    return f"pure bf16 weights and gradients (no fp32 master; {compensation.replace('_', ' ')} keeps small updates)"
+
+
+def _offload_optimizer_sentence(s: Any) -> str:
+    if s.strategy == "fsdp":
+        return ("FSDP's CPU offload (every rank's parameter, gradient and optimizer-state shards in host RAM, "
+                "stepped there; only the gathered unit on the GPU)")
+    return "fp32 masters, gradients and optimizer states in host RAM, updated on the host"
+
+
+def _chunked_loss_seconds(s: Any, step: Any) -> float:
+    """The head's logits computed once more in backward, per target (the chunks are recomputed)."""
+    precision = "bf16" if s.pure_bf16 else s.mixed_precision
+    return s.gradient_accumulation_steps * s.micro_batch_size * s.targets_per_row * step.head_forward / step.flops(
+        precision)
+
+
+def _offload_optimizer_seconds(s: Any, step: Any) -> float:
+    """Under FSDP, its CPU offload's exposed copies and host step (`StepCosts.fsdp_offload`); on one process,
+    each micro-batch's gradients to the host, the fp32 masters back once per step, and the host optimizer."""
+    if s.strategy == "fsdp":
+        terms = step.fsdp_offload()
+        return terms["exposed_pcie_s"] + terms["host_step_s"]
+    weight = 2 if s.pure_bf16 else 4
+    P = step.num_params
+    pcie = (s.gradient_accumulation_steps * weight * P + 4 * P) / step.pcie_bytes_per_s
+    return pcie + step.host_optimizer_seconds()
+
+
+def _offload_activations_seconds(s: Any, step: Any) -> float:
+    """Each checkpointed layer's input to the host in the forward and back for its recompute, per micro-batch."""
+    k = min(s.gradient_checkpointing, step.num_layers)
+    stream = 2 if s.pure_bf16 else 4
+    return (s.gradient_accumulation_steps * 2 * k * stream * s.micro_batch_size * s.seq_len * step.hidden
+            / step.pcie_bytes_per_s)
+
+
 # In the order the planner tries them: cheapest in step time first.
-LEVERS = ("chunked_loss", "pure_bf16", "optimizer_in_backward", "offload_activations", "offload_optimizer")
+TABLE: tuple[Lever, ...] = (
+    Lever("chunked_loss",
+          description="Compute the output head and cross-entropy in chunks of target positions and vocabulary, "
+                      "recomputed in backward: no whole (targets × vocabulary) fp32 tensor.",
+          sentence=lambda s: "chunked loss (no whole targets × vocabulary logits)",
+          cost=_chunked_loss_seconds),
+    Lever("pure_bf16",
+          description="bf16 weights and gradients with no fp32 master copy (2 + 2 B/param instead of 4 + 4); "
+                      "updates are Kahan-compensated (adamw) or stochastically rounded (adamw_4bit) so small "
+                      "ones are not lost. `auto`: the planner turns it on when memory requires it.",
+          sentence=_pure_bf16_sentence,
+          cost=NoAddedTime("it changes the optimizer's own pass (fulltune/planning/step_time.py step_seconds: "
+                           "half the traffic, plus the Kahan buffer's)"),
+          apply="fulltune.runtime.optim:to_bf16"),
+    Lever("optimizer_in_backward",
+          description="Step each parameter as soon as its gradient is complete in backward and free the "
+                      "gradient (at most one parameter's gradient alive). Needs gradient_accumulation_steps 1: "
+                      "the effective batch is kept with a larger (checkpointed) micro-batch. Clipping uses the "
+                      "norm of the previous step's gradients.",
+          sentence=lambda s: ("optimizer step in backward (one parameter's gradient at a time; each gradient "
+                              "clipped on its own)"),
+          cost=NoAddedTime("the same update on the device, earlier in the step"),
+          pipeline_refusal="the schedule runs every micro-batch's backward before the step"),
+    Lever("offload_activations",
+          description="Move the saved inputs of checkpointed layers to host RAM until backward needs them.",
+          sentence=lambda s: "checkpointed layer inputs in host RAM",
+          cost=_offload_activations_seconds, slow=True,
+          pipeline_refusal="the stages keep the schedule's in-flight activations on the device",
+          apply="fulltune.runtime.offload:offload_checkpointed_inputs"),
+    Lever("offload_optimizer",
+          description="Keep fp32 master weights, gradients and optimizer states in host RAM and update on the "
+                      "host; the device keeps only the weights. Costs host RAM (budget.host_memory) and step time.",
+          sentence=_offload_optimizer_sentence,
+          cost=_offload_optimizer_seconds, slow=True,
+          pipeline_refusal="each stage steps its own optimizer on the device"),
+)
+BY_NAME: dict[str, Lever] = {lever.name: lever for lever in TABLE}
+LEVERS = tuple(BY_NAME)
+# The order the `train:` section lists them (the YAML schema, the Prefect form) and `Settings` and `PlanRequest`
+# declare them: the order they were added in. A new lever goes last.
+FIELD_ORDER = ("pure_bf16", "optimizer_in_backward", "offload_optimizer", "offload_activations", "chunked_loss")
+assert sorted(FIELD_ORDER) == sorted(LEVERS), "FIELD_ORDER names every lever of TABLE once"
 # What a pipeline stage does not run, and why: each is a rule of the table below.
-PIPELINE_REFUSED_LEVERS = {
-    "optimizer_in_backward": "the schedule runs every micro-batch's backward before the step",
-    "offload_activations": "the stages keep the schedule's in-flight activations on the device",
-    "offload_optimizer": "each stage steps its own optimizer on the device",
-}
+PIPELINE_REFUSED_LEVERS = {lever.name: lever.pipeline_refusal for lever in TABLE if lever.pipeline_refusal}
+SLOW_LEVERS = tuple(lever.name for lever in TABLE if lever.slow)
+
+
+def spec_fields() -> dict[str, Any]:
+    """The spec's `train:` lever fields (`pydantic.create_model` field definitions), in `FIELD_ORDER`: each
+    `auto`, true or false, `auto` by default, described by its record."""
+    from typing import Literal, Union
+
+    from pydantic import Field
+
+    return {name: (Union[Literal["auto"], bool], Field("auto", description=BY_NAME[name].description))
+            for name in FIELD_ORDER}
+
+
+def lever_fields(annotation: str, default: Any, after: str) -> Callable[[type], type]:
+    """A class decorator, under `@dataclass`: one field per lever (`FIELD_ORDER`) typed `annotation` with
+    `default`, inserted after the class's field `after` (so the fields after it keep their defaults' order)."""
+    def add(cls: type) -> type:
+        items = list(cls.__dict__["__annotations__"].items())
+        at = [name for name, _ in items].index(after) + 1
+        cls.__annotations__ = dict(items[:at] + [(name, annotation) for name in FIELD_ORDER] + items[at:])
+        for name in FIELD_ORDER:
+            setattr(cls, name, default)
+        return cls
+
+    return add
+
+
+# ---------------------------------------------------------------------------------------------------
+# The rules
 
 
 @dataclass(frozen=True)

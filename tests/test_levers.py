@@ -299,6 +299,73 @@ def test_levers_run_under_the_memory_trace() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+# The lever records (fulltune/levers.py)
+
+
+def test_every_lever_record_says_what_it_does_and_what_it_costs() -> None:
+    # A lever without a sentence or a cost fails here: not a KeyError in the plan's reasons, nor a lever the
+    # step-time model ranks as free because nothing was written for it.
+    import dataclasses
+    import importlib
+
+    from transformers import LlamaConfig
+
+    from fulltune import levers, spec
+    from fulltune.memory.errors import MemoryConfigError
+    from fulltune.memory.shapes import model_shape
+    from fulltune.memory.types import PlanRequest, Settings
+    from fulltune.planning.step_time import StepCosts, lever_seconds
+
+    shape = model_shape(LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2))
+    for lever in levers.TABLE:
+        assert lever.description and spec.TrainSpec.model_fields[lever.name].description == lever.description
+        seen = 0
+        for device, strategy, processes in (("cuda", "none", 1), ("cuda", "fsdp", 2), ("cpu", "none", 1)):
+            try:
+                settings = Settings(micro_batch_size=2, seq_len=64, gradient_checkpointing=2, mixed_precision="bf16",
+                                    device=device, strategy=strategy, num_processes=processes, **{lever.name: True})
+            except MemoryConfigError:
+                continue  # a combination the lever table refuses
+            seen += 1
+            sentence = lever.sentence(settings)
+            assert isinstance(sentence, str) and sentence, lever.name
+            seconds = lever.cost(settings, StepCosts(shape, settings))
+            if isinstance(lever.cost, levers.NoAddedTime):
+                assert lever.cost.why and seconds == 0.0 and lever.name not in lever_seconds(shape, settings)
+            else:
+                assert seconds > 0.0 and lever_seconds(shape, settings)[lever.name] == seconds, lever.name
+        assert seen >= 2, lever.name
+        if lever.apply is not None:
+            module, function = lever.apply.split(":")
+            assert callable(getattr(importlib.import_module(module), function)), lever.apply
+    # The generated fields: every lever once, in the declared order, in the spec, the settings and the request.
+    for fields, default in ((spec.TrainSpec.model_fields, None), (dataclasses.fields(Settings), False),
+                            (dataclasses.fields(PlanRequest), None)):
+        names = [f if isinstance(f, str) else f.name for f in fields]
+        assert [n for n in names if n in levers.LEVERS] == list(levers.FIELD_ORDER)
+    assert Settings(micro_batch_size=1, seq_len=8).levers() == dict.fromkeys(levers.LEVERS, False)
+
+
+def test_the_model_side_levers_are_applied_by_one_function() -> None:
+    # The trainer (fulltune/runtime/train.py apply_levers) and the memory trace (planning/trace.py build_model)
+    # both call apply_model_levers: checkpointing, then bf16 weights, then the checkpointed inputs offloaded.
+    import functools
+
+    from fulltune.memory.types import Settings
+    from fulltune.runtime.checkpointing import apply_model_levers, decoder_layers
+
+    model = _llama()
+    settings = Settings(micro_batch_size=2, seq_len=12, gradient_checkpointing=1, mixed_precision="bf16",
+                        pure_bf16=True, offload_activations=True)
+    assert apply_model_levers(model, settings) == 1
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    first, second = decoder_layers(model)
+    assert first.gradient_checkpointing and not second.gradient_checkpointing
+    assert isinstance(first._gradient_checkpointing_func, functools.partial)  # the offload hooks around it
+
+
+# ---------------------------------------------------------------------------------------------------
 # Settings that cannot work, and 4-bit states
 
 

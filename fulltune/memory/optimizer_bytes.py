@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
+from fulltune.levers import default_compensation
+
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adafactor")
-COMPENSATIONS = ("kahan", "stochastic_rounding", "none")
 
 # bitsandbytes: tensors under 4096 elements keep fp32 states; blocks of 256 with one fp32 absmax each,
 # and one 256-entry fp32 quantisation map per state kind.
@@ -27,11 +28,6 @@ TORCHAO_QMAP_ENTRIES = {8: 256, 4: 16}
 def weight_bytes(pure_bf16: bool) -> int:
     """Bytes per parameter element of the device weights (and of their gradients)."""
     return 2 if pure_bf16 else 4
-
-
-def default_compensation(name: str) -> str:
-    """The compensated update `pure_bf16` gets for optimizer `name` unless told otherwise."""
-    return {"adamw": "kahan", "adamw_4bit": "stochastic_rounding"}.get(name, "none")
 
 
 def optimizer_state_bytes(name: str, shapes: Iterable[tuple[int, ...]], param_bytes: int = 4,

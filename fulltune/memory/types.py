@@ -7,7 +7,7 @@ from typing import Any, get_args
 
 from fulltune import spec
 from fulltune.degrees import ParallelDims
-from fulltune.levers import LEVERS  # the lever table's names, in the order the planner tries them
+from fulltune.levers import LEVERS, lever_fields  # the lever table's names, in the order the planner tries them
 from fulltune.memory.errors import MemoryConfigError
 
 # The choices are the spec's (fulltune/spec.py), defined once there.
@@ -34,6 +34,7 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 @dataclass(frozen=True)
+@lever_fields("bool", False, after="target_fraction")
 class Settings:
     """One concrete way to run a training step; everything that decides its memory.
 
@@ -66,14 +67,10 @@ class Settings:
             that do. The trainer runs the output head only at those positions (`fulltune.runtime.loss`),
             so the logits are (t, V) with t = micro_batch_size · round(target_fraction ·
             (seq_len - 1)). 1.0, the default, is the most any batch can have.
-        pure_bf16: bf16 weights and gradients, no fp32 master (`fulltune.runtime.optim`); the update is
-            compensated (Kahan buffer for adamw, stochastic rounding for adamw_4bit); activations are
-            bf16 whatever `mixed_precision` says.
-        optimizer_in_backward: each parameter is stepped and its gradient freed in backward; only with
-            gradient_accumulation_steps 1 (the planner keeps the effective batch with the micro-batch).
-        offload_optimizer: fp32 masters, gradients and optimizer states in host RAM, updated there.
-        offload_activations: the saved inputs of checkpointed layers wait in host RAM.
-        chunked_loss: the output head and cross-entropy run in tiles; no whole (t, V) tensor.
+
+    Then one bool per memory lever (fulltune/levers.py, made from its record by `lever_fields`): `pure_bf16`
+    (bf16 weights and gradients, no fp32 master; activations are bf16 whatever `mixed_precision` says),
+    `optimizer_in_backward`, `offload_optimizer`, `offload_activations`, `chunked_loss`.
     """
 
     micro_batch_size: int
@@ -91,11 +88,6 @@ class Settings:
     pipeline_schedule: str = "1f1b"
     attention_mask: bool = True
     target_fraction: float = 1.0
-    pure_bf16: bool = False
-    optimizer_in_backward: bool = False
-    offload_optimizer: bool = False
-    offload_activations: bool = False
-    chunked_loss: bool = False
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "num_processes",
@@ -228,6 +220,7 @@ class EvalRequest:
 
 
 @dataclass(frozen=True)
+@lever_fields("bool | None", None, after="target_fraction")
 class PlanRequest:
     """What the user asked for; `None` in a field means "auto": the planner may choose it.
 
@@ -260,11 +253,7 @@ class PlanRequest:
     bf16_supported: bool = False
     attention_mask: bool = True
     target_fraction: float = 1.0
-    pure_bf16: bool | None = None
-    optimizer_in_backward: bool | None = None
-    offload_optimizer: bool | None = None
-    offload_activations: bool | None = None
-    chunked_loss: bool | None = None
+    # Here, one field per memory lever: True, False or None (auto) (`lever_fields`).
     host_memory_bytes: int | None = None
     num_machines: int = 1  # the processes are spread evenly over them; host_memory_bytes is per machine
     # The evaluate stage (`evaluate.*`): planned beside training and part of `fits`; None: not planned.

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from fulltune import levers
 from fulltune.memory.estimate import _estimate
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import MemoryEstimate, PlanRequest, Settings
@@ -118,34 +119,6 @@ def tensor_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates:
     return [head + ("; " + "; ".join(others) if others else "")]
 
 
-_LEVER_TEXT = {
-    "chunked_loss": "chunked loss (no whole targets × vocabulary logits)",
-    "pure_bf16": "pure bf16 weights and gradients (no fp32 master; compensated updates)",
-    "optimizer_in_backward": "optimizer step in backward (one parameter's gradient at a time; each gradient "
-                             "clipped on its own)",
-    "offload_activations": "checkpointed layer inputs in host RAM",
-    "offload_optimizer": "fp32 masters, gradients and optimizer states in host RAM, updated on the host",
-}
-
-
-_FSDP_OFFLOAD_TEXT = ("FSDP's CPU offload (every rank's parameter, gradient and optimizer-state shards in host RAM, "
-                      "stepped there; only the gathered unit on the GPU)")
-
-
-def _pure_bf16_text(settings: Settings) -> str:
-    """What pure bf16 means for the chosen optimizer: whether small updates survive the rounding."""
-    from fulltune.runtime.optim import default_compensation
-
-    if settings.offload_optimizer and settings.strategy != "fsdp":
-        return "pure bf16 weights and gradients on the device; the fp32 masters on the host keep small updates"
-    compensation = default_compensation(settings.optimizer)
-    if compensation == "none":
-        return (f"pure bf16 weights and gradients; {settings.optimizer} offers no compensated update, so updates "
-                "below 1/256 of a weight are rounded away (as in torchtune's pure-bf16 recipes); set "
-                "train.pure_bf16: false to keep fp32 weights")
-    return f"pure bf16 weights and gradients (no fp32 master; {compensation.replace('_', ' ')} keeps small updates)"
-
-
 def lever_trade(shape: ModelShape, settings: Settings) -> dict[str, dict[str, float]]:
     """For each lever on in `settings`: the device bytes it saves and the step time it adds, against the
     same settings with that lever alone off (what `fulltune plan` explains)."""
@@ -168,9 +141,7 @@ def _lever_reasons(shape: ModelShape, configured: Settings, chosen: Candidate) -
         if getattr(configured, name):
             continue
         cost = f"+{format_seconds(t['seconds'], 's/step')}" if t["seconds"] >= 0.0005 else "no measurable step time"
-        text = _pure_bf16_text(chosen.settings) if name == "pure_bf16" else _LEVER_TEXT[name]
-        if name == "offload_optimizer" and chosen.settings.strategy == "fsdp":
-            text = _FSDP_OFFLOAD_TEXT
+        text = levers.BY_NAME[name].sentence(chosen.settings)
         out.append(f"{name}: {text}: saves {format_bytes(t['saved_bytes'])} of device memory, {cost}")
     parts = chosen.host_parts
     if parts is not None and chosen.estimate.host_bytes:

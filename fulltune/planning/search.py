@@ -195,8 +195,9 @@ def _combination(request: PlanRequest) -> lever_table.Combination:
 def _may_choose(request: PlanRequest, lever: str) -> bool:
     """Whether turning an auto lever on can save memory for this request (whether the lever table allows it
     is `_allowed_choice`'s)."""
-    # On a CPU device host RAM is the device memory: offloading saves nothing and costs copies.
-    return not (lever in ("offload_optimizer", "offload_activations") and request.device != "cuda")
+    # On a CPU device host RAM is the device memory: a lever that moves tensors to the host saves nothing there
+    # and costs copies.
+    return not (lever_table.BY_NAME[lever].slow and request.device != "cuda")
 
 
 def _allowed_choice(request: PlanRequest, micro: int, checkpointing: int | None, precision: str, optimizer: str,

@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextvars
 import functools
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+from fulltune import levers
 from fulltune.memory.pipeline import per_stage
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import Settings
@@ -83,10 +84,9 @@ OFFLOAD_OVERLAP = 0.8
 #   machines is 150-350 GB/s), a few GB/s for gloo between CPU processes, and a fixed cost per collective;
 TP_BYTES_PER_S = {"cuda": 150e9, "cpu": 2e9}
 COLLECTIVE_SECONDS = {"cuda": 20e-6, "cpu": 100e-6}
-# - the Kahan-compensated update reads and writes one more bf16 buffer: 4 B/param of extra traffic;
+# - the Kahan-compensated update reads and writes one more bf16 buffer: 4 B/param of extra traffic.
+# What each lever adds is its record's `cost` (fulltune/levers.py) over these constants (`StepCosts`).
 KAHAN_TRAFFIC = 4
-# - the chunked loss recomputes the head's logits in backward: one more head forward per target;
-# - a step in backward costs nothing extra on the device (the same update, earlier).
 
 
 @functools.lru_cache(maxsize=1)
@@ -160,30 +160,56 @@ def tensor_parallel_seconds(shape: ModelShape, settings: Settings) -> float:
 
 
 def lever_seconds(shape: ModelShape, settings: Settings) -> dict[str, float]:
-    """Step time the levers add beyond compute and the device optimizer (assumed constants above)."""
-    from fulltune.memory.flops import from_shape
+    """Step time each lever on adds beyond compute and the device optimizer: its record's `cost`
+    (fulltune/levers.py) over this model's terms; a lever whose record says it adds none is left out."""
+    step = StepCosts(shape, settings)
+    return {lever.name: lever.cost(settings, step) for lever in levers.TABLE
+            if getattr(settings, lever.name) and not isinstance(lever.cost, levers.NoAddedTime)}
 
-    s, b, ga = settings.seq_len, settings.micro_batch_size, settings.gradient_accumulation_steps
-    h, P = shape.hidden, shape.num_params
-    out: dict[str, float] = {}
-    if settings.chunked_loss:
-        flops = _flops(settings.device, "bf16" if settings.pure_bf16 else settings.mixed_precision)
-        head_forward = from_shape(shape).per_target / 3.0  # the head's logits once more, per target
-        out["chunked_loss"] = ga * b * settings.targets_per_row * head_forward / flops
-    if settings.offload_optimizer and settings.strategy == "fsdp":
-        terms = fsdp_offload_terms(shape, settings)
-        out["offload_optimizer"] = terms["exposed_pcie_s"] + terms["host_step_s"]
-    elif settings.offload_optimizer:
-        weight = 2 if settings.pure_bf16 else 4
-        # Each micro-batch's gradients go to the host; the fp32 masters come back once per step.
-        pcie = (ga * weight * P + 4 * P) / PCIE_BYTES_PER_S
-        host = _lever_host_traffic(shape, settings) / HOST_OPTIMIZER_BYTES_PER_S
-        out["offload_optimizer"] = pcie + host * HOST_OPTIMIZER_SLOWDOWN[settings.optimizer]
-    if settings.offload_activations:
-        k = min(settings.gradient_checkpointing, shape.num_layers)
-        stream = 2 if settings.pure_bf16 else 4
-        out["offload_activations"] = ga * 2 * k * stream * b * s * h / PCIE_BYTES_PER_S
-    return out
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What a lever's cost (fulltune/levers.py `Lever.cost`) reads of this model: the step's throughputs, link
+    speeds and sizes, with the constants above."""
+
+    shape: ModelShape
+    settings: Settings
+
+    @property
+    def num_params(self) -> int:
+        return self.shape.num_params
+
+    @property
+    def num_layers(self) -> int:
+        return self.shape.num_layers
+
+    @property
+    def hidden(self) -> int:
+        return self.shape.hidden
+
+    @property
+    def pcie_bytes_per_s(self) -> float:
+        return PCIE_BYTES_PER_S
+
+    @property
+    def head_forward(self) -> float:
+        """FLOPs of the output head's forward for one target position."""
+        from fulltune.memory.flops import from_shape
+
+        return from_shape(self.shape).per_target / 3.0
+
+    def flops(self, precision: str) -> float:
+        """Sustained FLOP/s of this device computing in `precision`."""
+        return _flops(self.settings.device, precision)
+
+    def fsdp_offload(self) -> dict[str, float]:
+        """FSDP2's CPU offload, term by term (`fsdp_offload_terms`)."""
+        return fsdp_offload_terms(self.shape, self.settings)
+
+    def host_optimizer_seconds(self) -> float:
+        """The host optimizer's pass over the masters, gradients and states, at its optimizer's host speed."""
+        host = _lever_host_traffic(self.shape, self.settings) / HOST_OPTIMIZER_BYTES_PER_S
+        return host * HOST_OPTIMIZER_SLOWDOWN[self.settings.optimizer]
 
 
 def fsdp_offload_terms(shape: ModelShape, settings: Settings) -> dict[str, float]:

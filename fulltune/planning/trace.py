@@ -101,11 +101,9 @@ def _check_single_process(settings: Settings) -> None:
 def build_model(config: Any, settings: Settings) -> Any:
     from transformers import AutoModelForCausalLM
 
-    from fulltune.runtime.checkpointing import apply_gradient_checkpointing
-
     import torch
 
-    from fulltune.runtime.offload import ActivationOffload
+    from fulltune.runtime.checkpointing import apply_model_levers
 
     # bf16 weights are made bf16 from the start: `model.to` cannot swap FakeTensor parameters, and the
     # trainer's cast of a fp32 model ends in the same tensors.
@@ -114,10 +112,7 @@ def build_model(config: Any, settings: Settings) -> Any:
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=settings.attn_implementation,
                                              **dtype)
     model.train()
-    # In the trainer's order (fulltune/runtime/train.py): checkpointing, bf16 weights, activation offload.
-    apply_gradient_checkpointing(model, settings.gradient_checkpointing)
-    if settings.offload_activations:
-        ActivationOffload().install(model)
+    apply_model_levers(model, settings)  # as the trainer does (fulltune/runtime/train.py apply_levers)
     return model
 
 

@@ -53,16 +53,24 @@ from typing import Any, Callable, Iterable
 import torch
 
 from fulltune import levers
+from fulltune.levers import COMPENSATIONS, default_compensation
 # The byte counts live with the memory model (pure arithmetic, fulltune/memory/optimizer_bytes.py); re-exported
 # here beside the optimizers that allocate them.
 from fulltune.memory.optimizer_bytes import (  # noqa: F401
-    BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, COMPENSATIONS, OPTIMIZERS, TORCHAO_BLOCKSIZE, TORCHAO_MIN_LOWBIT_SIZE,
-    TORCHAO_QMAP_ENTRIES, default_compensation, device_gradient_bytes, device_state_bytes, host_bytes,
-    optimizer_state_bytes, weight_bytes)
+    BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, OPTIMIZERS, TORCHAO_BLOCKSIZE, TORCHAO_MIN_LOWBIT_SIZE,
+    TORCHAO_QMAP_ENTRIES, device_gradient_bytes, device_state_bytes, host_bytes, optimizer_state_bytes, weight_bytes)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Building
+
+
+def to_bf16(model: torch.nn.Module, settings: Any) -> None:
+    """`train.pure_bf16` on the model (fulltune/levers.py): bf16 weights, no fp32 master copy (the optimizer
+    compensates its updates). A model built in bf16 (the memory trace builds its FakeTensor model so: `model.to`
+    cannot swap FakeTensor parameters) is left as it is."""
+    if any(p.dtype != torch.bfloat16 for p in model.parameters()):
+        model.to(torch.bfloat16)
 
 
 def check_levers(name: str, pure_bf16: bool = False, compensation: str | None = None,
