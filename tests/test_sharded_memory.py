@@ -1,7 +1,7 @@
 """The planner's per-rank FSDP estimate against the peak each rank measures.
 
 Two torchrun processes (gloo, CPU) shard a tiny Llama with fulltune.runtime.sharding and run two optimizer steps
-as the trainer does, each rank under FSDPMemTracker (fulltune/planning/rank_memory.py; benchmarks/sharded_memory.py
+as the trainer does, each rank under FSDPMemTracker (measuring/rank_memory.py; benchmarks/sharded_memory.py
 runs the full grid, in BENCHMARKS.md); `estimate_memory(..., Settings(strategy="fsdp", num_processes=2))` must be within 3% of
 every rank's peak. Both configurations run in one torchrun, one after the other in the same ranks.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from fulltune.memory import Settings
-from fulltune.planning.rank_memory import against_estimates
+from measuring.rank_memory import against_estimates
 
 TOLERANCE = 0.03
 BASE = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4,
