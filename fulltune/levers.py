@@ -41,15 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from fulltune.errors import ConfigError
-
-# The compensated update pure bf16 weights get (fulltune/runtime/optim.py), and which one each optimizer gets
-# unless told otherwise.
-COMPENSATIONS = ("kahan", "stochastic_rounding", "none")
-
-
-def default_compensation(optimizer: str) -> str:
-    """The compensated update `pure_bf16` gets for `optimizer` unless told otherwise."""
-    return {"adamw": "kahan", "adamw_4bit": "stochastic_rounding"}.get(optimizer, "none")
+from fulltune.optimizers import OPTIMIZER_TABLE, OPTIMIZERS_BY_NAME
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -94,7 +86,7 @@ def _pure_bf16_sentence(s: Any) -> str:
     """What pure bf16 means for the chosen optimizer: whether small updates survive the rounding."""
     if s.offload_optimizer and s.strategy != "fsdp":
         return "pure bf16 weights and gradients on the device; the fp32 masters on the host keep small updates"
-    compensation = default_compensation(s.optimizer)
+    compensation = OPTIMIZERS_BY_NAME[s.optimizer].default_compensation
     if compensation == "none":
         return (f"pure bf16 weights and gradients; {s.optimizer} offers no compensated update, so updates "
                 "below 1/256 of a weight are rounded away (as in torchtune's pure-bf16 recipes); set "
@@ -273,10 +265,23 @@ def _no_checkpointing(c: Combination) -> bool:
     return c.gradient_checkpointing is False or c.gradient_checkpointing == 0
 
 
-def _torchao_missing() -> bool:
-    import importlib.util
+def _optimizer_rules(refusal: str, fields: tuple[str, ...], where: Callable[[Combination], bool]) -> tuple[Rule, ...]:
+    """A rule per distinct `refusal` text (an `OptimizerRecord` field) of the optimizers: broken where `where`
+    holds and the optimizer is one of those giving that text."""
+    names: dict[str, list[str]] = {}
+    for record in OPTIMIZER_TABLE:
+        why = getattr(record, refusal)
+        if why:
+            names.setdefault(why, []).append(record.name)
+    return tuple(Rule(fields, lambda c, refused=tuple(refused): where(c) and c.optimizer in refused, why)
+                 for why, refused in names.items())
 
-    return importlib.util.find_spec("torchao") is None
+
+def _requirement_rules() -> tuple[Rule, ...]:
+    """What an optimizer needs installed (its record's `requires`), refused on a machine without it."""
+    return tuple(Rule(("train.optimizer",), lambda c, name=record.name: c.optimizer == name
+                      and not OPTIMIZERS_BY_NAME[name].installed(), record.requires[1], installed=True)
+                 for record in OPTIMIZER_TABLE if record.requires)
 
 
 def _stepped_by_hooks(lever: str, where: str, fsdp: str) -> Rule:
@@ -308,12 +313,9 @@ def _pipeline_rules() -> tuple[Rule, ...]:
              "the chunked head reads the output head's weight outside its module, and with data parallel beside "
              "the stages that weight is a shard (FSDP) or a replicated DTensor (DDP); turn chunked_loss off (or "
              "auto), or set num_processes to pipeline_parallel"),
-        Rule(("train.optimizer", "distributed.strategy", "distributed.pipeline_parallel"),
-             lambda c: c.pipelined and c.strategy == "ddp" and c.num_processes > c.pipeline_parallel
-             and c.optimizer in ("adamw_8bit", "adamw_4bit"),
-             "DDP beside the stages keeps each stage's parameters as replicated DTensors, which the 8-bit and "
-             "4-bit updates have no rule for (bitsandbytes' optimizer_update_32bit refuses them); use adamw or "
-             "adafactor, or set num_processes to pipeline_parallel"),
+        *_optimizer_rules("replicated_refusal", ("train.optimizer", "distributed.strategy",
+                                                 "distributed.pipeline_parallel"),
+                          lambda c: c.pipelined and c.strategy == "ddp" and c.num_processes > c.pipeline_parallel),
         Rule(("train.gradient_accumulation_steps", "distributed.pipeline_schedule"),
              lambda c: c.pipelined and c.pipeline_schedule == "1f1b"
              and c.gradient_accumulation_steps is not None and c.gradient_accumulation_steps < c.pipeline_parallel,
@@ -373,13 +375,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("train.mixed_precision", "budget.device"),
          lambda c: c.device == "cpu" and c.mixed_precision == "fp16",
          "fp16 needs a CUDA device; use bf16, no or auto on CPU"),
-    Rule(("train.optimizer",),
-         lambda c: c.optimizer == "adamw_4bit" and _torchao_missing(),
-         "4-bit optimizer states need torchao: pip install 'fulltune[lowbit]'", installed=True),
-    Rule(("train.optimizer", "distributed.strategy"),
-         lambda c: c.strategy == "fsdp" and c.optimizer in ("adamw_8bit", "adamw_4bit"),
-         "the 8-bit and 4-bit updates have no sharding rule for FSDP2's DTensor shards (bitsandbytes' "
-         "optimizer_update_32bit refuses them); use adamw or adafactor with fsdp"),
+    *_requirement_rules(),
+    *_optimizer_rules("fsdp_refusal", ("train.optimizer", "distributed.strategy"), lambda c: c.strategy == "fsdp"),
     *_pipeline_rules(),
 )
 

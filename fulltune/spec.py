@@ -18,6 +18,7 @@ from pydantic import BeforeValidator, Discriminator, Field, Tag, create_model, f
 
 from fulltune import levers
 from fulltune.degrees import ParallelDims
+from fulltune.optimizers import OPTIMIZER_TABLE, OPTIMIZERS
 from fulltune.sizes import SIZE_PATTERN, parse_size
 # The evaluate and register sections, importable from here as the rest of the schema is.
 from fulltune.spec_gates import (BUILTIN_METRICS, DEFAULT_METRIC_TIMEOUT, EvaluateSpec, LmEvalSpec,  # noqa: F401
@@ -32,7 +33,7 @@ DataFormat = Literal["text", "prompt_completion", "chat"]
 AttnImplementation = Literal["sdpa", "eager"]
 Device = Literal["cpu", "cuda"]
 MixedPrecision = Literal["bf16", "fp16", "no"]
-Optimizer = Literal["adamw", "adamw_8bit", "adamw_4bit", "adafactor"]
+Optimizer = Literal[OPTIMIZERS]  # one record each in fulltune/optimizers.py
 LrScheduler = Literal["cosine", "linear", "constant"]
 Strategy = Literal["none", "ddp", "fsdp", "auto"]
 PipelineSchedule = Literal["1f1b", "gpipe"]
@@ -204,7 +205,7 @@ class _TrainSpec(Strict):
     mixed_precision: Literal["auto", MixedPrecision] = Field("auto", description="Autocast dtype.")
     optimizer: Literal["auto", Optimizer] = Field(
         "adamw", description="`auto` lets the planner pick a cheaper optimizer when memory requires it. "
-                             "adamw_8bit: bitsandbytes (~2 B/param of states); adamw_4bit: torchao (~1 B/param)."
+                             + "; ".join(f"{r.name}: {r.description}" for r in OPTIMIZER_TABLE) + "."
     )
     learning_rate: float = Field(2e-5, gt=0, le=1, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")

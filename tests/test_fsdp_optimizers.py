@@ -6,7 +6,7 @@ tests/test_sharding.py): one process against two torchrun FSDP processes, each w
 before step 3, take it, load the state back and take it again (`--rewind-at 3`): a lost or partial
 optimizer state would leave them a whole step (~1% of the loss) off the one-process run.
 
-- adafactor (fp32): `GatheredAdafactor` gathers each parameter and its gradient and runs the unchanged
+- adafactor (fp32): `GatheredOptimizer` gathers each parameter and its gradient and runs the unchanged
   transformers update, so only the order of the gradient reduce-scatter's sums differs: measured 1.3e-7
   relative on the losses over 6 steps; asserted at 1e-5.
 - pure bf16 adamw (torch-optimi Kahan, per-parameter loop on shards): bf16 gradients reduced in another

@@ -22,6 +22,7 @@ import pytest
 from fulltune import levers
 from fulltune.runtime import optim
 from fulltune.errors import ConfigError
+from fulltune.optimizers import OPTIMIZERS
 from fulltune.runtime.launch import job_with
 from fulltune.pipelines_file import validate_pipelines
 from test_train import build_model, counting_rows, write_rows
@@ -30,7 +31,6 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "lever_table_worker.py"
-OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adafactor")
 STRATEGIES = {"none": 1, "ddp": 2, "fsdp": 2}
 # Pipeline stages (1F1B): (strategy, processes, stages) — 2 stages alone, and 2 stages beside 2 data-parallel
 # processes sharded (fsdp) or replicated (ddp).

@@ -20,6 +20,7 @@ from dataclasses import replace
 from fulltune.memory.timeline import Persistent, StepTerms, Timeline, shares
 from fulltune.memory.types import Settings
 from fulltune.memory.walk import Layout
+from fulltune.optimizers import optimizer
 
 
 def fsdp_walk(settings: Settings) -> bool:
@@ -154,8 +155,9 @@ class Units:
 
         Stepping in backward (fulltune/runtime/optim.py InBackwardOptimizer on the shards), the unit's hooks update its
         parameters (`shapes`) one at a time once the sharded output exists, the extra unit-sized tensor gone:
-        fused or Kahan AdamW in place; Adafactor gathered (`GatheredAdafactor`: the whole weight and gradient)
-        with its temporaries (measured per rank: benchmarks/sharded_memory.py --levers)."""
+        fused or Kahan AdamW in place; an optimizer that needs whole parameters (Adafactor) gathered
+        (`GatheredOptimizer`: the whole weight and gradient) with its temporaries (measured per rank:
+        benchmarks/sharded_memory.py --levers)."""
         from fulltune.memory.optimizer_bytes import optimizer_state_bytes
 
         settings, rb = tl.terms.settings, self.rb
@@ -163,7 +165,7 @@ class Units:
         if not settings.optimizer_in_backward:
             return reduce
         largest = max(shapes, key=math.prod)
-        gathered = 2 * self.wb * math.prod(largest) if settings.optimizer == "adafactor" else 0
+        gathered = 2 * self.wb * math.prod(largest) if optimizer(settings.optimizer).gathered else 0
         step = gathered + optimizer_state_bytes(settings.optimizer, [largest], self.wb)[1]
         return max(reduce, int(rb * numel / self.n) + step)
 
@@ -223,9 +225,10 @@ class Units:
                    unsharded=(0, pb * vh + rb * vh))
 
     def step(self, tl: Timeline) -> None:
-        """The step runs on the shards (AdamW: in place). Adafactor's factored statistics need whole rows and
-        columns, so fulltune/runtime/optim.py's GatheredAdafactor gathers one parameter's weight and gradient at a time
-        and runs the unsharded update on them: the largest parameter's pair plus its temporaries. Under FSDP's
+        """The step runs on the shards (AdamW: in place). An optimizer that needs whole parameters (its record's
+        `gathered`: Adafactor's factored statistics take whole rows and columns) runs as fulltune/runtime/optim.py's
+        GatheredOptimizer, which gathers one parameter's weight and gradient at a time and runs the unsharded
+        update on them: the largest parameter's pair plus its temporaries. Under FSDP's
         CPU offload the step runs on the host shards: the device holds nothing of it (the host's temporaries
         are in the phase's host parts). Stepped in backward (`post_backward`), each sharded gradient is freed
         by its step as its unit's reduce-scatter assigns it (the hooks: `Timeline.add` counts none of them):
@@ -235,7 +238,7 @@ class Units:
         if settings.optimizer_in_backward:
             return
         step_temp = 0
-        if settings.optimizer == "adafactor" and not levers.sharded_offload:
+        if optimizer(settings.optimizer).gathered and not levers.sharded_offload:
             largest = x.shape.largest_param_numel
             step_temp = 2 * self.wb * largest + levers.states_temp
         tl.add("optimizer step", x.grads_total, 0, 0, step_temp)

@@ -49,8 +49,7 @@ class Settings:
             gradients and optimizer states stay fp32; autocast keeps 16-bit copies of the weights
             and 16-bit activations for the forward and backward pass. Accelerate ignores `fp16` on
             CPU, so it is counted as `no` there.
-        optimizer: `adamw` (torch, fused: 8 B/param), `adamw_8bit` (bitsandbytes: ~2 B/param),
-            `adafactor` (transformers, factored second moment, no first moment).
+        optimizer: the name of a record of fulltune/optimizers.py (`adamw`, `adamw_8bit`, ...).
         attn_implementation: `sdpa` (fused attention) or `eager` (keeps the s×s score matrices).
         device: `cpu` or `cuda`; decides the attention kernel and the runtime overhead.
         strategy: how parameters, gradients and optimizer states are split over processes.

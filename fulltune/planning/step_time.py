@@ -19,6 +19,7 @@ from fulltune import levers
 from fulltune.memory.pipeline import per_stage
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import Settings
+from fulltune.optimizers import OPTIMIZER_TABLE, compensation_of
 
 # Only the ranking of candidates matters, so the constants are round numbers:
 # sustained matmul throughput per device and precision (FLOP/s), the number of tokens per
@@ -55,22 +56,20 @@ HALF_EFFICIENCY_TOKENS = {"cuda": 1024, "cpu": 16}
 # measured 6–7% of the step per layer on CPU against 5% from FLOPs alone.
 RECOMPUTE_OVERHEAD = 1.4
 BANDWIDTH = {"cuda": 2.0e12, "cpu": 2.0e10}
-# Bytes the optimizer reads and writes per parameter in one step (weights, grads, states).
-OPTIMIZER_TRAFFIC = {"adamw": 32, "adamw_8bit": 20, "adamw_4bit": 18, "adafactor": 20}
-# bitsandbytes' 8-bit AdamW on CPU runs a scalar fallback: ~20× fused AdamW's step time, i.e.
-# what ~450 bytes per parameter would cost at the CPU bandwidth above.
-CPU_OPTIMIZER_TRAFFIC = {**OPTIMIZER_TRAFFIC, "adamw_8bit": 450}
-# Penalties for choices that cost more than their FLOPs show: 8-bit AdamW ≈5% slower per step
-# (torchao optim README: bnb 8-bit 3000 vs fused AdamW 3200 tok/s, Llama2-7B), Adafactor's factored second moment converges slower on fine-tuning tasks.
-OPTIMIZER_PENALTY = {"adamw": 1.0, "adamw_8bit": 1.05, "adamw_4bit": 1.1, "adafactor": 1.12}
+# Each optimizer's own numbers are its record's (fulltune/optimizers.py): the bytes it reads and writes per
+# parameter in one step (weights, grads, states; on a CPU device where that differs), the penalty for what its
+# FLOPs do not show, and its host step's speed against fused AdamW's.
+OPTIMIZER_TRAFFIC = {r.name: r.traffic for r in OPTIMIZER_TABLE}
+CPU_OPTIMIZER_TRAFFIC = {r.name: r.cpu_traffic or r.traffic for r in OPTIMIZER_TABLE}
+OPTIMIZER_PENALTY = {r.name: r.penalty for r in OPTIMIZER_TABLE}
 # Memory levers (assumptions, to be replaced by measurements on a GPU: benchmarks/device_check.py):
 # - host↔device copies run at ~25 GB/s (PCIe 4.0 x16 pinned-memory copies reach 22–26 GB/s);
 PCIE_BYTES_PER_S = 25e9
 # - the host optimizer of `offload_optimizer` moves ~1.5 GB/s of its fp32 masters, gradients and states
 #   (ZeRO-Offload's CPU Adam is 1–2 GB/s-class per socket without AVX-512 tuning; torch's fused CPU AdamW
-#   is in that range too), and bitsandbytes' 8-bit AdamW on a CPU is ~20× slower (its scalar fallback);
+#   is in that range too), each optimizer at its record's `host_slowdown` of that;
 HOST_OPTIMIZER_BYTES_PER_S = 1.5e9
-HOST_OPTIMIZER_SLOWDOWN = {"adamw": 1.0, "adamw_8bit": 20.0, "adamw_4bit": 1.0, "adafactor": 1.0}
+HOST_OPTIMIZER_SLOWDOWN = {r.name: r.host_slowdown for r in OPTIMIZER_TABLE}
 # - under FSDP's CPU offload over several processes the parameter and gradient copies of one unit overlap the
 #   compute of its neighbour (FSDP2 copies the shards in on its all-gather streams and prefetches the next unit;
 #   gradients go out on its reduce-scatter stream); assumed: 80% of the compute time hides copies, the rest is
@@ -116,7 +115,7 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
     shard = settings.num_processes if settings.strategy in ("fsdp", "deepspeed_zero2", "deepspeed_zero3") else 1
     traffic = (CPU_OPTIMIZER_TRAFFIC if settings.device == "cpu" else OPTIMIZER_TRAFFIC)[settings.optimizer]
     if settings.pure_bf16:  # bf16 weights, gradients and (adamw) states: half the traffic, plus Kahan's buffer
-        traffic = traffic / 2 + (KAHAN_TRAFFIC if settings.optimizer == "adamw" else 0)
+        traffic = traffic / 2 + (KAHAN_TRAFFIC if compensation_of(settings) == "kahan" else 0)
     optimizer = shape.num_params / shard * traffic / BANDWIDTH[settings.device]
     if settings.offload_optimizer:
         optimizer = 0.0

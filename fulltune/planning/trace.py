@@ -316,7 +316,7 @@ def measure_cuda(config: Any, settings: Settings, steps: int = 2) -> dict[str, i
 # Traced peaks kept across processes
 
 # The code a trace runs: the trainer's step and everything it builds (optimizers, loss, levers), the model loader.
-TRACED_CODE = ("planning/trace.py", "runtime", "memory/types.py", "models.py", "levers.py")
+TRACED_CODE = ("planning/trace.py", "runtime", "memory/types.py", "models.py", "levers.py", "optimizers.py")
 
 def stored_peak(config_json: str, settings: Settings) -> tuple[Path, int | None]:
     """(where the traced peak of this step is kept, the peak when a trace of it was kept before).

@@ -4,19 +4,16 @@
                     offload_optimizer=..., gradient_accumulation_steps=..., max_grad_norm=..., fake=...)
     optimizer_for(model, settings, lr=..., ...)   # the same, with a plan's optimizer and levers
 
-Optimizers (`name`), and their state per parameter element (`optimizer_state_bytes` counts it exactly):
-
-    adamw        torch AdamW, fused kernel (CPU and CUDA)                         8 B (fp32 weights)
-    adamw_8bit   bitsandbytes AdamW8bit, block-wise 8-bit states (256 / block)    ~2 B
-    adamw_4bit   torchao AdamW4bit, block-wise 4-bit states (128 / block)         ~1 B
-    adafactor    transformers Adafactor, factored second moment, no first moment  ~0 B for matrices
+Each optimizer (`name`) is a record of fulltune/optimizers.py (its states, what refuses it) and a builder here
+(`BUILDERS`: its update, given parameter groups, a learning rate and a compensation).
 
 Levers (each composes with every optimizer above, except where `check_levers` says otherwise; how they
 combine with each other and with the strategy is fulltune/levers.py):
 
 - `pure_bf16`: the weights and gradients are bf16 and there is no fp32 master copy (2 + 2 B/param
   instead of 4 + 4). A bf16 weight cannot hold an update smaller than 1/256 of itself, so plain
-  updates are lost late in training; the update is compensated instead (`compensation`):
+  updates are lost late in training; the update is compensated instead (`compensation`, offered per optimizer
+  by its record):
     kahan                torch-optimi AdamW with `kahan_sum`: a bf16 buffer keeps what rounding dropped
                          and adds it back next step (+2 B/param; states bf16: 2 + 2 + 2 = 6 B/param).
                          Chosen for `adamw` because it is pure PyTorch (CPU and CUDA, no compiler), small,
@@ -33,8 +30,9 @@ combine with each other and with the strategy is fulltune/levers.py):
   the host (ZeRO-Offload's split); the device keeps only its weights. See `HostOffloadOptimizer`.
 
 Sharded parameters (FSDP2 DTensors, `distributed.strategy: fsdp`): adamw (torch fused, or torch-optimi
-Kahan in its per-parameter loop) updates each shard where it is; adafactor needs whole rows and columns
-and runs as `GatheredAdafactor` (one gathered parameter at a time, exact to one process).
+Kahan in its per-parameter loop) updates each shard where it is; an optimizer whose record says `gathered`
+(adafactor: whole rows and columns) runs as `GatheredOptimizer` (one gathered parameter at a time, exact to one
+process).
 
 The two wrappers are torch Optimizers (LR schedulers, Accelerate and checkpoints take them as any other)
 and add `clip_grad_norm_(max_norm)`, which the trainer must call instead of `clip_grad_norm_` over the
@@ -53,12 +51,12 @@ from typing import Any, Callable, Iterable
 import torch
 
 from fulltune import levers
-from fulltune.levers import COMPENSATIONS, default_compensation
-# The byte counts live with the memory model (pure arithmetic, fulltune/memory/optimizer_bytes.py); re-exported
-# here beside the optimizers that allocate them.
+# The byte counts live with the records and the memory model (pure arithmetic); re-exported here beside the
+# optimizers that allocate them.
 from fulltune.memory.optimizer_bytes import (  # noqa: F401
-    BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, OPTIMIZERS, TORCHAO_BLOCKSIZE, TORCHAO_MIN_LOWBIT_SIZE,
-    TORCHAO_QMAP_ENTRIES, device_gradient_bytes, device_state_bytes, host_bytes, optimizer_state_bytes, weight_bytes)
+    device_gradient_bytes, device_state_bytes, host_bytes, optimizer_state_bytes, weight_bytes)
+from fulltune.optimizers import (BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, OPTIMIZER_TABLE, OPTIMIZERS,  # noqa: F401
+                                 TORCHAO_BLOCKSIZE, TORCHAO_MIN_LOWBIT_SIZE, TORCHAO_QMAP_ENTRIES, optimizer)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -86,17 +84,18 @@ def check_levers(name: str, pure_bf16: bool = False, compensation: str | None = 
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer: unknown {name!r}; expected one of {', '.join(OPTIMIZERS)}")
+    record = optimizer(name)
     if compensation is None or compensation == "auto":
-        compensation = default_compensation(name)
-    if compensation not in COMPENSATIONS:
-        raise ValueError(f"compensation: unknown {compensation!r}; expected auto or one of {', '.join(COMPENSATIONS)}")
+        compensation = record.default_compensation
+    known = {c for r in OPTIMIZER_TABLE for c in r.compensations}
+    if compensation not in known:
+        raise ValueError(f"compensation: unknown {compensation!r}; expected auto or one of {', '.join(sorted(known))}")
     if not pure_bf16 or offload_optimizer:
         # fp32 weights, or fp32 masters on the host: nothing to compensate.
         return "none"
-    allowed = {"adamw": ("kahan", "stochastic_rounding", "none"), "adamw_8bit": ("stochastic_rounding", "none"),
-               "adamw_4bit": ("stochastic_rounding", "none"), "adafactor": ("none",)}[name]
-    if compensation not in allowed:
-        raise ValueError(f"compensation: {name} offers {' or '.join(allowed)} with pure bf16 weights, not {compensation}")
+    if compensation not in record.compensations:
+        raise ValueError(f"compensation: {name} offers {' or '.join(record.compensations)} with pure bf16 weights, "
+                         f"not {compensation}")
     return compensation
 
 
@@ -166,44 +165,63 @@ def build_optimizer(model_or_params: torch.nn.Module | Iterable[Any], name: str 
     return _base_optimizer(name, groups, lr, compensation, fake)
 
 
+# Optimizers whose kernels cannot run on FakeTensors (bitsandbytes' C code, torchao's compiled update): the memory
+# trace steps `FakeStatesOptimizer` for them, which allocates their states.
+_FAKE_LAYOUTS = ("adamw_8bit", "adamw_4bit")
+
+
 def _base_optimizer(name: str, groups: list[dict[str, Any]], lr: float, compensation: str,
                     fake: bool) -> torch.optim.Optimizer:
-    if fake and (name in ("adamw_8bit", "adamw_4bit") or compensation in ("kahan", "stochastic_rounding")):
+    if fake and (name in _FAKE_LAYOUTS or compensation in ("kahan", "stochastic_rounding")):
         return FakeStatesOptimizer(groups, lr=lr, layout=name, compensation=compensation)
-    if name == "adamw":
-        if compensation == "kahan":
-            import optimi
-
-            # torch AdamW's betas and eps (optimi defaults to 0.99 / 1e-6); decoupled weight decay
-            # scaled by lr, as torch AdamW.
-            # Sharded (DTensor) parameters: optimi's foreach path calls `_foreach_copy_`, which has no
-            # DTensor sharding strategy (torch 2.13), so they take its per-parameter loop (elementwise
-            # ops on local shards) and never its Triton kernel.
-            sharded = _has_dtensor(groups)
-            return optimi.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, kahan_sum=True,
-                                foreach=not sharded, **({"triton": False} if sharded else {}))
-        if compensation == "stochastic_rounding":
-            return _torchao_optim()._AdamW(groups, lr=lr, bf16_stochastic_round=True)
-        return torch.optim.AdamW(groups, lr=lr, fused=True)
-    if name == "adamw_8bit":
-        if compensation == "stochastic_rounding":
-            return _torchao_optim().AdamW8bit(groups, lr=lr, bf16_stochastic_round=True)
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(groups, lr=lr)
-    if name == "adamw_4bit":
-        # torchao's 4-bit AdamW: the only maintained 4-bit optimizer that runs on CPU and CUDA; its
-        # per-parameter update is torch.compile'd (one compile per parameter shape, seconds each on CPU).
-        return _torchao_optim().AdamW4bit(groups, lr=lr, bf16_stochastic_round=compensation == "stochastic_rounding")
-    if _has_dtensor(groups):
-        return GatheredAdafactor(groups, lr=lr)
-    return _adafactor(groups, lr)
+    build = BUILDERS[name]
+    if optimizer(name).gathered and _has_dtensor(groups):
+        return GatheredOptimizer(groups, lambda inner: build(inner, lr, compensation))
+    return build(groups, lr, compensation)
 
 
-def _adafactor(groups: list[dict[str, Any]], lr: float) -> torch.optim.Optimizer:
+def _adamw(groups: list[dict[str, Any]], lr: float, compensation: str) -> torch.optim.Optimizer:
+    if compensation == "kahan":
+        import optimi
+
+        # torch AdamW's betas and eps (optimi defaults to 0.99 / 1e-6); decoupled weight decay
+        # scaled by lr, as torch AdamW.
+        # Sharded (DTensor) parameters: optimi's foreach path calls `_foreach_copy_`, which has no
+        # DTensor sharding strategy (torch 2.13), so they take its per-parameter loop (elementwise
+        # ops on local shards) and never its Triton kernel.
+        sharded = _has_dtensor(groups)
+        return optimi.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, kahan_sum=True,
+                            foreach=not sharded, **({"triton": False} if sharded else {}))
+    if compensation == "stochastic_rounding":
+        return _torchao_optim()._AdamW(groups, lr=lr, bf16_stochastic_round=True)
+    return torch.optim.AdamW(groups, lr=lr, fused=True)
+
+
+def _adamw_8bit(groups: list[dict[str, Any]], lr: float, compensation: str) -> torch.optim.Optimizer:
+    if compensation == "stochastic_rounding":
+        return _torchao_optim().AdamW8bit(groups, lr=lr, bf16_stochastic_round=True)
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(groups, lr=lr)
+
+
+def _adamw_4bit(groups: list[dict[str, Any]], lr: float, compensation: str) -> torch.optim.Optimizer:
+    # torchao's 4-bit AdamW: the only maintained 4-bit optimizer that runs on CPU and CUDA; its
+    # per-parameter update is torch.compile'd (one compile per parameter shape, seconds each on CPU).
+    return _torchao_optim().AdamW4bit(groups, lr=lr, bf16_stochastic_round=compensation == "stochastic_rounding")
+
+
+def _adafactor(groups: list[dict[str, Any]], lr: float, compensation: str = "none") -> torch.optim.Optimizer:
     from transformers.optimization import Adafactor
 
     return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
+
+
+# One builder per record of fulltune/optimizers.py: the optimizer over parameter groups at a learning rate, with
+# the update pure bf16 weights get (`check_levers` has checked the record offers it).
+BUILDERS: dict[str, Callable[[list[dict[str, Any]], float, str], torch.optim.Optimizer]] = {
+    "adamw": _adamw, "adamw_8bit": _adamw_8bit, "adamw_4bit": _adamw_4bit, "adafactor": _adafactor}
+assert set(BUILDERS) == set(OPTIMIZERS), "every optimizer of fulltune/optimizers.py has a builder here"
 
 
 def _has_dtensor(groups: list[dict[str, Any]]) -> bool:
@@ -279,20 +297,21 @@ class FakeStatesOptimizer(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-float(group["lr"]))
 
 
-class GatheredAdafactor(torch.optim.Optimizer):
-    """transformers Adafactor over sharded parameters (FSDP2 DTensors), with the update one process makes.
+class GatheredOptimizer(torch.optim.Optimizer):
+    """An optimizer that needs whole parameters (its record's `gathered`: Adafactor's rows and columns), over
+    sharded parameters (FSDP2 DTensors), with the update one process makes.
 
     Adafactor's factored second moment takes row and column means of the whole gradient and clips by the
     RMS of the whole update, and its states are plain tensors, which DTensor ops refuse to mix with shards.
     So `step` takes one parameter at a time: it gathers the weight and the gradient (`full_tensor()`, two
-    all-gathers), runs the unchanged inner Adafactor on a plain proxy tensor holding the whole weight,
-    copies this process's rows back into its shard, and empties the proxy. Every process computes the same
-    update from the same whole tensors, so the states are the same on every process and the weights are
-    what one unsharded process gets.
+    all-gathers), runs the unchanged inner optimizer (built by `make(groups)`) on a plain proxy tensor holding
+    the whole weight, copies this process's rows back into its shard, and empties the proxy. Every process
+    computes the same update from the same whole tensors, so the states are the same on every process and the
+    weights are what one unsharded process gets.
 
-    Memory: the states `_adafactor_bytes` counts, whole on every process (row and column means of
+    Memory: the inner optimizer's states, whole on every process (Adafactor's row and column means of
     matrices are small; a vector's second moment is whole, not sharded), plus, during `step`, ONE
-    parameter's whole weight and whole gradient at a time beside Adafactor's own temporaries.
+    parameter's whole weight and whole gradient at a time beside the inner optimizer's own temporaries.
     `step` is collective: every process must call it.
 
     `param_groups` are this optimizer's own (an LR scheduler's writes reach the inner one at each step)
@@ -301,7 +320,8 @@ class GatheredAdafactor(torch.optim.Optimizer):
     replicated plain tensors.
     """
 
-    def __init__(self, groups: list[dict[str, Any]], lr: float = 1e-4) -> None:
+    def __init__(self, groups: list[dict[str, Any]],
+                 make: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]) -> None:
         self._proxies: dict[torch.Tensor, torch.Tensor] = {}
         inner_groups = []
         for group in groups:
@@ -311,7 +331,7 @@ class GatheredAdafactor(torch.optim.Optimizer):
                 self._proxies[p] = torch.empty(0, dtype=p.dtype, device=p.device)
                 proxies.append(self._proxies[p])
             inner_groups.append({**group, "params": proxies})
-        self.inner = _adafactor(inner_groups, lr)
+        self.inner = make(inner_groups)
         super().__init__(groups, self.inner.defaults)
 
     @torch.no_grad()
