@@ -37,11 +37,12 @@ strategy fsdp or ddp over each stage's dp processes) trains, except with the chu
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from fulltune.errors import ConfigError
-from fulltune.optimizers import OPTIMIZER_TABLE, OPTIMIZERS_BY_NAME
+from fulltune.optimizers import OPTIMIZER_TABLE, OPTIMIZERS_BY_NAME, STOCHASTIC_NEEDS, compensation_of
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -83,15 +84,18 @@ class Lever:
 
 
 def _pure_bf16_sentence(s: Any) -> str:
-    """What pure bf16 means for the chosen optimizer: whether small updates survive the rounding."""
+    """What pure bf16 means for the chosen optimizer and compensation: whether small updates survive the
+    rounding (what the compensation costs is `planning/reasons.py` `compensation_reasons`)."""
     if s.offload_optimizer and s.strategy != "fsdp":
         return "pure bf16 weights and gradients on the device; the fp32 masters on the host keep small updates"
-    compensation = OPTIMIZERS_BY_NAME[s.optimizer].default_compensation
+    compensation = compensation_of(s)
     if compensation == "none":
-        return (f"pure bf16 weights and gradients; {s.optimizer} offers no compensated update, so updates "
-                "below 1/256 of a weight are rounded away (as in torchtune's pure-bf16 recipes); set "
-                "train.pure_bf16: false to keep fp32 weights")
-    return f"pure bf16 weights and gradients (no fp32 master; {compensation.replace('_', ' ')} keeps small updates)"
+        why = ("train.compensation none" if s.compensation == "none"
+               else f"{s.optimizer} offers no compensated update")
+        return (f"pure bf16 weights and gradients; {why}, so updates below 1/256 of a weight are rounded away (as "
+                "in torchtune's pure-bf16 recipes); set train.pure_bf16: false to keep fp32 weights")
+    kept = {"kahan": "Kahan summation", "stochastic": "stochastic rounding"}[compensation]
+    return f"pure bf16 weights and gradients (no fp32 master; {kept} keeps small updates)"
 
 
 def _offload_optimizer_sentence(s: Any) -> str:
@@ -138,7 +142,8 @@ TABLE: tuple[Lever, ...] = (
     Lever("pure_bf16",
           description="bf16 weights and gradients with no fp32 master copy (2 + 2 B/param instead of 4 + 4); "
                       "updates are Kahan-compensated (adamw) or stochastically rounded (adamw_4bit) so small "
-                      "ones are not lost. `auto`: the planner turns it on when memory requires it.",
+                      "ones are not lost (train.compensation). `auto`: the planner turns it on when memory "
+                      "requires it.",
           sentence=_pure_bf16_sentence,
           cost=NoAddedTime("it changes the optimizer's own pass (fulltune/planning/step_time.py step_seconds: "
                            "half the traffic, plus the Kahan buffer's)"),
@@ -225,6 +230,7 @@ class Combination:
     gradient_checkpointing: bool | int | None = None
     device: str | None = None
     bf16_supported: bool | None = None
+    compensation: str | None = None  # None: auto, the optimizer's default
 
     def on(self, lever: str) -> bool:
         """The lever is turned on (not auto, not off)."""
@@ -282,6 +288,27 @@ def _requirement_rules() -> tuple[Rule, ...]:
     return tuple(Rule(("train.optimizer",), lambda c, name=record.name: c.optimizer == name
                       and not OPTIMIZERS_BY_NAME[name].installed(), record.requires[1], installed=True)
                  for record in OPTIMIZER_TABLE if record.requires)
+
+
+def _compensation_rules() -> tuple[Rule, ...]:
+    """`train.compensation`: what the optimizer offers pure bf16 weights (its record's `compensations`), not
+    beside fp32 masters on the host, and stochastic rounding only with torchao installed. (A compensation named
+    with `pure_bf16: false` is the spec's own check.)"""
+    return (
+        *(Rule(("train.compensation", "train.optimizer"),
+               lambda c, r=record: c.optimizer == r.name and c.on("pure_bf16") and c.compensation is not None
+               and c.compensation not in r.compensations,
+               f"{record.name} offers {' or '.join(record.compensations)} with pure bf16 weights; set compensation "
+               "to one of them or auto")
+          for record in OPTIMIZER_TABLE),
+        Rule(("train.compensation", "train.offload_optimizer"),
+             lambda c: c.compensation not in (None, "none") and c.on("offload_optimizer") and c.fixed_not_fsdp,
+             "the offloaded optimizer steps fp32 masters in host RAM, which keep every update: there is nothing to "
+             "compensate; set compensation auto or none, or use strategy fsdp (FSDP's CPU offload steps the bf16 "
+             "shards)"),
+        Rule(("train.compensation",), lambda c: c.compensation == "stochastic"
+             and importlib.util.find_spec(STOCHASTIC_NEEDS[0]) is None, STOCHASTIC_NEEDS[1], installed=True),
+    )
 
 
 def _stepped_by_hooks(lever: str, where: str, fsdp: str) -> Rule:
@@ -358,6 +385,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("train.pure_bf16", "budget.device"),
          lambda c: c.on("pure_bf16") and c.bf16_supported is False,
          "this GPU has no bf16 support; turn pure_bf16 off"),
+    *_compensation_rules(),
     # Under FSDP2 a checkpointed layer's offloaded input comes back to the device for its recompute beside the
     # gathered unit: the memory model counts that (memory/walk.py), but no FSDP step with offloaded activations
     # has been measured on a GPU (on a CPU device nothing is offloaded, so none can be measured there).
@@ -411,7 +439,7 @@ def from_spec(pipeline: object) -> Combination:
         pipeline_schedule=distributed.pipeline_schedule,
         gradient_accumulation_steps=auto(train.gradient_accumulation_steps),
         mixed_precision=auto(train.mixed_precision), gradient_checkpointing=auto(train.gradient_checkpointing),
-        device=auto(budget.device))
+        device=auto(budget.device), compensation=auto(train.compensation))  # type: ignore[arg-type]
 
 
 def from_settings(settings: object, bf16_supported: bool | None = None) -> Combination:
@@ -425,4 +453,5 @@ def from_settings(settings: object, bf16_supported: bool | None = None) -> Combi
         pipeline_parallel=getattr(s, "pipeline_parallel", 1), pipeline_schedule=getattr(s, "pipeline_schedule", "1f1b"),
         optimizer=s.optimizer, gradient_accumulation_steps=s.gradient_accumulation_steps,  # type: ignore[attr-defined]
         mixed_precision=s.mixed_precision, gradient_checkpointing=s.gradient_checkpointing,  # type: ignore[attr-defined]
-        device=s.device, bf16_supported=bf16_supported)  # type: ignore[attr-defined]
+        device=s.device, bf16_supported=bf16_supported,  # type: ignore[attr-defined]
+        compensation=None if s.compensation == "auto" else s.compensation)  # type: ignore[attr-defined]

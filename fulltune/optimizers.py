@@ -46,6 +46,8 @@ def _adamw_bytes(shapes: Shapes, param_bytes: int, compensation: str) -> tuple[i
 
 
 def _bnb_8bit_bytes(shapes: Shapes, param_bytes: int, compensation: str) -> tuple[int, int]:
+    if compensation == "stochastic":  # torchao's AdamW8bit, which rounds stochastically, in place of bitsandbytes
+        return torchao_state_bytes(8, shapes, param_bytes), 0
     state = 0
     for sh in shapes:
         n = _n(sh)
@@ -122,6 +124,18 @@ class OptimizerRecord:
         return self.requires is None or importlib.util.find_spec(self.requires[0]) is not None
 
 
+# How pure bf16 weights keep updates smaller than their rounding step (`train.compensation`; an optimizer's record
+# says which it offers): what each is, and what it costs beyond the optimizer's states (fulltune/runtime/optim.py).
+COMPENSATIONS = {
+    "kahan": "a bf16 buffer per weight keeps what each update's rounding drops and adds it back (Kahan summation: "
+             "+2 B/param)",
+    "stochastic": "each update rounds up or down at random in proportion to what it drops, so small updates "
+                  "survive on average (no extra state; torchao)",
+    "none": "plain rounding: updates below 1/256 of a weight are lost (torchtune's pure-bf16 recipes)",
+}
+# Stochastic rounding is torchao's (its `bf16_stochastic_round` AdamW variants); torch-optimi has none.
+STOCHASTIC_NEEDS = ("torchao", "stochastic rounding needs torchao: pip install 'fulltune[lowbit]'")
+
 # What the 8-bit and 4-bit updates cannot take: DTensor parameters, sharded or replicated.
 _NO_DTENSOR_FSDP = ("the 8-bit and 4-bit updates have no sharding rule for FSDP2's DTensor shards (bitsandbytes' "
                     "optimizer_update_32bit refuses them); use adamw or adafactor with fsdp")
@@ -136,7 +150,7 @@ OPTIMIZER_TABLE: tuple[OptimizerRecord, ...] = (
         state_bytes=_adamw_bytes, traffic=32, penalty=1.0, host_slowdown=1.0,
         # Kahan: torch-optimi's AdamW with `kahan_sum`, pure PyTorch (CPU and CUDA, no compiler), the
         # AnyPrecisionAdamW update torchdistx validated; stochastic rounding: torchao's `_AdamW`.
-        compensations=("kahan", "stochastic_rounding", "none")),
+        compensations=("kahan", "stochastic", "none")),
     OptimizerRecord(
         "adamw_8bit", "bitsandbytes (~2 B/param of states)",
         state_bytes=_bnb_8bit_bytes, traffic=20,
@@ -144,14 +158,14 @@ OPTIMIZER_TABLE: tuple[OptimizerRecord, ...] = (
         # CPU bitsandbytes runs a scalar fallback: ~20× fused AdamW's step time, what ~450 bytes per parameter
         # would cost at the CPU's bandwidth, and ~20× on the host of `offload_optimizer` alike.
         penalty=1.05, cpu_traffic=450, host_slowdown=20.0,
-        compensations=("none", "stochastic_rounding"),  # torchao's AdamW8bit rounds stochastically
+        compensations=("none", "stochastic"),  # torchao's AdamW8bit rounds stochastically
         fsdp_refusal=_NO_DTENSOR_FSDP, replicated_refusal=_NO_DTENSOR_REPLICATED),
     OptimizerRecord(
         "adamw_4bit", "torchao (~1 B/param)",
         state_bytes=lambda shapes, param_bytes, compensation: (torchao_state_bytes(4, shapes, param_bytes), 0),
         traffic=18, penalty=1.1, host_slowdown=1.0,
         # Stochastic rounding is its only compensated path; its update is torch.compile'd.
-        compensations=("stochastic_rounding", "none"),
+        compensations=("stochastic", "none"),
         fsdp_refusal=_NO_DTENSOR_FSDP, replicated_refusal=_NO_DTENSOR_REPLICATED,
         requires=("torchao", "4-bit optimizer states need torchao: pip install 'fulltune[lowbit]'"), auto="levers"),
     OptimizerRecord(
@@ -176,9 +190,11 @@ def optimizer(name: str) -> OptimizerRecord:
 
 
 def compensation_of(settings: object) -> str:
-    """The update pure bf16 weights get under planned `settings` (a `fulltune.memory.Settings`): its optimizer's
-    default; "none" without pure bf16, or with fp32 masters on the host (`offload_optimizer` on one process)."""
+    """The update pure bf16 weights get under planned `settings` (a `fulltune.memory.Settings`): its
+    `compensation`, or its optimizer's default where that is `auto`; "none" without pure bf16, or with fp32
+    masters on the host (`offload_optimizer` on one process)."""
     s = settings
     if not s.pure_bf16 or (s.offload_optimizer and s.strategy != "fsdp"):  # type: ignore[attr-defined]
         return "none"
-    return optimizer(s.optimizer).default_compensation  # type: ignore[attr-defined]
+    chosen = getattr(s, "compensation", "auto")
+    return optimizer(s.optimizer).default_compensation if chosen == "auto" else chosen  # type: ignore[attr-defined]

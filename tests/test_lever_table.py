@@ -59,8 +59,8 @@ def schedule_of(on: dict[str, bool]) -> str:
     return "gpipe" if on["pure_bf16"] else "1f1b"
 
 
-def validate(on: dict[str, bool], optimizer: str, strategy: str) -> str | None:
-    """None when the pipelines file validates; else the error message."""
+def validate(on: dict[str, bool], optimizer: str, strategy: str, **train: str) -> str | None:
+    """None when the pipelines file validates (`train`: more keys of its train section); else the error message."""
     micro, accumulation = batch_of(on, strategy)
     name, processes, stages = layout_of(strategy)
     schedule = {"pipeline_schedule": schedule_of(on)} if stages > 1 else {}
@@ -68,7 +68,7 @@ def validate(on: dict[str, bool], optimizer: str, strategy: str) -> str | None:
         "model": {"name_or_path": "local/model"}, "data": {"train": "train.jsonl"}, "budget": {"device": "cpu"},
         "train": {"effective_batch_size": EFFECTIVE_BATCH, "micro_batch_size": micro,
                   "gradient_accumulation_steps": accumulation, "gradient_checkpointing": True,
-                  "mixed_precision": "bf16", "optimizer": optimizer, **on},
+                  "mixed_precision": "bf16", "optimizer": optimizer, **on, **train},
         "distributed": {"strategy": name, "num_processes": processes, "pipeline_parallel": stages, **schedule}}}}
     try:
         validate_pipelines(raw)
@@ -85,14 +85,15 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"model": root / "model", "data": root / "train.parquet", "root": root}
 
 
-def job_text(assets: dict[str, Path], on: dict[str, bool], optimizer: str, strategy: str, index: int) -> str:
+def job_text(assets: dict[str, Path], on: dict[str, bool], optimizer: str, strategy: str, index: int,
+             **plan: str) -> str:
     micro, accumulation = batch_of(on, strategy)
     name, processes, stages = layout_of(strategy)
     job = job_with(str(assets["model"]), str(assets["data"]), str(assets["root"] / "runs" / strategy / str(index)),
                    micro_batch_size=micro, gradient_accumulation_steps=accumulation, gradient_checkpointing=2,
                    mixed_precision="bf16", optimizer=optimizer, strategy=name, num_processes=processes,
                    pipeline_parallel=stages, max_steps=2, checkpoint_every_steps=0, learning_rate=1e-2,
-                   warmup_ratio=0.0, **({"pipeline_schedule": schedule_of(on)} if stages > 1 else {}), **on)
+                   warmup_ratio=0.0, **({"pipeline_schedule": schedule_of(on)} if stages > 1 else {}), **on, **plan)
     return job.to_json()
 
 
@@ -160,6 +161,33 @@ def test_every_lever_optimizer_strategy_combination_is_refused_by_validate_or_tr
     assert train_accepted(assets, accepted) == []
 
 
+def test_every_compensation_with_every_optimizer_is_refused_by_validate_or_trains(assets) -> None:
+    """`train.compensation` with pure bf16 weights (one process): each optimizer trains what its record offers
+    (stochastic rounding only with torchao installed) and validate refuses the rest, naming train.compensation."""
+    on = {**dict.fromkeys(levers.LEVERS, False), "pure_bf16": True}
+    accepted = []
+    for optimizer in OPTIMIZERS:
+        for compensation in ("kahan", "stochastic", "none"):
+            problem = validate(on, optimizer, "none", compensation=compensation)
+            if problem is None:
+                accepted.append((optimizer, compensation))
+            else:
+                assert "pipelines.t" in problem and ("train.compensation" in problem or "train.optimizer" in problem)
+    torchao = optim.torchao_available()
+    expected = {("adamw", "kahan"), ("adamw", "none"), ("adamw_8bit", "none"), ("adafactor", "none")}
+    if torchao:
+        expected |= {("adamw", "stochastic"), ("adamw_8bit", "stochastic"), ("adamw_4bit", "stochastic"),
+                     ("adamw_4bit", "none")}
+    assert set(accepted) == expected
+    texts = [job_text(assets, on, optimizer, "none", i, compensation=compensation)
+             for i, (optimizer, compensation) in enumerate(accepted)]
+    results = train_all(assets, texts, 1, "compensation")
+    failures = [f"{combo}: {result}" for combo, result in zip(accepted, results)
+                if "error" in result or not (all(loss == loss and loss < 1e4 for loss in result["losses"])
+                                             and result["moved"])]
+    assert failures == []
+
+
 def test_a_refused_combination_exits_2_from_fulltune_validate_naming_its_fields(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "fulltune.cli", "validate", str(ROOT / "pipelines.yaml"),
                "--set", "train.optimizer_in_backward=true", "--set", "distributed.strategy=ddp",
@@ -167,6 +195,16 @@ def test_a_refused_combination_exits_2_from_fulltune_validate_naming_its_fields(
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 2, result.stderr
     assert "train.optimizer_in_backward with distributed.strategy" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_compensation_the_optimizer_cannot_run_exits_2_from_fulltune_validate() -> None:
+    command = [sys.executable, "-m", "fulltune.cli", "validate", str(ROOT / "pipelines.yaml"),
+               "--set", "train.pure_bf16=true", "--set", "train.optimizer=adafactor",
+               "--set", "train.compensation=kahan"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 2, result.stderr
+    assert "train.compensation with train.optimizer: adafactor offers none with pure bf16 weights" in result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -257,22 +257,54 @@ def _stepped(name: str, model: torch.nn.Module, **levers) -> torch.optim.Optimiz
     return optimizer
 
 
-@pytest.mark.parametrize(("name", "pure_bf16", "fake"), [
-    ("adamw", False, False), ("adamw", True, False), ("adamw", True, True), ("adamw_8bit", False, False),
-    ("adamw_8bit", False, True), ("adamw_4bit", False, True), ("adamw_4bit", True, True), ("adafactor", False, False),
+@pytest.mark.parametrize(("name", "pure_bf16", "fake", "compensation"), [
+    ("adamw", False, False, "auto"), ("adamw", True, False, "auto"), ("adamw", True, True, "auto"),
+    ("adamw", True, False, "none"), ("adamw_8bit", False, False, "auto"), ("adamw_8bit", False, True, "auto"),
+    ("adamw_8bit", True, False, "none"), ("adamw_4bit", False, True, "auto"), ("adamw_4bit", True, True, "auto"),
+    ("adafactor", False, False, "auto"),
 ])
-def test_optimizer_state_bytes_are_what_the_optimizer_allocates(name: str, pure_bf16: bool, fake: bool) -> None:
+def test_optimizer_state_bytes_are_what_the_optimizer_allocates(name: str, pure_bf16: bool, fake: bool,
+                                                                compensation: str) -> None:
+    from fulltune.optimizers import optimizer
+
     model = _llama(hidden=64, tied=False)  # 64 × 97 and 128 × 64 matrices: both small and quantised tensors
     if pure_bf16:
         model = model.to(torch.bfloat16)
-    optimizer = _stepped(name, model, pure_bf16=pure_bf16, fake=fake)
+    optimizer_ = _stepped(name, model, pure_bf16=pure_bf16, fake=fake, compensation=compensation)
     shapes = [tuple(p.shape) for p in model.parameters()]
-    expected, _ = optimizer_state_bytes(name, shapes, 2 if pure_bf16 else 4, "kahan" if pure_bf16 and name == "adamw" else "none")
-    actual = _state_nbytes(optimizer)
-    if name == "adamw" and pure_bf16 and not fake:
+    runs = optimizer(name).default_compensation if pure_bf16 and compensation == "auto" else compensation
+    expected, _ = optimizer_state_bytes(name, shapes, 2 if pure_bf16 else 4, runs if pure_bf16 else "none")
+    actual = _state_nbytes(optimizer_)
+    if name == "adamw" and runs == "kahan" and not fake:
         actual += 4 * len(shapes)  # torch-optimi counts steps per group, the model counts a step per tensor
     # torch AdamW's step, Adafactor's RMS/step: 0-d tensors whose storage rounds to one element.
     assert actual == expected
+
+
+def test_the_plan_says_which_compensation_runs_and_what_it_costs() -> None:
+    # torchtune's pure-bf16 recipe (plain rounding, bf16 states: 2 + 2 + 4 B/param with AdamW) against the Kahan
+    # buffer `auto` gives adamw (+2 B/param).
+    from transformers import LlamaConfig
+
+    from fulltune.memory import PlanRequest
+    from fulltune.memory.shapes import model_shape
+    from fulltune.planning import plan_memory
+
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    plans = {compensation: plan_memory(config, PlanRequest(
+        effective_batch_size=4, seq_len=64, device="cuda", bf16_supported=True, budget_bytes=8 * 2**30,
+        mixed_precision="bf16", optimizer="adamw", pure_bf16=True, compensation=compensation))
+        for compensation in ("auto", "none")}
+    kahan, plain = plans["auto"], plans["none"]
+    assert kahan.to_dict()["plan"]["compensation"] == "kahan" and plain.to_dict()["plan"]["compensation"] == "none"
+    params = model_shape(config).num_params
+    states = {name: plan.plan_estimate.breakdown["optimizer_states"] for name, plan in plans.items()}
+    assert states["none"] == 2 * 2 * params + 4 * len(model_shape(config).param_shapes)  # bf16 exp_avg, exp_avg_sq
+    assert states["auto"] - states["none"] == 2 * params  # the bf16 Kahan buffer
+    line = next(r for r in kahan.reasons if r.startswith("compensation kahan (train.compensation auto): "))
+    assert "Kahan summation" in line and "against none (plain rounding): " in line
+    assert any(r.startswith("compensation none (train.compensation): plain rounding") for r in plain.reasons)
 
 
 def test_gradient_and_host_bytes_follow_the_levers() -> None:
@@ -384,6 +416,8 @@ def test_impossible_lever_combinations_are_refused(levers: dict, message: str) -
 def test_4bit_states_without_torchao_say_what_to_install() -> None:
     with pytest.raises(ValueError, match=r"fulltune\[lowbit\]"):
         build_optimizer(_llama(), "adamw_4bit")
+    with pytest.raises(ValueError, match=r"fulltune\[lowbit\]"):  # stochastic rounding is torchao's too
+        build_optimizer(_llama(dtype=torch.bfloat16), "adamw", pure_bf16=True, compensation="stochastic")
 
 
 @pytest.mark.slow

@@ -9,10 +9,12 @@ from fulltune import spec
 from fulltune.degrees import ParallelDims
 from fulltune.levers import LEVERS, lever_fields  # the lever table's names, in the order the planner tries them
 from fulltune.memory.errors import MemoryConfigError
+from fulltune.optimizers import compensation_of
 
 # The choices are the spec's (fulltune/spec.py), defined once there.
 MIXED_PRECISIONS = get_args(spec.MixedPrecision)
 OPTIMIZERS = get_args(spec.Optimizer)
+COMPENSATIONS = ("auto", *get_args(spec.Compensation))
 ATTN_IMPLEMENTATIONS = get_args(spec.AttnImplementation)
 DEVICES = get_args(spec.Device)
 # What a step runs under; a request may also leave it to the planner ("auto": planning/strategy.py).
@@ -69,7 +71,9 @@ class Settings:
 
     Then one bool per memory lever (fulltune/levers.py, made from its record by `lever_fields`): `pure_bf16`
     (bf16 weights and gradients, no fp32 master; activations are bf16 whatever `mixed_precision` says),
-    `optimizer_in_backward`, `offload_optimizer`, `offload_activations`, `chunked_loss`.
+    `optimizer_in_backward`, `offload_optimizer`, `offload_activations`, `chunked_loss`; and `compensation`, how
+    pure bf16 weights keep small updates (`auto`: the optimizer's default; `optimizers.compensation_of` says which
+    runs).
     """
 
     micro_batch_size: int
@@ -87,6 +91,7 @@ class Settings:
     pipeline_schedule: str = "1f1b"
     attention_mask: bool = True
     target_fraction: float = 1.0
+    compensation: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "num_processes",
@@ -104,6 +109,7 @@ class Settings:
             raise MemoryConfigError(f"target_fraction must be between 0 and 1; got {self.target_fraction!r}")
         _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        _check_choice("compensation", self.compensation, COMPENSATIONS)
         _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
         _check_choice("device", self.device, DEVICES)
         _check_choice("strategy", self.strategy, STRATEGIES)
@@ -140,7 +146,7 @@ class Settings:
 CHOSEN = ("micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "mixed_precision", "optimizer")
 RECORDED = ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "gradient_checkpointing", "mixed_precision",
             "optimizer", "attn_implementation", "device", "strategy", "num_processes", "tensor_parallel",
-            "attention_mask", "target_fraction")
+            "attention_mask", "target_fraction", "compensation")
 
 
 def _check_levers(settings: Any) -> None:
@@ -253,6 +259,7 @@ class PlanRequest:
     attention_mask: bool = True
     target_fraction: float = 1.0
     # Here, one field per memory lever: True, False or None (auto) (`lever_fields`).
+    compensation: str = "auto"  # how pure bf16 weights keep small updates (`Settings`); auto: the optimizer's
     host_memory_bytes: int | None = None
     num_machines: int = 1  # the processes are spread evenly over them; host_memory_bytes is per machine
     # The evaluate stage (`evaluate.*`): planned beside training and part of `fits`; None: not planned.
@@ -310,6 +317,7 @@ def _check_request_choices(request: PlanRequest) -> None:
         _check_choice("mixed_precision", request.mixed_precision, MIXED_PRECISIONS)
     if request.optimizer is not None:
         _check_choice("optimizer", request.optimizer, OPTIMIZERS)
+    _check_choice("compensation", request.compensation, COMPENSATIONS)
     _check_choice("attn_implementation", request.attn_implementation, ATTN_IMPLEMENTATIONS)
     _check_choice("device", request.device, DEVICES)
     _check_choice("strategy", request.strategy, (*STRATEGIES, "auto"))
@@ -364,6 +372,7 @@ class MemoryPlan:
             "estimate": self.configured_estimate.to_dict(),
             "plan": {
                 **s.choices(),
+                "compensation": compensation_of(s),  # what pure bf16 weights run with ("none" without them)
                 "seq_len": s.seq_len,
                 "strategy": s.strategy,
                 "num_processes": s.num_processes,

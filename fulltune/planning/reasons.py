@@ -12,6 +12,7 @@ from fulltune.memory.estimate import _estimate
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import MemoryEstimate, PlanRequest, Settings
 from fulltune.memory.units import format_bytes, format_seconds
+from fulltune.optimizers import COMPENSATIONS, compensation_of
 from fulltune.planning.search import (Candidate, best_by, device_word, fits_budget, staged_search,
                                       tensor_parallel_degrees)
 from fulltune.planning.step_time import step_seconds, tensor_parallel_seconds
@@ -132,6 +133,23 @@ def lever_trade(shape: ModelShape, settings: Settings) -> dict[str, dict[str, fl
         out[name] = {"saved_bytes": _estimate(shape, off).device_bytes - on.device_bytes,
                      "seconds": seconds - step_seconds(shape, off)}
     return out
+
+
+def compensation_reasons(shape: ModelShape, settings: Settings) -> list[str]:
+    """With pure bf16 weights: the compensation that runs (`train.compensation`, or its optimizer's default under
+    `auto`), and what it holds on the device and adds to the step against plain rounding."""
+    if not settings.pure_bf16 or (settings.offload_optimizer and settings.strategy != "fsdp"):
+        return []  # fp32 weights, or fp32 masters on the host: nothing to compensate
+    compensation = compensation_of(settings)
+    source = "train.compensation" + (" auto" if settings.compensation == "auto" else "")
+    line = f"compensation {compensation} ({source}): {COMPENSATIONS[compensation]}"
+    if compensation == "none":
+        return [line]
+    plain = replace(settings, compensation="none")
+    extra = _estimate(shape, settings).device_bytes - _estimate(shape, plain).device_bytes
+    seconds = step_seconds(shape, settings) - step_seconds(shape, plain)
+    cost = f"+{format_seconds(seconds, 's/step')}" if seconds >= 0.0005 else "no measurable step time"
+    return [f"{line}; against none (plain rounding): {format_bytes(extra)} of device memory, {cost}"]
 
 
 def _lever_reasons(shape: ModelShape, configured: Settings, chosen: Candidate) -> list[str]:

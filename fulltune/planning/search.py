@@ -155,6 +155,7 @@ def _settings(request: PlanRequest, micro: int, checkpointing: int, precision: s
         pipeline_schedule=request.pipeline_schedule,
         attention_mask=request.attention_mask,
         target_fraction=request.target_fraction,
+        compensation=request.compensation,
         **(levers or {}),
     )
 

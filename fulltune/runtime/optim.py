@@ -18,7 +18,7 @@ combine with each other and with the strategy is fulltune/levers.py):
                          and adds it back next step (+2 B/param; states bf16: 2 + 2 + 2 = 6 B/param).
                          Chosen for `adamw` because it is pure PyTorch (CPU and CUDA, no compiler), small,
                          maintained, and its Kahan update is the AnyPrecisionAdamW one torchdistx validated.
-    stochastic_rounding  torchao's low-bit AdamW with `bf16_stochastic_round`: rounding up or down with
+    stochastic           torchao's low-bit AdamW with `bf16_stochastic_round`: rounding up or down with
                          the probability of the remainder keeps updates unbiased (no extra state).
                          The only compensated path for 4-bit states; it needs torch.compile.
     none                 plain rounding (as torchtune's pure-bf16 recipes, and bitsandbytes 8-bit, which
@@ -55,7 +55,7 @@ from fulltune import levers
 # optimizers that allocate them.
 from fulltune.memory.optimizer_bytes import (  # noqa: F401
     device_gradient_bytes, device_state_bytes, host_bytes, optimizer_state_bytes, weight_bytes)
-from fulltune.optimizers import (BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, OPTIMIZER_TABLE, OPTIMIZERS,  # noqa: F401
+from fulltune.optimizers import (BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, COMPENSATIONS, OPTIMIZERS,  # noqa: F401
                                  TORCHAO_BLOCKSIZE, TORCHAO_MIN_LOWBIT_SIZE, TORCHAO_QMAP_ENTRIES, optimizer)
 
 
@@ -87,9 +87,8 @@ def check_levers(name: str, pure_bf16: bool = False, compensation: str | None = 
     record = optimizer(name)
     if compensation is None or compensation == "auto":
         compensation = record.default_compensation
-    known = {c for r in OPTIMIZER_TABLE for c in r.compensations}
-    if compensation not in known:
-        raise ValueError(f"compensation: unknown {compensation!r}; expected auto or one of {', '.join(sorted(known))}")
+    if compensation not in COMPENSATIONS:
+        raise ValueError(f"compensation: unknown {compensation!r}; expected auto or one of {', '.join(COMPENSATIONS)}")
     if not pure_bf16 or offload_optimizer:
         # fp32 weights, or fp32 masters on the host: nothing to compensate.
         return "none"
@@ -110,6 +109,7 @@ def optimizer_for(model: torch.nn.Module, plan: Any, *, lr: float = 1e-4, weight
 
     offload = plan.offload_optimizer and not sharding.is_sharded(model)
     return build_optimizer(model, plan.optimizer, lr=lr, weight_decay=weight_decay, pure_bf16=plan.pure_bf16,
+                           compensation=plan.compensation,
                            optimizer_in_backward=plan.optimizer_in_backward, offload_optimizer=offload,
                            gradient_accumulation_steps=plan.gradient_accumulation_steps,
                            max_grad_norm=max_grad_norm, fake=fake)
@@ -172,7 +172,7 @@ _FAKE_LAYOUTS = ("adamw_8bit", "adamw_4bit")
 
 def _base_optimizer(name: str, groups: list[dict[str, Any]], lr: float, compensation: str,
                     fake: bool) -> torch.optim.Optimizer:
-    if fake and (name in _FAKE_LAYOUTS or compensation in ("kahan", "stochastic_rounding")):
+    if fake and (name in _FAKE_LAYOUTS or compensation in ("kahan", "stochastic")):
         return FakeStatesOptimizer(groups, lr=lr, layout=name, compensation=compensation)
     build = BUILDERS[name]
     if optimizer(name).gathered and _has_dtensor(groups):
@@ -192,13 +192,13 @@ def _adamw(groups: list[dict[str, Any]], lr: float, compensation: str) -> torch.
         sharded = _has_dtensor(groups)
         return optimi.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, kahan_sum=True,
                             foreach=not sharded, **({"triton": False} if sharded else {}))
-    if compensation == "stochastic_rounding":
+    if compensation == "stochastic":
         return _torchao_optim()._AdamW(groups, lr=lr, bf16_stochastic_round=True)
     return torch.optim.AdamW(groups, lr=lr, fused=True)
 
 
 def _adamw_8bit(groups: list[dict[str, Any]], lr: float, compensation: str) -> torch.optim.Optimizer:
-    if compensation == "stochastic_rounding":
+    if compensation == "stochastic":
         return _torchao_optim().AdamW8bit(groups, lr=lr, bf16_stochastic_round=True)
     import bitsandbytes as bnb
 
@@ -208,7 +208,7 @@ def _adamw_8bit(groups: list[dict[str, Any]], lr: float, compensation: str) -> t
 def _adamw_4bit(groups: list[dict[str, Any]], lr: float, compensation: str) -> torch.optim.Optimizer:
     # torchao's 4-bit AdamW: the only maintained 4-bit optimizer that runs on CPU and CUDA; its
     # per-parameter update is torch.compile'd (one compile per parameter shape, seconds each on CPU).
-    return _torchao_optim().AdamW4bit(groups, lr=lr, bf16_stochastic_round=compensation == "stochastic_rounding")
+    return _torchao_optim().AdamW4bit(groups, lr=lr, bf16_stochastic_round=compensation == "stochastic")
 
 
 def _adafactor(groups: list[dict[str, Any]], lr: float, compensation: str = "none") -> torch.optim.Optimizer:
@@ -263,7 +263,7 @@ class FakeStatesOptimizer(torch.optim.Optimizer):
 
     def _states(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         n = p.numel()
-        if self.layout == "adamw_8bit" and self.compensation != "stochastic_rounding":
+        if self.layout == "adamw_8bit" and self.compensation != "stochastic":
             if n < BNB_MIN_8BIT_SIZE:
                 return {"state1": torch.zeros_like(p, dtype=torch.float32), "state2": torch.zeros_like(p, dtype=torch.float32)}
             blocks = -(-n // BNB_BLOCKSIZE)
