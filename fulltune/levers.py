@@ -405,6 +405,8 @@ RULES: tuple[Rule, ...] = (
          "fp16 needs a CUDA device; use bf16, no or auto on CPU"),
     *_requirement_rules(),
     *_optimizer_rules("fsdp_refusal", ("train.optimizer", "distributed.strategy"), lambda c: c.strategy == "fsdp"),
+    *_optimizer_rules("offload_refusal", ("train.optimizer", "train.offload_optimizer"),
+                      lambda c: c.on("offload_optimizer")),
     *_pipeline_rules(),
 )
 

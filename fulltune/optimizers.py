@@ -12,6 +12,9 @@ and the trainer cannot disagree.
     adamw_8bit   bitsandbytes AdamW8bit, block-wise 8-bit states (256 / block)    ~2 B
     adamw_4bit   torchao AdamW4bit, block-wise 4-bit states (128 / block)         ~1 B
     adafactor    transformers Adafactor, factored second moment, no first moment  ~0 B for matrices
+
+An optimizer sees the parameters as `ParamShapes`: the decoder layers' 2-D matrices apart from the rest
+(embeddings, output head, norms, biases), which only Muon tells apart.
 """
 
 from __future__ import annotations
@@ -22,6 +25,24 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 Shapes = Iterable[tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class ParamShapes:
+    """A model's parameter shapes as its optimizer sees them: `matrices`, the 2-D weights of the decoder layers
+    (what Muon orthogonalises), and `others` (embeddings, output head, norms, biases)."""
+
+    matrices: tuple[tuple[int, ...], ...] = ()
+    others: tuple[tuple[int, ...], ...] = ()
+
+    @classmethod
+    def of(cls, shapes: ParamShapes | Shapes) -> ParamShapes:
+        """`shapes` as ParamShapes: a plain list of shapes has no decoder-layer matrices told apart."""
+        return shapes if isinstance(shapes, ParamShapes) else cls(others=tuple(tuple(sh) for sh in shapes))
+
+    @property
+    def all(self) -> tuple[tuple[int, ...], ...]:
+        return self.others + self.matrices
 
 # bitsandbytes: tensors under 4096 elements keep fp32 states; blocks of 256 with one fp32 absmax each,
 # and one 256-entry fp32 quantisation map per state kind.
@@ -38,18 +59,18 @@ def _n(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
 
 
-def _adamw_bytes(shapes: Shapes, param_bytes: int, compensation: str) -> tuple[int, int]:
+def _adamw_bytes(params: ParamShapes, param_bytes: int, compensation: str) -> tuple[int, int]:
     # exp_avg + exp_avg_sq in the weight dtype and a fp32 step per tensor (torch fused) or per group
     # (torch-optimi); Kahan adds one weight-sized compensation buffer. Both update in place.
     kahan = param_bytes if compensation == "kahan" else 0
-    return sum((2 * param_bytes + kahan) * _n(sh) + 4 for sh in shapes), 0
+    return sum((2 * param_bytes + kahan) * _n(sh) + 4 for sh in params.all), 0
 
 
-def _bnb_8bit_bytes(shapes: Shapes, param_bytes: int, compensation: str) -> tuple[int, int]:
+def _bnb_8bit_bytes(params: ParamShapes, param_bytes: int, compensation: str) -> tuple[int, int]:
     if compensation == "stochastic":  # torchao's AdamW8bit, which rounds stochastically, in place of bitsandbytes
-        return torchao_state_bytes(8, shapes, param_bytes), 0
+        return torchao_state_bytes(8, params.all, param_bytes), 0
     state = 0
-    for sh in shapes:
+    for sh in params.all:
         n = _n(sh)
         state += 8 * n if n < BNB_MIN_8BIT_SIZE else 2 * n + 2 * 4 * -(-n // BNB_BLOCKSIZE)
     # The CPU/CUDA kernels update block by block in place; no full-size temporaries.
@@ -70,13 +91,13 @@ def torchao_state_bytes(bits: int, shapes: Shapes, param_bytes: int) -> int:
     return state
 
 
-def _adafactor_bytes(shapes: Shapes, param_bytes: int, compensation: str) -> tuple[int, int]:
+def _adafactor_bytes(params: ParamShapes, param_bytes: int, compensation: str) -> tuple[int, int]:
     # transformers Adafactor without beta1: factored second moment (row and column means) for matrices,
     # a full second moment for vectors, an RMS scalar and a step per parameter. Its step builds
     # `grad**2 + eps`, the approximated update and `-update` (full-size fp32) for one parameter at a
     # time: two live at once for the largest tensor.
     state, largest = 0, 0
-    for sh in shapes:
+    for sh in params.all:
         n = _n(sh)
         state += 4 * (_n(sh[:-1]) + _n(sh[:-2] + sh[-1:])) if len(sh) >= 2 else 4 * n
         state += 4
@@ -84,33 +105,48 @@ def _adafactor_bytes(shapes: Shapes, param_bytes: int, compensation: str) -> tup
     return state, 2 * 4 * largest
 
 
+def _adafactor_sharded_step(params: ParamShapes, param_bytes: int) -> int:
+    """On FSDP2 shards (`GatheredOptimizer`): the largest parameter's whole weight and gradient, gathered,
+    beside its step's temporaries."""
+    largest = max((_n(sh) for sh in params.all), default=0)
+    return 2 * param_bytes * largest + _adafactor_bytes(params, param_bytes, "none")[1]
+
+
 @dataclass(frozen=True)
 class OptimizerRecord:
     """One optimizer `train.optimizer` may name.
 
-    `state_bytes(shapes, param_bytes, compensation)`: (persistent state bytes, temporary bytes during its step)
-    over parameters of `shapes` whose dtype takes `param_bytes` (2 under pure bf16, 4 for fp32 weights or host
-    masters). `traffic`: bytes it reads and writes per parameter in one device step (weights, gradients, states;
+    `state_bytes(params, param_bytes, compensation)`: (persistent state bytes, temporary bytes during its step)
+    over parameters of `params` (`ParamShapes`) whose dtype takes `param_bytes` (2 under pure bf16, 4 for fp32
+    weights or host masters). `sharded_step_bytes(params, param_bytes)`: its step's temporaries on FSDP2 shards
+    (None: it steps each shard in place, with none). `step_flops(params)`: matmul FLOPs its step adds (bf16).
+    `traffic`: bytes it reads and writes per parameter in one device step (weights, gradients, states;
     `cpu_traffic` on a CPU device where that differs); `penalty`: the factor a step with it is ranked by, for what
     its FLOPs do not show; `host_slowdown`: its host step's time against fused AdamW's at the same bytes
-    (`offload_optimizer`). `compensations`: the updates it offers pure bf16 weights, its default first.
-    `gathered`: it needs whole parameters (rows and columns), so on FSDP2 shards it steps one gathered parameter
-    at a time (fulltune/runtime/optim.py `GatheredOptimizer`). `fsdp_refusal` / `replicated_refusal`: why FSDP2's
-    shards, or DDP's replicated DTensors beside pipeline stages, cannot run it (None: they can). `requires`: the
-    package it needs and how to install it. `auto`: whether `optimizer: auto` may choose it: "always", "levers"
-    (once the planner opens the memory levers) or "never"."""
+    (`offload_optimizer`; None where `offload_refusal` says why it does not run on the host). `compensations`: the
+    updates it offers pure bf16 weights, its default first. `gathered`: it needs whole parameters (rows and
+    columns), so on FSDP2 shards it steps one gathered parameter at a time (fulltune/runtime/optim.py
+    `GatheredOptimizer`). `matrices`: it steps the decoder layers' 2-D matrices apart from the rest (its builder
+    gets them in their own parameter groups). `fsdp_refusal` / `replicated_refusal` / `offload_refusal`: why
+    FSDP2's shards, DDP's replicated DTensors beside pipeline stages, or `offload_optimizer` cannot run it (None:
+    they can). `requires`: the package it needs and how to install it. `auto`: whether `optimizer: auto` may
+    choose it: "always", "levers" (once the planner opens the memory levers) or "never"."""
 
     name: str
     description: str
-    state_bytes: Callable[[Shapes, int, str], tuple[int, int]]
+    state_bytes: Callable[[ParamShapes, int, str], tuple[int, int]]
     traffic: int
     penalty: float
-    host_slowdown: float
+    host_slowdown: float | None
     compensations: tuple[str, ...] = ("none",)
     cpu_traffic: int | None = None
     gathered: bool = False
+    matrices: bool = False
+    sharded_step_bytes: Callable[[ParamShapes, int], int] | None = None
+    step_flops: Callable[[ParamShapes], float] | None = None
     fsdp_refusal: str | None = None
     replicated_refusal: str | None = None
+    offload_refusal: str | None = None
     requires: tuple[str, str] | None = None
     auto: str = "always"
 
@@ -162,7 +198,7 @@ OPTIMIZER_TABLE: tuple[OptimizerRecord, ...] = (
         fsdp_refusal=_NO_DTENSOR_FSDP, replicated_refusal=_NO_DTENSOR_REPLICATED),
     OptimizerRecord(
         "adamw_4bit", "torchao (~1 B/param)",
-        state_bytes=lambda shapes, param_bytes, compensation: (torchao_state_bytes(4, shapes, param_bytes), 0),
+        state_bytes=lambda params, param_bytes, compensation: (torchao_state_bytes(4, params.all, param_bytes), 0),
         traffic=18, penalty=1.1, host_slowdown=1.0,
         # Stochastic rounding is its only compensated path; its update is torch.compile'd.
         compensations=("stochastic", "none"),
@@ -172,7 +208,7 @@ OPTIMIZER_TABLE: tuple[OptimizerRecord, ...] = (
         "adafactor", "transformers Adafactor, factored second moment and no first moment (~0 B/param for matrices)",
         state_bytes=_adafactor_bytes, traffic=20,
         penalty=1.12,  # its factored second moment converges slower on fine-tuning tasks
-        host_slowdown=1.0, gathered=True),
+        host_slowdown=1.0, gathered=True, sharded_step_bytes=_adafactor_sharded_step),
 )
 OPTIMIZERS_BY_NAME: dict[str, OptimizerRecord] = {record.name: record for record in OPTIMIZER_TABLE}
 OPTIMIZERS = tuple(OPTIMIZERS_BY_NAME)

@@ -3,7 +3,7 @@
 Two torchrun processes (gloo, CPU) shard a tiny Llama with fulltune.runtime.sharding and run two optimizer steps
 as the trainer does, each rank under FSDPMemTracker (measuring/rank_memory.py; benchmarks/sharded_memory.py
 runs the full grid, in BENCHMARKS.md); `estimate_memory(..., Settings(strategy="fsdp", num_processes=2))` must be within 3% of
-every rank's peak. Both configurations run in one torchrun, one after the other in the same ranks.
+every rank's peak. The configurations run in one torchrun, one after the other in the same ranks.
 """
 
 from __future__ import annotations

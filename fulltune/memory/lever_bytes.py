@@ -64,7 +64,7 @@ def sharded_offload_bytes(shape: ModelShape, optimizer: str, pure_bf16: bool, nu
     the optimizer's states and temporaries over them, as the plain optimizer (compensated under pure bf16)
     allocates them there. The gradients' shards are counted per phase (`host_parts`)."""
     wb = optim.weight_bytes(pure_bf16)
-    states, temp = optim.device_state_bytes(optimizer, shape.param_shapes, pure_bf16=pure_bf16,
+    states, temp = optim.device_state_bytes(optimizer, shape.optimizer_shapes, pure_bf16=pure_bf16,
                                             compensation=compensation)
     n = num_processes
     return LeverBytes(wb, 0, 0, wb * shape.num_params // n, states // n, temp // n, 0, sharded_offload=True)
@@ -75,7 +75,7 @@ def _lever_bytes_cached(shape: ModelShape, optimizer: str, pure_bf16: bool, in_b
                         accumulation: int, sharded_processes: int = 0, compensation: str | None = None) -> LeverBytes:
     if offload and sharded_processes:
         return sharded_offload_bytes(shape, optimizer, pure_bf16, sharded_processes, compensation)
-    shapes = shape.param_shapes
+    shapes = shape.optimizer_shapes
     states, temp = optim.device_state_bytes(optimizer, shapes, pure_bf16=pure_bf16, offload_optimizer=offload,
                                             compensation=compensation)
     host_masters = host_states = host_temp = host_buffer = 0

@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-from fulltune.optimizers import optimizer
+from fulltune.optimizers import ParamShapes, optimizer
+
+Shapes = ParamShapes | Iterable[tuple[int, ...]]  # a plain list: no decoder-layer matrices told apart (ParamShapes)
 
 
 def weight_bytes(pure_bf16: bool) -> int:
@@ -18,7 +20,7 @@ def weight_bytes(pure_bf16: bool) -> int:
     return 2 if pure_bf16 else 4
 
 
-def optimizer_state_bytes(name: str, shapes: Iterable[tuple[int, ...]], param_bytes: int = 4,
+def optimizer_state_bytes(name: str, shapes: Shapes, param_bytes: int = 4,
                           compensation: str = "none") -> tuple[int, int]:
     """(persistent state bytes, temporary bytes during `step`) of optimizer `name` over parameter `shapes`.
 
@@ -29,24 +31,24 @@ def optimizer_state_bytes(name: str, shapes: Iterable[tuple[int, ...]], param_by
     Raises:
         ValueError: an unknown optimizer.
     """
-    return optimizer(name).state_bytes(list(shapes), param_bytes, compensation)
+    return optimizer(name).state_bytes(ParamShapes.of(shapes), param_bytes, compensation)
 
 
-def device_gradient_bytes(shapes: Iterable[tuple[int, ...]], pure_bf16: bool = False,
+def device_gradient_bytes(shapes: Shapes, pure_bf16: bool = False,
                           optimizer_in_backward: bool = False, offload_optimizer: bool = False) -> int:
     """Gradient bytes alive on the device at the optimizer step (the peak's gradient term).
 
     All gradients normally; with `optimizer_in_backward` or `offload_optimizer` one parameter's at a time
     (the largest).
     """
-    sizes = [_n(sh) for sh in shapes]
+    sizes = [_n(sh) for sh in ParamShapes.of(shapes).all]
     per = weight_bytes(pure_bf16)
     if optimizer_in_backward or offload_optimizer:
         return per * max(sizes, default=0)
     return per * sum(sizes)
 
 
-def device_state_bytes(name: str, shapes: Iterable[tuple[int, ...]], pure_bf16: bool = False,
+def device_state_bytes(name: str, shapes: Shapes, pure_bf16: bool = False,
                        offload_optimizer: bool = False, compensation: str | None = None) -> tuple[int, int]:
     """(persistent, temporary) optimizer-state bytes on the device: none when offloaded."""
     if offload_optimizer:
@@ -56,7 +58,7 @@ def device_state_bytes(name: str, shapes: Iterable[tuple[int, ...]], pure_bf16: 
     return optimizer_state_bytes(name, shapes, weight_bytes(pure_bf16), compensation)
 
 
-def host_bytes(name: str, shapes: Iterable[tuple[int, ...]], pure_bf16: bool = False,
+def host_bytes(name: str, shapes: Shapes, pure_bf16: bool = False,
                optimizer_in_backward: bool = False, offload_optimizer: bool = False,
                gradient_accumulation_steps: int = 1) -> int:
     """Host RAM the levers need beyond the process itself (pinned where CUDA is present).
@@ -64,8 +66,8 @@ def host_bytes(name: str, shapes: Iterable[tuple[int, ...]], pure_bf16: bool = F
     offload_optimizer: fp32 master weights + fp32 gradients + the optimizer's states over fp32 weights.
     optimizer_in_backward with accumulation > 1: one gradient buffer in the weight dtype.
     """
-    shapes = list(shapes)
-    numel = sum(_n(sh) for sh in shapes)
+    shapes = ParamShapes.of(shapes)
+    numel = sum(_n(sh) for sh in shapes.all)
     if offload_optimizer:
         states, temporary = optimizer_state_bytes(name, shapes, 4, "none")
         return 8 * numel + states + temporary

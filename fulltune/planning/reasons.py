@@ -12,7 +12,7 @@ from fulltune.memory.estimate import _estimate
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import MemoryEstimate, PlanRequest, Settings
 from fulltune.memory.units import format_bytes, format_seconds
-from fulltune.optimizers import COMPENSATIONS, compensation_of
+from fulltune.optimizers import COMPENSATIONS, ParamShapes, compensation_of, optimizer
 from fulltune.planning.search import (Candidate, best_by, device_word, fits_budget, staged_search,
                                       tensor_parallel_degrees)
 from fulltune.planning.step_time import step_seconds, tensor_parallel_seconds
@@ -133,6 +133,36 @@ def lever_trade(shape: ModelShape, settings: Settings) -> dict[str, dict[str, fl
         out[name] = {"saved_bytes": _estimate(shape, off).device_bytes - on.device_bytes,
                      "seconds": seconds - step_seconds(shape, off)}
     return out
+
+
+def optimizer_reasons(shape: ModelShape, settings: Settings) -> list[str]:
+    """What the optimizer that runs does beside AdamW's usual: the split of an optimizer that steps the decoder
+    layers' matrices apart (Muon), and the compensation pure bf16 weights get."""
+    return _matrices_reasons(shape, settings) + compensation_reasons(shape, settings)
+
+
+def _matrices_reasons(shape: ModelShape, settings: Settings) -> list[str]:
+    """The split of an optimizer that steps the decoder layers' 2-D matrices apart (its record's `matrices`):
+    each part's parameters and states per process, and the FLOPs of its own matmuls."""
+    from math import prod
+
+    from fulltune.memory.timeline import shares
+
+    record = optimizer(settings.optimizer)
+    if not record.matrices:
+        return []
+    params, share = shape.optimizer_shapes, shares(settings).states
+    wb, compensation = 2 if settings.pure_bf16 else 4, compensation_of(settings)
+    parts = []
+    matrices = f"the decoder layers' {len(params.matrices)} 2-D matrices"
+    for what, part in ((matrices, ParamShapes(matrices=params.matrices)),
+                       ("the embeddings, output head, norms and biases", ParamShapes(others=params.others))):
+        states = int(record.state_bytes(part, wb, compensation)[0] * share)
+        parts.append(f"{what}: {sum(map(prod, part.all)):,} parameters, {format_bytes(states)} of states")
+    flops = f"; its own matmuls: {record.step_flops(params):.3g} FLOPs per step, on every process" \
+        if record.step_flops is not None else ""
+    return [f"optimizer {record.name} ({record.description}): " + "; ".join(parts)
+            + f" per {device_word(settings.device)}{flops}"]
 
 
 def compensation_reasons(shape: ModelShape, settings: Settings) -> list[str]:

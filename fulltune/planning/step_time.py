@@ -19,7 +19,7 @@ from fulltune import levers
 from fulltune.memory.pipeline import per_stage
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import Settings
-from fulltune.optimizers import OPTIMIZER_TABLE, compensation_of
+from fulltune.optimizers import OPTIMIZER_TABLE, OPTIMIZERS_BY_NAME, compensation_of
 
 # Only the ranking of candidates matters, so the constants are round numbers:
 # sustained matmul throughput per device and precision (FLOP/s), the number of tokens per
@@ -113,10 +113,13 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
         return pipeline_step_seconds(shape, per_stage(settings), settings.pipeline_parallel)[0]
     compute = compute_seconds(shape, settings)
     shard = settings.num_processes if settings.strategy in ("fsdp", "deepspeed_zero2", "deepspeed_zero3") else 1
+    record = OPTIMIZERS_BY_NAME[settings.optimizer]
     traffic = (CPU_OPTIMIZER_TRAFFIC if settings.device == "cpu" else OPTIMIZER_TRAFFIC)[settings.optimizer]
     if settings.pure_bf16:  # bf16 weights, gradients and (adamw) states: half the traffic, plus Kahan's buffer
         traffic = traffic / 2 + (KAHAN_TRAFFIC if compensation_of(settings) == "kahan" else 0)
     optimizer = shape.num_params / shard * traffic / BANDWIDTH[settings.device]
+    if record.step_flops is not None:  # matmuls of its own (Muon's orthogonalisation), whole on every rank
+        optimizer += record.step_flops(shape.optimizer_shapes) / _flops(settings.device, "bf16")
     if settings.offload_optimizer:
         optimizer = 0.0
     seconds = (compute + optimizer) * OPTIMIZER_PENALTY[settings.optimizer] + sum(lever_seconds(shape, settings).values())

@@ -115,11 +115,23 @@ def optimizer_for(model: torch.nn.Module, plan: Any, *, lr: float = 1e-4, weight
                            max_grad_norm=max_grad_norm, fake=fake)
 
 
-def parameter_groups(model_or_params: torch.nn.Module | Iterable[Any], weight_decay: float = 0.0) -> list[dict[str, Any]]:
+def parameter_groups(model_or_params: torch.nn.Module | Iterable[Any], weight_decay: float = 0.0,
+                     matrices: bool = False) -> list[dict[str, Any]]:
     """Groups with weight decay on matrices only, not on biases and norm weights (as nanoGPT and HF
-    Trainer); an iterable of parameters or of groups is taken as given."""
+    Trainer); an iterable of parameters or of groups is taken as given. `matrices` (an optimizer whose record
+    says so: Muon): the decoder layers' 2-D weights in a group of their own, marked `"matrices": True`."""
     if isinstance(model_or_params, torch.nn.Module):
         params = [p for p in model_or_params.parameters() if p.requires_grad]
+        if matrices:
+            from fulltune.runtime.checkpointing import decoder_layers
+
+            hidden = {id(p) for layer in decoder_layers(model_or_params) for p in layer.parameters() if p.ndim == 2}
+            groups = [{"params": [p for p in params if id(p) in hidden], "weight_decay": weight_decay,
+                       "matrices": True},
+                      {"params": [p for p in params if p.ndim >= 2 and id(p) not in hidden],
+                       "weight_decay": weight_decay},
+                      {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+            return [g for g in groups if g["params"]]
         return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
                 {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     items = list(model_or_params)
@@ -148,14 +160,19 @@ def build_optimizer(model_or_params: torch.nn.Module | Iterable[Any], name: str 
         ValueError: an impossible combination (see `check_levers` and fulltune/levers.py).
     """
     compensation = check_levers(name, pure_bf16, compensation, offload_optimizer)
-    # Which optimizer levers combine is the lever table's (fulltune/levers.py).
+    # Which optimizer levers combine is the lever table's (fulltune/levers.py); the memory trace's stand-ins
+    # (`fake`) need no optional package installed.
     found = levers.problems(levers.Combination({"pure_bf16": pure_bf16, "optimizer_in_backward": optimizer_in_backward,
-                                                "offload_optimizer": offload_optimizer}))
+                                                "offload_optimizer": offload_optimizer}, optimizer=name),
+                            installed=not fake)
     if found:
         raise ValueError("; ".join(found))
     # The model's parameter order, which clipping over all gradients sums in (as the trainer's clip does).
     order = list(model_or_params.parameters()) if isinstance(model_or_params, torch.nn.Module) else None
-    groups = parameter_groups(model_or_params, weight_decay)
+    groups = parameter_groups(model_or_params, weight_decay, matrices=optimizer(name).matrices)
+    if optimizer(name).matrices and not any(g.get("matrices") for g in groups):
+        raise ValueError(f"optimizer: {name} steps the decoder layers' 2-D matrices apart: build it from the model "
+                         "(or groups marked 'matrices'), not from a list of parameters")
     if offload_optimizer:
         return HostOffloadOptimizer(groups, lambda g: _base_optimizer(name, g, lr, "none", fake), order)
     if optimizer_in_backward:
@@ -298,26 +315,27 @@ class FakeStatesOptimizer(torch.optim.Optimizer):
 
 
 class GatheredOptimizer(torch.optim.Optimizer):
-    """An optimizer that needs whole parameters (its record's `gathered`: Adafactor's rows and columns), over
+    """An optimizer that needs whole parameters (Adafactor's rows and columns, Muon's whole matrices), over
     sharded parameters (FSDP2 DTensors), with the update one process makes.
 
     Adafactor's factored second moment takes row and column means of the whole gradient and clips by the
-    RMS of the whole update, and its states are plain tensors, which DTensor ops refuse to mix with shards.
-    So `step` takes one parameter at a time: it gathers the weight and the gradient (`full_tensor()`, two
-    all-gathers), runs the unchanged inner optimizer (built by `make(groups)`) on a plain proxy tensor holding
-    the whole weight, copies this process's rows back into its shard, and empties the proxy. Every process
-    computes the same update from the same whole tensors, so the states are the same on every process and the
-    weights are what one unsharded process gets.
+    RMS of the whole update; Muon orthogonalises the whole matrix; their states are plain tensors, which DTensor
+    ops refuse to mix with shards. So `step` takes one parameter at a time: it gathers the weight, the gradient
+    and the states kept sharded (`full_tensor()`), runs the unchanged inner optimizer (built by `make(groups)`)
+    on a plain proxy tensor holding the whole weight, copies this process's rows back into its shard, and empties
+    the proxy. Every process computes the same update from the same whole tensors, so the weights are what one
+    unsharded process gets.
 
-    Memory: the inner optimizer's states, whole on every process (Adafactor's row and column means of
-    matrices are small; a vector's second moment is whole, not sharded), plus, during `step`, ONE
-    parameter's whole weight and whole gradient at a time beside the inner optimizer's own temporaries.
-    `step` is collective: every process must call it.
+    Memory: a state shaped like its parameter (Muon's momentum, a vector's second moment) is kept as this
+    process's shard, as the parameter is; the others whole on every process (Adafactor's row and column means of
+    matrices are small). During `step`, ONE parameter's whole weight, gradient and parameter-shaped states at a
+    time, beside the inner optimizer's own temporaries (its record's `sharded_step_bytes`). `step` is
+    collective: every process must call it.
 
     `param_groups` are this optimizer's own (an LR scheduler's writes reach the inner one at each step)
-    and `state` holds the inner states keyed by the sharded parameters, so torch.distributed.checkpoint's
-    get_state_dict / set_state_dict (`fulltune.runtime.sharding.save_sharded_state`) save and restore them as
-    replicated plain tensors.
+    and `state` holds the states keyed by the sharded parameters, so torch.distributed.checkpoint's
+    get_state_dict / set_state_dict (`fulltune.runtime.sharding.save_sharded_state`) save and restore them (the
+    sharded ones as shards, the others as replicated plain tensors).
     """
 
     def __init__(self, groups: list[dict[str, Any]],
@@ -327,8 +345,9 @@ class GatheredOptimizer(torch.optim.Optimizer):
         for group in groups:
             proxies = []
             for p in group["params"]:
-                # A plain leaf on the shard's device and dtype, empty except while its parameter updates.
-                self._proxies[p] = torch.empty(0, dtype=p.dtype, device=p.device)
+                # A plain leaf on the shard's device and dtype, empty except while its parameter updates (as many
+                # dimensions as the parameter: Muon takes matrices only).
+                self._proxies[p] = torch.empty((0,) * p.ndim, dtype=p.dtype, device=p.device)
                 proxies.append(self._proxies[p])
             inner_groups.append({**group, "params": proxies})
         self.inner = make(inner_groups)
@@ -337,7 +356,7 @@ class GatheredOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         """Update every parameter with a gradient, one gathered parameter at a time (collective)."""
-        from torch.distributed.tensor import distribute_tensor
+        from torch.distributed.tensor import DTensor, distribute_tensor
 
         for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
             inner_group.update({k: v for k, v in group.items() if k != "params"})
@@ -347,26 +366,59 @@ class GatheredOptimizer(torch.optim.Optimizer):
                 proxy = self._proxies[p]
                 proxy.set_(p.full_tensor())
                 proxy.grad = p.grad.full_tensor()
+                if self.state[p]:
+                    self.inner.state[proxy] = {k: v.full_tensor() if isinstance(v, DTensor) else v
+                                               for k, v in self.state[p].items()}
                 self.inner.step()  # only this proxy has a gradient: the others are skipped
-                # Every process holds the same updated weight: take this one's rows, no communication.
+                # Every process holds the same updated weight and states: take this one's rows, no communication.
                 p.to_local().copy_(distribute_tensor(proxy, p.device_mesh, p.placements, src_data_rank=None).to_local())
+                self.state[p] = {k: distribute_tensor(v, p.device_mesh, p.placements, src_data_rank=None)
+                                 if isinstance(v, torch.Tensor) and v.shape == p.shape else v
+                                 for k, v in self.inner.state.pop(proxy).items()}
                 proxy.grad = None
                 proxy.set_()
-                self.state[p] = self.inner.state[proxy]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as torch does, but keep the states' saved dtype (torch casts them to the parameter's,
-        which would round Adafactor's fp32 means to bf16 under pure bf16), and hand them to the inner one."""
+        which would round Adafactor's fp32 means to bf16 under pure bf16)."""
         super().load_state_dict(state_dict)
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
         for i, p in zip(saved_ids, params, strict=True):
             if i not in state_dict["state"]:
                 continue
-            state = {k: v.detach().to(p.device, copy=True) if isinstance(v, torch.Tensor) else v
-                     for k, v in state_dict["state"][i].items()}
-            self.state[p] = state
-            self.inner.state[self._proxies[p]] = state
+            self.state[p] = {k: v.detach().to(p.device, copy=True) if isinstance(v, torch.Tensor) else v
+                             for k, v in state_dict["state"][i].items()}
+
+
+class SplitOptimizer(torch.optim.Optimizer):
+    """Several optimizers as one, each stepping its own parameter groups (Muon's matrices, AdamW's rest): the
+    trainer, the LR schedule, Accelerate and checkpoints see one torch Optimizer. Its `param_groups` are the
+    parts' own group dicts (an LR scheduler's writes reach them) and its `state` is the parts' one state, keyed by
+    parameter, so `state_dict` and torch.distributed.checkpoint's get_state_dict / set_state_dict save and restore
+    every part's states at once."""
+
+    def __init__(self, parts: list[torch.optim.Optimizer]) -> None:
+        self.parts = parts
+        super().__init__([group for part in parts for group in part.param_groups], {})
+        self._share()
+
+    def _share(self) -> None:
+        """The parts' groups are this optimizer's (in order) and their states its one state."""
+        groups = iter(self.param_groups)
+        for part in self.parts:
+            part.param_groups = [next(groups) for _ in part.param_groups]
+            part.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for part in self.parts:
+            part.step()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load as torch does (which makes new group dicts and a new state), then hand both to the parts."""
+        super().load_state_dict(state_dict)
+        self._share()
 
 
 # ---------------------------------------------------------------------------------------------------
