@@ -12,6 +12,7 @@ and the trainer cannot disagree.
     adamw_8bit   bitsandbytes AdamW8bit, block-wise 8-bit states (256 / block)    ~2 B
     adamw_4bit   torchao AdamW4bit, block-wise 4-bit states (128 / block)         ~1 B
     adafactor    transformers Adafactor, factored second moment, no first moment  ~0 B for matrices
+    muon         torch Muon on the decoder layers' 2-D matrices (AdamW on the rest)  1 × weight bytes for them
 
 An optimizer sees the parameters as `ParamShapes`: the decoder layers' 2-D matrices apart from the rest
 (embeddings, output head, norms, biases), which only Muon tells apart.
@@ -112,6 +113,35 @@ def _adafactor_sharded_step(params: ParamShapes, param_bytes: int) -> int:
     return 2 * param_bytes * largest + _adafactor_bytes(params, param_bytes, "none")[1]
 
 
+def _newton_schulz_temp(shape: tuple[int, ...], param_bytes: int) -> int:
+    """torch Muon's temporaries while it updates one (A, B) matrix, n = A·B, m = min(A, B): the Nesterov update
+    in the weight dtype and two bf16 (m, M) iterates, or the bf16 copy and two iterates over fp32 weights (4n
+    either way, measured under MemTracker on CPU: torch 2.13), and the (m, m) Gram matrix and its polynomial."""
+    n, m = _n(shape), min(shape)
+    return param_bytes * n + 4 * n + 4 * m * m
+
+
+def _muon_bytes(params: ParamShapes, param_bytes: int, compensation: str) -> tuple[int, int]:
+    # torch Muon keeps one momentum buffer per matrix in the weight dtype (no step count); AdamW (torch, fused)
+    # the rest. Muon's step: the largest matrix's temporaries, one matrix at a time; AdamW's are none.
+    momentum = sum(param_bytes * _n(sh) for sh in params.matrices)
+    rest, _ = _adamw_bytes(ParamShapes(others=params.others), param_bytes, "none")
+    return momentum + rest, max((_newton_schulz_temp(sh, param_bytes) for sh in params.matrices), default=0)
+
+
+def _muon_sharded_step(params: ParamShapes, param_bytes: int) -> int:
+    """On FSDP2 shards: one matrix at a time gathered (`GatheredOptimizer`: its weight, gradient and momentum
+    whole) beside its step's temporaries; AdamW steps its shards in place."""
+    return max((3 * param_bytes * _n(sh) + _newton_schulz_temp(sh, param_bytes) for sh in params.matrices),
+               default=0)
+
+
+def _newton_schulz_flops(params: ParamShapes) -> float:
+    """Muon's orthogonalisation per step: 5 Newton–Schulz iterations on each (m, M) matrix (m = min(A, B), n = A·B),
+    each X·Xᵀ (2·m·n), its polynomial (2·m³) and that times X (2·m·n), in bf16."""
+    return float(sum(5 * (4 * min(sh) * _n(sh) + 2 * min(sh) ** 3) for sh in params.matrices))
+
+
 @dataclass(frozen=True)
 class OptimizerRecord:
     """One optimizer `train.optimizer` may name.
@@ -209,6 +239,19 @@ OPTIMIZER_TABLE: tuple[OptimizerRecord, ...] = (
         state_bytes=_adafactor_bytes, traffic=20,
         penalty=1.12,  # its factored second moment converges slower on fine-tuning tasks
         host_slowdown=1.0, gathered=True, sharded_step_bytes=_adafactor_sharded_step),
+    OptimizerRecord(
+        "muon", "torch Muon for the decoder layers' 2-D matrices, one momentum buffer each (4 B/param over fp32 "
+                "weights), and AdamW for the embeddings, output head, norms and biases; never chosen by auto",
+        state_bytes=_muon_bytes, matrices=True, sharded_step_bytes=_muon_sharded_step,
+        step_flops=_newton_schulz_flops,
+        # Its elementwise pass reads the gradient and the momentum and writes the momentum, the update and the
+        # weight (~24 B/param in fp32); ranking terms, assumed, like the others'.
+        traffic=24, penalty=1.0, host_slowdown=None,
+        offload_refusal=("Muon orthogonalises each whole matrix with bf16 matmuls (5 Newton–Schulz iterations), "
+                         "which a host CPU runs orders of magnitude slower than the device; keep the optimizer on "
+                         "the device (turn offload_optimizer off), or use adamw"),
+        # Its effect on models pretrained with AdamW is not settled: `optimizer: auto` keeps to the AdamW family.
+        auto="never"),
 )
 OPTIMIZERS_BY_NAME: dict[str, OptimizerRecord] = {record.name: record for record in OPTIMIZER_TABLE}
 OPTIMIZERS = tuple(OPTIMIZERS_BY_NAME)

@@ -152,12 +152,13 @@ def train_accepted(assets: dict[str, Path], accepted: dict[str, list]) -> list[s
 def test_every_lever_optimizer_strategy_combination_is_refused_by_validate_or_trains(assets) -> None:
     accepted = accepted_by_validate(tuple(STRATEGIES))
     # What can train on a CPU device (no FSDP CPU offload): on one process 24 of the 32 lever sets (all but the
-    # step in backward with the optimizer offload) with every optimizer (4-bit states only with torchao
-    # installed); under DDP the 8 sets without those two; under FSDP, with adamw and adafactor, the 16 sets of
-    # the chunked head, pure bf16, the step in backward and offloaded activations.
+    # step in backward with the optimizer offload) with every AdamW-family optimizer and adafactor (4-bit states
+    # only with torchao installed), and muon in the 16 sets without the optimizer offload; under DDP the 8 sets
+    # without those two; under FSDP, with adamw, adafactor and muon, the 16 sets of the chunked head, pure bf16,
+    # the step in backward and offloaded activations.
     optimizers = 3 + optim.torchao_available()
     counts = {strategy: len(combos) for strategy, combos in accepted.items()}
-    assert counts == {"none": 24 * optimizers, "ddp": 8 * optimizers, "fsdp": 16 * 2}, counts
+    assert counts == {"none": 24 * optimizers + 16, "ddp": 8 * (optimizers + 1), "fsdp": 16 * 3}, counts
     assert train_accepted(assets, accepted) == []
 
 
@@ -174,7 +175,7 @@ def test_every_compensation_with_every_optimizer_is_refused_by_validate_or_train
             else:
                 assert "pipelines.t" in problem and ("train.compensation" in problem or "train.optimizer" in problem)
     torchao = optim.torchao_available()
-    expected = {("adamw", "kahan"), ("adamw", "none"), ("adamw_8bit", "none"), ("adafactor", "none")}
+    expected = {("adamw", "kahan"), ("adamw", "none"), ("adamw_8bit", "none"), ("adafactor", "none"), ("muon", "none")}
     if torchao:
         expected |= {("adamw", "stochastic"), ("adamw_8bit", "stochastic"), ("adamw_4bit", "stochastic"),
                      ("adamw_4bit", "none")}
@@ -243,11 +244,11 @@ def test_every_lever_and_optimizer_with_two_pipeline_stages_is_refused_by_valida
     fields. The combinations beside data
     parallel are validated here and trained by the `heavy` test below (4 processes)."""
     accepted = accepted_by_validate(tuple(STAGED))
-    optimizers = 3 + optim.torchao_available()
+    optimizers = 4 + optim.torchao_available()
     counts = {layout: len(combos) for layout, combos in accepted.items()}
     # Beside data parallel the chunked head is refused, and the stages' DTensors (FSDP2 shards, DDP replicas) take
-    # adamw and adafactor only.
-    assert counts == {"pp2": 4 * optimizers, "pp2 x fsdp2": 2 * 2, "pp2 x ddp2": 2 * 2}, counts
+    # adamw, adafactor and muon only.
+    assert counts == {"pp2": 4 * optimizers, "pp2 x fsdp2": 2 * 3, "pp2 x ddp2": 2 * 3}, counts
     assert train_accepted(assets, {"pp2": accepted["pp2"]}) == []
 
 

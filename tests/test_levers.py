@@ -271,7 +271,8 @@ def _stepped(name: str, model: torch.nn.Module, **levers) -> torch.optim.Optimiz
     ("adamw", False, False, "auto"), ("adamw", True, False, "auto"), ("adamw", True, True, "auto"),
     ("adamw", True, False, "none"), ("adamw_8bit", False, False, "auto"), ("adamw_8bit", False, True, "auto"),
     ("adamw_8bit", True, False, "none"), ("adamw_4bit", False, True, "auto"), ("adamw_4bit", True, True, "auto"),
-    ("adafactor", False, False, "auto"),
+    ("adafactor", False, False, "auto"), ("muon", False, False, "auto"), ("muon", True, False, "auto"),
+    ("muon", True, True, "auto"),
 ])
 def test_optimizer_state_bytes_are_what_the_optimizer_allocates(name: str, pure_bf16: bool, fake: bool,
                                                                 compensation: str) -> None:
@@ -315,6 +316,57 @@ def test_the_plan_says_which_compensation_runs_and_what_it_costs() -> None:
     line = next(r for r in kahan.reasons if r.startswith("compensation kahan (train.compensation auto): "))
     assert "Kahan summation" in line and "against none (plain rounding): " in line
     assert any(r.startswith("compensation none (train.compensation): plain rounding") for r in plain.reasons)
+
+
+def test_muon_steps_the_decoder_matrices_and_adamw_the_rest_and_resumes_from_its_state_dict() -> None:
+    # The split the memory model counts (ModelShape.optimizer_shapes) is the one the builder makes; a
+    # state_dict round trip through a fresh optimizer gives the weights of the run that never stopped.
+    from transformers import LlamaConfig
+
+    from fulltune.memory.shapes import model_shape
+    from fulltune.runtime.optim import SplitOptimizer
+
+    model = _llama(hidden=64, tied=False)
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    counted, built = model_shape(config).optimizer_shapes, _param_shapes(model)
+    assert sorted(counted.matrices) == sorted(built.matrices) and sorted(counted.others) == sorted(built.others)
+    optimizer = build_optimizer(model, "muon", lr=1e-3, weight_decay=0.01)
+    assert isinstance(optimizer, SplitOptimizer)
+    muon, adamw = optimizer.parts
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert {id(p) for g in muon.param_groups for p in g["params"]} == {
+        id(p) for name, p in model.named_parameters() if ".layers." in name and p.ndim == 2}
+    _train(model, optimizer, 3)
+    resumed, saved = copy.deepcopy(model), copy.deepcopy(optimizer.state_dict())
+    _train(model, optimizer, 2, start=3)
+    again = build_optimizer(resumed, "muon", lr=1e-3, weight_decay=0.01)
+    again.load_state_dict(saved)
+    assert again.parts[0].state is again.state and again.parts[1].param_groups[0] is again.param_groups[1]
+    _train(resumed, again, 2, start=3)
+    _assert_same_weights(model, resumed)
+
+
+def test_the_plan_says_muons_split_and_auto_never_chooses_it() -> None:
+    from transformers import LlamaConfig
+
+    from fulltune.memory import PlanRequest
+    from fulltune.planning import plan_memory
+
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    request = PlanRequest(effective_batch_size=4, seq_len=64, device="cuda", bf16_supported=True,
+                          budget_bytes=2**30, optimizer="muon")
+    plan = plan_memory(config, request)
+    line = next(r for r in plan.reasons if r.startswith("optimizer muon (torch Muon for the decoder layers' "))
+    # 2 layers × 7 matrices: q, k, v, o (64 × 64, 32 × 64 twice, 64 × 64) and the MLP's three (128 × 64).
+    assert "the decoder layers' 14 2-D matrices: 73,728 parameters, 288 KiB of states" in line
+    assert "the embeddings, output head, norms and biases: 12,736 parameters" in line
+    # optimizer: auto on a budget only the smallest states fit: never muon, even where its states are the least.
+    tight = plan_memory(config, PlanRequest(effective_batch_size=4, seq_len=64, device="cuda", bf16_supported=True,
+                                            budget_bytes=2**30, optimizer=None))
+    assert tight.settings.optimizer != "muon"
+    assert all(a["optimizer"] != "muon" for a in tight.alternatives)
 
 
 def test_gradient_and_host_bytes_follow_the_levers() -> None:

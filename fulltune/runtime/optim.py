@@ -234,10 +234,29 @@ def _adafactor(groups: list[dict[str, Any]], lr: float, compensation: str = "non
     return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
 
 
+def _muon(groups: list[dict[str, Any]], lr: float, compensation: str) -> torch.optim.Optimizer:
+    """torch Muon on the groups marked `matrices` (the decoder layers' 2-D weights), AdamW (fused) on the others,
+    as one optimizer (`SplitOptimizer`). Muon's update is scaled as Moonshot's (`adjust_lr_fn="match_rms_adamw"`:
+    0.2 · √max(A, B)), so its RMS matches AdamW's and the one `train.learning_rate` and `weight_decay` serve both
+    (arXiv 2502.16982). On FSDP2 shards the matrices step gathered, one at a time (`GatheredOptimizer`: the
+    orthogonalisation needs the whole matrix; the momentum stays sharded), AdamW on its shards in place."""
+    def muon(inner: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        return torch.optim.Muon(inner, lr=lr, adjust_lr_fn="match_rms_adamw")
+
+    matrices = [g for g in groups if g.get("matrices")]
+    rest = [g for g in groups if not g.get("matrices")]
+    parts = []
+    if matrices:
+        parts.append(GatheredOptimizer(matrices, muon) if _has_dtensor(matrices) else muon(matrices))
+    if rest:
+        parts.append(_adamw(rest, lr, compensation))
+    return parts[0] if len(parts) == 1 else SplitOptimizer(parts)
+
+
 # One builder per record of fulltune/optimizers.py: the optimizer over parameter groups at a learning rate, with
 # the update pure bf16 weights get (`check_levers` has checked the record offers it).
 BUILDERS: dict[str, Callable[[list[dict[str, Any]], float, str], torch.optim.Optimizer]] = {
-    "adamw": _adamw, "adamw_8bit": _adamw_8bit, "adamw_4bit": _adamw_4bit, "adafactor": _adafactor}
+    "adamw": _adamw, "adamw_8bit": _adamw_8bit, "adamw_4bit": _adamw_4bit, "adafactor": _adafactor, "muon": _muon}
 assert set(BUILDERS) == set(OPTIMIZERS), "every optimizer of fulltune/optimizers.py has a builder here"
 
 
