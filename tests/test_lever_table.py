@@ -133,13 +133,14 @@ def accepted_by_validate(layouts: tuple[str, ...]) -> dict[str, list[tuple[dict[
 
 def train_accepted(assets: dict[str, Path], accepted: dict[str, list]) -> list[str]:
     """Two optimizer steps of each accepted combination, one process or torchrun group per layout; what did
-    not train."""
+    not train. A combination is (levers, optimizer) or (levers, optimizer, more of the plan)."""
     failures = []
     for layout, combos in accepted.items():
-        texts = [job_text(assets, on, optimizer, layout, i) for i, (on, optimizer) in enumerate(combos)]
+        combos = [combo if len(combo) == 3 else (*combo, {}) for combo in combos]
+        texts = [job_text(assets, on, optimizer, layout, i, **plan) for i, (on, optimizer, plan) in enumerate(combos)]
         results = train_all(assets, texts, layout_of(layout)[1], layout.replace(" ", ""))
-        for (on, optimizer), result in zip(combos, results):
-            label = f"{layout} {optimizer} {[name for name, value in on.items() if value]}"
+        for (on, optimizer, plan), result in zip(combos, results):
+            label = f"{layout} {optimizer} {[name for name, value in on.items() if value]} {plan or ''}"
             if "error" in result:
                 failures.append(f"{label}: {result['error']}")
             elif not (all(loss == loss and loss < 1e4 for loss in result["losses"]) and result["moved"]):
@@ -147,6 +148,22 @@ def train_accepted(assets: dict[str, Path], accepted: dict[str, list]) -> list[s
             elif layout_of(layout)[2] > 1 and result["schedule"] != SCHEDULES[schedule_of(on)]:
                 failures.append(f"{label}: trained under {result['schedule']}, not {schedule_of(on)}")
     return failures
+
+
+def compensations_accepted_by_validate() -> list[tuple[dict[str, bool], str, dict[str, str]]]:
+    """`train.compensation` with pure bf16 weights on one process, validated for every optimizer: the accepted
+    (levers, optimizer, {"compensation": ...}); a refused one names the pipeline and train.compensation or
+    train.optimizer (4-bit states without torchao)."""
+    on = {**dict.fromkeys(levers.LEVERS, False), "pure_bf16": True}
+    accepted = []
+    for optimizer in OPTIMIZERS:
+        for compensation in ("kahan", "stochastic", "none"):
+            problem = validate(on, optimizer, "none", compensation=compensation)
+            if problem is None:
+                accepted.append((on, optimizer, {"compensation": compensation}))
+            else:
+                assert "pipelines.t" in problem and ("train.compensation" in problem or "train.optimizer" in problem)
+    return accepted
 
 
 def test_every_lever_optimizer_strategy_combination_is_refused_by_validate_or_trains(assets) -> None:
@@ -159,56 +176,38 @@ def test_every_lever_optimizer_strategy_combination_is_refused_by_validate_or_tr
     optimizers = 3 + optim.torchao_available()
     counts = {strategy: len(combos) for strategy, combos in accepted.items()}
     assert counts == {"none": 24 * optimizers + 16, "ddp": 8 * (optimizers + 1), "fsdp": 16 * 3}, counts
+    # With them, in the same process: pure bf16's compensations other than each optimizer's default (which the
+    # lever sets above train), as `test_every_compensation_...` finds validate accepts them.
+    accepted["none"] += [(on, optimizer, plan) for on, optimizer, plan in compensations_accepted_by_validate()
+                         if plan["compensation"] != OPTIMIZERS_BY_NAME[optimizer].default_compensation]
     assert train_accepted(assets, accepted) == []
 
 
-def test_every_compensation_with_every_optimizer_is_refused_by_validate_or_trains(assets) -> None:
-    """`train.compensation` with pure bf16 weights (one process): each optimizer trains what its record offers
-    (stochastic rounding only with torchao installed) and validate refuses the rest, naming train.compensation."""
-    on = {**dict.fromkeys(levers.LEVERS, False), "pure_bf16": True}
-    accepted = []
-    for optimizer in OPTIMIZERS:
-        for compensation in ("kahan", "stochastic", "none"):
-            problem = validate(on, optimizer, "none", compensation=compensation)
-            if problem is None:
-                accepted.append((optimizer, compensation))
-            else:
-                assert "pipelines.t" in problem and ("train.compensation" in problem or "train.optimizer" in problem)
-    torchao = optim.torchao_available()
+def test_every_compensation_with_every_optimizer_is_refused_by_validate_or_accepted() -> None:
+    """`train.compensation` with pure bf16 weights: validate accepts what each optimizer's record offers
+    (stochastic rounding only with torchao installed) and refuses the rest, naming train.compensation; the
+    accepted ones train in `test_every_lever_optimizer_strategy_...`."""
+    accepted = {(optimizer, plan["compensation"]) for _, optimizer, plan in compensations_accepted_by_validate()}
     expected = {("adamw", "kahan"), ("adamw", "none"), ("adamw_8bit", "none"), ("adafactor", "none"), ("muon", "none")}
-    if torchao:
+    if optim.torchao_available():
         expected |= {("adamw", "stochastic"), ("adamw_8bit", "stochastic"), ("adamw_4bit", "stochastic"),
                      ("adamw_4bit", "none")}
-    assert set(accepted) == expected
-    # Each optimizer's default with pure bf16 trains in the enumeration above; here the others.
-    others = [(optimizer, compensation) for optimizer, compensation in accepted
-              if compensation != OPTIMIZERS_BY_NAME[optimizer].default_compensation]
-    texts = [job_text(assets, on, optimizer, "none", i, compensation=compensation)
-             for i, (optimizer, compensation) in enumerate(others)]
-    results = train_all(assets, texts, 1, "compensation")
-    failures = [f"{combo}: {result}" for combo, result in zip(others, results)
-                if "error" in result or not (all(loss == loss and loss < 1e4 for loss in result["losses"])
-                                             and result["moved"])]
-    assert failures == []
+    assert accepted == expected
 
 
-def test_a_refused_combination_exits_2_from_fulltune_validate_naming_its_fields(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("settings", "named"), [
+    (("train.optimizer_in_backward=true", "distributed.strategy=ddp", "distributed.num_processes=2"),
+     "train.optimizer_in_backward with distributed.strategy"),
+    (("train.pure_bf16=true", "train.optimizer=adafactor", "train.compensation=kahan"),
+     "train.compensation with train.optimizer: adafactor offers none with pure bf16 weights"),
+], ids=["step_in_backward_under_ddp", "a_compensation_the_optimizer_does_not_offer"])
+def test_a_refused_combination_exits_2_from_fulltune_validate_naming_its_fields(settings: tuple[str, ...],
+                                                                               named: str) -> None:
     command = [sys.executable, "-m", "fulltune.cli", "validate", str(ROOT / "pipelines.yaml"),
-               "--set", "train.optimizer_in_backward=true", "--set", "distributed.strategy=ddp",
-               "--set", "distributed.num_processes=2"]
+               *(arg for setting in settings for arg in ("--set", setting))]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 2, result.stderr
-    assert "train.optimizer_in_backward with distributed.strategy" in result.stderr
-    assert "Traceback" not in result.stderr
-
-
-def test_a_compensation_the_optimizer_cannot_run_exits_2_from_fulltune_validate() -> None:
-    command = [sys.executable, "-m", "fulltune.cli", "validate", str(ROOT / "pipelines.yaml"),
-               "--set", "train.pure_bf16=true", "--set", "train.optimizer=adafactor",
-               "--set", "train.compensation=kahan"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 2, result.stderr
-    assert "train.compensation with train.optimizer: adafactor offers none with pure bf16 weights" in result.stderr
+    assert named in result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -7,7 +7,7 @@
 Each optimizer (`name`) is a record of fulltune/optimizers.py (its states, what refuses it) and a builder here
 (`BUILDERS`: its update, given parameter groups, a learning rate and a compensation).
 
-Levers (each composes with every optimizer above, except where `check_levers` says otherwise; how they
+Levers (each composes with every optimizer, except where its record or `check_levers` says otherwise; how they
 combine with each other and with the strategy is fulltune/levers.py):
 
 - `pure_bf16`: the weights and gradients are bf16 and there is no fp32 master copy (2 + 2 B/param
