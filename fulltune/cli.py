@@ -236,7 +236,7 @@ def _simulate_or_measure(p: Any, decision: Any, vocab: int | None, simulate: boo
     from fulltune.models import read_model_config
 
     strategy = p.spec.distributed.strategy
-    if strategy != "none":
+    if not p.spec.distributed.dims.alone:
         raise ConfigError(f"pipelines.{p.name}.distributed.strategy: --simulate and --measure run one process; "
                           f"the analytic plan covers {strategy} (drop the flags, or --set distributed.strategy=none "
                           "--set distributed.num_processes=1)")

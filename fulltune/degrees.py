@@ -3,8 +3,13 @@
     world_size = dp × tp × pp            distributed.num_processes
     tp  tensor parallel                  distributed.tensor_parallel (auto: None until the plan chooses)
     pp  pipeline stages                  distributed.pipeline_parallel (fulltune/runtime/pipeline_parallel.py)
-    dp  data parallel                    the rest: processes that train on different rows (FSDP2 over them;
-                                         beside pipeline stages FSDP2 or DDP over each stage's dp processes)
+    dp  data parallel                    the rest: processes that train on different rows, held as
+                                         `strategy` says: FSDP2 shards over them (`dp_shard`), DDP
+                                         replicates (`dp_replicate`), none is one process (or one a stage)
+
+`strategy` is the one place a run's `distributed.strategy` is read as a layout (`fsdp_enabled`, `ddp_enabled`,
+`dp_shard`, `dp_replicate`); every other module asks these properties, or the parallelism objects of
+fulltune/memory/parallelism.py, never the string.
 
 The mesh is ("pp", "dp", "tp") in that order, as torchtitan lays it out: global rank
 r = stage · dp · tp + data rank · tp + tp rank (`stage`, `data_rank`).
@@ -34,13 +39,18 @@ class DegreesError(ConfigError, ValueError):
     A ValueError too, so that pydantic validators and the memory model's callers report it as theirs."""
 
 
+STRATEGIES = ("none", "ddp", "fsdp")
+
+
 @dataclass(frozen=True)
 class ParallelDims:
-    """`world_size` processes as dp × tp × pp; `tp` None is `distributed.tensor_parallel: auto`."""
+    """`world_size` processes as dp × tp × pp; `tp` None is `distributed.tensor_parallel: auto`, `strategy` None
+    `distributed.strategy: auto` (both until the plan chooses)."""
 
     world_size: int = 1
     tp: int | None = 1
     pp: int = 1
+    strategy: str | None = "none"
 
     def __post_init__(self) -> None:
         degrees = {"num_processes": self.world_size, "pipeline_parallel": self.pp}
@@ -60,9 +70,10 @@ class ParallelDims:
         `pipeline_parallel: auto` is read as its strictest batch rule before the plan chooses: every process a
         stage (`num_processes`) under strategy none, data parallel over them (1) otherwise."""
         tp, pp = distributed.tensor_parallel, distributed.pipeline_parallel
+        strategy = None if distributed.strategy == "auto" else distributed.strategy
         if pp == "auto":
-            pp = distributed.num_processes if distributed.strategy == "none" else 1
-        return cls(distributed.num_processes, None if tp == "auto" else tp, pp)
+            pp = distributed.num_processes if strategy == "none" else 1
+        return cls(distributed.num_processes, None if tp == "auto" else tp, pp, strategy)
 
     @property
     def dp(self) -> int | None:
@@ -70,9 +81,56 @@ class ParallelDims:
         pipeline share theirs (None while tp is auto)."""
         return None if self.tp is None else self.world_size // (self.tp * self.pp)
 
+    @property
+    def fsdp_enabled(self) -> bool:
+        """FSDP2 holds the model: sharded over the data-parallel processes (FSDP over one process too: its units
+        gathered one at a time, and with the optimizer offload its shards in host RAM)."""
+        return self.strategy == "fsdp"
+
+    @property
+    def ddp_enabled(self) -> bool:
+        """DDP holds the model: a replica on every data-parallel process, gradients all-reduced."""
+        return self.strategy == "ddp"
+
+    @property
+    def alone(self) -> bool:
+        """Strategy none: a process holds its model alone (one process, or one a pipeline stage)."""
+        return self.strategy == "none"
+
+    @property
+    def auto_strategy(self) -> bool:
+        """`distributed.strategy: auto`: the plan chooses among `STRATEGIES`."""
+        return self.strategy is None
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp is not None and self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def dp_shard(self) -> int:
+        """The processes FSDP2 shards weights, gradients and optimizer states over (1 without FSDP)."""
+        return (self.dp or 1) if self.fsdp_enabled else 1
+
+    @property
+    def dp_replicate(self) -> int:
+        """The processes DDP replicates the model over (1 without DDP)."""
+        return (self.dp or 1) if self.ddp_enabled else 1
+
     def with_tp(self, tp: int) -> ParallelDims:
         """These degrees with tensor parallel `tp` (the degree the plan chose for auto)."""
         return replace(self, tp=tp)
+
+    def per_stage(self) -> ParallelDims:
+        """The degrees of one pipeline stage: its dp × tp processes, no stages."""
+        return replace(self, world_size=self.world_size // self.pp, pp=1)
+
+    def per_machine(self, num_machines: int) -> int:
+        """Processes on each of `num_machines` machines (the processes are spread evenly over them)."""
+        return max(self.world_size // max(num_machines, 1), 1)
 
     def data_rank(self, rank: int) -> int:
         """The data-parallel index of global `rank`, which rows of a step it trains on: the "tp" groups are

@@ -321,6 +321,7 @@ class DistributedSpec(Strict):
                                  "tensor parallel are not built together); set tensor_parallel to 1")
             ParallelDims.from_spec(self)
             return self
+        # The YAML values as written (auto still open), each check naming them; the layout is ParallelDims'.
         if self.strategy == "none" and self.num_processes != self.pipeline_parallel:
             raise ValueError("num_processes > 1 needs a strategy (ddp or fsdp)"
                              + (" or num_processes = pipeline_parallel" if self.pipeline_parallel > 1 else ""))
@@ -410,7 +411,7 @@ class PipelineSpec(Strict):
             return self
         if processes < 1:
             raise ValueError(f"evaluate.processes must be auto or at least 1; got {processes}")
-        if d.strategy != "fsdp" or processes != d.num_processes:
+        if d.strategy != "fsdp" or processes != d.num_processes:  # the YAML value the message names
             raise ValueError(f"evaluate.processes: {processes} shards each candidate over the training's processes, "
                              f"which needs distributed.strategy fsdp and num_processes {processes} (they are "
                              f"{d.strategy} and {d.num_processes}); set it to auto or 1")

@@ -65,7 +65,7 @@ def test_the_tensor_parallel_degree_is_carried_once_the_one_the_plan_chose(tmp_p
     pipeline = resolve_pipeline(str(path), "tiny").spec
     job = build(pipeline, planned(strategy="fsdp", num_processes=4, tensor_parallel=2, optimizer="adamw",
                                   chunked_loss=False, gradient_accumulation_steps=2))
-    assert job.dims == ParallelDims(world_size=4, tp=2) and job.dims.dp == 2
+    assert job.dims == ParallelDims(world_size=4, tp=2, strategy="fsdp") and job.dims.dp == 2
     assert job.to_json().count('"tensor_parallel"') == 1  # the plan's; the distributed section has none
     assert TrainJob.from_json(job.to_json()).dims == job.dims
 

@@ -67,7 +67,7 @@ def eval_dtype(settings: Settings, precision: str = "trained") -> str:
 def eval_processes(settings: Settings) -> int:
     """The processes the evaluate stage shards each candidate over: the training's, when it held the weights
     sharded (FSDP, tensor parallel) over more than one; else 1 (one process holds the whole model)."""
-    if settings.num_processes > 1 and (settings.strategy == "fsdp" or settings.tensor_parallel > 1):
+    if settings.num_processes > 1 and (settings.dims.fsdp_enabled or settings.dims.tp_enabled):
         return settings.num_processes
     return 1
 

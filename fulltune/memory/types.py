@@ -116,16 +116,17 @@ class Settings:
         _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
         _check_choice("device", self.device, DEVICES)
         _check_choice("strategy", self.strategy, STRATEGIES)
+        # The field's own check, before the degrees are built from it (`dims`: the layout).
         if self.strategy == "none" and self.num_processes != self.pipeline_parallel:
             raise MemoryConfigError("num_processes > 1 needs a strategy (ddp or fsdp) or pipeline stages")
-        ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel)  # DegreesError unless they divide
+        self.dims  # DegreesError unless they divide
         _check_levers(self)
 
     @property
     def dims(self) -> ParallelDims:
         """The parallel degrees the step runs with: num_processes as data parallel × tensor_parallel ×
-        pipeline_parallel."""
-        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel)
+        pipeline_parallel, the data-parallel processes held as `strategy` says."""
+        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel, self.strategy)
 
     def levers(self) -> dict[str, bool]:
         """The memory levers, name → on."""
@@ -310,7 +311,8 @@ class PlanRequest:
     def dims(self) -> ParallelDims:
         """The parallel degrees asked for: `tp` None while tensor_parallel is auto (pipeline_parallel auto:
         as one stage until the planner chooses)."""
-        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel or 1)
+        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel or 1,
+                            None if self.strategy == "auto" else self.strategy)  # the request's auto: None
 
 
 def _check_request_choices(request: PlanRequest) -> None:

@@ -104,7 +104,7 @@ CHEAP_TRACE_SECONDS = 10.0
 
 def trace_is_cheap(shape: ModelShape, request: PlanRequest) -> bool:
     """Whether tracing a step of this model costs under `CHEAP_TRACE_SECONDS` (one process only)."""
-    if request.strategy not in ("none", "auto") or request.num_processes != 1:
+    if not (request.dims.alone or request.dims.auto_strategy) or request.num_processes != 1:
         return False
     return shape.num_layers * 3 * TRACE_SECONDS_PER_LAYER_PASS <= CHEAP_TRACE_SECONDS
 
@@ -143,7 +143,7 @@ def _traced(config: Any, shape: ModelShape, candidates: list[Candidate], usable:
         if not fitting or fitting[0].uncertainty.basis == "trace":
             break
         chosen = fitting[0]
-        if chosen.settings.strategy != "none" or chosen.settings.num_processes != 1:
+        if not chosen.settings.dims.alone or chosen.settings.num_processes != 1:
             reasons.append("not traced: the trace runs one process; the estimate's measured uncertainty applies")
             break
         peak = traced_peak(config, chosen.settings)
@@ -235,7 +235,7 @@ def replan_after_oom(
     shape = model_shape(config)
     if request.tensor_parallel is None:  # auto: the degree the run was planned with stays (its processes are set)
         request = replace(request, tensor_parallel=previous.tensor_parallel)
-    if request.strategy == "auto" or request.pipeline_parallel is None:  # and so do its strategy and stages
+    if request.dims.auto_strategy or request.pipeline_parallel is None:  # and so do its strategy and stages
         request = replace(request, strategy=previous.strategy, pipeline_parallel=previous.pipeline_parallel)
     previous_estimate = _estimate(shape, previous)
     if observed_peak_bytes is not None and observed_peak_bytes > 0:

@@ -241,7 +241,7 @@ def pipeline_rank(config: dict[str, Any], settings: Settings, schedule: str, ste
     model = _pipeline_model(config, settings)
     vocab = model.config.vocab_size
     run = PipelineRun.create(model, settings, schedule=schedule, length=settings.seq_len,
-                             dims=ParallelDims(stages * replicas, 1, stages), data_parallel=data_parallel)
+                             dims=ParallelDims(stages * replicas, 1, stages, data_parallel))
     del model  # this process keeps only its stage's modules
     optimizer = optimizer_for(run.stage, settings)
     accelerator = LocalAccelerator("cpu", settings.mixed_precision, settings.gradient_accumulation_steps)

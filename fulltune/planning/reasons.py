@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from fulltune.memory import parallelism
 from fulltune.memory.estimate import _estimate
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import MemoryEstimate, PlanRequest, Settings
@@ -19,10 +20,7 @@ from fulltune.planning.strategy import host_parameters
 
 def describe(settings: Settings) -> str:
     parts = [f"micro-batch {settings.micro_batch_size} × accumulation {settings.gradient_accumulation_steps}"]
-    if settings.tensor_parallel > 1:
-        parts.append(f"tensor parallel {settings.tensor_parallel}")
-    if settings.pipeline_parallel > 1:
-        parts.append(f"{settings.pipeline_parallel} pipeline stages")
+    parts.extend(parallelism.describe(settings))  # each kind's words (tensor parallel T, P pipeline stages)
     parts.append(f"checkpointing {settings.gradient_checkpointing} layers")
     parts.append(f"precision {settings.mixed_precision}")
     parts.append(settings.optimizer)
@@ -35,7 +33,7 @@ def alternative_entry(c: Candidate, why: str) -> dict[str, Any]:
         **c.settings.choices(),
         "tensor_parallel": c.settings.tensor_parallel,
         **({"pipeline_parallel": c.settings.pipeline_parallel, "strategy": c.settings.strategy}
-           if c.settings.pipeline_parallel > 1 else {}),
+           if c.settings.dims.pp_enabled else {}),
         "peak_bytes": c.estimate.peak_bytes,
         "device_bytes": c.estimate.device_bytes,
         "uncertainty_bytes": c.uncertainty.bytes,
@@ -100,7 +98,7 @@ def tensor_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates:
                 f"{format_seconds(chosen.seconds, 's/step')}, of which "
                 f"{format_seconds(tensor_parallel_seconds(shape, s))} are its collectives "
                 f"({format_bytes(int(traffic.bytes))} per rank)")
-    elif request.strategy != "fsdp":
+    elif not request.dims.fsdp_enabled:
         head = (f"tensor parallel 1 (distributed.tensor_parallel auto): tensor parallel runs under strategy fsdp, "
                 f"this pipeline's is {request.strategy}")
     else:
@@ -136,7 +134,7 @@ def _pure_bf16_text(settings: Settings) -> str:
     """What pure bf16 means for the chosen optimizer: whether small updates survive the rounding."""
     from fulltune.runtime.optim import default_compensation
 
-    if settings.offload_optimizer and settings.strategy != "fsdp":
+    if settings.offload_optimizer and not settings.dims.fsdp_enabled:
         return "pure bf16 weights and gradients on the device; the fp32 masters on the host keep small updates"
     compensation = default_compensation(settings.optimizer)
     if compensation == "none":
@@ -169,7 +167,7 @@ def _lever_reasons(shape: ModelShape, configured: Settings, chosen: Candidate) -
             continue
         cost = f"+{format_seconds(t['seconds'], 's/step')}" if t["seconds"] >= 0.0005 else "no measurable step time"
         text = _pure_bf16_text(chosen.settings) if name == "pure_bf16" else _LEVER_TEXT[name]
-        if name == "offload_optimizer" and chosen.settings.strategy == "fsdp":
+        if name == "offload_optimizer" and chosen.settings.dims.fsdp_enabled:
             text = _FSDP_OFFLOAD_TEXT
         out.append(f"{name}: {text}: saves {format_bytes(t['saved_bytes'])} of device memory, {cost}")
     parts = chosen.host_parts
@@ -217,7 +215,7 @@ def suggestions_for(shape: ModelShape, request: PlanRequest, smallest: Candidate
     one_gpu = host_parameter_suggestion(shape, request)
     if one_gpu:
         out.append(one_gpu)
-    if request.strategy in ("none", "ddp", "deepspeed_zero2"):
+    if request.dims.alone or request.dims.ddp_enabled:
         # Shard over the processes already there first, then over more GPUs.
         counts = sorted({n for n in (2, 4, 8, 16, 32, 64) if n >= request.num_processes} | {request.num_processes})
         for n in counts:
@@ -276,7 +274,7 @@ def strategy_reasons(request: PlanRequest, candidates: list[Candidate], chosen: 
     """With strategy auto: the strategy chosen and each other one's best candidate; where the parameters live
     in host RAM (`host`: `step_time.host_step` of the chosen settings), that line with its device and host
     bytes, what `none` needs and the step-time terms."""
-    if request.strategy != "auto":
+    if not request.dims.auto_strategy:
         return []
     best = best_by(candidates, lambda c: c.settings.strategy, usable)
     s = chosen.settings
@@ -326,7 +324,7 @@ def step_terms(t: dict[str, Any], settings: Settings) -> list[str]:
 def host_parameter_suggestion(shape: ModelShape, request: PlanRequest) -> str | None:
     """For one process under strategy none that does not fit: what fsdp over that process (parameters in host
     RAM where the lever table allows offload) would need, if it fits."""
-    if request.strategy != "none" or request.num_processes != 1 or request.device != "cuda":
+    if not request.dims.alone or request.num_processes != 1 or request.device != "cuda":
         return None
     usable = request.usable_bytes or 0
     sharded = replace(request, strategy="fsdp")

@@ -110,7 +110,7 @@ def configured_request(request: PlanRequest) -> PlanRequest:
     """The request with tensor_parallel auto at its naive default, 1 (FSDP alone), and strategy auto at its
     own (`strategy.naive_strategy`), as the other auto fields."""
     if request.pipeline_parallel is None:  # auto: data parallel (or one process), else every process a stage
-        stages = request.num_processes if request.strategy == "none" else 1
+        stages = request.num_processes if request.dims.alone else 1
         request = as_pipeline(request, stages)
     request = naive_strategy(request)
     return replace(request, tensor_parallel=1) if request.tensor_parallel is None else request
@@ -122,7 +122,7 @@ def configured_for(shape: ModelShape, request: PlanRequest) -> Settings:
         micro = request.micro_batch_size
     elif request.gradient_accumulation_steps is not None:
         micro = per // request.gradient_accumulation_steps
-    elif request.pipeline_parallel > 1 and per % request.pipeline_parallel == 0:
+    elif request.dims.pp_enabled and per % request.pipeline_parallel == 0:
         micro = per // request.pipeline_parallel  # a micro-batch per stage: the fewest 1F1B runs
     else:
         micro = per
@@ -308,13 +308,13 @@ def _search(
 
 
 def _ranks_per_machine(request: PlanRequest) -> int:
-    return max(request.num_processes // max(request.num_machines, 1), 1)
+    return request.dims.per_machine(request.num_machines)
 
 
 def _per_machine(shape: ModelShape, c: Candidate, host_budget: int | None, ranks: int) -> Candidate:
     """`c` with its host RAM as one machine holds it (`budget.host_memory` is per machine): every rank's
     offloaded tensors and, under FSDP, rank 0's gathered export (`process.node_host_bytes`)."""
-    if c.settings.strategy == "none" or c.settings.device == "cpu":
+    if c.settings.dims.alone or c.settings.device == "cpu":
         return replace(c, host_budget=host_budget)
     node = node_host_bytes(shape, c.settings, c.estimate.host_bytes, ranks)
     return replace(c, host_budget=host_budget, estimate=replace(c.estimate, host_bytes=node["total"]),
@@ -341,7 +341,7 @@ def staged_search(shape: ModelShape, request: PlanRequest, usable: int, micros: 
                 f"{degree} stage{'s' if degree > 1 else ''}: {why}" for degree, why in sorted(refused.items())))
         return [c for degree in degrees
                 for c in staged_search(shape, as_pipeline(request, degree), usable, micros, min_checkpointing)]
-    if request.strategy == "auto":
+    if request.dims.auto_strategy:
         return [c for strategy in allowed_strategies(request)
                 for c in staged_search(shape, replace(request, strategy=strategy), usable, micros,
                                         min_checkpointing)]
@@ -369,7 +369,7 @@ def tensor_parallel_degrees(shape: ModelShape, request: PlanRequest) -> tuple[li
     if request.tensor_parallel is not None:
         return [request.tensor_parallel], {}
     degrees, refused = [1], {}
-    if request.strategy != "fsdp":
+    if not request.dims.fsdp_enabled:
         return degrees, refused
     for degree in sorted(divisors(request.num_processes)):
         if degree == 1:
@@ -427,7 +427,7 @@ def pipeline_degrees(shape: ModelShape, request: PlanRequest) -> tuple[list[int]
     degrees, refused = [], {}
     for degree in sorted(divisors(n)):
         if degree == 1:
-            if request.strategy == "none" and n > 1:
+            if request.dims.alone and n > 1:
                 refused[1] = f"strategy none: {n} processes are pipeline stages (data parallel needs ddp, fsdp or auto)"
             else:
                 degrees.append(1)
@@ -442,7 +442,7 @@ def pipeline_degrees(shape: ModelShape, request: PlanRequest) -> tuple[list[int]
 
 def _stages_problem(shape: ModelShape, request: PlanRequest, degree: int) -> str | None:
     """Why `degree` pipeline stages over the request's processes cannot train (None: they can)."""
-    if degree < request.num_processes and request.strategy == "none":
+    if degree < request.num_processes and request.dims.alone:
         return "strategy none: every process is a stage (data parallel beside the stages needs ddp or fsdp)"
     if degree > shape.num_layers:
         return f"{degree} stages need a decoder layer each; the model has {shape.num_layers}"
@@ -461,7 +461,7 @@ def as_pipeline(request: PlanRequest, degree: int) -> PlanRequest:
     """The request with `degree` pipeline stages: the request's own strategy for 1 and for stages with data
     parallel beside them (ddp, fsdp, or auto: the search then tries both over each stage's processes), strategy
     none where every process is a stage."""
-    alone = degree > 1 and (request.strategy == "none" or degree == request.num_processes)
+    alone = degree > 1 and (request.dims.alone or degree == request.num_processes)
     return replace(request, pipeline_parallel=degree, strategy="none" if alone else request.strategy)
 
 

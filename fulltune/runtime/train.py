@@ -57,7 +57,7 @@ from fulltune.storage import atomic_dir, atomic_write_text
 from fulltune.runtime.loss import TargetHead
 from fulltune.runtime import allocator
 from fulltune.runtime.offload import ActivationOffload
-from fulltune.runtime import pipeline_parallel, step_memory
+from fulltune.runtime import parallelize, pipeline_parallel, step_memory
 from fulltune.runtime.step_memory import StepMemory
 from fulltune.runtime.pipeline_parallel import PipelineRun
 from fulltune.runtime.step import OptimizerStep, StepOutcome, StepParts, run_step
@@ -162,7 +162,7 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
     """
     if job.plan.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("budget.device: cuda was planned but this machine has no usable CUDA device")
-    if job.distributed.strategy == "fsdp" and job.plan.offload_optimizer and "WORLD_SIZE" in os.environ:
+    if job.dims.fsdp_enabled and job.plan.offload_optimizer and "WORLD_SIZE" in os.environ:
         # FSDP's CPU offload reduces the gradient norm over host shards: gloo beside NCCL (fulltune/runtime/sharding.py).
         sharding.init_process_group(job.plan.device, cpu_offload=True)
     # The scheduler steps once per optimizer step: total_steps already counts every process's
@@ -178,7 +178,7 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
     model_layers = config.num_hidden_layers
     hooks = hooks or TrainHooks()
     pipeline = None
-    if job.distributed.pipeline_parallel > 1:  # this process keeps its stage only (fulltune/runtime/pipeline_parallel.py)
+    if job.dims.pp_enabled:  # this process keeps its stage only (fulltune/runtime/pipeline_parallel.py)
         pipeline = pipeline_stage(job, model, head, int(data.lengths.max()), accelerator.device,
                                   pad_token_id_of(tokenizer), hooks)
         model = pipeline.stage
@@ -212,8 +212,7 @@ def pipeline_stage(job: TrainJob, model: torch.nn.Module, head: TargetHead, leng
     head.remove()
     try:
         return PipelineRun.create(model, job.plan, schedule=distributed.pipeline_schedule, length=length,
-                                  device=device, pad_token_id=pad_token_id, hooks=hooks, dims=job.dims,
-                                  data_parallel=distributed.strategy)
+                                  device=device, pad_token_id=pad_token_id, hooks=hooks, dims=job.dims)
     except ValueError as exc:
         raise ConfigError(f"{pipeline_parallel.FIELD}: {exc}") from None
 
@@ -266,13 +265,13 @@ def load_model_with_levers(job: TrainJob) -> tuple[torch.nn.Module, Any, tuple[i
         built["levers"] = apply_levers(job, model)
         built["flops"] = flops.from_model(model)  # counts parameters: works on an empty model too
 
-    if job.distributed.strategy == "fsdp" and job.distributed.pipeline_parallel == 1:  # stages: their own FSDP
-        # With distributed.tensor_parallel > 1: the TP plan on each block, then FSDP over the data-parallel
-        # processes (fulltune/runtime/parallel.py).
-        model = sharding.load_sharded_model(job.paths.model_path, device=job.plan.device,
-                                            mixed_precision=job.plan.mixed_precision, before_shard=before_shard,
-                                            dims=job.dims,
-                                            offload=job.plan.offload_optimizer, **options)
+    if parallelize.sharded_load(job.dims):  # FSDP, or tensor parallel's plan then FSDP over "dp"
+        plan = job.plan
+        model = sharding.load_sharded_model(
+            job.paths.model_path, device=plan.device, mixed_precision=plan.mixed_precision, before_shard=before_shard,
+            shard=lambda empty: parallelize.apply(empty, job.dims, plan.device, plan.mixed_precision,
+                                                  plan.offload_optimizer),
+            offload=plan.offload_optimizer, **options)
     else:
         model = load_model(job.paths.model_path, **options)
         before_shard(model)
@@ -314,7 +313,7 @@ def build_scheduler(job: TrainJob, optimizer: Any, total_steps: int) -> Any:
 def prepare(job: TrainJob, accelerator: Accelerator, model: torch.nn.Module, optimizer: Any,
             scheduler: Any) -> tuple[torch.nn.Module, Any, Any]:
     """accelerate's prepare, minus what the levers and FSDP2 keep to themselves."""
-    if sharding.is_sharded(model) or job.distributed.pipeline_parallel > 1:
+    if sharding.is_sharded(model) or job.dims.pp_enabled:
         # FSDP2's model and optimizer, or a pipeline stage's, stay out of prepare (see setup).
         return model, optimizer, accelerator.prepare(scheduler)
     if job.plan.offload_optimizer:
