@@ -21,6 +21,9 @@ would satisfy it — the planner, which fills the `auto` fields, keeps only cand
     offload_optimizer      masters, gradients and states in host RAM              one process, or FSDP on
                                                                                   cuda (CPUOffloadPolicy)
 
+Context parallel (`distributed.context_parallel` > 1) runs every lever over fsdp or ddp, not beside tensor parallel
+or pipeline stages (`_context_parallel_rules`).
+
 Pipeline stages (`distributed.pipeline_parallel` > 1, fulltune/runtime/pipeline_parallel.py) run the chunked
 loss and pure bf16, not the step in backward or the offloads (PIPELINE_REFUSED_LEVERS), nor fp16's grad scaler;
 1F1B needs a micro-batch per stage. Data parallel beside them (num_processes = pipeline_parallel × dp, strategy
@@ -57,6 +60,7 @@ class Combination:
     num_processes: int = 1
     tensor_parallel: int | None = 1
     pipeline_parallel: int | None = 1  # None: auto, the planner checks every degree it tries
+    context_parallel: int | None = 1  # None: auto, the planner checks every degree it tries
     pipeline_schedule: str = "1f1b"
     optimizer: str | None = "adamw"
     gradient_accumulation_steps: int | None = None
@@ -83,6 +87,11 @@ class Combination:
     def tensor_parallel_on(self) -> bool:
         """Tensor parallel is fixed above 1 (auto may still choose 1)."""
         return self.tensor_parallel is not None and self.tensor_parallel > 1
+
+    @property
+    def context_parallel_on(self) -> bool:
+        """Context parallel is fixed above 1 (auto may still choose 1)."""
+        return self.context_parallel is not None and self.context_parallel > 1
 
 
 @dataclass(frozen=True)
@@ -153,6 +162,19 @@ def _pipeline_rules() -> tuple[Rule, ...]:
     )
 
 
+def _context_parallel_rules() -> tuple[Rule, ...]:
+    """Context parallel (fulltune/runtime/context_parallel.py) is built over data parallel alone (fsdp or ddp: its
+    processes sum their gradients, which strategy none, one process, cannot be asked for with several)."""
+    return (
+        Rule(("distributed.context_parallel", "distributed.tensor_parallel"),
+             lambda c: c.context_parallel_on and c.tensor_parallel_on,
+             "context parallel is not combined with tensor parallel (not built); set one of them to 1"),
+        Rule(("distributed.context_parallel", "distributed.pipeline_parallel"),
+             lambda c: c.context_parallel_on and c.pipelined,
+             "context parallel is not combined with pipeline stages (not built); set one of them to 1"),
+    )
+
+
 RULES: tuple[Rule, ...] = (
     Rule(("train.optimizer_in_backward", "train.gradient_accumulation_steps"),
          lambda c: c.on("optimizer_in_backward") and c.gradient_accumulation_steps not in (None, 1),
@@ -212,6 +234,7 @@ RULES: tuple[Rule, ...] = (
          "the 8-bit and 4-bit updates have no sharding rule for FSDP2's DTensor shards (bitsandbytes' "
          "optimizer_update_32bit refuses them); use adamw or adafactor with fsdp"),
     *_pipeline_rules(),
+    *_context_parallel_rules(),
 )
 
 
@@ -242,6 +265,7 @@ def from_spec(pipeline: object) -> Combination:
         # tensor_parallel auto is None: the planner checks every degree it tries against the table.
         tensor_parallel=distributed.dims.tp, optimizer=auto(train.optimizer),
         pipeline_parallel=auto(distributed.pipeline_parallel),  # type: ignore[arg-type]
+        context_parallel=distributed.dims.cp,
         pipeline_schedule=distributed.pipeline_schedule,
         gradient_accumulation_steps=auto(train.gradient_accumulation_steps),
         mixed_precision=auto(train.mixed_precision), gradient_checkpointing=auto(train.gradient_checkpointing),
@@ -257,6 +281,7 @@ def from_settings(settings: object, bf16_supported: bool | None = None) -> Combi
         strategy=None if s.strategy == "auto" else s.strategy,  # type: ignore[attr-defined]  # a request's auto
         tensor_parallel=s.tensor_parallel,  # type: ignore[attr-defined]  # None: auto, in a request
         pipeline_parallel=getattr(s, "pipeline_parallel", 1), pipeline_schedule=getattr(s, "pipeline_schedule", "1f1b"),
+        context_parallel=getattr(s, "context_parallel", 1),  # None: auto, in a request
         optimizer=s.optimizer, gradient_accumulation_steps=s.gradient_accumulation_steps,  # type: ignore[attr-defined]
         mixed_precision=s.mixed_precision, gradient_checkpointing=s.gradient_checkpointing,  # type: ignore[attr-defined]
         device=s.device, bf16_supported=bf16_supported)  # type: ignore[attr-defined]

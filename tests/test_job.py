@@ -53,7 +53,7 @@ def test_the_job_holds_the_plan_and_the_spec_sections(pipeline) -> None:
     assert job.plan == planned()
     assert (job.train.learning_rate, job.train.seed, job.train.compile, job.train.max_steps) == (1e-3, 7, True, 6)
     assert job.model == pipeline.model
-    assert job.distributed.model_dump() == pipeline.distributed.model_dump(exclude={"tensor_parallel"})
+    assert job.distributed.model_dump() == pipeline.distributed.model_dump(exclude=set(launch.PLANNED_DISTRIBUTED_KEYS))
     assert (job.paths.model_path, job.paths.output_dir, job.tracking.mlflow_run_id) == ("/base", "/runs/k", "r1")
     # The spec says `optimizer: auto`; the job's train section has no such key, so only the plan can answer.
     assert pipeline.train.optimizer == "auto" and not hasattr(job.train, "optimizer")

@@ -8,6 +8,10 @@ dispatched once (`rank_kind`, `kinds`).
     tensor parallel    tp > 1 (over FSDP)         a rank-shape transform (`tensor_parallel.rank_shape`),
                                                   sequence-parallel activations and the
                                                   vocabulary-parallel head (`tp_layout`)  the TP group's collectives
+    context parallel   cp > 1 (over FSDP or DDP)  a rank-shape transform (s/N positions, the attention's all-to-alls
+                                                  `context_parallel.rank_settings`),       (Ulysses) or the ring's
+                                                  whole-row attention for H/N heads        sends
+                                                  (`context_parallel.layer_bytes_cp`)
     pipeline stages    pp > 1                     each stage walked on its own layers     the sends between stages
                                                   (`memory/pipeline.py`; FSDP beside the   (the bubble is the step
                                                   stages: `fsdp.StageUnits`)               time's: planning/step_time)
@@ -30,7 +34,9 @@ import math
 from dataclasses import dataclass
 
 from fulltune.degrees import ParallelDims
-from fulltune.memory.activations import LayerBytes, ModelActivations, layer_bytes, model_activations, stream_bytes
+from fulltune.memory import context_parallel as cp
+from fulltune.memory.activations import (LayerBytes, ModelActivations, compute_bytes, layer_bytes, model_activations,
+                                         stream_bytes)
 from fulltune.memory.fsdp import activation_settings, fsdp_layout, persistent
 from fulltune.memory.overhead import training_overhead
 from fulltune.memory.process import STEP, TRAINING_PHASES, phase_tensors
@@ -288,14 +294,75 @@ class PipelineStages(Parallelism):
         return f"{settings.pipeline_parallel} pipeline stages"
 
 
+# A context-parallel rank (Ulysses over FSDP2, `memory/context_parallel.py`), measured the same way
+# (benchmarks/context_parallel_memory.py): its step also keeps FSDP's entry when that is larger.
+CP_MEASURED = Margin(0.0086, "context parallel 2 per rank on CPU (Ulysses over FSDP2), eager attention, fp32, "
+                             "2 × 512 positions (worst of 9 configurations, benchmarks/context_parallel_memory.py)")
+
+
+class ContextParallel(Parallelism):
+    """Context parallel over FSDP or DDP (fulltune/runtime/context_parallel.py): a rank-shape transform (each rank
+    s/N of every row's positions: `context_parallel.rank_settings`) whose attention is over the whole row for
+    H/N heads (Ulysses) with the all-to-alls' copies (`context_parallel.layer_bytes_cp`), walked as its
+    data-parallel layout (FSDP over dp × cp, or DDP: not measured, the assumed margin). Ring attention (CUDA) is
+    counted as Ulysses' layout: not measured on a GPU (benchmarks/device_check.py)."""
+
+    name = "context parallel"
+    margin = CP_MEASURED
+
+    def runs(self, dims: ParallelDims) -> bool:
+        return dims.cp_enabled
+
+    def rank(self, shape: ModelShape, settings: Settings) -> tuple[ModelShape, Settings]:
+        return shape, cp.rank_settings(settings)
+
+    def step_terms(self, shape: ModelShape, settings: Settings) -> StepTerms:
+        act = activation_settings(settings)
+        N = settings.context_parallel
+        S = cp.padded_seq(settings.seq_len, N)
+        ranked, local_act = cp.rank_settings(settings), cp.rank_settings(act)
+        layer = cp.layer_bytes_cp(shape, local_act, N, S)
+        return step_terms(shape, ranked, local_act, layer=layer,
+                          acts=cp.model_activations_cp(shape, ranked, local_act, layer, S, settings))
+
+    def layout(self, tl: Timeline) -> Layout:
+        return fsdp_layout(tl) if tl.terms.settings.dims.fsdp_enabled else replicated(tl)
+
+    def traffic(self, shape: ModelShape, settings: Settings) -> Traffic:
+        """Ulysses: per layer and micro-batch four all-to-alls forward (q, k, v, the output) and four backward
+        (their gradients), four more for a recomputed layer, each moving (N − 1) / N of the rank's tensor. Ring
+        attention (N not dividing the heads): each layer passes the rank's keys and values N − 1 times forward,
+        and keys, values and their gradients N − 1 times backward."""
+        N = settings.context_parallel
+        local = cp.rank_settings(activation_settings(settings))
+        c = compute_bytes(local)
+        b, s, L, d = local.micro_batch_size, local.seq_len, shape.num_layers, shape.head_dim
+        passes = 2 * L + min(settings.gradient_checkpointing, L)
+        q = b * s * shape.heads * d * c
+        ga = settings.gradient_accumulation_steps
+        if shape.heads % N == 0:
+            kv = b * s * shape.kv_heads * cp.kv_repeats(shape.kv_heads, N) * d * c
+            return Traffic(ga * passes * (2 * q + 2 * kv) * (N - 1) / N, ga * passes * 4, self.name)
+        kv = b * s * shape.kv_heads * d * c
+        return Traffic(ga * (2 * L + passes) * 2 * kv * (N - 1), ga * (2 * L + passes) * (N - 1), self.name)
+
+    def words(self, settings: Settings) -> str:
+        return f" × context parallel {settings.context_parallel}"
+
+    def describe(self, settings: Settings) -> str:
+        return f"context parallel {settings.context_parallel}"
+
+
+
 ONE_PROCESS = OneProcess()
 DDP = DistributedDataParallel()
 FSDP = FullyShardedDataParallel()
 TENSOR_PARALLEL = TensorParallel()
 PIPELINE = PipelineStages()
+CONTEXT_PARALLEL = ContextParallel()
 # The data-parallel kinds (exactly one runs on every rank), then the kinds over them, innermost first.
 DATA_PARALLEL = (FSDP, DDP, ONE_PROCESS)
-OVER_DATA_PARALLEL = (TENSOR_PARALLEL, PIPELINE)
+OVER_DATA_PARALLEL = (CONTEXT_PARALLEL, TENSOR_PARALLEL, PIPELINE)
 KINDS = (*DATA_PARALLEL, *OVER_DATA_PARALLEL)
 
 

@@ -28,8 +28,9 @@ from fulltune.memory.types import MemoryEstimate, MemoryPlan, PlanRequest, Setti
 from fulltune.memory.uncertainty import Uncertainty, traced_uncertainty
 from fulltune.memory.units import format_bytes
 from fulltune.planning.pipeline import needs_advice, pipeline_advice, pipeline_reasons
-from fulltune.planning.reasons import (alternatives_for, change_reasons, configured_reason, describe, host_reasons,
-                                       strategy_reasons, suggestions_for, tensor_parallel_reasons)
+from fulltune.planning.reasons import (alternatives_for, change_reasons, configured_reason, context_parallel_reasons,
+                                       describe, host_reasons, strategy_reasons, suggestions_for,
+                                       tensor_parallel_reasons)
 from fulltune.planning.search import (Candidate, configured_for, configured_request, configured_settings,
                                       divisors, fits_budget, host_budget_for, make_candidate, per_process,
                                       staged_search)
@@ -189,6 +190,8 @@ def _finish(
     reasons.extend(strategy_reasons(request, candidates, chosen, usable, host))
     reasons.extend(tensor_parallel_reasons(shape, replace(request, strategy=chosen.settings.strategy), candidates,
                                             chosen, usable))
+    reasons.extend(context_parallel_reasons(shape, replace(request, strategy=chosen.settings.strategy), candidates,
+                                             chosen, usable))
     reasons.extend(pipeline_reasons(shape, request, candidates, chosen, usable))
     reasons.extend(host_reasons(request, candidates, chosen, usable))
     suggestions: tuple[str, ...] = ()
@@ -235,6 +238,8 @@ def replan_after_oom(
     shape = model_shape(config)
     if request.tensor_parallel is None:  # auto: the degree the run was planned with stays (its processes are set)
         request = replace(request, tensor_parallel=previous.tensor_parallel)
+    if request.context_parallel is None:  # likewise the context-parallel degree
+        request = replace(request, context_parallel=previous.context_parallel)
     if request.dims.auto_strategy or request.pipeline_parallel is None:  # and so do its strategy and stages
         request = replace(request, strategy=previous.strategy, pipeline_parallel=previous.pipeline_parallel)
     previous_estimate = _estimate(shape, previous)

@@ -12,9 +12,9 @@ from fulltune.memory.estimate import _estimate
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import MemoryEstimate, PlanRequest, Settings
 from fulltune.memory.units import format_bytes, format_seconds
-from fulltune.planning.search import (Candidate, best_by, device_word, fits_budget, staged_search,
-                                      tensor_parallel_degrees)
-from fulltune.planning.step_time import step_seconds, tensor_parallel_seconds
+from fulltune.planning.search import (Candidate, best_by, context_parallel_degrees, device_word, fits_budget,
+                                      staged_search, tensor_parallel_degrees)
+from fulltune.planning.step_time import CP_BYTES_PER_S, context_parallel_seconds, step_seconds, tensor_parallel_seconds
 from fulltune.planning.strategy import host_parameters
 
 
@@ -34,6 +34,7 @@ def alternative_entry(c: Candidate, why: str) -> dict[str, Any]:
         "tensor_parallel": c.settings.tensor_parallel,
         **({"pipeline_parallel": c.settings.pipeline_parallel, "strategy": c.settings.strategy}
            if c.settings.dims.pp_enabled else {}),
+        **({"context_parallel": c.settings.context_parallel} if c.settings.dims.cp_enabled else {}),
         "peak_bytes": c.estimate.peak_bytes,
         "device_bytes": c.estimate.device_bytes,
         "uncertainty_bytes": c.uncertainty.bytes,
@@ -103,17 +104,45 @@ def tensor_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates:
                 f"this pipeline's is {request.strategy}")
     else:
         head = "tensor parallel 1 (distributed.tensor_parallel auto): FSDP alone"
+    _, refused = tensor_parallel_degrees(shape, request)
+    return [head + _other_degrees(best, T, usable, refused)]
+
+
+def _other_degrees(best: dict[int, Candidate], chosen: int, usable: int, refused: dict[int, str]) -> str:
+    """"; 2 is slower (…); 4 does not fit (…); 8 not tried (…)": each other degree's best candidate, or why it was
+    not tried ("" when there is none)."""
     others = []
     for degree, c in sorted(best.items()):
-        if degree == T:
+        if degree == chosen:
             continue
         if fits_budget(c, usable):
             others.append(f"{degree} is slower ({format_seconds(c.seconds, 's/step')})")
         else:
             others.append(f"{degree} does not fit ({format_bytes(c.expected_bytes)} ± {format_bytes(c.uncertainty.bytes)})")
-    _, refused = tensor_parallel_degrees(shape, request)
     others += [f"{degree} not tried ({why})" for degree, why in sorted(refused.items())]
-    return [head + ("; " + "; ".join(others) if others else "")]
+    return "; " + "; ".join(others) if others else ""
+
+
+def context_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates: list[Candidate],
+                             chosen: Candidate, usable: int) -> list[str]:
+    """With `context_parallel` auto: the degree chosen ("context parallel 4: 71.2 GiB per GPU, 38 s/step, of which
+    … its all-to-alls"), and each other degree's best candidate or why it was not tried."""
+    if request.context_parallel is not None:
+        return []
+    best = best_by(candidates, lambda c: c.settings.context_parallel, usable)
+    s = chosen.settings
+    N = s.context_parallel
+    if N > 1:
+        method = "Ulysses" if shape.heads % N == 0 else "ring attention"
+        head = (f"context parallel {N} ({s.dims.dp} data-parallel × {N}, {method}, distributed.context_parallel "
+                f"auto): {format_bytes(chosen.expected_bytes)} per {device_word(s.device)}, "
+                f"{format_seconds(chosen.seconds, 's/step')}, of which {format_seconds(context_parallel_seconds(shape, s))} "
+                f"are its {'all-to-alls' if method == 'Ulysses' else 'ring sends'} (assumed "
+                f"{CP_BYTES_PER_S[s.device] / 1e9:g} GB/s, not overlapped)")
+    else:
+        head = "context parallel 1 (distributed.context_parallel auto): every process holds whole rows"
+    _, refused = context_parallel_degrees(shape, request)
+    return [head + _other_degrees(best, N, usable, refused)]
 
 
 _LEVER_TEXT = {
@@ -221,7 +250,9 @@ def suggestions_for(shape: ModelShape, request: PlanRequest, smallest: Candidate
         for n in counts:
             if n < 2 or request.effective_batch_size % n:
                 continue
-            sharded = replace(request, strategy="fsdp", num_processes=n, pipeline_parallel=1, micro_batch_size=None,
+            cp = request.context_parallel  # auto stays auto; a fixed degree the processes do not divide is none
+            sharded = replace(request, strategy="fsdp", num_processes=n, pipeline_parallel=1,
+                              context_parallel=cp if cp is None or n % cp == 0 else 1, micro_batch_size=None,
                               gradient_accumulation_steps=None, optimizer_in_backward=None, offload_optimizer=None)
             usable = request.usable_bytes or 0
             candidates = [c for c in staged_search(shape, sharded, usable) if fits_budget(c, usable)]

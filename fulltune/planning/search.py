@@ -113,6 +113,8 @@ def configured_request(request: PlanRequest) -> PlanRequest:
         stages = request.num_processes if request.dims.alone else 1
         request = as_pipeline(request, stages)
     request = naive_strategy(request)
+    if request.context_parallel is None:  # auto: none, as the other auto degrees
+        request = replace(request, context_parallel=1)
     return replace(request, tensor_parallel=1) if request.tensor_parallel is None else request
 
 
@@ -152,6 +154,7 @@ def _settings(request: PlanRequest, micro: int, checkpointing: int, precision: s
         tensor_parallel=request.tensor_parallel,
         pipeline_parallel=request.pipeline_parallel,
         pipeline_schedule=request.pipeline_schedule,
+        context_parallel=request.context_parallel,
         attention_mask=request.attention_mask,
         target_fraction=request.target_fraction,
         **(levers or {}),
@@ -326,7 +329,8 @@ def staged_search(shape: ModelShape, request: PlanRequest, usable: int, micros: 
     """Search without the auto levers first (today's choices where they fit), then allow them one more at a
     time, cheapest first (`LEVERS`), until something fits; every candidate seen is returned. With
     `strategy` auto, that search for every strategy `strategy.strategy_choices` offers; with
-    `tensor_parallel` auto (None), for every degree `tensor_parallel_degrees` allows."""
+    `tensor_parallel` or `context_parallel` auto (None), for every degree `tensor_parallel_degrees` or
+    `context_parallel_degrees` allows."""
     if _SEARCHED.get() is None:  # the outermost call: one memo of candidates for the whole search
         token = _SEARCHED.set({})
         try:
@@ -350,6 +354,19 @@ def staged_search(shape: ModelShape, request: PlanRequest, usable: int, micros: 
         return [c for degree in degrees
                 for c in staged_search(shape, replace(request, tensor_parallel=degree), usable, micros,
                                         min_checkpointing)]
+    if request.context_parallel is None:
+        degrees, _ = context_parallel_degrees(shape, request)
+        return [c for degree in degrees
+                for c in staged_search(shape, replace(request, context_parallel=degree), usable, micros,
+                                        min_checkpointing)]
+    if request.dims.cp_enabled:
+        context_parallel_degrees(shape, request)  # a fixed degree that cannot attend on this device is refused
+    return _staged_levers(shape, request, usable, micros, min_checkpointing)
+
+
+def _staged_levers(shape: ModelShape, request: PlanRequest, usable: int, micros: list[int] | None,
+                   min_checkpointing: int) -> list[Candidate]:
+    """`staged_search` of one strategy and one set of degrees: the auto levers opened one at a time."""
     out: list[Candidate] = []
     for stage in range(len(LEVERS) + 1):
         if stage > 0 and request.levers()[LEVERS[stage - 1]] is not None:
@@ -395,6 +412,39 @@ def tensor_parallel_degrees(shape: ModelShape, request: PlanRequest) -> tuple[li
             refused[degree] = found[0]
             continue
         degrees.append(degree)
+    return degrees, refused
+
+
+def context_parallel_degrees(shape: ModelShape, request: PlanRequest) -> tuple[list[int], dict[int, str]]:
+    """The context-parallel degrees `distributed.context_parallel: auto` may choose, and why the other divisors of
+    the processes may not: a degree keeps the effective batch over the data-parallel processes and breaks no rule of
+    the lever table with the fixed fields (a strategy that sums the group's gradients, no tensor parallel or
+    stages); where it does not divide the attention heads it is ring attention, CUDA only
+    (`ParallelDims.context_problem`); each process keeps at least one position of each of its two chunks. 1 is
+    always among them unless the request fixes another degree."""
+    if request.context_parallel is not None:
+        problem = request.dims.context_problem(shape.heads, request.device)
+        if problem:
+            raise MemoryConfigError(f"distributed.context_parallel: {problem}")
+        return [request.context_parallel], {}
+    degrees, refused = [1], {}
+    for degree in sorted(divisors(request.num_processes)):
+        if degree == 1:
+            continue
+        problem = request.dims.with_cp(degree).context_problem(shape.heads, request.device)
+        if problem is None and request.seq_len < 2 * degree:
+            problem = f"rows of {request.seq_len} positions cannot give each of {degree} processes two chunks"
+        if problem is None:
+            try:  # the request checks the batch rule and the lever table's rules for the degree
+                candidate = replace(request, context_parallel=degree)
+                found = lever_table.problems(_combination(candidate))
+                problem = found[0] if found else None
+            except ValueError as exc:
+                problem = str(exc).split(": ", 1)[-1]
+        if problem:
+            refused[degree] = problem
+        else:
+            degrees.append(degree)
     return degrees, refused
 
 

@@ -139,9 +139,12 @@ def compute_seconds(shape: ModelShape, settings: Settings) -> float:
     # The layers' share of the per-token FLOPs (all but the final norm), a third of it per forward.
     per_token += RECOMPUTE_OVERHEAD * (k / shape.num_layers) * (c.per_token + c.per_pair * s) / 3.0
     tokens = b * s
-    efficiency = tokens / (tokens + HALF_EFFICIENCY_TOKENS[settings.device])
+    # Context parallel: each rank computes its s/N positions of every row (the zigzag balances attention's pairs).
+    local = tokens / settings.context_parallel
+    efficiency = local / (local + HALF_EFFICIENCY_TOKENS[settings.device])
     flops = _flops(settings.device, settings.mixed_precision)
-    return settings.gradient_accumulation_steps * tokens * per_token / (flops * efficiency * settings.tensor_parallel)
+    return settings.gradient_accumulation_steps * tokens * per_token / (
+        flops * efficiency * settings.tensor_parallel * settings.context_parallel)
 
 
 # Measured corrections of this model for the machine at hand: a factor per kind of step, set by
@@ -163,6 +166,13 @@ def tensor_parallel_seconds(shape: ModelShape, settings: Settings) -> float:
     tensor parallel."""
     return sum(traffic_seconds(t, settings.device) for t in parallelism.traffic(shape, settings)
                if t.link == parallelism.TENSOR_PARALLEL.name)
+
+
+def context_parallel_seconds(shape: ModelShape, settings: Settings) -> float:
+    """Step time of context parallel's all-to-alls (Ulysses) or ring sends (`parallelism.ContextParallel.traffic`),
+    at the assumed `CP_BYTES_PER_S`, not overlapped with compute; 0 without context parallel."""
+    return sum(traffic_seconds(t, settings.device) for t in parallelism.traffic(shape, settings)
+               if t.link == parallelism.CONTEXT_PARALLEL.name)
 
 
 def lever_seconds(shape: ModelShape, settings: Settings) -> dict[str, float]:
@@ -233,7 +243,11 @@ def _lever_host_traffic(shape: ModelShape, settings: Settings) -> float:
 # between two CPU processes of one machine copies through loopback TCP.
 P2P_BYTES_PER_S = {"cuda": 25e9, "cpu": 2e9}
 # Each kind's link (`parallelism.Traffic.link`) and its bandwidth per device.
-LINK_BYTES_PER_S = {parallelism.TENSOR_PARALLEL.name: TP_BYTES_PER_S, parallelism.PIPELINE.name: P2P_BYTES_PER_S}
+# Context parallel's all-to-alls (Ulysses) or ring sends run inside one machine, as tensor parallel's collectives
+# do: the same assumed bandwidth (NVLink; gloo between CPU processes), not overlapped with compute.
+CP_BYTES_PER_S = TP_BYTES_PER_S
+LINK_BYTES_PER_S = {parallelism.TENSOR_PARALLEL.name: TP_BYTES_PER_S, parallelism.PIPELINE.name: P2P_BYTES_PER_S,
+                    parallelism.CONTEXT_PARALLEL.name: CP_BYTES_PER_S}
 
 
 def pipeline_step_seconds(shape: ModelShape, settings: Settings, num_stages: int) -> tuple[float, float]:

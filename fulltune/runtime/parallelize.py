@@ -10,9 +10,14 @@
     pipeline stages   nothing here: the trainer cuts the process's stage and     loaded whole
                       shards or replicates it over its dp processes
                       (`pipeline_parallel.PipelineRun.create`)
+    context parallel  its attention over the "cp" group (`context_parallel.     as its data-parallel kind
+                      ContextParallel.install`: Ulysses, or ring attention
+                      on CUDA), then its data-parallel kind's: FSDP2 over
+                      dp × cp, or DDP (accelerate's prepare, over them all)
 
 `sharded_load(dims)`: whether the rank's kind builds the model empty and reads only its own shards
-(`sharding.load_sharded_model`, which calls `apply` between the levers and the read).
+(`sharding.load_sharded_model`, which calls `apply` between the levers and the read); a kind over data parallel
+that does not say (context parallel) loads as its data-parallel kind does.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ class Runtime:
     is built empty and read into its shards (`sharded_load`)."""
 
     apply: Callable[[Any, ParallelDims, str, str, bool], Any]
-    sharded_load: bool = False
+    sharded_load: bool | None = False  # None: as the data-parallel kind under it
 
 
 def _as_loaded(model: Any, dims: ParallelDims, device: str, mixed_precision: str, offload: bool) -> Any:
@@ -48,12 +53,25 @@ def _tensor_parallel(model: Any, dims: ParallelDims, device: str, mixed_precisio
     return parallel.apply(model, dims, device, mixed_precision)
 
 
+def _context_parallel(model: Any, dims: ParallelDims, device: str, mixed_precision: str, offload: bool) -> Any:
+    import torch.distributed as dist
+
+    from fulltune.runtime.context_parallel import ContextParallel
+
+    mesh = dims.mesh(device)
+    method = dims.context_method(int(model.config.num_attention_heads))
+    ContextParallel(mesh["cp"], dims.cp, dims.cp_rank(dist.get_rank()), method).install(model)
+    data_parallel = parallelism.kinds_of(dims)[0]
+    return RUNTIME[data_parallel.name].apply(model, dims, device, mixed_precision, offload)
+
+
 RUNTIME = {
     parallelism.ONE_PROCESS.name: Runtime(_as_loaded),
     parallelism.DDP.name: Runtime(_as_loaded),
     parallelism.FSDP.name: Runtime(_fsdp, sharded_load=True),
     parallelism.TENSOR_PARALLEL.name: Runtime(_tensor_parallel, sharded_load=True),
     parallelism.PIPELINE.name: Runtime(_as_loaded),
+    parallelism.CONTEXT_PARALLEL.name: Runtime(_context_parallel, sharded_load=None),
 }
 
 
@@ -69,4 +87,5 @@ def apply(model: Any, dims: ParallelDims, device: str, mixed_precision: str = "n
 
 def sharded_load(dims: ParallelDims) -> bool:
     """Whether the rank's kind builds the model empty and reads only its shards (`sharding.load_sharded_model`)."""
-    return runtime(dims).sharded_load
+    loads = runtime(dims).sharded_load
+    return RUNTIME[parallelism.kinds_of(dims)[0].name].sharded_load is True if loads is None else loads

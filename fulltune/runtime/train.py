@@ -57,7 +57,7 @@ from fulltune.storage import atomic_dir, atomic_write_text
 from fulltune.runtime.loss import TargetHead
 from fulltune.runtime import allocator
 from fulltune.runtime.offload import ActivationOffload
-from fulltune.runtime import parallelize, pipeline_parallel, step_memory
+from fulltune.runtime import context_parallel, parallelize, pipeline_parallel, step_memory
 from fulltune.runtime.step_memory import StepMemory
 from fulltune.runtime.pipeline_parallel import PipelineRun
 from fulltune.runtime.step import OptimizerStep, StepOutcome, StepParts, run_step
@@ -120,6 +120,7 @@ class TrainingRun:
     flops: flops.FlopCoefficients  # of the model, for MFU (fulltune/memory/flops.py)
     pipeline: PipelineRun | None = None  # this process's pipeline stage and its schedule (pipeline_parallel > 1)
     model_config: Any = None  # the whole model's transformers config (the memory estimate per rank reads it)
+    context: Any = None  # context_parallel.ContextParallel: this process's share of each row (context_parallel > 1)
 
     @property
     def processes(self) -> int:
@@ -184,6 +185,8 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
         model = pipeline.stage
     optimizer = build_optimizer(job, model)
     scheduler = build_scheduler(job, optimizer, total_steps)
+    if job.train.compile and job.dims.cp_enabled:
+        raise ConfigError("train.compile: context-parallel attention is not compiled (yet); set compile to false")
     if job.train.compile:
         model = head.compile(model)
     model, optimizer, scheduler = prepare(job, accelerator, model, optimizer, scheduler)
@@ -191,7 +194,8 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
     return TrainingRun(job, accelerator, data, schedule, total_steps, tokenizer, pad_token_id_of(tokenizer), model,
                        head, optimizer, scheduler, OptimizerStep(accelerator, model, optimizer, scheduler,
                                                                  job.train.max_grad_norm),
-                       hooks, use_cache, checkpointed, model_layers, coefficients, pipeline, config)
+                       hooks, use_cache, checkpointed, model_layers, coefficients, pipeline, config,
+                       context_parallel.active() if job.dims.cp_enabled else None)
 
 
 def pipeline_stage(job: TrainJob, model: torch.nn.Module, head: TargetHead, length: int, device: Any,
@@ -275,6 +279,7 @@ def load_model_with_levers(job: TrainJob) -> tuple[torch.nn.Module, Any, tuple[i
     else:
         model = load_model(job.paths.model_path, **options)
         before_shard(model)
+        parallelize.apply(model, job.dims, job.plan.device, job.plan.mixed_precision, job.plan.offload_optimizer)
     return model, built["use_cache"], built["levers"], built["flops"]
 
 
@@ -337,7 +342,9 @@ def train_step(run: TrainingRun, step_rows: np.ndarray, step: int) -> StepOutcom
     def micro_batches() -> Iterator[tuple[dict[str, Any], Any]]:
         for index in range(plan.gradient_accumulation_steps):
             rows = StepSchedule.micro_batch(step_rows, index, run.data_rank, micro, processes)
-            yield micro_batch_inputs(run.data, rows, run.pad_token_id, accelerator.device)
+            batch = micro_batch_inputs(run.data, rows, run.pad_token_id, accelerator.device)
+            # Context parallel: this process's share of the rows' positions and their targets.
+            yield run.context.shard(*batch) if run.context is not None else batch
 
     outcome = run_step(run.step_parts, micro_batches(), step, int(run.data.targets[step_rows].sum()))
     if run.job.dims.tp > 1:  # the step's loss was summed over every process of a tp group too
@@ -462,6 +469,8 @@ def announce(run: TrainingRun, resumed_from: int | None) -> None:
     job = run.job
     stages = job.distributed.pipeline_parallel
     pipeline = f" × {stages} pipeline stages ({job.distributed.pipeline_schedule})" if stages > 1 else ""
+    if run.context is not None:  # the processes above share their rows with their context-parallel group
+        pipeline += f" × context parallel {run.context.degree} ({run.context.method})"
     print(f"fulltune train: {len(run.data)} rows, {run.schedule.per_epoch} optimizer steps per epoch, "
           f"{run.total_steps} steps of {job.plan.micro_batch_size} micro × {job.plan.gradient_accumulation_steps} "
           f"accumulation × {run.processes} processes{pipeline}; gradient checkpointing {run.checkpointed_layers}/"
