@@ -1,7 +1,8 @@
 """Every number of every phase of the memory model's estimates over a large grid, dumped to JSON and compared.
 
 The grid crosses the layouts (one process, DDP, FSDP over 1/2/4/8 processes, FSDP x TP, context parallel
-over FSDP and DDP, and pipeline stages under both schedules) with every combination of the five levers that the lever table allows,
+over FSDP and DDP, and pipeline stages under both schedules) with every combination of the five levers that the
+lever table allows,
 the precisions, optimizers, devices, accumulation and checkpointing, over model shapes of the three modelled
 layouts (tied and untied, grouped-query and one key/value head, one with the widths of Llama-3-8B); micro-batch,
 sequence length, attention mask, attention kernel and target fraction rotate through their values across the
@@ -118,8 +119,8 @@ def grid() -> dict[str, dict[str, Any]]:
     for name, shape in shapes().items():
         L = shape.num_layers
         for layout, on, precision, optimizer, device, accumulation, checkpointing in itertools.product(
-                LAYOUTS + PIPELINES + CONTEXT_PARALLEL, itertools.product((False, True), repeat=len(LEVERS)), PRECISIONS,
-                OPTIMIZERS, DEVICES, (1, 2, 4), (0, L // 2, L)):
+                LAYOUTS + PIPELINES + CONTEXT_PARALLEL, itertools.product((False, True), repeat=len(LEVERS)),
+                PRECISIONS, OPTIMIZERS, DEVICES, (1, 2, 4), (0, L // 2, L)):
             added = len(layout) == 4  # counted apart: the other layouts' rotating values stay as they were
             j, i = (j + 1, i) if added else (j, i + 1)
             pipeline = len(layout) == 2

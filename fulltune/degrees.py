@@ -232,7 +232,9 @@ class ParallelDims:
     def context_problem(self, heads: Any, device: str | None) -> str | None:
         """Why the cp processes cannot attend on `device` (None when they can, or the device is still auto):
         cp not dividing the heads needs ring attention, whose attention kernel shards on CUDA only."""
-        if not self.cp_enabled or not isinstance(heads, int) or device != "cpu" or self.context_method(heads) == "ulysses":
+        if not self.cp_enabled or not isinstance(heads, int) or device != "cpu":
+            return None
+        if self.context_method(heads) == "ulysses":
             return None
         return (f"{self.cp} does not divide the model's {heads} attention heads, which needs ring attention, and "
                 f"ring attention runs on CUDA only; use a context_parallel that divides {heads}, or budget.device cuda")

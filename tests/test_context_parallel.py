@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,18 +73,26 @@ def test_the_group_shares_its_rows_and_each_process_keeps_balanced_chunks():
      "distributed.context_parallel with distributed.tensor_parallel: context parallel is not combined"),
     ({"strategy": "fsdp", "num_processes": 4, "pipeline_parallel": 2},
      "distributed.context_parallel with distributed.pipeline_parallel: context parallel is not combined"),
-    ({"strategy": "fsdp", "num_processes": 3, "context_parallel": 3},
-     "distributed.context_parallel: 3 does not divide the model's 4 attention heads, which needs ring attention, "
-     "and ring attention runs on CUDA only"),
     ({"strategy": "fsdp", "num_processes": 3, "context_parallel": 2}, "must be a multiple of context_parallel (2)"),
     ({"strategy": "fsdp", "num_processes": 2, "context_parallel": 0}, "context_parallel must be auto or from 1 to 64"),
 ])
-def test_validate_refuses_what_context_parallel_cannot_train_in_one_line(tmp_path, distributed, message):
+def test_the_spec_refuses_what_context_parallel_cannot_train(tmp_path, distributed, message):
+    from fulltune.errors import ConfigError
+    from fulltune.pipelines_file import load_pipelines
+
     pipelines = tiny_pipeline(tmp_path, train={"effective_batch_size": 12},
                               distributed={"context_parallel": 2, **distributed})
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_pipelines(pipelines)
+
+
+def test_validate_refuses_ring_attention_on_a_cpu_device_in_one_line(tmp_path):
+    pipelines = tiny_pipeline(tmp_path, train={"effective_batch_size": 12},
+                              distributed={"strategy": "fsdp", "num_processes": 3, "context_parallel": 3})
     result = _cli(pipelines, "validate")
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
-    assert message in result.stderr, result.stderr
+    assert ("pipelines.tiny.distributed.context_parallel: 3 does not divide the model's 4 attention heads, which needs "
+            "ring attention, and ring attention runs on CUDA only") in result.stderr, result.stderr
 
 
 def test_ulysses_attends_over_whole_rows_like_one_process(tmp_path):

@@ -13,8 +13,8 @@ What context parallel changes is attention. Under Ulysses a rank attends over al
 so the attention core keeps H/N heads over S positions (`attention_bytes` of that shape): the same bytes as H heads
 over s/N for q and the output, more for key/value heads repeated to split them (grouped-query models with fewer
 key/value heads than N), one more q-sized tensor under sdpa's causal kernel (its head-sharded output is no longer
-the output projection's input), and the whole row's S × S mask where one is needed (packed rows under sdpa, eager always),
-which the rank builds once per micro-batch and keeps through its backward. Each all-to-all adds the copies it is
+the output projection's input), and the whole row's S × S mask where one is needed (packed rows under sdpa, eager
+always), which the rank builds once per micro-batch and keeps through its backward. Each all-to-all adds the copies it is
 made of (a contiguous copy in, its output, the copy into sequence order) for a moment: `A2A_COPIES` q-sized
 tensors at the attention's forward and backward. The step time of the all-to-alls is `traffic` (per rank, in
 units of each tensor's bytes), turned into seconds with the step-time model's link constants.

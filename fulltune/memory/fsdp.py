@@ -304,9 +304,9 @@ def _chunked_head(tl: Timeline, units: Units) -> None:
 @dataclass(frozen=True)
 class StageUnits:
     """FSDP beside pipeline stages, the part of a stage's Layout (`walk.Layout.gathered`) that FSDP2's units add
-    to the replicated walk: which of an FSDP-sharded stage's units hold their gathered weights in each phase of a micro-batch
-    (fulltune/runtime/pipeline_parallel.py `data_parallel_stage`: the embedding and each layer a unit, the head a
-    unit kept gathered after its forward, the stage the root). The schedule keeps a unit gathered from its
+    to the replicated walk: which of an FSDP-sharded stage's units hold their gathered weights in each phase of a
+    micro-batch (fulltune/runtime/pipeline_parallel.py `data_parallel_stage`: the embedding and each layer a unit,
+    the head a unit kept gathered after its forward, the stage the root). The schedule keeps a unit gathered from its
     backward on (`set_reshard_after_backward(False)`) until its next forward reshards it, so while a micro-batch
     runs its backward the units it has backwarded are gathered, and the unit below it (FSDP2's backward
     prefetch: the layer below, or the first stage's embedding below its first layer), the others not; the head

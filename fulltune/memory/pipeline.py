@@ -27,8 +27,8 @@ stage's weight shards and optimizer states are FSDP's share (`fsdp.persistent`, 
 accumulates the micro-batches' gradients unsharded and reduces them once, after the step's last backward, and a
 unit keeps its gathered weights from its backward until its next forward reshards it, so the stage is walked as the
 replicated layout (the unsharded gradients) with the shards, the sharded states and each phase's gathered units
-beside it (`fsdp.StageUnits`, the layout's gathered units). Under DDP (`replicate`, FSDP2's replicated layout) the replicated parameters are a
-second copy beside the gathered ones. The figure is per rank. Measured per rank on CPU (2 stages × 2:
+beside it (`fsdp.StageUnits`, the layout's gathered units). Under DDP (`replicate`, FSDP2's replicated layout) the
+replicated parameters are a second copy beside the gathered ones. The figure is per rank. Measured per rank on CPU (2 stages × 2:
 benchmarks/pipeline_parallel.py's `*-fsdp2` and `*-ddp2` cases, hidden 128, 4 layers, vocabulary 4096, 4
 micro-batches of 2 × 128; BENCHMARKS.md): under FSDP from 1.91% below to 0.04% below the measured peak (fp32 and
 bf16, 1F1B and GPipe, 2 layers checkpointed; counted as every unit gathered through the step it was 2–10% above);
