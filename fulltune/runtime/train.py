@@ -347,7 +347,7 @@ def train_step(run: TrainingRun, step_rows: np.ndarray, step: int) -> StepOutcom
             yield run.context.shard(*batch) if run.context is not None else batch
 
     outcome = run_step(run.step_parts, micro_batches(), step, int(run.data.targets[step_rows].sum()))
-    if run.job.dims.tp > 1:  # the step's loss was summed over every process of a tp group too
+    if run.job.dims.tp_enabled:  # the step's loss was summed over every process of a tp group too
         outcome.loss_sum = outcome.loss_sum / run.job.dims.tp
     return outcome
 
