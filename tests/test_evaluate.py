@@ -252,7 +252,7 @@ def test_the_evaluate_key_sees_every_file_a_task_reads(tmp_path: Path) -> None:
 
     from fulltune import stages
 
-    from pipelines_fixture import tiny_pipeline
+    from pipelines_fixture import evaluate_key, tiny_pipeline
 
     tasks = tmp_path / "tasks"
     tasks.mkdir()
@@ -268,7 +268,7 @@ def test_the_evaluate_key_sees_every_file_a_task_reads(tmp_path: Path) -> None:
                          register={"promote_if": {"metric": "eval_loss"}})
 
     def key() -> str:
-        return stages.evaluate_key(stages.resolve_pipeline(str(path), "tiny"), "trained", "data", None)
+        return evaluate_key(stages.resolve_pipeline(str(path), "tiny"), "trained", "data", None)
 
     keys = [key()]
     for name, text in [("base.yaml", "\ngeneration_kwargs: {until: ['\\n']}\n"),  # an included YAML

@@ -1,8 +1,8 @@
 """Stage 2, the memory budget: plan settings that fit, and measure the top candidates where autotune says so.
 
 `plan_budget` plans on the tokenized data's rows (`plan_inputs`: their length, the share of positions with a
-target, the vocabulary of a model built from a config); `plan_and_tune` is the stage as the task and
-`fulltune plan` run it: the plan with this machine's step-time calibration, then autotune's measurements
+target, the vocabulary of a model built from a config); `plan_and_tune` is what the stage's `run` and
+`fulltune plan` call: the plan with this machine's step-time calibration, then autotune's measurements
 (fulltune/planning/autotune.py) when `budget.autotune` asks for them. `data.packing: auto` is decided here too
 (`choose_packing`, which the tokenize stage calls): by the predicted epoch time of each layout, or by measuring
 both under `budget.autotune: true`.
@@ -18,12 +18,66 @@ from typing import Any
 from fulltune.errors import BudgetError, ConfigError
 from fulltune.memory.units import format_seconds
 from fulltune.planning.autotune import (AUTO_RATIO, AUTOTUNE_DIR, CHILD_START_SECONDS, Options, analytic_step_seconds,
-                                        calibrated, candidates, hardware, options, planned_settings, tune)
+                                        calibrated, calibration_key, candidates, hardware, options, planned_settings,
+                                        tune)
 from fulltune.planning.autotune_report import format_table, render_png
-from fulltune.planning.inputs import BudgetDecision, ResolvedPipeline, plan_request, resolved_budget
-from fulltune.stages import (MEMORY_BUDGET, STAGE_CODE, TOKENIZE, check_model_builds, check_model_split,
-                             check_positions, model_config_key, read_marker, tokenize_key)
-from fulltune.storage import code_version
+from fulltune.planning.inputs import BudgetDecision, ResolvedPipeline, evaluation_request, plan_request, resolved_budget
+from fulltune.stages import (MEMORY_BUDGET, TOKENIZE, check_model_builds, check_model_split, check_positions,
+                             model_config_key, model_source, read_marker)
+from fulltune.stages.runner import Inputs, Stage, StageLog, key_of, run_stage
+from fulltune.stages.tokenize import STAGE as TOKENIZE_STAGE
+
+# The budget stage measures candidates (planning/autotune.py) in child runs of the trainer on the data tokenized
+# both ways: the whole runtime and the tokenize stage.
+CODE = ("memory", "planning", "runtime", "data", "stages/__init__.py", "stages/runner.py", "stages/budget.py",
+        "stages/tokenize.py", "models.py", "levers.py", "degrees.py", "storage.py", "hub.py", "sizes.py",
+        "pipelines_file.py")
+
+
+def code(p: ResolvedPipeline) -> tuple[str, ...]:
+    return CODE
+
+
+def key(inputs: Inputs) -> dict[str, Any]:
+    """Training data (not eval data), the model, every section the plan reads, the budget as resolved on this
+    machine, and the step times measured on its kind of device."""
+    p = inputs.pipeline
+    spec = p.spec
+    return {
+        "data": inputs.record(TOKENIZE).data.training_fingerprint,
+        "model": spec.model.model_dump(mode="json"), "model_source": model_source(p),
+        "budget": spec.budget.model_dump(mode="json"), "train": spec.train.model_dump(mode="json"),
+        "distributed": spec.distributed.model_dump(mode="json"),
+        "evaluation": asdict(evaluation_request(spec)),  # the evaluate stage is planned here too
+        "resolved": asdict(resolved_budget(p)),
+        # The kind of device (its name and count), and the step times measured on it, which rerank the
+        # candidates and whose measurements a tuning chooses from (fulltune/planning/autotune.py).
+        "step_time_calibration": calibration_key(p.workdir, resolved_budget(p).device),
+    }
+
+
+def run(inputs: Inputs, key: str, log: StageLog) -> BudgetDecision:
+    """Estimate the peak for the configured settings; pick the fastest settings within the budget, measured on
+    this machine when `budget.autotune` says so (fulltune/planning/autotune.py)."""
+    p = inputs.pipeline
+    tokenized = inputs.record(TOKENIZE)
+    picture = Path(p.workdir) / "plans" / f"{key[:16]}.png"
+    decision = plan_and_tune(p, tokenized.data, tokenized.tokenizer, picture=picture, on_progress=log.logger.info)
+    log.logger.info("memory plan:\n%s", decision.table)
+    return decision
+
+
+def writes(inputs: Inputs, key: str, record: BudgetDecision) -> list[str]:
+    """The breakdown's picture, and autotune's when it measured."""
+    tuned = record.plan["autotune"].get("picture")
+    return [p for p in (record.picture, tuned) if p]
+
+
+def track(inputs: Inputs, record: BudgetDecision) -> None:
+    """The measured candidates' table and picture in the pipeline's MLflow run, when autotune ran."""
+    from fulltune.planning.autotune_report import log_to_mlflow
+
+    log_to_mlflow(inputs.mlflow_run_id, record.plan)
 
 
 def planned_rows(p: ResolvedPipeline, data: Any) -> tuple[int, float]:
@@ -52,7 +106,7 @@ def plan_inputs(p: ResolvedPipeline, data: Any = None, tokenizer: str | None = N
 
 def cached_tokenized(p: ResolvedPipeline) -> tuple[Any, str | None]:
     """(TokenizedData, tokenizer) of the tokenize stage's cached outputs, (None, None) when it has not run."""
-    marker = read_marker(p.workdir, TOKENIZE, tokenize_key(p))
+    marker = read_marker(p.workdir, TOKENIZE, key_of(TOKENIZE_STAGE, Inputs(p)))
     if not (marker and all(Path(x).exists() for x in marker["paths"])):
         return None, None
     from fulltune.data import load_tokenized
@@ -233,21 +287,21 @@ def _layout(p: ResolvedPipeline, packing: bool) -> ResolvedPipeline:
 
 
 def tokenized(p: ResolvedPipeline) -> tuple[Any, str]:
-    """(TokenizedData, tokenizer directory): the tokenize stage's cached outputs, else built by the stage's
-    own function (same fingerprinted directory and marker, so the stage finds them done)."""
-    from fulltune.stages.tokenize import tokenize
-
+    """(TokenizedData, tokenizer directory): the tokenize stage's cached outputs, else made by the stage (the
+    same fingerprinted directory and marker, so the stage finds them done)."""
     cached = _cached_data(p, with_tokenizer=True)
     if cached is not None:
         return cached
-    return tokenize(p, tokenize_key(p))
+    inputs = Inputs(p)
+    record = run_stage(TOKENIZE_STAGE, inputs, key_of(TOKENIZE_STAGE, inputs))
+    return record.data, record.tokenizer
 
 
 def _cached_data(p: ResolvedPipeline, with_tokenizer: bool = False) -> Any:
     from fulltune.data import load_tokenized
     from fulltune.errors import DataError
 
-    marker = read_marker(p.workdir, TOKENIZE, tokenize_key(p))
+    marker = read_marker(p.workdir, TOKENIZE, key_of(TOKENIZE_STAGE, Inputs(p)))
     if not marker or not all(Path(x).exists() for x in marker["paths"]):
         return None
     try:
@@ -274,16 +328,14 @@ def resolve_packing(p: ResolvedPipeline, tokenizer: str) -> Any:
 
 
 def packing_choice_key(p: ResolvedPipeline) -> dict[str, Any]:
-    """What `data.packing: auto` is decided by, for the tokenize stage's cache key: the model, the batch,
+    """What `data.packing: auto` is decided by, for the tokenize stage's cache key (which hashes this stage's
+    code too, fulltune/stages/tokenize.py `code`): the model, the batch,
     precision, optimizer and device (the predicted comparison needs no budget); where autotune measures
     the layouts (`budget.autotune: true`), also the budget and this machine."""
-    from fulltune.storage import code_version  # read when called: tests/test_engine_imports.py spies on it
-
     t, device = p.spec.train, resolved_device(p)
     key: dict[str, Any] = {
         # The model's shape decides the comparison, not its weights: a new checkpoint of the same shape
         # (a retrained model, a new hub commit) keeps the tokenized data.
-        "code": code_version(*STAGE_CODE[MEMORY_BUDGET]),
         "model": p.spec.model.model_dump(mode="json", exclude={"revision"}),  # the pinned commit: model_config
         "model_config": model_config_key(p), "device": device,
         "train": t.model_dump(mode="json", include={"effective_batch_size", "mixed_precision", "optimizer", "seed"}),
@@ -395,3 +447,7 @@ def _epoch_seconds(p: ResolvedPipeline, tokenizer: str, packing: bool, rows: int
         # the output head runs at the positions with a target: the same tokens in either layout
         target_fraction=min(1.0, label_tokens / max(1, rows * (seq_len - 1))))
     return analytic_step_seconds(shape, settings) * max(1, rows // t.effective_batch_size)
+
+
+STAGE = Stage(MEMORY_BUDGET, code, key, run, writes, rerun_after="the tokenized data is cached; it plans again",
+              track=track)

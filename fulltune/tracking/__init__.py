@@ -1,13 +1,14 @@
 """The MLflow side of one pipeline run: the server check, the run's lifecycle, what to compare against.
 
-The flow only orders the stages; what a run does in MLflow around them lives here:
+The flow only orders the stages; what a run does in MLflow around them lives here (fulltune/stages/runner.py
+calls it):
 
 - `check_tracking_server` — before any stage runs, an `http(s)` tracking URI must answer: MLflow's
   client would otherwise retry for minutes before the first stage that logs anything fails;
 - `pipeline_run` — one MLflow run per pipeline run, ended FINISHED, KILLED (Ctrl-C) or FAILED, with each
   stage's outcome (`ran` / `cached`) as a tag;
-- `champion_to_compare` — the registry question whose answer is part of the evaluate stage's cache decision
-  (the register stage's, whether its version is still there, is `fulltune.stages.registration_present`).
+- `champion_to_compare` — the registry question whose answer is part of the evaluate stage's cache key (the
+  register stage's, whether its version is still there, is fulltune/stages/register.py `still_valid`).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class PipelineRun:
 
 
 @contextlib.contextmanager
-def pipeline_run(pipeline: str, spec: PipelineSpec, workdir: str, data_fingerprint: str, flow_run_id: str,
+def pipeline_run(pipeline: str, spec: PipelineSpec, workdir: str, flow_run_id: str,
                  stages: dict[str, str] | None = None) -> Iterator[PipelineRun]:
     """Open the MLflow run of pipeline run `flow_run_id` of `pipeline` (its resolved `spec`, its workdir); on exit
     tag each stage's outcome and end it:
@@ -98,8 +99,7 @@ def pipeline_run(pipeline: str, spec: PipelineSpec, workdir: str, data_fingerpri
     uri = registry.configure(workdir)
     run_id = registry.start_pipeline_run(
         pipeline, spec.model_dump(mode="json", by_alias=True),
-        {registry.TAG_FLOW_RUN: flow_run_id, registry.TAG_DATA: data_fingerprint,
-         registry.TAG_CONFIG: spec.config_hash()}, workdir)
+        {registry.TAG_FLOW_RUN: flow_run_id, registry.TAG_CONFIG: spec.config_hash()}, workdir)
     run = PipelineRun(uri, run_id, stages if stages is not None else {})
     try:
         yield run
