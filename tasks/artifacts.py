@@ -17,12 +17,13 @@ from fulltune.stages.runner import Inputs
 
 
 def tokenized_table(inputs: Inputs, key: str, record: Any) -> None:
-    """What the tokenized data holds, as a table."""
-    from fulltune.stages.tokenize import summary_row
+    """What the tokenized data holds, one quantity a row (a row of ten columns is cut off in a narrow window)."""
+    from fulltune.stages.tokenize import data_summary
 
     name = inputs.pipeline.name
-    create_table_artifact(key=f"{name}-tokenized", table=[summary_row(record.data)],
-                          description=f"Tokenized data of pipeline {name}")
+    rows = [{"quantity": quantity, "value": value}
+            for quantity, value in data_summary(record.data, inputs.pipeline.spec).items()]
+    create_table_artifact(key=f"{name}-tokenized", table=rows, description=f"Tokenized data of pipeline {name}")
 
 
 def memory_plan(inputs: Inputs, key: str, record: Any) -> None:
@@ -38,9 +39,30 @@ def memory_plan(inputs: Inputs, key: str, record: Any) -> None:
 def plan_markdown(name: str, table: str, picture: Path) -> str:
     """The plan table and the breakdown picture, embedded as a data URI: the Prefect UI renders it from
     the artifact itself, on any machine (a file:// link only resolves where the run wrote the file)."""
-    return (f"## Memory plan for `{name}`\n\n```\n{table}\n```\n\n"
+    return (f"## Memory plan for `{name}`\n\n```\n{wrapped(table)}\n```\n\n"
             f"![memory breakdown]({_data_uri(picture)})\n\n"
             f"The picture is also at `{picture}` on the machine that ran the plan.")
+
+
+# The widest line a code block shows whole in the Prefect UI's artifact page at a 1400 px window.
+PAGE_COLUMNS = 95
+
+
+def wrapped(text: str, width: int = PAGE_COLUMNS) -> str:
+    """`text` with each line longer than `width` broken at spaces, its continuation indented under its start
+    (a list item's under its text): a code block in the UI scrolls rather than wraps, and cuts long lines off."""
+    import textwrap
+
+    out = []
+    for line in text.splitlines():
+        if len(line) <= width:
+            out.append(line)
+            continue
+        body = line.lstrip(" ")
+        indent = " " * (len(line) - len(body))
+        hanging = indent + ("  " if body.startswith("- ") else "    ")
+        out += textwrap.wrap(body, width, initial_indent=indent, subsequent_indent=hanging, break_on_hyphens=False)
+    return "\n".join(out)
 
 
 def _data_uri(picture: Path) -> str:
@@ -48,18 +70,33 @@ def _data_uri(picture: Path) -> str:
 
 
 def evaluation(inputs: Inputs, key: str, record: Any) -> None:
-    name = inputs.pipeline.name
-    create_markdown_artifact(key=f"{name}-evaluation", markdown=f"## Evaluation of `{name}`\n\n" + record.markdown(),
-                             description="Base vs fine-tuned vs champion")
+    """The metrics side by side, the gate's metric named, and whether there was a champion to compare with."""
+    p = inputs.pipeline
+    against = f"champion v{record.champion_version}" if record.champion_version is not None else "no champion yet"
+    create_markdown_artifact(key=f"{p.name}-evaluation", markdown=f"## Evaluation of `{p.name}`\n\n"
+                             + record.markdown(p.spec.registration.gates),
+                             description=f"Base vs fine-tuned ({against})")
 
 
 def registration(inputs: Inputs, key: str, record: Any) -> None:
+    """The version, whether it was promoted and by which setting, and the line that loads it (the version itself
+    when it is not the champion, with what `@champion` loads instead)."""
+    from fulltune.tracking.registry import current_champion
+
+    if record.promoted:
+        verdict, champion = "promoted to champion", ""
+    else:
+        holder = current_champion(record.name)
+        verdict = "not promoted (challenger)" if record.created else "already registered (the same weights)"
+        champion = (f"\n\n`models:/{record.name}@champion` loads version {holder.version}, not this one."
+                    if holder is not None else f"\n\nThere is no champion yet: `models:/{record.name}@champion` "
+                    "loads nothing until a version is promoted.")
     create_markdown_artifact(
         key=f"{inputs.pipeline.name}-registration",
-        markdown=(f"## `{record.name}` version {record.version}\n\n"
-                  f"aliases: {', '.join(record.aliases)}\n\ngate: {record.reason}\n\n"
-                  f"```python\nmlflow.transformers.load_model(\"models:/{record.name}@champion\")\n```"),
-        description="MLflow registration")
+        markdown=(f"## `{record.name}` version {record.version}: {verdict}\n\n"
+                  f"aliases: {', '.join(record.aliases)}\n\ndecided by {record.rules}: {record.reason}\n\n"
+                  f"```python\nmlflow.transformers.load_model(\"{record.model_uri()}\")\n```{champion}"),
+        description=f"MLflow registration: version {record.version}, {verdict}")
 
 
 class TrainingProgress:

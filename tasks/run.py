@@ -7,12 +7,14 @@ which runs each stage as its Prefect task (tasks/stage_task.py).
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from fulltune import stages
 from fulltune.stages import ResolvedPipeline
 from fulltune.stages.runner import PipelineRunner, run_pipeline
+from fulltune.tracking.registry import run_name
 from tasks.stage_task import call
 
 
@@ -26,6 +28,40 @@ def prepare(pipelines_file: str, name: str, changes: dict[str, Any] | None) -> R
     return stages.with_budget(stages.pin_hub_revisions(p))
 
 
-def run_stages(p: ResolvedPipeline, flow_run_id: str) -> AbstractContextManager[PipelineRunner]:
-    """The runner of this pipeline run's stages, each run as its Prefect task."""
-    return run_pipeline(p, flow_run_id, call)
+@contextlib.contextmanager
+def run_stages(p: ResolvedPipeline, flow_run_id: str | None) -> Iterator[PipelineRunner]:
+    """The runner of this pipeline run's stages, each run as its Prefect task; the flow run (None: called outside
+    one) is named for what it did when it ends, as its MLflow run is (`demo · v3 · not promoted`, `demo · failed in
+    fine-tune`). A Ctrl-C leaves the name alone: the run is stopping, the server may be too."""
+    runner: PipelineRunner | None = None
+    try:
+        with run_pipeline(p, flow_run_id or "local", call) as runner:
+            yield runner
+    except Exception:
+        if runner is not None and flow_run_id is not None:
+            stage = runner.running
+            _name_flow_run(flow_run_id, run_name(p.name, "failed" + (f" in {stage.name}" if stage else "")))
+        raise
+    if runner.outcome is not None and flow_run_id is not None:
+        _name_flow_run(flow_run_id, run_name(p.name, runner.outcome))
+
+
+def _name_flow_run(flow_run_id: str, name: str) -> None:
+    """Rename the flow run; a Prefect API that refuses says so in the log, and the run's own outcome (or error)
+    stands."""
+    import httpx
+    from prefect import get_run_logger
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(flow_run_id, name=name)
+    except httpx.HTTPError as exc:
+        get_run_logger().warning("could not name the flow run %r: %s", name, exc)
+
+
+def flow_run_name() -> str:
+    """The name a pipeline's flow run starts with (`demo · running`), until `run_stages` names its outcome."""
+    from prefect.runtime import flow_run
+
+    return run_name(str(flow_run.parameters.get("pipeline", "pipeline")), "running")

@@ -39,11 +39,12 @@ NOT_HASHED = {
     "fulltune.logs": "which library log lines are dropped: what a stage prints, not what it computes",
 }
 # Engine functions a stage calls beside computing its result: they word it for people (log lines, MLflow tags,
-# metrics and version descriptions, what a stage's record puts into the pipeline's MLflow run: its `track`),
+# metrics and version descriptions, what a stage's record puts into the pipeline's MLflow run: its `track`, which
+# version `@champion` loads now, for the registration's artifact),
 # record it for the cache (the stage's marker), write a file atomically or time steps for autotune (the trainer's
 # probe, which a pipeline's own training run does not turn on).
 BESIDE_THE_RESULT = {"describe_settings", "describe_version", "comparison_tags", "log_metrics", "set_run_tags",
-                     "record_outputs", "code_version", "atomic_write_text", "StepProbe", "track"}
+                     "record_outputs", "code_version", "atomic_write_text", "StepProbe", "track", "current_champion"}
 
 
 def module_name(path: Path) -> str:

@@ -340,3 +340,20 @@ def test_each_eval_source_is_reported_beside_the_total(tmp_path: Path) -> None:
     total = sum(m.eval_loss * m.eval_tokens for m in alone.values()) / sum(m.eval_tokens for m in alone.values())
     assert math.isclose(both.eval_loss, total, rel_tol=1e-6) and both.generated_examples == 5
     assert "eval_loss/general" in EvalReport({"fine_tuned": both}, 7).markdown()
+
+
+def test_the_report_names_the_gate_metric_and_says_when_there_is_no_champion() -> None:
+    from fulltune.spec import PromoteIf
+
+    def metrics(loss: float, accuracy: float) -> ModelMetrics:
+        return ModelMetrics(loss, math.exp(loss), 10, extra={"reversal_mc/acc": accuracy})
+
+    first = EvalReport({"base": metrics(2.0, 0.25), "fine_tuned": metrics(1.0, 0.5)}, 8)
+    text = first.markdown([PromoteIf(metric="reversal_mc/acc", mode="max")])
+    assert "**The gate reads reversal_mc/acc** (`register.promote_if`, higher is better): base 0.2500, " \
+           "fine-tuned 0.5000." in text
+    assert "**No champion yet**" in text
+    later = replace(first, candidates={**first.candidates, "champion": metrics(1.2, 0.75)}, champion_version="2",
+                    comparison=SAME_TOKENS, comparison_reason="the same tokens")
+    text = later.markdown()
+    assert "No champion yet" not in text and "**Champion version 2, measured on the same tokens" in text

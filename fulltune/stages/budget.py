@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fulltune.errors import BudgetError, ConfigError
+from fulltune.memory import format_plan_table, render_breakdown_png
 from fulltune.memory.units import format_seconds
 from fulltune.planning.autotune import (AUTO_RATIO, AUTOTUNE_DIR, CHILD_START_SECONDS, Options, analytic_step_seconds,
                                         calibrated, calibration_key, candidates, hardware, options, planned_settings,
@@ -61,7 +62,7 @@ def run(inputs: Inputs, key: str, log: StageLog) -> BudgetDecision:
     this machine when `budget.autotune` says so (fulltune/planning/autotune.py)."""
     p = inputs.pipeline
     tokenized = inputs.record(TOKENIZE)
-    picture = Path(p.workdir) / "plans" / f"{key[:16]}.png"
+    picture = Path(p.workdir) / "plans" / key / "memory_plan.png"
     decision = plan_and_tune(p, tokenized.data, tokenized.tokenizer, picture=picture, on_progress=log.logger.info)
     log.logger.info("memory plan:\n%s", decision.table)
     return decision
@@ -74,10 +75,21 @@ def writes(inputs: Inputs, key: str, record: BudgetDecision) -> list[str]:
 
 
 def track(inputs: Inputs, record: BudgetDecision) -> None:
-    """The measured candidates' table and picture in the pipeline's MLflow run, when autotune ran."""
+    """The memory plan in the pipeline's MLflow run: its table, picture and JSON under `memory_plan/`, the settings
+    that train as `trains.*` params, and autotune's table and picture when it ran."""
+    from mlflow.entities import Param
+    from mlflow.tracking import MlflowClient
+
     from fulltune.planning.autotune_report import log_to_mlflow
 
-    log_to_mlflow(inputs.mlflow_run_id, record.plan)
+    client, run_id = MlflowClient(), inputs.mlflow_run_id
+    client.log_text(run_id, record.table, "memory_plan/memory_plan.txt")
+    client.log_dict(run_id, record.plan, "memory_plan/memory_plan.json")
+    if record.picture and Path(record.picture).is_file():
+        client.log_artifact(run_id, record.picture, "memory_plan")
+    settings = record.settings if isinstance(record.settings, dict) else asdict(record.settings)
+    client.log_batch(run_id, params=[Param(f"trains.{name}", str(value)) for name, value in sorted(settings.items())])
+    log_to_mlflow(run_id, record.plan)
 
 
 def planned_rows(p: ResolvedPipeline, data: Any) -> tuple[int, float]:
@@ -142,7 +154,12 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None, 
     Raises BudgetError (exit 2, with the breakdown) when nothing fits, or when the configured settings
     do not fit and `budget.on_overflow` is `fail`.
     """
-    from fulltune.memory import format_plan_table, render_breakdown_png
+    return _plan(p, seq_len, tokenizer_vocab, picture, target_fraction, trace, data)[0]
+
+
+def _plan(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None, picture: Path | None,
+          target_fraction: float, trace: bool | None, data: Any) -> tuple[BudgetDecision, Any, Any]:
+    """`plan_budget`'s decision, with the MemoryPlan and the model config it was made from."""
     from fulltune.planning import plan_memory
     from fulltune.models import read_model_config
 
@@ -174,8 +191,9 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None, 
     if p.spec.budget.on_overflow == "fail" and plan.configured_estimate.device_bytes > budget.usable_bytes:
         raise BudgetError(f"pipelines.{p.name}.budget.on_overflow is 'fail' and the configured settings do not fit\n"
                           f"{table}")
-    return BudgetDecision(plan.settings, as_json, table, seq_len, int(config.num_hidden_layers),
-                          str(picture) if picture is not None else None, tokenizer_vocab, target_fraction)
+    decision = BudgetDecision(plan.settings, as_json, table, seq_len, int(config.num_hidden_layers),
+                              str(picture) if picture is not None else None, tokenizer_vocab, target_fraction)
+    return decision, plan, config
 
 
 def should_tune(opts: Options, decision: BudgetDecision, data: Any, p: ResolvedPipeline,
@@ -232,14 +250,14 @@ def plan_and_tune(p: ResolvedPipeline, data: Any = None, tokenizer: str | None =
     seq_len, vocab, target_fraction = plan_inputs(p, data, tokenizer)
     device = resolved_device(p)
     with calibrated(p.workdir, device) as factors:
-        decision = plan_budget(p, seq_len, vocab, picture, target_fraction, trace=trace, data=data)
+        decision, memory_plan, config = _plan(p, seq_len, vocab, picture, target_fraction, trace, data)
     if data is None:
-        decision = _untokenized(decision, p)
+        decision = _untokenized(decision, p, vocab)
     run, why = should_tune(opts, decision, data, p, force, auto_tunes)
     calibration_note = {"calibration": {k: round(v, 3) for k, v in factors.items()}} if factors else {}
-    if not run:
-        return replace(decision, plan={**decision.plan, "autotune": {"ran": False, "reason": why,
-                                                                      **calibration_note}})
+    if not run:  # said in the plan, so the artifact and the MLflow run say it too
+        return replace(decision, table=f"{decision.table}\nautotune: {why}",
+                       plan={**decision.plan, "autotune": {"ran": False, "reason": why, **calibration_note}})
     if tokenizer is None:
         data, tokenizer = tokenized(p)
     result = tune(p, decision, data, tokenizer, opts, on_progress)
@@ -248,22 +266,44 @@ def plan_and_tune(p: ResolvedPipeline, data: Any = None, tokenizer: str | None =
         where = picture.with_name(picture.stem + "-autotune.png") if picture is not None else \
             Path(p.workdir) / AUTOTUNE_DIR / f"{p.name}-autotune.png"
         result.picture = str(render_png(result, where))
-    table = format_table(result)
-    settings = decision.settings
+    settings, plan_table = decision.settings, decision.table
+    plan_json = {**decision.plan, "autotune": {**result.to_dict(), **calibration_note}}
     if result.chosen is not None:
         chosen = result.trials[result.chosen].settings
         settings = chosen if not isinstance(decision.settings, dict) else asdict(chosen)
-    return replace(decision, settings=settings, table=f"{decision.table}\n\n{table}",
-                   plan={**decision.plan, "autotune": {**result.to_dict(), **calibration_note}})
+    if result.chosen:  # not the analytic plan's settings: what trains is shown beside them everywhere
+        trained = _trained(config, result)
+        plan_table = format_plan_table(memory_plan, trained)
+        if picture is not None:
+            render_breakdown_png(memory_plan, picture, trained)
+        plan_json["trains"] = {**trained.settings.choices(), "estimate": trained.estimate.to_dict(), "why": trained.why}
+    return replace(decision, settings=settings, table=f"{plan_table}\n\n{format_table(result)}", plan=plan_json)
 
 
-def _untokenized(decision: BudgetDecision, p: ResolvedPipeline) -> BudgetDecision:
+def _trained(config: Any, result: Any) -> Any:
+    """The settings autotune chose over the analytic plan's (trial 0), their estimate and why they won."""
+    from fulltune.memory import estimate_memory
+    from fulltune.memory.report import Trained
+
+    chosen, analytic = result.trials[result.chosen], result.trials[0]
+    against = (f"the analytic plan's {format_seconds(analytic.measured_step_seconds)}"
+               if analytic.outcome == "fits" and analytic.measured_step_seconds else
+               f"the analytic plan's settings: {analytic.outcome}")
+    why = f"autotune measured {format_seconds(chosen.measured_step_seconds)} a step on this machine, {against}"
+    return Trained(chosen.settings, estimate_memory(config, chosen.settings), why)
+
+
+def _untokenized(decision: BudgetDecision, p: ResolvedPipeline, vocab: int | None) -> BudgetDecision:
     """Say that a plan made before the data is tokenized sizes every row at data.max_length with a
-    target at every position (the most the logits can take): the run tokenizes first and plans on the
-    real lengths and targets, so its plan can differ. `planned_on` in `plan --json`."""
+    target at every position (the most the logits can take), and a model built from a config at the configured
+    vocabulary (a tokenizer trained on the data may hold fewer tokens): the run tokenizes first and plans on the
+    real lengths, targets and vocabulary, so its plan can differ. `planned_on` in `plan --json`."""
     note = (f"planned before the data is tokenized: every row at data.max_length ({p.spec.data.max_length}) with "
-            "a target at every position, the most the logits can take; `fulltune run` tokenizes first and plans "
-            "on the real lengths, which can change the plan")
+            "a target at every position, the most the logits can take")
+    if vocab is not None and not isinstance(p.spec.model.tokenizer, str):
+        note += (f", and the model's vocabulary at model.tokenizer.vocab_size ({vocab}), the most a tokenizer "
+                 "trained on the data holds")
+    note += "; `fulltune run` tokenizes first and plans on the real data, which can change the plan"
     return replace(decision, table=f"{decision.table}\n{note}", plan={**decision.plan, "planned_on": note})
 
 

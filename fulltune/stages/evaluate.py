@@ -1,7 +1,7 @@
 """Stage 4: the base model, the fine-tuned model and the current champion on the same held-out examples.
 
 The work is fulltune/evaluation (`evaluate_candidates`), in the plan's evaluate stage (its dtype, fitted batches
-and placement); here its metrics go into the pipeline's MLflow run and its report to `<workdir>/evals/<key>/`.
+and placement); its report goes to `<workdir>/evals/<key>/`, its metrics into the pipeline's MLflow run (`track`).
 The champion is looked up fresh each run (`prepare`): its version is part of the key, so a new champion
 re-evaluates, and re-running an unchanged pipeline whose own model is champion keeps the evaluation cached.
 """
@@ -64,11 +64,9 @@ def key(inputs: Inputs) -> dict[str, Any]:
 
 
 def run(inputs: Inputs, key: str, log: StageLog) -> EvalReport:
-    """Every candidate evaluated; its metrics and the champion comparison in the MLflow run, the report on disk."""
+    """Every candidate evaluated, the report on disk."""
     from fulltune.evaluation.evaluate import Candidates, evaluate_candidates
     from fulltune.storage import atomic_write_text
-    from fulltune.tracking.gates import comparison_tags
-    from fulltune.tracking.registry import log_metrics, set_run_tags
 
     p, logger = inputs.pipeline, log.logger
     data, trained = inputs.record(TOKENIZE).data, inputs.record(FINE_TUNE)
@@ -77,15 +75,30 @@ def run(inputs: Inputs, key: str, log: StageLog) -> EvalReport:
                             tokenizer=trained.tokenizer, workdir=p.workdir, base_dir=str(Path(p.pipelines_file).parent))
     report = evaluate_candidates(p.spec, candidates, inputs.champion, decision.settings.device, progress=logger.info,
                                  evaluation=_evaluation(inputs))
-    for name, values in {**report.candidates, "champion_own_tokenizer": report.champion_own_tokens}.items():
-        if values is not None:
-            logger.info("%s: %s", name, values.as_dict())
-            log_metrics(inputs.mlflow_run_id, {f"{name}.{k}": v for k, v in values.as_dict().items()})
+    for name, values in _candidates(report).items():
+        logger.info("%s: %s", name, values.as_dict())
     if report.champion_version is not None:
         logger.info("champion comparison %s: %s", report.comparison, report.comparison_reason)
-        set_run_tags(inputs.mlflow_run_id, comparison_tags(report))
-    atomic_write_text(report_file(p, key), report.markdown())
+    atomic_write_text(report_file(p, key), report.markdown(p.spec.registration.gates))
     return report
+
+
+def _candidates(report: EvalReport) -> dict[str, Any]:
+    """Each candidate's metrics by name, the champion on its own tokens too when it was measured that way."""
+    every = {**report.candidates, "champion_own_tokenizer": report.champion_own_tokens}
+    return {name: values for name, values in every.items() if values is not None}
+
+
+def track(inputs: Inputs, record: EvalReport) -> None:
+    """Every candidate's metrics in the pipeline's MLflow run as `eval/<candidate>.<metric>` (their own section of
+    the run's charts, apart from the training curves), and how the champion was compared; every run, cached or not."""
+    from fulltune.tracking.gates import comparison_tags
+    from fulltune.tracking.registry import log_metrics, set_run_tags
+
+    for name, values in _candidates(record).items():
+        log_metrics(inputs.mlflow_run_id, {f"eval/{name}.{k}": v for k, v in values.as_dict().items()})
+    if record.champion_version is not None:
+        set_run_tags(inputs.mlflow_run_id, comparison_tags(record))
 
 
 def report_file(p: ResolvedPipeline, key: str) -> Path:
@@ -98,4 +111,4 @@ def writes(inputs: Inputs, key: str, record: EvalReport) -> list[str]:
 
 
 STAGE = Stage(EVALUATE, code, key, run, writes, rerun_after="training is cached; it evaluates again",
-              retry_delays=(5, 20), tracked=True, prepare=prepare)
+              retry_delays=(5, 20), tracked=True, prepare=prepare, track=track)

@@ -123,6 +123,15 @@ def writes(inputs: Inputs, key: str, record: TrainedModel) -> list[str]:
     return [record.model_dir, record.base_model] if record.base_model.startswith("/") else [record.model_dir]
 
 
+def track(inputs: Inputs, record: TrainedModel) -> None:
+    """The loss curve in the pipeline's MLflow run also when training was cached (a run that trained attached it
+    as it ended: the same file again)."""
+    if record.loss_curve and Path(record.loss_curve).is_file():
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient().log_artifact(inputs.mlflow_run_id, record.loss_curve)
+
+
 def training_progress(output_dir: Path) -> tuple[int, int] | None:
     """(step, total steps) from the child's progress.json, or None before its first report."""
     from fulltune.runtime.launch import PROGRESS_FILE
@@ -163,4 +172,4 @@ def _interrupt_names_the_checkpoint(p: ResolvedPipeline, output_dir: Path) -> It
 
 
 STAGE = Stage(FINE_TUNE, code, key, run, writes, rerun_after="it resumes training from the newest checkpoint",
-              retry_delays=(5, 5), tracked=True)
+              retry_delays=(5, 5), tracked=True, track=track)

@@ -34,6 +34,7 @@ from fulltune.storage import code_version, hash_json
 
 if TYPE_CHECKING:
     from fulltune.evaluation.champion import Champion
+    from fulltune.tracking import PipelineRun
     from fulltune.tracking.summary import PipelineSummary
 
 # A stage's cache key: 96 bits of sha256, short enough to name its directories (runs/<key>, evals/<key>).
@@ -155,6 +156,7 @@ class PipelineRunner:
         self.stack = stack  # the pipeline's MLflow run, once open, ends with it
         self.done: dict[str, str] = {}  # each stage: "ran" or "cached"
         self.running: Stage | None = None
+        self.mlflow: PipelineRun | None = None
 
     def run(self, name: str) -> Any:
         """Run stage `name` (or take its cached result); returns its record."""
@@ -164,13 +166,30 @@ class PipelineRunner:
             inputs = self._open_mlflow_run(inputs)
         key = key_of(stage, inputs)
         refresh = not cached_result_stands(stage, inputs, key)
-        self.running = stage
+        self._running(stage)
         record, cached = self.call(stage, inputs, key, refresh)
-        self.done[name], self.running = "cached" if cached else "ran", None
+        self.done[name] = "cached" if cached else "ran"
+        self._running(None)
         self.inputs = inputs.after(name, key, record)
         if self.inputs.mlflow_run_id is not None and stage.track is not None:
             stage.track(self.inputs, record)
+        if self.mlflow is not None and self.outcome is not None:  # the run's name and description, once known
+            summary = self.summary()
+            self.mlflow.outcome, self.mlflow.description = summary.outcome, summary.markdown()
         return record
+
+    def _running(self, stage: Stage | None) -> None:
+        self.running = stage
+        if self.mlflow is not None:
+            self.mlflow.running = stage.name if stage is not None else None
+
+    @property
+    def outcome(self) -> str | None:
+        """What the run did, once the register stage said it: `v3 · not promoted` (None before)."""
+        from fulltune.stages import REGISTER
+
+        registration = self.inputs.records.get(REGISTER)
+        return registration.outcome(self.done.get(REGISTER) == "cached") if registration is not None else None
 
     def _open_mlflow_run(self, inputs: Inputs) -> Inputs:
         """Open the pipeline's MLflow run (fulltune.tracking.pipeline_run); what the stages before it put there."""
@@ -178,6 +197,7 @@ class PipelineRunner:
 
         p = inputs.pipeline
         run = self.stack.enter_context(pipeline_run(p.name, p.spec, p.workdir, inputs.flow_run_id, self.done))
+        self.mlflow = run
         inputs = replace(inputs, mlflow_uri=run.tracking_uri, mlflow_run_id=run.run_id)
         for name, record in inputs.records.items():
             done = registry()[name]

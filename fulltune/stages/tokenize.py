@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from fulltune.data import TokenizedData
 from fulltune.planning.inputs import ResolvedPipeline
+from fulltune.spec import PipelineSpec
 from fulltune.stages import TOKENIZE, source_key
 from fulltune.stages.runner import Inputs, Stage, StageLog
 
@@ -91,17 +92,23 @@ def writes(inputs: Inputs, key: str, record: Tokenized) -> list[str]:
 
 
 def track(inputs: Inputs, record: Tokenized) -> None:
-    """The data's fingerprint as a tag of the pipeline's MLflow run."""
-    from fulltune.tracking import registry
+    """The data's fingerprint as a tag of the pipeline's MLflow run, the training and held-out data as its dataset
+    inputs."""
+    from fulltune.tracking import log_tokenized_data, registry
 
+    p = inputs.pipeline
     registry.set_run_tags(inputs.mlflow_run_id, {registry.TAG_DATA: record.data.fingerprint})
+    log_tokenized_data(inputs.mlflow_run_id, p.name, p.spec, record.data)
 
 
-def summary_row(data: TokenizedData) -> dict[str, Any]:
-    """What the tokenized data holds, as one row of the stage's table artifact."""
+def data_summary(data: TokenizedData, spec: PipelineSpec) -> dict[str, Any]:
+    """What the tokenized data holds, for the stage's table artifact: its fingerprint with what it covers (the seed
+    only where it shapes the rows), counts of examples, rows and tokens."""
+    from fulltune.data.store import fingerprint_covers
+
     return {
-        "fingerprint": data.fingerprint[:16], "format": data.format, "packing": data.packing,
-        "train examples": data.num_train_examples, "eval examples": data.num_eval_examples,
+        "fingerprint": data.fingerprint[:16], "fingerprint covers": fingerprint_covers(spec.data), "format": data.format,
+        "packing": data.packing, "train examples": data.num_train_examples, "eval examples": data.num_eval_examples,
         "train rows": data.num_train_rows, "train tokens": data.train_tokens,
         "trained tokens": data.train_label_tokens, "longest row": data.max_row_length,
         "truncated": data.truncated_examples,
