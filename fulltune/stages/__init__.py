@@ -40,6 +40,21 @@ from fulltune.spec import PipelineSpec
 TOKENIZE, MEMORY_BUDGET, FINE_TUNE, EVALUATE, REGISTER = "tokenize", "memory-budget", "fine-tune", "evaluate", "register"
 
 
+# Fields that change neither the plan nor the trained weights: how often a run checkpoints, logs and keeps
+# checkpoints (a resume is bit-exact, so the cadence cannot change the weights), how many non-finite steps in a
+# row stop it, and the name of the variable a hub token is read from. The budget and training keys leave them
+# out, so changing one after Ctrl-C resumes the same run from its newest checkpoint instead of training anew.
+OUTSIDE_THE_WEIGHTS = {"train": {"checkpoint_every_steps", "keep_checkpoints", "log_every_steps",
+                                 "max_nonfinite_steps"},
+                       "model": {"token_env"}}
+
+
+def weights_inputs(spec: PipelineSpec) -> dict[str, Any]:
+    """The `model:` and `train:` sections as the budget and training keys see them (OUTSIDE_THE_WEIGHTS out)."""
+    return {section: getattr(spec, section).model_dump(mode="json", exclude=OUTSIDE_THE_WEIGHTS[section])
+            for section in ("model", "train")}
+
+
 def resolve_pipeline(pipelines_file: str, name: str, overrides: list[str] | dict[str, Any] | None = None) -> ResolvedPipeline:
     """Load the file, apply `--set` overrides to pipeline `name`, validate; the workdir becomes absolute.
 
@@ -369,8 +384,9 @@ def ensure_local_data(p: ResolvedPipeline, check_hub: bool = False) -> None:
                     f"{len(problems)} problem(s)\n  " + "\n  ".join(problems))
 
 
-def _references(p: ResolvedPipeline) -> list[tuple[str, str, str, str | None]]:
-    """(YAML field, reference, kind, hub revision) of every file or repository the pipeline reads."""
+def references(p: ResolvedPipeline) -> list[tuple[str, str, str, str | None]]:
+    """(YAML field, reference, kind, hub revision) of every file or repository the pipeline reads, each list
+    item on its own (`data.train[2]`), whatever shape the YAML gave it (a string, a list, `{path, split}`)."""
     from fulltune.data.sources import sources
     from fulltune.data.tokenizer import tokenizer_revision
 
@@ -407,7 +423,7 @@ def check_sources(p: ResolvedPipeline, check_hub: bool = True,
     token_env = p.spec.model.token_env
     if check_hub and token_env and not os.environ.get(token_env) and not hub.offline():
         problems.append(f"pipelines.{p.name}.model.token_env: environment variable {token_env} is not set")
-    for field, reference, kind, revision in _references(p):
+    for field, reference, kind, revision in references(p):
         where = f"pipelines.{p.name}.{field}"
         if is_hub(reference):
             if not check_hub:

@@ -23,8 +23,8 @@ from fulltune.planning.autotune import (AUTO_RATIO, AUTOTUNE_DIR, CHILD_START_SE
                                         tune)
 from fulltune.planning.autotune_report import format_table, render_png
 from fulltune.planning.inputs import BudgetDecision, ResolvedPipeline, evaluation_request, plan_request, resolved_budget
-from fulltune.stages import (MEMORY_BUDGET, TOKENIZE, check_model_builds, check_model_split, check_positions,
-                             model_config_key, model_source, read_marker)
+from fulltune.stages import (MEMORY_BUDGET, OUTSIDE_THE_WEIGHTS, TOKENIZE, check_model_builds, check_model_split,
+                             check_positions, model_config_key, model_source, read_marker, weights_inputs)
 from fulltune.stages.runner import Inputs, Stage, StageLog, key_of, run_stage
 from fulltune.stages.tokenize import STAGE as TOKENIZE_STAGE
 
@@ -46,8 +46,7 @@ def key(inputs: Inputs) -> dict[str, Any]:
     spec = p.spec
     return {
         "data": inputs.record(TOKENIZE).data.training_fingerprint,
-        "model": spec.model.model_dump(mode="json"), "model_source": model_source(p),
-        "budget": spec.budget.model_dump(mode="json"), "train": spec.train.model_dump(mode="json"),
+        **weights_inputs(spec), "model_source": model_source(p), "budget": spec.budget.model_dump(mode="json"),
         "distributed": spec.distributed.model_dump(mode="json"),
         "evaluation": asdict(evaluation_request(spec)),  # the evaluate stage is planned here too
         "resolved": asdict(resolved_budget(p)),
@@ -187,10 +186,10 @@ def _plan(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None, pictur
         picture.parent.mkdir(parents=True, exist_ok=True)
         render_breakdown_png(plan, picture)
     if not as_json["fits"]:
-        raise BudgetError(f"pipelines.{p.name}.budget.memory: no configuration fits the budget\n{table}")
+        raise BudgetError(f"pipelines.{p.name}.budget.memory: no configuration fits the budget\n{table}", as_json)
     if p.spec.budget.on_overflow == "fail" and plan.configured_estimate.device_bytes > budget.usable_bytes:
         raise BudgetError(f"pipelines.{p.name}.budget.on_overflow is 'fail' and the configured settings do not fit\n"
-                          f"{table}")
+                          f"{table}", as_json)
     decision = BudgetDecision(plan.settings, as_json, table, seq_len, int(config.num_hidden_layers),
                               str(picture) if picture is not None else None, tokenizer_vocab, target_fraction)
     return decision, plan, config
@@ -375,14 +374,15 @@ def packing_choice_key(p: ResolvedPipeline) -> dict[str, Any]:
     t, device = p.spec.train, resolved_device(p)
     key: dict[str, Any] = {
         # The model's shape decides the comparison, not its weights: a new checkpoint of the same shape
-        # (a retrained model, a new hub commit) keeps the tokenized data.
-        "model": p.spec.model.model_dump(mode="json", exclude={"revision"}),  # the pinned commit: model_config
+        # (a retrained model, a new hub commit: the pinned `revision` is model_config's) keeps the tokenized data.
+        "model": p.spec.model.model_dump(mode="json", exclude={"revision", *OUTSIDE_THE_WEIGHTS["model"]}),
         "model_config": model_config_key(p), "device": device,
         "train": t.model_dump(mode="json", include={"effective_batch_size", "mixed_precision", "optimizer", "seed"}),
         "distributed": p.spec.distributed.model_dump(mode="json"),
         "autotune": p.spec.budget.model_dump(mode="json")["autotune"]}
     if options(p.spec.budget.autotune).mode == "on":
-        key.update(budget=p.spec.budget.model_dump(mode="json"), train_all=t.model_dump(mode="json"),
+        key.update(budget=p.spec.budget.model_dump(mode="json"),
+                   train_all=t.model_dump(mode="json", exclude=OUTSIDE_THE_WEIGHTS["train"]),
                    hardware=hardware(device))
     return key
 

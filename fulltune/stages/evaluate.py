@@ -43,16 +43,20 @@ def _evaluation(inputs: Inputs) -> dict[str, Any] | None:
 
 
 def key(inputs: Inputs) -> dict[str, Any]:
-    """The trained weights, the whole data fingerprint (it covers the held-out data), the plan's dtype and batches
-    (they decide the metrics, not its byte counts), the `evaluate:` section, the champion and what the benchmarks
-    read."""
+    """The trained weights, the whole data fingerprint (it covers the held-out data) and the sources' names, the plan's
+    dtype and batches (they decide the metrics, not its byte counts), the `evaluate:` section, the champion and what
+    the benchmarks read."""
+    from fulltune.data.sources import eval_source_names
+
     p = inputs.pipeline
     evaluation = _evaluation(inputs)
     return {
         "evaluation": {name: evaluation[name] for name in ("dtype", "loss_batch", "generation_batch", "harness_batch")}
         if evaluation else None,
         "train": inputs.record(FINE_TUNE).key,
-        "data": inputs.record(TOKENIZE).data.fingerprint,
+        # the whole data fingerprint covers the held-out data's content; what each data.eval source is called in
+        # the metrics is the sources' names (renaming a file renames its metrics)
+        "data": inputs.record(TOKENIZE).data.fingerprint, "sources": eval_source_names(p.spec.data),
         # how long a metric function may run does not change what it computes
         "evaluate": p.spec.evaluate.model_dump(mode="json", exclude={"metric_timeout"}),
         "champion": inputs.champion.version if inputs.champion else None,

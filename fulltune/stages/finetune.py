@@ -17,7 +17,7 @@ from typing import Any
 
 from fulltune.errors import Interrupted
 from fulltune.planning.inputs import ResolvedPipeline, describe_settings
-from fulltune.stages import FINE_TUNE, MEMORY_BUDGET, TOKENIZE, model_source
+from fulltune.stages import FINE_TUNE, MEMORY_BUDGET, TOKENIZE, model_source, weights_inputs
 from fulltune.stages.runner import Inputs, Stage, StageLog
 
 # An out-of-memory replan plans with the planner and the stages' planning inputs.
@@ -47,15 +47,15 @@ def code(p: ResolvedPipeline) -> tuple[str, ...]:
 
 def key(inputs: Inputs) -> dict[str, Any]:
     """The fine-tuned weights' identity: training data (not eval data), model, the planned settings (which hold
-    the device the budget resolved to) and the optimisation (not how often it logs or how many checkpoints it keeps)."""
+    the device the budget resolved to) and the optimisation (not what leaves the weights as they are:
+    fulltune/stages `OUTSIDE_THE_WEIGHTS`)."""
     p = inputs.pipeline
     spec = p.spec
     settings = inputs.record(MEMORY_BUDGET).settings
     return {
         "data": inputs.record(TOKENIZE).data.training_fingerprint,
         "settings": asdict(settings) if not isinstance(settings, dict) else settings,
-        "model": spec.model.model_dump(mode="json"), "model_source": model_source(p),
-        "train": spec.train.model_dump(mode="json", exclude={"log_every_steps", "keep_checkpoints"}),
+        **weights_inputs(spec), "model_source": model_source(p),
         "distributed": spec.distributed.model_dump(mode="json"),
     }
 

@@ -265,9 +265,14 @@ class Registration:
         return f"v{self.version} · {'champion' if self.promoted else 'not promoted'}"
 
     def model_uri(self) -> str:
-        """What loads this version: the `champion` alias when it holds it, else the version itself (a version that
-        was not promoted is not what `@champion` loads, and a first one that was not has no champion to load)."""
-        return f"models:/{self.name}@{CHAMPION}" if CHAMPION in self.aliases else f"models:/{self.name}/{self.version}"
+        """What loads this version (`model_uri`), by the aliases it was registered with."""
+        return model_uri(self.name, self.version, self.aliases)
+
+
+def model_uri(name: str, version: str, aliases: tuple[str, ...]) -> str:
+    """Where a version loads from: `@champion` when it holds the alias (what services load), else the version itself
+    (a version that was not promoted is not what `@champion` loads; a first one has no champion to load at all)."""
+    return f"models:/{name}@{CHAMPION}" if CHAMPION in aliases else f"models:/{name}/{version}"
 
 
 def register_model(model_dir: str, name: str, run_id: str, tags: dict[str, str], metrics: dict[str, float],

@@ -55,9 +55,14 @@ class PipelineSummary:
         out.append(f"  registered {self.model_name} version {self.version}, aliases: {', '.join(self.aliases)}"
                    f" ({self.gate})")
         out.append(f"  load it: MLFLOW_TRACKING_URI={registry.redact(self.tracking_uri)} python -c \"import mlflow; "
-                   f"print(mlflow.transformers.load_model('models:/{self.model_name}@champion')({self.example_prompt!r}))\"")
+                   f"print(mlflow.transformers.load_model('{self.model_uri}')({self.example_prompt!r}))\"")
         out.append(f"  see it: {mlflow_page(self.tracking_uri, self.experiment_id, self.mlflow_run_id)}")
         return out
+
+    @property
+    def model_uri(self) -> str:
+        """Where this version loads from (fulltune/tracking/registry.py `model_uri`), by the aliases it holds now."""
+        return registry.model_uri(self.model_name, self.version, self.aliases)
 
 
 def mlflow_page(tracking_uri: str, experiment_id: str, run_id: str) -> str:
