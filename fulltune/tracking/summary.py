@@ -54,9 +54,9 @@ class PipelineSummary:
                 out.append(f"  {metric}: {cells}")
         out.append(f"  registered {self.model_name} version {self.version}, aliases: {', '.join(self.aliases)}"
                    f" ({self.gate})")
+        out.append(f"  see it: {mlflow_page(self.tracking_uri, self.experiment_id, self.mlflow_run_id)}")
         out.append(f"  load it: MLFLOW_TRACKING_URI={registry.redact(self.tracking_uri)} python -c \"import mlflow; "
                    f"print(mlflow.transformers.load_model('{self.model_uri}')({self.example_prompt!r}))\"")
-        out.append(f"  see it: {mlflow_page(self.tracking_uri, self.experiment_id, self.mlflow_run_id)}")
         return out
 
     @property
