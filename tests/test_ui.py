@@ -72,6 +72,7 @@ def test_the_plan_page_and_the_mlflow_run_page_show_the_settings_the_decision_an
     """The shared one-process run: its memory plan as the budget stage's artifact on a Prefect UI, its MLflow run on
     `mlflow server`. The artifact is published again from the plan the run logged to MLflow, on a UI server of this
     test's own (the session's test API serves no UI, and under pytest-xdist another worker's API ran the run)."""
+    from prefect import flow
     from prefect.artifacts import create_markdown_artifact
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -96,10 +97,14 @@ def test_the_plan_page_and_the_mlflow_run_page_show_the_settings_the_decision_an
         run_id = run["info"]["run_id"]
         artifacts = Path(urllib.parse.urlparse(run["info"]["artifact_uri"]).path)
         table = (artifacts / "memory_plan" / "memory_plan.txt").read_text()
-        with temporary_settings({PREFECT_API_URL: servers.prefect_url}):
-            artifact = create_markdown_artifact(
+        @flow
+        def publish() -> str:
+            return str(create_markdown_artifact(
                 markdown=plan_markdown("tiny", table, artifacts / "memory_plan" / "memory_plan.png"),
-                key="tiny-memory-plan")
+                key="tiny-memory-plan"))
+
+        with temporary_settings({PREFECT_API_URL: servers.prefect_url}):
+            artifact = publish()
         ui = servers.prefect_url.removesuffix("/api")
         plan = page(f"{ui}/artifacts/artifact/{artifact}", tmp_path / "profile-plan")
         assert "Memory plan for" in plan and "micro_batch_size=" in plan and "data:image/png;base64," in plan
