@@ -211,9 +211,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**decision.plan, **extra}, indent=2))
     else:
-        print(decision.table)
-        if not decision.plan["autotune"]["ran"]:
-            print(f"autotune: {decision.plan['autotune']['reason']}")
+        print(decision.table)  # with why autotune did not run, when it did not
         if extra:
             print(_comparison_table(decision.plan["plan"]["estimate"], extra))
     return 0

@@ -298,6 +298,23 @@ def test_length_grouped_batches_cover_every_row_once_longest_first() -> None:
 # --- fingerprint and cache ----------------------------------------------------------------------------
 
 
+def test_the_seed_is_in_the_fingerprint_only_where_it_shapes_the_rows(tmp_path: Path, tok_dir: str) -> None:
+    # One example a row, a held-out file of its own: the seed changes nothing in the tokenized data, so neither in
+    # its fingerprint (what the UIs show for "the same train.jsonl"). Packing shuffles the rows with it.
+    from fulltune.data.store import fingerprint_covers
+
+    train = write_jsonl(tmp_path / "train.jsonl", PAIRS)
+    held_out = write_jsonl(tmp_path / "eval.jsonl", PAIRS[:2])
+    spec = DataSpec(train=train, eval=held_out, format="prompt_completion", max_length=64, packing=False)
+    assert fingerprint_data(spec, tok_dir, seed=0) == fingerprint_data(spec, tok_dir, seed=1)
+    assert "train.seed" not in fingerprint_covers(spec)
+    packed = spec.model_copy(update={"packing": True})
+    assert fingerprint_data(packed, tok_dir, seed=0) != fingerprint_data(packed, tok_dir, seed=1)
+    assert "train.seed (packing shuffles the examples into rows with it)" in fingerprint_covers(packed)
+    first, second = (tokenize_dataset(spec, tok_dir, tmp_path / "work", seed=seed) for seed in (0, 1))
+    assert first.path == second.path, "the same rows, the same directory"
+
+
 def test_fingerprint_is_stable_and_tracks_every_input(tmp_path: Path, tok_dir: str) -> None:
     import shutil
 

@@ -61,14 +61,15 @@ def test_the_plan_counts_the_host_ram_of_the_tokenized_data(tmp_path: Path, caps
 
     from fulltune.cli import main
     from fulltune.memory.process import DATA_ROW_BYTES
-    from fulltune.stages import pin_hub_revisions, resolve_pipeline, tokenize_key, with_budget
-    from fulltune.stages.tokenize import tokenize
+    from fulltune.stages import pin_hub_revisions, resolve_pipeline, tokenize, with_budget
+    from fulltune.stages.runner import Inputs, key_of, run_stage
 
     from pipelines_fixture import tiny_pipeline
 
     path = tiny_pipeline(tmp_path, data={"packing": True})
     p = with_budget(pin_hub_revisions(resolve_pipeline(str(path), "tiny")))  # as `fulltune run` resolves it
-    data, _ = tokenize(p, tokenize_key(p))  # the tokenize stage, as a run starts
+    inputs = Inputs(p)
+    data = run_stage(tokenize.STAGE, inputs, key_of(tokenize.STAGE, inputs)).data  # the stage, as a run starts
     assert main(["plan", "tiny", "-f", str(path), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     host = plan["data_host"]

@@ -252,7 +252,7 @@ def test_the_evaluate_key_sees_every_file_a_task_reads(tmp_path: Path) -> None:
 
     from fulltune import stages
 
-    from pipelines_fixture import tiny_pipeline
+    from pipelines_fixture import evaluate_key, tiny_pipeline
 
     tasks = tmp_path / "tasks"
     tasks.mkdir()
@@ -268,7 +268,7 @@ def test_the_evaluate_key_sees_every_file_a_task_reads(tmp_path: Path) -> None:
                          register={"promote_if": {"metric": "eval_loss"}})
 
     def key() -> str:
-        return stages.evaluate_key(stages.resolve_pipeline(str(path), "tiny"), "trained", "data", None)
+        return evaluate_key(stages.resolve_pipeline(str(path), "tiny"), "trained", "data", None)
 
     keys = [key()]
     for name, text in [("base.yaml", "\ngeneration_kwargs: {until: ['\\n']}\n"),  # an included YAML
@@ -341,6 +341,23 @@ def test_each_eval_source_is_reported_beside_the_total(tmp_path: Path) -> None:
     assert math.isclose(both.eval_loss, total, rel_tol=1e-6) and both.generated_examples == 7
     assert both.samples == alone["general"].samples + alone["domain"].samples
     assert "eval_loss/general" in EvalReport({"fine_tuned": both}, 7).markdown()
+
+
+def test_the_report_names_the_gate_metric_and_says_when_there_is_no_champion() -> None:
+    from fulltune.spec import PromoteIf
+
+    def metrics(loss: float, accuracy: float) -> ModelMetrics:
+        return ModelMetrics(loss, math.exp(loss), 10, extra={"reversal_mc/acc": accuracy})
+
+    first = EvalReport({"base": metrics(2.0, 0.25), "fine_tuned": metrics(1.0, 0.5)}, 8)
+    text = first.markdown([PromoteIf(metric="reversal_mc/acc", mode="max")])
+    assert "**The gate reads reversal_mc/acc** (`register.promote_if`, higher is better): base 0.2500, " \
+           "fine-tuned 0.5000." in text
+    assert "**No champion yet**" in text
+    later = replace(first, candidates={**first.candidates, "champion": metrics(1.2, 0.75)}, champion_version="2",
+                    comparison=SAME_TOKENS, comparison_reason="the same tokens")
+    text = later.markdown()
+    assert "No champion yet" not in text and "**Champion version 2, measured on the same tokens" in text
 
 
 def test_each_source_generates_its_own_rows_with_a_completion(tmp_path: Path) -> None:

@@ -94,8 +94,8 @@ def check_fsdp_run_evaluation(workdir: Path, log: str) -> None:
     rows = pq.read_table(Path(train_file).with_name("eval.parquet")).to_pylist()
     mlflow.set_tracking_uri(f"sqlite:///{workdir / 'mlflow.db'}")
     (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
-    logged = {key.removeprefix("fine_tuned."): value for key, value in run.data.metrics.items()
-              if key.startswith("fine_tuned.")}
+    logged = {key.removeprefix("eval/fine_tuned."): value for key, value in run.data.metrics.items()
+              if key.startswith("eval/fine_tuned.")}
     # The pipeline's evaluate.* (tests/pipelines_fixture.py: batch 8, 4 generated examples of 3 new tokens, and the
     # demo's lm-evaluation-harness task, tests/runs.py), which its plan keeps on this machine; fp32, as it trained.
     single = evaluate_model(str(model_dir), str(model_dir), rows, EvalOptions(8, 4, 3, "cpu"),

@@ -256,6 +256,8 @@ def test_a_nonfinite_step_is_skipped_and_logged_to_mlflow(assets: dict[str, Path
     result = quiet(job)
     assert result.nonfinite_steps == 1 and result.steps == 4
     assert all(np.isfinite(loss) for _, loss in result.loss_history)
+    # Every step that trained, from the first, though the run logs every second step: the skipped one is left out.
+    assert [step for step, _ in result.loss_history] == [1, 3, 4]
     history = client.get_metric_history(run_id, "train_loss")
     assert [(m.step, m.value) for m in history] == [(s, pytest.approx(v)) for s, v in result.loss_history]
     logged = set(client.get_run(run_id).data.metrics)

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from fulltune.evaluation.champion import Champion
     from fulltune.evaluation.harness import Benchmarks
     from fulltune.spec import PipelineSpec
+    from fulltune.spec_gates import PromoteIf
 
 Progress = Callable[[str], None]
 
@@ -98,7 +99,9 @@ class EvalReport:
         """Whether the champion keeps its alias whatever the new version's metrics (nothing to compare)."""
         return self.comparison in (REFUSED, NOT_COMPARED)
 
-    def markdown(self) -> str:
+    def markdown(self, gates: Sequence[PromoteIf] = ()) -> str:
+        """The metrics side by side; the metrics `gates` (register.promote_if) read, named with each candidate's
+        value; whether there is a champion and how it was measured; the first generations."""
         columns = dict(self.candidates)
         if self.champion_own_tokens is not None:
             columns["champion (own tokenizer)"] = self.champion_own_tokens
@@ -110,10 +113,17 @@ class EvalReport:
                 value = columns[name].as_dict().get(metric)
                 cells.append("—" if value is None else f"{value:.4f}")
             lines.append(f"| {metric} | " + " | ".join(cells) + " |")
-        if self.champion_version is not None:
+        for gate in gates:
+            values = ", ".join(f"{name.replace('_', '-')} " + ("—" if (v := self.candidates[name].as_dict().get(
+                gate.metric)) is None else f"{v:.4f}") for name in self.candidates)
+            lines += ["", f"**The gate reads {gate.metric}** (`register.promote_if`, "
+                          f"{'higher' if gate.mode == 'max' else 'lower'} is better): {values}."]
+        if self.champion_version is None:
+            lines += ["", "**No champion yet**: the fine-tuned model is compared with the base model only."]
+        else:
             title = COMPARISON_TITLES.get(self.comparison, self.comparison)
             reason = self.comparison_reason[:1].upper() + self.comparison_reason[1:]
-            lines += ["", f"**Champion comparison: {title}.** {reason}"]
+            lines += ["", f"**Champion version {self.champion_version}, measured {title}.** {reason}"]
         tuned = self.candidates.get("fine_tuned")
         if tuned and tuned.samples:
             lines += ["", "| prompt | expected | fine-tuned output |", "|---|---|---|"]
@@ -128,10 +138,10 @@ def metric_names(candidates: Iterable[ModelMetrics]) -> list[str]:
 
 
 COMPARISON_TITLES = {
-    SAME_TOKENS: "same tokens, loss per token",
-    PER_BYTE: "different tokenizers, loss per byte of target text",
-    REFUSED: "refused, the champion keeps its alias",
-    NOT_COMPARED: "not compared, the champion keeps its alias",
+    SAME_TOKENS: "on the same tokens (its losses per token compare directly)",
+    PER_BYTE: "on its own tokens (different tokenizers: loss per byte of target text compared)",
+    REFUSED: "not at all: refused, the champion keeps its alias",
+    NOT_COMPARED: "not at all: not compared, the champion keeps its alias",
 }
 
 

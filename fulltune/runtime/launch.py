@@ -234,14 +234,14 @@ class TrainResult:
     model_dir: str
     steps: int
     epochs: float
-    train_loss: float  # mean token loss of the last log interval
+    train_loss: float  # mean token loss of the last step that trained
     tokens: int  # non-padding tokens trained on, all processes, whole run
     tokens_per_second: float  # over the optimizer steps this process ran (a resumed run counts its own part)
     seconds: float  # wall time of those steps
     peak_memory_bytes: int | None  # torch.cuda.max_memory_allocated on CUDA; None on CPU
     nonfinite_steps: int  # optimizer steps skipped because the loss or gradient norm was not finite
     resumed_from_step: int | None
-    loss_history: list[list[float]] = field(default_factory=list)  # [step, mean loss of the log interval]
+    loss_history: list[list[float]] = field(default_factory=list)  # [step, its mean token loss], every step that trained
     # Each process's step peak beside its estimate, when measured (fulltune/runtime/step_memory.py): rank, stage,
     # measured_bytes, estimated_bytes, error (+ when the estimate is above).
     rank_peaks: list[dict[str, Any]] = field(default_factory=list)
