@@ -22,7 +22,8 @@ would satisfy it — the planner, which fills the `auto` fields, keeps only cand
                                                                                   cuda (CPUOffloadPolicy)
 
 Pipeline stages (`distributed.pipeline_parallel` > 1, fulltune/runtime/pipeline_parallel.py) run the chunked
-loss and pure bf16, not the step in backward or the offloads (PIPELINE_REFUSED_LEVERS), nor fp16's grad scaler;
+loss and pure bf16, not the step in backward or the offloads (PIPELINE_REFUSED_LEVERS), nor fp16's grad scaler
+nor background checkpoint writes (`train.checkpoint_async`);
 1F1B needs a micro-batch per stage. Data parallel beside them (num_processes = pipeline_parallel × dp, strategy
 fsdp or ddp over each stage's dp processes) trains, except with the chunked loss.
 """
@@ -64,6 +65,7 @@ class Combination:
     gradient_checkpointing: bool | int | None = None
     device: str | None = None
     bf16_supported: bool | None = None
+    checkpoint_async: bool = False
 
     def on(self, lever: str) -> bool:
         """The lever is turned on (not auto, not off)."""
@@ -145,6 +147,10 @@ def _pipeline_rules() -> tuple[Rule, ...]:
              "DDP beside the stages keeps each stage's parameters as replicated DTensors, which the 8-bit and "
              "4-bit updates have no rule for (bitsandbytes' optimizer_update_32bit refuses them); use adamw or "
              "adafactor, or set num_processes to pipeline_parallel"),
+        Rule(("train.checkpoint_async", "distributed.pipeline_parallel"),
+             lambda c: c.pipelined and c.checkpoint_async,
+             "pipeline stages write their checkpoints synchronously (their states are not staged for a background "
+             "write); set checkpoint_async to false or pipeline_parallel to 1"),
         Rule(("train.gradient_accumulation_steps", "distributed.pipeline_schedule"),
              lambda c: c.pipelined and c.pipeline_schedule == "1f1b"
              and c.gradient_accumulation_steps is not None and c.gradient_accumulation_steps < c.pipeline_parallel,
@@ -245,7 +251,7 @@ def from_spec(pipeline: object) -> Combination:
         pipeline_schedule=distributed.pipeline_schedule,
         gradient_accumulation_steps=auto(train.gradient_accumulation_steps),
         mixed_precision=auto(train.mixed_precision), gradient_checkpointing=auto(train.gradient_checkpointing),
-        device=auto(budget.device))
+        device=auto(budget.device), checkpoint_async=train.checkpoint_async)
 
 
 def from_settings(settings: object, bf16_supported: bool | None = None) -> Combination:
@@ -259,4 +265,5 @@ def from_settings(settings: object, bf16_supported: bool | None = None) -> Combi
         pipeline_parallel=getattr(s, "pipeline_parallel", 1), pipeline_schedule=getattr(s, "pipeline_schedule", "1f1b"),
         optimizer=s.optimizer, gradient_accumulation_steps=s.gradient_accumulation_steps,  # type: ignore[attr-defined]
         mixed_precision=s.mixed_precision, gradient_checkpointing=s.gradient_checkpointing,  # type: ignore[attr-defined]
-        device=s.device, bf16_supported=bf16_supported)  # type: ignore[attr-defined]
+        device=s.device, bf16_supported=bf16_supported,  # type: ignore[attr-defined]
+        checkpoint_async=s.checkpoint_async)  # type: ignore[attr-defined]

@@ -215,6 +215,13 @@ class TrainSpec(Strict):
     seed: int = Field(0, ge=0, description="Seed for initialisation, data order and the eval split.")
     checkpoint_every_steps: int = Field(50, ge=0, description="Save a resumable checkpoint every N steps (0: never).")
     keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept on disk.")
+    checkpoint_async: bool = Field(
+        False, description="Write step checkpoints in the background: the weights and optimizer states are "
+                           "copied to host RAM at the step boundary (counted in the plan's host RAM and its "
+                           "checkpoint phase) and training goes on while the copy is written; the checkpoint "
+                           "appears under its step name only once it is whole, and a run killed meanwhile "
+                           "resumes from the one before. One process, DDP and FSDP; not with pipeline stages."
+    )
     log_every_steps: int = Field(10, ge=1, description="Read the loss and log metrics every N optimizer steps.")
     compile: bool = Field(False, description="torch.compile the model.")
     pure_bf16: Union[Auto, bool] = Field(

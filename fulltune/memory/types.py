@@ -74,6 +74,9 @@ class Settings:
         offload_optimizer: fp32 masters, gradients and optimizer states in host RAM, updated there.
         offload_activations: the saved inputs of checkpointed layers wait in host RAM.
         chunked_loss: the output head and cross-entropy run in tiles; no whole (t, V) tensor.
+        checkpoint_async: step checkpoints are copied to host RAM at the step boundary and written while
+            training goes on (`fulltune.runtime.async_checkpoints`): the copy is counted in the checkpoint
+            phase and the host RAM (`fulltune.memory.process.checkpoint_staging_bytes`).
     """
 
     micro_batch_size: int
@@ -96,6 +99,7 @@ class Settings:
     offload_optimizer: bool = False
     offload_activations: bool = False
     chunked_loss: bool = False
+    checkpoint_async: bool = False
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "num_processes",
@@ -265,6 +269,7 @@ class PlanRequest:
     offload_optimizer: bool | None = None
     offload_activations: bool | None = None
     chunked_loss: bool | None = None
+    checkpoint_async: bool = False  # train.checkpoint_async: the staged copy is counted, never chosen
     host_memory_bytes: int | None = None
     num_machines: int = 1  # the processes are spread evenly over them; host_memory_bytes is per machine
     # The evaluate stage (`evaluate.*`): planned beside training and part of `fits`; None: not planned.
@@ -382,6 +387,7 @@ class MemoryPlan:
                 "tensor_parallel": s.tensor_parallel,
                 "pipeline_parallel": s.pipeline_parallel,
                 "pipeline_schedule": s.pipeline_schedule,
+                "checkpoint_async": s.checkpoint_async,
                 "estimated_step_seconds": self.estimated_step_seconds,
                 "host_bytes": int(self.plan_estimate.host_bytes),
                 "estimate": self.plan_estimate.to_dict(),

@@ -28,8 +28,8 @@ from fulltune.memory.types import MemoryEstimate, MemoryPlan, PlanRequest, Setti
 from fulltune.memory.uncertainty import Uncertainty, traced_uncertainty
 from fulltune.memory.units import format_bytes
 from fulltune.planning.pipeline import needs_advice, pipeline_advice, pipeline_reasons
-from fulltune.planning.reasons import (alternatives_for, change_reasons, configured_reason, describe, host_reasons,
-                                       strategy_reasons, suggestions_for, tensor_parallel_reasons)
+from fulltune.planning.reasons import (alternatives_for, change_reasons, checkpoint_reasons, configured_reason, describe,
+                                       host_reasons, strategy_reasons, suggestions_for, tensor_parallel_reasons)
 from fulltune.planning.search import (Candidate, configured_for, configured_request, configured_settings,
                                       divisors, fits_budget, host_budget_for, make_candidate, per_process,
                                       staged_search)
@@ -191,6 +191,7 @@ def _finish(
                                             chosen, usable))
     reasons.extend(pipeline_reasons(shape, request, candidates, chosen, usable))
     reasons.extend(host_reasons(request, candidates, chosen, usable))
+    reasons.extend(checkpoint_reasons(shape, chosen))
     suggestions: tuple[str, ...] = ()
     if not fits:
         reasons.append(

@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from fulltune.memory.estimate import _estimate
+from fulltune.memory.process import CHECKPOINT, checkpoint_staging_bytes
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import MemoryEstimate, PlanRequest, Settings
 from fulltune.memory.units import format_bytes, format_seconds
@@ -190,6 +191,23 @@ def _lever_reasons(shape: ModelShape, configured: Settings, chosen: Candidate) -
         out.append(f"host RAM: {format_bytes(chosen.estimate.host_bytes)}{budget} (offloaded "
                    f"{'optimizer states and masters' if chosen.settings.offload_optimizer else 'tensors'})")
     return out
+
+
+def checkpoint_reasons(shape: ModelShape, chosen: Candidate) -> list[str]:
+    """What a background checkpoint write (`train.checkpoint_async`) holds, and where the plan counts it."""
+    s = chosen.settings
+    staged = checkpoint_staging_bytes(shape, s)
+    if not staged:
+        return []
+    writers = "each process copies its shards" if s.strategy == "fsdp" else "the main process copies them"
+    if s.device == "cpu":
+        where = (f"in the device's memory beside the steps that run while it is written: checkpoint phase "
+                 f"{format_bytes(chosen.estimate.phases[CHECKPOINT])}")
+    else:
+        where = f"in host RAM while the steps go on (host figure {format_bytes(chosen.estimate.host_bytes)})"
+    return [f"checkpoint_async: each checkpoint's weights and optimizer states are copied at the step boundary "
+            f"({writers}: {format_bytes(staged)}) and written in the background, {where}; the step waits only for "
+            "the copy, the final export for the last write"]
 
 
 def host_reasons(request: PlanRequest, candidates: list[Candidate], chosen: Candidate, usable: int) -> list[str]:

@@ -154,6 +154,7 @@ def _settings(request: PlanRequest, micro: int, checkpointing: int, precision: s
         pipeline_schedule=request.pipeline_schedule,
         attention_mask=request.attention_mask,
         target_fraction=request.target_fraction,
+        checkpoint_async=request.checkpoint_async,
         **(levers or {}),
     )
 

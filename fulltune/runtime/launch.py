@@ -102,7 +102,7 @@ DistributedOptions = create_model(
 # Settings the plan echoes from the spec (it planned for them): the spec sections are their source, and a job
 # whose plan disagrees is refused.
 PLAN_ECHOES = {"attn_implementation": "model", "strategy": "distributed", "num_processes": "distributed",
-               "pipeline_parallel": "distributed", "pipeline_schedule": "distributed"}
+               "pipeline_parallel": "distributed", "pipeline_schedule": "distributed", "checkpoint_async": "train"}
 # Settings that describe what the plan assumed about the data; the child does not read them.
 PLAN_ONLY_SETTINGS = ("seq_len", "attention_mask", "target_fraction")
 
@@ -269,6 +269,7 @@ class OutOfMemory(RuntimeError):
 # assumptions about the data (PLAN_ONLY_SETTINGS) are not read by the child.
 RESUMABLE_CHANGES = frozenset({"plan.micro_batch_size", "plan.gradient_accumulation_steps",
                                "plan.gradient_checkpointing", "plan.mixed_precision", "paths.output_dir",
+                               "plan.checkpoint_async", "train.checkpoint_async",  # the same files either way
                                *(f"plan.{name}" for name in PLAN_ONLY_SETTINGS)})
 
 

@@ -61,7 +61,9 @@ from fulltune.runtime import pipeline_parallel, step_memory
 from fulltune.runtime.step_memory import StepMemory
 from fulltune.runtime.pipeline_parallel import PipelineRun
 from fulltune.runtime.step import OptimizerStep, StepOutcome, StepParts, run_step
-from fulltune.runtime.step_checkpoints import CHECKPOINT_DIR, TrainState, resume, save_checkpoint
+from fulltune.runtime.async_checkpoints import AsyncCheckpointWriter
+from fulltune.runtime.step_checkpoints import (CHECKPOINT_DIR, TrainState, resume, save_checkpoint,
+                                               wait_for_checkpoint_writes)
 from fulltune.runtime.train_metrics import TrainMetrics, memory_metrics
 from fulltune.logs import quiet_known_noise
 from fulltune.runtime.launch import (ERROR_FILE, MODEL_DIR, OOM_FILE, RESULT_FILE, TrainJob,
@@ -120,6 +122,8 @@ class TrainingRun:
     flops: flops.FlopCoefficients  # of the model, for MFU (fulltune/memory/flops.py)
     pipeline: PipelineRun | None = None  # this process's pipeline stage and its schedule (pipeline_parallel > 1)
     model_config: Any = None  # the whole model's transformers config (the memory estimate per rank reads it)
+    # train.checkpoint_async: writes step checkpoints in the background (fulltune/runtime/async_checkpoints.py)
+    checkpoint_writer: AsyncCheckpointWriter | None = None
 
     @property
     def processes(self) -> int:
@@ -191,7 +195,8 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
     return TrainingRun(job, accelerator, data, schedule, total_steps, tokenizer, pad_token_id_of(tokenizer), model,
                        head, optimizer, scheduler, OptimizerStep(accelerator, model, optimizer, scheduler,
                                                                  job.train.max_grad_norm),
-                       hooks, use_cache, checkpointed, model_layers, coefficients, pipeline, config)
+                       hooks, use_cache, checkpointed, model_layers, coefficients, pipeline, config,
+                       AsyncCheckpointWriter() if job.train.checkpoint_async else None)
 
 
 def pipeline_stage(job: TrainJob, model: torch.nn.Module, head: TargetHead, length: int, device: Any,
@@ -390,7 +395,9 @@ def export_model(run: TrainingRun) -> Path:
 def finish(run: TrainingRun, state: TrainState, metrics: TrainMetrics, resumed_from: int | None,
            memory: StepMemory | None = None) -> TrainResult:
     """Export the model, close metrics.jsonl and write result.json (with each process's step peak beside its
-    estimate when they were measured: fulltune/runtime/step_memory.py); returns the result."""
+    estimate when they were measured: fulltune/runtime/step_memory.py); returns the result. A checkpoint still
+    being written in the background is published first."""
+    wait_for_checkpoint_writes(run)
     measured = memory.gathered() if memory is not None else None  # a collective: before rank 0 writes alone
     peaks = step_memory.rank_peaks(measured, run.model_config, run.job.plan) if measured else []
     if peaks and run.main_process:
@@ -452,7 +459,6 @@ def train(job: TrainJob, hooks: TrainHooks | None = None) -> TrainResult:
             every = job.train.checkpoint_every_steps  # 0: never; none at the last step (the model is exported)
             if every and state.step % every == 0 and state.step < run.total_steps:
                 save_checkpoint(run, state, metrics.state_dict())
-                run.hooks.checkpoint_published(state.step)
     return finish(run, state, metrics, resumed_from, memory)
 
 

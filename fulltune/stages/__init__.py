@@ -240,15 +240,21 @@ def _calibration_key(p: ResolvedPipeline, device: str) -> dict[str, Any]:
     return calibration_key(p.workdir, device)
 
 
+# What does not change the weights a run ends with: how often it logs, how many checkpoints it keeps and whether
+# it writes them in the background (an async checkpoint holds the same files, fulltune/runtime/async_checkpoints.py).
+NOT_IN_WEIGHTS = ("log_every_steps", "keep_checkpoints", "checkpoint_async")
+
+
 def train_key(p: ResolvedPipeline, train_fingerprint: str, settings: Settings | dict[str, Any]) -> str:
     """The fine-tuned weights' identity: training data (not eval data), model, the planned settings
     (which hold the device the budget resolved to) and the optimisation."""
     spec = p.spec
+    planned = asdict(settings) if isinstance(settings, Settings) else settings
     return hash_json({
         "stage": FINE_TUNE, "code": code_version(*STAGE_CODE[FINE_TUNE]), "data": train_fingerprint,
-        "settings": asdict(settings) if isinstance(settings, Settings) else settings,
+        "settings": {name: value for name, value in planned.items() if name not in NOT_IN_WEIGHTS},
         "model": spec.model.model_dump(mode="json"), "model_source": _model_source(p),
-        "train": spec.train.model_dump(mode="json", exclude={"log_every_steps", "keep_checkpoints"}),
+        "train": spec.train.model_dump(mode="json", exclude=set(NOT_IN_WEIGHTS)),
         "distributed": spec.distributed.model_dump(mode="json"),
     })[:24]
 
