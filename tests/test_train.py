@@ -638,9 +638,11 @@ def test_a_damaged_newest_checkpoint_gives_way_to_the_newest_intact_one(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("background", [False, True], ids=["synchronous", "checkpoint_async"])
 def test_a_full_disk_during_a_checkpoint_is_a_user_error_that_keeps_the_older_checkpoints(
-        assets: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    job = make_job(assets, tmp_path / "run", max_steps=7)
+        assets: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, background: bool) -> None:
+    # In the background the failed write is raised where the loop waits for it: here the final export's wait.
+    job = make_job(assets, tmp_path / "run", max_steps=7, checkpoint_async=background)
     monkeypatch.setenv("FULLTUNE_TEST_FAULT", "disk_full:6")
     with pytest.raises(TrainingError, match=r"disk filled up while writing checkpoint step-6.*resumes from step-3"):
         run_training(job, on_output=lambda line: None)
