@@ -61,6 +61,9 @@ class Combination:
     pipeline_schedule: str = "1f1b"
     optimizer: str | None = "adamw"
     gradient_accumulation_steps: int | None = None
+    # The accumulation a fixed `train.micro_batch_size` leaves while gradient_accumulation_steps is auto
+    # (effective batch ÷ (micro-batch × data-parallel processes)); None when that is not fixed yet.
+    implied_accumulation: int | None = None
     mixed_precision: str | None = None
     gradient_checkpointing: bool | int | None = None
     device: str | None = None
@@ -156,6 +159,12 @@ def _pipeline_rules() -> tuple[Rule, ...]:
              and c.gradient_accumulation_steps is not None and c.gradient_accumulation_steps < c.pipeline_parallel,
              "1F1B needs at least as many micro-batches as stages (gradient_accumulation_steps ≥ "
              "pipeline_parallel); raise it, or use pipeline_schedule gpipe"),
+        Rule(("train.micro_batch_size", "distributed.pipeline_schedule"),
+             lambda c: c.pipelined and c.pipeline_schedule == "1f1b"
+             and c.implied_accumulation is not None and c.implied_accumulation < c.pipeline_parallel,
+             "1F1B needs at least as many micro-batches per step as stages, and effective_batch_size ÷ "
+             "(micro_batch_size × data-parallel processes) leaves fewer; lower micro_batch_size (or set it to auto), "
+             "or use pipeline_schedule gpipe"),
     )
 
 
@@ -250,8 +259,21 @@ def from_spec(pipeline: object) -> Combination:
         pipeline_parallel=auto(distributed.pipeline_parallel),  # type: ignore[arg-type]
         pipeline_schedule=distributed.pipeline_schedule,
         gradient_accumulation_steps=auto(train.gradient_accumulation_steps),
+        implied_accumulation=_implied_accumulation(train, distributed),
         mixed_precision=auto(train.mixed_precision), gradient_checkpointing=auto(train.gradient_checkpointing),
         device=auto(budget.device), checkpoint_async=train.checkpoint_async)
+
+
+def _implied_accumulation(train: object, distributed: object) -> int | None:
+    """The gradient accumulation a fixed micro-batch leaves the planner while accumulation is auto (the batch
+    rule, fulltune/degrees.py, makes it a whole number), else None."""
+    micro, accumulation = train.micro_batch_size, train.gradient_accumulation_steps  # type: ignore[attr-defined]
+    dp = distributed.dims.dp  # type: ignore[attr-defined]
+    if micro == "auto" or accumulation != "auto" or dp is None:
+        return None
+    rows = micro * dp
+    effective = train.effective_batch_size  # type: ignore[attr-defined]
+    return effective // rows if effective % rows == 0 else None
 
 
 def from_settings(settings: object, bf16_supported: bool | None = None) -> Combination:

@@ -158,7 +158,9 @@ class BudgetSpec(Strict):
     """The memory the run must fit in."""
 
     device: Literal["auto", Device] = Field("auto", description="Device to plan for; auto = cuda if present.")
-    memory: int | str = Field("auto", description="Budget per device: `auto` (device total), bytes, or '24GiB'.")
+    memory: int | str = Field("auto", description="Budget per device: `auto` (the GPU's total; on CPU each process's "
+                                                  "share of the machine's RAM, which its processes share), bytes, "
+                                                  "or '24GiB'.")
     on_overflow: Literal["plan", "fail"] = Field(
         "plan", description="`plan`: change micro-batch/checkpointing/optimizer to fit; `fail`: exit with the breakdown."
     )
@@ -273,11 +275,13 @@ class DistributedSpec(Strict):
     """How many processes train, and how model state is shared between them."""
 
     strategy: Strategy = Field(
-        "none", description="`none` trains in one process; `ddp` replicates the model in every process; `fsdp` "
-                            "shards weights, gradients and optimizer states over the data-parallel processes (FSDP2); `auto`: the "
-                            "plan chooses the fastest that fits: for one process `none` or `fsdp` over it (with "
-                            "train.offload_optimizer, FSDP2's CPU offload keeps the parameters in host RAM), for "
-                            "several `ddp` or `fsdp`."
+        "auto",
+        description="`none` trains in one process; `ddp` replicates the model in every process; `fsdp` shards weights, "
+                    "gradients and optimizer states over the data-parallel processes (FSDP2); `auto`: the plan chooses "
+                    "the fastest that fits: for one process `none` or `fsdp` over it (with train.offload_optimizer, "
+                    "FSDP2's CPU offload keeps the parameters in host RAM), for several `ddp` or `fsdp`. Unset: `auto` "
+                    "for one process (the plan names its choice), `none` where every process is a pipeline stage; "
+                    "other numbers of processes need one set."
     )
     num_processes: int = Field(1, ge=1, le=4096, description="Processes (usually GPUs) in total.")
     num_machines: int = Field(1, ge=1, description="Machines taking part.")
@@ -322,6 +326,8 @@ class DistributedSpec(Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> DistributedSpec:
+        if self.strategy_unset and self.num_processes > 1:  # unset: auto for one process only
+            object.__setattr__(self, "strategy", "none")
         if self.pipeline_parallel == "auto":
             if self.tensor_parallel != 1:
                 raise ValueError("pipeline_parallel auto is not combined with tensor_parallel (pipeline stages and "
@@ -345,6 +351,11 @@ class DistributedSpec(Strict):
             raise ValueError("tensor_parallel > 1 needs strategy fsdp (FSDP over the data-parallel processes)")
         ParallelDims.from_spec(self)  # DegreesError (a ValueError) unless the degree divides the processes
         return self
+
+    @property
+    def strategy_unset(self) -> bool:
+        """The pipeline leaves `strategy` to the plan by not setting it (one process: read as auto)."""
+        return "strategy" not in self.model_fields_set
 
     @property
     def dims(self) -> ParallelDims:

@@ -483,6 +483,15 @@ def test_tokenized_data_written_without_the_target_count_gets_it_on_load(tmp_pat
         load_tokenized(result.path)
 
 
+def test_csv_cells_are_text_as_written(tmp_path: Path) -> None:
+    # Digit strings stay strings ("035", not 35); a completion "NA" or "null" is text; only an empty cell is missing.
+    (tmp_path / "r.csv").write_text('prompt,completion\n"reverse 530=","035"\nreverse 12=,21\nsay NA=,NA\n'
+                                    'say null=,null\n"a, b=",\n')
+    loaded = load_records(str(tmp_path / "r.csv"), what="data.train", cache_dir=tmp_path / "cache")
+    assert [r["completion"] for r in loaded] == ["035", "21", "NA", "null", None]
+    assert loaded[4]["prompt"] == "a, b="
+
+
 @pytest.mark.parametrize("name,head", [("t.jsonl", b'{"text": "ok"}\n'), ("t.csv", b"text\nok\n"), ("t.txt", b"ok\n"),
                                        ("t.json", b'[{"text": "ok"},\n')])
 def test_text_that_is_not_utf8_names_the_file_line_and_byte(tmp_path: Path, monkeypatch, name: str, head: bytes) -> None:

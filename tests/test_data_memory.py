@@ -47,6 +47,13 @@ def test_eval_rows_are_read_a_row_group_at_a_time_and_read_as_a_list(tmp_path: P
     assert len(first) == 9 and list(first) == whole[:9] and first[:100] == whole[:9]
     with pytest.raises(IndexError):
         first[9]
+    # Three sources of 10, 5 and 10 rows: max_examples keeps the first 4 of each, across row groups.
+    table = table.append_column("completion", pa.array([None if 10 <= i < 15 else f"c{i}" for i in range(25)]))
+    pq.write_table(table, tmp_path / "eval.parquet", row_group_size=7)
+    whole = table.to_pylist()
+    each = EvalRows(str(tmp_path / "eval.parquet"), max_examples=4, counts=[10, 5, 10])
+    assert list(each) == whole[0:4] + whole[10:14] + whole[15:19] and each[3:6] == whole[3:4] + whole[10:12]
+    assert each.has_completion(2, 10) == [True, True, False, False, False, False, True, True]
 
 
 def test_the_plan_counts_the_host_ram_of_the_tokenized_data(tmp_path: Path, capsys) -> None:

@@ -168,3 +168,15 @@ def test_a_new_workdir_store_is_a_copy_of_the_machines_empty_one_and_opens_like_
 
     registry.configure(tmp_path / "second")  # an existing store is never replaced
     assert MlflowClient().get_run(run.info.run_id).data.metrics == {"loss": 1.5}
+
+
+def test_the_summary_loads_the_version_it_registered_where_it_holds_no_champion_alias():
+    from fulltune.tracking.summary import PipelineSummary
+
+    def load_line(aliases: tuple[str, ...]) -> str:
+        summary = PipelineSummary("p", {}, "", {}, {}, "m", "1", aliases, "champion" in aliases, "", "sqlite:///x", "r")
+        return summary.lines()[-1]
+
+    assert "load_model('models:/m@champion')" in load_line(("challenger", "champion"))
+    # A first version that was not promoted: there is no champion alias to load.
+    assert "load_model('models:/m/1')" in load_line(("challenger",))

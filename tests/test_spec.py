@@ -142,7 +142,14 @@ def test_apply_overrides_creates_missing_sections():
     assert apply_overrides({}, ["budget.memory=4GiB"]) == {"budget": {"memory": "4GiB"}}
 
 
-def test_strategy_auto_is_accepted_and_none_stays_the_default():
-    assert validate_pipelines({"pipelines": {"a": MINIMAL}}).pipelines["a"].distributed.strategy == "none"
-    body = {**MINIMAL, "distributed": {"strategy": "auto", "num_processes": 2}}
-    assert validate_pipelines({"pipelines": {"a": body}}).pipelines["a"].distributed.strategy == "auto"
+def test_an_unset_strategy_is_auto_for_one_process_and_none_for_a_stage_per_process():
+    def strategy(**distributed) -> tuple[str, bool]:
+        d = validate_pipelines({"pipelines": {"a": {**MINIMAL, "distributed": distributed}}}).pipelines["a"].distributed
+        return d.strategy, d.strategy_unset
+
+    assert strategy() == ("auto", True)  # the plan chooses, as it chooses levers
+    assert strategy(strategy="none") == ("none", False)
+    assert strategy(num_processes=2, pipeline_parallel=2) == ("none", True)
+    assert strategy(strategy="auto", num_processes=2) == ("auto", False)
+    with pytest.raises(ConfigError, match="num_processes > 1 needs a strategy"):
+        strategy(num_processes=2)

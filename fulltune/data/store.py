@@ -143,9 +143,11 @@ def fingerprint_data(data: DataSpec, tokenizer: str, seed: int, *, token: str | 
     max_length, packing, eval_split), the seed and DATA_FORMAT_VERSION. With `include_eval=False`, what
     `train.parquet` alone depends on: `data.eval` is left out (a held-out split of train is not).
     With `workdir`, file digests are remembered there. Raises DataError when a data file is missing.
-    A list of sources is fingerprinted by each source's fingerprint and weight (`_mix_fingerprint`).
+    A list of sources is fingerprinted by each source's fingerprint and weight (`_mix_fingerprint`); without
+    the held-out data only `data.train`'s form decides which, so a single train file keeps its training
+    fingerprint whether `data.eval` is one file or a list (the train rows are built the same way either way).
     """
-    if not (is_single(data.train) and is_single(data.eval)):
+    if not is_single(data.train) or (include_eval and not is_single(data.eval)):
         return _mix_fingerprint(data, tokenizer, seed, token=token, include_eval=include_eval, workdir=workdir)
     h = hashlib.sha256()
     hash_parts(h, "fulltune-data", str(DATA_FORMAT_VERSION))

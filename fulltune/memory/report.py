@@ -93,9 +93,11 @@ def format_plan_table(plan: MemoryPlan) -> str:
         lines.append(f"estimated step time (ranking model): {format_seconds(plan.estimated_step_seconds)}")
     host = plan.plan_estimate.host_bytes
     if host:
-        where = "inside the device total (a CPU device's memory is the host's)" if plan.device == "cpu" else \
-            "besides the device memory"
-        lines.append(f"host RAM for the offloaded tensors: {format_bytes(host)} per process, {where}")
+        # On a GPU the plan counts one machine's host RAM (every rank's offloaded tensors, what budget.host_memory
+        # holds: planning/search.py `_per_machine`); a CPU device's memory is each process's own.
+        where = "per process, inside the device total (a CPU device's memory is the host's)" if plan.device == "cpu" \
+            else "per machine, besides the device memory"
+        lines.append(f"host RAM for the offloaded tensors: {format_bytes(host)} {where}")
     lines.extend(_data_host_lines(plan))
     if plan.reasons:
         lines.append("why:")
@@ -153,6 +155,8 @@ def _alternative_lines(plan: MemoryPlan) -> list[str]:
     lines = ["alternatives:"]
     for alt in plan.alternatives[:5]:
         tp = f", tensor parallel {alt['tensor_parallel']}" if alt.get("tensor_parallel", 1) > 1 else ""
+        if alt.get("strategy", plan.settings.strategy) != plan.settings.strategy:  # strategy auto weighed another
+            tp = f", strategy {alt['strategy']}{tp}"
         lines.append(
             f"  - micro {alt['micro_batch_size']} × accum {alt['gradient_accumulation_steps']}, "
             f"ckpt {alt['gradient_checkpointing']}, {alt['mixed_precision']}, {alt['optimizer']}"

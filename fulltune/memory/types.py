@@ -276,6 +276,9 @@ class PlanRequest:
     evaluation: EvalRequest | None = None
     # Where `host_memory_bytes` came from when it was not given: a line the plan shows (memory/budget.py).
     host_memory_assumed: str | None = None
+    # How the request was read from the pipeline on this machine, lines the plan shows: `memory: auto` on CPU
+    # shared by one machine's processes (memory/budget.py), a strategy left unset for the plan to choose.
+    notes: tuple[str, ...] = ()
 
     def levers(self) -> dict[str, bool | None]:
         """The memory levers, name → True / False / None (auto)."""

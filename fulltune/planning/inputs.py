@@ -46,9 +46,10 @@ def with_budget(p: ResolvedPipeline) -> ResolvedPipeline:
     """
     if p.budget is not None:
         return p
-    b = p.spec.budget
+    b, d = p.spec.budget, p.spec.distributed
+    per_machine = -(-d.num_processes // d.num_machines)  # the processes are spread evenly over the machines
     return replace(p, budget=resolve_budget(b.device, b.memory, b.headroom, b.host_memory,
-                                            where=f"pipelines.{p.name}.budget"))
+                                            where=f"pipelines.{p.name}.budget", processes=per_machine))
 
 
 def resolved_budget(p: ResolvedPipeline) -> Budget:
@@ -112,15 +113,20 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         num_machines=d.num_machines,
         evaluation=evaluation_request(p.spec),
         host_memory_assumed=budget.host_assumed,
+        notes=(*((budget.shared,) if budget.shared else ()),
+               # (on a CPU device one process has no strategy to choose: planning/strategy.py)
+               *((f"pipelines.{p.name}.distributed.strategy is not set: for one process the plan chooses it as "
+                  "under auto",) if d.strategy_unset and d.strategy == "auto" and budget.device != "cpu" else ())),
     )
 
 
 def evaluation_request(spec: PipelineSpec) -> Any:
     """The evaluate stage as `evaluate.*` configures it, for the plan (memory/evaluation.py)."""
+    from fulltune.data.sources import generating_sources
     from fulltune.memory.evaluation import EvalRequest
 
     e = spec.evaluate
     return EvalRequest(batch_size=e.batch_size, max_new_tokens=e.max_new_tokens,
-                       generate=e.max_generate_examples > 0 and spec.data.format == "prompt_completion",
+                       generate=e.max_generate_examples > 0 and any(generating_sources(spec.data)),
                        harness_batch_size=(e.lm_eval.batch_size or e.batch_size) if e.lm_eval else None,
                        precision=e.precision, processes=e.processes)

@@ -179,6 +179,7 @@ def _finish(
     reasons = [
         f"budget {format_bytes(budget)} per {request.device} device; planning for {format_bytes(usable)} "
         f"({request.headroom:.0%} headroom)",
+        *request.notes,
         *((request.host_memory_assumed,) if request.host_memory_assumed else ()),
         *extra_reasons,
     ]

@@ -15,7 +15,7 @@ from fulltune.memory.units import format_bytes, format_seconds
 from fulltune.planning.search import (Candidate, best_by, device_word, fits_budget, staged_search,
                                       tensor_parallel_degrees)
 from fulltune.planning.step_time import step_seconds, tensor_parallel_seconds
-from fulltune.planning.strategy import host_parameters
+from fulltune.planning.strategy import host_parameters, strategy_choices
 
 
 def describe(settings: Settings) -> str:
@@ -34,9 +34,8 @@ def describe(settings: Settings) -> str:
 def alternative_entry(c: Candidate, why: str) -> dict[str, Any]:
     return {
         **c.settings.choices(),
-        "tensor_parallel": c.settings.tensor_parallel,
-        **({"pipeline_parallel": c.settings.pipeline_parallel, "strategy": c.settings.strategy}
-           if c.settings.pipeline_parallel > 1 else {}),
+        "tensor_parallel": c.settings.tensor_parallel, "strategy": c.settings.strategy,
+        **({"pipeline_parallel": c.settings.pipeline_parallel} if c.settings.pipeline_parallel > 1 else {}),
         "peak_bytes": c.estimate.peak_bytes,
         "device_bytes": c.estimate.device_bytes,
         "uncertainty_bytes": c.uncertainty.bytes,
@@ -276,16 +275,25 @@ def configured_reason(configured: Settings, estimate: MemoryEstimate, usable: in
 
 def alternatives_for(candidates: list[Candidate], fitting: list[Candidate], chosen: Candidate, usable: int
                      ) -> list[dict[str, Any]]:
-    """The plan's alternatives: the next four that fit (slower), then the three fastest that do not."""
+    """The plan's alternatives: the next four that fit (slower), then the three fastest that do not; each
+    settings once (the search's stages may reach the same settings twice) and never the chosen ones."""
     out = []
-    for c in fitting[1:5]:
+    for c in _distinct(fitting, chosen)[:4]:
         out.append(alternative_entry(c, f"slower: {format_seconds(c.seconds, 's/step')} vs "
                                         f"{format_seconds(chosen.seconds, 's/step')}"))
-    over_budget = sorted((c for c in candidates if not fits_budget(c, usable) and c is not chosen),
-                         key=lambda c: c.seconds)
-    for c in over_budget[:3]:
+    over_budget = sorted((c for c in candidates if not fits_budget(c, usable)), key=lambda c: c.seconds)
+    for c in _distinct(over_budget, chosen)[:3]:
         out.append(alternative_entry(c, f"does not fit: {format_bytes(c.expected_bytes)} ± "
                                         f"{format_bytes(c.uncertainty.bytes)} > {format_bytes(usable)} usable"))
+    return out
+
+
+def _distinct(candidates: list[Candidate], chosen: Candidate) -> list[Candidate]:
+    """`candidates` in order, each settings once, without the chosen settings."""
+    out: list[Candidate] = []
+    for c in candidates:
+        if c.settings != chosen.settings and all(c.settings != kept.settings for kept in out):
+            out.append(c)
     return out
 
 
@@ -294,7 +302,7 @@ def strategy_reasons(request: PlanRequest, candidates: list[Candidate], chosen: 
     """With strategy auto: the strategy chosen and each other one's best candidate; where the parameters live
     in host RAM (`host`: `step_time.host_step` of the chosen settings), that line with its device and host
     bytes, what `none` needs and the step-time terms."""
-    if request.strategy != "auto":
+    if request.strategy != "auto" or len(strategy_choices(request)) == 1:  # nothing was chosen between
         return []
     best = best_by(candidates, lambda c: c.settings.strategy, usable)
     s = chosen.settings

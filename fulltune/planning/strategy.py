@@ -24,7 +24,11 @@ def choices(strategy: str, num_processes: int) -> tuple[str, ...]:
 
 
 def strategy_choices(request: PlanRequest) -> tuple[str, ...]:
-    """The strategies `auto` may choose for the request's processes, the unsharded one first."""
+    """The strategies `auto` may choose for the request's processes, the unsharded one first. One process on a CPU
+    device weighs `none` only: fsdp over it holds and takes what `none` does there (FSDP2's CPU offload needs an
+    accelerator), so it could only tie, and the plan would list each of its settings twice."""
+    if request.strategy == "auto" and request.num_processes == 1 and request.device == "cpu":
+        return ("none",)
     return choices(request.strategy, request.num_processes)
 
 

@@ -98,7 +98,9 @@ DistributedOptions = create_model(
     "DistributedOptions", __base__=Strict, __module__=__name__,
     __doc__="The pipeline's `distributed:` section without PLANNED_DISTRIBUTED_KEYS: how the processes start.",
     **{name: (info.annotation, info) for name, info in spec.DistributedSpec.model_fields.items()
-       if name not in PLANNED_DISTRIBUTED_KEYS})
+       if name not in (*PLANNED_DISTRIBUTED_KEYS, "strategy")},
+    # A job's strategy is the one its plan trains with (job_from_pipeline replaces auto): one process by default.
+    strategy=(spec.Strategy, Field("none", description="The strategy the plan trains with.")))
 # Settings the plan echoes from the spec (it planned for them): the spec sections are their source, and a job
 # whose plan disagrees is refused.
 PLAN_ECHOES = {"attn_implementation": "model", "strategy": "distributed", "num_processes": "distributed",

@@ -59,6 +59,21 @@ STAGE_CODE = {
 }
 
 
+# Fields that change neither the plan nor the trained weights: how often a run checkpoints, logs and keeps
+# checkpoints (a resume is bit-exact, so the cadence cannot change the weights), how many non-finite steps in a
+# row stop it, and the name of the variable a hub token is read from. The budget and training keys leave them
+# out, so changing one after Ctrl-C resumes the same run from its newest checkpoint instead of training anew.
+OUTSIDE_THE_WEIGHTS = {"train": {"checkpoint_every_steps", "keep_checkpoints", "log_every_steps",
+                                 "max_nonfinite_steps"},
+                       "model": {"token_env"}}
+
+
+def _weights_inputs(spec: PipelineSpec) -> dict[str, Any]:
+    """The `model:` and `train:` sections as the budget and training keys see them (OUTSIDE_THE_WEIGHTS out)."""
+    return {section: getattr(spec, section).model_dump(mode="json", exclude=OUTSIDE_THE_WEIGHTS[section])
+            for section in ("model", "train")}
+
+
 def resolve_pipeline(pipelines_file: str, name: str, overrides: list[str] | dict[str, Any] | None = None) -> ResolvedPipeline:
     """Load the file, apply `--set` overrides to pipeline `name`, validate; the workdir becomes absolute.
 
@@ -223,8 +238,7 @@ def budget_key(p: ResolvedPipeline, train_fingerprint: str) -> str:
     spec = p.spec
     return hash_json({
         "stage": MEMORY_BUDGET, "code": code_version(*STAGE_CODE[MEMORY_BUDGET]), "data": train_fingerprint,
-        "model": spec.model.model_dump(mode="json"), "model_source": _model_source(p),
-        "budget": spec.budget.model_dump(mode="json"), "train": spec.train.model_dump(mode="json"),
+        **_weights_inputs(spec), "model_source": _model_source(p), "budget": spec.budget.model_dump(mode="json"),
         "distributed": spec.distributed.model_dump(mode="json"),
         "evaluation": asdict(evaluation_request(spec)),  # the evaluate stage is planned here too
         "resolved": asdict(resolved_budget(p)),
@@ -240,9 +254,10 @@ def _calibration_key(p: ResolvedPipeline, device: str) -> dict[str, Any]:
     return calibration_key(p.workdir, device)
 
 
-# What does not change the weights a run ends with: how often it logs, how many checkpoints it keeps and whether
-# it writes them in the background (an async checkpoint holds the same files, fulltune/runtime/async_checkpoints.py).
-NOT_IN_WEIGHTS = ("log_every_steps", "keep_checkpoints", "checkpoint_async")
+# What changes the plan but not the weights: whether checkpoints are written in the background (the same files,
+# fulltune/runtime/async_checkpoints.py; the plan counts the copy they are written from). The budget key keeps it,
+# the training key leaves it out, so turning it on or off resumes the same run from its newest checkpoint.
+PLANNED_NOT_WEIGHTS = ("checkpoint_async",)
 
 
 def train_key(p: ResolvedPipeline, train_fingerprint: str, settings: Settings | dict[str, Any]) -> str:
@@ -252,22 +267,26 @@ def train_key(p: ResolvedPipeline, train_fingerprint: str, settings: Settings | 
     planned = asdict(settings) if isinstance(settings, Settings) else settings
     return hash_json({
         "stage": FINE_TUNE, "code": code_version(*STAGE_CODE[FINE_TUNE]), "data": train_fingerprint,
-        "settings": {name: value for name, value in planned.items() if name not in NOT_IN_WEIGHTS},
-        "model": spec.model.model_dump(mode="json"), "model_source": _model_source(p),
-        "train": spec.train.model_dump(mode="json", exclude=set(NOT_IN_WEIGHTS)),
+        "settings": {name: value for name, value in planned.items() if name not in PLANNED_NOT_WEIGHTS},
+        **{section: {name: value for name, value in inputs.items() if name not in PLANNED_NOT_WEIGHTS}
+           for section, inputs in _weights_inputs(spec).items()},
+        "model_source": _model_source(p),
         "distributed": spec.distributed.model_dump(mode="json"),
     })[:24]
 
 
 def evaluate_key(p: ResolvedPipeline, trained_key: str, data_fingerprint: str, champion_version: str | None,
                  evaluation: dict[str, Any] | None = None) -> str:
-    """`data_fingerprint` is the whole one (TokenizedData.fingerprint): it covers the held-out data;
+    """`data_fingerprint` is the whole one (TokenizedData.fingerprint): it covers the held-out data's content, and
+    `sources` what each data.eval source is called in the metrics (renaming a file renames its metrics);
     `evaluation` the plan's evaluate stage: its dtype and batches decide the metrics, not its byte counts."""
+    from fulltune.data.sources import eval_source_names
+
     return hash_json({
         "evaluation": {name: evaluation[name] for name in ("dtype", "loss_batch", "generation_batch", "harness_batch")}
         if evaluation else None,
         "stage": EVALUATE, "code": code_version(*STAGE_CODE[EVALUATE]), "train": trained_key,
-        "data": data_fingerprint,
+        "data": data_fingerprint, "sources": eval_source_names(p.spec.data),
         # how long a metric function may run does not change what it computes
         "evaluate": p.spec.evaluate.model_dump(mode="json", exclude={"metric_timeout"}), "champion": champion_version,
         # version numbers count per registered model: two pipelines sharing a workdir may both have a "3"
@@ -502,8 +521,9 @@ def ensure_local_data(p: ResolvedPipeline, check_hub: bool = False) -> None:
                     f"{len(problems)} problem(s)\n  " + "\n  ".join(problems))
 
 
-def _references(p: ResolvedPipeline) -> list[tuple[str, str, str, str | None]]:
-    """(YAML field, reference, kind, hub revision) of every file or repository the pipeline reads."""
+def references(p: ResolvedPipeline) -> list[tuple[str, str, str, str | None]]:
+    """(YAML field, reference, kind, hub revision) of every file or repository the pipeline reads, each list
+    item on its own (`data.train[2]`), whatever shape the YAML gave it (a string, a list, `{path, split}`)."""
     from fulltune.data.sources import sources
     from fulltune.data.tokenizer import tokenizer_revision
 
@@ -540,7 +560,7 @@ def check_sources(p: ResolvedPipeline, check_hub: bool = True,
     token_env = p.spec.model.token_env
     if check_hub and token_env and not os.environ.get(token_env) and not hub.offline():
         problems.append(f"pipelines.{p.name}.model.token_env: environment variable {token_env} is not set")
-    for field, reference, kind, revision in _references(p):
+    for field, reference, kind, revision in references(p):
         where = f"pipelines.{p.name}.{field}"
         if is_hub(reference):
             if not check_hub:

@@ -21,8 +21,8 @@ from fulltune.planning.autotune import (AUTO_RATIO, AUTOTUNE_DIR, CHILD_START_SE
                                         calibrated, candidates, hardware, options, planned_settings, tune)
 from fulltune.planning.autotune_report import format_table, render_png
 from fulltune.planning.inputs import BudgetDecision, ResolvedPipeline, plan_request, resolved_budget
-from fulltune.stages import (MEMORY_BUDGET, STAGE_CODE, TOKENIZE, check_model_builds, check_model_split,
-                             check_positions, model_config_key, read_marker, tokenize_key)
+from fulltune.stages import (MEMORY_BUDGET, OUTSIDE_THE_WEIGHTS, STAGE_CODE, TOKENIZE, check_model_builds,
+                             check_model_split, check_positions, model_config_key, read_marker, tokenize_key)
 from fulltune.storage import code_version
 
 
@@ -116,10 +116,10 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None, 
         picture.parent.mkdir(parents=True, exist_ok=True)
         render_breakdown_png(plan, picture)
     if not as_json["fits"]:
-        raise BudgetError(f"pipelines.{p.name}.budget.memory: no configuration fits the budget\n{table}")
+        raise BudgetError(f"pipelines.{p.name}.budget.memory: no configuration fits the budget\n{table}", as_json)
     if p.spec.budget.on_overflow == "fail" and plan.configured_estimate.device_bytes > budget.usable_bytes:
         raise BudgetError(f"pipelines.{p.name}.budget.on_overflow is 'fail' and the configured settings do not fit\n"
-                          f"{table}")
+                          f"{table}", as_json)
     return BudgetDecision(plan.settings, as_json, table, seq_len, int(config.num_hidden_layers),
                           str(picture) if picture is not None else None, tokenizer_vocab, target_fraction)
 
@@ -282,15 +282,16 @@ def packing_choice_key(p: ResolvedPipeline) -> dict[str, Any]:
     t, device = p.spec.train, resolved_device(p)
     key: dict[str, Any] = {
         # The model's shape decides the comparison, not its weights: a new checkpoint of the same shape
-        # (a retrained model, a new hub commit) keeps the tokenized data.
+        # (a retrained model, a new hub commit: the pinned `revision` is model_config's) keeps the tokenized data.
         "code": code_version(*STAGE_CODE[MEMORY_BUDGET]),
-        "model": p.spec.model.model_dump(mode="json", exclude={"revision"}),  # the pinned commit: model_config
+        "model": p.spec.model.model_dump(mode="json", exclude={"revision", *OUTSIDE_THE_WEIGHTS["model"]}),
         "model_config": model_config_key(p), "device": device,
         "train": t.model_dump(mode="json", include={"effective_batch_size", "mixed_precision", "optimizer", "seed"}),
         "distributed": p.spec.distributed.model_dump(mode="json"),
         "autotune": p.spec.budget.model_dump(mode="json")["autotune"]}
     if options(p.spec.budget.autotune).mode == "on":
-        key.update(budget=p.spec.budget.model_dump(mode="json"), train_all=t.model_dump(mode="json"),
+        key.update(budget=p.spec.budget.model_dump(mode="json"),
+                   train_all=t.model_dump(mode="json", exclude=OUTSIDE_THE_WEIGHTS["train"]),
                    hardware=hardware(device))
     return key
 

@@ -45,8 +45,16 @@ class PipelineSummary:
         out.append(f"  registered {self.model_name} version {self.version}, aliases: {', '.join(self.aliases)}"
                    f" ({self.gate})")
         out.append(f"  load it: MLFLOW_TRACKING_URI={registry.redact(self.tracking_uri)} python -c \"import mlflow; "
-                   f"print(mlflow.transformers.load_model('models:/{self.model_name}@champion')({self.example_prompt!r}))\"")
+                   f"print(mlflow.transformers.load_model('{self.model_uri}')({self.example_prompt!r}))\"")
         return out
+
+    @property
+    def model_uri(self) -> str:
+        """Where this version loads from: `@champion` when it holds the alias (what services load), else the
+        version itself (a version that was not promoted; there may be no champion at all)."""
+        if "champion" in self.aliases:
+            return f"models:/{self.model_name}@champion"
+        return f"models:/{self.model_name}/{self.version}"
 
 
 def summarise(pipeline: str, stages: dict[str, str], settings: str, trained: Any, report: Any, registration: Any,
