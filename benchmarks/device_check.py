@@ -88,6 +88,10 @@ def cases(dry_run: bool) -> list[Case]:
             Case("frontier levers (tiny)", tiny, Settings(micro_batch_size=4, gradient_checkpointing=3,
                  mixed_precision="bf16", optimizer="adafactor", pure_bf16=True, optimizer_in_backward=True,
                  chunked_loss=True, **S), trace=True, tags=("all", "bf16", "levers")),
+            Case("pure bf16 plain rounding (tiny)", tiny, Settings(micro_batch_size=2, mixed_precision="bf16",
+                 pure_bf16=True, compensation="none", attention_mask=False, **S), tags=("bf16", "levers")),
+            Case("muon (tiny)", tiny, Settings(micro_batch_size=2, mixed_precision="bf16", optimizer="muon",
+                 attention_mask=False, **S), tags=("bf16", "muon")),
         ]
     tinyllama = _llama(2048, 5632, 22, 32, 4, 32000)
     qwen05 = transformers.Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -119,6 +123,14 @@ def cases(dry_run: bool) -> list[Case]:
         Case("Llama-3.2-1B 8-bit AdamW + chunked", llama1b, Settings(micro_batch_size=2, seq_len=2048,
              gradient_accumulation_steps=2, gradient_checkpointing=8, mixed_precision="bf16", optimizer="adamw_8bit",
              chunked_loss=True, device=device, attention_mask=False), tags=("partial", "bf16", "levers")),
+        # train.compensation none (torchtune's pure-bf16 recipe: bf16 AdamW states, no Kahan buffer) and Muon (one
+        # momentum buffer per decoder matrix, its Newton–Schulz temporaries in the step) on CUDA.
+        Case("Llama-3.2-1B pure bf16 plain rounding", llama1b, Settings(micro_batch_size=2, seq_len=2048,
+             gradient_checkpointing=16, mixed_precision="bf16", pure_bf16=True, compensation="none", device=device,
+             attention_mask=False), tags=("all", "bf16", "levers")),
+        Case("Llama-3.2-1B muon pure bf16", llama1b, Settings(micro_batch_size=2, seq_len=2048,
+             gradient_checkpointing=16, mixed_precision="bf16", optimizer="muon", pure_bf16=True, device=device,
+             attention_mask=False), tags=("all", "bf16", "muon")),
     ]
 
 

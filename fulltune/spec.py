@@ -14,9 +14,11 @@ import json
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BeforeValidator, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import BeforeValidator, Discriminator, Field, Tag, create_model, field_validator, model_validator
 
+from fulltune import levers
 from fulltune.degrees import ParallelDims
+from fulltune.optimizers import COMPENSATIONS, OPTIMIZER_TABLE, OPTIMIZERS
 from fulltune.sizes import SIZE_PATTERN, parse_size
 # The evaluate and register sections, importable from here as the rest of the schema is.
 from fulltune.spec_gates import (BUILTIN_METRICS, DEFAULT_METRIC_TIMEOUT, EvaluateSpec, LmEvalSpec,  # noqa: F401
@@ -31,7 +33,8 @@ DataFormat = Literal["text", "prompt_completion", "chat"]
 AttnImplementation = Literal["sdpa", "eager"]
 Device = Literal["cpu", "cuda"]
 MixedPrecision = Literal["bf16", "fp16", "no"]
-Optimizer = Literal["adamw", "adamw_8bit", "adamw_4bit", "adafactor"]
+Optimizer = Literal[OPTIMIZERS]  # one record each in fulltune/optimizers.py
+Compensation = Literal[tuple(COMPENSATIONS)]  # how pure bf16 weights keep small updates (fulltune/optimizers.py)
 LrScheduler = Literal["cosine", "linear", "constant"]
 Strategy = Literal["none", "ddp", "fsdp", "auto"]
 PipelineSchedule = Literal["1f1b", "gpipe"]
@@ -193,7 +196,7 @@ class BudgetSpec(Strict):
         raise ValueError("must be 'auto', a number of bytes, or a size like '24GiB'")
 
 
-class TrainSpec(Strict):
+class _TrainSpec(Strict):
     """The optimisation. `effective_batch_size` = micro_batch_size × gradient_accumulation_steps × processes."""
 
     effective_batch_size: int = Field(8, ge=1, description="Sequences per optimizer step, kept by the planner.")
@@ -205,7 +208,7 @@ class TrainSpec(Strict):
     mixed_precision: Literal["auto", MixedPrecision] = Field("auto", description="Autocast dtype.")
     optimizer: Literal["auto", Optimizer] = Field(
         "adamw", description="`auto` lets the planner pick a cheaper optimizer when memory requires it. "
-                             "adamw_8bit: bitsandbytes (~2 B/param of states); adamw_4bit: torchao (~1 B/param)."
+                             + "; ".join(f"{r.name}: {r.description}" for r in OPTIMIZER_TABLE) + "."
     )
     learning_rate: float = Field(2e-5, gt=0, le=1, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
@@ -226,29 +229,6 @@ class TrainSpec(Strict):
     )
     log_every_steps: int = Field(10, ge=1, description="Read the loss and log metrics every N optimizer steps.")
     compile: bool = Field(False, description="torch.compile the model.")
-    pure_bf16: Union[Auto, bool] = Field(
-        "auto", description="bf16 weights and gradients with no fp32 master copy (2 + 2 B/param instead of 4 + 4); "
-                           "updates are Kahan-compensated (adamw) or stochastically rounded (adamw_4bit) so small "
-                           "ones are not lost. `auto`: the planner turns it on when memory requires it."
-    )
-    optimizer_in_backward: Union[Auto, bool] = Field(
-        "auto", description="Step each parameter as soon as its gradient is complete in backward and free the "
-                           "gradient (at most one parameter's gradient alive). Needs gradient_accumulation_steps 1: "
-                           "the effective batch is kept with a larger (checkpointed) micro-batch. Clipping uses the "
-                           "norm of the previous step's gradients."
-    )
-    offload_optimizer: Union[Auto, bool] = Field(
-        "auto", description="Keep fp32 master weights, gradients and optimizer states in host RAM and update on the "
-                           "host; the device keeps only the weights. Costs host RAM (budget.host_memory) and step time."
-    )
-    offload_activations: Union[Auto, bool] = Field(
-        "auto", description="Move the saved inputs of checkpointed layers to host RAM until backward needs them."
-    )
-    chunked_loss: Union[Auto, bool] = Field(
-        "auto", description="Compute the output head and cross-entropy in chunks of target positions and vocabulary, "
-                           "recomputed in backward: no whole (targets × vocabulary) fp32 tensor."
-    )
-    max_nonfinite_steps: int = Field(5, ge=1, description="Stop after this many non-finite losses in a row.")
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -269,6 +249,28 @@ class TrainSpec(Strict):
         if isinstance(value, int) and not isinstance(value, bool) and value < 0:
             raise ValueError("must be auto, true, false or a number of layers >= 0")
         return value
+
+    @model_validator(mode="after")
+    def _compensated(self) -> _TrainSpec:
+        # The fields `compensation` and `pure_bf16` are the generated TrainSpec's (below).
+        if getattr(self, "compensation", "auto") != "auto" and getattr(self, "pure_bf16", "auto") is False:
+            raise ValueError("train.compensation is how pure_bf16's bf16 weights keep small updates, and "
+                             "train.pure_bf16 is false; set pure_bf16 true (or auto), or compensation auto")
+        return self
+
+
+# `train:`: the fields above, then one field per memory lever (`auto`, true or false), made from its record in
+# fulltune/levers.py, pure bf16's compensation, then the non-finite guard.
+TrainSpec = create_model(
+    "TrainSpec", __base__=_TrainSpec, __module__=__name__, __doc__=_TrainSpec.__doc__,
+    **levers.spec_fields(),
+    compensation=(Literal["auto", Compensation], Field(
+        "auto", description="How pure_bf16's bf16 weights keep updates smaller than their rounding step: "
+                            + "; ".join(f"`{name}`: {what}" for name, what in COMPENSATIONS.items())
+                            + ". `auto`: the optimizer's own ("
+                            + ", ".join(f"{r.name} {r.default_compensation}" for r in OPTIMIZER_TABLE)
+                            + "). The plan says which one runs and what it costs.")),
+    max_nonfinite_steps=(int, Field(5, ge=1, description="Stop after this many non-finite losses in a row.")))
 
 
 class DistributedSpec(Strict):
@@ -438,8 +440,6 @@ class PipelineSpec(Strict):
     def _lever_table(self) -> PipelineSpec:
         # Every combination of levers, optimizer, strategy, accumulation, precision and device that the
         # trainer cannot run is refused here, naming its fields (fulltune/levers.py is the one table).
-        from fulltune import levers
-
         found = levers.problems(levers.from_spec(self))
         if found:
             raise ValueError("; ".join(found))

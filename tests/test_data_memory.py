@@ -87,11 +87,11 @@ SMALL_TOKENS, GROWTH = 3_000_000, 4
 @pytest.mark.slow
 def test_the_training_process_grows_at_most_25_percent_when_the_data_grows_4x(tmp_path: Path) -> None:
     """Through the real training child (fulltune/runtime/launch.py), a tiny model on the rows the tokenize
-    stage's writer makes (tests/memory_runs.py, as benchmarks/data_memory.py trains them): the peak RSS (the
+    stage's writer makes (measuring/memory_runs.py, as benchmarks/data_memory.py trains them): the peak RSS (the
     kernel's high-water mark) of the largest process on 4× the tokens is within 25% of that on 1×."""
-    from fulltune.runtime import measure
+    from measuring import measure
 
-    import memory_runs
+    from measuring import memory_runs
 
     model_dir = memory_runs.build_tiny_model(tmp_path)
     peaks = {}

@@ -89,6 +89,13 @@ def test_no_engine_module_imports_prefect_even_inside_a_function() -> None:
     assert found == []
 
 
+def test_the_engine_imports_neither_the_measuring_harness_nor_the_tests() -> None:
+    # measuring/ (the memory tests' and benchmarks' harness), benchmarks/ and tests/ sit beside the engine.
+    found = [f"{path.relative_to(ROOT)}:{line}: {target}" for path in sorted(PACKAGE.rglob("*.py"))
+             for line, target in imported_names(path) if target.split(".")[0] in ("measuring", "benchmarks", "tests")]
+    assert found == []
+
+
 def test_the_trainer_imports_neither_mlflow_nor_matplotlib_even_inside_a_function() -> None:
     # The trainer writes metrics.jsonl; the launcher forwards it to MLflow and draws the loss curve
     # (fulltune/runtime/run_tracking.py, which imports them only in the launching process's functions).

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fulltune import spec
+from fulltune import levers, spec
 from fulltune.runtime import launch
 from fulltune.degrees import ParallelDims
 from fulltune.errors import ConfigError
@@ -125,6 +125,10 @@ def attributes_read(section: str) -> set[str]:
 def test_every_planner_setting_is_read_from_the_plan_or_declared_plan_only() -> None:
     settings = {f.name for f in fields(Settings)}
     read = attributes_read("plan")
+    # Checkpointing and the model-side levers are read by apply_model_levers (fulltune/runtime/checkpointing.py),
+    # which the child hands its whole plan.
+    assert "apply_model_levers(model, job.plan)" in (ROOT / "fulltune/runtime/train.py").read_text()
+    read |= {"gradient_checkpointing"} | {lever.name for lever in levers.TABLE if lever.apply}
     echoes = set(launch.PLAN_ECHOES)
     # A new planner setting must be read by the child or declared plan-only, not silently dropped.
     assert settings - read - echoes == set(launch.PLAN_ONLY_SETTINGS)

@@ -306,6 +306,17 @@ def test_two_process_ddp_on_cpu_matches_one_process(assets: dict[str, Path], tmp
 
 
 @pytest.mark.slow
+def test_muon_under_two_process_ddp_matches_one_process(assets: dict[str, Path], tmp_path: Path) -> None:
+    # DDP averages the gradients before the step, so each process orthogonalises the one process's matrix: only
+    # the all-reduce's order of additions differs, rounded by Newton–Schulz's bf16 matmuls.
+    one = quiet(make_job(assets, tmp_path / "one", micro_batch_size=4, gradient_accumulation_steps=1, max_steps=3,
+                         checkpoint_every_steps=0, optimizer="muon"))
+    two = quiet(make_job(assets, tmp_path / "two", micro_batch_size=2, gradient_accumulation_steps=1, max_steps=3,
+                         checkpoint_every_steps=0, optimizer="muon", strategy="ddp", num_processes=2))
+    assert_same_training(two, one, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("layers", [1])  # partial: 1 of 2 layers (all layers is the same mechanism)
 def test_gradient_checkpointing_does_not_change_training(layers: int, assets: dict[str, Path], tmp_path: Path,
                                                          reference: TrainResult) -> None:

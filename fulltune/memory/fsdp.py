@@ -20,6 +20,8 @@ from dataclasses import replace
 from fulltune.memory.timeline import Persistent, StepTerms, Timeline, shares
 from fulltune.memory.types import Settings
 from fulltune.memory.walk import Layout
+from fulltune.memory.shapes import ModelShape
+from fulltune.optimizers import ParamShapes, optimizer
 
 
 def fsdp_walk(settings: Settings) -> bool:
@@ -148,24 +150,20 @@ class Units:
     def shard(self, numel: int) -> int:
         return int(self.wb * numel / self.n)
 
-    def post_backward(self, tl: Timeline, numel: int, shapes: list[tuple[int, ...]]) -> int:
+    def post_backward(self, tl: Timeline, numel: int, params: ParamShapes) -> int:
         """A unit's post-backward: besides its unsharded gradient and the reduce-scatter buffer, one more
         unit-sized tensor in the reduce dtype and the sharded output (FSDPMemTracker, every rank).
 
         Stepping in backward (fulltune/runtime/optim.py InBackwardOptimizer on the shards), the unit's hooks update its
-        parameters (`shapes`) one at a time once the sharded output exists, the extra unit-sized tensor gone:
-        fused or Kahan AdamW in place; Adafactor gathered (`GatheredAdafactor`: the whole weight and gradient)
-        with its temporaries (measured per rank: benchmarks/sharded_memory.py --levers)."""
-        from fulltune.memory.optimizer_bytes import optimizer_state_bytes
-
+        parameters (`params`) one at a time once the sharded output exists, the extra unit-sized tensor gone:
+        fused or Kahan AdamW in place; an optimizer that needs whole parameters (Adafactor, Muon's matrices)
+        gathered (`GatheredOptimizer`) with its temporaries (measured per rank: benchmarks/sharded_memory.py
+        --levers)."""
         settings, rb = tl.terms.settings, self.rb
         reduce = rb * numel + int(rb * numel / self.n)
         if not settings.optimizer_in_backward:
             return reduce
-        largest = max(shapes, key=math.prod)
-        gathered = 2 * self.wb * math.prod(largest) if settings.optimizer == "adafactor" else 0
-        step = gathered + optimizer_state_bytes(settings.optimizer, [largest], self.wb)[1]
-        return max(reduce, int(rb * numel / self.n) + step)
+        return max(reduce, int(rb * numel / self.n) + sharded_step_bytes(settings.optimizer, params, self.wb))
 
     def head_end(self, tl: Timeline, acts: int, temp: int, after_temp: int) -> int:
         """The head's last phases: untied, its post-backward (`acts` saved, `temp` beside it: the gradient
@@ -176,7 +174,7 @@ class Units:
         after_head = x.acts.total - x.acts.lm_head_input - x.acts.final_norm
         if not self.tied:
             tl.add("backward of the lm head / loss", self.done, acts, 0,
-                   temp + self.post_backward(tl, vh, [(shape.vocab, shape.hidden)]),
+                   temp + self.post_backward(tl, vh, _head_params(shape)),
                    unsharded=(self._next_layer(), pb * vh + rb * vh))
             self.done += 0 if x.accumulating else self.shard(vh)
         # Tied: the head's gradient waits unsharded for the embedding's; untied: the head's reduce-scatter
@@ -200,7 +198,7 @@ class Units:
     def finish(self, tl: Timeline, name: str, i: int, acts: int) -> None:
         """The layer's post-backward: the whole unsharded gradient and its reduce-scatter buffer."""
         x, pb, rb, lay = tl.terms, self.pb, self.rb, self.lay
-        tl.add(name, self.done, acts, 0, self.post_backward(tl, lay, list(x.shape.layer_params)),
+        tl.add(name, self.done, acts, 0, self.post_backward(tl, lay, x.shape.layer_optimizer_shapes),
                unsharded=(self._prefetch(i) + (self.root_g if self.tied else 0), self.waiting + pb * lay + rb * lay))
         self.done += 0 if x.accumulating else self.shard(lay)
         self.kept_rs = rb * lay
@@ -215,17 +213,19 @@ class Units:
             tl.add(name, self.done, acts, 0, 3 * pb * vh + self.masked, unsharded=(self.root_g, self.kept_rs))
             # Under the bf16 policy the summed bf16 gradient is gone once copied into the fp32 buffer (measured).
             summed = 0 if pb != rb else pb * root
-            tl.add(name, self.done, acts, 0, self.post_backward(tl, root, list(shape.other_params)),
+            tl.add(name, self.done, acts, 0, self.post_backward(tl, root, ParamShapes(others=shape.other_params)),
                    unsharded=(0, summed + rb * root))
         else:
             tl.add(name, self.done, acts, 0, self.masked, unsharded=(pb * vh + self.staged_vh, self.kept_rs + pb * vh))
-            tl.add(name, self.done, acts, 0, self.post_backward(tl, vh, [(shape.vocab, shape.hidden)]) + self.masked,
+            tl.add(name, self.done, acts, 0, self.post_backward(tl, vh, _head_params(shape)) + self.masked,
                    unsharded=(0, pb * vh + rb * vh))
 
     def step(self, tl: Timeline) -> None:
-        """The step runs on the shards (AdamW: in place). Adafactor's factored statistics need whole rows and
-        columns, so fulltune/runtime/optim.py's GatheredAdafactor gathers one parameter's weight and gradient at a time
-        and runs the unsharded update on them: the largest parameter's pair plus its temporaries. Under FSDP's
+        """The step runs on the shards (AdamW: in place). An optimizer that needs whole parameters (Adafactor's
+        factored statistics take whole rows and columns, Muon orthogonalises whole matrices) runs them through
+        fulltune/runtime/optim.py's GatheredOptimizer, which gathers one parameter at a time and runs the unsharded
+        update on it: the largest one's gathered tensors plus its temporaries (its record's `sharded_step_bytes`).
+        Under FSDP's
         CPU offload the step runs on the host shards: the device holds nothing of it (the host's temporaries
         are in the phase's host parts). Stepped in backward (`post_backward`), each sharded gradient is freed
         by its step as its unit's reduce-scatter assigns it (the hooks: `Timeline.add` counts none of them):
@@ -234,14 +234,26 @@ class Units:
         settings, levers = x.settings, x.levers
         if settings.optimizer_in_backward:
             return
-        step_temp = 0
-        if settings.optimizer == "adafactor" and not levers.sharded_offload:
-            largest = x.shape.largest_param_numel
-            step_temp = 2 * self.wb * largest + levers.states_temp
+        step_temp = 0 if levers.sharded_offload else sharded_step_bytes(settings.optimizer, x.shape.optimizer_shapes,
+                                                                           self.wb)
         tl.add("optimizer step", x.grads_total, 0, 0, step_temp)
         if levers.sharded_offload and levers.host_temp:
             # The host step's temporaries beside every host shard (the device is idle: nothing there).
             tl.phases[-1][2]["host"] += levers.host_temp
+
+
+def sharded_step_bytes(name: str, params: ParamShapes, weight_bytes: int) -> int:
+    """Optimizer `name`'s temporaries while it steps FSDP2 shards of `params`: its record's `sharded_step_bytes`
+    (gathered parameters), else its own temporaries (none for AdamW, which steps each shard in place)."""
+    record = optimizer(name)
+    if record.sharded_step_bytes is not None:
+        return record.sharded_step_bytes(params, weight_bytes)
+    return record.state_bytes(params, weight_bytes, "none")[1]
+
+
+def _head_params(shape: ModelShape) -> ParamShapes:
+    """An untied output head's unit: its (V, h) weight."""
+    return ParamShapes(others=((shape.vocab, shape.hidden),))
 
 
 def fsdp_layout(tl: Timeline) -> Layout:

@@ -42,15 +42,16 @@ The step time of a pipelined step (the bubble, the point-to-point sends) is the 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, get_args
 
+from fulltune import spec
 from fulltune.levers import PIPELINE_REFUSED_LEVERS
 from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.shapes import ModelShape, model_shape
 from fulltune.memory.timeline import Timeline
 from fulltune.memory.types import MemoryEstimate, Settings
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = get_args(spec.PipelineSchedule)
 SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe"}
 # The levers pipeline stages do not run: rules of the lever table (fulltune/levers.py).
 UNSUPPORTED_LEVERS = tuple(PIPELINE_REFUSED_LEVERS)

@@ -7,12 +7,14 @@ from typing import Any, get_args
 
 from fulltune import spec
 from fulltune.degrees import ParallelDims
-from fulltune.levers import LEVERS  # the lever table's names, in the order the planner tries them
+from fulltune.levers import LEVERS, lever_fields  # the lever table's names, in the order the planner tries them
 from fulltune.memory.errors import MemoryConfigError
+from fulltune.optimizers import compensation_of
 
 # The choices are the spec's (fulltune/spec.py), defined once there.
 MIXED_PRECISIONS = get_args(spec.MixedPrecision)
 OPTIMIZERS = get_args(spec.Optimizer)
+COMPENSATIONS = ("auto", *get_args(spec.Compensation))
 ATTN_IMPLEMENTATIONS = get_args(spec.AttnImplementation)
 DEVICES = get_args(spec.Device)
 # What a step runs under; a request may also leave it to the planner ("auto": planning/strategy.py).
@@ -34,6 +36,7 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 @dataclass(frozen=True)
+@lever_fields("bool", False, after="target_fraction")
 class Settings:
     """One concrete way to run a training step; everything that decides its memory.
 
@@ -48,8 +51,7 @@ class Settings:
             gradients and optimizer states stay fp32; autocast keeps 16-bit copies of the weights
             and 16-bit activations for the forward and backward pass. Accelerate ignores `fp16` on
             CPU, so it is counted as `no` there.
-        optimizer: `adamw` (torch, fused: 8 B/param), `adamw_8bit` (bitsandbytes: ~2 B/param),
-            `adafactor` (transformers, factored second moment, no first moment).
+        optimizer: the name of a record of fulltune/optimizers.py (`adamw`, `adamw_8bit`, ...).
         attn_implementation: `sdpa` (fused attention) or `eager` (keeps the s×s score matrices).
         device: `cpu` or `cuda`; decides the attention kernel and the runtime overhead.
         strategy: how parameters, gradients and optimizer states are split over processes.
@@ -66,17 +68,16 @@ class Settings:
             that do. The trainer runs the output head only at those positions (`fulltune.runtime.loss`),
             so the logits are (t, V) with t = micro_batch_size · round(target_fraction ·
             (seq_len - 1)). 1.0, the default, is the most any batch can have.
-        pure_bf16: bf16 weights and gradients, no fp32 master (`fulltune.runtime.optim`); the update is
-            compensated (Kahan buffer for adamw, stochastic rounding for adamw_4bit); activations are
-            bf16 whatever `mixed_precision` says.
-        optimizer_in_backward: each parameter is stepped and its gradient freed in backward; only with
-            gradient_accumulation_steps 1 (the planner keeps the effective batch with the micro-batch).
-        offload_optimizer: fp32 masters, gradients and optimizer states in host RAM, updated there.
-        offload_activations: the saved inputs of checkpointed layers wait in host RAM.
-        chunked_loss: the output head and cross-entropy run in tiles; no whole (t, V) tensor.
-        checkpoint_async: step checkpoints are copied to host RAM at the step boundary and written while
-            training goes on (`fulltune.runtime.async_checkpoints`): the copy is counted in the checkpoint
-            phase and the host RAM (`fulltune.memory.process.checkpoint_staging_bytes`).
+
+    Then one bool per memory lever (fulltune/levers.py, made from its record by `lever_fields`): `pure_bf16`
+    (bf16 weights and gradients, no fp32 master; activations are bf16 whatever `mixed_precision` says),
+    `optimizer_in_backward`, `offload_optimizer`, `offload_activations`, `chunked_loss`; and `compensation`, how
+    pure bf16 weights keep small updates (`auto`: the optimizer's default; `optimizers.compensation_of` says which
+    runs).
+
+    `checkpoint_async`: step checkpoints are copied to host RAM at the step boundary and written while training
+    goes on (`fulltune.runtime.async_checkpoints`): the copy is counted in the checkpoint phase and the host RAM
+    (`fulltune.memory.process.checkpoint_staging_bytes`).
     """
 
     micro_batch_size: int
@@ -94,11 +95,7 @@ class Settings:
     pipeline_schedule: str = "1f1b"
     attention_mask: bool = True
     target_fraction: float = 1.0
-    pure_bf16: bool = False
-    optimizer_in_backward: bool = False
-    offload_optimizer: bool = False
-    offload_activations: bool = False
-    chunked_loss: bool = False
+    compensation: str = "auto"
     checkpoint_async: bool = False
 
     def __post_init__(self) -> None:
@@ -117,6 +114,7 @@ class Settings:
             raise MemoryConfigError(f"target_fraction must be between 0 and 1; got {self.target_fraction!r}")
         _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        _check_choice("compensation", self.compensation, COMPENSATIONS)
         _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
         _check_choice("device", self.device, DEVICES)
         _check_choice("strategy", self.strategy, STRATEGIES)
@@ -153,7 +151,7 @@ class Settings:
 CHOSEN = ("micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "mixed_precision", "optimizer")
 RECORDED = ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "gradient_checkpointing", "mixed_precision",
             "optimizer", "attn_implementation", "device", "strategy", "num_processes", "tensor_parallel",
-            "attention_mask", "target_fraction")
+            "attention_mask", "target_fraction", "compensation")
 
 
 def _check_levers(settings: Any) -> None:
@@ -232,6 +230,7 @@ class EvalRequest:
 
 
 @dataclass(frozen=True)
+@lever_fields("bool | None", None, after="target_fraction")
 class PlanRequest:
     """What the user asked for; `None` in a field means "auto": the planner may choose it.
 
@@ -264,11 +263,8 @@ class PlanRequest:
     bf16_supported: bool = False
     attention_mask: bool = True
     target_fraction: float = 1.0
-    pure_bf16: bool | None = None
-    optimizer_in_backward: bool | None = None
-    offload_optimizer: bool | None = None
-    offload_activations: bool | None = None
-    chunked_loss: bool | None = None
+    # Here, one field per memory lever: True, False or None (auto) (`lever_fields`).
+    compensation: str = "auto"  # how pure bf16 weights keep small updates (`Settings`); auto: the optimizer's
     checkpoint_async: bool = False  # train.checkpoint_async: the staged copy is counted, never chosen
     host_memory_bytes: int | None = None
     num_machines: int = 1  # the processes are spread evenly over them; host_memory_bytes is per machine
@@ -330,6 +326,7 @@ def _check_request_choices(request: PlanRequest) -> None:
         _check_choice("mixed_precision", request.mixed_precision, MIXED_PRECISIONS)
     if request.optimizer is not None:
         _check_choice("optimizer", request.optimizer, OPTIMIZERS)
+    _check_choice("compensation", request.compensation, COMPENSATIONS)
     _check_choice("attn_implementation", request.attn_implementation, ATTN_IMPLEMENTATIONS)
     _check_choice("device", request.device, DEVICES)
     _check_choice("strategy", request.strategy, (*STRATEGIES, "auto"))
@@ -384,6 +381,7 @@ class MemoryPlan:
             "estimate": self.configured_estimate.to_dict(),
             "plan": {
                 **s.choices(),
+                "compensation": compensation_of(s),  # what pure bf16 weights run with ("none" without them)
                 "seq_len": s.seq_len,
                 "strategy": s.strategy,
                 "num_processes": s.num_processes,

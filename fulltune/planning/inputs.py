@@ -108,6 +108,7 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         attention_mask=p.spec.data.packing is not False,  # `auto` not yet resolved: plan for the mask
         target_fraction=target_fraction,
         **{lever: None if getattr(t, lever) == "auto" else bool(getattr(t, lever)) for lever in LEVERS},
+        compensation=t.compensation,
         checkpoint_async=t.checkpoint_async,
         host_memory_bytes=budget.host_bytes,
         num_machines=d.num_machines,

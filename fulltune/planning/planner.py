@@ -29,7 +29,8 @@ from fulltune.memory.uncertainty import Uncertainty, traced_uncertainty
 from fulltune.memory.units import format_bytes
 from fulltune.planning.pipeline import needs_advice, pipeline_advice, pipeline_reasons
 from fulltune.planning.reasons import (alternatives_for, change_reasons, checkpoint_reasons, configured_reason, describe,
-                                       host_reasons, strategy_reasons, suggestions_for, tensor_parallel_reasons)
+                                       host_reasons, optimizer_reasons, strategy_reasons, suggestions_for,
+                                       tensor_parallel_reasons)
 from fulltune.planning.search import (Candidate, configured_for, configured_request, configured_settings,
                                       divisors, fits_budget, host_budget_for, make_candidate, per_process,
                                       staged_search)
@@ -68,6 +69,7 @@ def plan_memory(config: Any, request: PlanRequest, trace: bool | None = False) -
             reasons=(
                 "no memory budget given: running the configured settings "
                 f"(estimated peak {format_bytes(configured_estimate.peak_bytes)})",
+                *optimizer_reasons(shape, configured),
             ),
             smallest_peak_bytes=configured_estimate.peak_bytes,
             estimated_step_seconds=step_seconds(shape, configured),
@@ -185,6 +187,7 @@ def _finish(
     ]
     reasons.append(configured_reason(configured, configured_estimate, usable))
     reasons.extend(change_reasons(shape, configured, chosen, usable))
+    reasons.extend(optimizer_reasons(shape, chosen.settings))
     # Where the parameters live in host RAM: the step's terms, for the reasons and `plan --json`.
     host = host_step(shape, chosen.settings) if host_parameters(chosen.settings) else None
     reasons.extend(strategy_reasons(request, candidates, chosen, usable, host))

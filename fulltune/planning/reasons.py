@@ -7,11 +7,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from fulltune import levers
 from fulltune.memory.estimate import _estimate
 from fulltune.memory.process import CHECKPOINT, checkpoint_staging_bytes
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import MemoryEstimate, PlanRequest, Settings
 from fulltune.memory.units import format_bytes, format_seconds
+from fulltune.optimizers import COMPENSATIONS, ParamShapes, compensation_of, optimizer
 from fulltune.planning.search import (Candidate, best_by, device_word, fits_budget, staged_search,
                                       tensor_parallel_degrees)
 from fulltune.planning.step_time import step_seconds, tensor_parallel_seconds
@@ -118,34 +120,6 @@ def tensor_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates:
     return [head + ("; " + "; ".join(others) if others else "")]
 
 
-_LEVER_TEXT = {
-    "chunked_loss": "chunked loss (no whole targets × vocabulary logits)",
-    "pure_bf16": "pure bf16 weights and gradients (no fp32 master; compensated updates)",
-    "optimizer_in_backward": "optimizer step in backward (one parameter's gradient at a time; each gradient "
-                             "clipped on its own)",
-    "offload_activations": "checkpointed layer inputs in host RAM",
-    "offload_optimizer": "fp32 masters, gradients and optimizer states in host RAM, updated on the host",
-}
-
-
-_FSDP_OFFLOAD_TEXT = ("FSDP's CPU offload (every rank's parameter, gradient and optimizer-state shards in host RAM, "
-                      "stepped there; only the gathered unit on the GPU)")
-
-
-def _pure_bf16_text(settings: Settings) -> str:
-    """What pure bf16 means for the chosen optimizer: whether small updates survive the rounding."""
-    from fulltune.runtime.optim import default_compensation
-
-    if settings.offload_optimizer and settings.strategy != "fsdp":
-        return "pure bf16 weights and gradients on the device; the fp32 masters on the host keep small updates"
-    compensation = default_compensation(settings.optimizer)
-    if compensation == "none":
-        return (f"pure bf16 weights and gradients; {settings.optimizer} offers no compensated update, so updates "
-                "below 1/256 of a weight are rounded away (as in torchtune's pure-bf16 recipes); set "
-                "train.pure_bf16: false to keep fp32 weights")
-    return f"pure bf16 weights and gradients (no fp32 master; {compensation.replace('_', ' ')} keeps small updates)"
-
-
 def lever_trade(shape: ModelShape, settings: Settings) -> dict[str, dict[str, float]]:
     """For each lever on in `settings`: the device bytes it saves and the step time it adds, against the
     same settings with that lever alone off (what `fulltune plan` explains)."""
@@ -161,6 +135,53 @@ def lever_trade(shape: ModelShape, settings: Settings) -> dict[str, dict[str, fl
     return out
 
 
+def optimizer_reasons(shape: ModelShape, settings: Settings) -> list[str]:
+    """What the optimizer that runs does beside AdamW's usual: the split of an optimizer that steps the decoder
+    layers' matrices apart (Muon), and the compensation pure bf16 weights get."""
+    return _matrices_reasons(shape, settings) + compensation_reasons(shape, settings)
+
+
+def _matrices_reasons(shape: ModelShape, settings: Settings) -> list[str]:
+    """The split of an optimizer that steps the decoder layers' 2-D matrices apart (its record's `matrices`):
+    each part's parameters and states per process, and the FLOPs of its own matmuls."""
+    from math import prod
+
+    from fulltune.memory.timeline import shares
+
+    record = optimizer(settings.optimizer)
+    if not record.matrices:
+        return []
+    params, share = shape.optimizer_shapes, shares(settings).states
+    wb, compensation = 2 if settings.pure_bf16 else 4, compensation_of(settings)
+    parts = []
+    matrices = f"the decoder layers' {len(params.matrices)} 2-D matrices"
+    for what, part in ((matrices, ParamShapes(matrices=params.matrices)),
+                       ("the embeddings, output head, norms and biases", ParamShapes(others=params.others))):
+        states = int(record.state_bytes(part, wb, compensation)[0] * share)
+        parts.append(f"{what}: {sum(map(prod, part.all)):,} parameters, {format_bytes(states)} of states")
+    flops = f"; its own matmuls: {record.step_flops(params):.3g} FLOPs per step, on every process" \
+        if record.step_flops is not None else ""
+    return [f"optimizer {record.name} ({record.description}): " + "; ".join(parts)
+            + f" per {device_word(settings.device)}{flops}"]
+
+
+def compensation_reasons(shape: ModelShape, settings: Settings) -> list[str]:
+    """With pure bf16 weights: the compensation that runs (`train.compensation`, or its optimizer's default under
+    `auto`), and what it holds on the device and adds to the step against plain rounding."""
+    if not settings.pure_bf16 or (settings.offload_optimizer and settings.strategy != "fsdp"):
+        return []  # fp32 weights, or fp32 masters on the host: nothing to compensate
+    compensation = compensation_of(settings)
+    source = "train.compensation" + (" auto" if settings.compensation == "auto" else "")
+    line = f"compensation {compensation} ({source}): {COMPENSATIONS[compensation]}"
+    if compensation == "none":
+        return [line]
+    plain = replace(settings, compensation="none")
+    extra = _estimate(shape, settings).device_bytes - _estimate(shape, plain).device_bytes
+    seconds = step_seconds(shape, settings) - step_seconds(shape, plain)
+    cost = f"+{format_seconds(seconds, 's/step')}" if seconds >= 0.0005 else "no measurable step time"
+    return [f"{line}; against none (plain rounding): {format_bytes(extra)} of device memory, {cost}"]
+
+
 def _lever_reasons(shape: ModelShape, configured: Settings, chosen: Candidate) -> list[str]:
     out = []
     trade = lever_trade(shape, chosen.settings)
@@ -168,9 +189,7 @@ def _lever_reasons(shape: ModelShape, configured: Settings, chosen: Candidate) -
         if getattr(configured, name):
             continue
         cost = f"+{format_seconds(t['seconds'], 's/step')}" if t["seconds"] >= 0.0005 else "no measurable step time"
-        text = _pure_bf16_text(chosen.settings) if name == "pure_bf16" else _LEVER_TEXT[name]
-        if name == "offload_optimizer" and chosen.settings.strategy == "fsdp":
-            text = _FSDP_OFFLOAD_TEXT
+        text = levers.BY_NAME[name].sentence(chosen.settings)
         out.append(f"{name}: {text}: saves {format_bytes(t['saved_bytes'])} of device memory, {cost}")
     parts = chosen.host_parts
     if parts is not None and chosen.estimate.host_bytes:

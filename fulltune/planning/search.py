@@ -23,6 +23,7 @@ from fulltune.memory.process import node_host_bytes
 from fulltune.memory.shapes import ModelShape, model_shape
 from fulltune.memory.types import LEVERS, MemoryEstimate, PlanRequest, Settings
 from fulltune.memory.uncertainty import Uncertainty, estimate_uncertainty
+from fulltune.optimizers import OPTIMIZER_TABLE
 from fulltune.planning.step_time import step_seconds
 from fulltune.planning.strategy import naive_strategy, strategy_choices
 
@@ -154,6 +155,7 @@ def _settings(request: PlanRequest, micro: int, checkpointing: int, precision: s
         pipeline_schedule=request.pipeline_schedule,
         attention_mask=request.attention_mask,
         target_fraction=request.target_fraction,
+        compensation=request.compensation,
         checkpoint_async=request.checkpoint_async,
         **(levers or {}),
     )
@@ -173,7 +175,8 @@ def _options(shape: ModelShape, request: PlanRequest) -> tuple[list[int], list[s
         precisions = ["bf16", "no"] if request.bf16_supported else ["fp16", "no"]
     else:
         precisions = ["no", "bf16"]
-    optimizers = [request.optimizer] if request.optimizer is not None else ["adamw", "adamw_8bit", "adafactor"]
+    optimizers = [request.optimizer] if request.optimizer is not None else [
+        r.name for r in OPTIMIZER_TABLE if r.auto == "always"]
     return micros, precisions, optimizers, _fixed_checkpointing(request.gradient_checkpointing, shape.num_layers)
 
 
@@ -196,8 +199,9 @@ def _combination(request: PlanRequest) -> lever_table.Combination:
 def _may_choose(request: PlanRequest, lever: str) -> bool:
     """Whether turning an auto lever on can save memory for this request (whether the lever table allows it
     is `_allowed_choice`'s)."""
-    # On a CPU device host RAM is the device memory: offloading saves nothing and costs copies.
-    return not (lever in ("offload_optimizer", "offload_activations") and request.device != "cuda")
+    # On a CPU device host RAM is the device memory: a lever that moves tensors to the host saves nothing there
+    # and costs copies.
+    return not (lever_table.BY_NAME[lever].slow and request.device != "cuda")
 
 
 def _allowed_choice(request: PlanRequest, micro: int, checkpointing: int | None, precision: str, optimizer: str,
@@ -218,15 +222,10 @@ def _lever_options(shape: ModelShape, request: PlanRequest, levers: dict[str, bo
         micros = [m for m in micros if m == per_process(request)]
     if levers["pure_bf16"]:
         precisions = ["bf16"] if request.mixed_precision is None else precisions
-    if stage > 0 and request.optimizer is None and "adamw_4bit" not in optimizers and _torchao_available():
-        optimizers = [*optimizers, "adamw_4bit"]
+    if stage > 0 and request.optimizer is None:  # the optimizers `auto` tries once the levers open, if installed
+        optimizers = [*optimizers, *(r.name for r in OPTIMIZER_TABLE
+                                     if r.auto == "levers" and r.name not in optimizers and r.installed())]
     return (micros, precisions, optimizers) if micros else None
-
-
-def _torchao_available() -> bool:
-    from fulltune.runtime.optim import torchao_available
-
-    return torchao_available()
 
 
 # The candidates of the search under way (`staged_search`): each lever stage repeats the lever sets of the one

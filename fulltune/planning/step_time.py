@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextvars
 import functools
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+from fulltune import levers
 from fulltune.memory.pipeline import per_stage
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import Settings
+from fulltune.optimizers import OPTIMIZER_TABLE, OPTIMIZERS_BY_NAME, compensation_of
 
 # Only the ranking of candidates matters, so the constants are round numbers:
 # sustained matmul throughput per device and precision (FLOP/s), the number of tokens per
@@ -54,22 +56,20 @@ HALF_EFFICIENCY_TOKENS = {"cuda": 1024, "cpu": 16}
 # measured 6–7% of the step per layer on CPU against 5% from FLOPs alone.
 RECOMPUTE_OVERHEAD = 1.4
 BANDWIDTH = {"cuda": 2.0e12, "cpu": 2.0e10}
-# Bytes the optimizer reads and writes per parameter in one step (weights, grads, states).
-OPTIMIZER_TRAFFIC = {"adamw": 32, "adamw_8bit": 20, "adamw_4bit": 18, "adafactor": 20}
-# bitsandbytes' 8-bit AdamW on CPU runs a scalar fallback: ~20× fused AdamW's step time, i.e.
-# what ~450 bytes per parameter would cost at the CPU bandwidth above.
-CPU_OPTIMIZER_TRAFFIC = {**OPTIMIZER_TRAFFIC, "adamw_8bit": 450}
-# Penalties for choices that cost more than their FLOPs show: 8-bit AdamW ≈5% slower per step
-# (torchao optim README: bnb 8-bit 3000 vs fused AdamW 3200 tok/s, Llama2-7B), Adafactor's factored second moment converges slower on fine-tuning tasks.
-OPTIMIZER_PENALTY = {"adamw": 1.0, "adamw_8bit": 1.05, "adamw_4bit": 1.1, "adafactor": 1.12}
+# Each optimizer's own numbers are its record's (fulltune/optimizers.py): the bytes it reads and writes per
+# parameter in one step (weights, grads, states; on a CPU device where that differs), the penalty for what its
+# FLOPs do not show, and its host step's speed against fused AdamW's.
+OPTIMIZER_TRAFFIC = {r.name: r.traffic for r in OPTIMIZER_TABLE}
+CPU_OPTIMIZER_TRAFFIC = {r.name: r.cpu_traffic or r.traffic for r in OPTIMIZER_TABLE}
+OPTIMIZER_PENALTY = {r.name: r.penalty for r in OPTIMIZER_TABLE}
 # Memory levers (assumptions, to be replaced by measurements on a GPU: benchmarks/device_check.py):
 # - host↔device copies run at ~25 GB/s (PCIe 4.0 x16 pinned-memory copies reach 22–26 GB/s);
 PCIE_BYTES_PER_S = 25e9
 # - the host optimizer of `offload_optimizer` moves ~1.5 GB/s of its fp32 masters, gradients and states
 #   (ZeRO-Offload's CPU Adam is 1–2 GB/s-class per socket without AVX-512 tuning; torch's fused CPU AdamW
-#   is in that range too), and bitsandbytes' 8-bit AdamW on a CPU is ~20× slower (its scalar fallback);
+#   is in that range too), each optimizer at its record's `host_slowdown` of that;
 HOST_OPTIMIZER_BYTES_PER_S = 1.5e9
-HOST_OPTIMIZER_SLOWDOWN = {"adamw": 1.0, "adamw_8bit": 20.0, "adamw_4bit": 1.0, "adafactor": 1.0}
+HOST_OPTIMIZER_SLOWDOWN = {r.name: r.host_slowdown for r in OPTIMIZER_TABLE}
 # - under FSDP's CPU offload over several processes the parameter and gradient copies of one unit overlap the
 #   compute of its neighbour (FSDP2 copies the shards in on its all-gather streams and prefetches the next unit;
 #   gradients go out on its reduce-scatter stream); assumed: 80% of the compute time hides copies, the rest is
@@ -83,10 +83,9 @@ OFFLOAD_OVERLAP = 0.8
 #   machines is 150-350 GB/s), a few GB/s for gloo between CPU processes, and a fixed cost per collective;
 TP_BYTES_PER_S = {"cuda": 150e9, "cpu": 2e9}
 COLLECTIVE_SECONDS = {"cuda": 20e-6, "cpu": 100e-6}
-# - the Kahan-compensated update reads and writes one more bf16 buffer: 4 B/param of extra traffic;
+# - the Kahan-compensated update reads and writes one more bf16 buffer: 4 B/param of extra traffic.
+# What each lever adds is its record's `cost` (fulltune/levers.py) over these constants (`StepCosts`).
 KAHAN_TRAFFIC = 4
-# - the chunked loss recomputes the head's logits in backward: one more head forward per target;
-# - a step in backward costs nothing extra on the device (the same update, earlier).
 
 
 @functools.lru_cache(maxsize=1)
@@ -114,10 +113,13 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
         return pipeline_step_seconds(shape, per_stage(settings), settings.pipeline_parallel)[0]
     compute = compute_seconds(shape, settings)
     shard = settings.num_processes if settings.strategy in ("fsdp", "deepspeed_zero2", "deepspeed_zero3") else 1
+    record = OPTIMIZERS_BY_NAME[settings.optimizer]
     traffic = (CPU_OPTIMIZER_TRAFFIC if settings.device == "cpu" else OPTIMIZER_TRAFFIC)[settings.optimizer]
     if settings.pure_bf16:  # bf16 weights, gradients and (adamw) states: half the traffic, plus Kahan's buffer
-        traffic = traffic / 2 + (KAHAN_TRAFFIC if settings.optimizer == "adamw" else 0)
+        traffic = traffic / 2 + (KAHAN_TRAFFIC if compensation_of(settings) == "kahan" else 0)
     optimizer = shape.num_params / shard * traffic / BANDWIDTH[settings.device]
+    if record.step_flops is not None:  # matmuls of its own (Muon's orthogonalisation), whole on every rank
+        optimizer += record.step_flops(shape.optimizer_shapes) / _flops(settings.device, "bf16")
     if settings.offload_optimizer:
         optimizer = 0.0
     seconds = (compute + optimizer) * OPTIMIZER_PENALTY[settings.optimizer] + sum(lever_seconds(shape, settings).values())
@@ -160,30 +162,56 @@ def tensor_parallel_seconds(shape: ModelShape, settings: Settings) -> float:
 
 
 def lever_seconds(shape: ModelShape, settings: Settings) -> dict[str, float]:
-    """Step time the levers add beyond compute and the device optimizer (assumed constants above)."""
-    from fulltune.memory.flops import from_shape
+    """Step time each lever on adds beyond compute and the device optimizer: its record's `cost`
+    (fulltune/levers.py) over this model's terms; a lever whose record says it adds none is left out."""
+    step = StepCosts(shape, settings)
+    return {lever.name: lever.cost(settings, step) for lever in levers.TABLE
+            if getattr(settings, lever.name) and not isinstance(lever.cost, levers.NoAddedTime)}
 
-    s, b, ga = settings.seq_len, settings.micro_batch_size, settings.gradient_accumulation_steps
-    h, P = shape.hidden, shape.num_params
-    out: dict[str, float] = {}
-    if settings.chunked_loss:
-        flops = _flops(settings.device, "bf16" if settings.pure_bf16 else settings.mixed_precision)
-        head_forward = from_shape(shape).per_target / 3.0  # the head's logits once more, per target
-        out["chunked_loss"] = ga * b * settings.targets_per_row * head_forward / flops
-    if settings.offload_optimizer and settings.strategy == "fsdp":
-        terms = fsdp_offload_terms(shape, settings)
-        out["offload_optimizer"] = terms["exposed_pcie_s"] + terms["host_step_s"]
-    elif settings.offload_optimizer:
-        weight = 2 if settings.pure_bf16 else 4
-        # Each micro-batch's gradients go to the host; the fp32 masters come back once per step.
-        pcie = (ga * weight * P + 4 * P) / PCIE_BYTES_PER_S
-        host = _lever_host_traffic(shape, settings) / HOST_OPTIMIZER_BYTES_PER_S
-        out["offload_optimizer"] = pcie + host * HOST_OPTIMIZER_SLOWDOWN[settings.optimizer]
-    if settings.offload_activations:
-        k = min(settings.gradient_checkpointing, shape.num_layers)
-        stream = 2 if settings.pure_bf16 else 4
-        out["offload_activations"] = ga * 2 * k * stream * b * s * h / PCIE_BYTES_PER_S
-    return out
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What a lever's cost (fulltune/levers.py `Lever.cost`) reads of this model: the step's throughputs, link
+    speeds and sizes, with the constants above."""
+
+    shape: ModelShape
+    settings: Settings
+
+    @property
+    def num_params(self) -> int:
+        return self.shape.num_params
+
+    @property
+    def num_layers(self) -> int:
+        return self.shape.num_layers
+
+    @property
+    def hidden(self) -> int:
+        return self.shape.hidden
+
+    @property
+    def pcie_bytes_per_s(self) -> float:
+        return PCIE_BYTES_PER_S
+
+    @property
+    def head_forward(self) -> float:
+        """FLOPs of the output head's forward for one target position."""
+        from fulltune.memory.flops import from_shape
+
+        return from_shape(self.shape).per_target / 3.0
+
+    def flops(self, precision: str) -> float:
+        """Sustained FLOP/s of this device computing in `precision`."""
+        return _flops(self.settings.device, precision)
+
+    def fsdp_offload(self) -> dict[str, float]:
+        """FSDP2's CPU offload, term by term (`fsdp_offload_terms`)."""
+        return fsdp_offload_terms(self.shape, self.settings)
+
+    def host_optimizer_seconds(self) -> float:
+        """The host optimizer's pass over the masters, gradients and states, at its optimizer's host speed."""
+        host = _lever_host_traffic(self.shape, self.settings) / HOST_OPTIMIZER_BYTES_PER_S
+        return host * HOST_OPTIMIZER_SLOWDOWN[self.settings.optimizer]
 
 
 def fsdp_offload_terms(shape: ModelShape, settings: Settings) -> dict[str, float]:

@@ -101,11 +101,9 @@ def _check_single_process(settings: Settings) -> None:
 def build_model(config: Any, settings: Settings) -> Any:
     from transformers import AutoModelForCausalLM
 
-    from fulltune.runtime.checkpointing import apply_gradient_checkpointing
-
     import torch
 
-    from fulltune.runtime.offload import ActivationOffload
+    from fulltune.runtime.checkpointing import apply_model_levers
 
     # bf16 weights are made bf16 from the start: `model.to` cannot swap FakeTensor parameters, and the
     # trainer's cast of a fp32 model ends in the same tensors.
@@ -114,10 +112,7 @@ def build_model(config: Any, settings: Settings) -> Any:
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=settings.attn_implementation,
                                              **dtype)
     model.train()
-    # In the trainer's order (fulltune/runtime/train.py): checkpointing, bf16 weights, activation offload.
-    apply_gradient_checkpointing(model, settings.gradient_checkpointing)
-    if settings.offload_activations:
-        ActivationOffload().install(model)
+    apply_model_levers(model, settings)  # as the trainer does (fulltune/runtime/train.py apply_levers)
     return model
 
 
@@ -321,7 +316,7 @@ def measure_cuda(config: Any, settings: Settings, steps: int = 2) -> dict[str, i
 # Traced peaks kept across processes
 
 # The code a trace runs: the trainer's step and everything it builds (optimizers, loss, levers), the model loader.
-TRACED_CODE = ("planning/trace.py", "runtime", "memory/types.py", "models.py", "levers.py")
+TRACED_CODE = ("planning/trace.py", "runtime", "memory/types.py", "models.py", "levers.py", "optimizers.py")
 
 def stored_peak(config_json: str, settings: Settings) -> tuple[Path, int | None]:
     """(where the traced peak of this step is kept, the peak when a trace of it was kept before).

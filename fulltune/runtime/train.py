@@ -56,7 +56,6 @@ from fulltune.runtime.faults import TrainHooks, hooks_from_env
 from fulltune.storage import atomic_dir, atomic_write_text
 from fulltune.runtime.loss import TargetHead
 from fulltune.runtime import allocator
-from fulltune.runtime.offload import ActivationOffload
 from fulltune.runtime import pipeline_parallel, step_memory
 from fulltune.runtime.step_memory import StepMemory
 from fulltune.runtime.pipeline_parallel import PipelineRun
@@ -285,23 +284,19 @@ def load_model_with_levers(job: TrainJob) -> tuple[torch.nn.Module, Any, tuple[i
 
 
 def apply_levers(job: TrainJob, model: torch.nn.Module) -> tuple[int, TargetHead]:
-    """Apply the model-side memory levers; returns (checkpointed layers, the loss head).
+    """Gradient checkpointing and the model-side memory levers (fulltune/runtime/checkpointing.py
+    `apply_model_levers`, which the memory trace runs too); returns (checkpointed layers, the loss head).
 
     The optimizer-side levers (pure bf16 updates, step in backward, optimizer offload) are build_optimizer's.
     """
-    from fulltune.runtime.checkpointing import apply_gradient_checkpointing
+    from fulltune.runtime.checkpointing import apply_model_levers
 
     try:
         # Recompute the first k layers' activations in backward: ~1/3 more compute for those layers,
         # their activations shrink to the layer input (Korthikanti et al. 2022).
-        checkpointed = apply_gradient_checkpointing(model, job.plan.gradient_checkpointing)
+        checkpointed = apply_model_levers(model, job.plan)
     except ValueError as exc:
         raise ConfigError(f"train.gradient_checkpointing: {exc}") from None
-    if job.plan.pure_bf16:
-        model.to(torch.bfloat16)  # no fp32 master copy: the optimizer compensates its updates (fulltune/runtime/optim.py)
-    if job.plan.offload_activations:
-        # The checkpointed layers' saved inputs wait in host RAM for their recompute (fulltune/runtime/offload.py).
-        ActivationOffload().install(model)
     model.config.use_cache = False
     # The output head runs at target positions only; chunked, no (targets × vocabulary) tensor is ever whole.
     return checkpointed, TargetHead(model, chunked=job.plan.chunked_loss)

@@ -1,10 +1,10 @@
 """Each rank's memory in real multi-process training steps, measured, for the memory model's per-rank estimates.
 
-torchrun starts the ranks (gloo, CPU) of one run: `python -m fulltune.planning.rank_memory SPEC.json OUT.json`
+torchrun starts the ranks (gloo, CPU) of one run: `python -m measuring.rank_memory SPEC.json OUT.json`
 in every rank, SPEC naming the layout, the model's config and the settings. Each rank builds the same
 `from_config` Llama, splits it as the trainer does and runs optimizer steps of the trainer's step
 (`fulltune.runtime.step.run_step`) under one of torch's memory trackers; rank 0 writes every rank's result
-(`fulltune.runtime.measure.send_to_driver`).
+(`measuring.measure.send_to_driver`).
 
 - `fsdp`: FSDP2 shards (`sharding.shard_model`) and the trainer's optimizer builder, under FSDPMemTracker;
 - `tensor_parallel`: the tensor-parallel plan (`parallel.apply`, FSDP2 over "dp") and fused AdamW, under
@@ -13,7 +13,7 @@ in every rank, SPEC naming the layout, the model's config and the settings. Each
   peak only), then untracked steps for their wall times; `pipeline_reference` runs the same steps in one
   process;
 - `export`: the final export of FSDP2 shards (`sharding.save_pretrained`, one file at a time), this process's
-  resident set sampled every 2 ms (`fulltune.runtime.measure.peak_during`), beside the plan's host figures
+  resident set sampled every 2 ms (`measuring.measure.peak_during`), beside the plan's host figures
   (`memory.process.export_host_bytes`, `export_phase_bytes`).
 
 Measured: every tensor torch allocates on CPU. Not measured: the process itself, gloo's own buffers, CUDA.
@@ -47,13 +47,13 @@ def measure_ranks(kind: str, config: dict[str, Any], settings: Settings, process
     Raises:
         RuntimeError: no result came back (torchrun's output); subprocess.TimeoutExpired past `timeout_s`.
     """
-    from fulltune.runtime.measure import torchrun_results
+    from measuring.measure import torchrun_results
 
     with tempfile.TemporaryDirectory(prefix="fulltune-ranks-") as tmp:
         spec = Path(tmp) / "spec.json"
         spec.write_text(json.dumps({"kind": kind, "config": config, "settings": asdict(settings), **options}))
         out = Path(tmp) / "ranks.json"
-        return torchrun_results(["--module", "fulltune.planning.rank_memory", str(spec), str(out)], processes, out,
+        return torchrun_results(["--module", "measuring.rank_memory", str(spec), str(out)], processes, out,
                                 timeout_s=timeout_s, what=f"{kind} {json.dumps(options)}")
 
 
@@ -349,7 +349,7 @@ def export_rank(config: dict[str, Any], settings: Settings, out: Path, shard_byt
     from fulltune.memory.process import export_host_bytes, export_phase_bytes
     from fulltune.memory.shapes import model_shape
     from fulltune.runtime import sharding
-    from fulltune.runtime.measure import peak_during
+    from measuring.measure import peak_during
 
     sharding.init_process_group("cpu")
     torch.manual_seed(0)
@@ -370,8 +370,8 @@ def export_rank(config: dict[str, Any], settings: Settings, out: Path, shard_byt
 
 
 def main(argv: list[str] | None = None) -> int:
-    """One rank: `python -m fulltune.planning.rank_memory SPEC.json OUT.json` under torchrun."""
-    from fulltune.runtime.measure import send_to_driver
+    """One rank: `python -m measuring.rank_memory SPEC.json OUT.json` under torchrun."""
+    from measuring.measure import send_to_driver
 
     args = sys.argv[1:] if argv is None else argv
     spec = json.loads(Path(args[0]).read_text())
