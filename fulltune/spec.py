@@ -35,6 +35,7 @@ Device = Literal["cpu", "cuda"]
 MixedPrecision = Literal["bf16", "fp16", "no"]
 Optimizer = Literal[OPTIMIZERS]  # one record each in fulltune/optimizers.py
 Compensation = Literal[tuple(COMPENSATIONS)]  # how pure bf16 weights keep small updates (fulltune/optimizers.py)
+Float8Recipe = Literal["tensorwise", "rowwise"]  # torchao's float8 training recipes (fulltune/memory/float8.py)
 LrScheduler = Literal["cosine", "linear", "constant"]
 Strategy = Literal["none", "ddp", "fsdp", "auto"]
 PipelineSchedule = Literal["1f1b", "gpipe"]
@@ -270,6 +271,10 @@ TrainSpec = create_model(
                             + ". `auto`: the optimizer's own ("
                             + ", ".join(f"{r.name} {r.default_compensation}" for r in OPTIMIZER_TABLE)
                             + "). The plan says which one runs and what it costs.")),
+    float8_recipe=(Float8Recipe, Field(
+        "tensorwise", description="How float8's matmuls scale their operands (torchao's recipes): `tensorwise`, one "
+                                  "scale per tensor (the fastest; under FSDP on GPUs the weights are gathered in "
+                                  "float8); `rowwise`, one per row (closer to bf16's accuracy, slower).")),
     max_nonfinite_steps=(int, Field(5, ge=1, description="Stop after this many non-finite losses in a row.")))
 
 

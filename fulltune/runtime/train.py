@@ -467,7 +467,8 @@ def announce(run: TrainingRun, resumed_from: int | None) -> None:
     print(f"fulltune train: {len(run.data)} rows, {run.schedule.per_epoch} optimizer steps per epoch, "
           f"{run.total_steps} steps of {job.plan.micro_batch_size} micro × {job.plan.gradient_accumulation_steps} "
           f"accumulation × {run.processes} processes{pipeline}; gradient checkpointing {run.checkpointed_layers}/"
-          f"{run.num_layers} layers; {job.plan.optimizer}; precision {job.plan.mixed_precision}; "
+          f"{run.num_layers} layers; {job.plan.optimizer}; precision {job.plan.mixed_precision}"
+          f"{f' with float8 matmuls ({job.plan.float8_recipe})' if job.plan.float8 else ''}; "
           f"{f'resumed from step {resumed_from}' if resumed_from is not None else 'from the start'}",
           file=sys.stderr, flush=True)
 
