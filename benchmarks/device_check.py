@@ -25,6 +25,9 @@ and which of estimate and trace is right on CUDA is settled. Then:
   measurement, with probes of copy bandwidth and host optimizer throughput;
 - the evaluate stage at the Llama-3.1-8B-on-24 GiB plan's settings, on the 8B shape cut to 4 layers
   (`eval_memory.device_case`): peak allocated against the memory model and the budget;
+- context parallel over NCCL (`context_parallel_case`, 2 GPUs): Ulysses and ring attention (PyTorch's
+  `context_parallel`, CUDA only: 3 heads over 2 processes) against one process, loss and gradients of one
+  micro-batch (tests/context_parallel_worker.py --cuda); on one GPU it says so and measures nothing;
 - float8 training (`train.float8`, needs torchao and a GPU with float8 tensor cores): tokens/s of bf16 against
   float8 tensorwise and rowwise with the same plan, compiled and eager, each peak against the estimate
   (benchmarks/float8_check.py `float8_case`).
@@ -284,6 +287,8 @@ def run(dry_run: bool, peak_tflops: float | None, mfu_steps: int, offload_steps:
 
     report["evaluation"] = safely("evaluation", device_case, dry_run)
     print("[evaluation] done", file=sys.stderr, flush=True)
+    report["context_parallel"] = safely("context_parallel", context_parallel_case, on_gpu)
+    print("[context parallel] done", file=sys.stderr, flush=True)
     from benchmarks.autotune import gpu_check  # the plan's top candidates measured in training children
 
     # The dry run measures two candidates (each a training child): enough to check the comparison's wiring.
@@ -294,6 +299,28 @@ def run(dry_run: bool, peak_tflops: float | None, mfu_steps: int, offload_steps:
     report["float8"] = float8_case(dry_run)
     print("[float8] done", file=sys.stderr, flush=True)
     return report
+
+
+def context_parallel_case(on_gpu: bool) -> dict[str, Any]:
+    """Context parallel 2 against one process (tests/context_parallel_worker.py): on 2 GPUs over NCCL, Ulysses and
+    ring attention; without a GPU (--dry-run) Ulysses over gloo. {case: {"loss", "grads"}: relative differences}."""
+    import subprocess
+    import tempfile
+
+    import torch
+
+    if on_gpu and torch.cuda.device_count() < 2:
+        return {"skipped": f"needs 2 GPUs, {torch.cuda.device_count()} visible"}
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "context_parallel.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                   str(root / "tests" / "context_parallel_worker.py"), str(out), *(["--cuda"] if on_gpu else [])]
+        done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "PYTHONPATH": str(root)})
+        if done.returncode != 0:
+            return {"error": done.stderr[-3000:]}
+        return json.loads(out.read_text())
 
 
 def summary(report: dict[str, Any]) -> str:
@@ -317,6 +344,7 @@ def summary(report: dict[str, Any]) -> str:
         lines.append(f"fp16 + GradScaler: overflow skipped and recovered: {fp16['overflow_step_skipped_and_recovered']}"
                      f" (scale {scales}){memory}")
     lines.extend(host_param_lines(report.get("fsdp_offload") or {}))
+    lines.append(f"context parallel 2 against one process (relative differences): {report.get('context_parallel')}")
     from benchmarks.float8_check import float8_lines
 
     lines.extend(float8_lines(report.get("float8") or {}))

@@ -243,7 +243,7 @@ def _simulate_or_measure(p: Any, decision: Any, vocab: int | None, simulate: boo
     from fulltune.models import read_model_config
 
     strategy = decision.settings.strategy  # what the plan chose (strategy auto, or unset for one process)
-    if strategy != "none" or decision.settings.num_processes != 1:
+    if not decision.settings.dims.alone or decision.settings.num_processes != 1:
         raise ConfigError(f"pipelines.{p.name}.distributed.strategy: --simulate and --measure run one process; "
                           f"the analytic plan covers {strategy} (drop the flags, or --set distributed.strategy=none "
                           "--set distributed.num_processes=1)")

@@ -32,6 +32,9 @@ make would satisfy it — the planner, which fills the `auto` fields, keeps only
                            (a step-time lever: `auto` is decided by the GPU,      tensor parallel or pipeline
                            never by memory)                                       stages; not CPU autocast
 
+Context parallel (`distributed.context_parallel` > 1) runs every lever over fsdp or ddp, not beside tensor parallel
+or pipeline stages (`_context_parallel_rules`).
+
 Pipeline stages (`distributed.pipeline_parallel` > 1, fulltune/runtime/pipeline_parallel.py) run the chunked
 loss and pure bf16, not the step in backward or the offloads (each record's `pipeline_refusal`), nor fp16's grad
 scaler nor background checkpoint writes (`train.checkpoint_async`); 1F1B needs a micro-batch per stage. Data
@@ -93,7 +96,7 @@ class Lever:
 def _pure_bf16_sentence(s: Any) -> str:
     """What pure bf16 means for the chosen optimizer and compensation: whether small updates survive the
     rounding (what the compensation costs is `planning/reasons.py` `compensation_reasons`)."""
-    if s.offload_optimizer and s.strategy != "fsdp":
+    if s.offload_optimizer and not s.dims.fsdp_enabled:
         return "pure bf16 weights and gradients on the device; the fp32 masters on the host keep small updates"
     compensation = compensation_of(s)
     if compensation == "none":
@@ -106,7 +109,7 @@ def _pure_bf16_sentence(s: Any) -> str:
 
 
 def _offload_optimizer_sentence(s: Any) -> str:
-    if s.strategy == "fsdp":
+    if s.dims.fsdp_enabled:
         return ("FSDP's CPU offload (every rank's parameter, gradient and optimizer-state shards in host RAM, "
                 "stepped there; only the gathered unit on the GPU)")
     return "fp32 masters, gradients and optimizer states in host RAM, updated on the host"
@@ -122,7 +125,7 @@ def _chunked_loss_seconds(s: Any, step: Any) -> float:
 def _offload_optimizer_seconds(s: Any, step: Any) -> float:
     """Under FSDP, its CPU offload's exposed copies and host step (`StepCosts.fsdp_offload`); on one process,
     each micro-batch's gradients to the host, the fp32 masters back once per step, and the host optimizer."""
-    if s.strategy == "fsdp":
+    if s.dims.fsdp_enabled:
         terms = step.fsdp_offload()
         return terms["exposed_pcie_s"] + terms["host_step_s"]
     weight = 2 if s.pure_bf16 else 4
@@ -268,6 +271,7 @@ class Combination:
     num_processes: int = 1
     tensor_parallel: int | None = 1
     pipeline_parallel: int | None = 1  # None: auto, the planner checks every degree it tries
+    context_parallel: int | None = 1  # None: auto, the planner checks every degree it tries
     pipeline_schedule: str = "1f1b"
     optimizer: str | None = "adamw"
     gradient_accumulation_steps: int | None = None
@@ -299,6 +303,11 @@ class Combination:
     def tensor_parallel_on(self) -> bool:
         """Tensor parallel is fixed above 1 (auto may still choose 1)."""
         return self.tensor_parallel is not None and self.tensor_parallel > 1
+
+    @property
+    def context_parallel_on(self) -> bool:
+        """Context parallel is fixed above 1 (auto may still choose 1)."""
+        return self.context_parallel is not None and self.context_parallel > 1
 
 
 @dataclass(frozen=True)
@@ -434,6 +443,19 @@ def _pipeline_rules() -> tuple[Rule, ...]:
     )
 
 
+def _context_parallel_rules() -> tuple[Rule, ...]:
+    """Context parallel (fulltune/runtime/context_parallel.py) is built over data parallel alone (fsdp or ddp: its
+    processes sum their gradients, which strategy none, one process, cannot be asked for with several)."""
+    return (
+        Rule(("distributed.context_parallel", "distributed.tensor_parallel"),
+             lambda c: c.context_parallel_on and c.tensor_parallel_on,
+             "context parallel is not combined with tensor parallel (not built); set one of them to 1"),
+        Rule(("distributed.context_parallel", "distributed.pipeline_parallel"),
+             lambda c: c.context_parallel_on and c.pipelined,
+             "context parallel is not combined with pipeline stages (not built); set one of them to 1"),
+    )
+
+
 RULES: tuple[Rule, ...] = (
     Rule(("train.optimizer_in_backward", "train.gradient_accumulation_steps"),
          lambda c: c.on("optimizer_in_backward") and c.gradient_accumulation_steps not in (None, 1),
@@ -492,6 +514,7 @@ RULES: tuple[Rule, ...] = (
     *_optimizer_rules("offload_refusal", ("train.optimizer", "train.offload_optimizer"),
                       lambda c: c.on("offload_optimizer")),
     *_pipeline_rules(),
+    *_context_parallel_rules(),
 )
 
 
@@ -522,6 +545,7 @@ def from_spec(pipeline: object) -> Combination:
         # tensor_parallel auto is None: the planner checks every degree it tries against the table.
         tensor_parallel=distributed.dims.tp, optimizer=auto(train.optimizer),
         pipeline_parallel=auto(distributed.pipeline_parallel),  # type: ignore[arg-type]
+        context_parallel=distributed.dims.cp,
         pipeline_schedule=distributed.pipeline_schedule,
         gradient_accumulation_steps=auto(train.gradient_accumulation_steps),
         implied_accumulation=_implied_accumulation(train, distributed),
@@ -551,6 +575,7 @@ def from_settings(settings: object, bf16_supported: bool | None = None) -> Combi
         strategy=None if s.strategy == "auto" else s.strategy,  # type: ignore[attr-defined]  # a request's auto
         tensor_parallel=s.tensor_parallel,  # type: ignore[attr-defined]  # None: auto, in a request
         pipeline_parallel=getattr(s, "pipeline_parallel", 1), pipeline_schedule=getattr(s, "pipeline_schedule", "1f1b"),
+        context_parallel=getattr(s, "context_parallel", 1),  # None: auto, in a request
         optimizer=s.optimizer, gradient_accumulation_steps=s.gradient_accumulation_steps,  # type: ignore[attr-defined]
         mixed_precision=s.mixed_precision, gradient_checkpointing=s.gradient_checkpointing,  # type: ignore[attr-defined]
         device=s.device, bf16_supported=bf16_supported,  # type: ignore[attr-defined]

@@ -273,7 +273,7 @@ def compensation_of(settings: object) -> str:
     `compensation`, or its optimizer's default where that is `auto`; "none" without pure bf16, or with fp32
     masters on the host (`offload_optimizer` on one process)."""
     s = settings
-    if not s.pure_bf16 or (s.offload_optimizer and s.strategy != "fsdp"):  # type: ignore[attr-defined]
+    if not s.pure_bf16 or (s.offload_optimizer and not s.dims.fsdp_enabled):  # type: ignore[attr-defined]
         return "none"
     chosen = getattr(s, "compensation", "auto")
     return optimizer(s.optimizer).default_compensation if chosen == "auto" else chosen  # type: ignore[attr-defined]

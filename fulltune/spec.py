@@ -298,6 +298,15 @@ class DistributedSpec(Strict):
                        "them. Needs strategy fsdp; 1 = no tensor parallel; auto: the plan chooses a divisor of the "
                        "processes on one machine (the fastest that fits)."
     )
+    context_parallel: int | Auto = Field(
+        1, description="Processes each row's positions are split over (context parallel, for long rows): each keeps "
+                       "1/N of every row's positions (chunks balanced for causal attention), so its activations are "
+                       "1/N of the row's, and attention still sees the whole row: Ulysses (an all-to-all to "
+                       "head-sharded attention and back) where N divides the attention heads, else ring attention "
+                       "(CUDA only). num_processes = data parallel × context_parallel; needs strategy fsdp "
+                       "(sharded over data parallel × context_parallel) or ddp. Not with tensor_parallel or "
+                       "pipeline stages. 1 = none; auto: the plan chooses the fastest degree that fits."
+    )
     pipeline_parallel: int | Auto = Field(
         1, description="Pipeline stages: the decoder layers split evenly over this many processes, "
                        "one stage each (the embedding on the first, the head on the last); "
@@ -324,11 +333,11 @@ class DistributedSpec(Strict):
                              "(FSDP2 shards weights, gradients and optimizer states as ZeRO-3 does)")
         return value
 
-    @field_validator("pipeline_parallel")
+    @field_validator("pipeline_parallel", "context_parallel")
     @classmethod
-    def _stages(cls, value: Any) -> Any:
+    def _degree(cls, value: Any, info: Any) -> Any:
         if value != "auto" and not 1 <= value <= 64:
-            raise ValueError(f"pipeline_parallel must be auto or from 1 to 64; got {value}")
+            raise ValueError(f"{info.field_name} must be auto or from 1 to 64; got {value}")
         return value
 
     @model_validator(mode="after")
@@ -336,11 +345,12 @@ class DistributedSpec(Strict):
         if self.strategy_unset and self.num_processes > 1:  # unset: auto for one process only
             object.__setattr__(self, "strategy", "none")
         if self.pipeline_parallel == "auto":
-            if self.tensor_parallel != 1:
-                raise ValueError("pipeline_parallel auto is not combined with tensor_parallel (pipeline stages and "
-                                 "tensor parallel are not built together); set tensor_parallel to 1")
+            if self.tensor_parallel != 1 or self.context_parallel != 1:
+                raise ValueError("pipeline_parallel auto is not combined with tensor_parallel or context_parallel "
+                                 "(pipeline stages are built with neither); set them to 1")
             ParallelDims.from_spec(self)
             return self
+        # The YAML values as written (auto still open), each check naming them; the layout is ParallelDims'.
         if self.strategy == "none" and self.num_processes != self.pipeline_parallel:
             raise ValueError("num_processes > 1 needs a strategy (ddp or fsdp)"
                              + (" or num_processes = pipeline_parallel" if self.pipeline_parallel > 1 else ""))
@@ -435,7 +445,7 @@ class PipelineSpec(Strict):
             return self
         if processes < 1:
             raise ValueError(f"evaluate.processes must be auto or at least 1; got {processes}")
-        if d.strategy != "fsdp" or processes != d.num_processes:
+        if d.strategy != "fsdp" or processes != d.num_processes:  # the YAML value the message names
             raise ValueError(f"evaluate.processes: {processes} shards each candidate over the training's processes, "
                              f"which needs distributed.strategy fsdp and num_processes {processes} (they are "
                              f"{d.strategy} and {d.num_processes}); set it to auto or 1")

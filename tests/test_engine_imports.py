@@ -145,8 +145,6 @@ def test_no_engine_import_runs_up_the_floors() -> None:
 
 # Import circles inside one floor that remain, each one entry to delete once it is broken: (its modules): why.
 CIRCLES_ALLOWED: dict[frozenset[str], str] = {
-    frozenset({"fulltune.runtime.parallel", "fulltune.runtime.sharding"}):
-        "the sharded load applies the tensor-parallel plan, which shards with FSDP over its dp mesh",
     frozenset({"fulltune.evaluation.champion", "fulltune.evaluation.evaluate", "fulltune.evaluation.sharded"}):
         "the evaluate stage compares with the champion and runs sharded candidates, both reusing its metrics",
     frozenset({"fulltune.stages", "fulltune.stages.budget", "fulltune.stages.tokenize"}):

@@ -166,6 +166,10 @@ class EvalOptions:
     # (name, rows) of each data.eval source, in the rows' order: metrics per source beside the total, and each
     # source's first `generate_examples` rows with a completion generated
     sources: tuple[tuple[str, int], ...] = ()
+    # The plan's held-out loss for long rows (memory/evaluation.py EvalPlan): in (rows × vocabulary) tiles, and
+    # with each row's positions split over this many of the processes (context parallel, sharded runs only).
+    chunked_loss: bool = False
+    context_parallel: int = 1
 
     @property
     def generation_batch(self) -> int:
@@ -305,7 +309,7 @@ def _held_out_loss(model: Any, tokenizer: Any, rows: list[dict[str, Any]], optio
 
     from fulltune.runtime.loss import TargetHead
 
-    head = TargetHead(model)
+    head = TargetHead(model, chunked=options.chunked_loss)  # chunked: no (positions × vocabulary) logits
     groups = source_groups(rows, options)
     sums = [torch.zeros((), dtype=torch.float64) for _ in groups]
     tokens = [0] * len(groups)
@@ -323,15 +327,20 @@ def _held_out_loss(model: Any, tokenizer: Any, rows: list[dict[str, Any]], optio
     return [(float(total), count) for total, count in zip(sums, tokens)]
 
 
-def batch_loss(model: Any, head: Any, tokenizer: Any, rows: list[dict[str, Any]], device: str) -> tuple[Any, int]:
-    """(the summed fp32 cross-entropy of one batch's target tokens as a float64 CPU tensor, its target tokens)."""
+def batch_loss(model: Any, head: Any, tokenizer: Any, rows: list[dict[str, Any]], device: str,
+               context: Any = None) -> tuple[Any, int]:
+    """(the summed fp32 cross-entropy of one batch's target tokens as a float64 CPU tensor, its target tokens);
+    with `context` (fulltune/runtime/context_parallel.py) this process's share of the rows' positions only."""
     from fulltune.data import collate
     from fulltune.runtime.loss import Targets
 
     batch = collate(rows, tokenizer.pad_token_id)
-    targets = Targets.from_labels(batch.pop("labels"))
+    targets = Targets.from_labels(batch.pop("labels")).to(device)
     inputs = {key: tensor.to(device) for key, tensor in batch.items()}
-    return head.loss_sum(model, inputs, targets.to(device)).double().cpu(), len(targets)
+    if context is not None:
+        inputs.pop("attention_mask", None)  # right padding: causal positions never attend to it (as training)
+        inputs, targets = context.shard(inputs, targets)
+    return head.loss_sum(model, inputs, targets).double().cpu(), len(targets)
 
 
 def mean_loss(total_loss: float, total_tokens: int) -> tuple[float, int]:
@@ -487,7 +496,9 @@ def evaluate_candidates(spec: PipelineSpec, candidates: Candidates, champion: Ch
         evaluation["loss_batch"] if evaluation else e.batch_size, e.max_generate_examples, e.max_new_tokens, device,
         (evaluation["generation_batch"] or None) if evaluation else None,
         evaluation.get("processes", 1) if evaluation else 1, str(Path(workdir) / "evals"),
-        kept_sources(sources, e.max_examples)),
+        kept_sources(sources, e.max_examples),
+        bool(evaluation.get("chunked_loss")) if evaluation else False,
+        int(evaluation.get("context_parallel", 1)) if evaluation else 1),
         "benchmarks": benchmarks, "progress": progress}
     models = {"base": (c.base_model, tokenizer, load), "fine_tuned": (model_dir, model_dir, {**load, "revision": None})}
     if options["options"].processes > 1:  # one launch of the processes for both

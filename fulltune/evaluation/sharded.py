@@ -189,19 +189,37 @@ def _loss_sums(model: Any, tokenizer: Any, rows: list[dict[str, Any]], options: 
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = loss_batches(rows, options)
     totals = torch.zeros((len(source_groups(rows, options)), 2), dtype=torch.float64)
-    head = TargetHead(model)
+    context, data_rank, readers = _context_parallel(model, options, rank, world)
+    head = TargetHead(model, chunked=options.chunked_loss)
     try:
         with torch.inference_mode():
-            for done, ((index, batch), counted) in enumerate(_dealt(batches, rank, world), start=1):
-                loss, tokens = batch_loss(model, head, tokenizer, batch, options.device)
+            for done, ((index, batch), counted) in enumerate(_dealt(batches, data_rank, readers), start=1):
+                loss, tokens = batch_loss(model, head, tokenizer, batch, options.device, context)
                 if counted:
                     totals[index] += torch.stack([loss, torch.tensor(float(tokens), dtype=torch.float64)])
                 report("loss", min(done * world * options.batch_size, len(rows)), len(rows))
     finally:
         head.remove()
+        if context is not None:
+            context.remove(model)
     totals = totals.to(_collective_device(options.device))
     dist.all_reduce(totals)
     return totals.cpu().tolist()
+
+
+def _context_parallel(model: Any, options: EvalOptions, rank: int, world: int) -> tuple[Any, int, int]:
+    """(the context parallel the plan splits each loss row's positions with, or None; this process's data rank;
+    the data ranks): with `options.context_parallel` N the processes of a group share their batches, each keeping
+    its share of the positions (fulltune/runtime/context_parallel.py, as the run trained)."""
+    if options.context_parallel == 1:
+        return None, rank, world
+    from fulltune.degrees import ParallelDims
+    from fulltune.runtime.context_parallel import ContextParallel
+
+    dims = ParallelDims(world, 1, 1, "fsdp", options.context_parallel)
+    context = ContextParallel(dims.mesh(options.device)["cp"], dims.cp, dims.cp_rank(rank))
+    context.install(model)
+    return context, dims.data_rank(rank), dims.dp
 
 
 def _generations(model: Any, tokenizer: Any, rows: list[dict[str, Any]], options: EvalOptions,

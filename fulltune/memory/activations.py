@@ -123,7 +123,7 @@ def layer_bytes(shape: ModelShape, settings: Settings) -> LayerBytes:
     # FSDP / ZeRO-3 gather 16-bit parameters per layer and free them after use, so autocast
     # copies are not kept (the gathered layers are counted with the communication buffers);
     # bf16 weights need no copies.
-    sharded_params = settings.strategy in ("fsdp", "deepspeed_zero3")
+    sharded_params = settings.dims.fsdp_enabled
     mlp_params = 2 * h * I + (I * h if shape.gated_mlp else 0)
     # float8 (fulltune/memory/float8.py): the converted linears' casts, and no 16-bit copies of their weights.
     f8 = layer_float8(shape, b * s, c, settings.float8_recipe, attn_core, attn_work) if settings.float8 else None
@@ -275,7 +275,7 @@ def model_activations(shape: ModelShape, settings: Settings, act: Settings, laye
     # keeps the rows as they come.
     lm_head_input = t * h * (sb if settings.chunked_loss else c)
     rope = 2 * 4 * b * s * shape.rotary_dim if shape.rotary_dim else 0
-    sharded = settings.strategy in ("fsdp", "deepspeed_zero3")
+    sharded = settings.dims.fsdp_enabled
     head_copy = 2 * V * h if mixed and not settings.chunked_loss and not sharded else 0
     # The embedding output (the input of layer 0): with bf16 weights only a checkpointed layer 0 keeps it.
     stream_in = 0 if act.pure_bf16 and k == 0 and shape.layout == "llama" else bsh4

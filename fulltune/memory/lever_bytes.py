@@ -51,7 +51,7 @@ class LeverBytes:
 
 def lever_bytes(shape: ModelShape, settings: Settings) -> LeverBytes:
     """The lever byte counts of `settings` on `shape` (cached: the planner asks for many settings)."""
-    sharded = settings.offload_optimizer and settings.strategy == "fsdp"
+    sharded = settings.offload_optimizer and settings.dims.fsdp_enabled
     return _lever_bytes_cached(shape, settings.optimizer, settings.pure_bf16, settings.optimizer_in_backward,
                                settings.offload_optimizer, settings.gradient_accumulation_steps,
                                settings.num_processes if sharded else 0, compensation_of(settings))

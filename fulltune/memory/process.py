@@ -96,11 +96,10 @@ def phase_tensors(shape: ModelShape, settings: Settings, step_tensors: int) -> d
     """Tensor bytes (file pages included on CPU) at the peak of each phase of the training process;
     `step_tensors` is the steady step's peak (the step walk's `peak_bytes`)."""
     levers = lever_bytes(shape, settings)
-    share = 1.0 / settings.num_processes if settings.strategy in ("fsdp", "deepspeed_zero3") else 1.0
+    share = 1.0 / settings.num_processes if settings.dims.fsdp_enabled else 1.0
     P = shape.num_params
     weights = int(levers.weight_bytes * P * share)
-    states = int(levers.states * (1.0 / settings.num_processes if settings.strategy != "none"
-                                  and settings.strategy != "ddp" else 1.0))
+    states = int(levers.states * share)
     largest = shape.largest_param_numel * levers.weight_bytes
     if settings.device == "cpu":
         # The file's pages are resident memory; weights in another dtype are copies beside them.
@@ -150,7 +149,7 @@ def export_phase_bytes(shape: ModelShape, settings: Settings, file_bytes: int | 
     `file_bytes`, default `sharding.EXPORT_SHARD_BYTES`) and the current all-gather's buffers (`export_host_bytes`;
     on a GPU the file is in host RAM, `node_host_bytes`, and the device holds the one tensor being gathered)."""
     weight_bytes = lever_bytes(shape, settings).weight_bytes
-    if settings.strategy == "fsdp" and settings.device == "cpu":
+    if settings.dims.fsdp_enabled and settings.device == "cpu":
         return export_host_bytes(shape, weight_bytes, gathers_on_host=True, file_bytes=file_bytes)
     return shape.largest_param_numel * weight_bytes
 
@@ -182,7 +181,7 @@ def node_host_bytes(shape: ModelShape, settings: Settings, rank_host: int, ranks
     grads = int(levers.weight_bytes * shape.num_params / settings.num_processes) if levers.sharded_offload else 0
     pinned = (levers.pinned + grads) * ranks_per_node
     export = 0
-    if settings.strategy == "fsdp":
+    if settings.dims.fsdp_enabled:
         # The gathers run where the shards are: in host RAM under FSDP's CPU offload, else on the devices.
         on_host = levers.sharded_offload
         export = (export_host_bytes(shape, levers.weight_bytes, on_host)

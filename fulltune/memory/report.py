@@ -17,7 +17,8 @@ def _settings_line(plan: MemoryPlan) -> str:
         f"{s.gradient_accumulation_steps} gradient_checkpointing={s.gradient_checkpointing} "
         f"mixed_precision={s.mixed_precision} optimizer={s.optimizer}"
         + "".join(f" {name}=true" for name, on in s.levers().items() if on)
-        + (f" tensor_parallel={s.tensor_parallel}" if s.tensor_parallel > 1 else "")
+        + (f" tensor_parallel={s.tensor_parallel}" if s.dims.tp_enabled else "")
+        + (f" context_parallel={s.context_parallel}" if s.dims.cp_enabled else "")
     )
 
 

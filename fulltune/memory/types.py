@@ -61,6 +61,8 @@ class Settings:
             data-parallel degree is num_processes / (tensor_parallel × pipeline_parallel).
         pipeline_parallel, pipeline_schedule: pipeline stages (one process each) and their schedule
             (fulltune/runtime/pipeline_parallel.py); the step's micro-batches flow through them.
+        context_parallel: processes each row's positions are split over (fulltune/runtime/context_parallel.py);
+            the data-parallel degree is num_processes / (context_parallel × tensor_parallel × pipeline_parallel).
         attention_mask: True when the model receives an explicit attention mask — padded batches,
             or packed rows whose position_ids restart (transformers then builds a block-diagonal
             mask). A mask makes SDPA keep a (b, 1, s, s) mask per layer and repeat grouped
@@ -98,12 +100,13 @@ class Settings:
     attention_mask: bool = True
     target_fraction: float = 1.0
     compensation: str = "auto"
+    context_parallel: int = 1
     checkpoint_async: bool = False
     float8_recipe: str = "tensorwise"
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "num_processes",
-                     "tensor_parallel"):
+                     "tensor_parallel", "context_parallel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MemoryConfigError(f"{name} must be an integer >= 1; got {value!r}")
@@ -122,16 +125,18 @@ class Settings:
         _check_choice("float8_recipe", self.float8_recipe, FLOAT8_RECIPES)
         _check_choice("device", self.device, DEVICES)
         _check_choice("strategy", self.strategy, STRATEGIES)
+        # The field's own check, before the degrees are built from it (`dims`: the layout).
         if self.strategy == "none" and self.num_processes != self.pipeline_parallel:
             raise MemoryConfigError("num_processes > 1 needs a strategy (ddp or fsdp) or pipeline stages")
-        ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel)  # DegreesError unless they divide
+        self.dims  # DegreesError unless they divide
         _check_levers(self)
 
     @property
     def dims(self) -> ParallelDims:
         """The parallel degrees the step runs with: num_processes as data parallel × tensor_parallel ×
-        pipeline_parallel."""
-        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel)
+        pipeline_parallel, the data-parallel processes held as `strategy` says."""
+        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel, self.strategy,
+                            self.context_parallel)
 
     def levers(self) -> dict[str, bool]:
         """The memory levers, name → on."""
@@ -155,7 +160,7 @@ class Settings:
 CHOSEN = ("micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "mixed_precision", "optimizer")
 RECORDED = ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "gradient_checkpointing", "mixed_precision",
             "optimizer", "attn_implementation", "device", "strategy", "num_processes", "tensor_parallel",
-            "attention_mask", "target_fraction", "compensation")
+            "attention_mask", "target_fraction", "compensation", "context_parallel")
 
 
 def _check_levers(settings: Any) -> None:
@@ -264,6 +269,7 @@ class PlanRequest:
     tensor_parallel: int | None = 1  # None: auto, the planner chooses a degree (planning/search.py)
     pipeline_parallel: int | None = 1  # None: auto, the planner chooses the stages (planning/pipeline.py)
     pipeline_schedule: str = "1f1b"
+    context_parallel: int | None = 1  # None: auto, the planner chooses a degree (planning/search.py)
     bf16_supported: bool = False
     attention_mask: bool = True
     target_fraction: float = 1.0
@@ -321,7 +327,9 @@ class PlanRequest:
     def dims(self) -> ParallelDims:
         """The parallel degrees asked for: `tp` None while tensor_parallel is auto (pipeline_parallel auto:
         as one stage until the planner chooses)."""
-        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel or 1)
+        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel or 1,
+                            None if self.strategy == "auto" else self.strategy,  # the request's auto: None
+                            self.context_parallel)
 
 
 def _check_request_choices(request: PlanRequest) -> None:
@@ -396,6 +404,7 @@ class MemoryPlan:
                 "tensor_parallel": s.tensor_parallel,
                 "pipeline_parallel": s.pipeline_parallel,
                 "pipeline_schedule": s.pipeline_schedule,
+                "context_parallel": s.context_parallel,
                 "checkpoint_async": s.checkpoint_async,
                 "estimated_step_seconds": self.estimated_step_seconds,
                 "host_bytes": int(self.plan_estimate.host_bytes),

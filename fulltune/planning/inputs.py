@@ -102,6 +102,7 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         tensor_parallel=d.dims.tp,  # None (auto): the planner chooses
         pipeline_parallel=None if d.pipeline_parallel == "auto" else d.pipeline_parallel,  # auto: the planner's
         pipeline_schedule=d.pipeline_schedule,
+        context_parallel=d.dims.cp,  # None (auto): the planner chooses
         bf16_supported=budget.bf16_supported,
         # Packed rows restart position_ids, so transformers builds a block mask per layer; unpacked rows
         # are right-padded and the trainer passes no mask at all (see fulltune/runtime/train.py).
@@ -118,7 +119,7 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         notes=(*((budget.shared,) if budget.shared else ()),
                # (on a CPU device one process has no strategy to choose: planning/strategy.py)
                *((f"pipelines.{p.name}.distributed.strategy is not set: for one process the plan chooses it as "
-                  "under auto",) if d.strategy_unset and d.strategy == "auto" and budget.device != "cpu" else ())),
+                  "under auto",) if d.strategy_unset and d.dims.auto_strategy and budget.device != "cpu" else ())),
     )
 
 

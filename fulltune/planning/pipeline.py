@@ -83,7 +83,7 @@ def pipeline_advice(shape: ModelShape, request: Any, settings: Settings, usable:
     if not usable:
         return None
     base = replace(settings, strategy="none", num_processes=1, tensor_parallel=1, pipeline_parallel=1,
-                   **{name: False for name in UNSUPPORTED_LEVERS})
+                   context_parallel=1, **{name: False for name in UNSUPPORTED_LEVERS})
     B = request.effective_batch_size
     best: tuple[PipelineEstimate, int] | None = None
     smallest: tuple[int, PipelineEstimate, int] | None = None  # (planned bytes, ...) of the least demanding

@@ -30,8 +30,9 @@ from fulltune.memory.types import MemoryEstimate, MemoryPlan, PlanRequest, Setti
 from fulltune.memory.uncertainty import Uncertainty, traced_uncertainty
 from fulltune.memory.units import format_bytes
 from fulltune.planning.pipeline import needs_advice, pipeline_advice, pipeline_reasons
-from fulltune.planning.reasons import (alternatives_for, change_reasons, checkpoint_reasons, configured_reason, describe,
-                                       float8_reasons, host_reasons, optimizer_reasons, strategy_reasons, suggestions_for,
+from fulltune.planning.reasons import (alternatives_for, change_reasons, checkpoint_reasons, configured_reason,
+                                       context_parallel_reasons, describe, float8_reasons, host_reasons,
+                                       optimizer_reasons, strategy_reasons, suggestions_for,
                                        tensor_parallel_reasons)
 from fulltune.planning.search import (Candidate, configured_for, configured_request, configured_settings,
                                       divisors, fits_budget, host_budget_for, make_candidate, per_process,
@@ -109,7 +110,7 @@ CHEAP_TRACE_SECONDS = 10.0
 
 def trace_is_cheap(shape: ModelShape, request: PlanRequest) -> bool:
     """Whether tracing a step of this model costs under `CHEAP_TRACE_SECONDS` (one process only)."""
-    if request.strategy not in ("none", "auto") or request.num_processes != 1:
+    if not (request.dims.alone or request.dims.auto_strategy) or request.num_processes != 1:
         return False
     return shape.num_layers * 3 * TRACE_SECONDS_PER_LAYER_PASS <= CHEAP_TRACE_SECONDS
 
@@ -148,7 +149,7 @@ def _traced(config: Any, shape: ModelShape, candidates: list[Candidate], usable:
         if not fitting or fitting[0].uncertainty.basis == "trace":
             break
         chosen = fitting[0]
-        if chosen.settings.strategy != "none" or chosen.settings.num_processes != 1:
+        if not chosen.settings.dims.alone or chosen.settings.num_processes != 1:
             reasons.append("not traced: the trace runs one process; the estimate's measured uncertainty applies")
             break
         peak = traced_peak(config, chosen.settings)
@@ -214,6 +215,8 @@ def _finish(
     reasons.extend(strategy_reasons(request, candidates, chosen, usable, host))
     reasons.extend(tensor_parallel_reasons(shape, replace(request, strategy=chosen.settings.strategy), candidates,
                                             chosen, usable))
+    reasons.extend(context_parallel_reasons(shape, replace(request, strategy=chosen.settings.strategy), candidates,
+                                             chosen, usable))
     reasons.extend(pipeline_reasons(shape, request, candidates, chosen, usable))
     reasons.extend(host_reasons(request, candidates, chosen, usable))
     reasons.extend(checkpoint_reasons(shape, chosen))
@@ -262,7 +265,9 @@ def replan_after_oom(
     shape = model_shape(config)
     if request.tensor_parallel is None:  # auto: the degree the run was planned with stays (its processes are set)
         request = replace(request, tensor_parallel=previous.tensor_parallel)
-    if request.strategy == "auto" or request.pipeline_parallel is None:  # and so do its strategy and stages
+    if request.context_parallel is None:  # likewise the context-parallel degree
+        request = replace(request, context_parallel=previous.context_parallel)
+    if request.dims.auto_strategy or request.pipeline_parallel is None:  # and so do its strategy and stages
         request = replace(request, strategy=previous.strategy, pipeline_parallel=previous.pipeline_parallel)
     previous_estimate = _estimate(shape, previous)
     if observed_peak_bytes is not None and observed_peak_bytes > 0:

@@ -9,24 +9,22 @@ from typing import Any
 
 from fulltune import levers
 from fulltune.memory import float8
+from fulltune.memory import parallelism
 from fulltune.memory.estimate import _estimate
 from fulltune.memory.process import CHECKPOINT, checkpoint_staging_bytes
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import MemoryEstimate, PlanRequest, Settings
 from fulltune.memory.units import format_bytes, format_seconds
 from fulltune.optimizers import COMPENSATIONS, ParamShapes, compensation_of, optimizer
-from fulltune.planning.search import (Candidate, best_by, device_word, fits_budget, staged_search,
-                                      tensor_parallel_degrees)
-from fulltune.planning.step_time import step_seconds, tensor_parallel_seconds
+from fulltune.planning.search import (Candidate, best_by, context_parallel_degrees, device_word, fits_budget,
+                                      staged_search, tensor_parallel_degrees)
+from fulltune.planning.step_time import CP_BYTES_PER_S, context_parallel_seconds, step_seconds, tensor_parallel_seconds
 from fulltune.planning.strategy import host_parameters, strategy_choices
 
 
 def describe(settings: Settings) -> str:
     parts = [f"micro-batch {settings.micro_batch_size} × accumulation {settings.gradient_accumulation_steps}"]
-    if settings.tensor_parallel > 1:
-        parts.append(f"tensor parallel {settings.tensor_parallel}")
-    if settings.pipeline_parallel > 1:
-        parts.append(f"{settings.pipeline_parallel} pipeline stages")
+    parts.extend(parallelism.describe(settings))  # each kind's words (tensor parallel T, P pipeline stages)
     parts.append(f"checkpointing {settings.gradient_checkpointing} layers")
     parts.append(f"precision {settings.mixed_precision}")
     parts.append(settings.optimizer)
@@ -38,7 +36,8 @@ def alternative_entry(c: Candidate, why: str) -> dict[str, Any]:
     return {
         **c.settings.choices(),
         "tensor_parallel": c.settings.tensor_parallel, "strategy": c.settings.strategy,
-        **({"pipeline_parallel": c.settings.pipeline_parallel} if c.settings.pipeline_parallel > 1 else {}),
+        **({"pipeline_parallel": c.settings.pipeline_parallel} if c.settings.dims.pp_enabled else {}),
+        **({"context_parallel": c.settings.context_parallel} if c.settings.dims.cp_enabled else {}),
         "peak_bytes": c.estimate.peak_bytes,
         "device_bytes": c.estimate.device_bytes,
         "uncertainty_bytes": c.uncertainty.bytes,
@@ -103,22 +102,50 @@ def tensor_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates:
                 f"{format_seconds(chosen.seconds, 's/step')}, of which "
                 f"{format_seconds(tensor_parallel_seconds(shape, s))} are its collectives "
                 f"({format_bytes(int(traffic.bytes))} per rank)")
-    elif request.strategy != "fsdp":
+    elif not request.dims.fsdp_enabled:
         head = (f"tensor parallel 1 (distributed.tensor_parallel auto): tensor parallel runs under strategy fsdp, "
                 f"this pipeline's is {request.strategy}")
     else:
         head = "tensor parallel 1 (distributed.tensor_parallel auto): FSDP alone"
+    _, refused = tensor_parallel_degrees(shape, request)
+    return [head + _other_degrees(best, T, usable, refused)]
+
+
+def _other_degrees(best: dict[int, Candidate], chosen: int, usable: int, refused: dict[int, str]) -> str:
+    """"; 2 is slower (…); 4 does not fit (…); 8 not tried (…)": each other degree's best candidate, or why it was
+    not tried ("" when there is none)."""
     others = []
     for degree, c in sorted(best.items()):
-        if degree == T:
+        if degree == chosen:
             continue
         if fits_budget(c, usable):
             others.append(f"{degree} is slower ({format_seconds(c.seconds, 's/step')})")
         else:
             others.append(f"{degree} does not fit ({format_bytes(c.expected_bytes)} ± {format_bytes(c.uncertainty.bytes)})")
-    _, refused = tensor_parallel_degrees(shape, request)
     others += [f"{degree} not tried ({why})" for degree, why in sorted(refused.items())]
-    return [head + ("; " + "; ".join(others) if others else "")]
+    return "; " + "; ".join(others) if others else ""
+
+
+def context_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates: list[Candidate],
+                             chosen: Candidate, usable: int) -> list[str]:
+    """With `context_parallel` auto: the degree chosen ("context parallel 4: 71.2 GiB per GPU, 38 s/step, of which
+    … its all-to-alls"), and each other degree's best candidate or why it was not tried."""
+    if request.context_parallel is not None:
+        return []
+    best = best_by(candidates, lambda c: c.settings.context_parallel, usable)
+    s = chosen.settings
+    N = s.context_parallel
+    if N > 1:
+        method = "Ulysses" if shape.heads % N == 0 else "ring attention"
+        head = (f"context parallel {N} ({s.dims.dp} data-parallel × {N}, {method}, distributed.context_parallel "
+                f"auto): {format_bytes(chosen.expected_bytes)} per {device_word(s.device)}, "
+                f"{format_seconds(chosen.seconds, 's/step')}, of which "
+                f"{format_seconds(context_parallel_seconds(shape, s))} are its {'all-to-alls' if method == 'Ulysses' else 'ring sends'} (assumed "
+                f"{CP_BYTES_PER_S[s.device] / 1e9:g} GB/s, not overlapped)")
+    else:
+        head = "context parallel 1 (distributed.context_parallel auto): every process holds whole rows"
+    _, refused = context_parallel_degrees(shape, request)
+    return [head + _other_degrees(best, N, usable, refused)]
 
 
 def lever_trade(shape: ModelShape, settings: Settings) -> dict[str, dict[str, float]]:
@@ -169,7 +196,7 @@ def _matrices_reasons(shape: ModelShape, settings: Settings) -> list[str]:
 def compensation_reasons(shape: ModelShape, settings: Settings) -> list[str]:
     """With pure bf16 weights: the compensation that runs (`train.compensation`, or its optimizer's default under
     `auto`), and what it holds on the device and adds to the step against plain rounding."""
-    if not settings.pure_bf16 or (settings.offload_optimizer and settings.strategy != "fsdp"):
+    if not settings.pure_bf16 or (settings.offload_optimizer and not settings.dims.fsdp_enabled):
         return []  # fp32 weights, or fp32 masters on the host: nothing to compensate
     compensation = compensation_of(settings)
     source = "train.compensation" + (" auto" if settings.compensation == "auto" else "")
@@ -276,13 +303,15 @@ def suggestions_for(shape: ModelShape, request: PlanRequest, smallest: Candidate
     one_gpu = host_parameter_suggestion(shape, request)
     if one_gpu:
         out.append(one_gpu)
-    if request.strategy in ("none", "ddp", "deepspeed_zero2"):
+    if request.dims.alone or request.dims.ddp_enabled:
         # Shard over the processes already there first, then over more GPUs.
         counts = sorted({n for n in (2, 4, 8, 16, 32, 64) if n >= request.num_processes} | {request.num_processes})
         for n in counts:
             if n < 2 or request.effective_batch_size % n:
                 continue
-            sharded = replace(request, strategy="fsdp", num_processes=n, pipeline_parallel=1, micro_batch_size=None,
+            cp = request.context_parallel  # auto stays auto; a fixed degree the processes do not divide is none
+            sharded = replace(request, strategy="fsdp", num_processes=n, pipeline_parallel=1,
+                              context_parallel=cp if cp is None or n % cp == 0 else 1, micro_batch_size=None,
                               gradient_accumulation_steps=None, optimizer_in_backward=None, offload_optimizer=None)
             usable = request.usable_bytes or 0
             candidates = [c for c in staged_search(shape, sharded, usable) if fits_budget(c, usable)]
@@ -344,7 +373,7 @@ def strategy_reasons(request: PlanRequest, candidates: list[Candidate], chosen: 
     """With strategy auto: the strategy chosen and each other one's best candidate; where the parameters live
     in host RAM (`host`: `step_time.host_step` of the chosen settings), that line with its device and host
     bytes, what `none` needs and the step-time terms."""
-    if request.strategy != "auto" or len(strategy_choices(request)) == 1:  # nothing was chosen between
+    if not request.dims.auto_strategy or len(strategy_choices(request)) == 1:  # nothing was chosen between
         return []
     best = best_by(candidates, lambda c: c.settings.strategy, usable)
     s = chosen.settings
@@ -394,7 +423,7 @@ def step_terms(t: dict[str, Any], settings: Settings) -> list[str]:
 def host_parameter_suggestion(shape: ModelShape, request: PlanRequest) -> str | None:
     """For one process under strategy none that does not fit: what fsdp over that process (parameters in host
     RAM where the lever table allows offload) would need, if it fits."""
-    if request.strategy != "none" or request.num_processes != 1 or request.device != "cuda":
+    if not request.dims.alone or request.num_processes != 1 or request.device != "cuda":
         return None
     usable = request.usable_bytes or 0
     sharded = replace(request, strategy="fsdp")

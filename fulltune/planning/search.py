@@ -111,9 +111,11 @@ def configured_request(request: PlanRequest) -> PlanRequest:
     """The request with tensor_parallel auto at its naive default, 1 (FSDP alone), and strategy auto at its
     own (`strategy.naive_strategy`), as the other auto fields."""
     if request.pipeline_parallel is None:  # auto: data parallel (or one process), else every process a stage
-        stages = request.num_processes if request.strategy == "none" else 1
+        stages = request.num_processes if request.dims.alone else 1
         request = as_pipeline(request, stages)
     request = naive_strategy(request)
+    if request.context_parallel is None:  # auto: none, as the other auto degrees
+        request = replace(request, context_parallel=1)
     return replace(request, tensor_parallel=1) if request.tensor_parallel is None else request
 
 
@@ -123,7 +125,7 @@ def configured_for(shape: ModelShape, request: PlanRequest) -> Settings:
         micro = request.micro_batch_size
     elif request.gradient_accumulation_steps is not None:
         micro = per // request.gradient_accumulation_steps
-    elif request.pipeline_parallel > 1 and per % request.pipeline_parallel == 0:
+    elif request.dims.pp_enabled and per % request.pipeline_parallel == 0:
         micro = per // request.pipeline_parallel  # a micro-batch per stage: the fewest 1F1B runs
     else:
         micro = per
@@ -153,6 +155,7 @@ def _settings(request: PlanRequest, micro: int, checkpointing: int, precision: s
         tensor_parallel=request.tensor_parallel,
         pipeline_parallel=request.pipeline_parallel,
         pipeline_schedule=request.pipeline_schedule,
+        context_parallel=request.context_parallel,
         attention_mask=request.attention_mask,
         target_fraction=request.target_fraction,
         compensation=request.compensation,
@@ -310,13 +313,13 @@ def _search(
 
 
 def _ranks_per_machine(request: PlanRequest) -> int:
-    return max(request.num_processes // max(request.num_machines, 1), 1)
+    return request.dims.per_machine(request.num_machines)
 
 
 def _per_machine(shape: ModelShape, c: Candidate, host_budget: int | None, ranks: int) -> Candidate:
     """`c` with its host RAM as one machine holds it (`budget.host_memory` is per machine): every rank's
     offloaded tensors and, under FSDP, rank 0's gathered export (`process.node_host_bytes`)."""
-    if c.settings.strategy == "none" or c.settings.device == "cpu":
+    if c.settings.dims.alone or c.settings.device == "cpu":
         return replace(c, host_budget=host_budget)
     node = node_host_bytes(shape, c.settings, c.estimate.host_bytes, ranks)
     return replace(c, host_budget=host_budget, estimate=replace(c.estimate, host_bytes=node["total"]),
@@ -328,7 +331,8 @@ def staged_search(shape: ModelShape, request: PlanRequest, usable: int, micros: 
     """Search without the auto levers first (today's choices where they fit), then allow them one more at a
     time, cheapest first (`LEVERS`), until something fits; every candidate seen is returned. With
     `strategy` auto, that search for every strategy `strategy.strategy_choices` offers; with
-    `tensor_parallel` auto (None), for every degree `tensor_parallel_degrees` allows."""
+    `tensor_parallel` or `context_parallel` auto (None), for every degree `tensor_parallel_degrees` or
+    `context_parallel_degrees` allows."""
     if _SEARCHED.get() is None:  # the outermost call: one memo of candidates for the whole search
         token = _SEARCHED.set({})
         try:
@@ -343,7 +347,7 @@ def staged_search(shape: ModelShape, request: PlanRequest, usable: int, micros: 
                 f"{degree} stage{'s' if degree > 1 else ''}: {why}" for degree, why in sorted(refused.items())))
         return [c for degree in degrees
                 for c in staged_search(shape, as_pipeline(request, degree), usable, micros, min_checkpointing)]
-    if request.strategy == "auto":
+    if request.dims.auto_strategy:
         return [c for strategy in allowed_strategies(request)
                 for c in staged_search(shape, replace(request, strategy=strategy), usable, micros,
                                         min_checkpointing)]
@@ -352,6 +356,19 @@ def staged_search(shape: ModelShape, request: PlanRequest, usable: int, micros: 
         return [c for degree in degrees
                 for c in staged_search(shape, replace(request, tensor_parallel=degree), usable, micros,
                                         min_checkpointing)]
+    if request.context_parallel is None:
+        degrees, _ = context_parallel_degrees(shape, request)
+        return [c for degree in degrees
+                for c in staged_search(shape, replace(request, context_parallel=degree), usable, micros,
+                                        min_checkpointing)]
+    if request.dims.cp_enabled:
+        context_parallel_degrees(shape, request)  # a fixed degree that cannot attend on this device is refused
+    return _staged_levers(shape, request, usable, micros, min_checkpointing)
+
+
+def _staged_levers(shape: ModelShape, request: PlanRequest, usable: int, micros: list[int] | None,
+                   min_checkpointing: int) -> list[Candidate]:
+    """`staged_search` of one strategy and one set of degrees: the auto levers opened one at a time."""
     out: list[Candidate] = []
     for stage in range(len(LEVERS) + 1):
         if stage > 0 and lever_table.decided(request)[LEVERS[stage - 1]] is not None:
@@ -371,7 +388,7 @@ def tensor_parallel_degrees(shape: ModelShape, request: PlanRequest) -> tuple[li
     if request.tensor_parallel is not None:
         return [request.tensor_parallel], {}
     degrees, refused = [1], {}
-    if request.strategy != "fsdp":
+    if not request.dims.fsdp_enabled:
         return degrees, refused
     for degree in sorted(divisors(request.num_processes)):
         if degree == 1:
@@ -397,6 +414,39 @@ def tensor_parallel_degrees(shape: ModelShape, request: PlanRequest) -> tuple[li
             refused[degree] = found[0]
             continue
         degrees.append(degree)
+    return degrees, refused
+
+
+def context_parallel_degrees(shape: ModelShape, request: PlanRequest) -> tuple[list[int], dict[int, str]]:
+    """The context-parallel degrees `distributed.context_parallel: auto` may choose, and why the other divisors of
+    the processes may not: a degree keeps the effective batch over the data-parallel processes and breaks no rule of
+    the lever table with the fixed fields (a strategy that sums the group's gradients, no tensor parallel or
+    stages); where it does not divide the attention heads it is ring attention, CUDA only
+    (`ParallelDims.context_problem`); each process keeps at least one position of each of its two chunks. 1 is
+    always among them unless the request fixes another degree."""
+    if request.context_parallel is not None:
+        problem = request.dims.context_problem(shape.heads, request.device)
+        if problem:
+            raise MemoryConfigError(f"distributed.context_parallel: {problem}")
+        return [request.context_parallel], {}
+    degrees, refused = [1], {}
+    for degree in sorted(divisors(request.num_processes)):
+        if degree == 1:
+            continue
+        problem = request.dims.with_cp(degree).context_problem(shape.heads, request.device)
+        if problem is None and request.seq_len < 2 * degree:
+            problem = f"rows of {request.seq_len} positions cannot give each of {degree} processes two chunks"
+        if problem is None:
+            try:  # the request checks the batch rule and the lever table's rules for the degree
+                candidate = replace(request, context_parallel=degree)
+                found = lever_table.problems(_combination(candidate))
+                problem = found[0] if found else None
+            except ValueError as exc:
+                problem = str(exc).split(": ", 1)[-1]
+        if problem:
+            refused[degree] = problem
+        else:
+            degrees.append(degree)
     return degrees, refused
 
 
@@ -429,7 +479,7 @@ def pipeline_degrees(shape: ModelShape, request: PlanRequest) -> tuple[list[int]
     degrees, refused = [], {}
     for degree in sorted(divisors(n)):
         if degree == 1:
-            if request.strategy == "none" and n > 1:
+            if request.dims.alone and n > 1:
                 refused[1] = f"strategy none: {n} processes are pipeline stages (data parallel needs ddp, fsdp or auto)"
             else:
                 degrees.append(1)
@@ -444,7 +494,7 @@ def pipeline_degrees(shape: ModelShape, request: PlanRequest) -> tuple[list[int]
 
 def _stages_problem(shape: ModelShape, request: PlanRequest, degree: int) -> str | None:
     """Why `degree` pipeline stages over the request's processes cannot train (None: they can)."""
-    if degree < request.num_processes and request.strategy == "none":
+    if degree < request.num_processes and request.dims.alone:
         return "strategy none: every process is a stage (data parallel beside the stages needs ddp or fsdp)"
     if degree > shape.num_layers:
         return f"{degree} stages need a decoder layer each; the model has {shape.num_layers}"
@@ -463,7 +513,7 @@ def as_pipeline(request: PlanRequest, degree: int) -> PlanRequest:
     """The request with `degree` pipeline stages: the request's own strategy for 1 and for stages with data
     parallel beside them (ddp, fsdp, or auto: the search then tries both over each stage's processes), strategy
     none where every process is a stage."""
-    alone = degree > 1 and (request.strategy == "none" or degree == request.num_processes)
+    alone = degree > 1 and (request.dims.alone or degree == request.num_processes)
     return replace(request, pipeline_parallel=degree, strategy="none" if alone else request.strategy)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fulltune import levers
+from fulltune.memory import parallelism
 from fulltune.memory.pipeline import per_stage
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import Settings
@@ -114,10 +115,10 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
     per micro-batch. Under tensor parallel each rank computes 1/T of every matmul and waits for the TP
     group's collectives (`tensor_parallel_seconds`).
     """
-    if settings.pipeline_parallel > 1:  # the slowest stage through the fill, the steady state and the drain
-        return pipeline_step_seconds(shape, per_stage(settings), settings.pipeline_parallel)[0]
+    if parallelism.rank_kind(settings) is parallelism.PIPELINE:  # the slowest stage through the fill, the steady
+        return pipeline_step_seconds(shape, per_stage(settings), settings.pipeline_parallel)[0]  # state, the drain
     compute = compute_seconds(shape, settings)
-    shard = settings.num_processes if settings.strategy in ("fsdp", "deepspeed_zero2", "deepspeed_zero3") else 1
+    shard = parallelism.optimizer_shards(settings)
     record = OPTIMIZERS_BY_NAME[settings.optimizer]
     traffic = (CPU_OPTIMIZER_TRAFFIC if settings.device == "cpu" else OPTIMIZER_TRAFFIC)[settings.optimizer]
     if settings.pure_bf16:  # bf16 weights, gradients and (adamw) states: half the traffic, plus Kahan's buffer
@@ -128,7 +129,8 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
     if settings.offload_optimizer:
         optimizer = 0.0
     seconds = (compute + optimizer) * OPTIMIZER_PENALTY[settings.optimizer] + sum(lever_seconds(shape, settings).values())
-    seconds += tensor_parallel_seconds(shape, settings)
+    for traffic in parallelism.traffic(shape, settings):
+        seconds += traffic_seconds(traffic, settings.device)
     correction = STEP_TIME_CORRECTION.get()
     return seconds * correction(settings) if correction is not None else seconds
 
@@ -144,9 +146,12 @@ def compute_seconds(shape: ModelShape, settings: Settings) -> float:
     # The layers' share of the per-token FLOPs (all but the final norm), a third of it per forward.
     per_token += RECOMPUTE_OVERHEAD * (k / shape.num_layers) * (c.per_token + c.per_pair * s) / 3.0
     tokens = b * s
-    efficiency = tokens / (tokens + HALF_EFFICIENCY_TOKENS[settings.device])
+    # Context parallel: each rank computes its s/N positions of every row (the zigzag balances attention's pairs).
+    local = tokens / settings.context_parallel
+    efficiency = local / (local + HALF_EFFICIENCY_TOKENS[settings.device])
     flops = _flops(settings.device, settings.mixed_precision)
-    return settings.gradient_accumulation_steps * tokens * per_token / (flops * efficiency * settings.tensor_parallel)
+    return settings.gradient_accumulation_steps * tokens * per_token / (
+        flops * efficiency * settings.tensor_parallel * settings.context_parallel)
 
 
 # Measured corrections of this model for the machine at hand: a factor per kind of step, set by
@@ -156,14 +161,25 @@ STEP_TIME_CORRECTION: contextvars.ContextVar[Callable[[Settings], float] | None]
     "step_time_correction", default=None)
 
 
+def traffic_seconds(traffic: parallelism.Traffic, device: str) -> float:
+    """Step time of a kind's collectives (`parallelism.Traffic`) over its link, not overlapped with compute: its
+    bytes at the link's bandwidth (`LINK_BYTES_PER_S`) and a fixed cost per collective."""
+    return traffic.bytes / LINK_BYTES_PER_S[traffic.link][device] + traffic.count * COLLECTIVE_SECONDS[device]
+
+
 def tensor_parallel_seconds(shape: ModelShape, settings: Settings) -> float:
     """Step time of tensor parallel's collectives over the TP group (memory/tensor_parallel.py counts them:
-    the blocks' all-gathers, reduce-scatters and all-reduces of the stream, the logits' all-gather), not
-    overlapped with compute; 0 without tensor parallel."""
-    from fulltune.memory.tensor_parallel import collectives
+    the blocks' all-gathers, reduce-scatters and all-reduces of the stream, the logits' all-gather); 0 without
+    tensor parallel."""
+    return sum(traffic_seconds(t, settings.device) for t in parallelism.traffic(shape, settings)
+               if t.link == parallelism.TENSOR_PARALLEL.name)
 
-    traffic = collectives(shape, settings)
-    return traffic.bytes / TP_BYTES_PER_S[settings.device] + traffic.count * COLLECTIVE_SECONDS[settings.device]
+
+def context_parallel_seconds(shape: ModelShape, settings: Settings) -> float:
+    """Step time of context parallel's all-to-alls (Ulysses) or ring sends (`parallelism.ContextParallel.traffic`),
+    at the assumed `CP_BYTES_PER_S`, not overlapped with compute; 0 without context parallel."""
+    return sum(traffic_seconds(t, settings.device) for t in parallelism.traffic(shape, settings)
+               if t.link == parallelism.CONTEXT_PARALLEL.name)
 
 
 def lever_seconds(shape: ModelShape, settings: Settings) -> dict[str, float]:
@@ -275,6 +291,12 @@ def _lever_host_traffic(shape: ModelShape, settings: Settings) -> float:
 # constants: GPUs without NVLink, or on two machines, move ~25 GB/s (PCIe 4.0 x16, a 200 Gb/s NIC); gloo
 # between two CPU processes of one machine copies through loopback TCP.
 P2P_BYTES_PER_S = {"cuda": 25e9, "cpu": 2e9}
+# Each kind's link (`parallelism.Traffic.link`) and its bandwidth per device.
+# Context parallel's all-to-alls (Ulysses) or ring sends run inside one machine, as tensor parallel's collectives
+# do: the same assumed bandwidth (NVLink; gloo between CPU processes), not overlapped with compute.
+CP_BYTES_PER_S = TP_BYTES_PER_S
+LINK_BYTES_PER_S = {parallelism.TENSOR_PARALLEL.name: TP_BYTES_PER_S, parallelism.PIPELINE.name: P2P_BYTES_PER_S,
+                    parallelism.CONTEXT_PARALLEL.name: CP_BYTES_PER_S}
 
 
 def pipeline_step_seconds(shape: ModelShape, settings: Settings, num_stages: int) -> tuple[float, float]:
@@ -287,7 +309,6 @@ def pipeline_step_seconds(shape: ModelShape, settings: Settings, num_stages: int
     stage's optimizer pass; each slot also sends one (b, s, h) activation forward and one gradient back
     (`P2P_BYTES_PER_S`).
     """
-    from fulltune.memory.activations import stream_bytes
     from fulltune.memory.pipeline import stage_settings, stage_shape
 
     M, P = settings.gradient_accumulation_steps, num_stages
@@ -298,8 +319,8 @@ def pipeline_step_seconds(shape: ModelShape, settings: Settings, num_stages: int
         two = step_seconds(sub, replace(ss, gradient_accumulation_steps=2))
         per_micro_batch.append(two - one)
         optimizer.append(max(one - (two - one), 0.0))
-    activation = stream_bytes(settings) * settings.micro_batch_size * settings.seq_len * shape.hidden
-    send = (2 * activation / P2P_BYTES_PER_S[settings.device]) if P > 1 else 0.0
+    sends = parallelism.PIPELINE.slot_traffic(shape, settings)
+    send = (sends.bytes / LINK_BYTES_PER_S[sends.link][settings.device]) if P > 1 else 0.0
     slots = M + P - 1
     return slots * (max(per_micro_batch) + send) + max(optimizer), slots * send
 

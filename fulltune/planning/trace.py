@@ -108,7 +108,7 @@ def timed_train_steps(model: Any, optimizer: Any, settings: Settings, steps: int
 
 
 def _check_single_process(settings: Settings) -> None:
-    if settings.strategy != "none" or settings.num_processes != 1:
+    if not settings.dims.alone or settings.num_processes != 1:
         raise MemoryConfigError(
             "simulate_memory/measure_memory run one process; use strategy='none' and num_processes=1 "
             "(the analytic estimate covers ddp and fsdp)"

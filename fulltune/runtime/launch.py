@@ -91,9 +91,9 @@ TrainOptions = create_model(
     __doc__="The pipeline's `train:` section without PLANNED_TRAIN_KEYS: the optimisation the plan does not decide.",
     **{name: (info.annotation, info) for name, info in spec.TrainSpec.model_fields.items()
        if name not in PLANNED_TRAIN_KEYS})
-# The distributed.* key the memory plan resolves (`auto` becomes a degree): the plan's tensor_parallel is the
-# job's one copy of it, read through `TrainJob.dims`.
-PLANNED_DISTRIBUTED_KEYS = ("tensor_parallel",)
+# The distributed.* keys the memory plan resolves (`auto` becomes a degree): the plan's tensor_parallel and
+# context_parallel are the job's one copy of them, read through `TrainJob.dims`.
+PLANNED_DISTRIBUTED_KEYS = ("tensor_parallel", "context_parallel")
 DistributedOptions = create_model(
     "DistributedOptions", __base__=Strict, __module__=__name__,
     __doc__="The pipeline's `distributed:` section without PLANNED_DISTRIBUTED_KEYS: how the processes start.",
@@ -148,7 +148,9 @@ class TrainJob(Strict):
     @property
     def dims(self) -> ParallelDims:
         """How the job's processes split the work; the plan checked the degrees against the processes."""
-        return ParallelDims(self.distributed.num_processes, self.plan.tensor_parallel, self.distributed.pipeline_parallel)
+        distributed = self.distributed
+        return ParallelDims(distributed.num_processes, self.plan.tensor_parallel, distributed.pipeline_parallel,
+                            distributed.strategy, self.plan.context_parallel)
 
     def to_json(self) -> str:
         """JOB.json: one object per section, indented for a person to read."""
@@ -366,7 +368,7 @@ def generate_accelerate_config(job: TrainJob) -> dict[str, Any]:
             raise ConfigError(f"distributed.num_machines > 1: set {' and '.join(missing)} on every machine")
         config["main_process_ip"] = os.environ["MASTER_ADDR"]
         config["main_process_port"] = int(os.environ["MASTER_PORT"])
-    if distributed.strategy == "fsdp":
+    if job.dims.fsdp_enabled:
         # FSDP2, one unit per transformer block (accelerate falls back to the model's `_no_split_modules`);
         # sharded checkpoints keep save_state cheap; activation recompute stays with fulltune (k of L layers).
         config["fsdp_config"] = {
@@ -383,17 +385,17 @@ def generate_accelerate_config(job: TrainJob) -> dict[str, Any]:
 
 def training_command(job: TrainJob, job_file: Path) -> list[str]:
     """The command line that runs the child (see the module docstring)."""
-    distributed = job.distributed
-    if distributed.num_processes == 1 and distributed.strategy == "none":
+    distributed, dims = job.distributed, job.dims
+    if dims.world_size == 1 and dims.alone:
         return [sys.executable, "-m", "fulltune.runtime.train", str(job_file)]
-    if distributed.strategy in ("ddp", "fsdp"):
+    if not dims.alone:
         from fulltune.runtime.rendezvous import launch_command
 
         # several machines: c10d
         command = launch_command(job_file, distributed.num_processes, distributed.num_machines)
         if command is not None:
             return command
-    if job.plan.device == "cpu" or distributed.strategy == "fsdp" or distributed.pipeline_parallel > 1:
+    if job.plan.device == "cpu" or dims.fsdp_enabled or dims.pp_enabled:
         # FSDP shards the model itself (fulltune/runtime/sharding.py) on CPU and CUDA alike; pipeline stages
         # are built by the trainer (fulltune/runtime/pipeline_parallel.py).
         # `accelerate launch --cpu --num_processes 2` ran a single process (accelerate 1.x);
@@ -439,7 +441,7 @@ def _train_in_child(job: TrainJob, output_dir: Path, on_output: Callable[[str], 
         (output_dir / stale).unlink(missing_ok=True)
     job_file = output_dir / JOB_FILE
     atomic_write_text(job_file, job.to_json())
-    if job.plan.device == "cuda" and job.distributed.strategy not in ("none", "fsdp"):
+    if job.plan.device == "cuda" and job.dims.ddp_enabled:
         atomic_write_text(output_dir / ACCELERATE_CONFIG_FILE, yaml.safe_dump(generate_accelerate_config(job)))
 
     code, tail = run_child(training_command(job, job_file), on_output, env)

@@ -56,7 +56,7 @@ from fulltune.runtime.faults import TrainHooks, hooks_from_env
 from fulltune.storage import atomic_dir, atomic_write_text
 from fulltune.runtime.loss import TargetHead
 from fulltune.runtime import allocator
-from fulltune.runtime import pipeline_parallel, step_memory
+from fulltune.runtime import context_parallel, parallelize, pipeline_parallel, step_memory
 from fulltune.runtime.step_memory import StepMemory
 from fulltune.runtime.pipeline_parallel import PipelineRun
 from fulltune.runtime.step import OptimizerStep, StepOutcome, StepParts, run_step
@@ -121,6 +121,7 @@ class TrainingRun:
     flops: flops.FlopCoefficients  # of the model, for MFU (fulltune/memory/flops.py)
     pipeline: PipelineRun | None = None  # this process's pipeline stage and its schedule (pipeline_parallel > 1)
     model_config: Any = None  # the whole model's transformers config (the memory estimate per rank reads it)
+    context: Any = None  # context_parallel.ContextParallel: this process's share of each row (context_parallel > 1)
     # train.checkpoint_async: writes step checkpoints in the background (fulltune/runtime/async_checkpoints.py)
     checkpoint_writer: AsyncCheckpointWriter | None = None
 
@@ -165,7 +166,7 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
     """
     if job.plan.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("budget.device: cuda was planned but this machine has no usable CUDA device")
-    if job.distributed.strategy == "fsdp" and job.plan.offload_optimizer and "WORLD_SIZE" in os.environ:
+    if job.dims.fsdp_enabled and job.plan.offload_optimizer and "WORLD_SIZE" in os.environ:
         # FSDP's CPU offload reduces the gradient norm over host shards: gloo beside NCCL (fulltune/runtime/sharding.py).
         sharding.init_process_group(job.plan.device, cpu_offload=True)
     # The scheduler steps once per optimizer step: total_steps already counts every process's
@@ -181,12 +182,14 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
     model_layers = config.num_hidden_layers
     hooks = hooks or TrainHooks()
     pipeline = None
-    if job.distributed.pipeline_parallel > 1:  # this process keeps its stage only (fulltune/runtime/pipeline_parallel.py)
+    if job.dims.pp_enabled:  # this process keeps its stage only (fulltune/runtime/pipeline_parallel.py)
         pipeline = pipeline_stage(job, model, head, int(data.lengths.max()), accelerator.device,
                                   pad_token_id_of(tokenizer), hooks)
         model = pipeline.stage
     optimizer = build_optimizer(job, model)
     scheduler = build_scheduler(job, optimizer, total_steps)
+    if job.train.compile and job.dims.cp_enabled:
+        raise ConfigError("train.compile: context-parallel attention is not compiled (yet); set compile to false")
     if job.train.compile:
         model = head.compile(model)
     model, optimizer, scheduler = prepare(job, accelerator, model, optimizer, scheduler)
@@ -195,6 +198,7 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
                        head, optimizer, scheduler, OptimizerStep(accelerator, model, optimizer, scheduler,
                                                                  job.train.max_grad_norm),
                        hooks, use_cache, checkpointed, model_layers, coefficients, pipeline, config,
+                       context_parallel.active() if job.dims.cp_enabled else None,
                        AsyncCheckpointWriter() if job.train.checkpoint_async else None)
 
 
@@ -216,8 +220,7 @@ def pipeline_stage(job: TrainJob, model: torch.nn.Module, head: TargetHead, leng
     head.remove()
     try:
         return PipelineRun.create(model, job.plan, schedule=distributed.pipeline_schedule, length=length,
-                                  device=device, pad_token_id=pad_token_id, hooks=hooks, dims=job.dims,
-                                  data_parallel=distributed.strategy)
+                                  device=device, pad_token_id=pad_token_id, hooks=hooks, dims=job.dims)
     except ValueError as exc:
         raise ConfigError(f"{pipeline_parallel.FIELD}: {exc}") from None
 
@@ -270,16 +273,17 @@ def load_model_with_levers(job: TrainJob) -> tuple[torch.nn.Module, Any, tuple[i
         built["levers"] = apply_levers(job, model)
         built["flops"] = flops.from_model(model)  # counts parameters: works on an empty model too
 
-    if job.distributed.strategy == "fsdp" and job.distributed.pipeline_parallel == 1:  # stages: their own FSDP
-        # With distributed.tensor_parallel > 1: the TP plan on each block, then FSDP over the data-parallel
-        # processes (fulltune/runtime/parallel.py).
-        model = sharding.load_sharded_model(job.paths.model_path, device=job.plan.device,
-                                            mixed_precision=job.plan.mixed_precision, before_shard=before_shard,
-                                            dims=job.dims,
-                                            offload=job.plan.offload_optimizer, **options)
+    if parallelize.sharded_load(job.dims):  # FSDP, or tensor parallel's plan then FSDP over "dp"
+        plan = job.plan
+        model = sharding.load_sharded_model(
+            job.paths.model_path, device=plan.device, mixed_precision=plan.mixed_precision, before_shard=before_shard,
+            shard=lambda empty: parallelize.apply(empty, job.dims, plan.device, plan.mixed_precision,
+                                                  plan.offload_optimizer),
+            offload=plan.offload_optimizer, **options)
     else:
         model = load_model(job.paths.model_path, **options)
         before_shard(model)
+        parallelize.apply(model, job.dims, job.plan.device, job.plan.mixed_precision, job.plan.offload_optimizer)
     return model, built["use_cache"], built["levers"], built["flops"]
 
 
@@ -314,7 +318,7 @@ def build_scheduler(job: TrainJob, optimizer: Any, total_steps: int) -> Any:
 def prepare(job: TrainJob, accelerator: Accelerator, model: torch.nn.Module, optimizer: Any,
             scheduler: Any) -> tuple[torch.nn.Module, Any, Any]:
     """accelerate's prepare, minus what the levers and FSDP2 keep to themselves."""
-    if sharding.is_sharded(model) or job.distributed.pipeline_parallel > 1:
+    if sharding.is_sharded(model) or job.dims.pp_enabled:
         # FSDP2's model and optimizer, or a pipeline stage's, stay out of prepare (see setup).
         return model, optimizer, accelerator.prepare(scheduler)
     if job.plan.offload_optimizer:
@@ -338,10 +342,12 @@ def train_step(run: TrainingRun, step_rows: np.ndarray, step: int) -> StepOutcom
     def micro_batches() -> Iterator[tuple[dict[str, Any], Any]]:
         for index in range(plan.gradient_accumulation_steps):
             rows = StepSchedule.micro_batch(step_rows, index, run.data_rank, micro, processes)
-            yield micro_batch_inputs(run.data, rows, run.pad_token_id, accelerator.device)
+            batch = micro_batch_inputs(run.data, rows, run.pad_token_id, accelerator.device)
+            # Context parallel: this process's share of the rows' positions and their targets.
+            yield run.context.shard(*batch) if run.context is not None else batch
 
     outcome = run_step(run.step_parts, micro_batches(), step, int(run.data.targets[step_rows].sum()))
-    if run.job.dims.tp > 1:  # the step's loss was summed over every process of a tp group too
+    if run.job.dims.tp_enabled:  # the step's loss was summed over every process of a tp group too
         outcome.loss_sum = outcome.loss_sum / run.job.dims.tp
     return outcome
 
@@ -464,6 +470,8 @@ def announce(run: TrainingRun, resumed_from: int | None) -> None:
     job = run.job
     stages = job.distributed.pipeline_parallel
     pipeline = f" × {stages} pipeline stages ({job.distributed.pipeline_schedule})" if stages > 1 else ""
+    if run.context is not None:  # the processes above share their rows with their context-parallel group
+        pipeline += f" × context parallel {run.context.degree} ({run.context.method})"
     print(f"fulltune train: {len(run.data)} rows, {run.schedule.per_epoch} optimizer steps per epoch, "
           f"{run.total_steps} steps of {job.plan.micro_batch_size} micro × {job.plan.gradient_accumulation_steps} "
           f"accumulation × {run.processes} processes{pipeline}; gradient checkpointing {run.checkpointed_layers}/"

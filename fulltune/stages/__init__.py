@@ -53,7 +53,7 @@ STAGE_CODE = {
                 "levers.py", "optimizers.py", "degrees.py", "hub.py", "storage.py", "sizes.py", "pipelines_file.py"),
     # A run trained sharded evaluates sharded, in children the training's launch path starts (evaluation/sharded.py).
     EVALUATE: ("evaluation", "runtime/loss.py", "runtime/launch.py", "runtime/sharding.py", "runtime/parallel.py",
-               "runtime/checkpointing.py", "memory/head.py", "data", "models.py", "hub.py", "degrees.py", "storage.py",
+               "runtime/context_parallel.py", "runtime/checkpointing.py", "memory/head.py", "data", "models.py", "hub.py", "degrees.py", "storage.py",
                "tracking/registry.py", "tracking/gates.py"),
     REGISTER: ("tracking/registry.py", "tracking/gates.py", "evaluation/evaluate.py"),
 }
@@ -404,13 +404,17 @@ def check_model_split(p: ResolvedPipeline, config: Any) -> None:
     """Refuse a `distributed.tensor_parallel` that does not split the model's attention heads, key/value heads
     or MLP width evenly (`degrees.ParallelDims`), naming the field, before anything trains. With auto the
     planner tries only the degrees that split them. Pipeline stages need a decoder layer each and an untied head
-    (`runtime.pipeline_parallel.check_model_config`)."""
+    (`runtime.pipeline_parallel.check_model_config`). A `distributed.context_parallel` that does not divide the
+    attention heads is ring attention, refused on a CPU device (`ParallelDims.check_context`)."""
     from fulltune.runtime import pipeline_parallel
 
     stages = p.spec.distributed.pipeline_parallel
     if stages != "auto":  # auto: the planner tries only the numbers of stages that split the model
         pipeline_parallel.check_model_config(config, stages, f"pipelines.{p.name}.")
-    p.spec.distributed.dims.check_split(config, f"pipelines.{p.name}.")
+    dims = p.spec.distributed.dims
+    dims.check_split(config, f"pipelines.{p.name}.")
+    device = p.spec.budget.device
+    dims.check_context(config, None if device == "auto" else device, f"pipelines.{p.name}.")
 
 
 def _split_problems(p: ResolvedPipeline) -> list[str]:
@@ -420,7 +424,8 @@ def _split_problems(p: ResolvedPipeline) -> list[str]:
 
     model = p.spec.model
     dims = p.spec.distributed.dims
-    if (dims.tp in (None, 1) and dims.pp == 1) or (model.from_config is None and is_hub(model.name_or_path)):
+    if (dims.tp in (None, 1) and dims.pp == 1 and not dims.cp_enabled) or (
+            model.from_config is None and is_hub(model.name_or_path)):
         return []
     try:
         check_model_split(p, read_model_config(model))

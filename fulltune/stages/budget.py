@@ -109,7 +109,7 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None, 
     from fulltune.memory.process import tokenized_data_host
 
     d, data = p.spec.distributed, data if data is not None else cached_tokenized(p)[0]
-    plan = replace(plan, data_host=tokenized_data_host(data, max(d.num_processes // d.num_machines, 1), plan.settings))
+    plan = replace(plan, data_host=tokenized_data_host(data, d.dims.per_machine(d.num_machines), plan.settings))
     table = format_plan_table(plan)
     as_json = plan.to_dict()
     if picture is not None:
@@ -385,7 +385,7 @@ def _epoch_seconds(p: ResolvedPipeline, tokenizer: str, packing: bool, rows: int
     from fulltune.planning.strategy import choices
 
     t, d, device = p.spec.train, p.spec.distributed, resolved_device(p)
-    processes = d.num_processes // d.dims.pp  # the stages of a pipeline share its rows and time (auto: as read)
+    processes = d.dims.per_stage().world_size  # the stages of a pipeline share its rows and time (auto: as read)
     shape = model_shape(read_model_config(p.spec.model, _planned_vocab(p, tokenizer)))
     precision = t.mixed_precision if t.mixed_precision != "auto" else ("bf16" if device == "cuda" else "no")
     settings = Settings(
