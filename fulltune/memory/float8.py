@@ -87,7 +87,7 @@ def float8_all_gather(settings: Any) -> bool:
     """Whether FSDP2 gathers the converted weights in float8 (torchao's `enable_fsdp_float8_all_gather`): under
     strategy fsdp on GPUs with the `tensorwise` recipe (torchao has no float8 gather for `rowwise` scales; gloo
     cannot move float8 tensors; FSDP's CPU offload keeps the shards on the host, where the cast would run)."""
-    return (settings.strategy == "fsdp" and settings.device == "cuda" and settings.float8_recipe == "tensorwise"
+    return (settings.dims.fsdp_enabled and settings.device == "cuda" and settings.float8_recipe == "tensorwise"
             and not settings.offload_optimizer)
 
 

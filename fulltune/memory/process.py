@@ -138,7 +138,7 @@ def checkpoint_staging_bytes(shape: ModelShape, settings: Settings) -> int:
     levers = lever_bytes(shape, settings)
     if levers.sharded_offload:  # FSDP's CPU offload: the host shards are the parameters
         return levers.host_masters + levers.host_states
-    share = 1.0 / settings.num_processes if settings.strategy == "fsdp" else 1.0
+    share = 1.0 / settings.num_processes if settings.dims.fsdp_enabled else 1.0
     device = levers.weight_bytes * shape.num_params + levers.states
     return int(device * share) + levers.host_masters + levers.host_states
 
@@ -176,7 +176,7 @@ def node_host_bytes(shape: ModelShape, settings: Settings, rank_host: int, ranks
     """
     levers = lever_bytes(shape, settings)
     staged = checkpoint_staging_bytes(shape, settings)
-    checkpoint = staged * (ranks_per_node if settings.strategy == "fsdp" else 1)
+    checkpoint = staged * (ranks_per_node if settings.dims.fsdp_enabled else 1)
     shards = (rank_host - staged) * ranks_per_node
     grads = int(levers.weight_bytes * shape.num_params / settings.num_processes) if levers.sharded_offload else 0
     pinned = (levers.pinned + grads) * ranks_per_node

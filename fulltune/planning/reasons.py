@@ -267,7 +267,7 @@ def checkpoint_reasons(shape: ModelShape, chosen: Candidate) -> list[str]:
     staged = checkpoint_staging_bytes(shape, s)
     if not staged:
         return []
-    writers = "each process copies its shards" if s.strategy == "fsdp" else "the main process copies them"
+    writers = "each process copies its shards" if s.dims.fsdp_enabled else "the main process copies them"
     if s.device == "cpu":
         where = (f"in the device's memory beside the steps that run while it is written: checkpoint phase "
                  f"{format_bytes(chosen.estimate.phases[CHECKPOINT])}")
