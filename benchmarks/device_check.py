@@ -27,7 +27,10 @@ and which of estimate and trace is right on CUDA is settled. Then:
   (`eval_memory.device_case`): peak allocated against the memory model and the budget;
 - context parallel over NCCL (`context_parallel_case`, 2 GPUs): Ulysses and ring attention (PyTorch's
   `context_parallel`, CUDA only: 3 heads over 2 processes) against one process, loss and gradients of one
-  micro-batch (tests/context_parallel_worker.py --cuda); on one GPU it says so and measures nothing.
+  micro-batch (tests/context_parallel_worker.py --cuda); on one GPU it says so and measures nothing;
+- float8 training (`train.float8`, needs torchao and a GPU with float8 tensor cores): tokens/s of bf16 against
+  float8 tensorwise and rowwise with the same plan, compiled and eager, each peak against the estimate
+  (benchmarks/float8_check.py `float8_case`).
 
 Usage (a few minutes on one H100/H200; each case is independent and a failing one is reported, not fatal):
     python -m benchmarks.device_check --out device_check.json
@@ -52,7 +55,7 @@ from fulltune.memory.flops import peak_flops
 from fulltune.memory import Settings, estimate_memory, flops_per_token
 from fulltune.planning import measure_memory, simulate_memory
 from fulltune.runtime import optim
-from fulltune.planning.trace import build_model, make_batch, measure_cuda, quiet, train_steps
+from fulltune.planning.trace import build_model, make_batch, measure_cuda, quiet, timed_train_steps
 from fulltune.memory.units import format_bytes
 from benchmarks.host_params_check import fsdp_offload_case, host_param_lines, pct, safely
 
@@ -167,20 +170,11 @@ def _peak_flops(device_name: str, override: float | None) -> float:
 
 def mfu_case(config: Any, settings: Settings, steps: int, peak: float) -> dict[str, Any]:
     """Tokens/s and MFU of `steps` optimizer steps after one warm-up step."""
-    import torch
-
     device = settings.device
     with quiet():
         model = build_model(config, settings).to(device)
         optimizer = optim.optimizer_for(model, settings)
-        train_steps(model, optimizer, settings, 1, device)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        train_steps(model, optimizer, settings, steps, device)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - started
+        seconds = timed_train_steps(model, optimizer, settings, steps, device)
     tokens = steps * settings.micro_batch_size * settings.gradient_accumulation_steps * settings.seq_len
     rate = tokens / seconds
     achieved = rate * flops_per_token(config, settings.seq_len)
@@ -300,6 +294,10 @@ def run(dry_run: bool, peak_tflops: float | None, mfu_steps: int, offload_steps:
     # The dry run measures two candidates (each a training child): enough to check the comparison's wiring.
     report["autotune"] = safely("autotune", gpu_check, dry_run, candidates=2 if dry_run else 3)
     print("[autotune] done", file=sys.stderr, flush=True)
+    from benchmarks.float8_check import float8_case  # bf16 against float8 with the same plan: speed and peak
+
+    report["float8"] = float8_case(dry_run)
+    print("[float8] done", file=sys.stderr, flush=True)
     return report
 
 
@@ -347,6 +345,9 @@ def summary(report: dict[str, Any]) -> str:
                      f" (scale {scales}){memory}")
     lines.extend(host_param_lines(report.get("fsdp_offload") or {}))
     lines.append(f"context parallel 2 against one process (relative differences): {report.get('context_parallel')}")
+    from benchmarks.float8_check import float8_lines
+
+    lines.extend(float8_lines(report.get("float8") or {}))
     return "\n".join(lines)
 
 

@@ -28,14 +28,18 @@ make would satisfy it — the planner, which fills the `auto` fields, keeps only
                                                                                   FSDP on cuda (unmeasured)
     offload_optimizer      masters, gradients and states in host RAM              one process, or FSDP on
                                                                                   cuda (CPUOffloadPolicy)
+    float8                 the decoder linears' matmuls in float8 (torchao)       torchao; bf16 or fp32; not
+                           (a step-time lever: `auto` is decided by the GPU,      tensor parallel or pipeline
+                           never by memory)                                       stages; not CPU autocast
 
 Context parallel (`distributed.context_parallel` > 1) runs every lever over fsdp or ddp, not beside tensor parallel
 or pipeline stages (`_context_parallel_rules`).
 
 Pipeline stages (`distributed.pipeline_parallel` > 1, fulltune/runtime/pipeline_parallel.py) run the chunked
 loss and pure bf16, not the step in backward or the offloads (each record's `pipeline_refusal`), nor fp16's grad
-scaler; 1F1B needs a micro-batch per stage. Data parallel beside them (num_processes = pipeline_parallel × dp,
-strategy fsdp or ddp over each stage's dp processes) trains, except with the chunked loss.
+scaler nor background checkpoint writes (`train.checkpoint_async`); 1F1B needs a micro-batch per stage. Data
+parallel beside them (num_processes = pipeline_parallel × dp, strategy fsdp or ddp over each stage's dp processes)
+trains, except with the chunked loss.
 """
 
 from __future__ import annotations
@@ -68,13 +72,15 @@ class Lever:
     """One memory lever: the `train.<name>` key and what the engine says and does about it.
 
     `sentence(settings)`: what the plan says it does, for the settings that run it. `cost(settings, step)`: the
-    seconds it adds to one optimizer step, from the step-time model's terms (`step`: fulltune/planning/step_time.py
+    seconds it adds to one optimizer step (negative for a lever that saves time), from the step-time model's terms (`step`: fulltune/planning/step_time.py
     `StepCosts`: throughputs, link speeds, the model's size), or `NoAddedTime(why)`. `slow`: it moves tensors
     between host and device every step, so on a CPU device (host RAM is the device's memory) it saves nothing and
     the planner never chooses it there, and a plan that fits only with it hears what pipeline stages would do
     instead. `pipeline_refusal`: why pipeline stages do not run it (None: they do). `apply`: the runtime function
     ("module:function", called as function(model, settings)) that changes the model for it, or None when its
-    code path is the optimizer's or the loss's.
+    code path is the optimizer's or the loss's. `auto`: for a lever that saves no memory, what `auto` means, a
+    function of the plan request (`fulltune.memory.PlanRequest`) saying whether it is on (`decided`); None: the
+    planner turns it on only when memory requires it, cheapest first.
     """
 
     name: str
@@ -84,6 +90,7 @@ class Lever:
     slow: bool = False
     pipeline_refusal: str | None = None
     apply: str | None = None
+    auto: Callable[[Any], bool] | None = None
 
 
 def _pure_bf16_sentence(s: Any) -> str:
@@ -135,8 +142,38 @@ def _offload_activations_seconds(s: Any, step: Any) -> float:
             / step.pcie_bytes_per_s)
 
 
+def _float8_seconds(s: Any, step: Any) -> float:
+    """The converted linears' matmuls at float8's throughput (a multiple of bf16's) instead of the step's precision's
+    (negative: time saved)."""
+    precision = "bf16" if s.pure_bf16 else s.mixed_precision
+    return step.float8_matmul_flops * (1 / (step.flops("bf16") * step.float8_speedup) - 1 / step.flops(precision))
+
+
+def _float8_auto(request: Any) -> bool:
+    """`float8: auto`: on where it is a step-time lever: a GPU with float8 tensor cores (compute capability ≥ 8.9),
+    a compiled step (eager, torchao's casts cost more than the float8 matmuls save: pytorch/ao#685) and torchao
+    installed; never on a CPU."""
+    return request.device == "cuda" and request.float8_supported and request.compile and _torchao_installed()
+
+
+def _torchao_installed() -> bool:
+    return importlib.util.find_spec("torchao") is not None
+
+
 # In the order the planner tries them: cheapest in step time first.
 TABLE: tuple[Lever, ...] = (
+    Lever("float8",
+          description="float8 training (torchao's convert_to_float8_training): the decoder layers' linears run their "
+                      "matmuls on float8 tensor cores with dynamic scales (train.float8_recipe); the output head, "
+                      "the embeddings and any linear whose dimensions are not multiples of 16 stay in their "
+                      "precision, and the plan names them. `auto`: on for a GPU with float8 tensor cores (compute "
+                      "capability ≥ 8.9) when the step is compiled (train.compile) and torchao is installed "
+                      "(pip install 'fulltune[lowbit]'); never on a CPU, never to save memory.",
+          sentence=lambda s: f"float8 matmuls in the decoder layers' linears ({s.float8_recipe} scales; the output "
+                             "head stays in its precision)",
+          cost=_float8_seconds,
+          pipeline_refusal="pipeline stages are not measured with float8 linears",
+          apply="fulltune.runtime.float8:convert_linears", auto=_float8_auto),
     Lever("chunked_loss",
           description="Compute the output head and cross-entropy in chunks of target positions and vocabulary, "
                       "recomputed in backward: no whole (targets × vocabulary) fp32 tensor.",
@@ -177,11 +214,19 @@ BY_NAME: dict[str, Lever] = {lever.name: lever for lever in TABLE}
 LEVERS = tuple(BY_NAME)
 # The order the `train:` section lists them (the YAML schema, the Prefect form) and `Settings` and `PlanRequest`
 # declare them: the order they were added in. A new lever goes last.
-FIELD_ORDER = ("pure_bf16", "optimizer_in_backward", "offload_optimizer", "offload_activations", "chunked_loss")
+FIELD_ORDER = ("pure_bf16", "optimizer_in_backward", "offload_optimizer", "offload_activations", "chunked_loss",
+               "float8")
 assert sorted(FIELD_ORDER) == sorted(LEVERS), "FIELD_ORDER names every lever of TABLE once"
 # What a pipeline stage does not run, and why: each is a rule of the table below.
 PIPELINE_REFUSED_LEVERS = {lever.name: lever.pipeline_refusal for lever in TABLE if lever.pipeline_refusal}
 SLOW_LEVERS = tuple(lever.name for lever in TABLE if lever.slow)
+
+
+def decided(request: Any) -> dict[str, bool | None]:
+    """A plan request's levers (name → True / False / None: auto) with the `auto` of each lever whose record says
+    what it means (`Lever.auto`) decided: what the planner's search starts from."""
+    return {name: BY_NAME[name].auto(request) if value is None and BY_NAME[name].auto else value
+            for name, value in request.levers().items()}
 
 
 def spec_fields() -> dict[str, Any]:
@@ -238,6 +283,7 @@ class Combination:
     device: str | None = None
     bf16_supported: bool | None = None
     compensation: str | None = None  # None: auto, the optimizer's default
+    checkpoint_async: bool = False
 
     def on(self, lever: str) -> bool:
         """The lever is turned on (not auto, not off)."""
@@ -323,6 +369,30 @@ def _compensation_rules() -> tuple[Rule, ...]:
     )
 
 
+def _float8_rules() -> tuple[Rule, ...]:
+    """`train.float8`: torchao installed; bf16 or fp32 compute (not fp16's grad scaler); not with tensor parallel;
+    on a CPU device not under one process's bf16 autocast, which torchao's float8 linear does not follow."""
+    return (
+        Rule(("train.float8",), lambda c: c.on("float8") and not _torchao_installed(),
+             "float8 training needs torchao: pip install 'fulltune[lowbit]'", installed=True),
+        Rule(("train.float8", "train.mixed_precision"), lambda c: c.on("float8") and c.mixed_precision == "fp16",
+             "torchao's float8 training runs beside bf16 or fp32, not fp16's loss scaling; set mixed_precision to "
+             "bf16, no or auto"),
+        Rule(("train.float8", "distributed.tensor_parallel"), lambda c: c.on("float8") and c.tensor_parallel_on,
+             "tensor parallel's plan splits the linears with DTensor styles that torchao's float8 linear needs its "
+             "own of (Float8ColwiseParallel, Float8RowwiseParallel), which fulltune does not apply; set "
+             "tensor_parallel to 1 or float8 to false"),
+        # torchao's Float8Linear reads CUDA's autocast state (torch.is_autocast_enabled()): under CPU autocast it
+        # keeps fp32 inputs and outputs, a step neither the memory model nor a GPU runs.
+        Rule(("train.float8", "train.mixed_precision", "budget.device"),
+             lambda c: c.on("float8") and c.device == "cpu" and c.mixed_precision == "bf16" and not c.on("pure_bf16")
+             and c.fixed_not_fsdp,
+             "on a CPU device torchao's float8 linear does not follow bf16 autocast (it reads CUDA's), so it "
+             "would run fp32 around its matmuls; use pure_bf16, mixed_precision no, or strategy fsdp (bf16 weights "
+             "without autocast) there"),
+    )
+
+
 def _stepped_by_hooks(lever: str, where: str, fsdp: str) -> Rule:
     """A lever that steps from gradient hooks, refused where several processes average their gradients
     outside FSDP (DDP): the hooks would run before the average."""
@@ -355,6 +425,10 @@ def _pipeline_rules() -> tuple[Rule, ...]:
         *_optimizer_rules("replicated_refusal", ("train.optimizer", "distributed.strategy",
                                                  "distributed.pipeline_parallel"),
                           lambda c: c.pipelined and c.strategy == "ddp" and c.num_processes > c.pipeline_parallel),
+        Rule(("train.checkpoint_async", "distributed.pipeline_parallel"),
+             lambda c: c.pipelined and c.checkpoint_async,
+             "pipeline stages write their checkpoints synchronously (their states are not staged for a background "
+             "write); set checkpoint_async to false or pipeline_parallel to 1"),
         Rule(("train.gradient_accumulation_steps", "distributed.pipeline_schedule"),
              lambda c: c.pipelined and c.pipeline_schedule == "1f1b"
              and c.gradient_accumulation_steps is not None and c.gradient_accumulation_steps < c.pipeline_parallel,
@@ -435,6 +509,7 @@ RULES: tuple[Rule, ...] = (
          lambda c: c.device == "cpu" and c.mixed_precision == "fp16",
          "fp16 needs a CUDA device; use bf16, no or auto on CPU"),
     *_requirement_rules(),
+    *_float8_rules(),
     *_optimizer_rules("fsdp_refusal", ("train.optimizer", "distributed.strategy"), lambda c: c.strategy == "fsdp"),
     *_optimizer_rules("offload_refusal", ("train.optimizer", "train.offload_optimizer"),
                       lambda c: c.on("offload_optimizer")),
@@ -475,7 +550,8 @@ def from_spec(pipeline: object) -> Combination:
         gradient_accumulation_steps=auto(train.gradient_accumulation_steps),
         implied_accumulation=_implied_accumulation(train, distributed),
         mixed_precision=auto(train.mixed_precision), gradient_checkpointing=auto(train.gradient_checkpointing),
-        device=auto(budget.device), compensation=auto(train.compensation))  # type: ignore[arg-type]
+        device=auto(budget.device), compensation=auto(train.compensation),  # type: ignore[arg-type]
+        checkpoint_async=train.checkpoint_async)
 
 
 def _implied_accumulation(train: object, distributed: object) -> int | None:
@@ -503,4 +579,5 @@ def from_settings(settings: object, bf16_supported: bool | None = None) -> Combi
         optimizer=s.optimizer, gradient_accumulation_steps=s.gradient_accumulation_steps,  # type: ignore[attr-defined]
         mixed_precision=s.mixed_precision, gradient_checkpointing=s.gradient_checkpointing,  # type: ignore[attr-defined]
         device=s.device, bf16_supported=bf16_supported,  # type: ignore[attr-defined]
-        compensation=None if s.compensation == "auto" else s.compensation)  # type: ignore[attr-defined]
+        compensation=None if s.compensation == "auto" else s.compensation,  # type: ignore[attr-defined]
+        checkpoint_async=s.checkpoint_async)  # type: ignore[attr-defined]

@@ -35,6 +35,7 @@ Device = Literal["cpu", "cuda"]
 MixedPrecision = Literal["bf16", "fp16", "no"]
 Optimizer = Literal[OPTIMIZERS]  # one record each in fulltune/optimizers.py
 Compensation = Literal[tuple(COMPENSATIONS)]  # how pure bf16 weights keep small updates (fulltune/optimizers.py)
+Float8Recipe = Literal["tensorwise", "rowwise"]  # torchao's float8 training recipes (fulltune/memory/float8.py)
 LrScheduler = Literal["cosine", "linear", "constant"]
 Strategy = Literal["none", "ddp", "fsdp", "auto"]
 PipelineSchedule = Literal["1f1b", "gpipe"]
@@ -220,6 +221,13 @@ class _TrainSpec(Strict):
     seed: int = Field(0, ge=0, description="Seed for initialisation, data order and the eval split.")
     checkpoint_every_steps: int = Field(50, ge=0, description="Save a resumable checkpoint every N steps (0: never).")
     keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept on disk.")
+    checkpoint_async: bool = Field(
+        False, description="Write step checkpoints in the background: the weights and optimizer states are "
+                           "copied to host RAM at the step boundary (counted in the plan's host RAM and its "
+                           "checkpoint phase) and training goes on while the copy is written; the checkpoint "
+                           "appears under its step name only once it is whole, and a run killed meanwhile "
+                           "resumes from the one before. One process, DDP and FSDP; not with pipeline stages."
+    )
     log_every_steps: int = Field(10, ge=1, description="Read the loss and log metrics every N optimizer steps.")
     compile: bool = Field(False, description="torch.compile the model.")
 
@@ -263,6 +271,10 @@ TrainSpec = create_model(
                             + ". `auto`: the optimizer's own ("
                             + ", ".join(f"{r.name} {r.default_compensation}" for r in OPTIMIZER_TABLE)
                             + "). The plan says which one runs and what it costs.")),
+    float8_recipe=(Float8Recipe, Field(
+        "tensorwise", description="How float8's matmuls scale their operands (torchao's recipes): `tensorwise`, one "
+                                  "scale per tensor (the fastest; under FSDP on GPUs the weights are gathered in "
+                                  "float8); `rowwise`, one per row (closer to bf16's accuracy, slower).")),
     max_nonfinite_steps=(int, Field(5, ge=1, description="Stop after this many non-finite losses in a row.")))
 
 

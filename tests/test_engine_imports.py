@@ -152,8 +152,9 @@ CIRCLES_ALLOWED: dict[frozenset[str], str] = {
         "the evaluate stage compares with the champion and runs sharded candidates, both reusing its metrics",
     frozenset({"fulltune.stages.budget", "fulltune.stages.tokenize"}):
         "`data.packing: auto` is decided by the budget stage's planning while tokenizing",
-    frozenset({"fulltune.runtime.step_checkpoints", "fulltune.runtime.train", "fulltune.runtime.train_metrics"}):
-        "annotations only: the checkpoints and the metrics read the trainer's `TrainingRun`",
+    frozenset({"fulltune.runtime.async_checkpoints", "fulltune.runtime.step_checkpoints", "fulltune.runtime.train",
+               "fulltune.runtime.train_metrics"}):
+        "annotations only: the checkpoints, their background writer and the metrics read the trainer's `TrainingRun`",
 }
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from fulltune.memory.float8 import converted, float8_all_gather
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.timeline import Persistent, StepTerms, Timeline, shares
 from fulltune.memory.types import Settings
@@ -100,6 +101,10 @@ class Units:
         self.rb = 4 if policy_bf16 else self.wb  # reduce-scatter buffers (the policy reduces in fp32)
         self.n, self.copies, self.prefetching = settings.num_processes, copies, prefetching
         self.lay, self.vh, self.tied = shape.layer_numel, shape.vocab * shape.hidden, shape.tied
+        # A decoder layer's gathered weights: under float8's all-gather (`float8.float8_all_gather`) its converted
+        # linears arrive as float8 (1 byte each), the rest in the gathered dtype.
+        float8 = sum(x.numel for x in converted(shape)) if settings.float8 and float8_all_gather(settings) else 0
+        self.layer_g = self.pb * (self.lay - float8) + float8
         # The root: the final norm (+ a tied embedding, positions).
         self.root = shape.num_params - shape.num_layers * self.lay - (0 if self.tied else 2 * self.vh)
         self.root_g = self.pb * self.root  # its gathered weights (forward, and backward from the head on)
@@ -121,13 +126,13 @@ class Units:
 
     def gathered_last_layer(self) -> int:
         """The last layer gathered in its forward (the previous gather's buffer kept), the root gathered."""
-        return self.copies * self.pb * self.lay + self.root_g + self.staged_layer
+        return self.copies * self.layer_g + self.root_g + self.staged_layer
 
     def in_head(self) -> int:
         """Gathered in the head's forward: untied, its weight and its all-gather buffer; tied, the root's."""
         pb = self.pb
         if self.tied:
-            return self.root_g + (self.copies - 1) * pb * self.lay
+            return self.root_g + (self.copies - 1) * self.layer_g
         return self.copies * pb * self.vh + self.root_g + self.staged_vh
 
     def kept_head(self) -> int:
@@ -140,13 +145,13 @@ class Units:
         return (self.pb * self.vh if not self.tied else self.root_g + self.staged_vh) + self._next_layer()
 
     def _next_layer(self) -> int:
-        return self.pb * self.lay if self.prefetching else 0
+        return self.layer_g if self.prefetching else 0
 
     def _prefetch(self, i: int) -> int:
         """The unit below layer `i`, prefetched during its backward: layer 0 prefetches an untied embedding."""
         if not self.prefetching:
             return 0
-        return self.pb * self.lay if i > 0 else (0 if self.tied else self.pb * self.vh)
+        return self.layer_g if i > 0 else (0 if self.tied else self.pb * self.vh)
 
     def shard(self, numel: int) -> int:
         return int(self.wb * numel / self.n)
@@ -192,7 +197,7 @@ class Units:
         shape, pb = tl.terms.shape, self.pb
         h, I = shape.hidden, shape.intermediate
         made = h * I if first else 2 * h * I + (I * h if shape.gated_mlp else 0)
-        gathered = pb * self.lay + self._prefetch(i) + (self.root_g if self.tied else 0)
+        gathered = self.layer_g + self._prefetch(i) + (self.root_g if self.tied else 0)
         gathered += self.staged_layer if first else 0  # the layer was gathered again just before
         return {"grads": self.done, "temp": 0, "unsharded": (gathered, self.waiting + self.kept_rs + pb * made)}
 

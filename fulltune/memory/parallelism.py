@@ -39,7 +39,7 @@ from fulltune.memory.activations import (LayerBytes, ModelActivations, compute_b
                                          stream_bytes)
 from fulltune.memory.fsdp import activation_settings, fsdp_layout, persistent
 from fulltune.memory.overhead import training_overhead
-from fulltune.memory.process import STEP, TRAINING_PHASES, phase_tensors
+from fulltune.memory.process import STEP, TRAINING_PHASES, checkpoint_staging_bytes, phase_tensors
 from fulltune.memory.replicated import replicated
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory import tensor_parallel as tp
@@ -402,6 +402,8 @@ def result(shape: ModelShape, phases: list, timeline: list | None, settings: Set
     breakdown = {key: int(value) for key, value in parts.items() if key != "host"}
     breakdown["runtime_overhead"] = int(overhead)
     host = max(p[2]["host"] for p in phases)
+    if settings.device != "cpu":  # a background checkpoint write's copy, held while the steps go on
+        host += checkpoint_staging_bytes(shape, settings)
     process_phases = {name: tensors + training_overhead(settings, tensors, name, shape)
                       for name, tensors in phase_tensors(shape, settings, int(peak)).items()}
     training = {name: process_phases[name] for name in TRAINING_PHASES}

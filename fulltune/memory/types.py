@@ -16,6 +16,7 @@ MIXED_PRECISIONS = get_args(spec.MixedPrecision)
 OPTIMIZERS = get_args(spec.Optimizer)
 COMPENSATIONS = ("auto", *get_args(spec.Compensation))
 ATTN_IMPLEMENTATIONS = get_args(spec.AttnImplementation)
+FLOAT8_RECIPES = get_args(spec.Float8Recipe)
 DEVICES = get_args(spec.Device)
 # What a step runs under; a request may also leave it to the planner ("auto": planning/strategy.py).
 STRATEGIES = tuple(s for s in get_args(spec.Strategy) if s != "auto")
@@ -76,6 +77,11 @@ class Settings:
     `optimizer_in_backward`, `offload_optimizer`, `offload_activations`, `chunked_loss`; and `compensation`, how
     pure bf16 weights keep small updates (`auto`: the optimizer's default; `optimizers.compensation_of` says which
     runs).
+
+    `checkpoint_async`: step checkpoints are copied to host RAM at the step boundary and written while training
+    goes on (`fulltune.runtime.async_checkpoints`): the copy is counted in the checkpoint phase and the host RAM
+    (`fulltune.memory.process.checkpoint_staging_bytes`). `float8_recipe`: the scales of the `float8` lever's
+    matmuls, `tensorwise` or `rowwise` (`fulltune.memory.float8`).
     """
 
     micro_batch_size: int
@@ -95,6 +101,8 @@ class Settings:
     target_fraction: float = 1.0
     compensation: str = "auto"
     context_parallel: int = 1
+    checkpoint_async: bool = False
+    float8_recipe: str = "tensorwise"
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "num_processes",
@@ -114,6 +122,7 @@ class Settings:
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("compensation", self.compensation, COMPENSATIONS)
         _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
+        _check_choice("float8_recipe", self.float8_recipe, FLOAT8_RECIPES)
         _check_choice("device", self.device, DEVICES)
         _check_choice("strategy", self.strategy, STRATEGIES)
         # The field's own check, before the degrees are built from it (`dims`: the layout).
@@ -266,6 +275,10 @@ class PlanRequest:
     target_fraction: float = 1.0
     # Here, one field per memory lever: True, False or None (auto) (`lever_fields`).
     compensation: str = "auto"  # how pure bf16 weights keep small updates (`Settings`); auto: the optimizer's
+    checkpoint_async: bool = False  # train.checkpoint_async: the staged copy is counted, never chosen
+    float8_recipe: str = "tensorwise"  # train.float8_recipe: how float8 matmuls scale their operands
+    float8_supported: bool = False  # the GPU has float8 tensor cores (memory/budget.py): what float8: auto needs
+    compile: bool = False  # train.compile: the step is compiled (float8: auto needs it)
     host_memory_bytes: int | None = None
     num_machines: int = 1  # the processes are spread evenly over them; host_memory_bytes is per machine
     # The evaluate stage (`evaluate.*`): planned beside training and part of `fits`; None: not planned.
@@ -330,6 +343,7 @@ def _check_request_choices(request: PlanRequest) -> None:
         _check_choice("optimizer", request.optimizer, OPTIMIZERS)
     _check_choice("compensation", request.compensation, COMPENSATIONS)
     _check_choice("attn_implementation", request.attn_implementation, ATTN_IMPLEMENTATIONS)
+    _check_choice("float8_recipe", request.float8_recipe, FLOAT8_RECIPES)
     _check_choice("device", request.device, DEVICES)
     _check_choice("strategy", request.strategy, (*STRATEGIES, "auto"))
     if request.budget_bytes is not None and (isinstance(request.budget_bytes, bool) or request.budget_bytes <= 0):
@@ -391,6 +405,7 @@ class MemoryPlan:
                 "pipeline_parallel": s.pipeline_parallel,
                 "pipeline_schedule": s.pipeline_schedule,
                 "context_parallel": s.context_parallel,
+                "checkpoint_async": s.checkpoint_async,
                 "estimated_step_seconds": self.estimated_step_seconds,
                 "host_bytes": int(self.plan_estimate.host_bytes),
                 "estimate": self.plan_estimate.to_dict(),

@@ -110,6 +110,8 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         target_fraction=target_fraction,
         **{lever: None if getattr(t, lever) == "auto" else bool(getattr(t, lever)) for lever in LEVERS},
         compensation=t.compensation,
+        float8_recipe=t.float8_recipe, float8_supported=budget.float8_supported, compile=t.compile,
+        checkpoint_async=t.checkpoint_async,
         host_memory_bytes=budget.host_bytes,
         num_machines=d.num_machines,
         evaluation=evaluation_request(p.spec),

@@ -24,12 +24,15 @@ from fulltune.memory.budget import usable_bytes
 from fulltune.memory.estimate import _estimate
 from fulltune.memory.evaluation import with_evaluation
 from fulltune.memory.shapes import ModelShape, model_shape
+from fulltune.memory import float8
+from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.types import MemoryEstimate, MemoryPlan, PlanRequest, Settings
 from fulltune.memory.uncertainty import Uncertainty, traced_uncertainty
 from fulltune.memory.units import format_bytes
 from fulltune.planning.pipeline import needs_advice, pipeline_advice, pipeline_reasons
-from fulltune.planning.reasons import (alternatives_for, change_reasons, configured_reason, context_parallel_reasons,
-                                       describe, host_reasons, optimizer_reasons, strategy_reasons, suggestions_for,
+from fulltune.planning.reasons import (alternatives_for, change_reasons, checkpoint_reasons, configured_reason,
+                                       context_parallel_reasons, describe, float8_reasons, host_reasons,
+                                       optimizer_reasons, strategy_reasons, suggestions_for,
                                        tensor_parallel_reasons)
 from fulltune.planning.search import (Candidate, configured_for, configured_request, configured_settings,
                                       divisors, fits_budget, host_budget_for, make_candidate, per_process,
@@ -56,6 +59,7 @@ def plan_memory(config: Any, request: PlanRequest, trace: bool | None = False) -
     (`trace_is_cheap`). The plan's `uncertainty` says which basis it rests on.
     """
     shape = model_shape(config)
+    request = float8_for(shape, request)
     configured = configured_for(shape, configured_request(request))
     configured_estimate = _estimate(shape, configured)
     if request.budget_bytes is None:
@@ -160,6 +164,24 @@ def _traced(config: Any, shape: ModelShape, candidates: list[Candidate], usable:
     return candidates, tuple(reasons)
 
 
+def float8_for(shape: ModelShape, request: PlanRequest) -> PlanRequest:
+    """`request` with `float8: auto` off for a model float8 converts nothing of (fulltune/memory/float8.py: another
+    layout than Llama's, or no linear the kernels take).
+
+    Raises:
+        MemoryConfigError: `float8: true` for such a model, naming train.float8.
+    """
+    if float8.converted(shape) or request.float8 is False:
+        return request
+    if request.float8 is None:
+        return replace(request, float8=False)
+    what = (f"the {shape.model_type} layout" if shape.layout not in float8.CONVERTED_LAYOUTS
+            else "none of its decoder linears has both dimensions a multiple of 16")
+    raise MemoryConfigError(f"train.float8: float8 training converts the decoder linears of the Llama layout (Llama, "
+                            f"Mistral, Qwen) whose dimensions float8 kernels take, and this model has {what}; set "
+                            "float8 to false or auto")
+
+
 def _finish(
     shape: ModelShape,
     request: PlanRequest,
@@ -197,6 +219,8 @@ def _finish(
                                              chosen, usable))
     reasons.extend(pipeline_reasons(shape, request, candidates, chosen, usable))
     reasons.extend(host_reasons(request, candidates, chosen, usable))
+    reasons.extend(checkpoint_reasons(shape, chosen))
+    reasons.extend(float8_reasons(shape, request, chosen))
     suggestions: tuple[str, ...] = ()
     if not fits:
         reasons.append(

@@ -8,8 +8,10 @@ from dataclasses import replace
 from typing import Any
 
 from fulltune import levers
+from fulltune.memory import float8
 from fulltune.memory import parallelism
 from fulltune.memory.estimate import _estimate
+from fulltune.memory.process import CHECKPOINT, checkpoint_staging_bytes
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import MemoryEstimate, PlanRequest, Settings
 from fulltune.memory.units import format_bytes, format_seconds
@@ -235,6 +237,45 @@ def _lever_reasons(shape: ModelShape, configured: Settings, chosen: Candidate) -
         out.append(f"host RAM: {format_bytes(chosen.estimate.host_bytes)}{budget} (offloaded "
                    f"{'optimizer states and masters' if chosen.settings.offload_optimizer else 'tensors'})")
     return out
+
+
+def float8_reasons(shape: ModelShape, request: PlanRequest, chosen: Candidate) -> list[str]:
+    """What `train.float8` converts (and what stays in its precision), or why `auto` left it off on a GPU."""
+    s = chosen.settings
+    if not s.float8:
+        if request.float8 is None and s.device == "cuda" and float8.converted(shape):
+            missing = [why for needed, why in ((request.float8_supported, "a GPU with float8 tensor cores (compute "
+                                                "capability 8.9 or above)"), (request.compile, "train.compile "
+                                                "(eager, torchao's casts cost more than float8 saves)"))
+                       if not needed]
+            if missing:
+                return [f"float8: auto stays off: it needs {' and '.join(missing)}"]
+        return []
+    linears, kept = float8.layer_linears(shape), float8.kept(shape)
+    dtype = "bf16" if s.pure_bf16 or s.mixed_precision == "bf16" else "fp32"
+    gathered = ", gathered in float8 under FSDP" if float8.float8_all_gather(s) else ""
+    line = (f"float8: {len(linears) - len(kept)} of the {len(linears)} linears of each decoder layer run float8 "
+            f"matmuls ({s.float8_recipe} scales{gathered}); the output head and the embeddings stay {dtype}")
+    if kept:
+        line += f", and so do {', '.join(x.name for x in kept)} (a dimension not a multiple of 16)"
+    return [line]
+
+
+def checkpoint_reasons(shape: ModelShape, chosen: Candidate) -> list[str]:
+    """What a background checkpoint write (`train.checkpoint_async`) holds, and where the plan counts it."""
+    s = chosen.settings
+    staged = checkpoint_staging_bytes(shape, s)
+    if not staged:
+        return []
+    writers = "each process copies its shards" if s.dims.fsdp_enabled else "the main process copies them"
+    if s.device == "cpu":
+        where = (f"in the device's memory beside the steps that run while it is written: checkpoint phase "
+                 f"{format_bytes(chosen.estimate.phases[CHECKPOINT])}")
+    else:
+        where = f"in host RAM while the steps go on (host figure {format_bytes(chosen.estimate.host_bytes)})"
+    return [f"checkpoint_async: each checkpoint's weights and optimizer states are copied at the step boundary "
+            f"({writers}: {format_bytes(staged)}) and written in the background, {where}; the step waits only for "
+            "the copy, the final export for the last write"]
 
 
 def host_reasons(request: PlanRequest, candidates: list[Candidate], chosen: Candidate, usable: int) -> list[str]:

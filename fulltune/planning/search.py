@@ -130,7 +130,7 @@ def configured_for(shape: ModelShape, request: PlanRequest) -> Settings:
     else:
         micro = per
     checkpointing = _fixed_checkpointing(request.gradient_checkpointing, shape.num_layers)
-    levers = {name: bool(value) for name, value in request.levers().items()}  # auto levers start off
+    levers = {name: bool(value) for name, value in lever_table.decided(request).items()}  # auto levers start off
     if checkpointing is None:
         # Checkpointing starts off, unless offloaded activations (which are checkpointed layers' inputs) are asked for.
         checkpointing = shape.num_layers if levers["offload_activations"] else 0
@@ -159,6 +159,8 @@ def _settings(request: PlanRequest, micro: int, checkpointing: int, precision: s
         attention_mask=request.attention_mask,
         target_fraction=request.target_fraction,
         compensation=request.compensation,
+        float8_recipe=request.float8_recipe,
+        checkpoint_async=request.checkpoint_async,
         **(levers or {}),
     )
 
@@ -187,8 +189,9 @@ def _lever_sets(request: PlanRequest, stage: int) -> list[dict[str, bool]]:
     `LEVERS` (cheapest first) on or off, the later auto ones off, the fixed ones as fixed. The lever table
     (fulltune/levers.py) is applied once per choice, with the optimizer, precision and accumulation it goes
     with (`_allowed_choice`); a combination it refuses whatever those are is refused there too."""
-    fixed = {name: bool(value) for name, value in request.levers().items()}
-    auto = [name for name in LEVERS[:stage] if request.levers()[name] is None and _may_choose(request, name)]
+    levers = lever_table.decided(request)
+    fixed = {name: bool(value) for name, value in levers.items()}
+    auto = [name for name in LEVERS[:stage] if levers[name] is None and _may_choose(request, name)]
     return [{**fixed, **dict(zip(auto, values))} for values in itertools.product((False, True), repeat=len(auto))]
 
 
@@ -368,7 +371,7 @@ def _staged_levers(shape: ModelShape, request: PlanRequest, usable: int, micros:
     """`staged_search` of one strategy and one set of degrees: the auto levers opened one at a time."""
     out: list[Candidate] = []
     for stage in range(len(LEVERS) + 1):
-        if stage > 0 and request.levers()[LEVERS[stage - 1]] is not None:
+        if stage > 0 and lever_table.decided(request)[LEVERS[stage - 1]] is not None:
             continue  # a fixed lever opens no new stage
         out.extend(_search(shape, request, usable, micros, min_checkpointing, stage))
         if any(fits_budget(c, usable) for c in out):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 import gc
 import json
 from pathlib import Path
@@ -88,6 +89,22 @@ def train_steps(model: Any, optimizer: Any, settings: Settings, steps: int, devi
             targets = settings.micro_batch_size * settings.targets_per_row * ga
             # The short schedule's micro-batches are the step's last ones.
             run_step(parts, batches, step, max(targets, 1), first_micro_batch=ga - count)
+
+
+def timed_train_steps(model: Any, optimizer: Any, settings: Settings, steps: int, device: str,
+                      warmup: int = 1) -> float:
+    """Seconds of `steps` optimizer steps (`train_steps`) after `warmup` untimed ones (the first allocates the
+    optimizer's states, and a compiled model compiles there), the device synchronised around them."""
+    import torch
+
+    train_steps(model, optimizer, settings, warmup, device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    train_steps(model, optimizer, settings, steps, device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
 
 
 def _check_single_process(settings: Settings) -> None:

@@ -85,7 +85,7 @@ class Tracking(Strict):
 # each, and effective_batch_size is its micro_batch_size × gradient_accumulation_steps × processes. The job's
 # train section leaves them out, so the child cannot read an `auto` where the plan's choice belongs.
 PLANNED_TRAIN_KEYS = ("effective_batch_size", "micro_batch_size", "gradient_accumulation_steps",
-                      "gradient_checkpointing", "mixed_precision", "optimizer", *LEVERS, "compensation")
+                      "gradient_checkpointing", "mixed_precision", "optimizer", *LEVERS, "compensation", "float8_recipe")
 TrainOptions = create_model(
     "TrainOptions", __base__=Strict, __module__=__name__,
     __doc__="The pipeline's `train:` section without PLANNED_TRAIN_KEYS: the optimisation the plan does not decide.",
@@ -104,7 +104,7 @@ DistributedOptions = create_model(
 # Settings the plan echoes from the spec (it planned for them): the spec sections are their source, and a job
 # whose plan disagrees is refused.
 PLAN_ECHOES = {"attn_implementation": "model", "strategy": "distributed", "num_processes": "distributed",
-               "pipeline_parallel": "distributed", "pipeline_schedule": "distributed"}
+               "pipeline_parallel": "distributed", "pipeline_schedule": "distributed", "checkpoint_async": "train"}
 # Settings that describe what the plan assumed about the data; the child does not read them.
 PLAN_ONLY_SETTINGS = ("seq_len", "attention_mask", "target_fraction")
 
@@ -273,6 +273,7 @@ class OutOfMemory(RuntimeError):
 # assumptions about the data (PLAN_ONLY_SETTINGS) are not read by the child.
 RESUMABLE_CHANGES = frozenset({"plan.micro_batch_size", "plan.gradient_accumulation_steps",
                                "plan.gradient_checkpointing", "plan.mixed_precision", "paths.output_dir",
+                               "plan.checkpoint_async", "train.checkpoint_async",  # the same files either way
                                *(f"plan.{name}" for name in PLAN_ONLY_SETTINGS)})
 
 

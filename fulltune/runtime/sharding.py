@@ -411,7 +411,9 @@ def _optimizers(optimizer: Any) -> Any:
     return inner() if inner is not None and getattr(optimizer, "steps_in_backward", False) else optimizer
 
 
-def _state(model: Any, optimizer: Any) -> dict[str, Any]:
+def sharded_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """{"model", "optimizer"}: the state dicts torch.distributed.checkpoint saves and loads for a sharded model,
+    each process's shards as DTensors (views of the live parameters and states, not copies)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optimizer_state = get_state_dict(_unwrap(model), _optimizers(optimizer))
@@ -427,7 +429,7 @@ def save_sharded_state(directory: str | Path, model: Any, optimizer: Any) -> Non
     """
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(model, optimizer), checkpoint_id=str(directory))
+    dcp.save(sharded_state(model, optimizer), checkpoint_id=str(directory))
 
 
 def load_sharded_state(directory: str | Path, model: Any, optimizer: Any) -> None:
@@ -437,7 +439,7 @@ def load_sharded_state(directory: str | Path, model: Any, optimizer: Any) -> Non
 
     # get_state_dict creates the optimizer's states (a zero-lr step) when it has none yet, so the
     # loader knows every tensor to fill.
-    state = _state(model, optimizer)
+    state = sharded_state(model, optimizer)
     dcp.load(state, checkpoint_id=str(directory))
     set_state_dict(_unwrap(model), _optimizers(optimizer), model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])

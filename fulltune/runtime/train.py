@@ -60,7 +60,9 @@ from fulltune.runtime import context_parallel, parallelize, pipeline_parallel, s
 from fulltune.runtime.step_memory import StepMemory
 from fulltune.runtime.pipeline_parallel import PipelineRun
 from fulltune.runtime.step import OptimizerStep, StepOutcome, StepParts, run_step
-from fulltune.runtime.step_checkpoints import CHECKPOINT_DIR, TrainState, resume, save_checkpoint
+from fulltune.runtime.async_checkpoints import AsyncCheckpointWriter
+from fulltune.runtime.step_checkpoints import (CHECKPOINT_DIR, TrainState, resume, save_checkpoint,
+                                               wait_for_checkpoint_writes)
 from fulltune.runtime.train_metrics import TrainMetrics, memory_metrics
 from fulltune.logs import quiet_known_noise
 from fulltune.runtime.launch import (ERROR_FILE, MODEL_DIR, OOM_FILE, RESULT_FILE, TrainJob,
@@ -120,6 +122,8 @@ class TrainingRun:
     pipeline: PipelineRun | None = None  # this process's pipeline stage and its schedule (pipeline_parallel > 1)
     model_config: Any = None  # the whole model's transformers config (the memory estimate per rank reads it)
     context: Any = None  # context_parallel.ContextParallel: this process's share of each row (context_parallel > 1)
+    # train.checkpoint_async: writes step checkpoints in the background (fulltune/runtime/async_checkpoints.py)
+    checkpoint_writer: AsyncCheckpointWriter | None = None
 
     @property
     def processes(self) -> int:
@@ -194,7 +198,8 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
                        head, optimizer, scheduler, OptimizerStep(accelerator, model, optimizer, scheduler,
                                                                  job.train.max_grad_norm),
                        hooks, use_cache, checkpointed, model_layers, coefficients, pipeline, config,
-                       context_parallel.active() if job.dims.cp_enabled else None)
+                       context_parallel.active() if job.dims.cp_enabled else None,
+                       AsyncCheckpointWriter() if job.train.checkpoint_async else None)
 
 
 def pipeline_stage(job: TrainJob, model: torch.nn.Module, head: TargetHead, length: int, device: Any,
@@ -391,7 +396,9 @@ def export_model(run: TrainingRun) -> Path:
 def finish(run: TrainingRun, state: TrainState, metrics: TrainMetrics, resumed_from: int | None,
            memory: StepMemory | None = None) -> TrainResult:
     """Export the model, close metrics.jsonl and write result.json (with each process's step peak beside its
-    estimate when they were measured: fulltune/runtime/step_memory.py); returns the result."""
+    estimate when they were measured: fulltune/runtime/step_memory.py); returns the result. A checkpoint still
+    being written in the background is published first."""
+    wait_for_checkpoint_writes(run)
     measured = memory.gathered() if memory is not None else None  # a collective: before rank 0 writes alone
     peaks = step_memory.rank_peaks(measured, run.model_config, run.job.plan) if measured else []
     if peaks and run.main_process:
@@ -453,7 +460,6 @@ def train(job: TrainJob, hooks: TrainHooks | None = None) -> TrainResult:
             every = job.train.checkpoint_every_steps  # 0: never; none at the last step (the model is exported)
             if every and state.step % every == 0 and state.step < run.total_steps:
                 save_checkpoint(run, state, metrics.state_dict())
-                run.hooks.checkpoint_published(state.step)
     return finish(run, state, metrics, resumed_from, memory)
 
 
@@ -469,7 +475,8 @@ def announce(run: TrainingRun, resumed_from: int | None) -> None:
     print(f"fulltune train: {len(run.data)} rows, {run.schedule.per_epoch} optimizer steps per epoch, "
           f"{run.total_steps} steps of {job.plan.micro_batch_size} micro × {job.plan.gradient_accumulation_steps} "
           f"accumulation × {run.processes} processes{pipeline}; gradient checkpointing {run.checkpointed_layers}/"
-          f"{run.num_layers} layers; {job.plan.optimizer}; precision {job.plan.mixed_precision}; "
+          f"{run.num_layers} layers; {job.plan.optimizer}; precision {job.plan.mixed_precision}"
+          f"{f' with float8 matmuls ({job.plan.float8_recipe})' if job.plan.float8 else ''}; "
           f"{f'resumed from step {resumed_from}' if resumed_from is not None else 'from the start'}",
           file=sys.stderr, flush=True)
 

@@ -49,6 +49,12 @@ OUTSIDE_THE_WEIGHTS = {"train": {"checkpoint_every_steps", "keep_checkpoints", "
                        "model": {"token_env"}}
 
 
+# What changes the plan but not the weights: whether checkpoints are written in the background (the same files,
+# fulltune/runtime/async_checkpoints.py; the plan counts the copy they are written from). The budget key keeps it,
+# the training key leaves it out, so turning it on or off resumes the same run from its newest checkpoint.
+PLANNED_NOT_WEIGHTS = frozenset({"checkpoint_async"})
+
+
 def weights_inputs(spec: PipelineSpec) -> dict[str, Any]:
     """The `model:` and `train:` sections as the budget and training keys see them (OUTSIDE_THE_WEIGHTS out)."""
     return {section: getattr(spec, section).model_dump(mode="json", exclude=OUTSIDE_THE_WEIGHTS[section])

@@ -17,7 +17,7 @@ from typing import Any
 
 from fulltune.errors import Interrupted
 from fulltune.planning.inputs import ResolvedPipeline, describe_settings
-from fulltune.stages import FINE_TUNE, MEMORY_BUDGET, TOKENIZE, model_source, weights_inputs
+from fulltune.stages import FINE_TUNE, MEMORY_BUDGET, PLANNED_NOT_WEIGHTS, TOKENIZE, model_source, weights_inputs
 from fulltune.stages.runner import Inputs, Stage, StageLog
 
 # An out-of-memory replan plans with the planner and the stages' planning inputs.
@@ -48,14 +48,17 @@ def code(p: ResolvedPipeline) -> tuple[str, ...]:
 def key(inputs: Inputs) -> dict[str, Any]:
     """The fine-tuned weights' identity: training data (not eval data), model, the planned settings (which hold
     the device the budget resolved to) and the optimisation (not what leaves the weights as they are:
-    fulltune/stages `OUTSIDE_THE_WEIGHTS`)."""
+    fulltune/stages `OUTSIDE_THE_WEIGHTS`, nor what changes only the plan: `PLANNED_NOT_WEIGHTS`)."""
     p = inputs.pipeline
     spec = p.spec
     settings = inputs.record(MEMORY_BUDGET).settings
+    planned = asdict(settings) if not isinstance(settings, dict) else settings
     return {
         "data": inputs.record(TOKENIZE).data.training_fingerprint,
-        "settings": asdict(settings) if not isinstance(settings, dict) else settings,
-        **weights_inputs(spec), "model_source": model_source(p),
+        "settings": {name: value for name, value in planned.items() if name not in PLANNED_NOT_WEIGHTS},
+        **{section: {name: value for name, value in values.items() if name not in PLANNED_NOT_WEIGHTS}
+           for section, values in weights_inputs(spec).items()},
+        "model_source": model_source(p),
         "distributed": spec.distributed.model_dump(mode="json"),
     }
 
