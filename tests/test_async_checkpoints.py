@@ -118,13 +118,23 @@ def test_bad_values_and_pipeline_stages_are_refused_naming_the_field(tmp_path: P
 
 
 def test_writing_in_the_background_keeps_the_weights_key_and_the_checkpoints(tmp_path: Path) -> None:
-    from fulltune.runtime.launch import job_with, resume_conflict
-    from fulltune.stages import resolve_pipeline, train_key
+    from types import SimpleNamespace
 
-    plain = resolve_pipeline(str(tiny_pipeline(tmp_path)), "tiny")
-    background = resolve_pipeline(str(tiny_pipeline(tmp_path, train={"checkpoint_async": True})), "tiny")
+    from fulltune.runtime.launch import job_with, resume_conflict
+    from fulltune.stages import MEMORY_BUDGET, TOKENIZE, finetune, resolve_pipeline
+    from fulltune.stages.runner import Inputs, key_of
+
+    def training_key(pipeline: Path, settings: Settings) -> str:
+        """The fine-tune stage's cache key (the weights' identity) after these tokenized data and plan."""
+        tokenized = SimpleNamespace(data=SimpleNamespace(training_fingerprint="data"))
+        inputs = Inputs(resolve_pipeline(str(pipeline), "tiny"),
+                        records={TOKENIZE: tokenized, MEMORY_BUDGET: SimpleNamespace(settings=settings)})
+        return key_of(finetune.STAGE, inputs)
+
     settings = Settings(micro_batch_size=2, seq_len=16)
-    assert train_key(plain, "data", settings) == train_key(background, "data",
-                                                           replace(settings, checkpoint_async=True))
+    assert training_key(tiny_pipeline(tmp_path), settings) == training_key(
+        tiny_pipeline(tmp_path, train={"checkpoint_async": True}), replace(settings, checkpoint_async=True))
+    assert training_key(tiny_pipeline(tmp_path), settings) != training_key(
+        tiny_pipeline(tmp_path, train={"max_steps": 3}), settings)  # what shapes the weights still changes it
     job = job_with("model", "train.parquet", str(tmp_path / "run"))
     assert resume_conflict(job, job.replace(checkpoint_async=True)) is None
