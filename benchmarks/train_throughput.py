@@ -205,7 +205,12 @@ def fulltune_worker(args: argparse.Namespace) -> None:
     """
     if args.tree:
         sys.path.insert(0, str(Path(args.tree).resolve()))  # ahead of this checkout
-    from fulltune.runtime import launch, train
+    try:
+        from fulltune.runtime import launch, train
+    except ImportError:  # releases before the engine's folders (7e7b1f8 and earlier): fulltune/train.py
+        from fulltune import launch, train  # type: ignore[no-redef]
+    # The module whose clock times the loop: train_metrics since the loop's counters left train.py.
+    timed = sys.modules.get("fulltune.runtime.train_metrics", train)
 
     if args.tree:
         assert Path(train.__file__).resolve().is_relative_to(Path(args.tree).resolve()), train.__file__
@@ -221,7 +226,7 @@ def fulltune_worker(args: argparse.Namespace) -> None:
                               output_dir=args.out, **settings)
         seed = job.seed
     clock = LoopClock()
-    train.time = clock  # measurement only: the loop's code is unchanged
+    timed.time = clock  # measurement only: the loop's code is unchanged
     result = train.train(job)
     rows = train.TokenizedRows(args.train_file)
     schedule = train.StepSchedule(rows.lengths, size.micro_batch_size * size.gradient_accumulation_steps, seed)

@@ -417,6 +417,17 @@ class PipelineSpec(Strict):
         return self
 
     @model_validator(mode="after")
+    def _packing_attention(self) -> PipelineSpec:
+        # Packed rows keep their documents apart with fulltune's SDPA document attention (fulltune/attention.py);
+        # eager attention would build a dense (s × s) mask per layer instead, and compute every pair of positions.
+        if self.data.packing is True and self.model.attn_implementation != "sdpa":
+            raise ValueError(f"data.packing: true needs model.attn_implementation: sdpa (packed documents attend alone "
+                             f"without a (max_length × max_length) mask; {self.model.attn_implementation} attention "
+                             "would build one in every layer); set model.attn_implementation: sdpa, or "
+                             "data.packing: false (or auto, which then trains one example per row)")
+        return self
+
+    @model_validator(mode="after")
     def _lever_table(self) -> PipelineSpec:
         # Every combination of levers, optimizer, strategy, accumulation, precision and device that the
         # trainer cannot run is refused here, naming its fields (fulltune/levers.py is the one table).

@@ -153,6 +153,7 @@ def _settings(request: PlanRequest, micro: int, checkpointing: int, precision: s
         pipeline_parallel=request.pipeline_parallel,
         pipeline_schedule=request.pipeline_schedule,
         attention_mask=request.attention_mask,
+        document_length=request.document_length,
         target_fraction=request.target_fraction,
         **(levers or {}),
     )

@@ -30,14 +30,22 @@ from fulltune.memory.types import BREAKDOWN_KEYS, MemoryEstimate, Settings
 
 def make_batch(vocab: int, settings: Settings, device: str) -> tuple[dict[str, Any], Any]:
     """Inputs and targets of one micro-batch: every position but a row's last has a target (the
-    worst case the estimate assumes) unless `settings.target_fraction` leaves the first ones out."""
+    worst case the estimate assumes) unless `settings.target_fraction` leaves the first ones out.
+    Packed rows (`settings.document_length`) hold documents of that length (the last one the rest of the row),
+    passed to the model as `documents` (fulltune/attention.py), as the trainer's `collate` does."""
     import torch
 
+    from fulltune.attention import Documents
     from fulltune.runtime.loss import Targets
 
     b, s = settings.micro_batch_size, settings.seq_len
     input_ids = torch.randint(0, vocab, (b, s), device=device)
     position_ids = torch.arange(s, device=device).expand(b, s).contiguous()
+    documents = None
+    if settings.document_length and not settings.attention_mask:
+        row = [i % settings.document_length for i in range(s)]
+        position_ids = torch.tensor([row] * b, device=device)
+        documents = Documents.from_positions([row] * b)
     attention_mask = None
     if settings.attention_mask:
         # One padded row makes transformers build and pass a real (b, 1, s, s) mask.
@@ -48,6 +56,8 @@ def make_batch(vocab: int, settings: Settings, device: str) -> tuple[dict[str, A
     index = torch.arange(b * s, device=device).view(b, s)[:, first : s - 1].reshape(-1)
     targets = Targets(index=index, tokens=input_ids.view(-1).index_select(0, index + 1))
     inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
+    if documents is not None:
+        inputs["documents"] = documents
     return inputs, targets
 
 
@@ -101,6 +111,7 @@ def _check_single_process(settings: Settings) -> None:
 def build_model(config: Any, settings: Settings) -> Any:
     from transformers import AutoModelForCausalLM
 
+    from fulltune.attention import kernel
     from fulltune.runtime.checkpointing import apply_gradient_checkpointing
 
     import torch
@@ -111,7 +122,7 @@ def build_model(config: Any, settings: Settings) -> Any:
     # trainer's cast of a fp32 model ends in the same tensors.
     dtype = {"dtype": torch.bfloat16} if settings.pure_bf16 else {}
     # from_config writes the dtype into the config it is given: a copy keeps the caller's intact.
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=settings.attn_implementation,
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=kernel(settings.attn_implementation),
                                              **dtype)
     model.train()
     # In the trainer's order (fulltune/runtime/train.py): checkpointing, bf16 weights, activation offload.

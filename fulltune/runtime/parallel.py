@@ -194,6 +194,8 @@ class _SequencePadding:
             kwargs["position_ids"] = torch.cat([positions, tail], dim=1)
         if kwargs.get("attention_mask") is not None:
             kwargs["attention_mask"] = F.pad(kwargs["attention_mask"], (0, extra), value=0)
+        if kwargs.get("documents") is not None:  # packed rows: the padding continues each row's last document
+            kwargs["documents"] = kwargs["documents"].padded(extra)
         return args, kwargs
 
     def cut(self, _module: Any, output: Any, _mesh: Any) -> Any:
