@@ -24,7 +24,11 @@ and which of estimate and trace is right on CUDA is settled. Then:
   apart, and each assumed step-time term (PCIe bandwidth, overlap, host optimizer throughput) against a
   measurement, with probes of copy bandwidth and host optimizer throughput;
 - the evaluate stage at the Llama-3.1-8B-on-24 GiB plan's settings, on the 8B shape cut to 4 layers
-  (`eval_memory.device_case`): peak allocated against the memory model and the budget.
+  (`eval_memory.device_case`): peak allocated against the memory model and the budget;
+- packed rows, masked against varlen (`varlen_case`): the Llama-3.2-1B shape, rows of 8k and 32k tokens packed
+  with documents of 1,024, bf16, every layer checkpointed, chunked loss; transformers' SDPA with its dense block
+  mask from the restarting position_ids against fulltune's document attention (`varlen_attn`), each for its
+  tokens/s and peak allocated against the estimate (mask: `attention_mask`; varlen: `document_length`).
 
 Usage (a few minutes on one H100/H200; each case is independent and a failing one is reported, not fatal):
     python -m benchmarks.device_check --out device_check.json
@@ -231,6 +235,59 @@ def fp16_case(config: Any, settings: Settings, steps: int, overflow_at: int) -> 
     return row
 
 
+def varlen_case(dry_run: bool, steps: int = 3) -> list[dict[str, Any]]:
+    """Packed rows through the trainer's step, masked (transformers' SDPA: a dense block mask from the position_ids)
+    and varlen (fulltune/attention.py): tokens/s of `steps` optimizer steps after one warm-up step, and the peak
+    allocated against the estimate of each. A variant that runs out of memory is reported as such."""
+    import torch
+
+    device = "cpu" if dry_run else "cuda"
+    config = _llama(64, 176, 3, 8, 2, 300) if dry_run else _llama(2048, 8192, 16, 32, 8, 128256, tied=True)
+    lengths, document = ((256, 512), 64) if dry_run else ((8192, 32768), 1024)
+    rows = []
+    for seq in lengths:
+        # Packed rows of `document`-token documents (trace.make_batch builds them and their `documents`).
+        packed = Settings(micro_batch_size=1, seq_len=seq, gradient_checkpointing=config.num_hidden_layers,
+                          mixed_precision="bf16", chunked_loss=True, device=device, attention_mask=False,
+                          document_length=document)
+        for kind in ("masked", "varlen"):
+            planned = replace(packed, attention_mask=True) if kind == "masked" else packed
+            row: dict[str, Any] = {"name": f"{kind} {seq}", "settings": planned.to_dict(),
+                                   "estimate_peak": estimate_memory(config, planned).peak_bytes}
+            row.update(safely(row["name"], _packed_steps, config, packed, kind, steps))
+            rows.append(row)
+            print(f"[varlen] {row['name']}: done", file=sys.stderr, flush=True)
+    return rows
+
+
+def _packed_steps(config: Any, settings: Settings, kind: str, steps: int) -> dict[str, Any]:
+    import torch
+
+    device = settings.device
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+    with quiet():
+        model = build_model(config, settings).to(device)
+        if kind == "masked":  # transformers' own SDPA: it ignores `documents` and masks by the position_ids
+            model.set_attn_implementation("sdpa")
+        optimizer = optim.optimizer_for(model, settings)
+        train_steps(model, optimizer, settings, 1, device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        train_steps(model, optimizer, settings, steps, device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+    row = {"tokens_per_second": steps * settings.micro_batch_size * settings.seq_len / seconds}
+    if device == "cuda":
+        row["measured_allocated"] = int(torch.cuda.max_memory_allocated() - start)
+    del model, optimizer
+    return row
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'case':32s} {'estimate':>10s} {'trace':>10s} {'allocated':>10s} {'est err':>8s} {'trace err':>9s} "
             f"{'device est':>10s} {'reserved':>10s} {'dev err':>8s}")
@@ -278,6 +335,7 @@ def run(dry_run: bool, peak_tflops: float | None, mfu_steps: int, offload_steps:
 
     report["evaluation"] = safely("evaluation", device_case, dry_run)
     print("[evaluation] done", file=sys.stderr, flush=True)
+    report["varlen"] = varlen_case(dry_run)
     from benchmarks.autotune import gpu_check  # the plan's top candidates measured in training children
 
     # The dry run measures two candidates (each a training child): enough to check the comparison's wiring.
@@ -307,6 +365,14 @@ def summary(report: dict[str, Any]) -> str:
         lines.append(f"fp16 + GradScaler: overflow skipped and recovered: {fp16['overflow_step_skipped_and_recovered']}"
                      f" (scale {scales}){memory}")
     lines.extend(host_param_lines(report.get("fsdp_offload") or {}))
+    for row in report.get("varlen", []):
+        if "error" in row:
+            lines.append(f"packed rows, {row['name']}: FAILED: {row['error']}")
+            continue
+        measured = row.get("measured_allocated")
+        memory = (f"; peak {format_bytes(measured)} vs estimate {format_bytes(row['estimate_peak'])} "
+                  f"({pct(row['estimate_peak'] / measured - 1)})" if measured else "")
+        lines.append(f"packed rows, {row['name']}: {row['tokens_per_second']:.0f} tokens/s{memory}")
     return "\n".join(lines)
 
 

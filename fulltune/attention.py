@@ -189,16 +189,23 @@ def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
     tokens = [x.to(dtype).transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (query, key, value)]  # (b·s, heads, d)
     if query.is_cuda and dropout == 0.0 and _varlen_ready(query):
-        from torch.nn.attention.varlen import varlen_attn
-
-        cu_seqlens = documents.cu_seqlens(query.device)
-        out = varlen_attn(*tokens, cu_seqlens, cu_seqlens, documents.max_length, documents.max_length, scale=scale,
-                          window_size=(-1, 0), enable_gqa=key.shape[1] != heads)
+        out = _varlen(*tokens, documents, scale)
     elif query.device.type == "cpu" and dropout == 0.0:
         out = _grouped_function().apply(*tokens, documents.groups(query.device), scale)
     else:
         out = _grouped_sdpa(*tokens, documents.groups(query.device), scale, dropout)
     return out.view(b, s, heads, d)
+
+
+def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, documents: Documents,
+            scale: float | None) -> torch.Tensor:
+    """torch's variable-length flash attention over the flattened tokens (tokens, heads, d): each document causal
+    (window (-1, 0)), k/v heads shared by their query heads as they are (GQA)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu_seqlens = documents.cu_seqlens(query.device)
+    return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, documents.max_length, documents.max_length,
+                       scale=scale, window_size=(-1, 0), enable_gqa=key.shape[1] != query.shape[1])
 
 
 def _varlen_ready(query: torch.Tensor) -> bool:
@@ -360,6 +367,13 @@ def dense_mask_reason(config: Any, length: int) -> str | None:
     if chunk is not None and chunk < length:
         return f"its chunked attention ({chunk} positions) is shorter than the row ({length})"
     return None
+
+
+def attends_alone(config: Any, length: int) -> bool:
+    """Whether a model loaded with `config` keeps the documents of rows of `length` positions apart with no mask
+    (`sdpa_documents`, no window shorter than the row): then the rows of a packed micro-batch can be laid end to
+    end with no padding (`fulltune.data.collate(padding_free=True)`)."""
+    return getattr(config, "_attn_implementation", None) == IMPLEMENTATION and dense_mask_reason(config, length) is None
 
 
 def register() -> str:

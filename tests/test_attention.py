@@ -77,10 +77,30 @@ def test_the_cpu_kernels_equal_sdpa_over_each_document(kv_heads: int) -> None:
     torch.testing.assert_close(fallback, expected, rtol=1e-5, atol=1e-6)
 
 
-def packed_batch(vocab: int) -> tuple[dict, list[dict]]:
-    """A packed micro-batch of ROWS (and its documents as rows of their own), tokens and labels by formula."""
+def test_the_cuda_kernel_is_called_with_the_documents_offsets() -> None:
+    """varlen_attn runs on CUDA only; under FakeTensorMode its registered shape function checks the call the GPU
+    path makes (flattened tokens, int32 offsets, causal window, GQA) on CPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fulltune.attention import _varlen
+
+    documents = Documents.from_positions(positions(ROWS))
+    with FakeTensorMode():
+        query = torch.randn(2 * S, 4, 8, dtype=torch.bfloat16, requires_grad=True)
+        key, value = (torch.randn(2 * S, 2, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        out = _varlen(query, key, value, documents, None)
+        out.sum().backward()
+        assert out.shape == (2 * S, 4, 8) and key.grad.shape == key.shape
+
+
+# The documents of a packed micro-batch's rows: the second row is shorter, so collate pads it (a document of 5).
+BATCH_ROWS = [[9, 14, 1, 16], [23, 12]]
+
+
+def packed_rows(vocab: int) -> tuple[list[dict], list[dict]]:
+    """The rows of BATCH_ROWS (and their documents as rows of their own), tokens and labels by formula."""
     rows, singles = [], []
-    for r, row in enumerate(ROWS):
+    for r, row in enumerate(BATCH_ROWS):
         ids, labels = [], []
         for d, n in enumerate(row):
             tokens = [2 + (5 * r + 11 * d + 3 * k) % (vocab - 2) for k in range(n)]
@@ -88,6 +108,12 @@ def packed_batch(vocab: int) -> tuple[dict, list[dict]]:
             labels += [IGNORE_INDEX] + tokens[1:]
             singles.append({"input_ids": tokens, "labels": [IGNORE_INDEX] + tokens[1:], "position_ids": list(range(n))})
         rows.append({"input_ids": ids, "labels": labels, "position_ids": positions([row])[0]})
+    return rows, singles
+
+
+def packed_batch(vocab: int) -> tuple[dict, list[dict]]:
+    """A packed micro-batch of BATCH_ROWS (and its documents as rows of their own)."""
+    rows, singles = packed_rows(vocab)
     return collate(rows, pad_token_id=0), singles
 
 
@@ -126,8 +152,13 @@ def test_a_packed_micro_batch_trains_as_the_mask_and_as_one_document_per_row(fam
     inferred_loss, inferred_grads = loss_and_grads(documents_model, {k: v for k, v in batch.items() if k != "documents"})
     # One document per row: right-padded rows, no packing at all.
     alone_loss, alone_grads = loss_and_grads(documents_model, collate(singles, pad_token_id=0))
+    # The rows laid end to end, no padding (the trainer's micro-batches under document attention).
+    free = collate(packed_rows(vocab)[0], pad_token_id=0, padding_free=True)
+    assert batch["documents"].rows == ((9, 14, 1, 16), (23, 12, 5))
+    assert free["input_ids"].shape == (1, 75) and free["documents"].rows == ((9, 14, 1, 16, 23, 12),)
+    free_loss, free_grads = loss_and_grads(documents_model, free)
     for other_loss, other_grads in ((masked_loss, masked_grads), (inferred_loss, inferred_grads),
-                                    (alone_loss, alone_grads)):
+                                    (alone_loss, alone_grads), (free_loss, free_grads)):
         torch.testing.assert_close(loss, other_loss, rtol=1e-5, atol=0)
         for grad, other in zip(grads, other_grads):  # each parameter's gradient, relative to its norm
             assert float((grad - other).norm() / other.norm()) < 1e-5

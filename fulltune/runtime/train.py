@@ -49,6 +49,7 @@ from accelerate.utils import set_seed
 
 from fulltune.memory import flops
 from fulltune.runtime import sharding
+from fulltune.attention import attends_alone
 from fulltune.data.batching import StepSchedule, TokenizedRows, micro_batch_inputs
 from fulltune.data import pad_token_id_of
 from fulltune.errors import ConfigError, DataError, TrainingError, UserError
@@ -120,6 +121,7 @@ class TrainingRun:
     flops: flops.FlopCoefficients  # of the model, for MFU (fulltune/memory/flops.py)
     pipeline: PipelineRun | None = None  # this process's pipeline stage and its schedule (pipeline_parallel > 1)
     model_config: Any = None  # the whole model's transformers config (the memory estimate per rank reads it)
+    padding_free: bool = False  # a packed micro-batch's rows laid end to end, no padding (fulltune/attention.py)
 
     @property
     def processes(self) -> int:
@@ -188,10 +190,13 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
         model = head.compile(model)
     model, optimizer, scheduler = prepare(job, accelerator, model, optimizer, scheduler)
     model.train()
+    # Packed documents that attend alone need no rows: a micro-batch trains as one row of its tokens, no padding.
+    # Not under pipeline stages, whose schedule sends micro-batches of one shape.
+    padding_free = pipeline is None and attends_alone(config, job.plan.micro_batch_size * int(data.lengths.max()))
     return TrainingRun(job, accelerator, data, schedule, total_steps, tokenizer, pad_token_id_of(tokenizer), model,
                        head, optimizer, scheduler, OptimizerStep(accelerator, model, optimizer, scheduler,
                                                                  job.train.max_grad_norm),
-                       hooks, use_cache, checkpointed, model_layers, coefficients, pipeline, config)
+                       hooks, use_cache, checkpointed, model_layers, coefficients, pipeline, config, padding_free)
 
 
 def pipeline_stage(job: TrainJob, model: torch.nn.Module, head: TargetHead, length: int, device: Any,
@@ -338,7 +343,7 @@ def train_step(run: TrainingRun, step_rows: np.ndarray, step: int) -> StepOutcom
     def micro_batches() -> Iterator[tuple[dict[str, Any], Any]]:
         for index in range(plan.gradient_accumulation_steps):
             rows = StepSchedule.micro_batch(step_rows, index, run.data_rank, micro, processes)
-            yield micro_batch_inputs(run.data, rows, run.pad_token_id, accelerator.device)
+            yield micro_batch_inputs(run.data, rows, run.pad_token_id, accelerator.device, run.padding_free)
 
     outcome = run_step(run.step_parts, micro_batches(), step, int(run.data.targets[step_rows].sum()))
     if run.job.dims.tp > 1:  # the step's loss was summed over every process of a tp group too
