@@ -128,9 +128,10 @@ class DataSpec(Strict):
                             "the output is the same for any number). `auto`: the CPUs this process may use."
     )
     packing: Union[bool, Auto] = Field(
-        "auto", description="Pack several examples into each max_length row (positions restart). `auto`: pack "
+        "auto", description="Pack several examples into each max_length row (positions restart; each example "
+                            "attends to itself only, which needs model.attn_implementation: sdpa). `auto`: pack "
                             "when that trains faster (predicted per epoch, or measured under budget.autotune: "
-                            "true); examples longer than half of max_length are never packed."
+                            "true), one example per row where no two examples fit in one row."
     )
 
     @field_validator("num_workers")

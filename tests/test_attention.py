@@ -248,3 +248,14 @@ def test_packing_with_eager_attention_is_refused_at_validate() -> None:
         validate_pipelines({"pipelines": {"a": pipeline}})
     for packing in (False, "auto"):
         validate_pipelines({"pipelines": {"a": {**pipeline, "data": {"train": "train.jsonl", "packing": packing}}}})
+
+
+def test_packing_auto_trains_one_example_per_row_under_eager_attention(tmp_path) -> None:
+    from pipelines_fixture import tiny_pipeline
+
+    from fulltune.stages import budget, resolve_pipeline
+
+    p = resolve_pipeline(str(tiny_pipeline(tmp_path, model={"attn_implementation": "eager"},
+                                           data={"max_length": 64})), "tiny")
+    pack, why = budget.choose_packing(p, "unused: decided before tokenizing")
+    assert pack is False and "model.attn_implementation: sdpa" in why

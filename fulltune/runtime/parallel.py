@@ -26,8 +26,9 @@ Each decoder block (Megatron-LM's layout, with sequence parallelism inside the b
     MLP          all-gather → gate, up column-split → down row-split → reduce-scatter (s/T)
     block output (b, s/T, h) ──all-gather──► (b, s, h) replicated          PrepareModuleOutput
 
-Between blocks the hidden states stay whole: transformers builds the causal / packed-row mask and the
-rotary embeddings at the model level over the whole sequence, so a block must receive all positions.
+Between blocks the hidden states stay whole: transformers builds the causal mask (packed rows: their
+documents, fulltune/attention.py) and the rotary embeddings at the model level over the whole sequence, so a
+block must receive all positions.
 The embedding is split over the vocabulary (row-wise, its output all-reduced), the output head over the
 vocabulary (column-wise, logits gathered), the final norm replicated; every parameter is then a DTensor on
 the "tp" mesh, so clipping, checkpoints and the exported model treat them alike. A tied output head keeps

@@ -40,21 +40,21 @@ STAGES = (TOKENIZE, MEMORY_BUDGET, FINE_TUNE, EVALUATE, REGISTER)
 
 # The engine modules each stage runs: their source is part of the stage's cache key.
 STAGE_CODE = {
-    TOKENIZE: ("stages/tokenize.py", "data", "storage.py", "hub.py", "models.py"),
+    TOKENIZE: ("stages/tokenize.py", "data", "storage.py", "hub.py", "models.py", "attention.py"),
     # The budget stage measures candidates (planning/autotune.py) in child runs of the trainer on the data
     # tokenized both ways: the whole runtime and the tokenize stage.
     MEMORY_BUDGET: ("memory", "planning", "runtime", "data", "stages/__init__.py", "stages/budget.py",
-                    "stages/tokenize.py", "models.py", "levers.py", "degrees.py", "storage.py", "hub.py", "sizes.py",
-                    "pipelines_file.py"),
+                    "stages/tokenize.py", "models.py", "attention.py", "levers.py", "degrees.py", "storage.py", "hub.py",
+                    "sizes.py", "pipelines_file.py"),
     # An out-of-memory replan plans with the planner and the stages' planning inputs.
     FINE_TUNE: ("stages/finetune.py", "stages/__init__.py", "runtime", "planning/replan.py", "planning/inputs.py",
                 "planning/planner.py", "planning/search.py", "planning/step_time.py", "planning/reasons.py",
                 "planning/pipeline.py", "planning/strategy.py", "planning/trace.py", "memory", "data", "models.py",
-                "levers.py", "degrees.py", "hub.py", "storage.py", "sizes.py", "pipelines_file.py"),
+                "attention.py", "levers.py", "degrees.py", "hub.py", "storage.py", "sizes.py", "pipelines_file.py"),
     # A run trained sharded evaluates sharded, in children the training's launch path starts (evaluation/sharded.py).
     EVALUATE: ("evaluation", "runtime/loss.py", "runtime/launch.py", "runtime/sharding.py", "runtime/parallel.py",
-               "runtime/checkpointing.py", "memory/head.py", "data", "models.py", "hub.py", "degrees.py", "storage.py",
-               "tracking/registry.py", "tracking/gates.py"),
+               "runtime/checkpointing.py", "memory/head.py", "data", "models.py", "attention.py", "hub.py", "degrees.py",
+               "storage.py", "tracking/registry.py", "tracking/gates.py"),
     REGISTER: ("tracking/registry.py", "tracking/gates.py", "evaluation/evaluate.py"),
 }
 

@@ -313,13 +313,14 @@ def packing_choice_key(p: ResolvedPipeline) -> dict[str, Any]:
 def choose_packing(p: ResolvedPipeline, tokenizer: str) -> tuple[bool, str]:
     """(pack?, why) for `data.packing: auto`.
 
-    Examples are tokenized one per row first (a cached dataset). Where the longest takes more than half
-    of `data.max_length`, no two examples share a row and rows stay one example each. Otherwise the two
-    layouts are compared by the time of an epoch: with `budget.autotune: true`, each layout's planned
+    Examples are tokenized one per row first (a cached dataset). Where no two of them fit in one row of
+    `data.max_length`, rows stay one example each. Otherwise the two layouts are compared by the time of an
+    epoch: with `budget.autotune: true`, each layout's planned
     settings run on this machine (as `tune` runs a candidate) and the higher measured tokens per second
     wins; else the planner's step time predicts it, for the same settings on both layouts (so a
     calibration factor cancels), × optimizer steps per epoch, with unpacked micro-batches padded to
-    their longest row (the trainer groups rows by length) and packed rows to max_length.
+    their longest row (the trainer groups rows by length) and packed rows without padding, their documents
+    attending alone (fulltune/attention.py).
     """
     import numpy as np
 
@@ -332,8 +333,10 @@ def choose_packing(p: ResolvedPipeline, tokenizer: str) -> tuple[bool, str]:
                        f"({p.spec.model.attn_implementation} attention would mask every row with a dense (s × s) mask)")
     unpacked = _tokenize_layout(p, tokenizer, False)
     lengths = TokenizedRows(unpacked.train_rows_file).lengths
-    if len(lengths) < 2 or int(lengths.max()) * 2 > spec.max_length:
-        return False, "one example per row: the longest examples take more than half of data.max_length"
+    # The packed rows' count, as the tokenize stage packs them (next fit, in the shuffled order).
+    rows = len(_pack(np.random.default_rng(p.spec.train.seed).permutation(lengths), spec.max_length)) - 1
+    if rows >= len(lengths):
+        return False, "one example per row: no two examples fit in one row of data.max_length"
     opts = options(p.spec.budget.autotune)
     if opts.mode == "on" and _device_present(resolved_device(p)):
         measured = {packing: _measured_tokens_per_second(p, tokenizer, packing, opts) for packing in (False, True)}
@@ -341,12 +344,13 @@ def choose_packing(p: ResolvedPipeline, tokenizer: str) -> tuple[bool, str]:
             pack = measured[True] > measured[False]
             return pack, (f"{'packed rows' if pack else 'one example per row'}: measured {measured[True]:,.0f} "
                           f"tokens/s packed, {measured[False]:,.0f} one example per row")
-    rows = len(_pack(np.random.default_rng(p.spec.train.seed).permutation(lengths), spec.max_length)) - 1
     labels = unpacked.train_label_tokens
-    # Packed, each example is a document that attends to itself only: Σ length² / Σ length keys per token.
+    # Packed, the trainer lays a micro-batch's rows end to end (no padding), and each example is a document that
+    # attends to itself only: Σ length² / Σ length keys per token.
+    packed_length = min(spec.max_length, math.ceil(int(lengths.sum()) / rows))
     documents = max(1, round(float(np.square(lengths.astype(np.float64)).sum()) / float(lengths.sum())))
     epochs = {False: _epoch_seconds(p, tokenizer, False, len(lengths), _padded_length(lengths, p), labels),
-              True: _epoch_seconds(p, tokenizer, True, rows, spec.max_length, labels, documents)}
+              True: _epoch_seconds(p, tokenizer, True, rows, packed_length, labels, min(documents, packed_length))}
     pack = epochs[True] < epochs[False]
     return pack, (f"{'packed rows' if pack else 'one example per row'}: predicted epoch {format_seconds(epochs[True])} "
                   f"packed, {format_seconds(epochs[False])} one example per row")
