@@ -154,13 +154,16 @@ def _peak_flops(device_name: str, override: float | None) -> float:
     return peak_flops(device_name) or CPU_NOMINAL_FLOPS
 
 
-def mfu_case(config: Any, settings: Settings, steps: int, peak: float) -> dict[str, Any]:
-    """Tokens/s and MFU of `steps` optimizer steps after one warm-up step."""
+def timed_steps(config: Any, settings: Settings, steps: int, attn_implementation: str | None = None) -> float:
+    """Seconds of `steps` optimizer steps of the trainer's step after one warm-up step; `attn_implementation` swaps
+    the model's attention after it is built (transformers' own `sdpa` for the masked case)."""
     import torch
 
     device = settings.device
     with quiet():
         model = build_model(config, settings).to(device)
+        if attn_implementation is not None:
+            model.set_attn_implementation(attn_implementation)
         optimizer = optim.optimizer_for(model, settings)
         train_steps(model, optimizer, settings, 1, device)
         if device == "cuda":
@@ -169,7 +172,12 @@ def mfu_case(config: Any, settings: Settings, steps: int, peak: float) -> dict[s
         train_steps(model, optimizer, settings, steps, device)
         if device == "cuda":
             torch.cuda.synchronize()
-        seconds = time.perf_counter() - started
+        return time.perf_counter() - started
+
+
+def mfu_case(config: Any, settings: Settings, steps: int, peak: float) -> dict[str, Any]:
+    """Tokens/s and MFU of `steps` optimizer steps after one warm-up step."""
+    seconds = timed_steps(config, settings, steps)
     tokens = steps * settings.micro_batch_size * settings.gradient_accumulation_steps * settings.seq_len
     rate = tokens / seconds
     achieved = rate * flops_per_token(config, settings.seq_len)
@@ -263,28 +271,16 @@ def varlen_case(dry_run: bool, steps: int = 3) -> list[dict[str, Any]]:
 def _packed_steps(config: Any, settings: Settings, kind: str, steps: int) -> dict[str, Any]:
     import torch
 
-    device = settings.device
-    if device == "cuda":
+    cuda = settings.device == "cuda"
+    if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
-    with quiet():
-        model = build_model(config, settings).to(device)
-        if kind == "masked":  # transformers' own SDPA: it ignores `documents` and masks by the position_ids
-            model.set_attn_implementation("sdpa")
-        optimizer = optim.optimizer_for(model, settings)
-        train_steps(model, optimizer, settings, 1, device)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        train_steps(model, optimizer, settings, steps, device)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - started
+    # masked: transformers' own SDPA, which ignores `documents` and masks by the restarting position_ids.
+    seconds = timed_steps(config, settings, steps, "sdpa" if kind == "masked" else None)
     row = {"tokens_per_second": steps * settings.micro_batch_size * settings.seq_len / seconds}
-    if device == "cuda":
+    if cuda:
         row["measured_allocated"] = int(torch.cuda.max_memory_allocated() - start)
-    del model, optimizer
     return row
 
 

@@ -50,8 +50,9 @@ if TYPE_CHECKING:
 IMPLEMENTATION = "sdpa_documents"
 # Documents whose lengths differ by at most this factor share one padded SDPA call on the CPU path. Fewer, larger
 # groups pad more; more, smaller groups pay more calls. Measured on 8 packed rows of Zipf-length documents
-# (fp32, one thread, forward + backward): 1.2 was fastest at 256 and at 2,048 positions per row, 1.1 and 1.3
-# within 4%, 2.0 1.3-1.5× slower (BENCHMARKS.md, "Documents attend alone").
+# (fp32, one thread, forward + backward, benchmarks/document_attention.py): 1.1 and 1.2 within 4% of each other
+# at 256 and 2,048 positions per row (1.2 with a third fewer calls), 1.5 9-11% and 2.0 19-27% slower
+# (BENCHMARKS.md, "Documents attend alone").
 GROUP_RATIO = 1.2
 
 
@@ -229,7 +230,7 @@ def _gather(x: torch.Tensor, group: DocumentGroup, zero_padding: bool = False) -
 
 def _scatter(into: torch.Tensor, grouped: torch.Tensor, group: DocumentGroup) -> None:
     """Write a group's (count, heads, length, d) result into `into` (tokens, heads, d) at its real tokens."""
-    rows = grouped.transpose(1, 2).reshape(group.count * group.length, *grouped.shape[1:2], grouped.shape[3])
+    rows = grouped.transpose(1, 2).reshape(group.count * group.length, grouped.shape[1], grouped.shape[3])
     into.index_copy_(0, group.tokens, rows.index_select(0, group.slots))
 
 
@@ -286,7 +287,7 @@ def _grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g
         grouped = F.scaled_dot_product_attention(_gather(query, group), _gather(key, group), _gather(value, group),
                                                  dropout_p=dropout, is_causal=True, scale=scale,
                                                  enable_gqa=key.shape[1] != query.shape[1])
-        rows = grouped.transpose(1, 2).reshape(group.count * group.length, query.shape[1], query.shape[2])
+        rows = grouped.transpose(1, 2).reshape(group.count * group.length, grouped.shape[1], grouped.shape[3])
         parts.append(rows.index_select(0, group.slots))
     # The groups' tokens, concatenated, are a permutation of all tokens: its inverse puts them back in order.
     order = torch.cat([group.tokens for group in groups]).argsort()

@@ -259,3 +259,14 @@ def test_packing_auto_trains_one_example_per_row_under_eager_attention(tmp_path)
                                            data={"max_length": 64})), "tiny")
     pack, why = budget.choose_packing(p, "unused: decided before tokenizing")
     assert pack is False and "model.attn_implementation: sdpa" in why
+
+
+def test_tensor_parallel_padding_continues_each_rows_last_document() -> None:
+    """Tensor parallel pads a micro-batch to a multiple of its degree (fulltune/runtime/parallel.py): the documents
+    grow with it, the padding part of each row's last document (after its tokens, so no real query sees it)."""
+    from fulltune.runtime.parallel import _SequencePadding
+
+    batch, _ = packed_batch(50)
+    args, kwargs = _SequencePadding(16).pad(None, (), {k: v for k, v in batch.items() if k != "labels"})
+    assert kwargs["input_ids"].shape == (2, 48) and kwargs["position_ids"].shape == (2, 48)
+    assert kwargs["documents"].rows == ((9, 14, 1, 24), (23, 12, 13)) and kwargs["documents"].shape == (2, 48)
