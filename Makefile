@@ -24,19 +24,30 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m compileall -q -j 0 -x '/tests/' $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
 
+# torchao (`fulltune[lowbit]`: float8 training, 4-bit states) for the tests that prove them, in a directory of its
+# own that only their processes put on PYTHONPATH (tests/lowbit.py): where torchao is installed, transformers imports
+# it with every model it builds (+0.5 s of CPU per such process, measured), which the rest of the suite need not pay.
+LOWBIT := .lowbit
+LOWBIT_STAMP := $(LOWBIT)/.installed
+
+$(LOWBIT_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet --no-compile --no-deps --target $(LOWBIT) $$(sed -n 's/^lowbit = \["\(.*\)"\]/\1/p' pyproject.toml)
+	touch $(LOWBIT_STAMP)
+
 demo: install
 	$(BIN)/fulltune run demo
 
 # Two workers (pytest-xdist), a test file each at a time, the longest first (tests/conftest.py LONGEST_FIRST).
-test: install
+# FULLTUNE_TEST_LOWBIT=required: a test that needs torchao fails instead of skipping when .lowbit is missing.
+test: install $(LOWBIT_STAMP)
 	$(BIN)/python -m compileall -q -j 0 fulltune flows tasks tests benchmarks > /dev/null
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not heavy"
+	FULLTUNE_TEST_LOWBIT=required $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not heavy"
 
-test-all: install
-	$(BIN)/python -m pytest -q
+test-all: install $(LOWBIT_STAMP)
+	FULLTUNE_TEST_LOWBIT=required $(BIN)/python -m pytest -q
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not server"
 
 clean:
-	rm -rf .fulltune
+	rm -rf .fulltune $(LOWBIT)

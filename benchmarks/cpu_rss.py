@@ -10,7 +10,7 @@ For each configuration below (tiny to ~150M parameters, Llama and GPT-2 shapes b
 fp32 and bf16 autocast, with and without gradient checkpointing, micro-batch 1–8, sequence 128–512)
 it runs the real trainer the way fulltune does: a `TrainJob` given to `fulltune.runtime.launch.run_training`,
 which starts `python -m fulltune.runtime.train` as a child process. Each run is started from a fresh wrapper
-process (`fulltune.runtime.measure`; the models, rows and jobs are tests/memory_runs.py's), whose
+process (`measuring.measure`; the models, rows and jobs are measuring/memory_runs.py's), whose
 `getrusage(RUSAGE_CHILDREN).ru_maxrss` is then exactly the trainer's peak resident set size (the wrapper
 itself imports neither torch nor transformers and is not counted). A run is short but complete: 3 optimizer
 steps (steady state from the second: optimizer states exist), a checkpoint after step 2, the final model save,
@@ -39,8 +39,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from fulltune.runtime import measure
-from tests.memory_runs import Case, build_assets, make_job, mlflow_run, model_config, settings_of
+from measuring import measure
+from measuring.memory_runs import Case, build_assets, make_job, mlflow_run, model_config, settings_of
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -2,8 +2,8 @@
 
 The rows are written by the tokenize stage's own writer (`fulltune.data.store._write_rows`: train.parquet
 and train.arrow) from synthetic documents of 16–64 tokens packed into rows of ROWS_SEQ_LEN, and trained through
-the real training child (`fulltune.runtime.launch.run_training`) of a tiny Llama (tests/memory_runs.py
-`TINY`) for STEPS optimizer steps, from a fresh wrapper process (`fulltune.runtime.measure`'s `ranks`). The
+the real training child (`fulltune.runtime.launch.run_training`) of a tiny Llama (measuring/memory_runs.py
+`TINY`) for STEPS optimizer steps, from a fresh wrapper process (`measuring.measure`'s `ranks`). The
 wrapper samples every 20 ms each
 training rank's `/proc/<pid>/smaps_rollup`: `Rss` (every page the rank has mapped, shared or not) and `Pss`
 (each shared page divided among the processes that map it: the ranks of one machine share train.arrow's
@@ -38,8 +38,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fulltune.runtime import measure
-from tests.memory_runs import ROWS_STEPS as STEPS, build_tiny_model, rows_job, write_train_files
+from measuring import measure
+from measuring.memory_runs import ROWS_STEPS as STEPS, build_tiny_model, rows_job, write_train_files
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20

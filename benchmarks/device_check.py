@@ -28,7 +28,13 @@ and which of estimate and trace is right on CUDA is settled. Then:
 - packed rows, masked against varlen (`varlen_case`): the Llama-3.2-1B shape, rows of 8k and 32k tokens packed
   with documents of 1,024, bf16, every layer checkpointed, chunked loss; transformers' SDPA with its dense block
   mask from the restarting position_ids against fulltune's document attention (`varlen_attn`), each for its
-  tokens/s and peak allocated against the estimate (mask: `attention_mask`; varlen: `document_length`).
+  tokens/s and peak allocated against the estimate (mask: `attention_mask`; varlen: `document_length`);
+- context parallel over NCCL (`context_parallel_case`, 2 GPUs): Ulysses and ring attention (PyTorch's
+  `context_parallel`, CUDA only: 3 heads over 2 processes) against one process, loss and gradients of one
+  micro-batch (tests/context_parallel_worker.py --cuda); on one GPU it says so and measures nothing;
+- float8 training (`train.float8`, needs torchao and a GPU with float8 tensor cores): tokens/s of bf16 against
+  float8 tensorwise and rowwise with the same plan, compiled and eager, each peak against the estimate
+  (benchmarks/float8_check.py `float8_case`).
 
 Usage (a few minutes on one H100/H200; each case is independent and a failing one is reported, not fatal):
     python -m benchmarks.device_check --out device_check.json
@@ -53,7 +59,7 @@ from fulltune.memory.flops import peak_flops
 from fulltune.memory import Settings, estimate_memory, flops_per_token
 from fulltune.planning import measure_memory, simulate_memory
 from fulltune.runtime import optim
-from fulltune.planning.trace import build_model, make_batch, measure_cuda, quiet, train_steps
+from fulltune.planning.trace import build_model, make_batch, measure_cuda, quiet, timed_train_steps
 from fulltune.memory.units import format_bytes
 from benchmarks.host_params_check import fsdp_offload_case, host_param_lines, pct, safely
 
@@ -92,6 +98,10 @@ def cases(dry_run: bool) -> list[Case]:
             Case("frontier levers (tiny)", tiny, Settings(micro_batch_size=4, gradient_checkpointing=3,
                  mixed_precision="bf16", optimizer="adafactor", pure_bf16=True, optimizer_in_backward=True,
                  chunked_loss=True, **S), trace=True, tags=("all", "bf16", "levers")),
+            Case("pure bf16 plain rounding (tiny)", tiny, Settings(micro_batch_size=2, mixed_precision="bf16",
+                 pure_bf16=True, compensation="none", attention_mask=False, **S), tags=("bf16", "levers")),
+            Case("muon (tiny)", tiny, Settings(micro_batch_size=2, mixed_precision="bf16", optimizer="muon",
+                 attention_mask=False, **S), tags=("bf16", "muon")),
         ]
     tinyllama = _llama(2048, 5632, 22, 32, 4, 32000)
     qwen05 = transformers.Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -123,6 +133,14 @@ def cases(dry_run: bool) -> list[Case]:
         Case("Llama-3.2-1B 8-bit AdamW + chunked", llama1b, Settings(micro_batch_size=2, seq_len=2048,
              gradient_accumulation_steps=2, gradient_checkpointing=8, mixed_precision="bf16", optimizer="adamw_8bit",
              chunked_loss=True, device=device, attention_mask=False), tags=("partial", "bf16", "levers")),
+        # train.compensation none (torchtune's pure-bf16 recipe: bf16 AdamW states, no Kahan buffer) and Muon (one
+        # momentum buffer per decoder matrix, its Newton–Schulz temporaries in the step) on CUDA.
+        Case("Llama-3.2-1B pure bf16 plain rounding", llama1b, Settings(micro_batch_size=2, seq_len=2048,
+             gradient_checkpointing=16, mixed_precision="bf16", pure_bf16=True, compensation="none", device=device,
+             attention_mask=False), tags=("all", "bf16", "levers")),
+        Case("Llama-3.2-1B muon pure bf16", llama1b, Settings(micro_batch_size=2, seq_len=2048,
+             gradient_checkpointing=16, mixed_precision="bf16", optimizer="muon", pure_bf16=True, device=device,
+             attention_mask=False), tags=("all", "bf16", "muon")),
     ]
 
 
@@ -157,22 +175,13 @@ def _peak_flops(device_name: str, override: float | None) -> float:
 def timed_steps(config: Any, settings: Settings, steps: int, attn_implementation: str | None = None) -> float:
     """Seconds of `steps` optimizer steps of the trainer's step after one warm-up step; `attn_implementation` swaps
     the model's attention after it is built (transformers' own `sdpa` for the masked case)."""
-    import torch
-
     device = settings.device
     with quiet():
         model = build_model(config, settings).to(device)
         if attn_implementation is not None:
             model.set_attn_implementation(attn_implementation)
         optimizer = optim.optimizer_for(model, settings)
-        train_steps(model, optimizer, settings, 1, device)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        train_steps(model, optimizer, settings, steps, device)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - started
+        return timed_train_steps(model, optimizer, settings, steps, device)
 
 
 def mfu_case(config: Any, settings: Settings, steps: int, peak: float) -> dict[str, Any]:
@@ -332,12 +341,40 @@ def run(dry_run: bool, peak_tflops: float | None, mfu_steps: int, offload_steps:
     report["evaluation"] = safely("evaluation", device_case, dry_run)
     print("[evaluation] done", file=sys.stderr, flush=True)
     report["varlen"] = varlen_case(dry_run)
+    report["context_parallel"] = safely("context_parallel", context_parallel_case, on_gpu)
+    print("[context parallel] done", file=sys.stderr, flush=True)
     from benchmarks.autotune import gpu_check  # the plan's top candidates measured in training children
 
     # The dry run measures two candidates (each a training child): enough to check the comparison's wiring.
     report["autotune"] = safely("autotune", gpu_check, dry_run, candidates=2 if dry_run else 3)
     print("[autotune] done", file=sys.stderr, flush=True)
+    from benchmarks.float8_check import float8_case  # bf16 against float8 with the same plan: speed and peak
+
+    report["float8"] = float8_case(dry_run)
+    print("[float8] done", file=sys.stderr, flush=True)
     return report
+
+
+def context_parallel_case(on_gpu: bool) -> dict[str, Any]:
+    """Context parallel 2 against one process (tests/context_parallel_worker.py): on 2 GPUs over NCCL, Ulysses and
+    ring attention; without a GPU (--dry-run) Ulysses over gloo. {case: {"loss", "grads"}: relative differences}."""
+    import subprocess
+    import tempfile
+
+    import torch
+
+    if on_gpu and torch.cuda.device_count() < 2:
+        return {"skipped": f"needs 2 GPUs, {torch.cuda.device_count()} visible"}
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "context_parallel.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                   str(root / "tests" / "context_parallel_worker.py"), str(out), *(["--cuda"] if on_gpu else [])]
+        done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "PYTHONPATH": str(root)})
+        if done.returncode != 0:
+            return {"error": done.stderr[-3000:]}
+        return json.loads(out.read_text())
 
 
 def summary(report: dict[str, Any]) -> str:
@@ -369,6 +406,10 @@ def summary(report: dict[str, Any]) -> str:
         memory = (f"; peak {format_bytes(measured)} vs estimate {format_bytes(row['estimate_peak'])} "
                   f"({pct(row['estimate_peak'] / measured - 1)})" if measured else "")
         lines.append(f"packed rows, {row['name']}: {row['tokens_per_second']:.0f} tokens/s{memory}")
+    lines.append(f"context parallel 2 against one process (relative differences): {report.get('context_parallel')}")
+    from benchmarks.float8_check import float8_lines
+
+    lines.extend(float8_lines(report.get("float8") or {}))
     return "\n".join(lines)
 
 

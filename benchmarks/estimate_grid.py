@@ -1,7 +1,8 @@
 """Every number of every phase of the memory model's estimates over a large grid, dumped to JSON and compared.
 
-The grid crosses the layouts (one process, DDP, FSDP over 1/2/4/8 processes, FSDP x TP and
-pipeline stages under both schedules) with every combination of the five levers that the lever table allows,
+The grid crosses the layouts (one process, DDP, FSDP over 1/2/4/8 processes, FSDP x TP, context parallel
+over FSDP and DDP, and pipeline stages under both schedules) with every combination of the five levers that the
+lever table allows,
 the precisions, optimizers, devices, accumulation and checkpointing, over model shapes of the three modelled
 layouts (tied and untied, grouped-query and one key/value head, one with the widths of Llama-3-8B); micro-batch,
 sequence length, attention mask, attention kernel and target fraction rotate through their values across the
@@ -31,6 +32,9 @@ LEVERS = ("chunked_loss", "pure_bf16", "optimizer_in_backward", "offload_activat
 LAYOUTS = (("none", 1, 1), ("ddp", 2, 1), ("ddp", 4, 1), ("fsdp", 1, 1), ("fsdp", 2, 1), ("fsdp", 4, 1), ("fsdp", 8, 1), ("fsdp", 2, 2), ("fsdp", 4, 2), ("fsdp", 8, 2),
            ("fsdp", 4, 4))
 PIPELINES = ((2, "1f1b"), (2, "gpipe"), (4, "1f1b"), (3, "gpipe"))
+# (strategy, num_processes, tensor_parallel, context_parallel): context parallel over FSDP (sharded over dp × cp)
+# and DDP. Their keys name `context_parallel`; the other layouts' keys do not (dumps of trees before it compare).
+CONTEXT_PARALLEL = (("fsdp", 2, 1, 2), ("fsdp", 4, 1, 2), ("fsdp", 8, 1, 4), ("ddp", 2, 1, 2))
 PRECISIONS = ("no", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adafactor", "adamw_8bit")
 DEVICES = ("cpu", "cuda")
@@ -111,19 +115,21 @@ def _pipeline_record(shape: Any, settings: Any, stages: int, schedule: str) -> d
 def grid() -> dict[str, dict[str, Any]]:
     """Every estimate of the grid, by a key naming its shape and settings."""
     out: dict[str, dict[str, Any]] = {}
-    i = 0
+    i = j = 0
     for name, shape in shapes().items():
         L = shape.num_layers
         for layout, on, precision, optimizer, device, accumulation, checkpointing in itertools.product(
-                LAYOUTS + PIPELINES, itertools.product((False, True), repeat=len(LEVERS)), PRECISIONS, OPTIMIZERS,
-                DEVICES, (1, 2, 4), (0, L // 2, L)):
-            i += 1
+                LAYOUTS + PIPELINES + CONTEXT_PARALLEL, itertools.product((False, True), repeat=len(LEVERS)),
+                PRECISIONS, OPTIMIZERS, DEVICES, (1, 2, 4), (0, L // 2, L)):
+            added = len(layout) == 4  # counted apart: the other layouts' rotating values stay as they were
+            j, i = (j + 1, i) if added else (j, i + 1)
             pipeline = len(layout) == 2
-            strategy, n, T = ("none", 1, 1) if pipeline else layout
+            strategy, n, T = ("none", 1, 1) if pipeline else layout[:3]
             fields = {"mixed_precision": precision, "optimizer": optimizer, "device": device,
                       "gradient_accumulation_steps": accumulation, "gradient_checkpointing": checkpointing,
                       "strategy": strategy, "num_processes": n, "tensor_parallel": T,
-                      **dict(zip(LEVERS, on)), **_rotating(i)}
+                      **({"context_parallel": layout[3]} if added else {}),
+                      **dict(zip(LEVERS, on)), **_rotating(j if added else i)}
             settings, refused = _settings(fields)
             key = json.dumps({"shape": name, "layout": list(layout), **fields}, sort_keys=True)
             if refused:
@@ -140,10 +146,12 @@ def compare(base_path: str, new_path: str) -> int:
     the levers on in every one of them, and the range of the relative change of the step's (or the worst
     stage's) peak; 0 when all are identical."""
     base, new = _load(base_path), _load(new_path)
-    if base.keys() != new.keys():
-        print(f"the grids differ: {len(base.keys() - new.keys())} keys only in the base, "
-              f"{len(new.keys() - base.keys())} only in the new one")
+    if base.keys() - new.keys():
+        print(f"the grids differ: {len(base.keys() - new.keys())} keys only in the base")
         return 1
+    if new.keys() - base.keys():  # layouts the base's tree did not have (compared: the ones it had)
+        print(f"{len(new.keys() - base.keys())} settings only in the new grid (layouts added since the base)")
+        new = {key: new[key] for key in base}
     valid = sum(1 for v in base.values() if "error" not in v)
     differing = [k for k in base if base[k] != new[k]]
     print(f"{len(base) - len(differing)} of {len(base)} identical ({valid} estimates, {len(base) - valid} refusals)")

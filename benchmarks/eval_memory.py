@@ -12,7 +12,7 @@ imports what the flow process holds (Prefect, MLflow, torch, transformers):
 
 The process's peak resident set (VmHWM, and a 5 ms sampler) is printed beside the plan's evaluation phase
 (`device_bytes`, the runtime overhead included) and the budget. The models, rows and the measured process are
-tests/memory_runs.py's (`measure_evaluation`), which tests/test_process_memory.py runs too.
+measuring/memory_runs.py's (`measure_evaluation`), which tests/test_process_memory.py runs too.
 
 Usage:
     python -m benchmarks.eval_memory                     # both ways, ~1 min on 2 cores
@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tests.memory_runs import BUDGET, eval_assets as make_assets, measure_evaluation as measure
+from measuring.memory_runs import BUDGET, eval_assets as make_assets, measure_evaluation as measure
 
 
 # The GPU case (benchmarks/device_check.py): the 8B-on-24 GiB plan's evaluate stage at a reduced layer count.

@@ -1,7 +1,7 @@
 """Host memory of the final FSDP export against the plan's figure (memory/process.py `export_host_bytes`).
 
 Run under torchrun (2 CPU processes, gloo): a 31M-parameter Llama (fp32, vocabulary 8000, 8 layers) is sharded
-with FSDP2 (`fulltune.runtime.sharding.shard_model`; the measured rank is `fulltune.planning.rank_memory.export_rank`,
+with FSDP2 (`fulltune.runtime.sharding.shard_model`; the measured rank is `measuring.rank_memory.export_rank`,
 which tests/test_sharding.py runs too) and exported with `sharding.save_pretrained`, which streams one
 safetensors file at a time (`--shard-mib`, as `EXPORT_SHARD_BYTES` does at 2 GiB). A sampler thread on rank 0
 reads its resident set every 2 ms; what the export adds above the RSS before it is printed beside the plan's
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from fulltune.memory import Settings
-    from fulltune.planning.rank_memory import export_rank
+    from measuring.rank_memory import export_rank
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)

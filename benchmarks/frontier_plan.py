@@ -11,8 +11,16 @@ host RAM of the final export (FSDP: rank 0's streamed files, memory/process.py) 
 evaluate.*'s defaults (batch 8, 32 new tokens, rows of the training length; memory/evaluation.py): its dtype,
 fitted loss / generation batches and device bytes, layer-offloaded where one GPU cannot hold the weights.
 
+Long context (`--long-context`: that section alone): the Llama-3-8B shape with its positions extended (as
+long-context variants such as Gradient's Llama-3-8B-1048k do), packed rows without padding, effective batch 8,
+strategy, optimizer and `distributed.context_parallel` auto, on 8 × 80 GiB with 1 TiB of host RAM, at 131,072 and
+524,288 tokens per example, evaluation included (held-out loss of rows of the training length; text rows: no
+generation); then the longest row (doubling from 131,072) that fits 8 × 80 GiB, one 80 GiB GPU with 1 TiB of host
+RAM, and the Llama-3-70B shape on 8 × 80 GiB.
+
 Usage:
     python -m benchmarks.frontier_plan
+    python -m benchmarks.frontier_plan --long-context
 """
 
 from __future__ import annotations
@@ -53,7 +61,8 @@ def config(name: str) -> transformers.LlamaConfig:
 def describe(plan) -> str:
     s = plan.settings
     levers = [name for name, on in s.levers().items() if on]
-    return (f"micro {s.micro_batch_size}×{s.gradient_accumulation_steps}, ckpt {s.gradient_checkpointing}, "
+    cp = f"cp {s.context_parallel}, " if s.context_parallel > 1 else ""
+    return (f"{cp}micro {s.micro_batch_size}×{s.gradient_accumulation_steps}, ckpt {s.gradient_checkpointing}, "
             f"{s.optimizer}, {'+'.join(levers) or 'no levers'}")
 
 
@@ -127,8 +136,66 @@ def host_parameter_rows() -> list[str]:
     return lines
 
 
+def long_config(name: str) -> transformers.LlamaConfig:
+    """A Llama-3 shape with its positions extended to 2M (the rotary base is not what the memory plan reads)."""
+    h, i, layers, heads, kv = SHAPES[name]
+    return transformers.LlamaConfig(hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
+                                    num_attention_heads=heads, num_key_value_heads=kv, vocab_size=128256,
+                                    tie_word_embeddings=False, max_position_embeddings=1 << 21)
+
+
+def long_plan(name: str, seq_len: int, processes: int) -> object:
+    """The plan of `name` at rows of `seq_len` on `processes` × 80 GiB with 1 TiB of host RAM: effective batch 8,
+    strategy, optimizer, levers and (several GPUs) context parallel auto, evaluation included."""
+    request = PlanRequest(effective_batch_size=8, seq_len=seq_len, device="cuda", bf16_supported=True,
+                          budget_bytes=80 * GiB, attention_mask=False, strategy="auto", num_processes=processes,
+                          context_parallel=None if processes > 1 else 1, host_memory_bytes=CLUSTER_HOST,
+                          evaluation=EvalRequest(generate=False))
+    return plan_memory(long_config(name), request)
+
+
+def longest(name: str, processes: int, start: int) -> tuple[int | None, object]:
+    """The longest row (`start` doubled while it fits) of `name` on `processes` × 80 GiB, and its plan."""
+    best, seq_len = (None, None), start
+    while seq_len <= 1 << 21:
+        plan = long_plan(name, seq_len, processes)
+        if not plan.fits:
+            break
+        best, seq_len = (seq_len, plan), 2 * seq_len
+    return best
+
+
+def long_context() -> None:
+    print("| model / GPUs, tokens per example | plan fits | chosen | device (expected) | host RAM | export host | "
+          "evaluation | step (predicted) | context parallel |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for seq_len in (131072, 524288):
+        plan = long_plan("8B", seq_len, 8)
+        reason = next((r for r in plan.reasons if r.startswith("context parallel ")), "")
+        print(f"{row(f'8B (extended) on 8×80 GiB, {seq_len:,} tokens', plan, long_config('8B'))} {reason} |",
+              flush=True)
+    print()
+    for name, processes, start in (("8B", 8, 131072), ("8B", 1, 16384), ("70B", 8, 8192)):
+        seq_len, plan = longest(name, processes, start)
+        where = f"{processes}×80 GiB" + (", 1 TiB host" if processes == 1 else "")
+        print(f"longest row of the Llama-3-{name} shape on {where}: {seq_len:,} tokens" if seq_len else
+              f"Llama-3-{name} on {where}: nothing fits from {start:,} tokens", flush=True)
+        if plan is not None:
+            print(f"  {row(f'{name} on {where}, {seq_len:,} tokens', plan, long_config(name))}", flush=True)
+    print()
+    print("Step-time terms that are assumptions (fulltune/planning/step_time.py): sustained bf16 matmul throughput "
+          "(400 TFLOP/s per GPU), the context-parallel all-to-alls at 150 GB/s per GPU, not overlapped with "
+          "compute (CP_BYTES_PER_S), FSDP's all-gathers and reduce-scatters not counted, PCIe at 25 GB/s and the "
+          "host optimizer at 1.5 GB/s where a lever moves tensors to the host, the recompute overhead (1.4×) of "
+          "checkpointed layers")
+
+
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; no options
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--long-context", action="store_true", help="the long-context section alone")
+    if parser.parse_args().long_context:
+        long_context()
+        return
     print("| model / GPU | plan fits | chosen | device (expected) | host RAM | export host | evaluation | "
           "step (predicted) |")
     print("|---|---|---|---|---|---|---|---|")

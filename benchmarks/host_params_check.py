@@ -521,9 +521,9 @@ def host_param_comparisons(plan: dict[str, Any], measured: dict[str, Any], setti
             add("OFFLOAD_OVERLAP, implied", assumed.get("OFFLOAD_OVERLAP"), overlap, "",
                 "(pcie_s at the measured rates − implied exposed) / compute_s; outside 0–1: compute_s is off")
     predicted_host = terms.get("host_step_s")
-    gathered = measured.get("optimizer") == "GatheredAdafactor"
+    gathered = measured.get("optimizer") == "GatheredOptimizer"
     add("host_step_s = optimizer step + zero_grad", predicted_host, host_step, "s",
-        "with GatheredAdafactor's copy of each updated parameter through the mesh's device" if gathered else "")
+        "with GatheredOptimizer's copy of each updated parameter through the mesh's device" if gathered else "")
     rate = assumed.get("HOST_OPTIMIZER_BYTES_PER_S")
     if predicted_host and rate and host_step > 0:
         add("HOST_OPTIMIZER_BYTES_PER_S, implied by the step", rate, predicted_host * rate / host_step, "B/s",

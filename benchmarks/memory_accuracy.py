@@ -35,6 +35,7 @@ from fulltune.memory import Settings, estimate_memory
 from fulltune.planning import measure_memory, simulate_memory
 from fulltune.memory.shapes import model_shape
 from fulltune.memory.units import format_bytes
+from fulltune.optimizers import compensation_of
 from benchmarks.sections import write_section
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,6 +112,19 @@ def grid() -> list[Case]:
         Case("gpt_neox 4L h256", _neox(256, 4, 8, 1024, 10000),
              S(micro_batch_size=1, seq_len=2048, mixed_precision="bf16", attention_mask=False, document_length=256),
              "measured"),
+        # Pure bf16 with Kahan AdamW (train.compensation auto) and with plain rounding (none: torchtune's recipe).
+        Case("llama 4L h256, pure bf16", _llama(256, 688, 4, 8, 2, 8000),
+             S(micro_batch_size=4, seq_len=256, mixed_precision="bf16", pure_bf16=True, attention_mask=False),
+             "measured"),
+        Case("llama 4L h256, pure bf16", _llama(256, 688, 4, 8, 2, 8000),
+             S(micro_batch_size=4, seq_len=256, mixed_precision="bf16", pure_bf16=True, compensation="none",
+               attention_mask=False), "measured"),
+        # Muon: the step is the peak where the matrices are wide and the vocabulary and batch small.
+        Case("llama 2L h256 V64, muon", _llama(256, 1024, 2, 4, 2, 64),
+             S(micro_batch_size=1, seq_len=16, optimizer="muon", attention_mask=False), "measured"),
+        Case("llama 4L h256, muon", _llama(256, 688, 4, 8, 2, 8000),
+             S(micro_batch_size=4, seq_len=256, mixed_precision="bf16", pure_bf16=True, optimizer="muon",
+               optimizer_in_backward=True, attention_mask=False), "measured"),
         # --- FakeTensorMode traces (real model shapes, 0.1B–1.2B) ---
         Case("SmolLM-135M shape", smollm,
              S(micro_batch_size=16, seq_len=512, gradient_checkpointing=15), "traced"),
@@ -151,6 +165,9 @@ def describe(s: Settings) -> str:
     parts.append(f"ckpt={s.gradient_checkpointing}")
     parts.append(s.mixed_precision if s.mixed_precision != "no" else "fp32")
     parts.append(s.optimizer)
+    parts.extend(name for name, on in s.levers().items() if on)
+    if s.pure_bf16:
+        parts.append(f"compensation {compensation_of(s)}")
     if s.attention_mask:
         parts.append("mask")
     if s.document_length and not s.attention_mask:

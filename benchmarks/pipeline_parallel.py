@@ -2,7 +2,7 @@
 
 For each case, torchrun starts one process per stage, or per stage and data-parallel replica in the `*-fsdp2`
 and `*-ddp2` cases (2 stages × 2: each stage sharded with FSDP2 or replicated over its 2 processes; gloo, CPU, a
-timeout on every collective and on the whole run; the ranks are `fulltune.planning.rank_memory`'s `pipeline`). Each builds the same `from_config`
+timeout on every collective and on the whole run; the ranks are `measuring.rank_memory`'s `pipeline`). Each builds the same `from_config`
 Llama, keeps its stage (`fulltune.runtime.pipeline_parallel.PipelineRun`:
 embedding + first layers / last layers + norm + head) and runs STEPS optimizer steps of M micro-batches
 under torch.distributed.pipelining's 1F1B or GPipe schedule, with the trainer's loss (the head at the
@@ -33,7 +33,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fulltune.planning.rank_memory import pipeline_against_estimate
+from measuring.rank_memory import pipeline_against_estimate
 
 STEPS = 3  # tracked: losses and peaks
 TIMED_STEPS = 3  # then untracked (MemTracker intercepts every op in Python): step times
@@ -82,7 +82,7 @@ def settings_of(case: Case):
 
 
 def run_case(case: Case) -> dict:
-    """`case`'s stages in torchrun ranks (`fulltune.planning.rank_memory`'s `pipeline`) against each stage's
+    """`case`'s stages in torchrun ranks (`measuring.rank_memory`'s `pipeline`) against each stage's
     estimate and against the same steps in one process."""
     return {"case": case.name, **pipeline_against_estimate({**BASE, **case.config}, settings_of(case), case.schedule,
                                                            case.stages, STEPS, TIMED_STEPS, timeout_s=TIMEOUT_S,

@@ -58,6 +58,7 @@ from fulltune.memory.shapes import model_shape
 from fulltune.runtime import optim
 from fulltune.planning.trace import build_model, quiet, train_steps
 from fulltune.memory.units import format_bytes
+from fulltune.optimizers import OPTIMIZER_TABLE
 from benchmarks.sections import write_section
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,7 +155,7 @@ def candidates(case: Case, usable: int, chosen: Settings, alternatives: list[dic
     shape = model_shape(case.config)
     L = shape.num_layers
     precisions = [case.mixed_precision] if case.mixed_precision else ["no", "bf16"]
-    optimizers = [case.optimizer] if case.optimizer else ["adamw", "adamw_8bit", "adafactor"]
+    optimizers = [case.optimizer] if case.optimizer else [r.name for r in OPTIMIZER_TABLE if r.auto == "always"]
     fixed = case.mixed_precision is not None and case.optimizer is not None
     out: list[Settings] = []
     best_of: dict[tuple[str], Settings] = {}

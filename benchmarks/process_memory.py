@@ -5,7 +5,7 @@ steady training step the memory model walks, but loading the weights, the first 
 optimizer allocates its states), a checkpoint save and the final export. This script runs those phases in
 one fresh process with the trainer's own functions (`fulltune.runtime.train.setup`, `train_step`,
 `save_checkpoint`, `finish`, logging into an MLflow run as a flow's training does) and records the
-process's resident set size (`fulltune.runtime.measure`'s `phases`; the cases are tests/memory_runs.py's):
+process's resident set size (`measuring.measure`'s `phases`; the cases are measuring/memory_runs.py's):
 
 - a sampler thread reads /proc/self/statm every 5 ms and keeps each phase's largest RSS;
 - the kernel's high-water mark (VmHWM) after each phase bounds what the sampler may have missed.
@@ -28,8 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fulltune.runtime.measure import PHASES
-from tests.memory_runs import PROCESS_CASES as CASES, estimated_phases, measure_phases as measure
+from measuring.measure import PHASES
+from measuring.memory_runs import PROCESS_CASES as CASES, estimated_phases, measure_phases as measure
 
 MIB = 2**20
 

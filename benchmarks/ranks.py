@@ -5,8 +5,8 @@ A driver calls `torchrun_ranks("benchmarks.<name>", case, processes)`: torchrun 
 checkout's `fulltune` and `benchmarks`, with one OpenMP thread each (gloo, CPU). Each rank measures and ends
 with `send_to_driver(result, out)`: the results are all-gathered and rank 0 writes them, in rank order, to
 the file the driver reads back. A benchmark's parser takes the worker's two options from `add_worker_arguments`.
-Both ends are the engine's (`fulltune.runtime.measure`), which also runs the ranks of
-`fulltune.planning.rank_memory` (FSDP, tensor-parallel and pipeline ranks under torch's memory trackers).
+Both ends are the measuring harness's (`measuring.measure`), which also runs the ranks of
+`measuring.rank_memory` (FSDP, tensor-parallel and pipeline ranks under torch's memory trackers).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from fulltune.runtime.measure import TORCHRUN_TIMEOUT_S, send_to_driver, torchrun_results  # noqa: F401 (send_to_driver)
+from measuring.measure import TORCHRUN_TIMEOUT_S, send_to_driver, torchrun_results  # noqa: F401 (send_to_driver)
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser, cases: Sequence[str] | None = None) -> None:

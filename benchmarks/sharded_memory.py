@@ -5,7 +5,7 @@ For each configuration below, two (or four) processes (torchrun, gloo, CPU) shar
 over the target positions, backward of Σ loss / targets, global-norm clip, fused AdamW, zero_grad). In
 every rank torch's FSDPMemTracker (MemTracker plus FSDP2's all-gather / reduce-scatter buffers, sharded
 and unsharded parameters and gradients) records the peak of tracked tensor storage (the ranks are
-`fulltune.planning.rank_memory`'s `fsdp`). That is compared with
+`measuring.rank_memory`'s `fsdp`). That is compared with
 `estimate_memory(config, Settings(strategy="fsdp", num_processes=2, ...)).peak_bytes`, the allocated-tensor
 peak the planner adds its runtime overhead to.
 
@@ -33,7 +33,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fulltune.planning.rank_memory import against_estimate
+from measuring.rank_memory import against_estimate
 
 
 
@@ -133,7 +133,7 @@ def estimate_parts(estimate) -> dict[str, int]:
 
 
 def run_case(case: Case) -> dict:
-    """Measure `case` in every rank (`fulltune.planning.rank_memory`, FSDPMemTracker) against the estimate."""
+    """Measure `case` in every rank (`measuring.rank_memory`, FSDPMemTracker) against the estimate."""
     from fulltune.memory import estimate_memory
 
     measured = against_estimate("fsdp", case.config, settings_of(case), case.processes)

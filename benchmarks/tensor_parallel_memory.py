@@ -10,7 +10,7 @@ zero_grad) under torch's FSDPMemTracker in every rank. The peak of tracked tenso
 tensor-parallel rank's own terms (`fulltune/memory/tensor_parallel.py`); the column "as FSDP over all" is what
 the planner counted before it had them (the same run as FSDP over all N processes).
 
-The ranks, the torchrun driver and the tracker's categories are `fulltune.planning.rank_memory`'s
+The ranks, the torchrun driver and the tracker's categories are `measuring.rank_memory`'s
 (`tensor_parallel`).
 
 The grid (`_grid`): TP 2 on 2 processes and FSDP 2 × TP 2 on 4, fp32 and the bf16 policy, untied and tied
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.sharded_memory import BASE, summary
-from fulltune.planning.rank_memory import against_estimate
+from measuring.rank_memory import against_estimate
 
 TIED = {**BASE, "tie_word_embeddings": True}
 SMALL_VOCAB = {**BASE, "vocab_size": 1024}
@@ -88,7 +88,7 @@ def settings_of(case: Case, tensor_parallel: int | None = None):
 
 
 def run_case(case: Case) -> dict:
-    """Measure `case` in every rank (`fulltune.planning.rank_memory`, FSDPMemTracker) against the estimate and
+    """Measure `case` in every rank (`measuring.rank_memory`, FSDPMemTracker) against the estimate and
     the FSDP-over-all stand-in."""
     from transformers import LlamaConfig
 

@@ -24,12 +24,34 @@ def build_deployments(pipelines_file: str) -> list[Any]:
             description=spec.description or f"fulltune pipeline {name}",
             tags=["fulltune", name],
         )
-        properties = deployment._parameter_openapi_schema.properties
+        schema = deployment._parameter_openapi_schema
+        properties = schema.properties
         properties["pipeline"].update({"enum": names, "default": name})
         # The server refuses a run naming another file (the flow checks it again: flows/run_parameters.py).
         properties["pipelines_file"].update({"readOnly": True, "default": pipelines_file, "enum": [pipelines_file]})
+        _overrides_form(schema, spec)
         deployments.append(deployment)
     return deployments
+
+
+def _overrides_form(schema: Any, spec: Any) -> None:
+    """The deployment's `overrides` as a form of empty fields (not a choice between "None" and a form, nor a field
+    that starts as "None"), each field's help saying the pipeline's value, which an empty field keeps."""
+    from flows.pipeline import OVERRIDE_KEYS
+
+    definition = schema.definitions["Overrides"]
+    schema.properties["overrides"] = {"title": definition.get("title", "overrides"), "default": {},
+                                      "description": definition.get("description", ""),
+                                      "allOf": [{"$ref": "#/definitions/Overrides"}]}
+    values = spec.model_dump(mode="json")
+    for field, dotted in OVERRIDE_KEYS.items():
+        section, key = dotted.split(".")
+        current = values.get(section, {}).get(key)
+        prop = definition["properties"][field]
+        typed = [option for option in prop.pop("anyOf", []) if option.get("type") != "null"]
+        prop.update(typed[0] if len(typed) == 1 else {"anyOf": typed} if typed else {})
+        prop.pop("default", None)  # empty: the pipeline's value
+        prop["description"] = f"{prop.get('description', dotted)}. This pipeline: {current}"
 
 
 def serve_pipelines(pipelines_file: str, limit: int | None = None) -> None:

@@ -1,8 +1,9 @@
 """The pipeline flow: tokenize → memory budget → fine-tune → evaluate → register. It only orders the stages.
 
-Each stage is an engine function (fulltune/) wrapped by a task (tasks/) that adds its cache policy,
-retries and artifacts, and names its cache key; the MLflow run around the stages, the registry questions
-that decide a cache hit and what a full disk means are tasks/run.py. The flow imports tasks only.
+Each stage is a module of fulltune/stages/ (its code, key, run and files); tasks/stage_task.py makes each one a
+Prefect task with its cache policy, retries and artifacts (tasks/artifacts.py), and the engine's runner
+(fulltune/stages/runner.py) gives each its key, its cache-hit rule and the MLflow run around it. The flow imports
+tasks only.
 """
 
 from __future__ import annotations
@@ -14,34 +15,34 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field
 
 from flows.run_parameters import PIPELINES_FILE, check_deployment_run
-from tasks.budget import budget_key, memory_budget_task
 from tasks.common import clear_stale_locks
-from tasks.evaluate import evaluate_key, evaluate_task
-from tasks.finetune import finetune_task, train_key
-from tasks.register import register_key, register_task
-from tasks.run import (PipelineSummary, a_full_disk_stops_the_run, champion_to_compare, log_tuning, pipeline_run,
-                       prepare, quiet_known_noise, registration_present, stage_task, summary)
-from tasks.tokenize import tokenize_key, tokenize_task
+from tasks.run import flow_run_name, prepare, run_stages
 
-__all__ = ["OVERRIDE_KEYS", "Overrides", "PipelineSummary", "finetune_pipeline"]
+# The stages in the order they run, each a module of fulltune/stages/ by its name: a new stage is its module
+# and its name here.
+ORDER = ("tokenize", "memory-budget", "fine-tune", "evaluate", "register")
+
+__all__ = ["ORDER", "OVERRIDE_KEYS", "Overrides", "finetune_pipeline"]
 
 
 class Overrides(BaseModel):
-    """Changes to the pipeline for one run. The Prefect UI shows this as a form and the server validates
-    it; `extra` takes any other field as `dotted.key: value` (what `--set` does on the command line), as
-    far as the pipeline lets a run parameter change it (flows/run_parameters.py)."""
+    """Change the pipeline for this run only. Leave a field empty to keep the pipeline's value (each field says
+    what it is). Under "extra", set any other field as `dotted.key: value`, e.g. `evaluate.max_new_tokens: 16`:
+    the training settings, and the fields the pipeline lists under `run_overrides`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", title="Changes for this run")
 
-    learning_rate: float | None = Field(None, gt=0, description="train.learning_rate")
-    max_steps: int | None = Field(None, ge=1, description="train.max_steps")
-    num_epochs: float | None = Field(None, gt=0, description="train.num_epochs")
-    effective_batch_size: int | None = Field(None, ge=1, description="train.effective_batch_size")
-    seed: int | None = Field(None, ge=0, description="train.seed")
-    max_length: int | None = Field(None, ge=8, description="data.max_length")
-    budget_memory: str | None = Field(None, description="budget.memory, e.g. '24GiB'")
-    extra: dict[str, Any] = Field(default_factory=dict, description="Any other field, as dotted.key: value: the "
-                                  "training knobs, and what the pipeline's run_overrides lists")
+    learning_rate: float | None = Field(None, gt=0, description="train.learning_rate: the peak learning rate")
+    max_steps: int | None = Field(None, ge=1, description="train.max_steps: optimizer steps to train (instead of "
+                                                          "num_epochs)")
+    num_epochs: float | None = Field(None, gt=0, description="train.num_epochs: passes over the training data")
+    effective_batch_size: int | None = Field(None, ge=1, description="train.effective_batch_size: sequences per "
+                                                                      "optimizer step")
+    seed: int | None = Field(None, ge=0, description="train.seed: the random seed")
+    max_length: int | None = Field(None, ge=8, description="data.max_length: tokens per row at most")
+    budget_memory: str | None = Field(None, description="budget.memory: the device memory to plan for, e.g. 24GiB")
+    extra: dict[str, Any] = Field(default_factory=dict, description="Any other field as dotted.key: value, e.g. "
+                                  "evaluate.max_new_tokens: 16")
 
     def dotted(self) -> dict[str, Any]:
         """The overrides as `dotted.key: value` (what `--set` takes); `extra` wins over a typed field."""
@@ -62,51 +63,23 @@ OVERRIDE_KEYS = {
 }
 
 
-@flow(name="fulltune-pipeline", log_prints=True)
+@flow(name="fulltune-pipeline", flow_run_name=flow_run_name, log_prints=True)
 def finetune_pipeline(pipeline: str = "demo", overrides: Overrides | None = None,
-                      pipelines_file: str = PIPELINES_FILE) -> PipelineSummary:
+                      pipelines_file: str = PIPELINES_FILE) -> Any:
     """Run one pipeline of `pipelines_file`: tokenize, check the memory budget, fine-tune, evaluate, register.
 
     Started from a deployment, the run's parameters may change only what the pipelines file lets them
-    (flows/run_parameters.py), checked before any stage runs."""
-    quiet_known_noise()
+    (flows/run_parameters.py), checked before any stage runs. Returns the run's summary
+    (fulltune/tracking/summary.py `PipelineSummary`)."""
     logger = get_run_logger()
     changes = check_deployment_run(pipeline, overrides.dotted() if overrides else {}, pipelines_file)
     p = prepare(pipelines_file, pipeline, changes)
     for lock in clear_stale_locks(p.workdir):
         logger.warning("removed the stale lock %s of a run that no longer exists", lock.name)
-    flow_run_id = str(flow_run.id or "local")
-    done: dict[str, str] = {}  # each stage: "ran" or "cached"
-    running: dict[str, str | None] = {"stage": None}
-
-    def run(task: Any, key: str, *args: Any, present: bool | None = None) -> Any:
-        running["stage"] = task.name
-        state = stage_task(task, p, key, present)(p, key, *args, return_state=True)
-        result = state.result()
-        done[task.name], running["stage"] = "cached" if state.name == "Cached" else "ran", None
-        return result
-
-    with a_full_disk_stops_the_run(p.workdir, running):
-        key = tokenize_key(p)
-        data, tokenizer = run(tokenize_task, key)
-        # Budget and training see the training data only; evaluation and registration the held-out data too.
-        key = budget_key(p, data.training_fingerprint)
-        decision = run(memory_budget_task, key, data, tokenizer)
-
-        with pipeline_run(p, data.fingerprint, flow_run_id, done) as mlflow_run:
-            uri, run_id = mlflow_run.tracking_uri, mlflow_run.run_id
-            log_tuning(run_id, decision)  # the measured candidates' table and picture, when tuned
-            key = train_key(p, data.training_fingerprint, decision.settings)
-            trained = run(finetune_task, key, data, tokenizer, decision, uri, run_id)
-            champion = champion_to_compare(p.model_name, trained.key)
-            evaluation = decision.plan.get("evaluation")  # the evaluate stage's dtype, batches and placement
-            key = evaluate_key(p, trained.key, data.fingerprint, champion.version if champion else None, evaluation)
-            report = run(evaluate_task, key, data, trained, champion, decision.settings.device, run_id, evaluation)
-            key = register_key(p, trained.key, key, uri)
-            registration = run(register_task, key, data, trained, report, run_id, flow_run_id,
-                               present=registration_present(p.workdir, key, trained.key))
-
-    result = summary(p, done, decision, (trained, report, registration), uri, run_id)
+    with run_stages(p, str(flow_run.id) if flow_run.id else None) as stages:
+        for name in ORDER:
+            stages.run(name)
+    result = stages.summary()
     for line in result.lines():
         logger.info(line)
     return result

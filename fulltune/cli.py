@@ -191,22 +191,27 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from fulltune.errors import BudgetError
     from fulltune.stages.budget import plan_and_tune
     from fulltune.stages import pin_hub_revisions, resolve_pipeline, with_budget
 
     p = with_budget(pin_hub_revisions(resolve_pipeline(args.file, args.name, args.overrides)))
     # --simulate plans for the larger of the estimate and the traced step; otherwise estimate + margin.
     # --autotune (or budget.autotune: true) measures the top candidates on this machine (fulltune/planning/autotune.py).
-    decision = plan_and_tune(p, trace=bool(args.simulate), force=True if args.autotune else None, auto_tunes=False)
+    try:
+        decision = plan_and_tune(p, trace=bool(args.simulate), force=True if args.autotune else None,
+                                 auto_tunes=False)
+    except BudgetError as exc:  # nothing fits: a script still gets the plan that says so, and exit 2
+        if args.json and exc.plan is not None:
+            print(json.dumps(exc.plan, indent=2))
+        raise
     extra: dict[str, Any] = {}
     if args.simulate or args.measure:
         extra = _simulate_or_measure(p, decision, decision.vocab_size, args.simulate, args.measure)
     if args.json:
         print(json.dumps({**decision.plan, **extra}, indent=2))
     else:
-        print(decision.table)
-        if not decision.plan["autotune"]["ran"]:
-            print(f"autotune: {decision.plan['autotune']['reason']}")
+        print(decision.table)  # with why autotune did not run, when it did not
         if extra:
             print(_comparison_table(decision.plan["plan"]["estimate"], extra))
     return 0
@@ -235,8 +240,8 @@ def _simulate_or_measure(p: Any, decision: Any, vocab: int | None, simulate: boo
     from fulltune.planning import measure_memory, simulate_memory
     from fulltune.models import read_model_config
 
-    strategy = p.spec.distributed.strategy
-    if strategy != "none":
+    strategy = decision.settings.strategy  # what the plan chose (strategy auto, or unset for one process)
+    if not decision.settings.dims.alone or decision.settings.num_processes != 1:
         raise ConfigError(f"pipelines.{p.name}.distributed.strategy: --simulate and --measure run one process; "
                           f"the analytic plan covers {strategy} (drop the flags, or --set distributed.strategy=none "
                           "--set distributed.num_processes=1)")

@@ -1,13 +1,22 @@
 """The parallel degrees of a run: how its processes split the work (torchtitan's `ParallelDims`).
 
-    world_size = dp × tp × pp            distributed.num_processes
+    world_size = dp × cp × tp × pp       distributed.num_processes
     tp  tensor parallel                  distributed.tensor_parallel (auto: None until the plan chooses)
+    cp  context parallel                 distributed.context_parallel (auto: None until the plan chooses): each
+                                         row's positions split over cp processes (fulltune/runtime/context_parallel.py)
     pp  pipeline stages                  distributed.pipeline_parallel (fulltune/runtime/pipeline_parallel.py)
-    dp  data parallel                    the rest: processes that train on different rows (FSDP2 over them;
-                                         beside pipeline stages FSDP2 or DDP over each stage's dp processes)
+    dp  data parallel                    the rest: processes that train on different rows, held as
+                                         `strategy` says: FSDP2 shards over them (`dp_shard`), DDP
+                                         replicates (`dp_replicate`), none is one process (or one a stage)
 
-The mesh is ("pp", "dp", "tp") in that order, as torchtitan lays it out: global rank
-r = stage · dp · tp + data rank · tp + tp rank (`stage`, `data_rank`).
+`strategy` is the one place a run's `distributed.strategy` is read as a layout (`fsdp_enabled`, `ddp_enabled`,
+`dp_shard`, `dp_replicate`); every other module asks these properties, or the parallelism objects of
+fulltune/memory/parallelism.py, never the string.
+
+The mesh is ("pp", "dp", "cp", "tp") in that order, as torchtitan lays it out: global rank
+r = stage · dp · cp · tp + data rank · cp · tp + cp rank · tp + tp rank (`stage`, `data_rank`, `cp_rank`). The cp
+processes of a data rank train on the same rows; FSDP shards over dp × cp (`fsdp_shards`) and DDP replicates over
+dp × cp (their gradients, each of a share of the rows' positions, are summed over both), as torchtitan does.
 
 One frozen object, checked once where it is built, read everywhere the degrees matter: the spec's batch
 rule (`distributed`, `train`), the memory plan (`memory.Settings.dims`, `memory.PlanRequest.dims`), the train
@@ -27,6 +36,7 @@ from typing import Any
 from fulltune.errors import ConfigError
 
 TENSOR_PARALLEL = "distributed.tensor_parallel"
+CONTEXT_PARALLEL = "distributed.context_parallel"
 
 
 class DegreesError(ConfigError, ValueError):
@@ -34,24 +44,35 @@ class DegreesError(ConfigError, ValueError):
     A ValueError too, so that pydantic validators and the memory model's callers report it as theirs."""
 
 
+STRATEGIES = ("none", "ddp", "fsdp")
+
+
 @dataclass(frozen=True)
 class ParallelDims:
-    """`world_size` processes as dp × tp × pp; `tp` None is `distributed.tensor_parallel: auto`."""
+    """`world_size` processes as dp × cp × tp × pp; `tp` None is `distributed.tensor_parallel: auto`, `cp` None
+    `distributed.context_parallel: auto`, `strategy` None `distributed.strategy: auto` (until the plan chooses)."""
 
     world_size: int = 1
     tp: int | None = 1
     pp: int = 1
+    strategy: str | None = "none"
+    cp: int | None = 1
 
     def __post_init__(self) -> None:
         degrees = {"num_processes": self.world_size, "pipeline_parallel": self.pp}
         if self.tp is not None:
             degrees["tensor_parallel"] = self.tp
+        if self.cp is not None:
+            degrees["context_parallel"] = self.cp
         for name, value in degrees.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DegreesError(f"{name} must be an integer >= 1; got {value!r}")
-        split = [f"tensor_parallel ({self.tp})"] if self.tp is not None and (self.tp > 1 or self.pp == 1) else []
+        cp = self.cp is not None and self.cp > 1
+        split = [f"tensor_parallel ({self.tp})"] if self.tp is not None and (
+            self.tp > 1 or (self.pp == 1 and not cp)) else []
+        split += [f"context_parallel ({self.cp})"] if cp else []
         split += [f"pipeline_parallel ({self.pp})"] if self.pp > 1 else []
-        if self.world_size % ((self.tp or 1) * self.pp):
+        if self.world_size % ((self.tp or 1) * (self.cp or 1) * self.pp):
             raise DegreesError(f"num_processes ({self.world_size}) must be a multiple of {' × '.join(split)}")
 
     @classmethod
@@ -60,29 +81,97 @@ class ParallelDims:
         `pipeline_parallel: auto` is read as its strictest batch rule before the plan chooses: every process a
         stage (`num_processes`) under strategy none, data parallel over them (1) otherwise."""
         tp, pp = distributed.tensor_parallel, distributed.pipeline_parallel
+        cp = getattr(distributed, "context_parallel", 1)
+        strategy = None if distributed.strategy == "auto" else distributed.strategy
         if pp == "auto":
-            pp = distributed.num_processes if distributed.strategy == "none" else 1
-        return cls(distributed.num_processes, None if tp == "auto" else tp, pp)
+            pp = distributed.num_processes if strategy == "none" else 1
+        return cls(distributed.num_processes, None if tp == "auto" else tp, pp, strategy, None if cp == "auto" else cp)
 
     @property
     def dp(self) -> int | None:
-        """Processes that train on different rows: the tensor-parallel processes of a group and the stages of a
-        pipeline share theirs (None while tp is auto)."""
-        return None if self.tp is None else self.world_size // (self.tp * self.pp)
+        """Processes that train on different rows: the tensor-parallel and context-parallel processes of a group
+        and the stages of a pipeline share theirs (None while tp or cp is auto)."""
+        if self.tp is None or self.cp is None:
+            return None
+        return self.world_size // (self.tp * self.cp * self.pp)
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """FSDP2 holds the model: sharded over the data-parallel processes (FSDP over one process too: its units
+        gathered one at a time, and with the optimizer offload its shards in host RAM)."""
+        return self.strategy == "fsdp"
+
+    @property
+    def ddp_enabled(self) -> bool:
+        """DDP holds the model: a replica on every data-parallel process, gradients all-reduced."""
+        return self.strategy == "ddp"
+
+    @property
+    def alone(self) -> bool:
+        """Strategy none: a process holds its model alone (one process, or one a pipeline stage)."""
+        return self.strategy == "none"
+
+    @property
+    def auto_strategy(self) -> bool:
+        """`distributed.strategy: auto`: the plan chooses among `STRATEGIES`."""
+        return self.strategy is None
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp is not None and self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp is not None and self.cp > 1
+
+    @property
+    def fsdp_shards(self) -> int:
+        """The processes FSDP2 shards over: dp × cp (torchtitan's `dp_shard_cp`); 1 without FSDP."""
+        return self.dp_shard * (self.cp or 1)
+
+    @property
+    def dp_shard(self) -> int:
+        """The processes FSDP2 shards weights, gradients and optimizer states over (1 without FSDP)."""
+        return (self.dp or 1) if self.fsdp_enabled else 1
+
+    @property
+    def dp_replicate(self) -> int:
+        """The processes DDP replicates the model over (1 without DDP)."""
+        return (self.dp or 1) if self.ddp_enabled else 1
 
     def with_tp(self, tp: int) -> ParallelDims:
         """These degrees with tensor parallel `tp` (the degree the plan chose for auto)."""
         return replace(self, tp=tp)
 
+    def with_cp(self, cp: int) -> ParallelDims:
+        """These degrees with context parallel `cp` (the degree the plan chose for auto)."""
+        return replace(self, cp=cp)
+
+    def per_stage(self) -> ParallelDims:
+        """The degrees of one pipeline stage: its dp × tp processes, no stages."""
+        return replace(self, world_size=self.world_size // self.pp, pp=1)
+
+    def per_machine(self, num_machines: int) -> int:
+        """Processes on each of `num_machines` machines (the processes are spread evenly over them)."""
+        return max(self.world_size // max(num_machines, 1), 1)
+
     def data_rank(self, rank: int) -> int:
-        """The data-parallel index of global `rank`, which rows of a step it trains on: the "tp" groups are
-        consecutive ranks (`mesh`); the processes of a pipeline's stages share theirs."""
-        return rank // self.tp % self.dp
+        """The data-parallel index of global `rank`, which rows of a step it trains on: the "tp" and "cp" groups
+        are consecutive ranks (`mesh`); the processes of a pipeline's stages share theirs."""
+        return rank // (self.tp * self.cp) % self.dp
+
+    def cp_rank(self, rank: int) -> int:
+        """Which share of its rows' positions global `rank` keeps (`context_parallel.zigzag_order`)."""
+        return rank // self.tp % self.cp
 
     def stage(self, rank: int) -> int:
         """The pipeline stage of global `rank`: "pp" is the mesh's outer dimension (`mesh`), so a stage is
-        dp × tp consecutive ranks and stage s of every data-parallel replica has the same data rank."""
-        return rank // (self.dp * self.tp)
+        dp × cp × tp consecutive ranks and stage s of every data-parallel replica has the same data rank."""
+        return rank // (self.dp * self.cp * self.tp)
 
     # -- the batch rule ---------------------------------------------------------------------------------
 
@@ -93,6 +182,7 @@ class ParallelDims:
         if dp is None:
             return  # tensor_parallel auto: the plan keeps the batch for each degree it tries
         who = "distributed.num_processes" + ("" if self.tp == 1 else " / distributed.tensor_parallel") + (
+            "" if self.cp == 1 else " / distributed.context_parallel") + (
             "" if self.pp == 1 else " / distributed.pipeline_parallel")
         if micro is not None and accumulation is not None and micro * accumulation * dp != effective:
             raise DegreesError(f"train.micro_batch_size ({micro}) × train.gradient_accumulation_steps "
@@ -134,6 +224,27 @@ class ParallelDims:
         if problem:
             raise DegreesError(f"{where}{TENSOR_PARALLEL}: {problem}")
 
+    def context_method(self, heads: int) -> str:
+        """How the cp processes attend over the whole sequence: "ulysses" (all-to-all to head-sharded attention)
+        where cp divides the attention heads, else "ring" (keys and values passed round the group; CUDA only)."""
+        return "ulysses" if heads % (self.cp or 1) == 0 else "ring"
+
+    def context_problem(self, heads: Any, device: str | None) -> str | None:
+        """Why the cp processes cannot attend on `device` (None when they can, or the device is still auto):
+        cp not dividing the heads needs ring attention, whose attention kernel shards on CUDA only."""
+        if not self.cp_enabled or not isinstance(heads, int) or device != "cpu":
+            return None
+        if self.context_method(heads) == "ulysses":
+            return None
+        return (f"{self.cp} does not divide the model's {heads} attention heads, which needs ring attention, and "
+                f"ring attention runs on CUDA only; use a context_parallel that divides {heads}, or budget.device cuda")
+
+    def check_context(self, config: Any, device: str | None, where: str = "") -> None:
+        """DegreesError naming distributed.context_parallel (after `where`) when `context_problem`."""
+        problem = self.context_problem(getattr(config, "num_attention_heads", None), device)
+        if problem:
+            raise DegreesError(f"{where}{CONTEXT_PARALLEL}: {problem}")
+
     # -- the device mesh --------------------------------------------------------------------------------
 
     def mesh(self, device: str) -> Any:
@@ -149,6 +260,8 @@ class ParallelDims:
             raise DegreesError(f"{TENSOR_PARALLEL}: {self.world_size} processes planned, "
                                f"{dist.get_world_size()} started")
         shape, names = (self.dp, self.tp), ("dp", "tp")
+        if self.cp_enabled:
+            shape, names = (self.dp, self.cp, self.tp), ("dp", "cp", "tp")
         if self.pp > 1:
             shape, names = (self.pp, *shape), ("pp", *names)
         return init_device_mesh(device, shape, mesh_dim_names=names)

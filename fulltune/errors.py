@@ -28,7 +28,13 @@ class DataError(UserError):
 
 
 class BudgetError(UserError):
-    """No training configuration fits the memory budget and `budget.on_overflow` is `fail`."""
+    """No training configuration fits the memory budget, or the configured one does not and
+    `budget.on_overflow` is `fail`. `plan` is the plan that says so (the `plan --json` object, `fits` false for
+    the first), so that a script reading `plan --json` gets the breakdown and the advice too."""
+
+    def __init__(self, message: str, plan: dict | None = None) -> None:
+        super().__init__(message)
+        self.plan = plan
 
 
 class TrainingError(UserError):

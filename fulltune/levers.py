@@ -1,11 +1,19 @@
-"""The memory levers and the one table of rules for combining them: `fulltune validate`, `fulltune plan`,
-the planner's search, the train job and the trainer all read it.
+"""The memory levers: one record each (`Lever`), and the one table of rules for combining them. `fulltune validate`,
+`fulltune plan`, the planner's search, the step-time model, the plan's reasons, the train job and the trainer all
+read it.
 
-A lever is a key of the pipeline's `train:` section (true, false or `auto`). Each rule below names the
-YAML fields it reads and says why the combination cannot train; a combination that breaks no rule trains
-(`tests/test_lever_table.py` enumerates levers × optimizer × strategy and proves it both ways). A rule
-sees a field as `None` while it is still `auto`: it then holds only if no choice the planner could make
-would satisfy it — the planner, which fills the `auto` fields, keeps only candidates that break no rule.
+A lever is a key of the pipeline's `train:` section (true, false or `auto`). Its record holds everything the engine
+says and does about it beside the bytes it moves (those are the memory model's, fulltune/memory/): the field's
+description (the spec's, `Settings`' and `PlanRequest`'s lever fields are made from the records: `spec_fields`,
+`lever_fields`), the plan's sentence, the step time it adds (`cost`, over the step-time model's terms; a lever
+that adds none says so with `NoAddedTime`), whether it is slow, why pipeline stages refuse it, and the runtime
+function that applies it to the model (fulltune/runtime/checkpointing.py `apply_model_levers` runs them for the
+trainer and the memory trace alike). tests/test_lever_table.py fails for a lever without a cost or a sentence.
+
+Each rule of `RULES` names the YAML fields it reads and says why the combination cannot train; a combination that
+breaks no rule trains (`tests/test_lever_table.py` enumerates levers × optimizer × strategy and proves it both
+ways). A rule sees a field as `None` while it is still `auto`: it then holds only if no choice the planner could
+make would satisfy it — the planner, which fills the `auto` fields, keeps only candidates that break no rule.
 
     lever                  what it does                                           what it needs
     chunked_loss           head + cross-entropy in tiles, recomputed in backward  not tensor parallel (the
@@ -20,28 +28,234 @@ would satisfy it — the planner, which fills the `auto` fields, keeps only cand
                                                                                   FSDP on cuda (unmeasured)
     offload_optimizer      masters, gradients and states in host RAM              one process, or FSDP on
                                                                                   cuda (CPUOffloadPolicy)
+    float8                 the decoder linears' matmuls in float8 (torchao)       torchao; bf16 or fp32; not
+                           (a step-time lever: `auto` is decided by the GPU,      tensor parallel or pipeline
+                           never by memory)                                       stages; not CPU autocast
+
+Context parallel (`distributed.context_parallel` > 1) runs every lever over fsdp or ddp, not beside tensor parallel
+or pipeline stages (`_context_parallel_rules`).
 
 Pipeline stages (`distributed.pipeline_parallel` > 1, fulltune/runtime/pipeline_parallel.py) run the chunked
-loss and pure bf16, not the step in backward or the offloads (PIPELINE_REFUSED_LEVERS), nor fp16's grad scaler;
-1F1B needs a micro-batch per stage. Data parallel beside them (num_processes = pipeline_parallel × dp, strategy
-fsdp or ddp over each stage's dp processes) trains, except with the chunked loss.
+loss and pure bf16, not the step in backward or the offloads (each record's `pipeline_refusal`), nor fp16's grad
+scaler nor background checkpoint writes (`train.checkpoint_async`); 1F1B needs a micro-batch per stage. Data
+parallel beside them (num_processes = pipeline_parallel × dp, strategy fsdp or ddp over each stage's dp processes)
+trains, except with the chunked loss.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from fulltune.errors import ConfigError
+from fulltune.optimizers import OPTIMIZER_TABLE, OPTIMIZERS_BY_NAME, STOCHASTIC_NEEDS, compensation_of
+
+
+# ---------------------------------------------------------------------------------------------------
+# The levers, one record each
+
+
+@dataclass(frozen=True)
+class NoAddedTime:
+    """A lever's cost where it adds no step time of its own, and why: the step-time model then counts nothing
+    for it (never by omission)."""
+
+    why: str
+
+    def __call__(self, settings: Any, step: Any) -> float:
+        return 0.0
+
+
+@dataclass(frozen=True)
+class Lever:
+    """One memory lever: the `train.<name>` key and what the engine says and does about it.
+
+    `sentence(settings)`: what the plan says it does, for the settings that run it. `cost(settings, step)`: the
+    seconds it adds to one optimizer step (negative for a lever that saves time), from the step-time model's terms (`step`: fulltune/planning/step_time.py
+    `StepCosts`: throughputs, link speeds, the model's size), or `NoAddedTime(why)`. `slow`: it moves tensors
+    between host and device every step, so on a CPU device (host RAM is the device's memory) it saves nothing and
+    the planner never chooses it there, and a plan that fits only with it hears what pipeline stages would do
+    instead. `pipeline_refusal`: why pipeline stages do not run it (None: they do). `apply`: the runtime function
+    ("module:function", called as function(model, settings)) that changes the model for it, or None when its
+    code path is the optimizer's or the loss's. `auto`: for a lever that saves no memory, what `auto` means, a
+    function of the plan request (`fulltune.memory.PlanRequest`) saying whether it is on (`decided`); None: the
+    planner turns it on only when memory requires it, cheapest first.
+    """
+
+    name: str
+    description: str
+    sentence: Callable[[Any], str]
+    cost: Callable[[Any, Any], float]
+    slow: bool = False
+    pipeline_refusal: str | None = None
+    apply: str | None = None
+    auto: Callable[[Any], bool] | None = None
+
+
+def _pure_bf16_sentence(s: Any) -> str:
+    """What pure bf16 means for the chosen optimizer and compensation: whether small updates survive the
+    rounding (what the compensation costs is `planning/reasons.py` `compensation_reasons`)."""
+    if s.offload_optimizer and not s.dims.fsdp_enabled:
+        return "pure bf16 weights and gradients on the device; the fp32 masters on the host keep small updates"
+    compensation = compensation_of(s)
+    if compensation == "none":
+        why = ("train.compensation none" if s.compensation == "none"
+               else f"{s.optimizer} offers no compensated update")
+        return (f"pure bf16 weights and gradients; {why}, so updates below 1/256 of a weight are rounded away (as "
+                "in torchtune's pure-bf16 recipes); set train.pure_bf16: false to keep fp32 weights")
+    kept = {"kahan": "Kahan summation", "stochastic": "stochastic rounding"}[compensation]
+    return f"pure bf16 weights and gradients (no fp32 master; {kept} keeps small updates)"
+
+
+def _offload_optimizer_sentence(s: Any) -> str:
+    if s.dims.fsdp_enabled:
+        return ("FSDP's CPU offload (every rank's parameter, gradient and optimizer-state shards in host RAM, "
+                "stepped there; only the gathered unit on the GPU)")
+    return "fp32 masters, gradients and optimizer states in host RAM, updated on the host"
+
+
+def _chunked_loss_seconds(s: Any, step: Any) -> float:
+    """The head's logits computed once more in backward, per target (the chunks are recomputed)."""
+    precision = "bf16" if s.pure_bf16 else s.mixed_precision
+    return s.gradient_accumulation_steps * s.micro_batch_size * s.targets_per_row * step.head_forward / step.flops(
+        precision)
+
+
+def _offload_optimizer_seconds(s: Any, step: Any) -> float:
+    """Under FSDP, its CPU offload's exposed copies and host step (`StepCosts.fsdp_offload`); on one process,
+    each micro-batch's gradients to the host, the fp32 masters back once per step, and the host optimizer."""
+    if s.dims.fsdp_enabled:
+        terms = step.fsdp_offload()
+        return terms["exposed_pcie_s"] + terms["host_step_s"]
+    weight = 2 if s.pure_bf16 else 4
+    P = step.num_params
+    pcie = (s.gradient_accumulation_steps * weight * P + 4 * P) / step.pcie_bytes_per_s
+    return pcie + step.host_optimizer_seconds()
+
+
+def _offload_activations_seconds(s: Any, step: Any) -> float:
+    """Each checkpointed layer's input to the host in the forward and back for its recompute, per micro-batch."""
+    k = min(s.gradient_checkpointing, step.num_layers)
+    stream = 2 if s.pure_bf16 else 4
+    return (s.gradient_accumulation_steps * 2 * k * stream * s.micro_batch_size * s.seq_len * step.hidden
+            / step.pcie_bytes_per_s)
+
+
+def _float8_seconds(s: Any, step: Any) -> float:
+    """The converted linears' matmuls at float8's throughput (a multiple of bf16's) instead of the step's precision's
+    (negative: time saved)."""
+    precision = "bf16" if s.pure_bf16 else s.mixed_precision
+    return step.float8_matmul_flops * (1 / (step.flops("bf16") * step.float8_speedup) - 1 / step.flops(precision))
+
+
+def _float8_auto(request: Any) -> bool:
+    """`float8: auto`: on where it is a step-time lever: a GPU with float8 tensor cores (compute capability ≥ 8.9),
+    a compiled step (eager, torchao's casts cost more than the float8 matmuls save: pytorch/ao#685) and torchao
+    installed; never on a CPU."""
+    return request.device == "cuda" and request.float8_supported and request.compile and _torchao_installed()
+
+
+def _torchao_installed() -> bool:
+    return importlib.util.find_spec("torchao") is not None
+
 
 # In the order the planner tries them: cheapest in step time first.
-LEVERS = ("chunked_loss", "pure_bf16", "optimizer_in_backward", "offload_activations", "offload_optimizer")
+TABLE: tuple[Lever, ...] = (
+    Lever("float8",
+          description="float8 training (torchao's convert_to_float8_training): the decoder layers' linears run their "
+                      "matmuls on float8 tensor cores with dynamic scales (train.float8_recipe); the output head, "
+                      "the embeddings and any linear whose dimensions are not multiples of 16 stay in their "
+                      "precision, and the plan names them. `auto`: on for a GPU with float8 tensor cores (compute "
+                      "capability ≥ 8.9) when the step is compiled (train.compile) and torchao is installed "
+                      "(pip install 'fulltune[lowbit]'); never on a CPU, never to save memory.",
+          sentence=lambda s: f"float8 matmuls in the decoder layers' linears ({s.float8_recipe} scales; the output "
+                             "head stays in its precision)",
+          cost=_float8_seconds,
+          pipeline_refusal="pipeline stages are not measured with float8 linears",
+          apply="fulltune.runtime.float8:convert_linears", auto=_float8_auto),
+    Lever("chunked_loss",
+          description="Compute the output head and cross-entropy in chunks of target positions and vocabulary, "
+                      "recomputed in backward: no whole (targets × vocabulary) fp32 tensor.",
+          sentence=lambda s: "chunked loss (no whole targets × vocabulary logits)",
+          cost=_chunked_loss_seconds),
+    Lever("pure_bf16",
+          description="bf16 weights and gradients with no fp32 master copy (2 + 2 B/param instead of 4 + 4); "
+                      "updates are Kahan-compensated (adamw) or stochastically rounded (adamw_4bit) so small "
+                      "ones are not lost (train.compensation). `auto`: the planner turns it on when memory "
+                      "requires it.",
+          sentence=_pure_bf16_sentence,
+          cost=NoAddedTime("it changes the optimizer's own pass (fulltune/planning/step_time.py step_seconds: "
+                           "half the traffic, plus the Kahan buffer's)"),
+          apply="fulltune.runtime.optim:to_bf16"),
+    Lever("optimizer_in_backward",
+          description="Step each parameter as soon as its gradient is complete in backward and free the "
+                      "gradient (at most one parameter's gradient alive). Needs gradient_accumulation_steps 1: "
+                      "the effective batch is kept with a larger (checkpointed) micro-batch. Clipping uses the "
+                      "norm of the previous step's gradients.",
+          sentence=lambda s: ("optimizer step in backward (one parameter's gradient at a time; each gradient "
+                              "clipped on its own)"),
+          cost=NoAddedTime("the same update on the device, earlier in the step"),
+          pipeline_refusal="the schedule runs every micro-batch's backward before the step"),
+    Lever("offload_activations",
+          description="Move the saved inputs of checkpointed layers to host RAM until backward needs them.",
+          sentence=lambda s: "checkpointed layer inputs in host RAM",
+          cost=_offload_activations_seconds, slow=True,
+          pipeline_refusal="the stages keep the schedule's in-flight activations on the device",
+          apply="fulltune.runtime.offload:offload_checkpointed_inputs"),
+    Lever("offload_optimizer",
+          description="Keep fp32 master weights, gradients and optimizer states in host RAM and update on the "
+                      "host; the device keeps only the weights. Costs host RAM (budget.host_memory) and step time.",
+          sentence=_offload_optimizer_sentence,
+          cost=_offload_optimizer_seconds, slow=True,
+          pipeline_refusal="each stage steps its own optimizer on the device"),
+)
+BY_NAME: dict[str, Lever] = {lever.name: lever for lever in TABLE}
+LEVERS = tuple(BY_NAME)
+# The order the `train:` section lists them (the YAML schema, the Prefect form) and `Settings` and `PlanRequest`
+# declare them: the order they were added in. A new lever goes last.
+FIELD_ORDER = ("pure_bf16", "optimizer_in_backward", "offload_optimizer", "offload_activations", "chunked_loss",
+               "float8")
+assert sorted(FIELD_ORDER) == sorted(LEVERS), "FIELD_ORDER names every lever of TABLE once"
 # What a pipeline stage does not run, and why: each is a rule of the table below.
-PIPELINE_REFUSED_LEVERS = {
-    "optimizer_in_backward": "the schedule runs every micro-batch's backward before the step",
-    "offload_activations": "the stages keep the schedule's in-flight activations on the device",
-    "offload_optimizer": "each stage steps its own optimizer on the device",
-}
+PIPELINE_REFUSED_LEVERS = {lever.name: lever.pipeline_refusal for lever in TABLE if lever.pipeline_refusal}
+SLOW_LEVERS = tuple(lever.name for lever in TABLE if lever.slow)
+
+
+def decided(request: Any) -> dict[str, bool | None]:
+    """A plan request's levers (name → True / False / None: auto) with the `auto` of each lever whose record says
+    what it means (`Lever.auto`) decided: what the planner's search starts from."""
+    return {name: BY_NAME[name].auto(request) if value is None and BY_NAME[name].auto else value
+            for name, value in request.levers().items()}
+
+
+def spec_fields() -> dict[str, Any]:
+    """The spec's `train:` lever fields (`pydantic.create_model` field definitions), in `FIELD_ORDER`: each
+    `auto`, true or false, `auto` by default, described by its record."""
+    from typing import Literal, Union
+
+    from pydantic import Field
+
+    return {name: (Union[Literal["auto"], bool], Field("auto", description=BY_NAME[name].description))
+            for name in FIELD_ORDER}
+
+
+def lever_fields(annotation: str, default: Any, after: str) -> Callable[[type], type]:
+    """A class decorator, under `@dataclass`: one field per lever (`FIELD_ORDER`) typed `annotation` with
+    `default`, inserted after the class's field `after` (so the fields after it keep their defaults' order)."""
+    def add(cls: type) -> type:
+        items = list(cls.__dict__["__annotations__"].items())
+        at = [name for name, _ in items].index(after) + 1
+        cls.__annotations__ = dict(items[:at] + [(name, annotation) for name in FIELD_ORDER] + items[at:])
+        for name in FIELD_ORDER:
+            setattr(cls, name, default)
+        return cls
+
+    return add
+
+
+# ---------------------------------------------------------------------------------------------------
+# The rules
 
 
 @dataclass(frozen=True)
@@ -57,13 +271,19 @@ class Combination:
     num_processes: int = 1
     tensor_parallel: int | None = 1
     pipeline_parallel: int | None = 1  # None: auto, the planner checks every degree it tries
+    context_parallel: int | None = 1  # None: auto, the planner checks every degree it tries
     pipeline_schedule: str = "1f1b"
     optimizer: str | None = "adamw"
     gradient_accumulation_steps: int | None = None
+    # The accumulation a fixed `train.micro_batch_size` leaves while gradient_accumulation_steps is auto
+    # (effective batch ÷ (micro-batch × data-parallel processes)); None when that is not fixed yet.
+    implied_accumulation: int | None = None
     mixed_precision: str | None = None
     gradient_checkpointing: bool | int | None = None
     device: str | None = None
     bf16_supported: bool | None = None
+    compensation: str | None = None  # None: auto, the optimizer's default
+    checkpoint_async: bool = False
 
     def on(self, lever: str) -> bool:
         """The lever is turned on (not auto, not off)."""
@@ -83,6 +303,11 @@ class Combination:
     def tensor_parallel_on(self) -> bool:
         """Tensor parallel is fixed above 1 (auto may still choose 1)."""
         return self.tensor_parallel is not None and self.tensor_parallel > 1
+
+    @property
+    def context_parallel_on(self) -> bool:
+        """Context parallel is fixed above 1 (auto may still choose 1)."""
+        return self.context_parallel is not None and self.context_parallel > 1
 
 
 @dataclass(frozen=True)
@@ -104,10 +329,68 @@ def _no_checkpointing(c: Combination) -> bool:
     return c.gradient_checkpointing is False or c.gradient_checkpointing == 0
 
 
-def _torchao_missing() -> bool:
-    import importlib.util
+def _optimizer_rules(refusal: str, fields: tuple[str, ...], where: Callable[[Combination], bool]) -> tuple[Rule, ...]:
+    """A rule per distinct `refusal` text (an `OptimizerRecord` field) of the optimizers: broken where `where`
+    holds and the optimizer is one of those giving that text."""
+    names: dict[str, list[str]] = {}
+    for record in OPTIMIZER_TABLE:
+        why = getattr(record, refusal)
+        if why:
+            names.setdefault(why, []).append(record.name)
+    return tuple(Rule(fields, lambda c, refused=tuple(refused): where(c) and c.optimizer in refused, why)
+                 for why, refused in names.items())
 
-    return importlib.util.find_spec("torchao") is None
+
+def _requirement_rules() -> tuple[Rule, ...]:
+    """What an optimizer needs installed (its record's `requires`), refused on a machine without it."""
+    return tuple(Rule(("train.optimizer",), lambda c, name=record.name: c.optimizer == name
+                      and not OPTIMIZERS_BY_NAME[name].installed(), record.requires[1], installed=True)
+                 for record in OPTIMIZER_TABLE if record.requires)
+
+
+def _compensation_rules() -> tuple[Rule, ...]:
+    """`train.compensation`: what the optimizer offers pure bf16 weights (its record's `compensations`), not
+    beside fp32 masters on the host, and stochastic rounding only with torchao installed. (A compensation named
+    with `pure_bf16: false` is the spec's own check.)"""
+    return (
+        *(Rule(("train.compensation", "train.optimizer"),
+               lambda c, r=record: c.optimizer == r.name and c.on("pure_bf16") and c.compensation is not None
+               and c.compensation not in r.compensations,
+               f"{record.name} offers {' or '.join(record.compensations)} with pure bf16 weights; set compensation "
+               "to one of them or auto")
+          for record in OPTIMIZER_TABLE),
+        Rule(("train.compensation", "train.offload_optimizer"),
+             lambda c: c.compensation not in (None, "none") and c.on("offload_optimizer") and c.fixed_not_fsdp,
+             "the offloaded optimizer steps fp32 masters in host RAM, which keep every update: there is nothing to "
+             "compensate; set compensation auto or none, or use strategy fsdp (FSDP's CPU offload steps the bf16 "
+             "shards)"),
+        Rule(("train.compensation",), lambda c: c.compensation == "stochastic"
+             and importlib.util.find_spec(STOCHASTIC_NEEDS[0]) is None, STOCHASTIC_NEEDS[1], installed=True),
+    )
+
+
+def _float8_rules() -> tuple[Rule, ...]:
+    """`train.float8`: torchao installed; bf16 or fp32 compute (not fp16's grad scaler); not with tensor parallel;
+    on a CPU device not under one process's bf16 autocast, which torchao's float8 linear does not follow."""
+    return (
+        Rule(("train.float8",), lambda c: c.on("float8") and not _torchao_installed(),
+             "float8 training needs torchao: pip install 'fulltune[lowbit]'", installed=True),
+        Rule(("train.float8", "train.mixed_precision"), lambda c: c.on("float8") and c.mixed_precision == "fp16",
+             "torchao's float8 training runs beside bf16 or fp32, not fp16's loss scaling; set mixed_precision to "
+             "bf16, no or auto"),
+        Rule(("train.float8", "distributed.tensor_parallel"), lambda c: c.on("float8") and c.tensor_parallel_on,
+             "tensor parallel's plan splits the linears with DTensor styles that torchao's float8 linear needs its "
+             "own of (Float8ColwiseParallel, Float8RowwiseParallel), which fulltune does not apply; set "
+             "tensor_parallel to 1 or float8 to false"),
+        # torchao's Float8Linear reads CUDA's autocast state (torch.is_autocast_enabled()): under CPU autocast it
+        # keeps fp32 inputs and outputs, a step neither the memory model nor a GPU runs.
+        Rule(("train.float8", "train.mixed_precision", "budget.device"),
+             lambda c: c.on("float8") and c.device == "cpu" and c.mixed_precision == "bf16" and not c.on("pure_bf16")
+             and c.fixed_not_fsdp,
+             "on a CPU device torchao's float8 linear does not follow bf16 autocast (it reads CUDA's), so it "
+             "would run fp32 around its matmuls; use pure_bf16, mixed_precision no, or strategy fsdp (bf16 weights "
+             "without autocast) there"),
+    )
 
 
 def _stepped_by_hooks(lever: str, where: str, fsdp: str) -> Rule:
@@ -139,17 +422,37 @@ def _pipeline_rules() -> tuple[Rule, ...]:
              "the chunked head reads the output head's weight outside its module, and with data parallel beside "
              "the stages that weight is a shard (FSDP) or a replicated DTensor (DDP); turn chunked_loss off (or "
              "auto), or set num_processes to pipeline_parallel"),
-        Rule(("train.optimizer", "distributed.strategy", "distributed.pipeline_parallel"),
-             lambda c: c.pipelined and c.strategy == "ddp" and c.num_processes > c.pipeline_parallel
-             and c.optimizer in ("adamw_8bit", "adamw_4bit"),
-             "DDP beside the stages keeps each stage's parameters as replicated DTensors, which the 8-bit and "
-             "4-bit updates have no rule for (bitsandbytes' optimizer_update_32bit refuses them); use adamw or "
-             "adafactor, or set num_processes to pipeline_parallel"),
+        *_optimizer_rules("replicated_refusal", ("train.optimizer", "distributed.strategy",
+                                                 "distributed.pipeline_parallel"),
+                          lambda c: c.pipelined and c.strategy == "ddp" and c.num_processes > c.pipeline_parallel),
+        Rule(("train.checkpoint_async", "distributed.pipeline_parallel"),
+             lambda c: c.pipelined and c.checkpoint_async,
+             "pipeline stages write their checkpoints synchronously (their states are not staged for a background "
+             "write); set checkpoint_async to false or pipeline_parallel to 1"),
         Rule(("train.gradient_accumulation_steps", "distributed.pipeline_schedule"),
              lambda c: c.pipelined and c.pipeline_schedule == "1f1b"
              and c.gradient_accumulation_steps is not None and c.gradient_accumulation_steps < c.pipeline_parallel,
              "1F1B needs at least as many micro-batches as stages (gradient_accumulation_steps ≥ "
              "pipeline_parallel); raise it, or use pipeline_schedule gpipe"),
+        Rule(("train.micro_batch_size", "distributed.pipeline_schedule"),
+             lambda c: c.pipelined and c.pipeline_schedule == "1f1b"
+             and c.implied_accumulation is not None and c.implied_accumulation < c.pipeline_parallel,
+             "1F1B needs at least as many micro-batches per step as stages, and effective_batch_size ÷ "
+             "(micro_batch_size × data-parallel processes) leaves fewer; lower micro_batch_size (or set it to auto), "
+             "or use pipeline_schedule gpipe"),
+    )
+
+
+def _context_parallel_rules() -> tuple[Rule, ...]:
+    """Context parallel (fulltune/runtime/context_parallel.py) is built over data parallel alone (fsdp or ddp: its
+    processes sum their gradients, which strategy none, one process, cannot be asked for with several)."""
+    return (
+        Rule(("distributed.context_parallel", "distributed.tensor_parallel"),
+             lambda c: c.context_parallel_on and c.tensor_parallel_on,
+             "context parallel is not combined with tensor parallel (not built); set one of them to 1"),
+        Rule(("distributed.context_parallel", "distributed.pipeline_parallel"),
+             lambda c: c.context_parallel_on and c.pipelined,
+             "context parallel is not combined with pipeline stages (not built); set one of them to 1"),
     )
 
 
@@ -187,6 +490,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("train.pure_bf16", "budget.device"),
          lambda c: c.on("pure_bf16") and c.bf16_supported is False,
          "this GPU has no bf16 support; turn pure_bf16 off"),
+    *_compensation_rules(),
     # Under FSDP2 a checkpointed layer's offloaded input comes back to the device for its recompute beside the
     # gathered unit: the memory model counts that (memory/walk.py), but no FSDP step with offloaded activations
     # has been measured on a GPU (on a CPU device nothing is offloaded, so none can be measured there).
@@ -204,14 +508,13 @@ RULES: tuple[Rule, ...] = (
     Rule(("train.mixed_precision", "budget.device"),
          lambda c: c.device == "cpu" and c.mixed_precision == "fp16",
          "fp16 needs a CUDA device; use bf16, no or auto on CPU"),
-    Rule(("train.optimizer",),
-         lambda c: c.optimizer == "adamw_4bit" and _torchao_missing(),
-         "4-bit optimizer states need torchao: pip install 'fulltune[lowbit]'", installed=True),
-    Rule(("train.optimizer", "distributed.strategy"),
-         lambda c: c.strategy == "fsdp" and c.optimizer in ("adamw_8bit", "adamw_4bit"),
-         "the 8-bit and 4-bit updates have no sharding rule for FSDP2's DTensor shards (bitsandbytes' "
-         "optimizer_update_32bit refuses them); use adamw or adafactor with fsdp"),
+    *_requirement_rules(),
+    *_float8_rules(),
+    *_optimizer_rules("fsdp_refusal", ("train.optimizer", "distributed.strategy"), lambda c: c.strategy == "fsdp"),
+    *_optimizer_rules("offload_refusal", ("train.optimizer", "train.offload_optimizer"),
+                      lambda c: c.on("offload_optimizer")),
     *_pipeline_rules(),
+    *_context_parallel_rules(),
 )
 
 
@@ -242,10 +545,25 @@ def from_spec(pipeline: object) -> Combination:
         # tensor_parallel auto is None: the planner checks every degree it tries against the table.
         tensor_parallel=distributed.dims.tp, optimizer=auto(train.optimizer),
         pipeline_parallel=auto(distributed.pipeline_parallel),  # type: ignore[arg-type]
+        context_parallel=distributed.dims.cp,
         pipeline_schedule=distributed.pipeline_schedule,
         gradient_accumulation_steps=auto(train.gradient_accumulation_steps),
+        implied_accumulation=_implied_accumulation(train, distributed),
         mixed_precision=auto(train.mixed_precision), gradient_checkpointing=auto(train.gradient_checkpointing),
-        device=auto(budget.device))
+        device=auto(budget.device), compensation=auto(train.compensation),  # type: ignore[arg-type]
+        checkpoint_async=train.checkpoint_async)
+
+
+def _implied_accumulation(train: object, distributed: object) -> int | None:
+    """The gradient accumulation a fixed micro-batch leaves the planner while accumulation is auto (the batch
+    rule, fulltune/degrees.py, makes it a whole number), else None."""
+    micro, accumulation = train.micro_batch_size, train.gradient_accumulation_steps  # type: ignore[attr-defined]
+    dp = distributed.dims.dp  # type: ignore[attr-defined]
+    if micro == "auto" or accumulation != "auto" or dp is None:
+        return None
+    rows = micro * dp
+    effective = train.effective_batch_size  # type: ignore[attr-defined]
+    return effective // rows if effective % rows == 0 else None
 
 
 def from_settings(settings: object, bf16_supported: bool | None = None) -> Combination:
@@ -257,6 +575,9 @@ def from_settings(settings: object, bf16_supported: bool | None = None) -> Combi
         strategy=None if s.strategy == "auto" else s.strategy,  # type: ignore[attr-defined]  # a request's auto
         tensor_parallel=s.tensor_parallel,  # type: ignore[attr-defined]  # None: auto, in a request
         pipeline_parallel=getattr(s, "pipeline_parallel", 1), pipeline_schedule=getattr(s, "pipeline_schedule", "1f1b"),
+        context_parallel=getattr(s, "context_parallel", 1),  # None: auto, in a request
         optimizer=s.optimizer, gradient_accumulation_steps=s.gradient_accumulation_steps,  # type: ignore[attr-defined]
         mixed_precision=s.mixed_precision, gradient_checkpointing=s.gradient_checkpointing,  # type: ignore[attr-defined]
-        device=s.device, bf16_supported=bf16_supported)  # type: ignore[attr-defined]
+        device=s.device, bf16_supported=bf16_supported,  # type: ignore[attr-defined]
+        compensation=None if s.compensation == "auto" else s.compensation,  # type: ignore[attr-defined]
+        checkpoint_async=s.checkpoint_async)  # type: ignore[attr-defined]

@@ -19,6 +19,10 @@ KNOWN_NOISE: dict[str, tuple[str, ...]] = {
                             "Unable to find license information for this model"),
     # System metrics on a machine without a GPU: CPU and memory are still logged.
     "mlflow.system_metrics.system_metrics_monitor": ("Skip logging GPU metrics",),
+    # torchao (float8 training) tries its prebuilt kernels for other Python versions and GPU architectures on import.
+    "torchao": ("Failed to load ",),
+    # torchao 0.18 registers its enums with torch.compile the way torch 2.13 deprecates.
+    "torch.utils._pytree": ("is an Enum subclass and is now natively supported by torch.compile",),
 }
 
 

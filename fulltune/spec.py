@@ -14,9 +14,11 @@ import json
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BeforeValidator, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import BeforeValidator, Discriminator, Field, Tag, create_model, field_validator, model_validator
 
+from fulltune import levers
 from fulltune.degrees import ParallelDims
+from fulltune.optimizers import COMPENSATIONS, OPTIMIZER_TABLE, OPTIMIZERS
 from fulltune.sizes import SIZE_PATTERN, parse_size
 # The evaluate and register sections, importable from here as the rest of the schema is.
 from fulltune.spec_gates import (BUILTIN_METRICS, DEFAULT_METRIC_TIMEOUT, EvaluateSpec, LmEvalSpec,  # noqa: F401
@@ -31,7 +33,9 @@ DataFormat = Literal["text", "prompt_completion", "chat"]
 AttnImplementation = Literal["sdpa", "eager"]
 Device = Literal["cpu", "cuda"]
 MixedPrecision = Literal["bf16", "fp16", "no"]
-Optimizer = Literal["adamw", "adamw_8bit", "adamw_4bit", "adafactor"]
+Optimizer = Literal[OPTIMIZERS]  # one record each in fulltune/optimizers.py
+Compensation = Literal[tuple(COMPENSATIONS)]  # how pure bf16 weights keep small updates (fulltune/optimizers.py)
+Float8Recipe = Literal["tensorwise", "rowwise"]  # torchao's float8 training recipes (fulltune/memory/float8.py)
 LrScheduler = Literal["cosine", "linear", "constant"]
 Strategy = Literal["none", "ddp", "fsdp", "auto"]
 PipelineSchedule = Literal["1f1b", "gpipe"]
@@ -159,7 +163,9 @@ class BudgetSpec(Strict):
     """The memory the run must fit in."""
 
     device: Literal["auto", Device] = Field("auto", description="Device to plan for; auto = cuda if present.")
-    memory: int | str = Field("auto", description="Budget per device: `auto` (device total), bytes, or '24GiB'.")
+    memory: int | str = Field("auto", description="Budget per device: `auto` (the GPU's total; on CPU each process's "
+                                                  "share of the machine's RAM, which its processes share), bytes, "
+                                                  "or '24GiB'.")
     on_overflow: Literal["plan", "fail"] = Field(
         "plan", description="`plan`: change micro-batch/checkpointing/optimizer to fit; `fail`: exit with the breakdown."
     )
@@ -192,7 +198,7 @@ class BudgetSpec(Strict):
         raise ValueError("must be 'auto', a number of bytes, or a size like '24GiB'")
 
 
-class TrainSpec(Strict):
+class _TrainSpec(Strict):
     """The optimisation. `effective_batch_size` = micro_batch_size × gradient_accumulation_steps × processes."""
 
     effective_batch_size: int = Field(8, ge=1, description="Sequences per optimizer step, kept by the planner.")
@@ -204,7 +210,7 @@ class TrainSpec(Strict):
     mixed_precision: Literal["auto", MixedPrecision] = Field("auto", description="Autocast dtype.")
     optimizer: Literal["auto", Optimizer] = Field(
         "adamw", description="`auto` lets the planner pick a cheaper optimizer when memory requires it. "
-                             "adamw_8bit: bitsandbytes (~2 B/param of states); adamw_4bit: torchao (~1 B/param)."
+                             + "; ".join(f"{r.name}: {r.description}" for r in OPTIMIZER_TABLE) + "."
     )
     learning_rate: float = Field(2e-5, gt=0, le=1, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
@@ -216,31 +222,15 @@ class TrainSpec(Strict):
     seed: int = Field(0, ge=0, description="Seed for initialisation, data order and the eval split.")
     checkpoint_every_steps: int = Field(50, ge=0, description="Save a resumable checkpoint every N steps (0: never).")
     keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept on disk.")
+    checkpoint_async: bool = Field(
+        False, description="Write step checkpoints in the background: the weights and optimizer states are "
+                           "copied to host RAM at the step boundary (counted in the plan's host RAM and its "
+                           "checkpoint phase) and training goes on while the copy is written; the checkpoint "
+                           "appears under its step name only once it is whole, and a run killed meanwhile "
+                           "resumes from the one before. One process, DDP and FSDP; not with pipeline stages."
+    )
     log_every_steps: int = Field(10, ge=1, description="Read the loss and log metrics every N optimizer steps.")
     compile: bool = Field(False, description="torch.compile the model.")
-    pure_bf16: Union[Auto, bool] = Field(
-        "auto", description="bf16 weights and gradients with no fp32 master copy (2 + 2 B/param instead of 4 + 4); "
-                           "updates are Kahan-compensated (adamw) or stochastically rounded (adamw_4bit) so small "
-                           "ones are not lost. `auto`: the planner turns it on when memory requires it."
-    )
-    optimizer_in_backward: Union[Auto, bool] = Field(
-        "auto", description="Step each parameter as soon as its gradient is complete in backward and free the "
-                           "gradient (at most one parameter's gradient alive). Needs gradient_accumulation_steps 1: "
-                           "the effective batch is kept with a larger (checkpointed) micro-batch. Clipping uses the "
-                           "norm of the previous step's gradients."
-    )
-    offload_optimizer: Union[Auto, bool] = Field(
-        "auto", description="Keep fp32 master weights, gradients and optimizer states in host RAM and update on the "
-                           "host; the device keeps only the weights. Costs host RAM (budget.host_memory) and step time."
-    )
-    offload_activations: Union[Auto, bool] = Field(
-        "auto", description="Move the saved inputs of checkpointed layers to host RAM until backward needs them."
-    )
-    chunked_loss: Union[Auto, bool] = Field(
-        "auto", description="Compute the output head and cross-entropy in chunks of target positions and vocabulary, "
-                           "recomputed in backward: no whole (targets × vocabulary) fp32 tensor."
-    )
-    max_nonfinite_steps: int = Field(5, ge=1, description="Stop after this many non-finite losses in a row.")
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -262,16 +252,44 @@ class TrainSpec(Strict):
             raise ValueError("must be auto, true, false or a number of layers >= 0")
         return value
 
+    @model_validator(mode="after")
+    def _compensated(self) -> _TrainSpec:
+        # The fields `compensation` and `pure_bf16` are the generated TrainSpec's (below).
+        if getattr(self, "compensation", "auto") != "auto" and getattr(self, "pure_bf16", "auto") is False:
+            raise ValueError("train.compensation is how pure_bf16's bf16 weights keep small updates, and "
+                             "train.pure_bf16 is false; set pure_bf16 true (or auto), or compensation auto")
+        return self
+
+
+# `train:`: the fields above, then one field per memory lever (`auto`, true or false), made from its record in
+# fulltune/levers.py, pure bf16's compensation, then the non-finite guard.
+TrainSpec = create_model(
+    "TrainSpec", __base__=_TrainSpec, __module__=__name__, __doc__=_TrainSpec.__doc__,
+    **levers.spec_fields(),
+    compensation=(Literal["auto", Compensation], Field(
+        "auto", description="How pure_bf16's bf16 weights keep updates smaller than their rounding step: "
+                            + "; ".join(f"`{name}`: {what}" for name, what in COMPENSATIONS.items())
+                            + ". `auto`: the optimizer's own ("
+                            + ", ".join(f"{r.name} {r.default_compensation}" for r in OPTIMIZER_TABLE)
+                            + "). The plan says which one runs and what it costs.")),
+    float8_recipe=(Float8Recipe, Field(
+        "tensorwise", description="How float8's matmuls scale their operands (torchao's recipes): `tensorwise`, one "
+                                  "scale per tensor (the fastest; under FSDP on GPUs the weights are gathered in "
+                                  "float8); `rowwise`, one per row (closer to bf16's accuracy, slower).")),
+    max_nonfinite_steps=(int, Field(5, ge=1, description="Stop after this many non-finite losses in a row.")))
+
 
 class DistributedSpec(Strict):
     """How many processes train, and how model state is shared between them."""
 
     strategy: Strategy = Field(
-        "none", description="`none` trains in one process; `ddp` replicates the model in every process; `fsdp` "
-                            "shards weights, gradients and optimizer states over the data-parallel processes (FSDP2); `auto`: the "
-                            "plan chooses the fastest that fits: for one process `none` or `fsdp` over it (with "
-                            "train.offload_optimizer, FSDP2's CPU offload keeps the parameters in host RAM), for "
-                            "several `ddp` or `fsdp`."
+        "auto",
+        description="`none` trains in one process; `ddp` replicates the model in every process; `fsdp` shards weights, "
+                    "gradients and optimizer states over the data-parallel processes (FSDP2); `auto`: the plan chooses "
+                    "the fastest that fits: for one process `none` or `fsdp` over it (with train.offload_optimizer, "
+                    "FSDP2's CPU offload keeps the parameters in host RAM), for several `ddp` or `fsdp`. Unset: `auto` "
+                    "for one process (the plan names its choice), `none` where every process is a pipeline stage; "
+                    "other numbers of processes need one set."
     )
     num_processes: int = Field(1, ge=1, le=4096, description="Processes (usually GPUs) in total.")
     num_machines: int = Field(1, ge=1, description="Machines taking part.")
@@ -280,6 +298,15 @@ class DistributedSpec(Strict):
                        "norms); num_processes / tensor_parallel groups train on different data with FSDP between "
                        "them. Needs strategy fsdp; 1 = no tensor parallel; auto: the plan chooses a divisor of the "
                        "processes on one machine (the fastest that fits)."
+    )
+    context_parallel: int | Auto = Field(
+        1, description="Processes each row's positions are split over (context parallel, for long rows): each keeps "
+                       "1/N of every row's positions (chunks balanced for causal attention), so its activations are "
+                       "1/N of the row's, and attention still sees the whole row: Ulysses (an all-to-all to "
+                       "head-sharded attention and back) where N divides the attention heads, else ring attention "
+                       "(CUDA only). num_processes = data parallel × context_parallel; needs strategy fsdp "
+                       "(sharded over data parallel × context_parallel) or ddp. Not with tensor_parallel or "
+                       "pipeline stages. 1 = none; auto: the plan chooses the fastest degree that fits."
     )
     pipeline_parallel: int | Auto = Field(
         1, description="Pipeline stages: the decoder layers split evenly over this many processes, "
@@ -307,21 +334,24 @@ class DistributedSpec(Strict):
                              "(FSDP2 shards weights, gradients and optimizer states as ZeRO-3 does)")
         return value
 
-    @field_validator("pipeline_parallel")
+    @field_validator("pipeline_parallel", "context_parallel")
     @classmethod
-    def _stages(cls, value: Any) -> Any:
+    def _degree(cls, value: Any, info: Any) -> Any:
         if value != "auto" and not 1 <= value <= 64:
-            raise ValueError(f"pipeline_parallel must be auto or from 1 to 64; got {value}")
+            raise ValueError(f"{info.field_name} must be auto or from 1 to 64; got {value}")
         return value
 
     @model_validator(mode="after")
     def _consistent(self) -> DistributedSpec:
+        if self.strategy_unset and self.num_processes > 1:  # unset: auto for one process only
+            object.__setattr__(self, "strategy", "none")
         if self.pipeline_parallel == "auto":
-            if self.tensor_parallel != 1:
-                raise ValueError("pipeline_parallel auto is not combined with tensor_parallel (pipeline stages and "
-                                 "tensor parallel are not built together); set tensor_parallel to 1")
+            if self.tensor_parallel != 1 or self.context_parallel != 1:
+                raise ValueError("pipeline_parallel auto is not combined with tensor_parallel or context_parallel "
+                                 "(pipeline stages are built with neither); set them to 1")
             ParallelDims.from_spec(self)
             return self
+        # The YAML values as written (auto still open), each check naming them; the layout is ParallelDims'.
         if self.strategy == "none" and self.num_processes != self.pipeline_parallel:
             raise ValueError("num_processes > 1 needs a strategy (ddp or fsdp)"
                              + (" or num_processes = pipeline_parallel" if self.pipeline_parallel > 1 else ""))
@@ -339,6 +369,11 @@ class DistributedSpec(Strict):
             raise ValueError("tensor_parallel > 1 needs strategy fsdp (FSDP over the data-parallel processes)")
         ParallelDims.from_spec(self)  # DegreesError (a ValueError) unless the degree divides the processes
         return self
+
+    @property
+    def strategy_unset(self) -> bool:
+        """The pipeline leaves `strategy` to the plan by not setting it (one process: read as auto)."""
+        return "strategy" not in self.model_fields_set
 
     @property
     def dims(self) -> ParallelDims:
@@ -411,7 +446,7 @@ class PipelineSpec(Strict):
             return self
         if processes < 1:
             raise ValueError(f"evaluate.processes must be auto or at least 1; got {processes}")
-        if d.strategy != "fsdp" or processes != d.num_processes:
+        if d.strategy != "fsdp" or processes != d.num_processes:  # the YAML value the message names
             raise ValueError(f"evaluate.processes: {processes} shards each candidate over the training's processes, "
                              f"which needs distributed.strategy fsdp and num_processes {processes} (they are "
                              f"{d.strategy} and {d.num_processes}); set it to auto or 1")
@@ -432,8 +467,6 @@ class PipelineSpec(Strict):
     def _lever_table(self) -> PipelineSpec:
         # Every combination of levers, optimizer, strategy, accumulation, precision and device that the
         # trainer cannot run is refused here, naming its fields (fulltune/levers.py is the one table).
-        from fulltune import levers
-
         found = levers.problems(levers.from_spec(self))
         if found:
             raise ValueError("; ".join(found))

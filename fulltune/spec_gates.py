@@ -22,6 +22,16 @@ BUILTIN_METRICS: dict[str, Literal["min", "max"]] = {
 DEFAULT_METRIC_TIMEOUT = 600.0  # seconds, evaluate.metric_timeout
 CALLABLE_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 METRIC_NAME_PATTERN = re.compile(r"^[A-Za-z_][\w.-]*$")
+# What a part of a reported metric name may hold (`eval_loss/<source>`, `<metric>/<key>`): MLflow refuses a
+# metric name with other characters (parentheses, commas, ...), and a gate names it as reported.
+_NOT_IN_A_METRIC_NAME = re.compile(r"[^\w.-]+")
+
+
+def metric_part(text: str) -> str:
+    """`text` (a file's name, a metric function's key) as a part of a metric name MLflow accepts: each run of
+    characters other than letters, digits, `_`, `-` and `.` becomes one `_`, and none is left at either end
+    (`held-out (v2)` → `held-out_v2`, `digits (strict)` → `digits_strict`)."""
+    return _NOT_IN_A_METRIC_NAME.sub("_", text).strip("_.") or "_"
 
 
 def lm_eval_installed() -> bool:
@@ -55,8 +65,11 @@ class EvaluateSpec(Strict):
     """Held-out evaluation of the base model, the fine-tuned model and the current champion."""
 
     batch_size: int = Field(8, ge=1, description="Sequences per evaluation forward pass.")
-    max_examples: int | None = Field(None, ge=1, description="Evaluate on at most this many held-out examples.")
-    max_generate_examples: int = Field(32, ge=0, description="Greedy generations for exact match (prompt_completion).")
+    max_examples: int | None = Field(None, ge=1, description="Evaluate on at most this many held-out examples (the "
+                                                            "first of each data.eval source).")
+    max_generate_examples: int = Field(32, ge=0, description="Greedy generations for exact match: the first examples "
+                                                             "with a completion (prompt_completion) of each data.eval "
+                                                             "source.")
     max_new_tokens: int = Field(32, ge=1, description="Tokens generated per example.")
     compare_champion: bool = Field(True, description="Also evaluate the current champion on the same data.")
     processes: int | Literal["auto"] = Field(

@@ -9,6 +9,9 @@ config file:
   validation, hashing the config). PyYAML shares aliased nodes, so the document itself loads small;
   `load` counts the values the document holds with every alias expanded, in time linear in its size,
   and refuses it past `MAX_VALUES` (or when an alias contains itself), before anything walks it.
+- **A key appears once in a mapping.** YAML 1.1 lets a later `train:` replace an earlier one in the same
+  mapping without a word: a pipeline with two `train:` blocks (or two pipelines of one name) trained with
+  the second only. `load` refuses a mapping that repeats a key, naming both lines and the key's path.
 - **Floats are read as YAML 1.2 reads them.** YAML 1.1 makes `1e-6`, `3e5` and `1.0e6` strings (it
   wants a dot and a signed exponent); a user writing `rms_norm_eps: 1e-6` means a float. Inside an
   inline `model.from_config`, where no schema converts the string, it reached transformers as `'1e-6'`.
@@ -49,6 +52,7 @@ def load(text: str) -> Any:
         if node is None:
             return None
         _check_expansion(node)
+        _check_unique_keys(node)
         return loader.construct_document(node)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -87,3 +91,24 @@ def _check_expansion(root: yaml.Node) -> None:
         return total
 
     size(root)
+
+
+def _check_unique_keys(node: yaml.Node, path: str = "") -> None:
+    """Raise YamlError at the first mapping that holds a key twice (`<<` merges excepted: a key the mapping
+    writes beside a merge overrides the merged one, as YAML means). Walks the document with its aliases
+    expanded, which `_check_expansion` bounded."""
+    if isinstance(node, yaml.SequenceNode):
+        for index, child in enumerate(node.value):
+            _check_unique_keys(child, f"{path}[{index}]")
+    elif isinstance(node, yaml.MappingNode):
+        seen: dict[tuple[str, str], yaml.Node] = {}
+        for key, value in node.value:
+            name = key.value if isinstance(key, yaml.ScalarNode) else "?"
+            where = f"{path}.{name}" if path else name
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                first = seen.setdefault((key.tag, name), key)
+                if first is not key:
+                    raise YamlError(f"line {key.start_mark.line + 1}: {where} appears twice in one mapping (first at "
+                                    f"line {first.start_mark.line + 1}); YAML would keep only the last, so merge the "
+                                    "two into one or rename one")
+            _check_unique_keys(value, where)

@@ -157,7 +157,7 @@ def clear_stale_locks(workdir: str) -> list[Path]:
 
 def retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:
     """Retry crashes and flaky I/O, never a user error nor a full disk: retrying a bad config, or a
-    write to a filesystem with no space left, changes nothing (the run says which: tasks/run.py)."""
+    write to a filesystem with no space left, changes nothing (the run says which: fulltune/stages/runner.py)."""
     try:
         state.result()
     except UserError:

@@ -1,6 +1,9 @@
-"""What the flow asks besides the stage tasks: the pipeline resolved once, how a stage task runs (its cache,
-its results, a cache hit whose files are gone), what a full disk means, the MLflow run around the stages, the
-champion to compare, and the run's summary. The flow (flows/pipeline.py) only orders the stages."""
+"""What the flow asks besides the stages' tasks: the pipeline resolved once, and the runner of its stages.
+
+The flow (flows/pipeline.py) only orders the stages; their keys, the champion to compare, the cache-hit rules,
+the MLflow run around them and what a full disk means are the engine's runner (fulltune/stages/runner.py),
+which runs each stage as its Prefect task (tasks/stage_task.py).
+"""
 
 from __future__ import annotations
 
@@ -9,15 +12,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from fulltune import stages
-from fulltune.errors import UserError, disk_full, disk_full_error
-from fulltune.logs import quiet_known_noise  # noqa: F401 (the flow quiets library noise first)
-from fulltune.planning.autotune_report import log_to_mlflow
-from fulltune.stages import BudgetDecision, ResolvedPipeline
-from fulltune.stages import registration_present  # noqa: F401
-from fulltune.tracking import champion_to_compare  # noqa: F401
-from fulltune.tracking import pipeline_run as _pipeline_run
-from fulltune.tracking.summary import PipelineSummary, summarise
-from tasks.common import results_dir, stage_policy
+from fulltune.stages import ResolvedPipeline
+from fulltune.stages.runner import PipelineRunner, run_pipeline
+from fulltune.tracking.registry import run_name
+from tasks.stage_task import call
 
 
 def prepare(pipelines_file: str, name: str, changes: dict[str, Any] | None) -> ResolvedPipeline:
@@ -30,58 +28,40 @@ def prepare(pipelines_file: str, name: str, changes: dict[str, Any] | None) -> R
     return stages.with_budget(stages.pin_hub_revisions(p))
 
 
-def stage_task(task: Any, p: ResolvedPipeline, key: str, present: bool | None = None) -> Any:
-    """The task with results beside the outputs; a cache hit whose files are gone is refreshed."""
-    if present is None:
-        present = stages.outputs_present(p.workdir, task.name, key)
-    return task.with_options(cache_policy=stage_policy(task.name, p.workdir), result_storage=results_dir(p.workdir),
-                             refresh_cache=not present)
-
-
-# What a rerun does after a full disk stopped a stage (the stages before it are cached).
-RERUN_AFTER = {
-    stages.TOKENIZE: "it tokenizes again",
-    stages.MEMORY_BUDGET: "the tokenized data is cached; it plans again",
-    stages.FINE_TUNE: "it resumes training from the newest checkpoint",
-    stages.EVALUATE: "training is cached; it evaluates again",
-    stages.REGISTER: "training and evaluation are cached; it registers the new version (none was left half-registered)",
-}
-
-
 @contextlib.contextmanager
-def a_full_disk_stops_the_run(workdir: str, running: dict[str, str | None]) -> Iterator[None]:
-    """A full disk anywhere in the stages (their outputs, checkpoints, the exported model, MLflow's
-    uploads and its SQLite database) ends the run with one line naming the filesystem and what a rerun
-    does (fulltune.errors.DiskFull, exit 2); the stage tasks do not retry it (tasks/common.py)."""
+def run_stages(p: ResolvedPipeline, flow_run_id: str | None) -> Iterator[PipelineRunner]:
+    """The runner of this pipeline run's stages, each run as its Prefect task; the flow run (None: called outside
+    one) is named for what it did when it ends, as its MLflow run is (`demo · v3 · not promoted`, `demo · failed in
+    fine-tune`). A Ctrl-C leaves the name alone: the run is stopping, the server may be too."""
+    runner: PipelineRunner | None = None
     try:
-        yield
-    except UserError:
+        with run_pipeline(p, flow_run_id or "local", call) as runner:
+            yield runner
+    except Exception:
+        if runner is not None and flow_run_id is not None:
+            stage = runner.running
+            _name_flow_run(flow_run_id, run_name(p.name, "failed" + (f" in {stage.name}" if stage else "")))
         raise
-    except Exception as exc:
-        if not disk_full(exc):
-            raise
-        stage = running["stage"]
-        raise disk_full_error(exc, workdir, RERUN_AFTER[stage] if stage else "the stages that finished are cached") \
-            from None
+    if runner.outcome is not None and flow_run_id is not None:
+        _name_flow_run(flow_run_id, run_name(p.name, runner.outcome))
 
 
-def log_tuning(run_id: str, decision: BudgetDecision) -> None:
-    """The measured candidates' table and picture in MLflow run `run_id`, when autotune ran."""
-    log_to_mlflow(run_id, decision.plan)
+def _name_flow_run(flow_run_id: str, name: str) -> None:
+    """Rename the flow run; a Prefect API that refuses says so in the log, and the run's own outcome (or error)
+    stands."""
+    import httpx
+    from prefect import get_run_logger
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(flow_run_id, name=name)
+    except httpx.HTTPError as exc:
+        get_run_logger().warning("could not name the flow run %r: %s", name, exc)
 
 
-def summary(p: ResolvedPipeline, done: dict[str, str], decision: BudgetDecision, records: tuple[Any, Any, Any],
-            tracking_uri: str, run_id: str) -> PipelineSummary:
-    """The run's summary from its stages' records (trained, evaluated, registered)."""
-    trained, report, registration = records
-    return summarise(p.name, done, stages.describe_settings(decision.settings, decision.num_layers), trained,
-                     report, registration, tracking_uri, run_id)
+def flow_run_name() -> str:
+    """The name a pipeline's flow run starts with (`demo · running`), until `run_stages` names its outcome."""
+    from prefect.runtime import flow_run
 
-
-def pipeline_run(p: ResolvedPipeline, data_fingerprint: str, flow_run_id: str, stages_done: dict[str, str]) -> Any:
-    """The pipeline's MLflow run (`fulltune.tracking.pipeline_run`) for the resolved pipeline `p`."""
-    return _pipeline_run(p.name, p.spec, p.workdir, data_fingerprint, flow_run_id, stages_done)
-
-
-__all__ = ["PipelineSummary", "a_full_disk_stops_the_run", "champion_to_compare", "log_tuning", "pipeline_run",
-           "prepare", "quiet_known_noise", "registration_present", "stage_task", "summary"]
+    return run_name(str(flow_run.parameters.get("pipeline", "pipeline")), "running")

@@ -74,9 +74,10 @@ def prefect_server():
 # test to the end).
 LONGEST_FIRST = ("test_tensor_parallel.py", "test_train.py", "test_plan_margin.py", "test_lever_table.py",
                  "test_servers.py", "test_fsdp_run.py", "test_pipeline_run.py", "test_interrupt.py",
-                 "test_cache_keys.py", "test_fsdp_levers.py", "test_flow.py", "test_fsdp_optimizers.py",
-                 "test_sharding.py", "test_hub.py", "test_cli.py", "test_tensor_parallel_memory.py",
-                 "test_benchmark_gate.py", "test_autotune.py", "test_process_memory.py", "test_rerun.py",
+                 "test_cache_keys.py", "test_fsdp_levers.py", "test_float8.py", "test_flow.py", "test_eval_sources.py",
+                 "test_fsdp_optimizers.py", "test_sharding.py", "test_hub.py", "test_cli.py",
+                 "test_tensor_parallel_memory.py", "test_benchmark_gate.py", "test_autotune.py",
+                 "test_process_memory.py", "test_rerun.py",
                  "test_train_levers.py", "test_memory_accuracy.py", "test_frontier_plan.py", "test_sharded_load.py",
                  "test_concurrency.py", "test_cpu_rss.py", "test_sharded_memory.py", "test_retrain.py")
 

@@ -44,3 +44,17 @@ def tiny_pipeline(tmp_path: Path, **sections) -> Path:
     path = tmp_path / "pipelines.yaml"
     path.write_text(yaml.safe_dump({"workdir": "work", "pipelines": {"tiny": body}}, sort_keys=False))
     return path
+
+
+def evaluate_key(p, trained_key: str, data_fingerprint: str, champion_version: str | None) -> str:
+    """The evaluate stage's cache key of pipeline `p` (a ResolvedPipeline) after stand-ins for the stages before
+    it: weights `trained_key`, data `data_fingerprint`, no planned evaluation, the champion's version."""
+    from types import SimpleNamespace
+
+    from fulltune.stages import FINE_TUNE, MEMORY_BUDGET, TOKENIZE, evaluate
+    from fulltune.stages.runner import Inputs, key_of
+
+    records = {TOKENIZE: SimpleNamespace(data=SimpleNamespace(fingerprint=data_fingerprint)),
+               MEMORY_BUDGET: SimpleNamespace(plan={}), FINE_TUNE: SimpleNamespace(key=trained_key)}
+    champion = SimpleNamespace(version=champion_version) if champion_version is not None else None
+    return key_of(evaluate.STAGE, Inputs(p, records=records, champion=champion))

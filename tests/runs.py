@@ -27,8 +27,10 @@ SHARDED = {"strategy": "fsdp", "num_processes": 2}
 # One process under `strategy: auto` (which keeps `none` on CPU), and FSDP over two processes.
 ONE_PROCESS = {"train": ONE, "distributed": {"strategy": "auto"}}
 # Its evaluate stage sharded over the two processes like its training (`processes: auto` would take one: the tiny
-# model fits), so that the sharded evaluation runs through `fulltune run` (tests/test_fsdp_run.py).
-TWO_SHARDS = {"train": FSDP, "distributed": SHARDED, "evaluate": {"processes": 2}}
+# model fits), so that the sharded evaluation runs through `fulltune run` (tests/test_fsdp_run.py), the demo's
+# lm-evaluation-harness task included.
+DEMO_TASK = {"tasks": [str(ROOT / "data" / "demo" / "reversal_mc.yaml")], "limit": 8}
+TWO_SHARDS = {"train": FSDP, "distributed": SHARDED, "evaluate": {"processes": 2, "lm_eval": DEMO_TASK}}
 # One process on the tiny model with its own output head (pipeline stages do not split a tied one), clipped
 # to a global norm of 1 (the tiny model's gradients are above it): what pipeline stages compare with.
 UNTIED = {"from_config": {**TINY_LLAMA, "tie_word_embeddings": False}, "tokenizer": {"vocab_size": 96}}

@@ -76,7 +76,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="with --shard --load: sharding.load_sharded_model (else load_model, then shard_model)")
     parser.add_argument("--export-loaded", action="store_true", help="also write the weights as loaded to OUT/loaded/")
     parser.add_argument("--pure-bf16", action="store_true", help="bf16 weights and gradients, no fp32 master")
-    parser.add_argument("--optimizer", choices=("adamw", "adafactor"),
+    parser.add_argument("--optimizer", choices=("adamw", "adafactor", "muon"),
                         help="fulltune.runtime.optim.build_optimizer (pure bf16 adamw: Kahan); default torch AdamW")
     parser.add_argument("--rewind-at", type=int, help="with --shard: save before this step, take it, load, take it again")
     parser.add_argument("--tied", action="store_true", help="tie the output head to the input embedding")

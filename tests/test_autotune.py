@@ -167,14 +167,16 @@ def test_durations_and_throughput_read_as_measured(tiny, monkeypatch):
 
 
 def test_the_budget_key_carries_the_hardware_the_tuning_measured(tiny, monkeypatch):
-    from fulltune import stages
     from fulltune.planning import autotune
+    from fulltune.stages import TOKENIZE, budget
+    from fulltune.stages.runner import Inputs, key_of
+    from fulltune.stages.tokenize import Tokenized
 
-    p, data, _, _ = tiny
+    p, data, tokenizer, _ = tiny
     keys = {}
     for cores in (2, 1):
         monkeypatch.setattr(autotune, "_cpu_info", lambda: {"name": "cpu", "count": cores, "machine": "x86_64"})
-        keys[cores] = stages.budget_key(p, data.training_fingerprint)
+        keys[cores] = key_of(budget.STAGE, Inputs(p, records={TOKENIZE: Tokenized(data, tokenizer)}))
     assert keys[1] != keys[2]
 
 

@@ -97,14 +97,16 @@ def versions(root: Path) -> dict[str, object]:
 
 
 def report(root: Path, version) -> dict[str, dict[str, float]]:
-    """The metrics MLflow logged for the run that registered `version`, by candidate."""
+    """The evaluation's metrics MLflow logged for the run that registered `version` (`eval/<candidate>.<metric>`), by
+    candidate."""
     from mlflow.tracking import MlflowClient
 
     metrics = MlflowClient().get_run(version.run_id).data.metrics
     out: dict[str, dict[str, float]] = {}
     for key, value in metrics.items():
-        candidate, _, name = key.partition(".")
-        out.setdefault(candidate, {})[name] = value
+        if key.startswith("eval/"):
+            candidate, _, name = key.removeprefix("eval/").partition(".")
+            out.setdefault(candidate, {})[name] = value
     return out
 
 
@@ -122,7 +124,7 @@ def test_the_task_accuracy_is_reported_for_base_and_fine_tuned_and_registered(ru
     # The run summary shows the benchmark rows; the evaluation report has them beside the loss.
     assert "format_mc/acc: base" in second and "letters_mc/acc: base" in second
     (report_file,) = {p for p in (root / "work" / "evals").glob("*/report.md")
-                      if "champion" in p.read_text()}
+                      if "Champion version" in p.read_text()}
     assert "| format_mc/acc |" in report_file.read_text()
 
 

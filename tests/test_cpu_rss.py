@@ -4,7 +4,7 @@ On a CPU device the budget is RAM, and the whole training process must fit in it
 libraries, the loaded model, the step's tensors, checkpoints and the final save. Each test plans a small
 model under an explicit budget (`plan_memory`, device cpu), trains the chosen settings for a few steps
 through `run_training` (the child process a flow starts, logging into an MLflow run), and measures the
-child's peak resident set size (fulltune/runtime/measure.py: a fresh wrapper process's RUSAGE_CHILDREN).
+child's peak resident set size (measuring/measure.py: a fresh wrapper process's RUSAGE_CHILDREN).
 
 The budget is set below what the configured settings (the whole batch in one micro-batch, nothing
 recomputed) are estimated to need and above the smallest step, so the planner has to choose; the run
@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from fulltune.memory.process import CPU_LIBRARY_PAGES_SPREAD
-from fulltune.runtime import measure
+from measuring import measure
 
-import memory_runs
+from measuring import memory_runs
 
 TOLERANCE = 0.15
 

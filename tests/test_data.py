@@ -298,6 +298,23 @@ def test_length_grouped_batches_cover_every_row_once_longest_first() -> None:
 # --- fingerprint and cache ----------------------------------------------------------------------------
 
 
+def test_the_seed_is_in_the_fingerprint_only_where_it_shapes_the_rows(tmp_path: Path, tok_dir: str) -> None:
+    # One example a row, a held-out file of its own: the seed changes nothing in the tokenized data, so neither in
+    # its fingerprint (what the UIs show for "the same train.jsonl"). Packing shuffles the rows with it.
+    from fulltune.data.store import fingerprint_covers
+
+    train = write_jsonl(tmp_path / "train.jsonl", PAIRS)
+    held_out = write_jsonl(tmp_path / "eval.jsonl", PAIRS[:2])
+    spec = DataSpec(train=train, eval=held_out, format="prompt_completion", max_length=64, packing=False)
+    assert fingerprint_data(spec, tok_dir, seed=0) == fingerprint_data(spec, tok_dir, seed=1)
+    assert "train.seed" not in fingerprint_covers(spec)
+    packed = spec.model_copy(update={"packing": True})
+    assert fingerprint_data(packed, tok_dir, seed=0) != fingerprint_data(packed, tok_dir, seed=1)
+    assert "train.seed (packing shuffles the examples into rows with it)" in fingerprint_covers(packed)
+    first, second = (tokenize_dataset(spec, tok_dir, tmp_path / "work", seed=seed) for seed in (0, 1))
+    assert first.path == second.path, "the same rows, the same directory"
+
+
 def test_fingerprint_is_stable_and_tracks_every_input(tmp_path: Path, tok_dir: str) -> None:
     import shutil
 
@@ -481,6 +498,15 @@ def test_tokenized_data_written_without_the_target_count_gets_it_on_load(tmp_pat
     train_file.write_bytes(b"\0" * train_file.stat().st_size)  # same size, not Parquet
     with pytest.raises(DataError, match="train.parquet: unreadable"):
         load_tokenized(result.path)
+
+
+def test_csv_cells_are_text_as_written(tmp_path: Path) -> None:
+    # Digit strings stay strings ("035", not 35); a completion "NA" or "null" is text; only an empty cell is missing.
+    (tmp_path / "r.csv").write_text('prompt,completion\n"reverse 530=","035"\nreverse 12=,21\nsay NA=,NA\n'
+                                    'say null=,null\n"a, b=",\n')
+    loaded = load_records(str(tmp_path / "r.csv"), what="data.train", cache_dir=tmp_path / "cache")
+    assert [r["completion"] for r in loaded] == ["035", "21", "NA", "null", None]
+    assert loaded[4]["prompt"] == "a, b="
 
 
 @pytest.mark.parametrize("name,head", [("t.jsonl", b'{"text": "ok"}\n'), ("t.csv", b"text\nok\n"), ("t.txt", b"ok\n"),

@@ -47,6 +47,13 @@ def test_eval_rows_are_read_a_row_group_at_a_time_and_read_as_a_list(tmp_path: P
     assert len(first) == 9 and list(first) == whole[:9] and first[:100] == whole[:9]
     with pytest.raises(IndexError):
         first[9]
+    # Three sources of 10, 5 and 10 rows: max_examples keeps the first 4 of each, across row groups.
+    table = table.append_column("completion", pa.array([None if 10 <= i < 15 else f"c{i}" for i in range(25)]))
+    pq.write_table(table, tmp_path / "eval.parquet", row_group_size=7)
+    whole = table.to_pylist()
+    each = EvalRows(str(tmp_path / "eval.parquet"), max_examples=4, counts=[10, 5, 10])
+    assert list(each) == whole[0:4] + whole[10:14] + whole[15:19] and each[3:6] == whole[3:4] + whole[10:12]
+    assert each.has_completion(2, 10) == [True, True, False, False, False, False, True, True]
 
 
 def test_the_plan_counts_the_host_ram_of_the_tokenized_data(tmp_path: Path, capsys) -> None:
@@ -54,14 +61,15 @@ def test_the_plan_counts_the_host_ram_of_the_tokenized_data(tmp_path: Path, caps
 
     from fulltune.cli import main
     from fulltune.memory.process import DATA_ROW_BYTES
-    from fulltune.stages import pin_hub_revisions, resolve_pipeline, tokenize_key, with_budget
-    from fulltune.stages.tokenize import tokenize
+    from fulltune.stages import pin_hub_revisions, resolve_pipeline, tokenize, with_budget
+    from fulltune.stages.runner import Inputs, key_of, run_stage
 
     from pipelines_fixture import tiny_pipeline
 
     path = tiny_pipeline(tmp_path, data={"packing": True})
     p = with_budget(pin_hub_revisions(resolve_pipeline(str(path), "tiny")))  # as `fulltune run` resolves it
-    data, _ = tokenize(p, tokenize_key(p))  # the tokenize stage, as a run starts
+    inputs = Inputs(p)
+    data = run_stage(tokenize.STAGE, inputs, key_of(tokenize.STAGE, inputs)).data  # the stage, as a run starts
     assert main(["plan", "tiny", "-f", str(path), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     host = plan["data_host"]
@@ -80,11 +88,11 @@ SMALL_TOKENS, GROWTH = 3_000_000, 4
 @pytest.mark.slow
 def test_the_training_process_grows_at_most_25_percent_when_the_data_grows_4x(tmp_path: Path) -> None:
     """Through the real training child (fulltune/runtime/launch.py), a tiny model on the rows the tokenize
-    stage's writer makes (tests/memory_runs.py, as benchmarks/data_memory.py trains them): the peak RSS (the
+    stage's writer makes (measuring/memory_runs.py, as benchmarks/data_memory.py trains them): the peak RSS (the
     kernel's high-water mark) of the largest process on 4× the tokens is within 25% of that on 1×."""
-    from fulltune.runtime import measure
+    from measuring import measure
 
-    import memory_runs
+    from measuring import memory_runs
 
     model_dir = memory_runs.build_tiny_model(tmp_path)
     peaks = {}

@@ -83,10 +83,13 @@ def test_run_parameters_cannot_widen_what_the_pipeline_may_do(tmp_path, prefect_
         "data.eval": {"extra": {"data.eval": "train.jsonl"}},  # not in the pipeline's run_overrides
         "data.train": {"extra": {"data.train": str(outside)}},  # opted in, but outside the project
     }
+    # The same path in the other shapes data.train takes: a one-item list, a list item's `path`.
+    outside_shapes = [{"extra": {"data.train": [str(outside)]}},
+                      {"extra": {"data": {"train": ["train.jsonl", {"path": "../private.jsonl", "weight": 2}]}}}]
     with get_client(sync_client=True) as client:
         with pytest.raises(Exception, match="pipelines_file"):  # the server's schema check refuses it
             client.create_flow_run_from_deployment(deployment_id, parameters={"pipelines_file": str(outside)})
-        for field, overrides in refused.items():
+        for field, overrides in [*refused.items(), *(("data.train", shape) for shape in outside_shapes)]:
             state = _run_from_deployment(client, deployment_id, overrides=overrides)
             assert state.is_failed(), field
             assert f"overrides.{field}" in state.message, state.message
@@ -109,6 +112,17 @@ def test_run_parameters_may_set_the_training_knobs_and_what_the_pipeline_opts_in
     check_overrides(str(path), "tiny", fields)  # nothing refused
     with pytest.raises(ConfigError, match=r"overrides\.model\.revision: pipeline tiny does not let"):
         check_overrides(str(path), "tiny", flatten({"model": {"revision": "main"}}))
+    # A path outside the project is refused in every shape data.eval takes; inside it, or a hub id, passes.
+    outside = tmp_path.parent / "elsewhere.jsonl"
+    outside.write_text((tmp_path / "train.jsonl").read_text())
+    for shape in (str(outside), [str(outside)], ["held_out.jsonl", {"path": str(outside)}],
+                  [{"path": "../elsewhere.jsonl"}], {"eval": [str(outside)]}):
+        dotted = flatten({"data": shape} if isinstance(shape, dict) else {"data.eval": shape})
+        with pytest.raises(ConfigError, match=r"overrides\.data(\.eval)?: .*elsewhere\.jsonl \(data\.eval.*\) is "
+                                              r"outside"):
+            check_overrides(str(path), "tiny", dotted)
+    check_overrides(str(path), "tiny", {"data.eval": ["held_out.jsonl", {"path": "org/name", "split": "test"},
+                                                      "org/name:validation"]})
 
 
 def test_a_pipeline_cannot_opt_in_to_what_runs_code(tmp_path):

@@ -1,12 +1,12 @@
 """The engine's import graph: the engine never imports Prefect, and a stage's cache key hashes the source of
-every engine module the stage runs (`fulltune.stages.STAGE_CODE`).
+every engine module the stage runs (its `code`, fulltune/stages/runner.py).
 
-The second is read from the source, not from a run: a stage runs the engine names its Prefect task uses
-(tasks/*.py), and those run what they reference, transitively, down to single functions and classes; a
+The second is read from the source, not from a run: a stage runs its `run` function and its task's artifacts
+(tasks/artifacts.py), and those run what they reference, transitively, down to single functions and classes; a
 string naming an engine module (`python -m fulltune.runtime.train`, the fine-tune stage's child) runs that module.
 Imports inside functions count as much as those at the top of a module — most of the engine imports lazily,
-so that `fulltune validate` stays light — and a module counts only when something the stage runs is in it:
-`fulltune/stages/` holds one stage's planning beside every stage's keys, and tokenizing runs none of it.
+so that `fulltune validate` stays light — and a module counts only when something the stage runs is in it.
+The stages are read from the engine's registry (fulltune/stages/runner.py `registry`), none named here.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,10 +39,12 @@ NOT_HASHED = {
     "fulltune.logs": "which library log lines are dropped: what a stage prints, not what it computes",
 }
 # Engine functions a stage calls beside computing its result: they word it for people (log lines, MLflow tags,
-# metrics and version descriptions), record it for the cache (the stage's marker), write a file atomically or
-# time steps for autotune (the trainer's probe, which a pipeline's own training run does not turn on).
+# metrics and version descriptions, what a stage's record puts into the pipeline's MLflow run: its `track`, which
+# version `@champion` loads now, for the registration's artifact),
+# record it for the cache (the stage's marker), write a file atomically or time steps for autotune (the trainer's
+# probe, which a pipeline's own training run does not turn on).
 BESIDE_THE_RESULT = {"describe_settings", "describe_version", "comparison_tags", "log_metrics", "set_run_tags",
-                     "record_outputs", "code_version", "atomic_write_text", "StepProbe"}
+                     "record_outputs", "code_version", "atomic_write_text", "StepProbe", "track", "current_champion"}
 
 
 def module_name(path: Path) -> str:
@@ -86,6 +89,13 @@ def test_no_engine_module_imports_prefect_even_inside_a_function() -> None:
     found = [f"{path.relative_to(ROOT)}:{line}: {target}"
              for path in sorted(PACKAGE.rglob("*.py")) if path != PACKAGE / "cli.py"
              for line, target in imported_names(path) if target.split(".")[0] in ORCHESTRATION]
+    assert found == []
+
+
+def test_the_engine_imports_neither_the_measuring_harness_nor_the_tests() -> None:
+    # measuring/ (the memory tests' and benchmarks' harness), benchmarks/ and tests/ sit beside the engine.
+    found = [f"{path.relative_to(ROOT)}:{line}: {target}" for path in sorted(PACKAGE.rglob("*.py"))
+             for line, target in imported_names(path) if target.split(".")[0] in ("measuring", "benchmarks", "tests")]
     assert found == []
 
 
@@ -138,14 +148,13 @@ def test_no_engine_import_runs_up_the_floors() -> None:
 
 # Import circles inside one floor that remain, each one entry to delete once it is broken: (its modules): why.
 CIRCLES_ALLOWED: dict[frozenset[str], str] = {
-    frozenset({"fulltune.runtime.parallel", "fulltune.runtime.sharding"}):
-        "the sharded load applies the tensor-parallel plan, which shards with FSDP over its dp mesh",
     frozenset({"fulltune.evaluation.champion", "fulltune.evaluation.evaluate", "fulltune.evaluation.sharded"}):
         "the evaluate stage compares with the champion and runs sharded candidates, both reusing its metrics",
-    frozenset({"fulltune.stages", "fulltune.stages.budget", "fulltune.stages.tokenize"}):
+    frozenset({"fulltune.stages.budget", "fulltune.stages.tokenize"}):
         "`data.packing: auto` is decided by the budget stage's planning while tokenizing",
-    frozenset({"fulltune.runtime.step_checkpoints", "fulltune.runtime.train", "fulltune.runtime.train_metrics"}):
-        "annotations only: the checkpoints and the metrics read the trainer's `TrainingRun`",
+    frozenset({"fulltune.runtime.async_checkpoints", "fulltune.runtime.step_checkpoints", "fulltune.runtime.train",
+               "fulltune.runtime.train_metrics"}):
+        "annotations only: the checkpoints, their background writer and the metrics read the trainer's `TrainingRun`",
 }
 
 
@@ -354,7 +363,7 @@ def reachable(entries: set[Unit]) -> dict[str, list[Unit]]:
         unit = todo.pop()
         module_name_, name = unit
         module = source(module_name_)
-        if module is None or name in BESIDE_THE_RESULT:
+        if module is None or name in BESIDE_THE_RESULT or unit in stage_names():
             continue
         if name is not None and name not in module.bindings and name in module.imports:
             # A re-export (`from fulltune.memory import Settings`): the unit is where the name comes from.
@@ -378,63 +387,45 @@ def chain(came_from: dict[Unit, Unit | None], unit: Unit) -> list[Unit]:
     return path[::-1]
 
 
-def stage_tasks() -> dict[str, Source]:
-    """Stage name → the tasks/ module whose `@task(name=STAGE)` runs it."""
+def stage_entries(stage: Any) -> set[Unit]:
+    """The engine units a stage runs: its `run`, and what its task's artifacts reference."""
+    from tasks.artifacts import ARTIFACTS, WATCHES
+
+    entries: set[Unit] = {(stage.run.__module__, stage.run.__name__)}
+    for shown in (ARTIFACTS.get(stage.name), WATCHES.get(stage.name)):
+        if shown is not None:
+            module = source(shown.__module__)
+            entries |= {unit for node in module.bindings[shown.__name__] for unit in references(module, node)}
+    return entries
+
+
+@cache
+def stage_names() -> set[Unit]:
+    """The stage-name constants of fulltune/stages (`FINE_TUNE`, ...): a stage reads another's record by its name,
+    which runs no code (and every key holds its own stage's name)."""
     from fulltune import stages
+    from fulltune.stages.runner import registry
 
-    found: dict[str, Source] = {}
-    for path in sorted((ROOT / "tasks").glob("*.py")):
-        module = source(module_name(path))
-        for node in module.tree.body:
-            for decorator in getattr(node, "decorator_list", []):
-                if isinstance(decorator, ast.Call) and dotted(decorator.func)[-1:] == ["task"]:
-                    for keyword in decorator.keywords:
-                        if keyword.arg == "name" and isinstance(keyword.value, ast.Name):
-                            found[getattr(stages, keyword.value.id)] = module
-    return found
+    return {("fulltune.stages", name) for name, value in vars(stages).items()
+            if isinstance(value, str) and value in registry()}
 
 
-def stage_entries(task: Source) -> set[Unit]:
-    """The engine units a stage's task module runs, less the stage-name constants (every key holds its stage)."""
-    from fulltune import stages
+def registered_stages() -> list[str]:
+    from fulltune.stages.runner import registry
 
-    names = {name for name, value in vars(stages).items() if isinstance(value, str) and value in stages.STAGES}
-    used = set()
-    for node in task.tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            node = ast.Module(body=node.body, type_ignores=[])  # the body runs; `@task(...)` only names it
-        used |= references(task, node)
-    return {unit for unit in used if unit[1] not in names}
+    return sorted(registry())
 
 
 @pytest.fixture(scope="module")
 def hashed_by_key(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
-    """Stage → the engine modules its cache key hashes: every `code_version` call of its key function, as the
-    flow calls it, on a pipeline with `data.packing: auto` (the tokenize key then also hashes what the choice
-    runs; a pipeline that packs or does not runs none of it)."""
-    from fulltune import stages, storage
+    """Stage → the engine modules its cache key hashes (`code(p)`), on a pipeline with `data.packing: auto` (the
+    tokenize stage then also runs, and hashes, what the choice runs; a pipeline that packs or does not runs none
+    of it)."""
+    from fulltune import stages
+    from fulltune.stages.runner import registry
 
     p = stages.resolve_pipeline(str(tiny_pipeline(tmp_path_factory.mktemp("keys"), data={"packing": "auto"})), "tiny")
-    keys = {stages.TOKENIZE: lambda: stages.tokenize_key(p),
-            stages.MEMORY_BUDGET: lambda: stages.budget_key(p, "data"),
-            stages.FINE_TUNE: lambda: stages.train_key(p, "data", {}),
-            stages.EVALUATE: lambda: stages.evaluate_key(p, "trained", "data", None),
-            stages.REGISTER: lambda: stages.register_key(p, "trained", "evaluated", "sqlite:///mlflow.db")}
-    hashed: dict[str, set[str]] = {}
-    real = storage.code_version
-    with pytest.MonkeyPatch.context() as patch:
-        for stage, key in keys.items():
-            calls: list[tuple[str, ...]] = []
-
-            def spy(*modules: str) -> str:
-                calls.append(modules or (".",))  # no modules: the whole engine
-                return real(*modules)
-
-            patch.setattr(stages, "code_version", spy)
-            patch.setattr(storage, "code_version", spy)
-            key()
-            hashed[stage] = {name for modules in calls for name in hashed_modules(modules)}
-    return hashed
+    return {name: hashed_modules(stage.code(p)) for name, stage in registry().items()}
 
 
 def hashed_modules(entries: tuple[str, ...]) -> set[str]:
@@ -447,16 +438,22 @@ def hashed_modules(entries: tuple[str, ...]) -> set[str]:
     return modules
 
 
-@pytest.mark.parametrize("stage", ["tokenize", "memory-budget", "fine-tune", "evaluate", "register"])
+@pytest.mark.parametrize("stage", registered_stages())
 def test_a_stages_key_hashes_every_engine_module_it_runs(stage: str, hashed_by_key: dict[str, set[str]]) -> None:
-    tasks = stage_tasks()
-    assert set(tasks) == set(hashed_by_key), "every stage has one task and one key"
-    runs = reachable(stage_entries(tasks[stage]))
+    from fulltune.stages.runner import registry
+
+    runs = reachable(stage_entries(registry()[stage]))
     missing = sorted(set(runs) - hashed_by_key[stage] - set(NOT_HASHED))
     how = "\n".join(f"  {name}: " + " -> ".join(f"{m}.{n}" if n else m for m, n in runs[name]) for name in missing)
     assert not missing, (f"stage {stage!r} runs {', '.join(missing)}, which its cache key does not hash (list them "
-                         f"in fulltune.stages.STAGE_CODE[{stage!r}]): a change there would not re-run the stage. "
-                         f"Reached by\n{how}")
+                         f"in its module's CODE): a change there would not re-run the stage. Reached by\n{how}")
+
+
+def test_the_flow_runs_every_registered_stage_once() -> None:
+    # A stage module the flow does not name would never run; a name without a module fails every run.
+    from flows.pipeline import ORDER
+
+    assert sorted(ORDER) == registered_stages() and len(set(ORDER)) == len(ORDER)
 
 
 def test_the_trainers_row_reader_reads_a_tokenized_file_without_pandas(tmp_path: Path) -> None:

@@ -252,7 +252,7 @@ def test_the_evaluate_key_sees_every_file_a_task_reads(tmp_path: Path) -> None:
 
     from fulltune import stages
 
-    from pipelines_fixture import tiny_pipeline
+    from pipelines_fixture import evaluate_key, tiny_pipeline
 
     tasks = tmp_path / "tasks"
     tasks.mkdir()
@@ -268,7 +268,7 @@ def test_the_evaluate_key_sees_every_file_a_task_reads(tmp_path: Path) -> None:
                          register={"promote_if": {"metric": "eval_loss"}})
 
     def key() -> str:
-        return stages.evaluate_key(stages.resolve_pipeline(str(path), "tiny"), "trained", "data", None)
+        return evaluate_key(stages.resolve_pipeline(str(path), "tiny"), "trained", "data", None)
 
     keys = [key()]
     for name, text in [("base.yaml", "\ngeneration_kwargs: {until: ['\\n']}\n"),  # an included YAML
@@ -330,13 +330,50 @@ def test_each_eval_source_is_reported_beside_the_total(tmp_path: Path) -> None:
     options = EvalOptions(batch_size=2, generate_examples=5, max_new_tokens=2, device="cpu")
     both = evaluate_model(model_dir, tokenizer_dir, general + domain,
                           replace(options, sources=(("general", 3), ("domain", 4))), load_kwargs={})
-    alone = {"general": evaluate_model(model_dir, tokenizer_dir, general, options, load_kwargs={}),
-             "domain": evaluate_model(model_dir, tokenizer_dir, domain, replace(options, generate_examples=2),
-                                      load_kwargs={})}
+    alone = {name: evaluate_model(model_dir, tokenizer_dir, rows, options, load_kwargs={})
+             for name, rows in (("general", general), ("domain", domain))}
     values = both.as_dict()
     for name, metrics in alone.items():
         for metric in ("eval_loss", "perplexity", "bits_per_byte", "exact_match"):
             assert math.isclose(values[f"{metric}/{name}"], metrics.as_dict()[metric], rel_tol=1e-6), (name, metric)
     total = sum(m.eval_loss * m.eval_tokens for m in alone.values()) / sum(m.eval_tokens for m in alone.values())
-    assert math.isclose(both.eval_loss, total, rel_tol=1e-6) and both.generated_examples == 5
+    # Each source generates its own first 5 (all 3 and all 4), not the first 5 of the two together.
+    assert math.isclose(both.eval_loss, total, rel_tol=1e-6) and both.generated_examples == 7
+    assert both.samples == alone["general"].samples + alone["domain"].samples
     assert "eval_loss/general" in EvalReport({"fine_tuned": both}, 7).markdown()
+
+
+def test_the_report_names_the_gate_metric_and_says_when_there_is_no_champion() -> None:
+    from fulltune.spec import PromoteIf
+
+    def metrics(loss: float, accuracy: float) -> ModelMetrics:
+        return ModelMetrics(loss, math.exp(loss), 10, extra={"reversal_mc/acc": accuracy})
+
+    first = EvalReport({"base": metrics(2.0, 0.25), "fine_tuned": metrics(1.0, 0.5)}, 8)
+    text = first.markdown([PromoteIf(metric="reversal_mc/acc", mode="max")])
+    assert "**The gate reads reversal_mc/acc** (`register.promote_if`, higher is better): base 0.2500, " \
+           "fine-tuned 0.5000." in text
+    assert "**No champion yet**" in text
+    later = replace(first, candidates={**first.candidates, "champion": metrics(1.2, 0.75)}, champion_version="2",
+                    comparison=SAME_TOKENS, comparison_reason="the same tokens")
+    text = later.markdown()
+    assert "No champion yet" not in text and "**Champion version 2, measured on the same tokens" in text
+
+
+def test_each_source_generates_its_own_rows_with_a_completion(tmp_path: Path) -> None:
+    """A text source first and a prompt/completion source after it: the text rows (no completion, as chat rows)
+    are never generated for nor scored, the prompt/completion source's first rows are, and exact match is its
+    own."""
+    tokenizer_dir = make_tokenizer(tmp_path / "tok")
+    model_dir = make_model(tmp_path / "model", tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    texts = tokenize_records([{"text": f"{a}+1={a + 1}"} for a in range(3)], tokenizer,
+                             DATA.model_copy(update={"format": "text"}))
+    pairs = tokenize_records(additions(4, "add", seed=1), tokenizer, DATA)
+    options = EvalOptions(batch_size=2, generate_examples=2, max_new_tokens=2, device="cpu",
+                          sources=(("texts", 3), ("pairs", 4)))
+    both = evaluate_model(model_dir, tokenizer_dir, texts + pairs, options, load_kwargs={})
+    assert both.generated_examples == 2 and [s[1] for s in both.samples] == [r["completion"] for r in pairs[:2]]
+    values = both.as_dict()
+    assert "exact_match/texts" not in values and "eval_loss/texts" in values
+    assert values["exact_match/pairs"] == values["exact_match"] == both.exact_match

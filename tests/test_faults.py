@@ -229,7 +229,9 @@ def test_a_failed_registration_leaves_no_version_and_no_copy_of_the_model(tmp_pa
 def test_two_pipelines_sharing_a_workdir_never_share_an_evaluation_against_their_champions(tmp_path: Path) -> None:
     """The same weights and held-out data, each pipeline's own champion "version 1": the evaluations
     compare against different models, so their cache keys differ."""
-    from fulltune.stages import evaluate_key, resolve_pipeline
+    from fulltune.stages import resolve_pipeline
+
+    from pipelines_fixture import evaluate_key
 
     path = tiny_pipeline(tmp_path)
     config = yaml.safe_load(path.read_text())

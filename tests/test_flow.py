@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from pipelines_fixture import tiny_pipeline
 
@@ -26,9 +28,14 @@ def run(path: Path, **overrides):
                              pipelines_file=str(path))
 
 
-def versions(path: Path) -> list[str]:
-    from mlflow.tracking import MlflowClient
+def mlflow_run_of(path: Path, summary):
+    from fulltune.tracking import registry
 
+    registry.configure(path.parent / "work")
+    return MlflowClient().get_run(summary.mlflow_run_id)
+
+
+def versions(path: Path) -> list[str]:
     from fulltune.tracking import registry
 
     registry.configure(path.parent / "work")
@@ -46,12 +53,24 @@ def test_first_run_trains_evaluates_and_registers_champion(workspace):
     assert "exact_match" in summary.evaluation["fine_tuned"]
     model_dirs = list((workspace.parent / "work" / "runs").glob("*/model"))
     assert len(model_dirs) == 1 and (model_dirs[0] / "model.safetensors").is_file()
+    # What MLflow shows of the run: its outcome as its name, the tokenized data as its datasets, the plan's files.
+    mlflow_run = mlflow_run_of(workspace, summary)
+    assert mlflow_run.info.run_name == "tiny · v1 · champion"
+    datasets = {d.dataset.name: d.dataset for d in mlflow_run.inputs.dataset_inputs}
+    assert set(datasets) == {"tiny-train", "tiny-eval"}
+    profile = json.loads(datasets["tiny-train"].profile)
+    assert profile["rows"] > 0 and profile["tokens"] > profile["target tokens"] > 0
+    assert datasets["tiny-train"].digest == profile["fingerprint"][:12]
+    logged = {a.path for a in MlflowClient().list_artifacts(mlflow_run.info.run_id, "memory_plan")}
+    assert logged == {"memory_plan/memory_plan.txt", "memory_plan/memory_plan.json", "memory_plan/memory_plan.png"}
+    assert "trains.micro_batch_size" in mlflow_run.data.params and "eval/fine_tuned.eval_loss" in mlflow_run.data.metrics
 
 
 def test_unchanged_rerun_is_all_cached_and_registers_nothing(workspace):
     summary = run(workspace)
     assert summary.stages == {stage: "cached" for stage in ALL_STAGES}
     assert versions(workspace) == ["1"]
+    assert mlflow_run_of(workspace, summary).info.run_name == "tiny · v1 · nothing new registered"
 
 
 def test_changing_evaluation_reruns_only_evaluate_and_register(workspace):
@@ -135,8 +154,6 @@ def test_worse_model_becomes_challenger_not_champion(workspace, monkeypatch):
 def test_a_list_of_weighted_sources_trains_and_registers(workspace):
     """data.train as a list (a reference and a weighted mapping, relative to the pipelines file) runs
     every stage; the registered description names both sources."""
-    from mlflow.tracking import MlflowClient
-
     from pipelines_fixture import write_addition_data
 
     write_addition_data(workspace.parent / "more.jsonl", 16, seed=2)

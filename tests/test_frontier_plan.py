@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import transformers
 
-from fulltune.memory import PlanRequest, Settings, estimate_memory, format_plan_table
+from fulltune.memory import PlanRequest, Settings, estimate_memory, format_bytes, format_plan_table
 from fulltune.planning import plan_memory, simulate_memory
 from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.shapes import model_shape
@@ -201,6 +201,10 @@ def test_llama3_70b_fits_8_gpus_of_24_or_40gib_with_fsdp_cpu_offload_and_1tib_of
     assert plan.estimated_step_seconds > 0
     text = format_plan_table(plan)
     assert "host RAM per machine" in text and "FSDP's CPU offload" in text and "estimated step time" in text
+    # The summary and the reasons name the one figure the same way: the machine's, not each process's.
+    figure = format_bytes(host)
+    assert f"host RAM for the offloaded tensors: {figure} per machine" in text
+    assert f"host RAM per machine: {figure}" in text and f"{figure} per process" not in text
     data = plan.to_dict()["plan"]
     assert data["offload_optimizer"] is True and data["host_bytes"] == host
 
@@ -377,3 +381,12 @@ def test_a_gpu_plan_made_without_a_gpu_says_what_host_memory_auto_assumed(tmp_pa
     reasons = json.loads(capsys.readouterr().out)["reasons"]
     assert any("host_memory is auto and this machine has no GPU" in r and "set budget.host_memory" in r
                for r in reasons), reasons
+
+
+def test_the_alternatives_name_each_settings_once():
+    # The search's stages reach some settings twice (8B on 48 GiB: one of the three that do not fit).
+    plan = plan_memory(LLAMA_8B, gpu_request(budget_bytes=48 * GiB, seq_len=2048))
+    settings = [{k: v for k, v in alt.items() if k != "rejected_because"} for alt in plan.alternatives]
+    assert len(settings) > 1 and all(a != b for i, a in enumerate(settings) for b in settings[i + 1:])
+    lines = format_plan_table(plan).split("alternatives:\n")[1].splitlines()
+    assert len(lines) == len(set(lines)) == min(len(settings), 5)  # the table shows the first five

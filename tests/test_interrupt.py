@@ -38,7 +38,8 @@ NOISE = ("Disassembly of", "LOAD_FAST", "RETURN_VALUE", "Removed shared tensor",
 def interrupted(tmp_path_factory: pytest.TempPathFactory, prefect_server) -> dict:
     """Start a run (with its own temporary Prefect server, as `make demo` does), Ctrl-C it once step-2 is
     written, then rerun it (on the session's Prefect API: the temporary server's full run and its rerun are
-    tests/test_rerun.py's): what each did."""
+    tests/test_rerun.py's): what each did. Between the two the pipeline's checkpoint cadence, non-finite-step limit and
+    token variable change, none of which changes the weights."""
     import psutil
 
     root = tmp_path_factory.mktemp("interrupt")
@@ -56,6 +57,10 @@ def interrupted(tmp_path_factory: pytest.TempPathFactory, prefect_server) -> dic
         os.killpg(run.pid, signal.SIGKILL)
         pytest.fail(f"still running {EXIT_WITHIN_S} s after Ctrl-C:\n{first_log.read_text()[-12000:]}")
     _, alive = psutil.wait_procs(processes, timeout=30)
+    # Between the runs the user changes what the weights do not depend on: the checkpoint cadence, the
+    # non-finite-step limit, the name of the token variable. The rerun still resumes from step 2.
+    tiny_pipeline(root, train={**TRAIN, "checkpoint_every_steps": 1, "max_nonfinite_steps": 9},
+                  model={"token_env": "FULLTUNE_TEST_HUB_TOKEN"})
     rerun = fulltune_run(pipelines, rerun_log, prefect_server)
     rerun_code = rerun.wait(timeout=900)
     return {"code": code, "output": first_log.read_text(), "left_running": alive, "rerun_code": rerun_code,

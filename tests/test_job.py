@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fulltune import spec
+from fulltune import levers, spec
 from fulltune.runtime import launch
 from fulltune.degrees import ParallelDims
 from fulltune.errors import ConfigError
@@ -53,7 +53,7 @@ def test_the_job_holds_the_plan_and_the_spec_sections(pipeline) -> None:
     assert job.plan == planned()
     assert (job.train.learning_rate, job.train.seed, job.train.compile, job.train.max_steps) == (1e-3, 7, True, 6)
     assert job.model == pipeline.model
-    assert job.distributed.model_dump() == pipeline.distributed.model_dump(exclude={"tensor_parallel"})
+    assert job.distributed.model_dump() == pipeline.distributed.model_dump(exclude=set(launch.PLANNED_DISTRIBUTED_KEYS))
     assert (job.paths.model_path, job.paths.output_dir, job.tracking.mlflow_run_id) == ("/base", "/runs/k", "r1")
     # The spec says `optimizer: auto`; the job's train section has no such key, so only the plan can answer.
     assert pipeline.train.optimizer == "auto" and not hasattr(job.train, "optimizer")
@@ -65,7 +65,7 @@ def test_the_tensor_parallel_degree_is_carried_once_the_one_the_plan_chose(tmp_p
     pipeline = resolve_pipeline(str(path), "tiny").spec
     job = build(pipeline, planned(strategy="fsdp", num_processes=4, tensor_parallel=2, optimizer="adamw",
                                   chunked_loss=False, gradient_accumulation_steps=2))
-    assert job.dims == ParallelDims(world_size=4, tp=2) and job.dims.dp == 2
+    assert job.dims == ParallelDims(world_size=4, tp=2, strategy="fsdp") and job.dims.dp == 2
     assert job.to_json().count('"tensor_parallel"') == 1  # the plan's; the distributed section has none
     assert TrainJob.from_json(job.to_json()).dims == job.dims
 
@@ -125,6 +125,10 @@ def attributes_read(section: str) -> set[str]:
 def test_every_planner_setting_is_read_from_the_plan_or_declared_plan_only() -> None:
     settings = {f.name for f in fields(Settings)}
     read = attributes_read("plan")
+    # Checkpointing and the model-side levers are read by apply_model_levers (fulltune/runtime/checkpointing.py),
+    # which the child hands its whole plan.
+    assert "apply_model_levers(model, job.plan)" in (ROOT / "fulltune/runtime/train.py").read_text()
+    read |= {"gradient_checkpointing"} | {lever.name for lever in levers.TABLE if lever.apply}
     echoes = set(launch.PLAN_ECHOES)
     # A new planner setting must be read by the child or declared plan-only, not silently dropped.
     assert settings - read - echoes == set(launch.PLAN_ONLY_SETTINGS)

@@ -22,6 +22,7 @@ import pytest
 from fulltune import levers
 from fulltune.runtime import optim
 from fulltune.errors import ConfigError
+from fulltune.optimizers import OPTIMIZERS, OPTIMIZERS_BY_NAME
 from fulltune.runtime.launch import job_with
 from fulltune.pipelines_file import validate_pipelines
 from test_train import build_model, counting_rows, write_rows
@@ -30,7 +31,6 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "lever_table_worker.py"
-OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adafactor")
 STRATEGIES = {"none": 1, "ddp": 2, "fsdp": 2}
 # Pipeline stages (1F1B): (strategy, processes, stages) — 2 stages alone, and 2 stages beside 2 data-parallel
 # processes sharded (fsdp) or replicated (ddp).
@@ -59,8 +59,8 @@ def schedule_of(on: dict[str, bool]) -> str:
     return "gpipe" if on["pure_bf16"] else "1f1b"
 
 
-def validate(on: dict[str, bool], optimizer: str, strategy: str) -> str | None:
-    """None when the pipelines file validates; else the error message."""
+def validate(on: dict[str, bool], optimizer: str, strategy: str, **train: str) -> str | None:
+    """None when the pipelines file validates (`train`: more keys of its train section); else the error message."""
     micro, accumulation = batch_of(on, strategy)
     name, processes, stages = layout_of(strategy)
     schedule = {"pipeline_schedule": schedule_of(on)} if stages > 1 else {}
@@ -68,7 +68,7 @@ def validate(on: dict[str, bool], optimizer: str, strategy: str) -> str | None:
         "model": {"name_or_path": "local/model"}, "data": {"train": "train.jsonl"}, "budget": {"device": "cpu"},
         "train": {"effective_batch_size": EFFECTIVE_BATCH, "micro_batch_size": micro,
                   "gradient_accumulation_steps": accumulation, "gradient_checkpointing": True,
-                  "mixed_precision": "bf16", "optimizer": optimizer, **on},
+                  "mixed_precision": "bf16", "optimizer": optimizer, **on, **train},
         "distributed": {"strategy": name, "num_processes": processes, "pipeline_parallel": stages, **schedule}}}}
     try:
         validate_pipelines(raw)
@@ -85,14 +85,15 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"model": root / "model", "data": root / "train.parquet", "root": root}
 
 
-def job_text(assets: dict[str, Path], on: dict[str, bool], optimizer: str, strategy: str, index: int) -> str:
+def job_text(assets: dict[str, Path], on: dict[str, bool], optimizer: str, strategy: str, index: int,
+             **plan: str) -> str:
     micro, accumulation = batch_of(on, strategy)
     name, processes, stages = layout_of(strategy)
     job = job_with(str(assets["model"]), str(assets["data"]), str(assets["root"] / "runs" / strategy / str(index)),
                    micro_batch_size=micro, gradient_accumulation_steps=accumulation, gradient_checkpointing=2,
                    mixed_precision="bf16", optimizer=optimizer, strategy=name, num_processes=processes,
                    pipeline_parallel=stages, max_steps=2, checkpoint_every_steps=0, learning_rate=1e-2,
-                   warmup_ratio=0.0, **({"pipeline_schedule": schedule_of(on)} if stages > 1 else {}), **on)
+                   warmup_ratio=0.0, **({"pipeline_schedule": schedule_of(on)} if stages > 1 else {}), **on, **plan)
     return job.to_json()
 
 
@@ -132,13 +133,14 @@ def accepted_by_validate(layouts: tuple[str, ...]) -> dict[str, list[tuple[dict[
 
 def train_accepted(assets: dict[str, Path], accepted: dict[str, list]) -> list[str]:
     """Two optimizer steps of each accepted combination, one process or torchrun group per layout; what did
-    not train."""
+    not train. A combination is (levers, optimizer) or (levers, optimizer, more of the plan)."""
     failures = []
     for layout, combos in accepted.items():
-        texts = [job_text(assets, on, optimizer, layout, i) for i, (on, optimizer) in enumerate(combos)]
+        combos = [combo if len(combo) == 3 else (*combo, {}) for combo in combos]
+        texts = [job_text(assets, on, optimizer, layout, i, **plan) for i, (on, optimizer, plan) in enumerate(combos)]
         results = train_all(assets, texts, layout_of(layout)[1], layout.replace(" ", ""))
-        for (on, optimizer), result in zip(combos, results):
-            label = f"{layout} {optimizer} {[name for name, value in on.items() if value]}"
+        for (on, optimizer, plan), result in zip(combos, results):
+            label = f"{layout} {optimizer} {[name for name, value in on.items() if value]} {plan or ''}"
             if "error" in result:
                 failures.append(f"{label}: {result['error']}")
             elif not (all(loss == loss and loss < 1e4 for loss in result["losses"]) and result["moved"]):
@@ -148,25 +150,64 @@ def train_accepted(assets: dict[str, Path], accepted: dict[str, list]) -> list[s
     return failures
 
 
+def compensations_accepted_by_validate() -> list[tuple[dict[str, bool], str, dict[str, str]]]:
+    """`train.compensation` with pure bf16 weights on one process, validated for every optimizer: the accepted
+    (levers, optimizer, {"compensation": ...}); a refused one names the pipeline and train.compensation or
+    train.optimizer (4-bit states without torchao)."""
+    on = {**dict.fromkeys(levers.LEVERS, False), "pure_bf16": True}
+    accepted = []
+    for optimizer in OPTIMIZERS:
+        for compensation in ("kahan", "stochastic", "none"):
+            problem = validate(on, optimizer, "none", compensation=compensation)
+            if problem is None:
+                accepted.append((on, optimizer, {"compensation": compensation}))
+            else:
+                assert "pipelines.t" in problem and ("train.compensation" in problem or "train.optimizer" in problem)
+    return accepted
+
+
 def test_every_lever_optimizer_strategy_combination_is_refused_by_validate_or_trains(assets) -> None:
     accepted = accepted_by_validate(tuple(STRATEGIES))
     # What can train on a CPU device (no FSDP CPU offload): on one process 24 of the 32 lever sets (all but the
-    # step in backward with the optimizer offload) with every optimizer (4-bit states only with torchao
-    # installed); under DDP the 8 sets without those two; under FSDP, with adamw and adafactor, the 16 sets of
-    # the chunked head, pure bf16, the step in backward and offloaded activations.
+    # step in backward with the optimizer offload) with every AdamW-family optimizer and adafactor (4-bit states
+    # only with torchao installed), and muon in the 16 sets without the optimizer offload; under DDP the 8 sets
+    # without those two; under FSDP, with adamw, adafactor and muon, the 16 sets of the chunked head, pure bf16,
+    # the step in backward and offloaded activations.
     optimizers = 3 + optim.torchao_available()
     counts = {strategy: len(combos) for strategy, combos in accepted.items()}
-    assert counts == {"none": 24 * optimizers, "ddp": 8 * optimizers, "fsdp": 16 * 2}, counts
+    assert counts == {"none": 24 * optimizers + 16, "ddp": 8 * (optimizers + 1), "fsdp": 16 * 3}, counts
+    # With them, in the same process: pure bf16's compensations other than each optimizer's default (which the
+    # lever sets above train), as `test_every_compensation_...` finds validate accepts them.
+    accepted["none"] += [(on, optimizer, plan) for on, optimizer, plan in compensations_accepted_by_validate()
+                         if plan["compensation"] != OPTIMIZERS_BY_NAME[optimizer].default_compensation]
     assert train_accepted(assets, accepted) == []
 
 
-def test_a_refused_combination_exits_2_from_fulltune_validate_naming_its_fields(tmp_path: Path) -> None:
+def test_every_compensation_with_every_optimizer_is_refused_by_validate_or_accepted() -> None:
+    """`train.compensation` with pure bf16 weights: validate accepts what each optimizer's record offers
+    (stochastic rounding only with torchao installed) and refuses the rest, naming train.compensation; the
+    accepted ones train in `test_every_lever_optimizer_strategy_...`."""
+    accepted = {(optimizer, plan["compensation"]) for _, optimizer, plan in compensations_accepted_by_validate()}
+    expected = {("adamw", "kahan"), ("adamw", "none"), ("adamw_8bit", "none"), ("adafactor", "none"), ("muon", "none")}
+    if optim.torchao_available():
+        expected |= {("adamw", "stochastic"), ("adamw_8bit", "stochastic"), ("adamw_4bit", "stochastic"),
+                     ("adamw_4bit", "none")}
+    assert accepted == expected
+
+
+@pytest.mark.parametrize(("settings", "named"), [
+    (("train.optimizer_in_backward=true", "distributed.strategy=ddp", "distributed.num_processes=2"),
+     "train.optimizer_in_backward with distributed.strategy"),
+    (("train.pure_bf16=true", "train.optimizer=adafactor", "train.compensation=kahan"),
+     "train.compensation with train.optimizer: adafactor offers none with pure bf16 weights"),
+], ids=["step_in_backward_under_ddp", "a_compensation_the_optimizer_does_not_offer"])
+def test_a_refused_combination_exits_2_from_fulltune_validate_naming_its_fields(settings: tuple[str, ...],
+                                                                               named: str) -> None:
     command = [sys.executable, "-m", "fulltune.cli", "validate", str(ROOT / "pipelines.yaml"),
-               "--set", "train.optimizer_in_backward=true", "--set", "distributed.strategy=ddp",
-               "--set", "distributed.num_processes=2"]
+               *(arg for setting in settings for arg in ("--set", setting))]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 2, result.stderr
-    assert "train.optimizer_in_backward with distributed.strategy" in result.stderr
+    assert named in result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -202,11 +243,11 @@ def test_every_lever_and_optimizer_with_two_pipeline_stages_is_refused_by_valida
     fields. The combinations beside data
     parallel are validated here and trained by the `heavy` test below (4 processes)."""
     accepted = accepted_by_validate(tuple(STAGED))
-    optimizers = 3 + optim.torchao_available()
+    optimizers = 4 + optim.torchao_available()
     counts = {layout: len(combos) for layout, combos in accepted.items()}
     # Beside data parallel the chunked head is refused, and the stages' DTensors (FSDP2 shards, DDP replicas) take
-    # adamw and adafactor only.
-    assert counts == {"pp2": 4 * optimizers, "pp2 x fsdp2": 2 * 2, "pp2 x ddp2": 2 * 2}, counts
+    # adamw, adafactor and muon only.
+    assert counts == {"pp2": 4 * optimizers, "pp2 x fsdp2": 2 * 3, "pp2 x ddp2": 2 * 3}, counts
     assert train_accepted(assets, {"pp2": accepted["pp2"]}) == []
 
 

@@ -249,6 +249,16 @@ def _state_nbytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(storages.values())
 
 
+def _param_shapes(model: torch.nn.Module):
+    """The model's parameters as its optimizer sees them: the decoder layers' 2-D weights apart."""
+    from fulltune.optimizers import ParamShapes
+    from fulltune.runtime.checkpointing import decoder_layers
+
+    hidden = {id(p) for layer in decoder_layers(model) for p in layer.parameters() if p.ndim == 2}
+    return ParamShapes(matrices=tuple(tuple(p.shape) for p in model.parameters() if id(p) in hidden),
+                       others=tuple(tuple(p.shape) for p in model.parameters() if id(p) not in hidden))
+
+
 def _stepped(name: str, model: torch.nn.Module, **levers) -> torch.optim.Optimizer:
     optimizer = build_optimizer(model, name, lr=1e-3, **levers)
     for p in model.parameters():
@@ -257,22 +267,106 @@ def _stepped(name: str, model: torch.nn.Module, **levers) -> torch.optim.Optimiz
     return optimizer
 
 
-@pytest.mark.parametrize(("name", "pure_bf16", "fake"), [
-    ("adamw", False, False), ("adamw", True, False), ("adamw", True, True), ("adamw_8bit", False, False),
-    ("adamw_8bit", False, True), ("adamw_4bit", False, True), ("adamw_4bit", True, True), ("adafactor", False, False),
+@pytest.mark.parametrize(("name", "pure_bf16", "fake", "compensation"), [
+    ("adamw", False, False, "auto"), ("adamw", True, False, "auto"), ("adamw", True, True, "auto"),
+    ("adamw", True, False, "none"), ("adamw_8bit", False, False, "auto"), ("adamw_8bit", False, True, "auto"),
+    ("adamw_8bit", True, False, "none"), ("adamw_4bit", False, True, "auto"), ("adamw_4bit", True, True, "auto"),
+    ("adafactor", False, False, "auto"), ("muon", False, False, "auto"), ("muon", True, False, "auto"),
+    ("muon", True, True, "auto"),
 ])
-def test_optimizer_state_bytes_are_what_the_optimizer_allocates(name: str, pure_bf16: bool, fake: bool) -> None:
+def test_optimizer_state_bytes_are_what_the_optimizer_allocates(name: str, pure_bf16: bool, fake: bool,
+                                                                compensation: str) -> None:
+    from fulltune.optimizers import optimizer
+
     model = _llama(hidden=64, tied=False)  # 64 × 97 and 128 × 64 matrices: both small and quantised tensors
     if pure_bf16:
         model = model.to(torch.bfloat16)
-    optimizer = _stepped(name, model, pure_bf16=pure_bf16, fake=fake)
-    shapes = [tuple(p.shape) for p in model.parameters()]
-    expected, _ = optimizer_state_bytes(name, shapes, 2 if pure_bf16 else 4, "kahan" if pure_bf16 and name == "adamw" else "none")
-    actual = _state_nbytes(optimizer)
-    if name == "adamw" and pure_bf16 and not fake:
-        actual += 4 * len(shapes)  # torch-optimi counts steps per group, the model counts a step per tensor
+    optimizer_ = _stepped(name, model, pure_bf16=pure_bf16, fake=fake, compensation=compensation)
+    shapes = _param_shapes(model)
+    runs = optimizer(name).default_compensation if pure_bf16 and compensation == "auto" else compensation
+    expected, _ = optimizer_state_bytes(name, shapes, 2 if pure_bf16 else 4, runs if pure_bf16 else "none")
+    actual = _state_nbytes(optimizer_)
+    if name == "adamw" and runs == "kahan" and not fake:
+        actual += 4 * len(shapes.all)  # torch-optimi counts steps per group, the model counts a step per tensor
     # torch AdamW's step, Adafactor's RMS/step: 0-d tensors whose storage rounds to one element.
     assert actual == expected
+
+
+def test_the_plan_says_which_compensation_runs_and_what_it_costs() -> None:
+    # torchtune's pure-bf16 recipe (plain rounding, bf16 states: 2 + 2 + 4 B/param with AdamW) against the Kahan
+    # buffer `auto` gives adamw (+2 B/param).
+    from transformers import LlamaConfig
+
+    from fulltune.memory import PlanRequest
+    from fulltune.memory.shapes import model_shape
+    from fulltune.planning import plan_memory
+
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    plans = {compensation: plan_memory(config, PlanRequest(
+        effective_batch_size=4, seq_len=64, device="cuda", bf16_supported=True, budget_bytes=8 * 2**30,
+        mixed_precision="bf16", optimizer="adamw", pure_bf16=True, compensation=compensation))
+        for compensation in ("auto", "none")}
+    kahan, plain = plans["auto"], plans["none"]
+    assert kahan.to_dict()["plan"]["compensation"] == "kahan" and plain.to_dict()["plan"]["compensation"] == "none"
+    params = model_shape(config).num_params
+    states = {name: plan.plan_estimate.breakdown["optimizer_states"] for name, plan in plans.items()}
+    assert states["none"] == 2 * 2 * params + 4 * len(model_shape(config).param_shapes)  # bf16 exp_avg, exp_avg_sq
+    assert states["auto"] - states["none"] == 2 * params  # the bf16 Kahan buffer
+    line = next(r for r in kahan.reasons if r.startswith("compensation kahan (train.compensation auto): "))
+    assert "Kahan summation" in line and "against none (plain rounding): " in line
+    assert any(r.startswith("compensation none (train.compensation): plain rounding") for r in plain.reasons)
+
+
+def test_muon_steps_the_decoder_matrices_and_adamw_the_rest_and_resumes_from_its_state_dict() -> None:
+    # The split the memory model counts (ModelShape.optimizer_shapes) is the one the builder makes; a
+    # state_dict round trip through a fresh optimizer gives the weights of the run that never stopped.
+    from transformers import LlamaConfig
+
+    from fulltune.memory.shapes import model_shape
+    from fulltune.runtime.optim import SplitOptimizer
+
+    model = _llama(hidden=64, tied=False)
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    counted, built = model_shape(config).optimizer_shapes, _param_shapes(model)
+    assert sorted(counted.matrices) == sorted(built.matrices) and sorted(counted.others) == sorted(built.others)
+    optimizer = build_optimizer(model, "muon", lr=1e-3, weight_decay=0.01)
+    assert isinstance(optimizer, SplitOptimizer)
+    muon, adamw = optimizer.parts
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert {id(p) for g in muon.param_groups for p in g["params"]} == {
+        id(p) for name, p in model.named_parameters() if ".layers." in name and p.ndim == 2}
+    _train(model, optimizer, 3)
+    resumed, saved = copy.deepcopy(model), copy.deepcopy(optimizer.state_dict())
+    _train(model, optimizer, 2, start=3)
+    again = build_optimizer(resumed, "muon", lr=1e-3, weight_decay=0.01)
+    again.load_state_dict(saved)
+    assert again.parts[0].state is again.state and again.parts[1].param_groups[0] is again.param_groups[1]
+    _train(resumed, again, 2, start=3)
+    _assert_same_weights(model, resumed)
+
+
+def test_the_plan_says_muons_split_and_auto_never_chooses_it() -> None:
+    from transformers import LlamaConfig
+
+    from fulltune.memory import PlanRequest
+    from fulltune.planning import plan_memory
+
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    request = PlanRequest(effective_batch_size=4, seq_len=64, device="cuda", bf16_supported=True,
+                          budget_bytes=2**30, optimizer="muon")
+    plan = plan_memory(config, request)
+    line = next(r for r in plan.reasons if r.startswith("optimizer muon (torch Muon for the decoder layers' "))
+    # 2 layers × 7 matrices: q, k, v, o (64 × 64, 32 × 64 twice, 64 × 64) and the MLP's three (128 × 64).
+    assert "the decoder layers' 14 2-D matrices: 73,728 parameters, 288 KiB of states" in line
+    assert "the embeddings, output head, norms and biases: 12,736 parameters" in line
+    # optimizer: auto on a budget only the smallest states fit: never muon, even where its states are the least.
+    tight = plan_memory(config, PlanRequest(effective_batch_size=4, seq_len=64, device="cuda", bf16_supported=True,
+                                            budget_bytes=2**30, optimizer=None))
+    assert tight.settings.optimizer != "muon"
+    assert all(a["optimizer"] != "muon" for a in tight.alternatives)
 
 
 def test_gradient_and_host_bytes_follow_the_levers() -> None:
@@ -299,6 +393,77 @@ def test_levers_run_under_the_memory_trace() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+# The lever records (fulltune/levers.py)
+
+
+def test_every_lever_record_says_what_it_does_and_what_it_costs() -> None:
+    # A lever without a sentence or a cost fails here: not a KeyError in the plan's reasons, nor a lever the
+    # step-time model ranks as free because nothing was written for it.
+    import dataclasses
+    import importlib
+
+    from transformers import LlamaConfig
+
+    from fulltune import levers, spec
+    from fulltune.memory.errors import MemoryConfigError
+    from fulltune.memory.shapes import model_shape
+    from fulltune.memory.types import PlanRequest, Settings
+    from fulltune.planning.step_time import StepCosts, lever_seconds
+
+    shape = model_shape(LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2))
+    for lever in levers.TABLE:
+        assert lever.description and spec.TrainSpec.model_fields[lever.name].description == lever.description
+        seen = 0
+        for device, strategy, processes in (("cuda", "none", 1), ("cuda", "fsdp", 2), ("cpu", "none", 1)):
+            try:
+                settings = Settings(micro_batch_size=2, seq_len=64, gradient_checkpointing=2, mixed_precision="bf16",
+                                    device=device, strategy=strategy, num_processes=processes, **{lever.name: True})
+            except MemoryConfigError:
+                continue  # a combination the lever table refuses
+            seen += 1
+            sentence = lever.sentence(settings)
+            assert isinstance(sentence, str) and sentence, lever.name
+            seconds = lever.cost(settings, StepCosts(shape, settings))
+            if isinstance(lever.cost, levers.NoAddedTime):
+                assert lever.cost.why and seconds == 0.0 and lever.name not in lever_seconds(shape, settings)
+            else:
+                if lever.auto is None:
+                    assert seconds > 0.0, lever.name  # a memory lever costs step time
+                else:  # a step-time lever (float8) saves some on a GPU (a negative cost), none counted on a CPU
+                    assert seconds < 0.0 if device == "cuda" else seconds <= 0.0, lever.name
+                assert lever_seconds(shape, settings)[lever.name] == seconds, lever.name
+        assert seen >= 2, lever.name
+        if lever.apply is not None:
+            module, function = lever.apply.split(":")
+            assert callable(getattr(importlib.import_module(module), function)), lever.apply
+    # The generated fields: every lever once, in the declared order, in the spec, the settings and the request.
+    for fields, default in ((spec.TrainSpec.model_fields, None), (dataclasses.fields(Settings), False),
+                            (dataclasses.fields(PlanRequest), None)):
+        names = [f if isinstance(f, str) else f.name for f in fields]
+        assert [n for n in names if n in levers.LEVERS] == list(levers.FIELD_ORDER)
+    assert Settings(micro_batch_size=1, seq_len=8).levers() == dict.fromkeys(levers.LEVERS, False)
+
+
+def test_the_model_side_levers_are_applied_by_one_function() -> None:
+    # The trainer (fulltune/runtime/train.py apply_levers) and the memory trace (planning/trace.py build_model)
+    # both call apply_model_levers: checkpointing, then bf16 weights, then the checkpointed inputs offloaded.
+    import functools
+
+    from fulltune.memory.types import Settings
+    from fulltune.runtime.checkpointing import apply_model_levers, decoder_layers
+
+    model = _llama()
+    settings = Settings(micro_batch_size=2, seq_len=12, gradient_checkpointing=1, mixed_precision="bf16",
+                        pure_bf16=True, offload_activations=True)
+    assert apply_model_levers(model, settings) == 1
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    first, second = decoder_layers(model)
+    assert first.gradient_checkpointing and not second.gradient_checkpointing
+    assert isinstance(first._gradient_checkpointing_func, functools.partial)  # the offload hooks around it
+
+
+# ---------------------------------------------------------------------------------------------------
 # Settings that cannot work, and 4-bit states
 
 
@@ -317,6 +482,8 @@ def test_impossible_lever_combinations_are_refused(levers: dict, message: str) -
 def test_4bit_states_without_torchao_say_what_to_install() -> None:
     with pytest.raises(ValueError, match=r"fulltune\[lowbit\]"):
         build_optimizer(_llama(), "adamw_4bit")
+    with pytest.raises(ValueError, match=r"fulltune\[lowbit\]"):  # stochastic rounding is torchao's too
+        build_optimizer(_llama(dtype=torch.bfloat16), "adamw", pure_bf16=True, compensation="stochastic")
 
 
 @pytest.mark.slow

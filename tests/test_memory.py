@@ -420,6 +420,55 @@ def test_format_plan_table_and_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_picture_of_a_plan_far_below_its_budget_zooms_to_its_bars():
+    # The demo's size: the tiny model's bars against a 23.5 GiB budget would be a grey sliver at the budget's scale.
+    from fulltune.memory.report import ZOOM_BELOW, breakdown_chart
+
+    plan = plan_memory(tiny_llama(), request(device="cpu", bf16_supported=False, seq_len=64,
+                                             budget_bytes=int(23.5 * GiB)))
+    chart = breakdown_chart(plan)
+    tallest = max(sum(value for _, value in parts) for _, parts in chart.bars)
+    assert tallest < ZOOM_BELOW * plan.budget_bytes
+    assert chart.top_bytes < 2 * tallest and chart.lines == () and chart.unit[0] == "MiB"
+    assert "23.5 GiB" in chart.note and "far above" in chart.note
+    assert [heading for heading, _ in chart.bars] == ["configured", "plan"]
+
+
+def test_the_picture_of_an_8b_plan_shows_the_budget_and_cuts_the_configured_bar():
+    from fulltune.memory.report import breakdown_chart
+
+    llama_8b = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+    plan = plan_memory(llama_8b, request(effective_batch_size=8, seq_len=2048, budget_bytes=24 * GiB,
+                                         attention_mask=False, optimizer="adamw", host_memory_bytes=256 * GiB))
+    chart = breakdown_chart(plan)
+    totals = {heading: sum(value for _, value in parts) for heading, parts in chart.bars}
+    assert chart.note == "" and [label for label, _ in chart.lines] == ["budget", "budget − headroom"]
+    assert totals["plan"] < chart.top_bytes < totals["configured"], "the plan's bar whole, the configured one cut"
+    assert chart.top_bytes >= 24 * GiB and chart.unit[0] == "GiB"
+
+
+def test_after_autotune_the_plan_shows_what_trains_beside_the_analytic_plan(tmp_path):
+    from fulltune.memory import estimate_memory
+    from fulltune.memory.report import Trained, breakdown_chart
+
+    plan = plan_memory(small_llama(), request(budget_bytes=2 * GiB))
+    tuned = replace(plan.settings, micro_batch_size=plan.settings.micro_batch_size // 2,
+                    gradient_accumulation_steps=plan.settings.gradient_accumulation_steps * 2)
+    trained = Trained(tuned, estimate_memory(small_llama(), tuned), "autotune measured 0.41 s a step")
+    text = format_plan_table(plan, trained)
+    heading = text.splitlines()[2].split("|")
+    assert [cell.strip() for cell in heading[2:5]] == ["configured", "analytic plan", "trains (autotune)"]
+    assert f"trains (autotune): micro_batch_size={tuned.micro_batch_size} " in text
+    assert "autotune measured 0.41 s a step" in text
+    assert f"analytic plan: micro_batch_size={plan.settings.micro_batch_size} " in text
+    assert "\nplan: " not in text
+    assert "estimated step time of the analytic plan (ranking model, predicted, not measured)" in text
+    assert [heading for heading, _ in breakdown_chart(plan, trained).bars] == \
+        ["configured", "analytic plan", "trains (autotune)"]
+    assert render_breakdown_png(plan, tmp_path / "tuned.png", trained).read_bytes()[:4] == b"\x89PNG"
+
+
 # --- gradient checkpointing helper ----------------------------------------------------------------
 
 

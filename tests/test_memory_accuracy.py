@@ -93,6 +93,38 @@ CASES = [
         ),
         Settings(micro_batch_size=2, seq_len=128, attention_mask=False, document_length=40),
     ),
+    (
+        # torchtune's pure-bf16 recipe: bf16 weights, gradients and AdamW states, plain rounding
+        # (train.compensation none: 2 + 2 + 4 B/param).
+        "llama-pure-bf16-plain-rounding",
+        transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=3000,
+        ),
+        Settings(micro_batch_size=2, seq_len=64, mixed_precision="bf16", pure_bf16=True, compensation="none",
+                 attention_mask=False),
+    ),
+    (
+        # Muon on the decoder matrices, AdamW on the rest: the optimizer step is the peak (wide matrices, a small
+        # vocabulary and batch), its one momentum buffer per matrix beside the largest matrix's Newton–Schulz
+        # temporaries.
+        "llama-muon-the-step-is-the-peak",
+        transformers.LlamaConfig(
+            hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=64, tie_word_embeddings=False,
+        ),
+        Settings(micro_batch_size=1, seq_len=16, optimizer="muon", attention_mask=False),
+    ),
+    (
+        # Muon with pure bf16 weights, stepped in backward (each matrix's orthogonalisation in its hook).
+        "llama-muon-pure-bf16-in-backward",
+        transformers.LlamaConfig(
+            hidden_size=128, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=500, tie_word_embeddings=False,
+        ),
+        Settings(micro_batch_size=2, seq_len=32, mixed_precision="bf16", optimizer="muon", pure_bf16=True,
+                 optimizer_in_backward=True, attention_mask=False),
+    ),
     *(
         # The chunked head the step's peak: one tile, and three vocabulary slices (each tile after the first
         # beside the previous tile's gradient); fp32 and bf16 autocast. Counted as 12 and 10 bytes a tile entry,

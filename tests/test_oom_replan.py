@@ -60,12 +60,17 @@ def fake_training(ooms: int, jobs: list):
 def run_finetune(p, data, tokenizer, decision, run_id):
     from prefect import flow
 
-    from tasks.finetune import finetune_task
+    from fulltune.stages import MEMORY_BUDGET, TOKENIZE, finetune
+    from fulltune.stages.runner import Inputs
+    from fulltune.stages.tokenize import Tokenized
+    from tasks.stage_task import stage_task
+
+    inputs = Inputs(p, records={TOKENIZE: Tokenized(data, tokenizer), MEMORY_BUDGET: decision},
+                    mlflow_uri=registry.tracking_uri(p.workdir), mlflow_run_id=run_id)
 
     @flow
     def only_finetune():
-        return finetune_task.with_options(refresh_cache=True, retries=0)(
-            p, "oom-test", data, tokenizer, decision, registry.tracking_uri(p.workdir), run_id)
+        return stage_task(finetune.STAGE).with_options(refresh_cache=True, retries=0)(inputs, "oom-test")
 
     return only_finetune()
 

@@ -17,7 +17,7 @@ from fulltune.memory.pipeline import bubble_fraction
 from fulltune.planning.pipeline import estimate_pipeline
 from fulltune.planning.step_time import pipeline_step_seconds
 from fulltune.memory.shapes import model_shape
-from fulltune.planning.rank_memory import pipeline_against_estimate
+from measuring.rank_memory import pipeline_against_estimate
 
 from pipelines_fixture import TINY_LLAMA, tiny_pipeline
 

@@ -171,7 +171,7 @@ def test_device_check_dry_run_writes_its_report(tmp_path):
     levers_run = variants["planner_levers"]
     assert {k: levers_run["settings"][k] for k in ("optimizer", "pure_bf16", "chunked_loss", "gradient_checkpointing")} \
         == {"optimizer": "adafactor", "pure_bf16": True, "chunked_loss": True, "gradient_checkpointing": 22}
-    assert levers_run["dry_run"]["measured"]["optimizer"] == "GatheredAdafactor"
+    assert levers_run["dry_run"]["measured"]["optimizer"] == "GatheredOptimizer"
     assert levers_run["dry_run"]["measured"]["checkpointed_layers"] == 3
     assert variants["adamw"]["settings"]["optimizer"] == "adamw" and variants["adamw"]["settings"]["gradient_checkpointing"] == 0
     assert "Parameters in host RAM" in result.stdout and "OFFLOAD_OVERLAP, implied" in result.stdout

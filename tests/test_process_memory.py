@@ -15,7 +15,7 @@ from fulltune.memory import Settings, estimate_memory
 from fulltune.memory.process import CPU_LIBRARY_PAGES_SPREAD
 from fulltune.memory.process import EVALUATION, LOAD, STEP, TRAINING_PHASES
 from pipelines_fixture import TINY_LLAMA, tiny_pipeline
-import memory_runs
+from measuring import memory_runs
 
 MiB = 2**20
 

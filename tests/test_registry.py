@@ -27,6 +27,21 @@ def test_gate_never_promotes_a_model_worse_than_its_base():
     decision = decide_promotion({"eval_loss": 3.0}, None, {"eval_loss": 2.0}, "eval_loss", "min", 0.0, True)
     assert not decision.promote
     assert "base model" in decision.reason
+    # The version's label names the setting that refused it, not register.promote_if.
+    assert decision.rules == "`register.require_better_than_base`"
+    assert decide_promotion({"eval_loss": 1.0}, None, {"eval_loss": 2.0}, "eval_loss", "min", 0.0,
+                            True).rules == "`register.promote_if`"
+
+
+def test_a_registration_names_its_outcome_and_what_loads_it():
+    from fulltune.tracking.registry import Registration
+
+    first = Registration("m", "1", ("challenger",), False, "does not beat the base model", "run")
+    assert first.outcome() == "v1 · not promoted" and first.model_uri() == "models:/m/1", "no champion to load"
+    champion = Registration("m", "3", ("challenger", "champion"), True, "no champion yet", "run")
+    assert champion.outcome() == "v3 · champion" and champion.model_uri() == "models:/m@champion"
+    assert champion.outcome(cached=True) == "v3 · nothing new registered"
+    assert registry.run_name("demo", first.outcome()) == "demo · v1 · not promoted"
 
 
 def test_gate_keeps_a_champion_that_could_not_be_compared():
@@ -35,6 +50,7 @@ def test_gate_keeps_a_champion_that_could_not_be_compared():
                                 keep_champion="evaluate.compare_champion is false")
     assert not decision.promote
     assert decision.reason == "the champion keeps its alias: evaluate.compare_champion is false"
+    assert "evaluate.compare_champion" in decision.rules
 
 
 def test_gate_refuses_non_finite_metric():
@@ -168,3 +184,15 @@ def test_a_new_workdir_store_is_a_copy_of_the_machines_empty_one_and_opens_like_
 
     registry.configure(tmp_path / "second")  # an existing store is never replaced
     assert MlflowClient().get_run(run.info.run_id).data.metrics == {"loss": 1.5}
+
+
+def test_the_summary_loads_the_version_it_registered_where_it_holds_no_champion_alias():
+    from fulltune.tracking.summary import PipelineSummary
+
+    def load_line(aliases: tuple[str, ...]) -> str:
+        summary = PipelineSummary("p", {}, "", {}, {}, "m", "1", aliases, "champion" in aliases, "", "sqlite:///x", "r")
+        return summary.lines()[-1]
+
+    assert "load_model('models:/m@champion')" in load_line(("challenger", "champion"))
+    # A first version that was not promoted: there is no champion alias to load.
+    assert "load_model('models:/m/1')" in load_line(("challenger",))

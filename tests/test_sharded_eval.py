@@ -11,8 +11,9 @@ from typing import Any
 
 from fulltune.evaluation.evaluate import EvalOptions, ModelMetrics, evaluate_model
 
-# 7 rows in two sources of 4 and 3, loss batch 3 → 3 batches (3+1, 3) over 2 ranks; generation batch 2 over 5 rows
-# → 3 batches: rank 1 runs one batch fewer of each and pads it (the forwards of every rank must match under FSDP).
+# 7 rows in two sources of 4 and 3, loss batch 3 → 3 batches (3+1, 3) over 2 ranks; generation batch 2 over the first
+# 3 rows of each source → 3 batches: rank 1 runs one batch fewer of each and pads it (the forwards of every rank must
+# match under FSDP).
 PAIRS = [("12+35=", "47"), ("the cat ", "sat on the mat"), ("hello ", "world"), ("fine ", "tuning"),
          ("0123", "456789"), ("+-", "=*/"), ("the ", "mat")]
 
@@ -50,7 +51,7 @@ def test_two_sharded_processes_evaluate_like_one(tmp_path: Path) -> None:
               "fine_tuned": make_model(tmp_path / "tuned", tokenizer_dir, seed=1)}
     rows = _rows(tokenizer_dir)
     # Two data.eval sources: their metrics beside the totals (batches never span two sources).
-    options = EvalOptions(batch_size=3, generate_examples=5, max_new_tokens=4, device="cpu", generation_batch_size=2,
+    options = EvalOptions(batch_size=3, generate_examples=3, max_new_tokens=4, device="cpu", generation_batch_size=2,
                           sources=(("general", 4), ("domain", 3)))
     load = {"dtype": "fp32"}
     single = {name: evaluate_model(path, tokenizer_dir, rows, options, load_kwargs=load)
@@ -66,7 +67,7 @@ def test_two_sharded_processes_evaluate_like_one(tmp_path: Path) -> None:
         got = sharded[name]
         assert_same_metrics(got, want)
         assert got.eval_tokens == want.eval_tokens and got.target_bytes == want.target_bytes
-        assert got.samples == want.samples and got.generated_examples == 5
+        assert got.samples == want.samples and got.generated_examples == 6
         for source in ("general", "domain"):
             assert math.isclose(got.as_dict()[f"eval_loss/{source}"], want.as_dict()[f"eval_loss/{source}"],
                                 rel_tol=1e-5)
@@ -82,17 +83,22 @@ def check_fsdp_run_evaluation(workdir: Path, log: str) -> None:
     import mlflow
     import pyarrow.parquet as pq
 
+    from fulltune.evaluation.harness import Benchmarks
+    from fulltune.pipelines_file import get_pipeline, load_pipelines
+
     assert "fine_tuned: evaluating sharded over 2 processes (FSDP2)" in log
+    spec = get_pipeline(load_pipelines(workdir.parent / "pipelines.yaml"), "tiny")
     (model_dir,) = workdir.glob("runs/*/model")
     # The eval rows beside the rows it trained on (the plan may have tokenized the data both ways to choose packing).
     train_file = json.loads((model_dir.parent / "JOB.json").read_text())["paths"]["train_file"]
     rows = pq.read_table(Path(train_file).with_name("eval.parquet")).to_pylist()
     mlflow.set_tracking_uri(f"sqlite:///{workdir / 'mlflow.db'}")
     (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
-    logged = {key.removeprefix("fine_tuned."): value for key, value in run.data.metrics.items()
-              if key.startswith("fine_tuned.")}
-    # The pipeline's evaluate.* (tests/pipelines_fixture.py: batch 8, 4 generated examples of 3 new tokens), which
-    # its plan keeps on this machine; fp32, as it trained.
+    logged = {key.removeprefix("eval/fine_tuned."): value for key, value in run.data.metrics.items()
+              if key.startswith("eval/fine_tuned.")}
+    # The pipeline's evaluate.* (tests/pipelines_fixture.py: batch 8, 4 generated examples of 3 new tokens, and the
+    # demo's lm-evaluation-harness task, tests/runs.py), which its plan keeps on this machine; fp32, as it trained.
     single = evaluate_model(str(model_dir), str(model_dir), rows, EvalOptions(8, 4, 3, "cpu"),
-                            load_kwargs={"dtype": "fp32"})
+                            load_kwargs={"dtype": "fp32"}, benchmarks=Benchmarks.from_spec(spec, workdir.parent))
     assert_same_metrics(logged, single)
+    assert logged["reversal_mc/acc"] == single.extra["reversal_mc/acc"]

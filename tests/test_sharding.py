@@ -151,7 +151,7 @@ def test_the_export_streams_file_by_file_within_the_plans_host_figure(tmp_path: 
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from fulltune.memory import Settings
-    from fulltune.planning.rank_memory import measure_ranks
+    from measuring.rank_memory import measure_ranks
 
     settings = Settings(micro_batch_size=1, seq_len=1, strategy="fsdp", num_processes=2, device="cpu")
     measured = measure_ranks("export", EXPORT_SHAPE, settings, 2, out=str(tmp_path), shard_bytes=16 * 2**20,

@@ -142,7 +142,52 @@ def test_apply_overrides_creates_missing_sections():
     assert apply_overrides({}, ["budget.memory=4GiB"]) == {"budget": {"memory": "4GiB"}}
 
 
-def test_strategy_auto_is_accepted_and_none_stays_the_default():
-    assert validate_pipelines({"pipelines": {"a": MINIMAL}}).pipelines["a"].distributed.strategy == "none"
-    body = {**MINIMAL, "distributed": {"strategy": "auto", "num_processes": 2}}
-    assert validate_pipelines({"pipelines": {"a": body}}).pipelines["a"].distributed.strategy == "auto"
+def test_an_unset_strategy_is_auto_for_one_process_and_none_for_a_stage_per_process():
+    def strategy(**distributed) -> tuple[str, bool]:
+        d = validate_pipelines({"pipelines": {"a": {**MINIMAL, "distributed": distributed}}}).pipelines["a"].distributed
+        return d.strategy, d.strategy_unset
+
+    assert strategy() == ("auto", True)  # the plan chooses, as it chooses levers
+    assert strategy(strategy="none") == ("none", False)
+    assert strategy(num_processes=2, pipeline_parallel=2) == ("none", True)
+    assert strategy(strategy="auto", num_processes=2) == ("auto", False)
+    with pytest.raises(ConfigError, match="num_processes > 1 needs a strategy"):
+        strategy(num_processes=2)
+
+
+@pytest.mark.parametrize(("train", "named"), [
+    ({"compensation": "fast"}, "pipelines.a.train.compensation"),
+    ({"pure_bf16": False, "compensation": "none"}, "train.compensation is how pure_bf16's bf16 weights"),
+    ({"pure_bf16": True, "optimizer": "adafactor", "compensation": "kahan"},
+     "train.compensation with train.optimizer: adafactor offers none with pure bf16 weights"),
+    ({"pure_bf16": True, "offload_optimizer": True, "compensation": "kahan"},
+     "train.compensation with train.offload_optimizer: the offloaded optimizer steps fp32 masters"),
+])
+def test_a_compensation_the_optimizer_or_the_levers_cannot_run_is_refused_naming_its_fields(train, named):
+    # strategy none: left unset, one process plans as auto, which may still choose FSDP's CPU offload (bf16 shards
+    # stepped on the host, where a compensation applies).
+    body = {**MINIMAL, "train": {"effective_batch_size": 8, **train}, "distributed": {"strategy": "none"}}
+    with pytest.raises(ConfigError, match="pipelines.a.") as caught:
+        validate_pipelines({"pipelines": {"a": body}})
+    assert named in str(caught.value)
+
+
+def test_plain_rounding_and_kahan_are_accepted_with_pure_bf16_and_auto_follows_the_optimizer():
+    from fulltune import levers
+
+    for compensation in ("none", "kahan", "auto"):
+        spec = validate_pipelines({"pipelines": {"a": {**MINIMAL, "train": {
+            "pure_bf16": True, "compensation": compensation}}}}).pipelines["a"]
+        assert spec.train.compensation == compensation
+        assert levers.from_spec(spec).compensation == (None if compensation == "auto" else compensation)
+
+
+def test_stochastic_rounding_needs_torchao():
+    from fulltune.runtime.optim import torchao_available
+
+    raw = {"pipelines": {"a": {**MINIMAL, "train": {"pure_bf16": True, "compensation": "stochastic"}}}}
+    if torchao_available():
+        assert validate_pipelines(raw).pipelines["a"].train.compensation == "stochastic"
+        return
+    with pytest.raises(ConfigError, match=r"train.compensation: stochastic rounding needs torchao: pip install"):
+        validate_pipelines(raw)

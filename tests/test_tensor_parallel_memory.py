@@ -2,7 +2,7 @@
 
 The per-rank estimate against the peak each rank measures: torchrun starts the ranks (gloo, CPU) of TP 2 on 2
 processes and FSDP 2 × TP 2 on 4; each splits a tiny Llama with fulltune.runtime.parallel and runs two optimizer steps of
-the trainer's step under FSDPMemTracker (fulltune/planning/rank_memory.py; benchmarks/tensor_parallel_memory.py
+the trainer's step under FSDPMemTracker (measuring/rank_memory.py; benchmarks/tensor_parallel_memory.py
 runs the full grid, in BENCHMARKS.md). `estimate_memory(..., Settings(strategy="fsdp", num_processes=N, tensor_parallel=2))` must be
 within 3% of every rank's peak.
 
@@ -22,7 +22,7 @@ import transformers
 
 from fulltune.memory import PlanRequest, Settings, estimate_memory
 from fulltune.planning import plan_memory
-from fulltune.planning.rank_memory import against_estimate
+from measuring.rank_memory import against_estimate
 from pipelines_fixture import tiny_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -196,6 +196,86 @@ def test_a_run_killed_at_each_point_resumes_bit_exact(assets: dict[str, Path], t
     assert not list(checkpoints.glob(".tmp-*"))
 
 
+# A launcher of its own for a job (JOB.json's path as its argument), as the flow's process launches training.
+LAUNCHER = ("import sys; from pathlib import Path; from fulltune.runtime.launch import TrainJob, run_training; "
+            "run_training(TrainJob.from_json(Path(sys.argv[1]).read_text()), on_output=lambda line: None)")
+
+
+def kill_while_a_checkpoint_is_written(job: TrainJob, step: int) -> None:
+    """Launch `job` (train.checkpoint_async) from a process of its own with the background write of checkpoint
+    `step` held; once the trainer has logged step `step` + 1 (it went on past the checkpoint; the write is still in
+    flight: its files under the temporary name, nothing published under its step name), kill -9 the launcher's
+    process group, as a preempted node does: the trainers (torchrun's workers have sessions of their own) end with
+    their launcher."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+    from runs import kill_run
+
+    out = Path(job.paths.output_dir)
+    out.mkdir(parents=True)
+    (out.parent / f"{out.name}.json").write_text(job.to_json())
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FULLTUNE_TEST_FAULT": f"stall_checkpoint_write:{step}"}
+    run = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(out.parent / f"{out.name}.json")], env=env,
+                           start_new_session=True)
+    try:
+        deadline, progress = time.monotonic() + 600, out / "progress.json"
+        while not progress.is_file() or json.loads(progress.read_text())["step"] <= step:
+            assert run.poll() is None and time.monotonic() < deadline, run.returncode
+            time.sleep(0.1)
+        checkpoints = out / "checkpoints"
+        assert (checkpoints / f".tmp-step-{step}").is_dir() and not (checkpoints / f"step-{step}").exists()
+    finally:
+        alive = kill_run(run)
+    assert not alive, "a trainer outlived its launcher"
+
+
+def assert_bit_exact(result: TrainResult, expected: TrainResult) -> None:
+    import torch
+
+    assert result.loss_history == expected.loss_history
+    got, want = model_tensors(result.model_dir), model_tensors(expected.model_dir)
+    assert got.keys() == want.keys()
+    assert [name for name in want if not torch.equal(got[name], want[name])] == []
+
+
+@pytest.mark.slow
+def test_a_run_killed_while_a_checkpoint_is_written_in_the_background_resumes_from_the_one_before(
+        assets: dict[str, Path], tmp_path: Path, uninterrupted: tuple[TrainJob, TrainResult]) -> None:
+    """train.checkpoint_async, one process: killed while checkpoint 6 is being written (step 7 ran beside the
+    write), the rerun resumes from step 3, the checkpoint before, writes 6 and 9 in the background, and ends bit-exact
+    with the uninterrupted run, whose checkpoints were written synchronously."""
+    base_job, expected = uninterrupted
+    job = base_job.replace(output_dir=str(tmp_path / "run"), checkpoint_async=True)
+    kill_while_a_checkpoint_is_written(job, 6)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")) == ["step-3"]
+    result = quiet(job)
+    assert result.resumed_from_step == 3
+    assert_bit_exact(result, expected)
+    # The final export waited for the last background write: both newest checkpoints are published, none half.
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-6", "step-9"]
+
+
+@pytest.mark.slow
+def test_two_fsdp_processes_killed_while_writing_a_checkpoint_resume_bit_exact(assets: dict[str, Path],
+                                                                               tmp_path: Path) -> None:
+    """train.checkpoint_async under FSDP: each process's shards go through DCP's async_save. Killed while checkpoint 2
+    is being written, the rerun resumes from checkpoint 1 and ends bit-exact with a run whose checkpoints were
+    written synchronously."""
+    fsdp = dict(strategy="fsdp", num_processes=2, gradient_accumulation_steps=1, max_steps=5, checkpoint_every_steps=1,
+                keep_checkpoints=2)
+    expected = quiet(make_job(assets, tmp_path / "sync", model="dropout", **fsdp))
+    job = make_job(assets, tmp_path / "async", model="dropout", checkpoint_async=True, **fsdp)
+    kill_while_a_checkpoint_is_written(job, 2)
+    result = quiet(job)
+    assert result.resumed_from_step == 1
+    assert_bit_exact(result, expected)
+    assert sorted(p.name for p in (tmp_path / "async" / "checkpoints").iterdir()) == ["step-3", "step-4"]
+
+
 @pytest.mark.slow
 def test_gradient_accumulation_matches_a_larger_micro_batch(assets: dict[str, Path], tmp_path: Path,
                                                             reference: TrainResult) -> None:
@@ -209,11 +289,31 @@ def test_gradient_accumulation_matches_a_larger_micro_batch(assets: dict[str, Pa
 def test_two_process_ddp_on_cpu_matches_one_process(assets: dict[str, Path], tmp_path: Path,
                                                     reference: TrainResult) -> None:
     # 2 processes × micro 2 (torchrun, gloo) against 1 process × micro 4: only the order of the gradient
-    # all-reduce's additions differs; Adam's normalisation lets it grow to ~1e-5 in 3 steps.
+    # all-reduce's additions differs; Adam's normalisation lets it grow to ~1e-5 in 3 steps. Its checkpoints are
+    # written in the background (train.checkpoint_async: the main process writes the one copy of the weights and
+    # states) beside the steps, which they leave as they are.
+    from fulltune.runtime.step_checkpoints import checkpoint_problem
+
     job = make_job(assets, tmp_path / "run", micro_batch_size=2, gradient_accumulation_steps=1, max_steps=3,
-                   checkpoint_every_steps=0, strategy="ddp", num_processes=2)
+                   checkpoint_every_steps=1, checkpoint_async=True, strategy="ddp", num_processes=2)
     assert training_command(job, Path("JOB.json"))[2] == "torch.distributed.run"
     assert_same_training(quiet(job), reference, rtol=1e-5, atol=1e-4)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-1", "step-2"]
+    assert [checkpoint_problem(checkpoints / name) for name in ("step-1", "step-2")] == [None, None]
+    assert {"random_states_0.pkl", "random_states_1.pkl", "model.safetensors", "optimizer.bin"} <= {
+        p.name for p in (checkpoints / "step-2").iterdir()}
+
+
+@pytest.mark.slow
+def test_muon_under_two_process_ddp_matches_one_process(assets: dict[str, Path], tmp_path: Path) -> None:
+    # DDP averages the gradients before the step, so each process orthogonalises the one process's matrix: only
+    # the all-reduce's order of additions differs, rounded by Newton–Schulz's bf16 matmuls.
+    one = quiet(make_job(assets, tmp_path / "one", micro_batch_size=4, gradient_accumulation_steps=1, max_steps=3,
+                         checkpoint_every_steps=0, optimizer="muon"))
+    two = quiet(make_job(assets, tmp_path / "two", micro_batch_size=2, gradient_accumulation_steps=1, max_steps=3,
+                         checkpoint_every_steps=0, optimizer="muon", strategy="ddp", num_processes=2))
+    assert_same_training(two, one, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow
@@ -245,6 +345,8 @@ def test_a_nonfinite_step_is_skipped_and_logged_to_mlflow(assets: dict[str, Path
     result = quiet(job)
     assert result.nonfinite_steps == 1 and result.steps == 4
     assert all(np.isfinite(loss) for _, loss in result.loss_history)
+    # Every step that trained, from the first, though the run logs every second step: the skipped one is left out.
+    assert [step for step, _ in result.loss_history] == [1, 3, 4]
     history = client.get_metric_history(run_id, "train_loss")
     assert [(m.step, m.value) for m in history] == [(s, pytest.approx(v)) for s, v in result.loss_history]
     logged = set(client.get_run(run_id).data.metrics)
@@ -549,9 +651,11 @@ def test_a_damaged_newest_checkpoint_gives_way_to_the_newest_intact_one(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("background", [False, True], ids=["synchronous", "checkpoint_async"])
 def test_a_full_disk_during_a_checkpoint_is_a_user_error_that_keeps_the_older_checkpoints(
-        assets: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    job = make_job(assets, tmp_path / "run", max_steps=7)
+        assets: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, background: bool) -> None:
+    # In the background the failed write is raised where the loop waits for it: here the final export's wait.
+    job = make_job(assets, tmp_path / "run", max_steps=7, checkpoint_async=background)
     monkeypatch.setenv("FULLTUNE_TEST_FAULT", "disk_full:6")
     with pytest.raises(TrainingError, match=r"disk filled up while writing checkpoint step-6.*resumes from step-3"):
         run_training(job, on_output=lambda line: None)

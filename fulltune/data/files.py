@@ -24,7 +24,8 @@ def load_records(path: str, *, what: str, cache_dir: str | Path | None = None,
                  token: str | None = None) -> datasets.Dataset:
     """Load a dataset from a local file or directory, or a Hugging Face Hub dataset id.
 
-    Local files: `.jsonl`/`.json` (JSON lines, or one JSON list of objects), `.csv`, `.parquet`, `.txt`
+    Local files: `.jsonl`/`.json` (JSON lines, or one JSON list of objects), `.csv` (every cell text as written,
+    an empty one missing), `.parquet`, `.txt`
     (one example per line in column `text`; blank lines are skipped). A directory loads every such
     file under it (name order, hidden files skipped; one file type per directory). Anything that does
     not look like a local path is a hub id, optionally with a split: `org/name` or `org/name:validation`
@@ -54,6 +55,7 @@ def load_records(path: str, *, what: str, cache_dir: str | Path | None = None,
                 data_files=[str(f) for f in files],
                 split="train",
                 cache_dir=str(cache_dir) if cache_dir is not None else None,
+                **(_csv_as_text(files[0]) if builder == "csv" else {}),
             )
         except (datasets.exceptions.DatasetsError, ValueError, StopIteration, OSError) as exc:
             raise _diagnose_load_error(files, builder, what, exc) from None
@@ -64,6 +66,20 @@ def load_records(path: str, *, what: str, cache_dir: str | Path | None = None,
         where = files[0] if len(files) == 1 else path
         raise DataError(f"{what}: {where} has no examples; add examples or point {what} at another file")
     return dataset
+
+
+def _csv_as_text(file: Path) -> dict[str, Any]:
+    """`load_dataset("csv")` options that read every column of the header as text, as written: pandas would
+    infer a column of digit strings as integers ("035" → 35) and a completion "NA" or "null" as missing. Only an
+    empty cell is missing. The files of one source share the first one's header."""
+    import csv
+
+    import datasets
+
+    with file.open(newline="", encoding="utf-8") as handle:
+        header = next(csv.reader(handle), [])
+    return {"features": datasets.Features({name: datasets.Value("string") for name in header}),
+            "keep_default_na": False, "na_values": [""]}
 
 
 def local_data_files(path: str, what: str) -> list[Path] | None:

@@ -91,9 +91,35 @@ def describe(value: Any) -> str:
 
 def eval_source_names(data: DataSpec) -> list[str]:
     """The names per-source metrics carry (`eval_loss/<name>`), one per item of a `data.eval` list, in order: the
-    file's or dataset's name without directory and extension (with `-<split>` for a hub split), `-<n>` (its list
-    position) added where two items would share one. None for a single data.eval or none (one source: the total)."""
+    file's or dataset's name without directory and extension (with `-<split>` for a hub split, however it is
+    written), in the characters MLflow accepts in a metric name (`spec_gates.metric_part`), and `-<n>` (its list
+    position) added to every name two items share, until none is shared. None for a single data.eval or none
+    (one source: the total)."""
     if not isinstance(data.eval, list):
         return []
-    stems = [Path(item.path.rstrip("/")).stem + (f"-{item.split}" if item.split else "") for item in data.eval]
-    return [f"{stem}-{n}" if stems.count(stem) > 1 else stem for n, stem in enumerate(stems)]
+    names = [_source_name(item) for item in data.eval]
+    while len(set(names)) < len(names):
+        names = [f"{name}-{n}" if names.count(name) > 1 else name for n, name in enumerate(names)]
+    return names
+
+
+def _source_name(item: EvalSource) -> str:
+    from fulltune import hub
+    from fulltune.data.files import SUFFIX_BUILDERS
+    from fulltune.spec_gates import metric_part
+
+    path, split = item.path, item.split
+    if split is None and ":" in path and not hub.looks_local(path, data_suffixes=tuple(SUFFIX_BUILDERS)):
+        path, split = hub.split_dataset_id(path)  # `org/name:split`, as `{path: org/name, split: …}` is named
+    return metric_part(Path(path.rstrip("/")).stem + (f"-{split}" if split else ""))
+
+
+def generating_sources(data: DataSpec) -> list[bool]:
+    """For each per-source name (`eval_source_names`, one item for a single or absent data.eval: the total),
+    whether its rows carry a completion to compare a generation with: a `prompt_completion` source does, a chat or
+    text one does not. Without data.eval the held-out rows come from every train source."""
+    value = data.eval if data.eval is not None else data.train
+    formats = [(item.format or data.format) for item in value] if isinstance(value, list) else [data.format]
+    if isinstance(data.eval, list):
+        return [f == "prompt_completion" for f in formats]
+    return [any(f == "prompt_completion" for f in formats)]

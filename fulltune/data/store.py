@@ -14,8 +14,8 @@
 
 Labels follow the convention in fulltune/data/formats.py.
 
-The directory name is a content fingerprint (data bytes, tokenizer files, formatting options, seed and
-`DATA_FORMAT_VERSION`): changing any of them builds a new directory, an unchanged input is a cache hit
+The directory name is a content fingerprint (data bytes, tokenizer files, formatting options, `DATA_FORMAT_VERSION`,
+and `train.seed` where it shapes the rows: `seed_uses`): changing any of them builds a new directory, an unchanged input is a cache hit
 that does no work. `train_fingerprint` covers only what `train.parquet` depends on (not `data.eval`), so
 new held-out data re-evaluates a model without retraining it. A hub dataset counts by its commit. File
 digests are remembered in the workdir (fulltune/storage.py), so a data file is read once to key the stage
@@ -134,18 +134,43 @@ def _format_options(data: DataSpec) -> dict[str, Any]:
     return options
 
 
+def seed_uses(data: DataSpec) -> list[str]:
+    """What `train.seed` decides in the tokenized data (none: the seed is not part of its fingerprint): the order
+    packing puts examples into rows, the examples `data.eval_split` holds out, the sample a fractional weight keeps."""
+    uses = ["packing shuffles the examples into rows with it"] if data.packing else []
+    if data.eval is None:
+        uses.append("the held-out split (data.eval_split) is drawn with it")
+    if any(source.weight != int(source.weight) for source in sources(data, "train")):
+        uses.append("a fractional data.train weight samples its examples with it")
+    return uses
+
+
+def fingerprint_covers(data: DataSpec) -> str:
+    """What the tokenized data's fingerprint covers, in words (the tokenize artifact, the MLflow datasets)."""
+    uses = seed_uses(data)
+    return "the data files, the tokenizer and the data: options" + (f"; train.seed ({'; '.join(uses)})" if uses else "")
+
+
+def _seed_part(data: DataSpec, seed: int) -> str:
+    """The seed as the fingerprint sees it: only where it changes the rows."""
+    return str(seed) if seed_uses(data) else "unused"
+
+
 def fingerprint_data(data: DataSpec, tokenizer: str, seed: int, *, token: str | None = None,
                      include_eval: bool = True, workdir: str | Path | None = None) -> str:
     """sha256 of everything the tokenized dataset depends on.
 
     Data files' bytes (not their paths: moving a file keeps its fingerprint; a hub dataset by its
     commit), the tokenizer's files (or its hub id), the formatting options (format, the fields it reads,
-    max_length, packing, eval_split), the seed and DATA_FORMAT_VERSION. With `include_eval=False`, what
-    `train.parquet` alone depends on: `data.eval` is left out (a held-out split of train is not).
+    max_length, packing, eval_split), the seed where it shapes the rows (`seed_uses`) and DATA_FORMAT_VERSION. With
+    `include_eval=False`, what `train.parquet` alone depends on: `data.eval` is left out (a held-out split of train
+    is not).
     With `workdir`, file digests are remembered there. Raises DataError when a data file is missing.
-    A list of sources is fingerprinted by each source's fingerprint and weight (`_mix_fingerprint`).
+    A list of sources is fingerprinted by each source's fingerprint and weight (`_mix_fingerprint`); without
+    the held-out data only `data.train`'s form decides which, so a single train file keeps its training
+    fingerprint whether `data.eval` is one file or a list (the train rows are built the same way either way).
     """
-    if not (is_single(data.train) and is_single(data.eval)):
+    if not is_single(data.train) or (include_eval and not is_single(data.eval)):
         return _mix_fingerprint(data, tokenizer, seed, token=token, include_eval=include_eval, workdir=workdir)
     h = hashlib.sha256()
     hash_parts(h, "fulltune-data", str(DATA_FORMAT_VERSION))
@@ -157,7 +182,7 @@ def fingerprint_data(data: DataSpec, tokenizer: str, seed: int, *, token: str | 
             update_hash_with_source(h, data.eval, what="data.eval", token=token, hashes=hashes)
         hash_parts(h, "tokenizer")
         _update_hash_with_tokenizer(h, tokenizer, hashes)
-    hash_parts(h, "options", json.dumps(_format_options(data), sort_keys=True), "seed", str(seed))
+    hash_parts(h, "options", json.dumps(_format_options(data), sort_keys=True), "seed", _seed_part(data, seed))
     return h.hexdigest()
 
 
@@ -183,7 +208,7 @@ def _mix_fingerprint(data: DataSpec, tokenizer: str, seed: int, *, token: str | 
         hash_parts(h, "eval", fingerprint)
     options = {"max_length": data.max_length, "packing": data.packing,
                "eval_split": data.eval_split if data.eval is None else None}
-    hash_parts(h, "options", json.dumps(options, sort_keys=True), "seed", str(seed))
+    hash_parts(h, "options", json.dumps(options, sort_keys=True), "seed", _seed_part(data, seed))
     return h.hexdigest()
 
 

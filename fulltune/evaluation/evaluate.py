@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from fulltune.evaluation.champion import Champion
     from fulltune.evaluation.harness import Benchmarks
     from fulltune.spec import PipelineSpec
+    from fulltune.spec_gates import PromoteIf
 
 Progress = Callable[[str], None]
 
@@ -98,7 +99,9 @@ class EvalReport:
         """Whether the champion keeps its alias whatever the new version's metrics (nothing to compare)."""
         return self.comparison in (REFUSED, NOT_COMPARED)
 
-    def markdown(self) -> str:
+    def markdown(self, gates: Sequence[PromoteIf] = ()) -> str:
+        """The metrics side by side; the metrics `gates` (register.promote_if) read, named with each candidate's
+        value; whether there is a champion and how it was measured; the first generations."""
         columns = dict(self.candidates)
         if self.champion_own_tokens is not None:
             columns["champion (own tokenizer)"] = self.champion_own_tokens
@@ -110,10 +113,17 @@ class EvalReport:
                 value = columns[name].as_dict().get(metric)
                 cells.append("—" if value is None else f"{value:.4f}")
             lines.append(f"| {metric} | " + " | ".join(cells) + " |")
-        if self.champion_version is not None:
+        for gate in gates:
+            values = ", ".join(f"{name.replace('_', '-')} " + ("—" if (v := self.candidates[name].as_dict().get(
+                gate.metric)) is None else f"{v:.4f}") for name in self.candidates)
+            lines += ["", f"**The gate reads {gate.metric}** (`register.promote_if`, "
+                          f"{'higher' if gate.mode == 'max' else 'lower'} is better): {values}."]
+        if self.champion_version is None:
+            lines += ["", "**No champion yet**: the fine-tuned model is compared with the base model only."]
+        else:
             title = COMPARISON_TITLES.get(self.comparison, self.comparison)
             reason = self.comparison_reason[:1].upper() + self.comparison_reason[1:]
-            lines += ["", f"**Champion comparison: {title}.** {reason}"]
+            lines += ["", f"**Champion version {self.champion_version}, measured {title}.** {reason}"]
         tuned = self.candidates.get("fine_tuned")
         if tuned and tuned.samples:
             lines += ["", "| prompt | expected | fine-tuned output |", "|---|---|---|"]
@@ -128,18 +138,25 @@ def metric_names(candidates: Iterable[ModelMetrics]) -> list[str]:
 
 
 COMPARISON_TITLES = {
-    SAME_TOKENS: "same tokens, loss per token",
-    PER_BYTE: "different tokenizers, loss per byte of target text",
-    REFUSED: "refused, the champion keeps its alias",
-    NOT_COMPARED: "not compared, the champion keeps its alias",
+    SAME_TOKENS: "on the same tokens (its losses per token compare directly)",
+    PER_BYTE: "on its own tokens (different tokenizers: loss per byte of target text compared)",
+    REFUSED: "not at all: refused, the champion keeps its alias",
+    NOT_COMPARED: "not at all: not compared, the champion keeps its alias",
 }
 
 
-def read_eval_rows(eval_file: str, max_examples: int | None) -> Sequence[dict[str, Any]]:
-    """The first `max_examples` eval rows (None: all), read a row group at a time as they are used."""
+def read_eval_rows(eval_file: str, max_examples: int | None,
+                   sources: Sequence[tuple[str, int]] = ()) -> Sequence[dict[str, Any]]:
+    """The eval rows, read a row group at a time as they are used: of each data.eval source (`sources`, its name
+    and rows in the file, `eval_sources`; none: the file is one source) the first `max_examples` (None: all)."""
     from fulltune.data.eval_rows import EvalRows
 
-    return EvalRows(eval_file, max_examples)
+    return EvalRows(eval_file, max_examples, [count for _, count in sources] or None)
+
+
+def kept_sources(sources: Sequence[tuple[str, int]], max_examples: int | None) -> tuple[tuple[str, int], ...]:
+    """(name, rows evaluated) of each source once `evaluate.max_examples` keeps its first rows."""
+    return tuple((name, count if max_examples is None else min(count, max_examples)) for name, count in sources)
 
 
 @dataclass(frozen=True)
@@ -156,8 +173,13 @@ class EvalOptions:
     generation_batch_size: int | None = None
     processes: int = 1
     work_dir: str | None = None
-    # (name, rows) of each data.eval source, in the rows' order: metrics per source beside the total
+    # (name, rows) of each data.eval source, in the rows' order: metrics per source beside the total, and each
+    # source's first `generate_examples` rows with a completion generated
     sources: tuple[tuple[str, int], ...] = ()
+    # The plan's held-out loss for long rows (memory/evaluation.py EvalPlan): in (rows × vocabulary) tiles, and
+    # with each row's positions split over this many of the processes (context parallel, sharded runs only).
+    chunked_loss: bool = False
+    context_parallel: int = 1
 
     @property
     def generation_batch(self) -> int:
@@ -191,9 +213,10 @@ def evaluate_model(model_path: str, tokenizer_path: str, rows: list[dict[str, An
         report = Reporter(progress, name)
         sums = _held_out_loss(model, tokenizer, rows, options, report)
         samples: tuple[tuple[str, str, str], ...] = ()
-        if generates(rows, options):
-            _, samples = _exact_match(model, tokenizer, rows[:options.generate_examples], options.max_new_tokens,
-                                      device, options.generation_batch, report)
+        chosen = [rows[i] for group in generation_rows(rows, options) for i in group]
+        if chosen:
+            _, samples = _exact_match(model, tokenizer, chosen, options.max_new_tokens, device,
+                                      options.generation_batch, report)
         extra: dict[str, float] = {}
         if benchmarks is not None and benchmarks.tasks:
             if progress is not None:
@@ -213,7 +236,8 @@ def metrics_of(tokenizer: Any, rows: list[dict[str, Any]], options: EvalOptions,
     each source's (`eval_loss/<source>` …), and the metric functions on the generations (`scoring`:
     `benchmarks`, `progress`, `name` as `Benchmarks.on_generations` takes them)."""
     eval_loss, tokens = mean_loss(sum(loss for loss, _ in sums), sum(n for _, n in sums))
-    extra = {**extra, **_per_source(tokenizer, rows, source_groups(rows, options), sums, samples)}
+    generated = [len(group) for group in generation_rows(rows, options)]
+    extra = {**extra, **_per_source(tokenizer, rows, source_groups(rows, options), sums, samples, generated)}
     benchmarks = scoring.get("benchmarks")
     if samples and benchmarks is not None:
         extra.update(benchmarks.on_generations([s[2] for s in samples], [s[1] for s in samples],
@@ -223,8 +247,8 @@ def metrics_of(tokenizer: Any, rows: list[dict[str, Any]], options: EvalOptions,
 
 
 def source_groups(rows: list[dict[str, Any]], options: EvalOptions) -> list[tuple[str | None, int]]:
-    """(source name, rows) in the rows' order: each data.eval source's rows (as many as `rows` holds of them:
-    evaluate.max_examples keeps the first), or one unnamed group for a single source."""
+    """(source name, rows) in the rows' order: each data.eval source's rows (`options.sources`: evaluate.max_examples
+    keeps the first of each; as many as `rows` holds of them), or one unnamed group for a single source."""
     groups: list[tuple[str | None, int]] = []
     left = len(rows)
     for name, count in options.sources:
@@ -245,26 +269,46 @@ def loss_batches(rows: list[dict[str, Any]], options: EvalOptions) -> list[tuple
 
 
 def _per_source(tokenizer: Any, rows: list[dict[str, Any]], groups: list[tuple[str | None, int]],
-                sums: list[tuple[float, int]], samples: tuple[tuple[str, str, str], ...]) -> dict[str, float]:
-    """`<metric>/<source>` of the built-in metrics, for each named source with a target token."""
+                sums: list[tuple[float, int]], samples: tuple[tuple[str, str, str], ...],
+                generated: list[int]) -> dict[str, float]:
+    """`<metric>/<source>` of the built-in metrics, for each named source with a target token; exact match for
+    each source with generations (`generated`: how many of `samples`, in order, are each source's)."""
     values: dict[str, float] = {}
-    start = 0
-    for (name, count), (loss, tokens) in zip(groups, sums):
+    start = first_sample = 0
+    for (name, count), (loss, tokens), made in zip(groups, sums, generated):
         if name is not None and tokens:
             values[f"eval_loss/{name}"] = loss / tokens
             values[f"perplexity/{name}"] = math.exp(min(loss / tokens, 700.0))
             text_bytes = target_bytes(tokenizer, rows[start:start + count])
             if text_bytes:
                 values[f"bits_per_byte/{name}"] = loss / (text_bytes * math.log(2))
-            if samples[start:start + count]:  # samples are the first rows', in order
-                values[f"exact_match/{name}"] = exact_match(samples[start:start + count])
+            if made:
+                values[f"exact_match/{name}"] = exact_match(samples[first_sample:first_sample + made])
         start += count
+        first_sample += made
     return values
 
 
-def generates(rows: list[dict[str, Any]], options: EvalOptions) -> bool:
-    """Whether exact match is measured: generation asked for, on rows with a completion to compare."""
-    return options.generate_examples > 0 and bool(rows) and rows[0].get("completion") is not None
+def generation_rows(rows: Sequence[dict[str, Any]], options: EvalOptions) -> list[list[int]]:
+    """For each source group (`source_groups`), the rows generated for: its first `options.generate_examples`
+    rows with a completion to compare (prompt_completion rows; chat and text rows have none), in order."""
+    from fulltune.data.eval_rows import has_completion
+
+    chosen, start = [], 0
+    for _, count in source_groups(rows, options):
+        found: list[int] = []
+        for first in range(start, start + count, GENERATION_SCAN_ROWS):
+            if len(found) >= options.generate_examples:
+                break
+            stop = min(first + GENERATION_SCAN_ROWS, start + count)
+            found += [first + i for i, present in enumerate(has_completion(rows, first, stop)) if present]
+        chosen.append(found[:options.generate_examples])
+        start += count
+    return chosen
+
+
+# Rows whose completion column is read at a time while looking for the rows to generate for.
+GENERATION_SCAN_ROWS = 4096
 
 
 def _held_out_loss(model: Any, tokenizer: Any, rows: list[dict[str, Any]], options: EvalOptions,
@@ -275,7 +319,7 @@ def _held_out_loss(model: Any, tokenizer: Any, rows: list[dict[str, Any]], optio
 
     from fulltune.runtime.loss import TargetHead
 
-    head = TargetHead(model)
+    head = TargetHead(model, chunked=options.chunked_loss)  # chunked: no (positions × vocabulary) logits
     groups = source_groups(rows, options)
     sums = [torch.zeros((), dtype=torch.float64) for _ in groups]
     tokens = [0] * len(groups)
@@ -293,15 +337,20 @@ def _held_out_loss(model: Any, tokenizer: Any, rows: list[dict[str, Any]], optio
     return [(float(total), count) for total, count in zip(sums, tokens)]
 
 
-def batch_loss(model: Any, head: Any, tokenizer: Any, rows: list[dict[str, Any]], device: str) -> tuple[Any, int]:
-    """(the summed fp32 cross-entropy of one batch's target tokens as a float64 CPU tensor, its target tokens)."""
+def batch_loss(model: Any, head: Any, tokenizer: Any, rows: list[dict[str, Any]], device: str,
+               context: Any = None) -> tuple[Any, int]:
+    """(the summed fp32 cross-entropy of one batch's target tokens as a float64 CPU tensor, its target tokens);
+    with `context` (fulltune/runtime/context_parallel.py) this process's share of the rows' positions only."""
     from fulltune.data import collate
     from fulltune.runtime.loss import Targets
 
     batch = collate(rows, tokenizer.pad_token_id)
-    targets = Targets.from_labels(batch.pop("labels"))
+    targets = Targets.from_labels(batch.pop("labels")).to(device)
     inputs = {key: tensor.to(device) for key, tensor in batch.items()}
-    return head.loss_sum(model, inputs, targets.to(device)).double().cpu(), len(targets)
+    if context is not None:
+        inputs.pop("attention_mask", None)  # right padding: causal positions never attend to it (as training)
+        inputs, targets = context.shard(inputs, targets)
+    return head.loss_sum(model, inputs, targets).double().cpu(), len(targets)
 
 
 def mean_loss(total_loss: float, total_tokens: int) -> tuple[float, int]:
@@ -444,7 +493,8 @@ def evaluate_candidates(spec: PipelineSpec, candidates: Candidates, champion: Ch
 
     e, m, c = spec.evaluate, spec.model, candidates
     workdir, model_dir, tokenizer = c.workdir, c.model_dir, c.tokenizer
-    rows = read_eval_rows(c.eval_file, e.max_examples)
+    sources = eval_sources(spec.data, c.eval_file)
+    rows = read_eval_rows(c.eval_file, e.max_examples, sources)
     benchmarks = Benchmarks.from_spec(spec, c.base_dir)
     if benchmarks is not None and evaluation is not None and evaluation.get("harness_batch"):
         benchmarks = replace(benchmarks, batch_size=evaluation["harness_batch"])
@@ -456,7 +506,9 @@ def evaluate_candidates(spec: PipelineSpec, candidates: Candidates, champion: Ch
         evaluation["loss_batch"] if evaluation else e.batch_size, e.max_generate_examples, e.max_new_tokens, device,
         (evaluation["generation_batch"] or None) if evaluation else None,
         evaluation.get("processes", 1) if evaluation else 1, str(Path(workdir) / "evals"),
-        eval_sources(spec.data, c.eval_file)),
+        kept_sources(sources, e.max_examples),
+        bool(evaluation.get("chunked_loss")) if evaluation else False,
+        int(evaluation.get("context_parallel", 1)) if evaluation else 1),
         "benchmarks": benchmarks, "progress": progress}
     models = {"base": (c.base_model, tokenizer, load), "fine_tuned": (model_dir, model_dir, {**load, "revision": None})}
     if options["options"].processes > 1:  # one launch of the processes for both

@@ -35,6 +35,7 @@ import yaml
 
 from fulltune.errors import ConfigError
 from fulltune.spec import BUILTIN_METRICS, DEFAULT_METRIC_TIMEOUT, PipelineSpec
+from fulltune.spec_gates import metric_part
 
 YAML_SUFFIXES = (".yaml", ".yml")
 # `datasets` builders that read `data_files` from disk; any other dataset_path is a hub dataset.
@@ -279,7 +280,7 @@ def _registered_index() -> dict[str, str | bool]:
 def check_benchmarks(spec: PipelineSpec, base_dir: str | Path, prefix: str) -> list[str]:
     """Problems with `evaluate.lm_eval`, `evaluate.metrics` and the metrics `register.promote_if` names,
     each with its YAML path under `prefix` (`pipelines.<name>`)."""
-    from fulltune.data.sources import eval_source_names
+    from fulltune.data.sources import eval_source_names, generating_sources
 
     tasks, problems = _resolve_tasks(spec, base_dir, f"{prefix}.evaluate.lm_eval.tasks")
     if spec.evaluate.lm_eval is not None:
@@ -290,14 +291,16 @@ def check_benchmarks(spec: PipelineSpec, base_dir: str | Path, prefix: str) -> l
             load_callable(target, base_dir)
         except ConfigError as exc:
             problems.append(f"{prefix}.evaluate.metrics.{name}: {exc}")
-    if custom and (spec.data.format != "prompt_completion" or spec.evaluate.max_generate_examples == 0):
-        problems.append(f"{prefix}.evaluate.metrics: the metrics score generated completions, which need "
-                        "data.format prompt_completion and evaluate.max_generate_examples > 0")
+    generated = spec.evaluate.max_generate_examples > 0 and any(generating_sources(spec.data))
+    if custom and not generated:
+        problems.append(f"{prefix}.evaluate.metrics: the metrics score generated completions, which need an eval "
+                        "source of format prompt_completion and evaluate.max_generate_examples > 0")
     some_tasks_failed = bool(problems) and spec.evaluate.lm_eval is not None
     for i, gate in enumerate(spec.registration.gates):
         if some_tasks_failed and "/" in gate.metric and gate.metric.partition("/")[0] not in {t.name for t in tasks}:
             continue  # the metric may be one of a task whose problem is listed already
-        problem = unknown_metric(gate.metric, tasks, custom, eval_source_names(spec.data))
+        problem = unknown_metric(gate.metric, tasks, custom, eval_source_names(spec.data)) or \
+            _not_generated(gate.metric, spec)
         if problem:
             problems.append(f"{prefix}.register.promote_if[{i}].metric: {problem}")
             continue
@@ -307,12 +310,35 @@ def check_benchmarks(spec: PipelineSpec, base_dir: str | Path, prefix: str) -> l
     return problems
 
 
+def _not_generated(metric: str, spec: PipelineSpec) -> str | None:
+    """Why exact match (`exact_match`, `exact_match/<source>`) is never measured for this pipeline, or None: it
+    compares generations with completions, which only prompt_completion sources have."""
+    from fulltune.data.sources import eval_source_names, generating_sources
+
+    head, _, tail = metric.partition("/")
+    if head != "exact_match":
+        return None
+    if spec.evaluate.max_generate_examples == 0:
+        return "exact match is measured on generations, and evaluate.max_generate_examples is 0"
+    names, generating = eval_source_names(spec.data), generating_sources(spec.data)
+    if tail and tail in names and not generating[names.index(tail)]:
+        return (f"data.eval source {tail} has no completions to compare generations with (its format is chat or "
+                "text); exact match is measured on prompt_completion sources")
+    if not tail and not any(generating):
+        return "no eval source has completions to compare generations with (exact match needs prompt_completion)"
+    return None
+
+
 def unknown_metric(metric: str, tasks: list[HarnessTask], custom: Mapping[str, str],
                    sources: list[str] | None = None) -> str | None:
     """Why `metric` is not one the evaluation produces, or None when it is. `sources`: the names of the
     data.eval sources, whose built-in metrics are reported one by one (`eval_loss/<source>`)."""
     if metric in BUILTIN_METRICS or metric in custom:
         return None
+    reported = "/".join(metric_part(part) for part in metric.split("/"))
+    if reported != metric:
+        return (f"{metric!r} is not a metric name MLflow accepts (letters, digits, '_', '-', '.' between the "
+                f"'/'s); it is reported as {reported!r}")
     head, _, tail = metric.partition("/")
     if head in BUILTIN_METRICS and tail:
         if tail in (sources or []):
@@ -427,10 +453,18 @@ def custom_metrics(spec_metrics: Mapping[str, str], base_dir: str | Path, comple
         except (Exception, SystemExit) as exc:  # a bug in the team's metric: stop with its message, never retry
             raise ConfigError(f"{where} raised {type(exc).__name__}: {exc}") from None
         items = result.items() if isinstance(result, Mapping) else [(None, result)]
+        keys: dict[str, Any] = {}
         for key, value in items:
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ConfigError(f"{where} returned {value!r}; return a number or a mapping of numbers")
-            values[name if key is None else f"{name}/{key}"] = float(value)
+            # A key is reported in the characters MLflow accepts in a metric name ("digits (strict)" →
+            # digits/digits_strict), as a gate names it; two keys that read the same there would overwrite.
+            reported = name if key is None else f"{name}/{metric_part(str(key))}"
+            if reported in keys:
+                raise ConfigError(f"{where} returned the keys {keys[reported]!r} and {key!r}, both reported as "
+                                  f"{reported} (metric names keep letters, digits, '_', '-', '.'); rename one")
+            keys[reported] = key
+            values[reported] = float(value)
     return values
 
 

@@ -14,7 +14,8 @@ CPU, NCCL on CUDA):
       │    tokens, all-gather of the generations; rank 0 writes eval-result.json
       └─ ModelMetrics per candidate (the metric functions run here, on the gathered generations)
 
-The batches are the one-process evaluation's (`EvalOptions.batch_size`, rows in order), dealt round-robin:
+The batches are the one-process evaluation's (`EvalOptions.batch_size`, rows in order; the rows each source
+generates for, `evaluate.generation_rows`), dealt round-robin:
 batch i runs on rank i mod N with the same rows, padding and gathered weights, so the loss sums and the greedy
 texts are those of one process (the loss to float64 summation order). FSDP2 all-gathers a unit in every
 forward, so every rank makes the same number of forward calls: a rank with fewer batches repeats its first one
@@ -34,8 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fulltune.errors import UserError
-from fulltune.evaluation.evaluate import (EvalOptions, ModelMetrics, Progress, batch_loss, generate_batch, generates,
-                                          loss_batches, metrics_of)
+from fulltune.evaluation.evaluate import (EvalOptions, ModelMetrics, Progress, batch_loss, generate_batch,
+                                          generation_rows, loss_batches, metrics_of)
 
 if TYPE_CHECKING:
     from fulltune.evaluation.harness import Benchmarks
@@ -188,19 +189,37 @@ def _loss_sums(model: Any, tokenizer: Any, rows: list[dict[str, Any]], options: 
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = loss_batches(rows, options)
     totals = torch.zeros((len(source_groups(rows, options)), 2), dtype=torch.float64)
-    head = TargetHead(model)
+    context, data_rank, readers = _context_parallel(model, options, rank, world)
+    head = TargetHead(model, chunked=options.chunked_loss)
     try:
         with torch.inference_mode():
-            for done, ((index, batch), counted) in enumerate(_dealt(batches, rank, world), start=1):
-                loss, tokens = batch_loss(model, head, tokenizer, batch, options.device)
+            for done, ((index, batch), counted) in enumerate(_dealt(batches, data_rank, readers), start=1):
+                loss, tokens = batch_loss(model, head, tokenizer, batch, options.device, context)
                 if counted:
                     totals[index] += torch.stack([loss, torch.tensor(float(tokens), dtype=torch.float64)])
                 report("loss", min(done * world * options.batch_size, len(rows)), len(rows))
     finally:
         head.remove()
+        if context is not None:
+            context.remove(model)
     totals = totals.to(_collective_device(options.device))
     dist.all_reduce(totals)
     return totals.cpu().tolist()
+
+
+def _context_parallel(model: Any, options: EvalOptions, rank: int, world: int) -> tuple[Any, int, int]:
+    """(the context parallel the plan splits each loss row's positions with, or None; this process's data rank;
+    the data ranks): with `options.context_parallel` N the processes of a group share their batches, each keeping
+    its share of the positions (fulltune/runtime/context_parallel.py, as the run trained)."""
+    if options.context_parallel == 1:
+        return None, rank, world
+    from fulltune.degrees import ParallelDims
+    from fulltune.runtime.context_parallel import ContextParallel
+
+    dims = ParallelDims(world, 1, 1, "fsdp", options.context_parallel)
+    context = ContextParallel(dims.mesh(options.device)["cp"], dims.cp, dims.cp_rank(rank))
+    context.install(model)
+    return context, dims.data_rank(rank), dims.dp
 
 
 def _generations(model: Any, tokenizer: Any, rows: list[dict[str, Any]], options: EvalOptions,
@@ -209,10 +228,11 @@ def _generations(model: Any, tokenizer: Any, rows: list[dict[str, Any]], options
     batches, gathered."""
     import torch.distributed as dist
 
-    if not generates(rows, options):
+    chosen = [rows[i] for group in generation_rows(rows, options) for i in group]
+    if not chosen:
         return []
     rank, world = dist.get_rank(), dist.get_world_size()
-    chosen, size = rows[:options.generate_examples], options.generation_batch
+    size = options.generation_batch
     batches = [chosen[start:start + size] for start in range(0, len(chosen), size)]
     mine = []
     for done, (batch, counted) in enumerate(_dealt(batches, rank, world), start=1):
@@ -269,7 +289,15 @@ def _evaluate_candidate(candidate: dict[str, Any], rows: list[dict[str, Any]], o
     sums = _loss_sums(model, tokenizer, rows, options, report)
     samples = _generations(model, tokenizer, rows, options, report)
     benchmarks = _benchmarks(harness)
-    extra = benchmarks.on_model(model, tokenizer, options.device) if benchmarks is not None else {}
+    extra = {}
+    if benchmarks is not None:
+        import torch
+
+        # In inference mode like the loss and the generations: FSDP2 keeps the all-gather buffers it made there
+        # (inference tensors), and lm-evaluation-harness's own no_grad would write them outside it, which torch
+        # refuses ("Inplace update to inference tensor outside InferenceMode").
+        with torch.inference_mode():
+            extra = benchmarks.on_model(model, tokenizer, options.device)
     del model
     return {"sums": sums, "samples": samples, "extra": extra}
 

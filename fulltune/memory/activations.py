@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fulltune.memory.float8 import layer_float8
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import Settings
 
@@ -122,20 +123,25 @@ def layer_bytes(shape: ModelShape, settings: Settings) -> LayerBytes:
     # FSDP / ZeRO-3 gather 16-bit parameters per layer and free them after use, so autocast
     # copies are not kept (the gathered layers are counted with the communication buffers);
     # bf16 weights need no copies.
-    sharded_params = settings.strategy in ("fsdp", "deepspeed_zero3")
-    weight_copies = 2 * shape.layer_matmul_numel if mixed and not sharded_params and not settings.pure_bf16 else 0
+    sharded_params = settings.dims.fsdp_enabled
     mlp_params = 2 * h * I + (I * h if shape.gated_mlp else 0)
+    # float8 (fulltune/memory/float8.py): the converted linears' casts, and no 16-bit copies of their weights.
+    f8 = layer_float8(shape, b * s, c, settings.float8_recipe, attn_core, attn_work) if settings.float8 else None
+    copied, copied_mlp = shape.layer_matmul_numel, mlp_params
+    if f8 is not None:
+        copied, copied_mlp = copied - f8.converted_numel, copied_mlp - f8.converted_mlp_numel
+    copies = mixed and not sharded_params and not settings.pure_bf16
+    weight_copies = 2 * copied if copies else 0
     halves = _LAYOUT_HALVES[shape.layout](shape, settings, z)
     # The grad of the layer output (residual stream) is alive through the layer's backward.
     grad_stream = z.bsh4
     return LayerBytes(
         saved=halves.attn_saved + halves.mlp_saved + weight_copies,
         # The attention half keeps its share of the 16-bit weight copies after the MLP backward.
-        attn_saved=halves.attn_saved
-        + weight_copies * (shape.layer_matmul_numel - mlp_params) // shape.layer_matmul_numel,
-        forward_transient=halves.forward_transient,
-        mlp_backward=grad_stream + halves.mlp_backward,
-        attn_backward=grad_stream + z.bshc + attn_work,
+        attn_saved=halves.attn_saved + (2 * (copied - copied_mlp) if copies else 0),
+        forward_transient=max(halves.forward_transient, f8.forward if f8 else 0),
+        mlp_backward=grad_stream + halves.mlp_backward + (f8.mlp_backward if f8 else 0),
+        attn_backward=grad_stream + z.bshc + attn_work + (f8.attn_backward if f8 else 0),
         checkpoint_saved=z.bsh4,
         grads=4 * shape.layer_numel,
         mlp_grads=4 * mlp_params,
@@ -269,7 +275,7 @@ def model_activations(shape: ModelShape, settings: Settings, act: Settings, laye
     # keeps the rows as they come.
     lm_head_input = t * h * (sb if settings.chunked_loss else c)
     rope = 2 * 4 * b * s * shape.rotary_dim if shape.rotary_dim else 0
-    sharded = settings.strategy in ("fsdp", "deepspeed_zero3")
+    sharded = settings.dims.fsdp_enabled
     head_copy = 2 * V * h if mixed and not settings.chunked_loss and not sharded else 0
     # The embedding output (the input of layer 0): with bf16 weights only a checkpointed layer 0 keeps it.
     stream_in = 0 if act.pure_bf16 and k == 0 and shape.layout == "llama" else bsh4

@@ -15,6 +15,7 @@ from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.units import format_bytes, parse_bytes
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+FLOAT8_CAPABILITY = (8, 9)  # the first CUDA compute capability with float8 tensor cores (Ada; Hopper is 9.0)
 
 
 def usable_bytes(budget_bytes: int, headroom: float) -> int:
@@ -29,15 +30,19 @@ class Budget:
 
     Attributes:
         device: `cpu` or `cuda` (`auto` resolved: cuda when a GPU is visible).
-        bytes: memory per device (`auto` resolved: the GPU's total memory, or on CPU the physical RAM or the
-            cgroup limit when lower).
+        bytes: memory per device (`auto` resolved: the GPU's total memory, or on CPU each process's share of the
+            physical RAM or the cgroup limit when lower: the processes of one machine share its RAM).
         headroom: the fraction of `bytes` kept free.
         host_bytes: host RAM the offload levers may use (`budget.host_memory`; `auto`: this machine's RAM).
         bf16_supported: the device computes in bf16 (CPU autocast always can; slower without bf16 matrix
             units, which the step-time model knows).
+        float8_supported: the GPU has float8 tensor cores (compute capability 8.9 or above: Ada, Hopper and later),
+            which `train.float8: auto` needs; never a CPU.
         host_assumed: what `host_memory: auto` was taken to mean when it cannot mean the RAM of the machine that
             runs the plan (`device: cuda` planned on a machine without a GPU), and how to say it instead; None
             when `host_bytes` is this machine's and this machine runs it, or was given.
+        shared: how `memory: auto` on CPU was shared by the processes of one machine (a line the plan shows);
+            None for one process, a GPU, or a size given.
     """
 
     device: str
@@ -46,6 +51,8 @@ class Budget:
     host_bytes: int | None = None
     bf16_supported: bool = True
     host_assumed: str | None = None
+    shared: str | None = None
+    float8_supported: bool = False
 
     @property
     def usable_bytes(self) -> int:
@@ -54,10 +61,12 @@ class Budget:
 
 
 def resolve_budget(device: str = "auto", memory: int | str = "auto", headroom: float = 0.05,
-                   host_memory: int | str = "auto", where: str = "budget") -> Budget:
+                   host_memory: int | str = "auto", where: str = "budget", processes: int = 1) -> Budget:
     """The `Budget` that `budget.device` / `memory` / `headroom` / `host_memory` mean on this machine.
 
     `where` is the YAML path of the budget section (e.g. `pipelines.demo.budget`); errors name its field.
+    `processes` is how many training processes one machine runs: on CPU they share its RAM, so `memory: auto`
+    gives each an equal share (a GPU is each process's own; a size given is per process already).
 
     Raises:
         MemoryConfigError (a ConfigError: exit 2), naming `<where>.device`, `<where>.memory` or
@@ -67,9 +76,11 @@ def resolve_budget(device: str = "auto", memory: int | str = "auto", headroom: f
     if device not in DEVICE_CHOICES:
         raise MemoryConfigError(f"{where}.device: must be auto, cpu or cuda; got {device!r}")
     has_cuda = device != "cpu" and _gpu_visible()
+    shared = None
     resolved = ("cuda" if has_cuda else "cpu") if device == "auto" else device
     # CPU autocast supports bf16 (slower without bf16 matrix units: the planner's step time knows).
     bf16 = bool(_torch().cuda.is_bf16_supported()) if resolved == "cuda" and has_cuda else True
+    float8 = resolved == "cuda" and has_cuda and tuple(_torch().cuda.get_device_capability(0)) >= FLOAT8_CAPABILITY
     if memory == "auto":
         if resolved == "cuda" and not has_cuda:
             raise MemoryConfigError(
@@ -77,6 +88,10 @@ def resolve_budget(device: str = "auto", memory: int | str = "auto", headroom: f
                 f"({where}.device is cuda). Give the per-GPU memory, e.g. {where.rsplit('.', 1)[-1]}.memory: 80GiB"
             )
         total = int(_torch().cuda.get_device_properties(0).total_memory) if resolved == "cuda" else host_ram()
+        if resolved == "cpu" and processes > 1:
+            shared = (f"{where}.memory is auto on cpu: this machine's {format_bytes(total)} of RAM shared by its "
+                      f"{processes} processes, {format_bytes(total // processes)} each")
+            total //= processes
     else:
         total = _parse(memory, f"{where}.memory")
     host = host_ram() if host_memory == "auto" else _parse(host_memory, f"{where}.host_memory")
@@ -87,7 +102,7 @@ def resolve_budget(device: str = "auto", memory: int | str = "auto", headroom: f
                    "of the machine that trains (e.g. host_memory: 512GiB)")
     if not 0.0 <= headroom < 1.0:
         raise MemoryConfigError(f"{where}.headroom: must be in [0, 1); got {headroom}")
-    return Budget(resolved, total, headroom, host, bf16, assumed)
+    return Budget(resolved, total, headroom, host, bf16, assumed, shared, float8_supported=float8)
 
 
 def _torch():  # noqa: ANN202 - the torch module

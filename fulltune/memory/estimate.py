@@ -43,15 +43,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fulltune.memory.fsdp import activation_settings, fsdp_layout, fsdp_walk, persistent
-from fulltune.memory.overhead import training_overhead
-from fulltune.memory.process import STEP, TRAINING_PHASES, phase_tensors
-from fulltune.memory.replicated import replicated
+from fulltune.memory import parallelism
 from fulltune.memory.shapes import ModelShape, model_shape
-from fulltune.memory.tensor_parallel import step_terms_tp, tp_layout
-from fulltune.memory.timeline import Timeline, step_terms
 from fulltune.memory.types import MemoryEstimate, Settings
-from fulltune.memory.walk import walk
+
 
 def estimate_memory(config: Any, settings: Settings) -> MemoryEstimate:
     """Peak memory of one steady-state optimizer step of `config` trained with `settings`.
@@ -70,73 +65,13 @@ def rank_peak_bytes(config: Any, settings: Settings, rank: int) -> int:
     rank: `fulltune.runtime.step_memory`): its pipeline stage's under `pipeline_parallel` > 1 (a stage is
     `ParallelDims.stage`'s consecutive ranks), otherwise the one figure every process shares."""
     shape = model_shape(config)
-    if settings.pipeline_parallel > 1:
-        from fulltune.memory.pipeline import estimate_stages, per_stage
-
-        stages = estimate_stages(shape, per_stage(settings), settings.pipeline_parallel, settings.pipeline_schedule)
-        return stages[settings.dims.stage(rank)].peak_bytes
-    return _estimate(shape, settings).peak_bytes
+    return parallelism.rank_kind(settings).rank_peak_bytes(shape, settings, rank)
 
 
 def _estimate(shape: ModelShape, settings: Settings, timeline: list | None = None) -> MemoryEstimate:
-    """`estimate_memory` on a parsed shape; `timeline` (if given) receives every (phase, bytes, parts)."""
-    if settings.pipeline_parallel > 1:  # the largest pipeline stage (memory/pipeline.py, which imports this module)
-        from fulltune.memory.pipeline import stage_memory_estimate
-
-        return stage_memory_estimate(shape, settings)
-    if settings.tensor_parallel > 1:
-        # A tensor-parallel rank: FSDP over the data-parallel processes of the rank's own shape, with the
-        # sequence-parallel blocks' activations and the vocabulary-parallel head (memory/tensor_parallel.py).
-        x = step_terms_tp(shape, settings, activation_settings(settings))
-        tl = Timeline(x, persistent(x))
-        walk(tl, tp_layout(tl))
-        return _result(x.shape, tl.phases, timeline, x.settings, _notes(shape, settings))
-    x = step_terms(shape, settings, activation_settings(settings))
-    tl = Timeline(x, persistent(x))
-    walk(tl, fsdp_layout(tl) if fsdp_walk(settings) else replicated(tl))
-    return _result(shape, tl.phases, timeline, settings, _notes(shape, settings))
-
-
-def _result(shape: ModelShape, phases: list, timeline: list | None, settings: Settings,
-            notes: list[str]) -> MemoryEstimate:
-    """The estimate: the step at the largest of `phases` (and the timeline, if asked for), and the whole
-    process's phases (`process.py`) around it."""
-    if timeline is not None:
-        timeline.extend(phases)
-    phase, peak, parts = max(phases, key=lambda p: p[1])
-    overhead = training_overhead(settings, peak, STEP, shape)
-    breakdown = {key: int(value) for key, value in parts.items() if key != "host"}
-    breakdown["runtime_overhead"] = int(overhead)
-    host = max(p[2]["host"] for p in phases)
-    process_phases = {name: tensors + training_overhead(settings, tensors, name, shape)
-                      for name, tensors in phase_tensors(shape, settings, int(peak)).items()}
-    training = {name: process_phases[name] for name in TRAINING_PHASES}
-    # A tie between the first and a later step is the training step's.
-    process_peak = max(training, key=lambda name: (training[name], name == STEP))
-    return MemoryEstimate(
-        peak_bytes=int(peak),
-        device_bytes=int(training[process_peak]),
-        breakdown=breakdown,
-        peak_phase=phase,
-        notes=tuple(notes),
-        host_bytes=int(host),
-        step_device_bytes=int(peak + overhead),
-        phases={name: int(value) for name, value in process_phases.items()},
-        process_peak_phase=process_peak,
-    )
-
-
-def _notes(shape: ModelShape, settings: Settings) -> list[str]:
-    notes: list[str] = []
-    if shape.approximate:
-        notes.append(f"model_type {shape.model_type!r} is modelled as a Llama-like decoder; expect a few % error")
-    if settings.mixed_precision == "fp16" and settings.device == "cpu":
-        notes.append("Accelerate does not autocast fp16 on CPU: counted as fp32")
-    if settings.gradient_checkpointing > shape.num_layers:
-        notes.append(f"gradient_checkpointing={settings.gradient_checkpointing} capped at {shape.num_layers} layers")
-    if settings.device == "cpu" and (settings.offload_optimizer or settings.offload_activations):
-        notes.append("on a CPU device host RAM is the device memory: offloading moves bytes, it saves none")
-    return notes
+    """`estimate_memory` on a parsed shape; `timeline` (if given) receives every (phase, bytes, parts). The rank's
+    kind of parallelism walks it (fulltune/memory/parallelism.py)."""
+    return parallelism.estimate(shape, settings, timeline)
 
 
 def num_parameters(config: Any) -> int:

@@ -66,8 +66,10 @@ def eval_dtype(settings: Settings, precision: str = "trained") -> str:
 
 def eval_processes(settings: Settings) -> int:
     """The processes the evaluate stage shards each candidate over: the training's, when it held the weights
-    sharded (FSDP, tensor parallel) over more than one; else 1 (one process holds the whole model)."""
-    if settings.num_processes > 1 and (settings.strategy == "fsdp" or settings.tensor_parallel > 1):
+    sharded (FSDP, tensor parallel) or its rows' positions (context parallel) over more than one; else 1 (one
+    process holds the whole model)."""
+    dims = settings.dims
+    if settings.num_processes > 1 and (dims.fsdp_enabled or dims.tp_enabled or dims.cp_enabled):
         return settings.num_processes
     return 1
 
@@ -91,7 +93,8 @@ def exported_bytes(settings: Settings) -> int:
 
 
 def eval_memory(shape: ModelShape, *, weight_bytes: int, batches: tuple[int, int, int], seq_len: int,
-                max_new_tokens: int = 0, harness_seq_len: int = 0, attn_implementation: str = "sdpa") -> EvalMemory:
+                max_new_tokens: int = 0, harness_seq_len: int = 0, attn_implementation: str = "sdpa",
+                chunked_loss: bool = False, context_parallel: int = 1) -> EvalMemory:
     """Analytic device tensors of evaluating one model of `shape` in `weight_bytes` per parameter.
 
     `batches` are the (loss, generation, harness) batches; a 0 skips that phase. Generation holds a KV cache of
@@ -99,7 +102,15 @@ def eval_memory(shape: ModelShape, *, weight_bytes: int, batches: tuple[int, int
     Inference keeps no activations for backward, so a forward's transient is one layer's: the residual stream
     and its normed copy, q/k/v and the attention output, the MLP's intermediate tensors, and with eager
     attention the (heads × s × s) scores and their softmax.
+
+    `chunked_loss`: the held-out loss in (rows × vocabulary) tiles (fulltune/runtime/loss.py's chunked head), no
+    (positions × vocabulary) logits: one tile's logits and their fp32 copy beside the gathered rows.
+    `context_parallel` N: the held-out loss with each row's positions split over N processes (Ulysses, as the run
+    trained): a process's layer transient is its s/N positions', its attention over the whole row for H/N heads
+    with the all-to-alls' copies.
     """
+    from fulltune.memory.head import ROW_CHUNK, VOCAB_CHUNK
+
     act = weight_bytes
 
     def layer_transient(batch: int, positions: int) -> int:
@@ -111,6 +122,19 @@ def eval_memory(shape: ModelShape, *, weight_bytes: int, batches: tuple[int, int
     def scored(batch: int, positions: int) -> int:  # one forward's transient, its fp32 logits and log-softmax
         return layer_transient(batch, positions) + 2 * batch * positions * shape.vocab * 4 if batch else 0
 
+    def held_out(batch: int, positions: int) -> int:
+        if not batch or (not chunked_loss and context_parallel == 1):
+            return scored(batch, positions)
+        N = context_parallel
+        local = -(-positions // (2 * N)) * 2 if N > 1 else positions
+        transient = layer_transient(batch, local)
+        if N > 1:  # the whole row's attention for H/N heads, the all-to-alls' copies of q
+            scores = 2 * batch * (shape.heads // N) * (N * local) ** 2 * act if attn_implementation == "eager" else 0
+            transient += scores + 3 * batch * local * shape.heads * shape.head_dim * act
+        targets = batch * local
+        tile = min(targets, ROW_CHUNK) * min(shape.vocab, VOCAB_CHUNK) * (act + 4)
+        return transient + targets * shape.hidden * act + tile + 8 * targets
+
     loss_batch, generation_batch, harness_batch = batches
     generation = 0
     if generation_batch and max_new_tokens > 0:
@@ -119,7 +143,7 @@ def eval_memory(shape: ModelShape, *, weight_bytes: int, batches: tuple[int, int
         # processors' fp32 copies of them
         generation = (cache * act + layer_transient(generation_batch, seq_len)
                       + 3 * generation_batch * shape.vocab * 4)
-    return EvalMemory(shape.num_params * weight_bytes, scored(loss_batch, seq_len), generation,
+    return EvalMemory(shape.num_params * weight_bytes, held_out(loss_batch, seq_len), generation,
                       scored(harness_batch, harness_seq_len or seq_len))
 
 
@@ -140,12 +164,15 @@ class EvalPlan:
     offload_device_bytes: int | None = None  # None: every weight on the device (sharded: 0, shards in host RAM)
     offload_host_bytes: int = 0
     processes: int = 1  # > 1: every candidate sharded over this many processes; the figures are per process
+    chunked_loss: bool = False  # the held-out loss in (rows × vocabulary) tiles: no whole-vocabulary logits
+    context_parallel: int = 1  # > 1: the held-out loss with each row's positions split over this many processes
 
     def to_dict(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "loss_batch": self.loss_batch, "generation_batch": self.generation_batch,
                 "harness_batch": self.harness_batch, "memory": self.memory.as_dict(),
                 "device_bytes": self.device_bytes, "fits": self.fits, "reason": self.reason,
-                "processes": self.processes,
+                "processes": self.processes, "chunked_loss": self.chunked_loss,
+                "context_parallel": self.context_parallel,
                 "offload": None if self.offload_device_bytes is None else {
                     "device_bytes": self.offload_device_bytes, "host_bytes": self.offload_host_bytes}}
 
@@ -162,6 +189,23 @@ def plan_evaluation(shape: ModelShape, settings: Settings, request: EvalRequest,
     whole model and the configured batches fit one device: no second launch of its processes, and generation
     without a gather of every unit per token.
     """
+    plan = _plan_whole_logits(shape, settings, request, usable, host_budget, attn_implementation)
+    if plan.fits or usable is None:
+        return plan
+    # Long rows: the held-out loss without whole-vocabulary logits, then (a run trained context parallel, sharded
+    # over its processes) with each row's positions split as it trained.
+    ways = [(True, 1)] + ([(True, settings.context_parallel)] if settings.dims.cp_enabled else [])
+    for chunked, cp in ways:
+        processes = eval_processes(settings) if cp > 1 else plan.processes
+        tried = _plan_over(shape, settings, request, usable, host_budget, attn_implementation, processes, chunked, cp)
+        if tried.fits:
+            return tried
+    return plan
+
+
+def _plan_whole_logits(shape: ModelShape, settings: Settings, request: EvalRequest, usable: int | None,
+                       host_budget: int | None, attn_implementation: str) -> EvalPlan:
+    """`plan_evaluation` with the held-out loss on whole-vocabulary logits of whole rows."""
     sharded = eval_processes(settings)
     if sharded == 1 or request.processes == sharded:
         return _plan_over(shape, settings, request, usable, host_budget, attn_implementation, sharded)
@@ -182,8 +226,10 @@ def _configured(request: EvalRequest) -> tuple[int, int, int]:
 
 
 def _plan_over(shape: ModelShape, settings: Settings, request: EvalRequest, usable: int | None,
-               host_budget: int | None, attn_implementation: str, processes: int) -> EvalPlan:
-    """`plan_evaluation` with each candidate on `processes` processes (1, or sharded like the training)."""
+               host_budget: int | None, attn_implementation: str, processes: int, chunked_loss: bool = False,
+               context_parallel: int = 1) -> EvalPlan:
+    """`plan_evaluation` with each candidate on `processes` processes (1, or sharded like the training), the
+    held-out loss chunked and split over `context_parallel` processes as asked."""
     dtype = eval_dtype(settings, request.precision)
     width = DTYPE_BYTES[dtype]
     seq_len = request.seq_len or settings.seq_len
@@ -192,7 +238,8 @@ def _plan_over(shape: ModelShape, settings: Settings, request: EvalRequest, usab
     def memory(batches: tuple[int, int, int]) -> EvalMemory:
         m = eval_memory(shape, weight_bytes=width, batches=batches, seq_len=seq_len,
                         max_new_tokens=request.max_new_tokens, harness_seq_len=request.harness_seq_len,
-                        attn_implementation=attn_implementation)
+                        attn_implementation=attn_implementation, chunked_loss=chunked_loss,
+                        context_parallel=context_parallel)
         if processes > 1:
             shards, gathered = sharded_bytes(shape, width, processes)
             # Each process reads its shards' slices of the checkpoint (`load_sharded_model`): its shards and
@@ -204,11 +251,15 @@ def _plan_over(shape: ModelShape, settings: Settings, request: EvalRequest, usab
         return m.peak_bytes + evaluation_overhead(settings.device, m.peak_bytes)
 
     where = f" sharded over {processes} processes (FSDP2, per process)" if processes > 1 else ""
+    if chunked_loss:
+        where += ", the held-out loss chunked over positions and vocabulary" + (
+            f" with each row's positions split over {context_parallel} processes (context parallel, as trained)"
+            if context_parallel > 1 else "")
 
     def plan(batches: tuple[int, int, int], fits: bool, reason: str, **offload: int) -> EvalPlan:
         m = memory(batches)
         return EvalPlan(dtype, batches[0], batches[1], batches[2] or None, m, total(m), fits, reason, **offload,
-                        processes=processes)
+                        processes=processes, chunked_loss=chunked_loss, context_parallel=context_parallel)
 
     if usable is None:
         return plan(configured, True, f"evaluation in {dtype}{where}: no budget, the configured batches")

@@ -15,17 +15,21 @@ NCCL's own buffers are not tensors and are not counted.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
+from fulltune.memory.float8 import converted, float8_all_gather
+from fulltune.memory.shapes import ModelShape
 from fulltune.memory.timeline import Persistent, StepTerms, Timeline, shares
 from fulltune.memory.types import Settings
 from fulltune.memory.walk import Layout
+from fulltune.memory.shapes import ModelShape
+from fulltune.optimizers import ParamShapes, optimizer
 
 
 def fsdp_walk(settings: Settings) -> bool:
     """Whether the step is walked as FSDP2 runs it (per unit gathers, reduce-scatters; `Units`), the
     chunked head and the step in backward included."""
-    return settings.strategy == "fsdp"
+    return settings.dims.fsdp_enabled
 
 
 def activation_settings(settings: Settings) -> Settings:
@@ -45,7 +49,7 @@ def persistent(x: StepTerms) -> Persistent:
     share = shares(settings)
     wb = x.levers.weight_bytes
     # DDP keeps flat gradient buckets besides .grad (gradient_as_bucket_view=False default).
-    buckets = wb * shape.num_params if settings.strategy == "ddp" else 0
+    buckets = wb * shape.num_params if settings.dims.ddp_enabled else 0
     b, s, t = settings.micro_batch_size, settings.seq_len, x.t
     # FSDP's CPU offload: the parameter shards live in host RAM (`lever_bytes.sharded_offload_bytes`).
     on_device = 0 if x.levers.sharded_offload else 1
@@ -97,6 +101,10 @@ class Units:
         self.rb = 4 if policy_bf16 else self.wb  # reduce-scatter buffers (the policy reduces in fp32)
         self.n, self.copies, self.prefetching = settings.num_processes, copies, prefetching
         self.lay, self.vh, self.tied = shape.layer_numel, shape.vocab * shape.hidden, shape.tied
+        # A decoder layer's gathered weights: under float8's all-gather (`float8.float8_all_gather`) its converted
+        # linears arrive as float8 (1 byte each), the rest in the gathered dtype.
+        float8 = sum(x.numel for x in converted(shape)) if settings.float8 and float8_all_gather(settings) else 0
+        self.layer_g = self.pb * (self.lay - float8) + float8
         # The root: the final norm (+ a tied embedding, positions).
         self.root = shape.num_params - shape.num_layers * self.lay - (0 if self.tied else 2 * self.vh)
         self.root_g = self.pb * self.root  # its gathered weights (forward, and backward from the head on)
@@ -118,13 +126,13 @@ class Units:
 
     def gathered_last_layer(self) -> int:
         """The last layer gathered in its forward (the previous gather's buffer kept), the root gathered."""
-        return self.copies * self.pb * self.lay + self.root_g + self.staged_layer
+        return self.copies * self.layer_g + self.root_g + self.staged_layer
 
     def in_head(self) -> int:
         """Gathered in the head's forward: untied, its weight and its all-gather buffer; tied, the root's."""
         pb = self.pb
         if self.tied:
-            return self.root_g + (self.copies - 1) * pb * self.lay
+            return self.root_g + (self.copies - 1) * self.layer_g
         return self.copies * pb * self.vh + self.root_g + self.staged_vh
 
     def kept_head(self) -> int:
@@ -137,35 +145,31 @@ class Units:
         return (self.pb * self.vh if not self.tied else self.root_g + self.staged_vh) + self._next_layer()
 
     def _next_layer(self) -> int:
-        return self.pb * self.lay if self.prefetching else 0
+        return self.layer_g if self.prefetching else 0
 
     def _prefetch(self, i: int) -> int:
         """The unit below layer `i`, prefetched during its backward: layer 0 prefetches an untied embedding."""
         if not self.prefetching:
             return 0
-        return self.pb * self.lay if i > 0 else (0 if self.tied else self.pb * self.vh)
+        return self.layer_g if i > 0 else (0 if self.tied else self.pb * self.vh)
 
     def shard(self, numel: int) -> int:
         return int(self.wb * numel / self.n)
 
-    def post_backward(self, tl: Timeline, numel: int, shapes: list[tuple[int, ...]]) -> int:
+    def post_backward(self, tl: Timeline, numel: int, params: ParamShapes) -> int:
         """A unit's post-backward: besides its unsharded gradient and the reduce-scatter buffer, one more
         unit-sized tensor in the reduce dtype and the sharded output (FSDPMemTracker, every rank).
 
         Stepping in backward (fulltune/runtime/optim.py InBackwardOptimizer on the shards), the unit's hooks update its
-        parameters (`shapes`) one at a time once the sharded output exists, the extra unit-sized tensor gone:
-        fused or Kahan AdamW in place; Adafactor gathered (`GatheredAdafactor`: the whole weight and gradient)
-        with its temporaries (measured per rank: benchmarks/sharded_memory.py --levers)."""
-        from fulltune.memory.optimizer_bytes import optimizer_state_bytes
-
+        parameters (`params`) one at a time once the sharded output exists, the extra unit-sized tensor gone:
+        fused or Kahan AdamW in place; an optimizer that needs whole parameters (Adafactor, Muon's matrices)
+        gathered (`GatheredOptimizer`) with its temporaries (measured per rank: benchmarks/sharded_memory.py
+        --levers)."""
         settings, rb = tl.terms.settings, self.rb
         reduce = rb * numel + int(rb * numel / self.n)
         if not settings.optimizer_in_backward:
             return reduce
-        largest = max(shapes, key=math.prod)
-        gathered = 2 * self.wb * math.prod(largest) if settings.optimizer == "adafactor" else 0
-        step = gathered + optimizer_state_bytes(settings.optimizer, [largest], self.wb)[1]
-        return max(reduce, int(rb * numel / self.n) + step)
+        return max(reduce, int(rb * numel / self.n) + sharded_step_bytes(settings.optimizer, params, self.wb))
 
     def head_end(self, tl: Timeline, acts: int, temp: int, after_temp: int) -> int:
         """The head's last phases: untied, its post-backward (`acts` saved, `temp` beside it: the gradient
@@ -176,7 +180,7 @@ class Units:
         after_head = x.acts.total - x.acts.lm_head_input - x.acts.final_norm
         if not self.tied:
             tl.add("backward of the lm head / loss", self.done, acts, 0,
-                   temp + self.post_backward(tl, vh, [(shape.vocab, shape.hidden)]),
+                   temp + self.post_backward(tl, vh, _head_params(shape)),
                    unsharded=(self._next_layer(), pb * vh + rb * vh))
             self.done += 0 if x.accumulating else self.shard(vh)
         # Tied: the head's gradient waits unsharded for the embedding's; untied: the head's reduce-scatter
@@ -193,14 +197,14 @@ class Units:
         shape, pb = tl.terms.shape, self.pb
         h, I = shape.hidden, shape.intermediate
         made = h * I if first else 2 * h * I + (I * h if shape.gated_mlp else 0)
-        gathered = pb * self.lay + self._prefetch(i) + (self.root_g if self.tied else 0)
+        gathered = self.layer_g + self._prefetch(i) + (self.root_g if self.tied else 0)
         gathered += self.staged_layer if first else 0  # the layer was gathered again just before
         return {"grads": self.done, "temp": 0, "unsharded": (gathered, self.waiting + self.kept_rs + pb * made)}
 
     def finish(self, tl: Timeline, name: str, i: int, acts: int) -> None:
         """The layer's post-backward: the whole unsharded gradient and its reduce-scatter buffer."""
         x, pb, rb, lay = tl.terms, self.pb, self.rb, self.lay
-        tl.add(name, self.done, acts, 0, self.post_backward(tl, lay, list(x.shape.layer_params)),
+        tl.add(name, self.done, acts, 0, self.post_backward(tl, lay, x.shape.layer_optimizer_shapes),
                unsharded=(self._prefetch(i) + (self.root_g if self.tied else 0), self.waiting + pb * lay + rb * lay))
         self.done += 0 if x.accumulating else self.shard(lay)
         self.kept_rs = rb * lay
@@ -215,17 +219,19 @@ class Units:
             tl.add(name, self.done, acts, 0, 3 * pb * vh + self.masked, unsharded=(self.root_g, self.kept_rs))
             # Under the bf16 policy the summed bf16 gradient is gone once copied into the fp32 buffer (measured).
             summed = 0 if pb != rb else pb * root
-            tl.add(name, self.done, acts, 0, self.post_backward(tl, root, list(shape.other_params)),
+            tl.add(name, self.done, acts, 0, self.post_backward(tl, root, ParamShapes(others=shape.other_params)),
                    unsharded=(0, summed + rb * root))
         else:
             tl.add(name, self.done, acts, 0, self.masked, unsharded=(pb * vh + self.staged_vh, self.kept_rs + pb * vh))
-            tl.add(name, self.done, acts, 0, self.post_backward(tl, vh, [(shape.vocab, shape.hidden)]) + self.masked,
+            tl.add(name, self.done, acts, 0, self.post_backward(tl, vh, _head_params(shape)) + self.masked,
                    unsharded=(0, pb * vh + rb * vh))
 
     def step(self, tl: Timeline) -> None:
-        """The step runs on the shards (AdamW: in place). Adafactor's factored statistics need whole rows and
-        columns, so fulltune/runtime/optim.py's GatheredAdafactor gathers one parameter's weight and gradient at a time
-        and runs the unsharded update on them: the largest parameter's pair plus its temporaries. Under FSDP's
+        """The step runs on the shards (AdamW: in place). An optimizer that needs whole parameters (Adafactor's
+        factored statistics take whole rows and columns, Muon orthogonalises whole matrices) runs them through
+        fulltune/runtime/optim.py's GatheredOptimizer, which gathers one parameter at a time and runs the unsharded
+        update on it: the largest one's gathered tensors plus its temporaries (its record's `sharded_step_bytes`).
+        Under FSDP's
         CPU offload the step runs on the host shards: the device holds nothing of it (the host's temporaries
         are in the phase's host parts). Stepped in backward (`post_backward`), each sharded gradient is freed
         by its step as its unit's reduce-scatter assigns it (the hooks: `Timeline.add` counts none of them):
@@ -234,14 +240,26 @@ class Units:
         settings, levers = x.settings, x.levers
         if settings.optimizer_in_backward:
             return
-        step_temp = 0
-        if settings.optimizer == "adafactor" and not levers.sharded_offload:
-            largest = x.shape.largest_param_numel
-            step_temp = 2 * self.wb * largest + levers.states_temp
+        step_temp = 0 if levers.sharded_offload else sharded_step_bytes(settings.optimizer, x.shape.optimizer_shapes,
+                                                                           self.wb)
         tl.add("optimizer step", x.grads_total, 0, 0, step_temp)
         if levers.sharded_offload and levers.host_temp:
             # The host step's temporaries beside every host shard (the device is idle: nothing there).
             tl.phases[-1][2]["host"] += levers.host_temp
+
+
+def sharded_step_bytes(name: str, params: ParamShapes, weight_bytes: int) -> int:
+    """Optimizer `name`'s temporaries while it steps FSDP2 shards of `params`: its record's `sharded_step_bytes`
+    (gathered parameters), else its own temporaries (none for AdamW, which steps each shard in place)."""
+    record = optimizer(name)
+    if record.sharded_step_bytes is not None:
+        return record.sharded_step_bytes(params, weight_bytes)
+    return record.state_bytes(params, weight_bytes, "none")[1]
+
+
+def _head_params(shape: ModelShape) -> ParamShapes:
+    """An untied output head's unit: its (V, h) weight."""
+    return ParamShapes(others=((shape.vocab, shape.hidden),))
 
 
 def fsdp_layout(tl: Timeline) -> Layout:
@@ -298,3 +316,75 @@ def _chunked_head(tl: Timeline, units: Units) -> None:
     if sb != 4:  # the fp32 input gradient and its cast to the stream dtype
         tl.add("backward of the lm head / loss", done, total, 0, tiles["saved"] + 4 * t * h + sb * t * h,
                unsharded=(gathered_head, head_grad))
+
+
+@dataclass(frozen=True)
+class StageUnits:
+    """FSDP beside pipeline stages, the part of a stage's Layout (`walk.Layout.gathered`) that FSDP2's units add
+    to the replicated walk: which of an FSDP-sharded stage's units hold their gathered weights in each phase of a
+    micro-batch (fulltune/runtime/pipeline_parallel.py `data_parallel_stage`: the embedding and each layer a unit,
+    the head a unit kept gathered after its forward, the stage the root). The schedule keeps a unit gathered from its
+    backward on (`set_reshard_after_backward(False)`) until its next forward reshards it, so while a micro-batch
+    runs its backward the units it has backwarded are gathered, and the unit below it (FSDP2's backward
+    prefetch: the layer below, or the first stage's embedding below its first layer), the others not; the head
+    stays gathered from its first forward to the step's end. Found by reading which units were unsharded at each
+    rank's measured peak (FSDP2's `FSDPParamGroup.is_unsharded`). Counted before as all gathered through the
+    step, the estimate was 2–10% over; now 0.04–1.91% under (the module docstring's cases)."""
+
+    shape: ModelShape  # the stage's
+    weight_bytes: int
+    layers: tuple[int, int]  # [start, end) in the model's numbering
+    first: bool
+    last: bool
+    fresh: bool  # the step's first micro-batch: the head is not gathered before its forward
+
+    @property
+    def root(self) -> int:
+        """The root's weights (the final norm), gathered through the step."""
+        return self.weight_bytes * sum(p[0] for p in self.shape.other_params if len(p) == 1)
+
+    @property
+    def embedding(self) -> int:
+        """The input embedding's weights on the first stage (0 on the others)."""
+        tables = [p for p in self.shape.other_params if len(p) == 2]
+        return self.weight_bytes * tables[0][0] * tables[0][1] if self.first and tables else 0
+
+    @property
+    def layer(self) -> int:
+        """One decoder layer's weights."""
+        return self.weight_bytes * self.shape.layer_numel
+
+    @property
+    def head(self) -> int:
+        """The output head's weights on the last stage (0 on the others)."""
+        return self.weight_bytes * self.shape.vocab * self.shape.hidden if self.last else 0
+
+    def bytes_in(self, phase: str) -> int:
+        """The units' gathered weights (beyond their shards) during `phase`."""
+        start, end = self.layers
+        if phase == "forward":  # the stage's last layer computing; the head from an earlier micro-batch
+            return self.layer + (0 if self.fresh else self.head)
+        if phase.startswith("backward of layer "):  # this layer and the ones above, and the unit below prefetched
+            i = int(phase.removeprefix("backward of layer "))
+            return (end - i) * self.layer + (self.layer if i > start else self.embedding) + self.head
+        if phase == "backward of the embeddings":
+            return (end - start) * self.layer + self.embedding
+        if phase == "optimizer step":  # resharded after the step's last backward
+            return 0
+        return self.head  # the head's forward and backward
+
+    def gather_bytes(self, phase: str) -> int:
+        """The gathered weights while "backward of layer i" gathers layer i: the ones above and the head, and
+        layer i twice (FSDP2's all-gather output and the weights it is copied into)."""
+        return (self.layers[1] - int(phase.removeprefix("backward of layer ")) + 1) * self.layer + self.head
+
+    def record(self, tl: Timeline, phase: str, grads: int, acts: int, logits: int, temp: int, now: int,
+               backward: bool, unsharded: tuple[int, int]) -> None:
+        """`Timeline.add` of a stage's phase with the gathered units (`bytes_in`) among the parameters; as a
+        layer's backward begins, first its gather: its activations saved, the stream's gradient arrived, and its
+        all-gather output beside the weights being copied out of it (the prefetch comes after)."""
+        if phase.startswith("backward of layer ") and (not tl.phases or tl.phases[-1][0] != phase):
+            x = tl.terms
+            tl.record(phase, grads, acts, logits, x.layer.saved + x.bsh4, now, backward,
+                      (unsharded[0] + self.gather_bytes(phase), unsharded[1]))
+        tl.record(phase, grads, acts, logits, temp, now, backward, (unsharded[0] + self.bytes_in(phase), unsharded[1]))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from fulltune.memory import optimizer_bytes as optim
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import Settings
+from fulltune.optimizers import compensation_of
 
 
 @dataclass(frozen=True)
@@ -50,30 +51,33 @@ class LeverBytes:
 
 def lever_bytes(shape: ModelShape, settings: Settings) -> LeverBytes:
     """The lever byte counts of `settings` on `shape` (cached: the planner asks for many settings)."""
-    sharded = settings.offload_optimizer and settings.strategy == "fsdp"
+    sharded = settings.offload_optimizer and settings.dims.fsdp_enabled
     return _lever_bytes_cached(shape, settings.optimizer, settings.pure_bf16, settings.optimizer_in_backward,
                                settings.offload_optimizer, settings.gradient_accumulation_steps,
-                               settings.num_processes if sharded else 0)
+                               settings.num_processes if sharded else 0, compensation_of(settings))
 
 
-def sharded_offload_bytes(shape: ModelShape, optimizer: str, pure_bf16: bool, num_processes: int) -> LeverBytes:
+def sharded_offload_bytes(shape: ModelShape, optimizer: str, pure_bf16: bool, num_processes: int,
+                          compensation: str | None = None) -> LeverBytes:
     """FSDP's CPU offload (fulltune/runtime/sharding.py, `CPUOffloadPolicy`): nothing of the optimizer on the device;
     one process's shards of the parameters (weight dtype: fp32, bf16 under pure bf16) in pinned host RAM, and
     the optimizer's states and temporaries over them, as the plain optimizer (compensated under pure bf16)
     allocates them there. The gradients' shards are counted per phase (`host_parts`)."""
     wb = optim.weight_bytes(pure_bf16)
-    states, temp = optim.device_state_bytes(optimizer, shape.param_shapes, pure_bf16=pure_bf16)
+    states, temp = optim.device_state_bytes(optimizer, shape.optimizer_shapes, pure_bf16=pure_bf16,
+                                            compensation=compensation)
     n = num_processes
     return LeverBytes(wb, 0, 0, wb * shape.num_params // n, states // n, temp // n, 0, sharded_offload=True)
 
 
 @functools.lru_cache(maxsize=256)
 def _lever_bytes_cached(shape: ModelShape, optimizer: str, pure_bf16: bool, in_backward: bool, offload: bool,
-                        accumulation: int, sharded_processes: int = 0) -> LeverBytes:
+                        accumulation: int, sharded_processes: int = 0, compensation: str | None = None) -> LeverBytes:
     if offload and sharded_processes:
-        return sharded_offload_bytes(shape, optimizer, pure_bf16, sharded_processes)
-    shapes = shape.param_shapes
-    states, temp = optim.device_state_bytes(optimizer, shapes, pure_bf16=pure_bf16, offload_optimizer=offload)
+        return sharded_offload_bytes(shape, optimizer, pure_bf16, sharded_processes, compensation)
+    shapes = shape.optimizer_shapes
+    states, temp = optim.device_state_bytes(optimizer, shapes, pure_bf16=pure_bf16, offload_optimizer=offload,
+                                            compensation=compensation)
     host_masters = host_states = host_temp = host_buffer = 0
     if offload:
         host_states, host_temp = optim.optimizer_state_bytes(optimizer, shapes, 4, "none")

@@ -27,8 +27,8 @@ stage's weight shards and optimizer states are FSDP's share (`fsdp.persistent`, 
 accumulates the micro-batches' gradients unsharded and reduces them once, after the step's last backward, and a
 unit keeps its gathered weights from its backward until its next forward reshards it, so the stage is walked as the
 replicated layout (the unsharded gradients) with the shards, the sharded states and each phase's gathered units
-beside it (`GatheredUnits`). Under DDP (`replicate`, FSDP2's replicated layout) the replicated parameters are a
-second copy beside the gathered ones. The figure is per rank. Measured per rank on CPU (2 stages × 2:
+beside it (`fsdp.StageUnits`, the layout's gathered units). Under DDP (`replicate`, FSDP2's replicated layout) the
+replicated parameters are a second copy beside the gathered ones. The figure is per rank. Measured per rank on CPU (2 stages × 2:
 benchmarks/pipeline_parallel.py's `*-fsdp2` and `*-ddp2` cases, hidden 128, 4 layers, vocabulary 4096, 4
 micro-batches of 2 × 128; BENCHMARKS.md): under FSDP from 1.91% below to 0.04% below the measured peak (fp32 and
 bf16, 1F1B and GPipe, 2 layers checkpointed; counted as every unit gathered through the step it was 2–10% above);
@@ -42,15 +42,16 @@ The step time of a pipelined step (the bubble, the point-to-point sends) is the 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, get_args
 
+from fulltune import spec
 from fulltune.levers import PIPELINE_REFUSED_LEVERS
 from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.shapes import ModelShape, model_shape
 from fulltune.memory.timeline import Timeline
 from fulltune.memory.types import MemoryEstimate, Settings
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = get_args(spec.PipelineSchedule)
 SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe"}
 # The levers pipeline stages do not run: rules of the lever table (fulltune/levers.py).
 UNSUPPORTED_LEVERS = tuple(PIPELINE_REFUSED_LEVERS)
@@ -140,7 +141,7 @@ def worst_stage(stages: tuple[StageEstimate, ...]) -> StageEstimate:
 
 def per_stage(settings: Settings) -> Settings:
     """Pipelined `settings` (`pipeline_parallel` P > 1) as `estimate_stages` reads them: one stage's processes."""
-    return replace(settings, num_processes=settings.num_processes // settings.pipeline_parallel, pipeline_parallel=1)
+    return replace(settings, num_processes=settings.dims.per_stage().world_size, pipeline_parallel=1)
 
 
 def stage_memory_estimate(shape: ModelShape, settings: Settings) -> MemoryEstimate:
@@ -153,7 +154,7 @@ def stage_memory_estimate(shape: ModelShape, settings: Settings) -> MemoryEstima
     worst = worst_stage(estimate_stages(shape, one, settings.pipeline_parallel, settings.pipeline_schedule))
     first, last = worst.layers
     dp = one.num_processes
-    beside = f", per rank of its {dp} {one.strategy.upper()} processes" if dp > 1 and one.strategy != "none" else ""
+    beside = f", per rank of its {dp} {one.strategy.upper()} processes" if dp > 1 and not one.dims.alone else ""
     note = (f"pipeline stage {worst.stage} of {settings.pipeline_parallel} (layers {first}–{last - 1}, "
             f"{worst.in_flight} micro-batch{'es' if worst.in_flight != 1 else ''} in flight{beside}) is the largest: "
             f"its peak is the device figure")
@@ -170,8 +171,7 @@ def _check(shape: ModelShape, settings: Settings, num_stages: int, schedule: str
     M = settings.gradient_accumulation_steps
     if schedule == "1f1b" and M < num_stages:
         raise MemoryConfigError(f"1F1B needs at least as many micro-batches as stages: {M} < {num_stages}")
-    if settings.strategy not in ("none", "fsdp", "ddp") or (settings.strategy == "none"
-                                                           and settings.num_processes != 1):
+    if settings.dims.alone and settings.num_processes != 1:
         raise MemoryConfigError("pipeline stages are modelled alone (strategy none, one process per stage) or with "
                                 "data parallel beside them (strategy fsdp or ddp over a stage's processes)")
     on = [name for name in UNSUPPORTED_LEVERS if getattr(settings, name)]
@@ -273,7 +273,7 @@ def _single_micro_batch(sub: ModelShape, ss: Settings, first: bool, last: bool, 
     backward. The single-process walk (`walk.walk` with `replicated.replicated`) on the stage's layers, with the
     embedding on the first stage and the head on the last; the step's batch has `micro_batches` micro-batches."""
     from fulltune.memory.replicated import replicated
-    from fulltune.memory.fsdp import persistent
+    from fulltune.memory.fsdp import StageUnits, persistent
     from fulltune.memory.timeline import step_terms
     from fulltune.memory.walk import walk
 
@@ -293,11 +293,11 @@ def _single_micro_batch(sub: ModelShape, ss: Settings, first: bool, last: bool, 
     x = replace(x, acts=acts)
     p = persistent(x)
     gathered = None
-    if ss.strategy in ("fsdp", "ddp") and ss.num_processes > 1:
+    if not ss.dims.alone and ss.num_processes > 1:
         sharded = persistent(step_terms(sub, ss, ss))
-        if ss.strategy == "fsdp":  # the units' gathered weights come and go phase by phase (`GatheredUnits`)
-            gathered = GatheredUnits(sub, x.levers.weight_bytes, (start, start + sub.num_layers), first, last,
-                                     fresh=ss.gradient_accumulation_steps == 1)
+        if ss.dims.fsdp_enabled:  # the units' gathered weights come and go phase by phase (`fsdp.StageUnits`)
+            gathered = StageUnits(sub, x.levers.weight_bytes, (start, start + sub.num_layers), first, last,
+                                  fresh=ss.gradient_accumulation_steps == 1)
             p = replace(p, params=sharded.params + gathered.root, states=sharded.states)
         else:  # DDP's replicated parameters beside the copy the step computes with
             p = replace(p, params=p.params + sharded.params, states=sharded.states)
@@ -306,85 +306,7 @@ def _single_micro_batch(sub: ModelShape, ss: Settings, first: bool, last: bool, 
     # Every stage has the step's position ids (and attention mask); the first its token ids, the last its
     # labels and one micro-batch's target index and tokens (int64).
     batch = 8 * rows * s * (1 + int(ss.attention_mask) + int(first) + int(last)) + (2 * 8 * x.t if last else 0)
-    tl = Timeline(x, replace(p, batch=batch)) if gathered is None else StageTimeline(x, replace(p, batch=batch),
-                                                                                     units=gathered)
-    walk(tl, replicated(tl, layers=(start, start + sub.num_layers), embedding=first, head=last))
+    tl = Timeline(x, replace(p, batch=batch))
+    layout = replicated(tl, layers=(start, start + sub.num_layers), embedding=first, head=last)
+    walk(tl, replace(layout, gathered=gathered))
     return tl.phases, acts.total, x
-
-
-@dataclass(frozen=True)
-class GatheredUnits:
-    """Which of an FSDP-sharded stage's units hold their gathered weights in each phase of a micro-batch
-    (fulltune/runtime/pipeline_parallel.py `data_parallel_stage`: the embedding and each layer a unit, the head a
-    unit kept gathered after its forward, the stage the root). The schedule keeps a unit gathered from its
-    backward on (`set_reshard_after_backward(False)`) until its next forward reshards it, so while a micro-batch
-    runs its backward the units it has backwarded are gathered, and the unit below it (FSDP2's backward
-    prefetch: the layer below, or the first stage's embedding below its first layer), the others not; the head
-    stays gathered from its first forward to the step's end. Found by reading which units were unsharded at each
-    rank's measured peak (FSDP2's `FSDPParamGroup.is_unsharded`). Counted before as all gathered through the
-    step, the estimate was 2–10% over; now 0.04–1.91% under (the module docstring's cases)."""
-
-    shape: ModelShape  # the stage's
-    weight_bytes: int
-    layers: tuple[int, int]  # [start, end) in the model's numbering
-    first: bool
-    last: bool
-    fresh: bool  # the step's first micro-batch: the head is not gathered before its forward
-
-    @property
-    def root(self) -> int:
-        """The root's weights (the final norm), gathered through the step."""
-        return self.weight_bytes * sum(p[0] for p in self.shape.other_params if len(p) == 1)
-
-    @property
-    def embedding(self) -> int:
-        """The input embedding's weights on the first stage (0 on the others)."""
-        tables = [p for p in self.shape.other_params if len(p) == 2]
-        return self.weight_bytes * tables[0][0] * tables[0][1] if self.first and tables else 0
-
-    @property
-    def layer(self) -> int:
-        """One decoder layer's weights."""
-        return self.weight_bytes * self.shape.layer_numel
-
-    @property
-    def head(self) -> int:
-        """The output head's weights on the last stage (0 on the others)."""
-        return self.weight_bytes * self.shape.vocab * self.shape.hidden if self.last else 0
-
-    def bytes_in(self, phase: str) -> int:
-        """The units' gathered weights (beyond their shards) during `phase`."""
-        start, end = self.layers
-        if phase == "forward":  # the stage's last layer computing; the head from an earlier micro-batch
-            return self.layer + (0 if self.fresh else self.head)
-        if phase.startswith("backward of layer "):  # this layer and the ones above, and the unit below prefetched
-            i = int(phase.removeprefix("backward of layer "))
-            return (end - i) * self.layer + (self.layer if i > start else self.embedding) + self.head
-        if phase == "backward of the embeddings":
-            return (end - start) * self.layer + self.embedding
-        if phase == "optimizer step":  # resharded after the step's last backward
-            return 0
-        return self.head  # the head's forward and backward
-
-    def gather_bytes(self, phase: str) -> int:
-        """The gathered weights while "backward of layer i" gathers layer i: the ones above and the head, and
-        layer i twice (FSDP2's all-gather output and the weights it is copied into)."""
-        return (self.layers[1] - int(phase.removeprefix("backward of layer ")) + 1) * self.layer + self.head
-
-
-@dataclass
-class StageTimeline(Timeline):
-    """A `Timeline` whose phases add `units.bytes_in(phase)` to the parameters."""
-
-    units: GatheredUnits | None = None
-
-    def add(self, phase: str, grads: int, acts: int, logits: int, temp: int, now: int = 0, backward: bool = True,
-            unsharded: tuple[int, int] = (0, 0)) -> None:
-        if phase.startswith("backward of layer ") and (not self.phases or self.phases[-1][0] != phase):
-            # The layer's gather as its backward begins: its activations saved, the stream's gradient arrived,
-            # and its all-gather output beside the weights being copied out of it (the prefetch comes after).
-            x = self.terms
-            super().add(phase, grads, acts, logits, x.layer.saved + x.bsh4, now, backward,
-                        (unsharded[0] + self.units.gather_bytes(phase), unsharded[1]))
-        super().add(phase, grads, acts, logits, temp, now, backward,
-                    (unsharded[0] + self.units.bytes_in(phase), unsharded[1]))

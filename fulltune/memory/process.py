@@ -12,15 +12,19 @@ phase on CPU, where `budget.memory` is the process's resident memory (benchmarks
   steady step's (measured: within 1% of the second step's RSS).
 - **checkpoint save** and **final export**: safetensors writes tensors by pointer and torch.save streams
   the optimizer states, so beside the weights and states only one tensor-sized buffer is new; under FSDP on
-  CPU the export's streamed file of gathered tensors is rank 0's own memory too (`export_phase_bytes`).
+  CPU the export's streamed file of gathered tensors is rank 0's own memory too (`export_phase_bytes`). A
+  background write (`train.checkpoint_async`) copies the weights and states first and the steps go on beside
+  the copy: on a CPU device the phase is the step plus the copy (`checkpoint_staging_bytes`), on a GPU the copy
+  is host RAM.
 - **evaluation** runs in the evaluate stage's own process after training, or sharded over the training's
   processes for a run trained sharded: it is planned (per process) from the pipeline's `evaluate.*` settings in
   `memory/evaluation.py`, and the planner adds it to the plan's phases.
 
 The runtime overhead (`overhead.training_overhead`) is added to every phase; the load phase's is its own.
 
-Host RAM is planned per machine (`node_host_bytes`): the offloaded tensors of every process on it and, under
-FSDP, the export's gathered tensors (one file's on rank 0: the export streams, `export_host_bytes`). The
+Host RAM is planned per machine (`node_host_bytes`): the offloaded tensors of every process on it, the copies a
+background checkpoint write stages (`checkpoint_staging_bytes`) and, under FSDP, the export's gathered tensors
+(one file's on rank 0: the export streams, `export_host_bytes`). The
 training data costs a machine what `data_host_bytes` counts: train.arrow mapped once (its pages in the page
 cache, shared by every rank that reads them) and each rank's row index and micro-batch buffers.
 """
@@ -92,11 +96,10 @@ def phase_tensors(shape: ModelShape, settings: Settings, step_tensors: int) -> d
     """Tensor bytes (file pages included on CPU) at the peak of each phase of the training process;
     `step_tensors` is the steady step's peak (the step walk's `peak_bytes`)."""
     levers = lever_bytes(shape, settings)
-    share = 1.0 / settings.num_processes if settings.strategy in ("fsdp", "deepspeed_zero3") else 1.0
+    share = 1.0 / settings.num_processes if settings.dims.fsdp_enabled else 1.0
     P = shape.num_params
     weights = int(levers.weight_bytes * P * share)
-    states = int(levers.states * (1.0 / settings.num_processes if settings.strategy != "none"
-                                  and settings.strategy != "ddp" else 1.0))
+    states = int(levers.states * share)
     largest = shape.largest_param_numel * levers.weight_bytes
     if settings.device == "cpu":
         # The file's pages are resident memory; weights in another dtype are copies beside them.
@@ -114,7 +117,30 @@ def phase_tensors(shape: ModelShape, settings: Settings, step_tensors: int) -> d
     if settings.offload_optimizer and settings.device == "cpu":
         # The host masters and states are in the same memory as everything else.
         out[CHECKPOINT] = out[EXPORT] = max(out[CHECKPOINT], step_tensors)
+    if settings.checkpoint_async and settings.device == "cpu":
+        # The staged copy is in the same memory, and the steps after the boundary run beside it until it is
+        # written (on a GPU it is host RAM: `checkpoint_staging_bytes` in the host figure).
+        out[CHECKPOINT] = max(out[CHECKPOINT], step_tensors) + checkpoint_staging_bytes(shape, settings)
     return out
+
+
+def checkpoint_staging_bytes(shape: ModelShape, settings: Settings) -> int:
+    """Host RAM one process holds for a background checkpoint write (`train.checkpoint_async`,
+    fulltune/runtime/async_checkpoints.py): a copy of the weights and optimizer states the checkpoint holds, from
+    the step boundary until the write is published, while the next steps run. Under FSDP each process copies its
+    own shards (each writes them); otherwise the main process copies the whole model's states, which it alone
+    writes, and that is the figure (the other DDP processes write only their RNG states). 0 without the lever.
+
+    The states are the optimizer's as `fulltune.memory.lever_bytes` counts them: on the device, or in host RAM under
+    an offload (the masters and states the offloading optimizer's state dict holds beside the device weights)."""
+    if not settings.checkpoint_async:
+        return 0
+    levers = lever_bytes(shape, settings)
+    if levers.sharded_offload:  # FSDP's CPU offload: the host shards are the parameters
+        return levers.host_masters + levers.host_states
+    share = 1.0 / settings.num_processes if settings.dims.fsdp_enabled else 1.0
+    device = levers.weight_bytes * shape.num_params + levers.states
+    return int(device * share) + levers.host_masters + levers.host_states
 
 
 def export_phase_bytes(shape: ModelShape, settings: Settings, file_bytes: int | None = None) -> int:
@@ -123,7 +149,7 @@ def export_phase_bytes(shape: ModelShape, settings: Settings, file_bytes: int | 
     `file_bytes`, default `sharding.EXPORT_SHARD_BYTES`) and the current all-gather's buffers (`export_host_bytes`;
     on a GPU the file is in host RAM, `node_host_bytes`, and the device holds the one tensor being gathered)."""
     weight_bytes = lever_bytes(shape, settings).weight_bytes
-    if settings.strategy == "fsdp" and settings.device == "cpu":
+    if settings.dims.fsdp_enabled and settings.device == "cpu":
         return export_host_bytes(shape, weight_bytes, gathers_on_host=True, file_bytes=file_bytes)
     return shape.largest_param_numel * weight_bytes
 
@@ -141,23 +167,29 @@ def node_host_bytes(shape: ModelShape, settings: Settings, rank_host: int, ranks
       rank 0 holds one safetensors file's (`sharding.save_pretrained` streams file by file, at most
       `EXPORT_SHARD_BYTES` or the largest tensor: `export_host_bytes`), and where the all-gathers run in host
       RAM (FSDP's CPU offload) every rank's gather buffers;
-    - `total`: the machine's peak, the larger of the step and the export.
+    - `checkpoint`: the copies staged for a background checkpoint write (`checkpoint_staging_bytes`): every
+      rank's shards under FSDP, the main process's whole copy otherwise;
+    - `total`: the machine's peak, the larger of the step (with a checkpoint write in flight) and the export
+      (which waits for the write).
 
     One process without FSDP: its own host bytes (`export` 0: it writes its weights as they are).
     """
     levers = lever_bytes(shape, settings)
-    shards = rank_host * ranks_per_node
+    staged = checkpoint_staging_bytes(shape, settings)
+    checkpoint = staged * (ranks_per_node if settings.dims.fsdp_enabled else 1)
+    shards = (rank_host - staged) * ranks_per_node
     grads = int(levers.weight_bytes * shape.num_params / settings.num_processes) if levers.sharded_offload else 0
     pinned = (levers.pinned + grads) * ranks_per_node
     export = 0
-    if settings.strategy == "fsdp":
+    if settings.dims.fsdp_enabled:
         # The gathers run where the shards are: in host RAM under FSDP's CPU offload, else on the devices.
         on_host = levers.sharded_offload
         export = (export_host_bytes(shape, levers.weight_bytes, on_host)
                   + (ranks_per_node - 1) * (_gather_bytes(shape, levers.weight_bytes) if on_host else 0))
     # At the export the step's temporaries are gone; the shards (masters, gradients, states) are not.
     held = (levers.host_masters + grads + levers.host_states) * ranks_per_node if levers.sharded_offload else 0
-    return {"shards": shards, "pinned": pinned, "export": export, "total": max(shards, held + export)}
+    return {"shards": shards, "pinned": pinned, "export": export, "checkpoint": checkpoint,
+            "total": max(shards + checkpoint, held + export)}
 
 
 def export_host_bytes(shape: ModelShape, weight_bytes: int, gathers_on_host: bool,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fulltune.memory.errors import MemoryConfigError
+from fulltune.optimizers import ParamShapes
 
 LLAMA_LIKE = {
     "llama",
@@ -79,6 +80,18 @@ class ModelShape:
     @functools.cached_property
     def param_shapes(self) -> tuple[tuple[int, ...], ...]:
         return tuple(self.other_params) + tuple(s for _ in range(self.num_layers) for s in self.layer_params)
+
+    @functools.cached_property
+    def optimizer_shapes(self) -> ParamShapes:
+        """The parameters as the optimizer sees them: the decoder layers' 2-D weights apart from the rest."""
+        return ParamShapes(matrices=self.layer_optimizer_shapes.matrices * self.num_layers,
+                           others=self.other_params + self.layer_optimizer_shapes.others * self.num_layers)
+
+    @functools.cached_property
+    def layer_optimizer_shapes(self) -> ParamShapes:
+        """One decoder layer's parameters as the optimizer sees them (its 2-D weights apart)."""
+        return ParamShapes(matrices=tuple(s for s in self.layer_params if len(s) == 2),
+                           others=tuple(s for s in self.layer_params if len(s) != 2))
 
     @functools.cached_property
     def largest_param_numel(self) -> int:

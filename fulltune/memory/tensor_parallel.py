@@ -39,9 +39,8 @@ from dataclasses import dataclass, replace
 from fulltune.memory.activations import LayerBytes, ModelActivations, attention_bytes, compute_bytes, stream_bytes
 from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.fsdp import Units
-from fulltune.memory.lever_bytes import lever_bytes
 from fulltune.memory.shapes import ModelShape
-from fulltune.memory.timeline import StepTerms, Timeline, shares
+from fulltune.memory.timeline import StepTerms, Timeline
 from fulltune.memory.types import Settings
 from fulltune.memory.walk import Layout
 
@@ -162,27 +161,6 @@ def model_activations_tp(shape: ModelShape, settings: Settings, act: Settings, l
         head_copy=0, kept_mask=kept_mask, saved_by_layer=saved_by_layer,
         offloaded=k * layer.checkpoint_saved if settings.offload_activations else 0,
         mask_bool=b * s * s if settings.attention_mask else 0,
-    )
-
-
-def step_terms_tp(shape: ModelShape, settings: Settings, act: Settings) -> TensorParallelTerms:
-    """The shared numbers of a tensor-parallel rank's step: FSDP over dp of `rank_shape`, TP activations."""
-    T = settings.tensor_parallel
-    local, ranked = rank_shape(shape, T), rank_settings(settings)
-    local_act = rank_settings(act)
-    levers = lever_bytes(local, ranked)
-    layer = layer_bytes_tp(local, local_act, T)
-    c = compute_bytes(local_act)
-    grad_shard = shares(ranked).grads
-    return TensorParallelTerms(
-        shape=local, settings=ranked, act=local_act, levers=levers, layer=layer,
-        acts=model_activations_tp(local, ranked, local_act, layer, T),
-        t=settings.micro_batch_size * settings.targets_per_row, c=c, sb=stream_bytes(local_act),
-        mixed=False, grad_shard=grad_shard,
-        grads_total=int(levers.weight_bytes * local.num_params * grad_shard),
-        accumulating=settings.gradient_accumulation_steps > 1,
-        hooks=settings.optimizer_in_backward or settings.offload_optimizer,
-        tensor_parallel=T, full_vocab=shape.vocab, padded_seq=math.ceil(settings.seq_len / T) * T,
     )
 
 

@@ -9,6 +9,7 @@ turns each phase's varying parts into a breakdown (`Timeline.add`); the estimate
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from fulltune.memory.activations import (LayerBytes, ModelActivations, compute_bytes, layer_bytes, model_activations,
                                          stream_bytes)
@@ -75,25 +76,29 @@ class Shares:
 def shares(settings: Settings) -> Shares:
     """FSDP shards all three over the processes (fulltune/memory/fsdp.py); DDP none."""
     n = settings.num_processes
-    if settings.strategy == "fsdp":
+    if settings.dims.fsdp_enabled:
         return Shares(1.0 / n, 1.0 / n, 1.0 / n)
     return Shares(1.0, 1.0, 1.0)
 
 
-def step_terms(shape: ModelShape, settings: Settings, act: Settings) -> StepTerms:
-    """The shared numbers of a step of `settings`, whose activations are those of `act`."""
+def step_terms(shape: ModelShape, settings: Settings, act: Settings, layer: LayerBytes | None = None,
+               acts: ModelActivations | None = None, terms: type[StepTerms] = StepTerms, **extra: object) -> StepTerms:
+    """The shared numbers of a step of `settings` on `shape`, whose activations are those of `act`: a layer's
+    (`layer`) and the model's (`acts`) as a parallelism computes them for its rank (fulltune/memory/parallelism.py;
+    default the one process's), `terms` a kind's own subclass with its `extra` fields."""
     levers = lever_bytes(shape, settings)
-    layer = layer_bytes(shape, act)
+    layer = layer if layer is not None else layer_bytes(shape, act)
     c = compute_bytes(act)
     grad_shard = shares(settings).grads
-    return StepTerms(
+    return terms(
         shape=shape, settings=settings, act=act, levers=levers, layer=layer,
-        acts=model_activations(shape, settings, act, layer),
+        acts=acts if acts is not None else model_activations(shape, settings, act, layer),
         t=settings.micro_batch_size * settings.targets_per_row, c=c, sb=stream_bytes(act),
         mixed=c == 2 and not act.pure_bf16, grad_shard=grad_shard,
         grads_total=int(levers.weight_bytes * shape.num_params * grad_shard),
         accumulating=settings.gradient_accumulation_steps > 1,
         hooks=settings.optimizer_in_backward or settings.offload_optimizer,
+        **extra,  # type: ignore[arg-type]
     )
 
 
@@ -115,12 +120,24 @@ class Timeline:
     terms: StepTerms
     persistent: Persistent
     phases: list[tuple[str, int, dict[str, int]]] = field(default_factory=list)
+    # What a layout adds to every phase it records (`walk.Layout.gathered`: FSDP's units beside pipeline stages,
+    # `fsdp.StageUnits`); set by the walk.
+    gathered: Any = None
 
     def add(self, phase: str, grads: int, acts: int, logits: int, temp: int, now: int = 0, backward: bool = True,
             unsharded: tuple[int, int] = (0, 0)) -> None:
         """Record a phase: `grads` the gradients alive without the hook levers, `acts` the saved activations,
         `logits` the logit tensors, `temp` the phase's working set; `now` the gradient a hook is about to take;
-        `unsharded` FSDP's gathered parameters and (unsharded gradients + reduce-scatter buffers) now."""
+        `unsharded` FSDP's gathered parameters and (unsharded gradients + reduce-scatter buffers) now. A layout's
+        `gathered` units record it with theirs."""
+        if self.gathered is None:
+            self.record(phase, grads, acts, logits, temp, now, backward, unsharded)
+        else:
+            self.gathered.record(self, phase, grads, acts, logits, temp, now, backward, unsharded)
+
+    def record(self, phase: str, grads: int, acts: int, logits: int, temp: int, now: int = 0, backward: bool = True,
+               unsharded: tuple[int, int] = (0, 0)) -> None:
+        """`add` without the layout's units: one phase's breakdown appended."""
         # Called for every phase of every candidate the planner weighs (millions for a 70B plan): plain
         # arithmetic, the breakdown's keys in the order the report shows them.
         x, p = self.terms, self.persistent

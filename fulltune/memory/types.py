@@ -7,13 +7,16 @@ from typing import Any, get_args
 
 from fulltune import spec
 from fulltune.degrees import ParallelDims
-from fulltune.levers import LEVERS  # the lever table's names, in the order the planner tries them
+from fulltune.levers import LEVERS, lever_fields  # the lever table's names, in the order the planner tries them
 from fulltune.memory.errors import MemoryConfigError
+from fulltune.optimizers import compensation_of
 
 # The choices are the spec's (fulltune/spec.py), defined once there.
 MIXED_PRECISIONS = get_args(spec.MixedPrecision)
 OPTIMIZERS = get_args(spec.Optimizer)
+COMPENSATIONS = ("auto", *get_args(spec.Compensation))
 ATTN_IMPLEMENTATIONS = get_args(spec.AttnImplementation)
+FLOAT8_RECIPES = get_args(spec.Float8Recipe)
 DEVICES = get_args(spec.Device)
 # What a step runs under; a request may also leave it to the planner ("auto": planning/strategy.py).
 STRATEGIES = tuple(s for s in get_args(spec.Strategy) if s != "auto")
@@ -34,6 +37,7 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 @dataclass(frozen=True)
+@lever_fields("bool", False, after="target_fraction")
 class Settings:
     """One concrete way to run a training step; everything that decides its memory.
 
@@ -48,8 +52,7 @@ class Settings:
             gradients and optimizer states stay fp32; autocast keeps 16-bit copies of the weights
             and 16-bit activations for the forward and backward pass. Accelerate ignores `fp16` on
             CPU, so it is counted as `no` there.
-        optimizer: `adamw` (torch, fused: 8 B/param), `adamw_8bit` (bitsandbytes: ~2 B/param),
-            `adafactor` (transformers, factored second moment, no first moment).
+        optimizer: the name of a record of fulltune/optimizers.py (`adamw`, `adamw_8bit`, ...).
         attn_implementation: `sdpa` (fused attention) or `eager` (keeps the s×s score matrices).
         device: `cpu` or `cuda`; decides the attention kernel and the runtime overhead.
         strategy: how parameters, gradients and optimizer states are split over processes.
@@ -58,6 +61,8 @@ class Settings:
             data-parallel degree is num_processes / (tensor_parallel × pipeline_parallel).
         pipeline_parallel, pipeline_schedule: pipeline stages (one process each) and their schedule
             (fulltune/runtime/pipeline_parallel.py); the step's micro-batches flow through them.
+        context_parallel: processes each row's positions are split over (fulltune/runtime/context_parallel.py);
+            the data-parallel degree is num_processes / (context_parallel × tensor_parallel × pipeline_parallel).
         attention_mask: True when the model receives an explicit (b, 1, s, s) attention mask: padded
             batches, or packed rows under attention that needs one (eager, a sliding window shorter than
             the row). A mask makes SDPA keep it per layer and repeat grouped key/value heads; without one
@@ -69,14 +74,17 @@ class Settings:
             that do. The trainer runs the output head only at those positions (`fulltune.runtime.loss`),
             so the logits are (t, V) with t = micro_batch_size · round(target_fraction ·
             (seq_len - 1)). 1.0, the default, is the most any batch can have.
-        pure_bf16: bf16 weights and gradients, no fp32 master (`fulltune.runtime.optim`); the update is
-            compensated (Kahan buffer for adamw, stochastic rounding for adamw_4bit); activations are
-            bf16 whatever `mixed_precision` says.
-        optimizer_in_backward: each parameter is stepped and its gradient freed in backward; only with
-            gradient_accumulation_steps 1 (the planner keeps the effective batch with the micro-batch).
-        offload_optimizer: fp32 masters, gradients and optimizer states in host RAM, updated there.
-        offload_activations: the saved inputs of checkpointed layers wait in host RAM.
-        chunked_loss: the output head and cross-entropy run in tiles; no whole (t, V) tensor.
+
+    Then one bool per memory lever (fulltune/levers.py, made from its record by `lever_fields`): `pure_bf16`
+    (bf16 weights and gradients, no fp32 master; activations are bf16 whatever `mixed_precision` says),
+    `optimizer_in_backward`, `offload_optimizer`, `offload_activations`, `chunked_loss`; and `compensation`, how
+    pure bf16 weights keep small updates (`auto`: the optimizer's default; `optimizers.compensation_of` says which
+    runs).
+
+    `checkpoint_async`: step checkpoints are copied to host RAM at the step boundary and written while training
+    goes on (`fulltune.runtime.async_checkpoints`): the copy is counted in the checkpoint phase and the host RAM
+    (`fulltune.memory.process.checkpoint_staging_bytes`). `float8_recipe`: the scales of the `float8` lever's
+    matmuls, `tensorwise` or `rowwise` (`fulltune.memory.float8`).
     """
 
     micro_batch_size: int
@@ -95,15 +103,14 @@ class Settings:
     attention_mask: bool = True
     document_length: int = 0
     target_fraction: float = 1.0
-    pure_bf16: bool = False
-    optimizer_in_backward: bool = False
-    offload_optimizer: bool = False
-    offload_activations: bool = False
-    chunked_loss: bool = False
+    compensation: str = "auto"
+    context_parallel: int = 1
+    checkpoint_async: bool = False
+    float8_recipe: str = "tensorwise"
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "num_processes",
-                     "tensor_parallel"):
+                     "tensor_parallel", "context_parallel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MemoryConfigError(f"{name} must be an integer >= 1; got {value!r}")
@@ -120,19 +127,23 @@ class Settings:
             raise MemoryConfigError(f"document_length must be an integer from 0 to seq_len; got {self.document_length!r}")
         _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        _check_choice("compensation", self.compensation, COMPENSATIONS)
         _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
+        _check_choice("float8_recipe", self.float8_recipe, FLOAT8_RECIPES)
         _check_choice("device", self.device, DEVICES)
         _check_choice("strategy", self.strategy, STRATEGIES)
+        # The field's own check, before the degrees are built from it (`dims`: the layout).
         if self.strategy == "none" and self.num_processes != self.pipeline_parallel:
             raise MemoryConfigError("num_processes > 1 needs a strategy (ddp or fsdp) or pipeline stages")
-        ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel)  # DegreesError unless they divide
+        self.dims  # DegreesError unless they divide
         _check_levers(self)
 
     @property
     def dims(self) -> ParallelDims:
         """The parallel degrees the step runs with: num_processes as data parallel × tensor_parallel ×
-        pipeline_parallel."""
-        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel)
+        pipeline_parallel, the data-parallel processes held as `strategy` says."""
+        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel, self.strategy,
+                            self.context_parallel)
 
     def levers(self) -> dict[str, bool]:
         """The memory levers, name → on."""
@@ -162,7 +173,7 @@ class Settings:
 CHOSEN = ("micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "mixed_precision", "optimizer")
 RECORDED = ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "gradient_checkpointing", "mixed_precision",
             "optimizer", "attn_implementation", "device", "strategy", "num_processes", "tensor_parallel",
-            "attention_mask", "document_length", "target_fraction")
+            "attention_mask", "document_length", "target_fraction", "compensation", "context_parallel")
 
 
 def _check_levers(settings: Any) -> None:
@@ -241,6 +252,7 @@ class EvalRequest:
 
 
 @dataclass(frozen=True)
+@lever_fields("bool | None", None, after="target_fraction")
 class PlanRequest:
     """What the user asked for; `None` in a field means "auto": the planner may choose it.
 
@@ -270,21 +282,26 @@ class PlanRequest:
     tensor_parallel: int | None = 1  # None: auto, the planner chooses a degree (planning/search.py)
     pipeline_parallel: int | None = 1  # None: auto, the planner chooses the stages (planning/pipeline.py)
     pipeline_schedule: str = "1f1b"
+    context_parallel: int | None = 1  # None: auto, the planner chooses a degree (planning/search.py)
     bf16_supported: bool = False
     attention_mask: bool = True
     document_length: int = 0  # packed rows: Σ length² / Σ length of their documents (Settings.document_length)
     target_fraction: float = 1.0
-    pure_bf16: bool | None = None
-    optimizer_in_backward: bool | None = None
-    offload_optimizer: bool | None = None
-    offload_activations: bool | None = None
-    chunked_loss: bool | None = None
+    # Here, one field per memory lever: True, False or None (auto) (`lever_fields`).
+    compensation: str = "auto"  # how pure bf16 weights keep small updates (`Settings`); auto: the optimizer's
+    checkpoint_async: bool = False  # train.checkpoint_async: the staged copy is counted, never chosen
+    float8_recipe: str = "tensorwise"  # train.float8_recipe: how float8 matmuls scale their operands
+    float8_supported: bool = False  # the GPU has float8 tensor cores (memory/budget.py): what float8: auto needs
+    compile: bool = False  # train.compile: the step is compiled (float8: auto needs it)
     host_memory_bytes: int | None = None
     num_machines: int = 1  # the processes are spread evenly over them; host_memory_bytes is per machine
     # The evaluate stage (`evaluate.*`): planned beside training and part of `fits`; None: not planned.
     evaluation: EvalRequest | None = None
     # Where `host_memory_bytes` came from when it was not given: a line the plan shows (memory/budget.py).
     host_memory_assumed: str | None = None
+    # How the request was read from the pipeline on this machine, lines the plan shows: `memory: auto` on CPU
+    # shared by one machine's processes (memory/budget.py), a strategy left unset for the plan to choose.
+    notes: tuple[str, ...] = ()
 
     def levers(self) -> dict[str, bool | None]:
         """The memory levers, name → True / False / None (auto)."""
@@ -324,7 +341,9 @@ class PlanRequest:
     def dims(self) -> ParallelDims:
         """The parallel degrees asked for: `tp` None while tensor_parallel is auto (pipeline_parallel auto:
         as one stage until the planner chooses)."""
-        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel or 1)
+        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel or 1,
+                            None if self.strategy == "auto" else self.strategy,  # the request's auto: None
+                            self.context_parallel)
 
 
 def _check_request_choices(request: PlanRequest) -> None:
@@ -336,7 +355,9 @@ def _check_request_choices(request: PlanRequest) -> None:
         _check_choice("mixed_precision", request.mixed_precision, MIXED_PRECISIONS)
     if request.optimizer is not None:
         _check_choice("optimizer", request.optimizer, OPTIMIZERS)
+    _check_choice("compensation", request.compensation, COMPENSATIONS)
     _check_choice("attn_implementation", request.attn_implementation, ATTN_IMPLEMENTATIONS)
+    _check_choice("float8_recipe", request.float8_recipe, FLOAT8_RECIPES)
     _check_choice("device", request.device, DEVICES)
     _check_choice("strategy", request.strategy, (*STRATEGIES, "auto"))
     if request.budget_bytes is not None and (isinstance(request.budget_bytes, bool) or request.budget_bytes <= 0):
@@ -390,12 +411,15 @@ class MemoryPlan:
             "estimate": self.configured_estimate.to_dict(),
             "plan": {
                 **s.choices(),
+                "compensation": compensation_of(s),  # what pure bf16 weights run with ("none" without them)
                 "seq_len": s.seq_len,
                 "strategy": s.strategy,
                 "num_processes": s.num_processes,
                 "tensor_parallel": s.tensor_parallel,
                 "pipeline_parallel": s.pipeline_parallel,
                 "pipeline_schedule": s.pipeline_schedule,
+                "context_parallel": s.context_parallel,
+                "checkpoint_async": s.checkpoint_async,
                 "estimated_step_seconds": self.estimated_step_seconds,
                 "host_bytes": int(self.plan_estimate.host_bytes),
                 "estimate": self.plan_estimate.to_dict(),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fulltune.memory import parallelism
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import Settings
 
@@ -50,27 +51,10 @@ MEASURED: dict[tuple[str, str], tuple[float, str]] = {
 # h=256 with 4 layers): all within 0.2% but one combination, which reads low.
 LEVERS_MEASURED = (0.0396, "pure bf16 + optimizer offload + chunked loss, all 4 layers checkpointed, h=256, traced "
                            "(the trace keeps one more bf16 embedding gradient at the optimizer step)")
-# FSDP2's per-rank peak (the sharding terms of `fsdp.Units`), measured in every rank with
-# FSDPMemTracker on CPU (benchmarks/sharded_memory.py, BENCHMARKS.md): the largest |estimate/measured − 1|
-# over the grid. An FSDP step keeps the larger of this and its single-process kind's entry.
-FSDP_MEASURED = (0.0059, "FSDP2 per rank on CPU, fp32, tied embeddings, every layer checkpointed, micro-batch 2 "
-                          "(worst of 29 configurations, benchmarks/sharded_memory.py)")
-# The levers measured under FSDP the same way (`benchmarks/sharded_memory.py --levers`: within 0.17% of every
-# rank); an FSDP step with another lever on (pure bf16, CPU offload) keeps the assumed margin below.
-FSDP_LEVERS_MEASURED = ("chunked_loss", "optimizer_in_backward")
-# A tensor-parallel rank (FSDP × TP, `memory/tensor_parallel.py`), measured the same way
-# (benchmarks/tensor_parallel_memory.py): its step also keeps FSDP's entry when that is larger.
-TP_MEASURED = (0.0009, "tensor parallel 2 per rank on CPU, fp32, micro-batch 1 (worst of 18 configurations, "
-                       "benchmarks/tensor_parallel_memory.py)")
-# A pipeline stage's per-rank peak (`memory/pipeline.py`), measured in every rank with MemTracker on CPU through
-# the trainer's step (benchmarks/pipeline_parallel.py, BENCHMARKS.md): a pipelined step keeps the larger of this
-# and its kind's entry.
-PIPELINE_MEASURED = (0.0191, "pipeline stages per rank on CPU: FSDP beside 2 stages, bf16 1F1B, one rank of the "
-                             "first stage 1.91% under (that rank's peak varies from run to run by about one unit's "
-                             "all-gather: gloo's timing); a middle stage of 4 at 1.00% under "
-                             "(benchmarks/pipeline_parallel.py)")
-# Kinds never measured against a real step: a model type modelled as a Llama-like decoder, and the
-# other multi-process strategies (DDP, DeepSpeed ZeRO).
+# Each kind of parallelism's own measured margin (FSDP, tensor parallel, pipeline stages) is its object's
+# (fulltune/memory/parallelism.py `Parallelism.margin`): a step keeps the largest of its kinds' and this table's.
+# Kinds never measured against a real step: a model type modelled as a Llama-like decoder, and the kinds of
+# parallelism without a margin of their own (DDP).
 UNMEASURED = 0.05
 
 
@@ -106,33 +90,22 @@ def configuration_kind(shape: ModelShape, settings: Settings) -> tuple[str, str]
 def _describe_kind(shape: ModelShape, settings: Settings) -> str:
     layout, checkpointing = configuration_kind(shape, settings)
     name = shape.model_type if shape.approximate else layout
-    text = f"{name}, checkpointing {checkpointing}"
-    if settings.strategy != "none":
-        text += f", {settings.strategy}"
-    if settings.tensor_parallel > 1:
-        text += f" × tensor parallel {settings.tensor_parallel}"
-    return text
+    return f"{name}, checkpointing {checkpointing}{parallelism.words(settings)}"
 
 
 def estimate_uncertainty(shape: ModelShape, settings: Settings, peak_bytes: int) -> Uncertainty:
     """The headroom to keep for an untraced step: the largest disagreement measured for its kind."""
     kind = _describe_kind(shape, settings)
     levers = any(settings.levers().values())
-    unmeasured = any(on for name, on in settings.levers().items() if name not in FSDP_LEVERS_MEASURED)
-    if shape.approximate or settings.strategy not in ("none", "fsdp") or (settings.strategy == "fsdp" and unmeasured):
-        why = ("model type modelled as Llama-like" if shape.approximate
-               else "fsdp with memory levers not measured" if settings.strategy == "fsdp"
-               else f"{settings.strategy} not measured")
+    parallel, unmeasured = parallelism.margin(settings)
+    if shape.approximate or unmeasured:
+        why = "model type modelled as Llama-like" if shape.approximate else unmeasured
         return Uncertainty(int(UNMEASURED * peak_bytes), UNMEASURED, kind, "assumed", f"not measured ({why})")
     measured, where = MEASURED[configuration_kind(shape, settings)]
     if levers and LEVERS_MEASURED[0] > measured:
         measured, where = LEVERS_MEASURED
-    if settings.strategy == "fsdp" and FSDP_MEASURED[0] > measured:
-        measured, where = FSDP_MEASURED
-    if settings.tensor_parallel > 1 and TP_MEASURED[0] > measured:
-        measured, where = TP_MEASURED
-    if settings.pipeline_parallel > 1 and PIPELINE_MEASURED[0] > measured:
-        measured, where = PIPELINE_MEASURED
+    if parallel is not None and parallel.fraction > measured:
+        measured, where = parallel.fraction, parallel.evidence
     fraction = max(measured, FLOOR)
     evidence = f"largest measured {measured:.2%}: {where}"
     if fraction > measured:

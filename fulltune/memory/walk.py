@@ -10,16 +10,18 @@ Every layout's step is this walk over `timeline.StepTerms`, driven by a `Layout`
   the prefetch of the next unit, the reduce-scatter buffer kept until the next one): `fsdp.Units`;
 - the head's phases (`head.py` on a replicated process, FSDP2's in `fsdp.py`, the vocabulary-parallel one in
   `tensor_parallel.py`) and the few tensors a layout adds to the forward and the embedding (tensor parallel's
-  whole stream, its masked lookup).
+  whole stream, its masked lookup);
+- the units a layout keeps gathered beside every phase (FSDP beside pipeline stages: `fsdp.StageUnits`).
 
 The descriptions live beside the code that knows each layout: `replicated.replicated`, `fsdp.fsdp_layout`,
-`tensor_parallel.tp_layout`, `pipeline` (a stage). A new parallelism is a new `Layout`, not a new walk.
+`tensor_parallel.tp_layout`, `pipeline` (a stage); each kind of parallelism names its own
+(fulltune/memory/parallelism.py). A new parallelism is a new `Layout`, not a new walk.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from fulltune.memory.timeline import Timeline
 
@@ -57,12 +59,16 @@ class Layout:
     gathered_layer: int = 0  # FSDP2: the last layer's gathered weights in its forward
     lookup: int = 1  # (b, s, h) stream tensors of the embedding's forward (TP: partial sums and their all-reduce)
     forward_stream: int = 0  # stream bytes alive through the forward beside the saved ones (TP: the whole stream)
+    # Units whose gathered weights every phase adds (`Timeline.gathered`): FSDP beside pipeline stages, whose
+    # schedule keeps a unit gathered from its backward to its next forward (`fsdp.StageUnits`).
+    gathered: Any = None
 
 
 def walk(tl: Timeline, layout: Layout) -> None:
     """Record every phase of one micro-batch's step and the optimizer step on `tl`."""
     x = tl.terms
     start, end = layout.layers
+    tl.gathered = layout.gathered
     if layout.gathered_embedding:
         tl.add("forward", x.grads_before, 0, 0, layout.lookup * x.bsh4, backward=False,
                unsharded=(layout.gathered_embedding, 0))

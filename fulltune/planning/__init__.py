@@ -5,8 +5,6 @@ of the trainer's step, the out-of-memory replan, and autotune's measurements.
 - `configured_settings(...)`: the settings a pipeline names, with `auto` resolved.
 - `simulate_memory` / `measure_memory`: the trainer's step traced under FakeTensorMode or run for real.
 - `replan_after_oom(...)`: the next plan after a measured out-of-memory.
-- `rank_memory`: FSDP, tensor-parallel and pipeline ranks (and the FSDP export) run for real under torch's memory
-  trackers, against the per-rank estimates.
 
 Importing this package does not import torch; the functions that need it import it when called.
 """

@@ -46,9 +46,10 @@ def with_budget(p: ResolvedPipeline) -> ResolvedPipeline:
     """
     if p.budget is not None:
         return p
-    b = p.spec.budget
+    b, d = p.spec.budget, p.spec.distributed
+    per_machine = -(-d.num_processes // d.num_machines)  # the processes are spread evenly over the machines
     return replace(p, budget=resolve_budget(b.device, b.memory, b.headroom, b.host_memory,
-                                            where=f"pipelines.{p.name}.budget"))
+                                            where=f"pipelines.{p.name}.budget", processes=per_machine))
 
 
 def resolved_budget(p: ResolvedPipeline) -> Budget:
@@ -108,6 +109,7 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         tensor_parallel=d.dims.tp,  # None (auto): the planner chooses
         pipeline_parallel=None if d.pipeline_parallel == "auto" else d.pipeline_parallel,  # auto: the planner's
         pipeline_schedule=d.pipeline_schedule,
+        context_parallel=d.dims.cp,  # None (auto): the planner chooses
         bf16_supported=budget.bf16_supported,
         # Unpacked rows are right-padded and the trainer passes no mask at all (fulltune/data/batching.py);
         # packed rows need none under sdpa. `auto` not yet resolved: as packed.
@@ -116,19 +118,27 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         document_length=document_length,
         target_fraction=target_fraction,
         **{lever: None if getattr(t, lever) == "auto" else bool(getattr(t, lever)) for lever in LEVERS},
+        compensation=t.compensation,
+        float8_recipe=t.float8_recipe, float8_supported=budget.float8_supported, compile=t.compile,
+        checkpoint_async=t.checkpoint_async,
         host_memory_bytes=budget.host_bytes,
         num_machines=d.num_machines,
         evaluation=evaluation_request(p.spec),
         host_memory_assumed=budget.host_assumed,
+        notes=(*((budget.shared,) if budget.shared else ()),
+               # (on a CPU device one process has no strategy to choose: planning/strategy.py)
+               *((f"pipelines.{p.name}.distributed.strategy is not set: for one process the plan chooses it as "
+                  "under auto",) if d.strategy_unset and d.dims.auto_strategy and budget.device != "cpu" else ())),
     )
 
 
 def evaluation_request(spec: PipelineSpec) -> Any:
     """The evaluate stage as `evaluate.*` configures it, for the plan (memory/evaluation.py)."""
+    from fulltune.data.sources import generating_sources
     from fulltune.memory.evaluation import EvalRequest
 
     e = spec.evaluate
     return EvalRequest(batch_size=e.batch_size, max_new_tokens=e.max_new_tokens,
-                       generate=e.max_generate_examples > 0 and spec.data.format == "prompt_completion",
+                       generate=e.max_generate_examples > 0 and any(generating_sources(spec.data)),
                        harness_batch_size=(e.lm_eval.batch_size or e.batch_size) if e.lm_eval else None,
                        precision=e.precision, processes=e.processes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from fulltune.levers import SLOW_LEVERS
 from fulltune.memory.pipeline import (SCHEDULE_NAMES, UNSUPPORTED_LEVERS, StageEstimate, bubble_fraction,
                                       estimate_stages, per_stage, stage_settings, stage_shape, worst_stage)
 from fulltune.memory.shapes import ModelShape, model_shape
@@ -61,13 +62,11 @@ def estimate_pipeline(config: Any, settings: Settings, num_stages: int, schedule
 # --- plan advice ------------------------------------------------------------------------------------------
 
 MAX_STAGES = 64
-# The slow levers: when the plan fits only with these, the advice says what pipeline parallel would cost instead.
-SLOW_LEVERS = ("offload_optimizer", "offload_activations")
 
 
 def needs_advice(fits: bool, settings: Settings) -> bool:
     """Whether `fulltune plan` should say what pipeline parallel would do: nothing fits, or only with a lever
-    that moves tensors over PCIe (`SLOW_LEVERS`)."""
+    that moves tensors over PCIe (a slow lever of the lever table, fulltune/levers.py)."""
     return not fits or any(getattr(settings, name) for name in SLOW_LEVERS)
 
 
@@ -84,7 +83,7 @@ def pipeline_advice(shape: ModelShape, request: Any, settings: Settings, usable:
     if not usable:
         return None
     base = replace(settings, strategy="none", num_processes=1, tensor_parallel=1, pipeline_parallel=1,
-                   **{name: False for name in UNSUPPORTED_LEVERS})
+                   context_parallel=1, **{name: False for name in UNSUPPORTED_LEVERS})
     B = request.effective_batch_size
     best: tuple[PipelineEstimate, int] | None = None
     smallest: tuple[int, PipelineEstimate, int] | None = None  # (planned bytes, ...) of the least demanding

@@ -24,12 +24,16 @@ from fulltune.memory.budget import usable_bytes
 from fulltune.memory.estimate import _estimate
 from fulltune.memory.evaluation import with_evaluation
 from fulltune.memory.shapes import ModelShape, model_shape
+from fulltune.memory import float8
+from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.types import MemoryEstimate, MemoryPlan, PlanRequest, Settings
 from fulltune.memory.uncertainty import Uncertainty, traced_uncertainty
 from fulltune.memory.units import format_bytes
 from fulltune.planning.pipeline import needs_advice, pipeline_advice, pipeline_reasons
-from fulltune.planning.reasons import (alternatives_for, change_reasons, configured_reason, describe, host_reasons,
-                                       strategy_reasons, suggestions_for, tensor_parallel_reasons)
+from fulltune.planning.reasons import (alternatives_for, change_reasons, checkpoint_reasons, configured_reason,
+                                       context_parallel_reasons, describe, float8_reasons, host_reasons,
+                                       optimizer_reasons, strategy_reasons, suggestions_for,
+                                       tensor_parallel_reasons)
 from fulltune.planning.search import (Candidate, configured_for, configured_request, configured_settings,
                                       divisors, fits_budget, host_budget_for, make_candidate, per_process,
                                       staged_search)
@@ -55,6 +59,7 @@ def plan_memory(config: Any, request: PlanRequest, trace: bool | None = False) -
     (`trace_is_cheap`). The plan's `uncertainty` says which basis it rests on.
     """
     shape = model_shape(config)
+    request = float8_for(shape, request)
     configured = configured_for(shape, configured_request(request))
     configured_estimate = _estimate(shape, configured)
     if request.budget_bytes is None:
@@ -68,6 +73,7 @@ def plan_memory(config: Any, request: PlanRequest, trace: bool | None = False) -
             reasons=(
                 "no memory budget given: running the configured settings "
                 f"(estimated peak {format_bytes(configured_estimate.peak_bytes)})",
+                *optimizer_reasons(shape, configured),
             ),
             smallest_peak_bytes=configured_estimate.peak_bytes,
             estimated_step_seconds=step_seconds(shape, configured),
@@ -104,7 +110,7 @@ CHEAP_TRACE_SECONDS = 10.0
 
 def trace_is_cheap(shape: ModelShape, request: PlanRequest) -> bool:
     """Whether tracing a step of this model costs under `CHEAP_TRACE_SECONDS` (one process only)."""
-    if request.strategy not in ("none", "auto") or request.num_processes != 1:
+    if not (request.dims.alone or request.dims.auto_strategy) or request.num_processes != 1:
         return False
     return shape.num_layers * 3 * TRACE_SECONDS_PER_LAYER_PASS <= CHEAP_TRACE_SECONDS
 
@@ -143,7 +149,7 @@ def _traced(config: Any, shape: ModelShape, candidates: list[Candidate], usable:
         if not fitting or fitting[0].uncertainty.basis == "trace":
             break
         chosen = fitting[0]
-        if chosen.settings.strategy != "none" or chosen.settings.num_processes != 1:
+        if not chosen.settings.dims.alone or chosen.settings.num_processes != 1:
             reasons.append("not traced: the trace runs one process; the estimate's measured uncertainty applies")
             break
         peak = traced_peak(config, chosen.settings)
@@ -156,6 +162,24 @@ def _traced(config: Any, shape: ModelShape, candidates: list[Candidate], usable:
             + ("" if fits_budget(traced, usable) else f" ({format_bytes(traced.planned_bytes)}: does not fit)")
         )
     return candidates, tuple(reasons)
+
+
+def float8_for(shape: ModelShape, request: PlanRequest) -> PlanRequest:
+    """`request` with `float8: auto` off for a model float8 converts nothing of (fulltune/memory/float8.py: another
+    layout than Llama's, or no linear the kernels take).
+
+    Raises:
+        MemoryConfigError: `float8: true` for such a model, naming train.float8.
+    """
+    if float8.converted(shape) or request.float8 is False:
+        return request
+    if request.float8 is None:
+        return replace(request, float8=False)
+    what = (f"the {shape.model_type} layout" if shape.layout not in float8.CONVERTED_LAYOUTS
+            else "none of its decoder linears has both dimensions a multiple of 16")
+    raise MemoryConfigError(f"train.float8: float8 training converts the decoder linears of the Llama layout (Llama, "
+                            f"Mistral, Qwen) whose dimensions float8 kernels take, and this model has {what}; set "
+                            "float8 to false or auto")
 
 
 def _finish(
@@ -179,18 +203,24 @@ def _finish(
     reasons = [
         f"budget {format_bytes(budget)} per {request.device} device; planning for {format_bytes(usable)} "
         f"({request.headroom:.0%} headroom)",
+        *request.notes,
         *((request.host_memory_assumed,) if request.host_memory_assumed else ()),
         *extra_reasons,
     ]
     reasons.append(configured_reason(configured, configured_estimate, usable))
     reasons.extend(change_reasons(shape, configured, chosen, usable))
+    reasons.extend(optimizer_reasons(shape, chosen.settings))
     # Where the parameters live in host RAM: the step's terms, for the reasons and `plan --json`.
     host = host_step(shape, chosen.settings) if host_parameters(chosen.settings) else None
     reasons.extend(strategy_reasons(request, candidates, chosen, usable, host))
     reasons.extend(tensor_parallel_reasons(shape, replace(request, strategy=chosen.settings.strategy), candidates,
                                             chosen, usable))
+    reasons.extend(context_parallel_reasons(shape, replace(request, strategy=chosen.settings.strategy), candidates,
+                                             chosen, usable))
     reasons.extend(pipeline_reasons(shape, request, candidates, chosen, usable))
     reasons.extend(host_reasons(request, candidates, chosen, usable))
+    reasons.extend(checkpoint_reasons(shape, chosen))
+    reasons.extend(float8_reasons(shape, request, chosen))
     suggestions: tuple[str, ...] = ()
     if not fits:
         reasons.append(
@@ -235,7 +265,9 @@ def replan_after_oom(
     shape = model_shape(config)
     if request.tensor_parallel is None:  # auto: the degree the run was planned with stays (its processes are set)
         request = replace(request, tensor_parallel=previous.tensor_parallel)
-    if request.strategy == "auto" or request.pipeline_parallel is None:  # and so do its strategy and stages
+    if request.context_parallel is None:  # likewise the context-parallel degree
+        request = replace(request, context_parallel=previous.context_parallel)
+    if request.dims.auto_strategy or request.pipeline_parallel is None:  # and so do its strategy and stages
         request = replace(request, strategy=previous.strategy, pipeline_parallel=previous.pipeline_parallel)
     previous_estimate = _estimate(shape, previous)
     if observed_peak_bytes is not None and observed_peak_bytes > 0:

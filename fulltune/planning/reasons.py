@@ -7,22 +7,24 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from fulltune import levers
+from fulltune.memory import float8
+from fulltune.memory import parallelism
 from fulltune.memory.estimate import _estimate
+from fulltune.memory.process import CHECKPOINT, checkpoint_staging_bytes
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import MemoryEstimate, PlanRequest, Settings
 from fulltune.memory.units import format_bytes, format_seconds
-from fulltune.planning.search import (Candidate, best_by, device_word, fits_budget, staged_search,
-                                      tensor_parallel_degrees)
-from fulltune.planning.step_time import step_seconds, tensor_parallel_seconds
-from fulltune.planning.strategy import host_parameters
+from fulltune.optimizers import COMPENSATIONS, ParamShapes, compensation_of, optimizer
+from fulltune.planning.search import (Candidate, best_by, context_parallel_degrees, device_word, fits_budget,
+                                      staged_search, tensor_parallel_degrees)
+from fulltune.planning.step_time import CP_BYTES_PER_S, context_parallel_seconds, step_seconds, tensor_parallel_seconds
+from fulltune.planning.strategy import host_parameters, strategy_choices
 
 
 def describe(settings: Settings) -> str:
     parts = [f"micro-batch {settings.micro_batch_size} × accumulation {settings.gradient_accumulation_steps}"]
-    if settings.tensor_parallel > 1:
-        parts.append(f"tensor parallel {settings.tensor_parallel}")
-    if settings.pipeline_parallel > 1:
-        parts.append(f"{settings.pipeline_parallel} pipeline stages")
+    parts.extend(parallelism.describe(settings))  # each kind's words (tensor parallel T, P pipeline stages)
     parts.append(f"checkpointing {settings.gradient_checkpointing} layers")
     parts.append(f"precision {settings.mixed_precision}")
     parts.append(settings.optimizer)
@@ -33,9 +35,9 @@ def describe(settings: Settings) -> str:
 def alternative_entry(c: Candidate, why: str) -> dict[str, Any]:
     return {
         **c.settings.choices(),
-        "tensor_parallel": c.settings.tensor_parallel,
-        **({"pipeline_parallel": c.settings.pipeline_parallel, "strategy": c.settings.strategy}
-           if c.settings.pipeline_parallel > 1 else {}),
+        "tensor_parallel": c.settings.tensor_parallel, "strategy": c.settings.strategy,
+        **({"pipeline_parallel": c.settings.pipeline_parallel} if c.settings.dims.pp_enabled else {}),
+        **({"context_parallel": c.settings.context_parallel} if c.settings.dims.cp_enabled else {}),
         "peak_bytes": c.estimate.peak_bytes,
         "device_bytes": c.estimate.device_bytes,
         "uncertainty_bytes": c.uncertainty.bytes,
@@ -100,50 +102,50 @@ def tensor_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates:
                 f"{format_seconds(chosen.seconds, 's/step')}, of which "
                 f"{format_seconds(tensor_parallel_seconds(shape, s))} are its collectives "
                 f"({format_bytes(int(traffic.bytes))} per rank)")
-    elif request.strategy != "fsdp":
+    elif not request.dims.fsdp_enabled:
         head = (f"tensor parallel 1 (distributed.tensor_parallel auto): tensor parallel runs under strategy fsdp, "
                 f"this pipeline's is {request.strategy}")
     else:
         head = "tensor parallel 1 (distributed.tensor_parallel auto): FSDP alone"
+    _, refused = tensor_parallel_degrees(shape, request)
+    return [head + _other_degrees(best, T, usable, refused)]
+
+
+def _other_degrees(best: dict[int, Candidate], chosen: int, usable: int, refused: dict[int, str]) -> str:
+    """"; 2 is slower (…); 4 does not fit (…); 8 not tried (…)": each other degree's best candidate, or why it was
+    not tried ("" when there is none)."""
     others = []
     for degree, c in sorted(best.items()):
-        if degree == T:
+        if degree == chosen:
             continue
         if fits_budget(c, usable):
             others.append(f"{degree} is slower ({format_seconds(c.seconds, 's/step')})")
         else:
             others.append(f"{degree} does not fit ({format_bytes(c.expected_bytes)} ± {format_bytes(c.uncertainty.bytes)})")
-    _, refused = tensor_parallel_degrees(shape, request)
     others += [f"{degree} not tried ({why})" for degree, why in sorted(refused.items())]
-    return [head + ("; " + "; ".join(others) if others else "")]
+    return "; " + "; ".join(others) if others else ""
 
 
-_LEVER_TEXT = {
-    "chunked_loss": "chunked loss (no whole targets × vocabulary logits)",
-    "pure_bf16": "pure bf16 weights and gradients (no fp32 master; compensated updates)",
-    "optimizer_in_backward": "optimizer step in backward (one parameter's gradient at a time; each gradient "
-                             "clipped on its own)",
-    "offload_activations": "checkpointed layer inputs in host RAM",
-    "offload_optimizer": "fp32 masters, gradients and optimizer states in host RAM, updated on the host",
-}
-
-
-_FSDP_OFFLOAD_TEXT = ("FSDP's CPU offload (every rank's parameter, gradient and optimizer-state shards in host RAM, "
-                      "stepped there; only the gathered unit on the GPU)")
-
-
-def _pure_bf16_text(settings: Settings) -> str:
-    """What pure bf16 means for the chosen optimizer: whether small updates survive the rounding."""
-    from fulltune.runtime.optim import default_compensation
-
-    if settings.offload_optimizer and settings.strategy != "fsdp":
-        return "pure bf16 weights and gradients on the device; the fp32 masters on the host keep small updates"
-    compensation = default_compensation(settings.optimizer)
-    if compensation == "none":
-        return (f"pure bf16 weights and gradients; {settings.optimizer} offers no compensated update, so updates "
-                "below 1/256 of a weight are rounded away (as in torchtune's pure-bf16 recipes); set "
-                "train.pure_bf16: false to keep fp32 weights")
-    return f"pure bf16 weights and gradients (no fp32 master; {compensation.replace('_', ' ')} keeps small updates)"
+def context_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates: list[Candidate],
+                             chosen: Candidate, usable: int) -> list[str]:
+    """With `context_parallel` auto: the degree chosen ("context parallel 4: 71.2 GiB per GPU, 38 s/step, of which
+    … its all-to-alls"), and each other degree's best candidate or why it was not tried."""
+    if request.context_parallel is not None:
+        return []
+    best = best_by(candidates, lambda c: c.settings.context_parallel, usable)
+    s = chosen.settings
+    N = s.context_parallel
+    if N > 1:
+        method = "Ulysses" if shape.heads % N == 0 else "ring attention"
+        head = (f"context parallel {N} ({s.dims.dp} data-parallel × {N}, {method}, distributed.context_parallel "
+                f"auto): {format_bytes(chosen.expected_bytes)} per {device_word(s.device)}, "
+                f"{format_seconds(chosen.seconds, 's/step')}, of which "
+                f"{format_seconds(context_parallel_seconds(shape, s))} are its {'all-to-alls' if method == 'Ulysses' else 'ring sends'} (assumed "
+                f"{CP_BYTES_PER_S[s.device] / 1e9:g} GB/s, not overlapped)")
+    else:
+        head = "context parallel 1 (distributed.context_parallel auto): every process holds whole rows"
+    _, refused = context_parallel_degrees(shape, request)
+    return [head + _other_degrees(best, N, usable, refused)]
 
 
 def lever_trade(shape: ModelShape, settings: Settings) -> dict[str, dict[str, float]]:
@@ -161,6 +163,53 @@ def lever_trade(shape: ModelShape, settings: Settings) -> dict[str, dict[str, fl
     return out
 
 
+def optimizer_reasons(shape: ModelShape, settings: Settings) -> list[str]:
+    """What the optimizer that runs does beside AdamW's usual: the split of an optimizer that steps the decoder
+    layers' matrices apart (Muon), and the compensation pure bf16 weights get."""
+    return _matrices_reasons(shape, settings) + compensation_reasons(shape, settings)
+
+
+def _matrices_reasons(shape: ModelShape, settings: Settings) -> list[str]:
+    """The split of an optimizer that steps the decoder layers' 2-D matrices apart (its record's `matrices`):
+    each part's parameters and states per process, and the FLOPs of its own matmuls."""
+    from math import prod
+
+    from fulltune.memory.timeline import shares
+
+    record = optimizer(settings.optimizer)
+    if not record.matrices:
+        return []
+    params, share = shape.optimizer_shapes, shares(settings).states
+    wb, compensation = 2 if settings.pure_bf16 else 4, compensation_of(settings)
+    parts = []
+    matrices = f"the decoder layers' {len(params.matrices)} 2-D matrices"
+    for what, part in ((matrices, ParamShapes(matrices=params.matrices)),
+                       ("the embeddings, output head, norms and biases", ParamShapes(others=params.others))):
+        states = int(record.state_bytes(part, wb, compensation)[0] * share)
+        parts.append(f"{what}: {sum(map(prod, part.all)):,} parameters, {format_bytes(states)} of states")
+    flops = f"; its own matmuls: {record.step_flops(params):.3g} FLOPs per step, on every process" \
+        if record.step_flops is not None else ""
+    return [f"optimizer {record.name} ({record.description}): " + "; ".join(parts)
+            + f" per {device_word(settings.device)}{flops}"]
+
+
+def compensation_reasons(shape: ModelShape, settings: Settings) -> list[str]:
+    """With pure bf16 weights: the compensation that runs (`train.compensation`, or its optimizer's default under
+    `auto`), and what it holds on the device and adds to the step against plain rounding."""
+    if not settings.pure_bf16 or (settings.offload_optimizer and not settings.dims.fsdp_enabled):
+        return []  # fp32 weights, or fp32 masters on the host: nothing to compensate
+    compensation = compensation_of(settings)
+    source = "train.compensation" + (" auto" if settings.compensation == "auto" else "")
+    line = f"compensation {compensation} ({source}): {COMPENSATIONS[compensation]}"
+    if compensation == "none":
+        return [line]
+    plain = replace(settings, compensation="none")
+    extra = _estimate(shape, settings).device_bytes - _estimate(shape, plain).device_bytes
+    seconds = step_seconds(shape, settings) - step_seconds(shape, plain)
+    cost = f"+{format_seconds(seconds, 's/step')}" if seconds >= 0.0005 else "no measurable step time"
+    return [f"{line}; against none (plain rounding): {format_bytes(extra)} of device memory, {cost}"]
+
+
 def _lever_reasons(shape: ModelShape, configured: Settings, chosen: Candidate) -> list[str]:
     out = []
     trade = lever_trade(shape, chosen.settings)
@@ -168,9 +217,7 @@ def _lever_reasons(shape: ModelShape, configured: Settings, chosen: Candidate) -
         if getattr(configured, name):
             continue
         cost = f"+{format_seconds(t['seconds'], 's/step')}" if t["seconds"] >= 0.0005 else "no measurable step time"
-        text = _pure_bf16_text(chosen.settings) if name == "pure_bf16" else _LEVER_TEXT[name]
-        if name == "offload_optimizer" and chosen.settings.strategy == "fsdp":
-            text = _FSDP_OFFLOAD_TEXT
+        text = levers.BY_NAME[name].sentence(chosen.settings)
         out.append(f"{name}: {text}: saves {format_bytes(t['saved_bytes'])} of device memory, {cost}")
     parts = chosen.host_parts
     if parts is not None and chosen.estimate.host_bytes:
@@ -190,6 +237,45 @@ def _lever_reasons(shape: ModelShape, configured: Settings, chosen: Candidate) -
         out.append(f"host RAM: {format_bytes(chosen.estimate.host_bytes)}{budget} (offloaded "
                    f"{'optimizer states and masters' if chosen.settings.offload_optimizer else 'tensors'})")
     return out
+
+
+def float8_reasons(shape: ModelShape, request: PlanRequest, chosen: Candidate) -> list[str]:
+    """What `train.float8` converts (and what stays in its precision), or why `auto` left it off on a GPU."""
+    s = chosen.settings
+    if not s.float8:
+        if request.float8 is None and s.device == "cuda" and float8.converted(shape):
+            missing = [why for needed, why in ((request.float8_supported, "a GPU with float8 tensor cores (compute "
+                                                "capability 8.9 or above)"), (request.compile, "train.compile "
+                                                "(eager, torchao's casts cost more than float8 saves)"))
+                       if not needed]
+            if missing:
+                return [f"float8: auto stays off: it needs {' and '.join(missing)}"]
+        return []
+    linears, kept = float8.layer_linears(shape), float8.kept(shape)
+    dtype = "bf16" if s.pure_bf16 or s.mixed_precision == "bf16" else "fp32"
+    gathered = ", gathered in float8 under FSDP" if float8.float8_all_gather(s) else ""
+    line = (f"float8: {len(linears) - len(kept)} of the {len(linears)} linears of each decoder layer run float8 "
+            f"matmuls ({s.float8_recipe} scales{gathered}); the output head and the embeddings stay {dtype}")
+    if kept:
+        line += f", and so do {', '.join(x.name for x in kept)} (a dimension not a multiple of 16)"
+    return [line]
+
+
+def checkpoint_reasons(shape: ModelShape, chosen: Candidate) -> list[str]:
+    """What a background checkpoint write (`train.checkpoint_async`) holds, and where the plan counts it."""
+    s = chosen.settings
+    staged = checkpoint_staging_bytes(shape, s)
+    if not staged:
+        return []
+    writers = "each process copies its shards" if s.dims.fsdp_enabled else "the main process copies them"
+    if s.device == "cpu":
+        where = (f"in the device's memory beside the steps that run while it is written: checkpoint phase "
+                 f"{format_bytes(chosen.estimate.phases[CHECKPOINT])}")
+    else:
+        where = f"in host RAM while the steps go on (host figure {format_bytes(chosen.estimate.host_bytes)})"
+    return [f"checkpoint_async: each checkpoint's weights and optimizer states are copied at the step boundary "
+            f"({writers}: {format_bytes(staged)}) and written in the background, {where}; the step waits only for "
+            "the copy, the final export for the last write"]
 
 
 def host_reasons(request: PlanRequest, candidates: list[Candidate], chosen: Candidate, usable: int) -> list[str]:
@@ -217,13 +303,15 @@ def suggestions_for(shape: ModelShape, request: PlanRequest, smallest: Candidate
     one_gpu = host_parameter_suggestion(shape, request)
     if one_gpu:
         out.append(one_gpu)
-    if request.strategy in ("none", "ddp", "deepspeed_zero2"):
+    if request.dims.alone or request.dims.ddp_enabled:
         # Shard over the processes already there first, then over more GPUs.
         counts = sorted({n for n in (2, 4, 8, 16, 32, 64) if n >= request.num_processes} | {request.num_processes})
         for n in counts:
             if n < 2 or request.effective_batch_size % n:
                 continue
-            sharded = replace(request, strategy="fsdp", num_processes=n, pipeline_parallel=1, micro_batch_size=None,
+            cp = request.context_parallel  # auto stays auto; a fixed degree the processes do not divide is none
+            sharded = replace(request, strategy="fsdp", num_processes=n, pipeline_parallel=1,
+                              context_parallel=cp if cp is None or n % cp == 0 else 1, micro_batch_size=None,
                               gradient_accumulation_steps=None, optimizer_in_backward=None, offload_optimizer=None)
             usable = request.usable_bytes or 0
             candidates = [c for c in staged_search(shape, sharded, usable) if fits_budget(c, usable)]
@@ -258,16 +346,25 @@ def configured_reason(configured: Settings, estimate: MemoryEstimate, usable: in
 
 def alternatives_for(candidates: list[Candidate], fitting: list[Candidate], chosen: Candidate, usable: int
                      ) -> list[dict[str, Any]]:
-    """The plan's alternatives: the next four that fit (slower), then the three fastest that do not."""
+    """The plan's alternatives: the next four that fit (slower), then the three fastest that do not; each
+    settings once (the search's stages may reach the same settings twice) and never the chosen ones."""
     out = []
-    for c in fitting[1:5]:
+    for c in _distinct(fitting, chosen)[:4]:
         out.append(alternative_entry(c, f"slower: {format_seconds(c.seconds, 's/step')} vs "
                                         f"{format_seconds(chosen.seconds, 's/step')}"))
-    over_budget = sorted((c for c in candidates if not fits_budget(c, usable) and c is not chosen),
-                         key=lambda c: c.seconds)
-    for c in over_budget[:3]:
+    over_budget = sorted((c for c in candidates if not fits_budget(c, usable)), key=lambda c: c.seconds)
+    for c in _distinct(over_budget, chosen)[:3]:
         out.append(alternative_entry(c, f"does not fit: {format_bytes(c.expected_bytes)} ± "
                                         f"{format_bytes(c.uncertainty.bytes)} > {format_bytes(usable)} usable"))
+    return out
+
+
+def _distinct(candidates: list[Candidate], chosen: Candidate) -> list[Candidate]:
+    """`candidates` in order, each settings once, without the chosen settings."""
+    out: list[Candidate] = []
+    for c in candidates:
+        if c.settings != chosen.settings and all(c.settings != kept.settings for kept in out):
+            out.append(c)
     return out
 
 
@@ -276,7 +373,7 @@ def strategy_reasons(request: PlanRequest, candidates: list[Candidate], chosen: 
     """With strategy auto: the strategy chosen and each other one's best candidate; where the parameters live
     in host RAM (`host`: `step_time.host_step` of the chosen settings), that line with its device and host
     bytes, what `none` needs and the step-time terms."""
-    if request.strategy != "auto":
+    if not request.dims.auto_strategy or len(strategy_choices(request)) == 1:  # nothing was chosen between
         return []
     best = best_by(candidates, lambda c: c.settings.strategy, usable)
     s = chosen.settings
@@ -326,7 +423,7 @@ def step_terms(t: dict[str, Any], settings: Settings) -> list[str]:
 def host_parameter_suggestion(shape: ModelShape, request: PlanRequest) -> str | None:
     """For one process under strategy none that does not fit: what fsdp over that process (parameters in host
     RAM where the lever table allows offload) would need, if it fits."""
-    if request.strategy != "none" or request.num_processes != 1 or request.device != "cuda":
+    if not request.dims.alone or request.num_processes != 1 or request.device != "cuda":
         return None
     usable = request.usable_bytes or 0
     sharded = replace(request, strategy="fsdp")

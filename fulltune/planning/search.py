@@ -23,6 +23,7 @@ from fulltune.memory.process import node_host_bytes
 from fulltune.memory.shapes import ModelShape, model_shape
 from fulltune.memory.types import LEVERS, MemoryEstimate, PlanRequest, Settings
 from fulltune.memory.uncertainty import Uncertainty, estimate_uncertainty
+from fulltune.optimizers import OPTIMIZER_TABLE
 from fulltune.planning.step_time import step_seconds
 from fulltune.planning.strategy import naive_strategy, strategy_choices
 
@@ -110,9 +111,11 @@ def configured_request(request: PlanRequest) -> PlanRequest:
     """The request with tensor_parallel auto at its naive default, 1 (FSDP alone), and strategy auto at its
     own (`strategy.naive_strategy`), as the other auto fields."""
     if request.pipeline_parallel is None:  # auto: data parallel (or one process), else every process a stage
-        stages = request.num_processes if request.strategy == "none" else 1
+        stages = request.num_processes if request.dims.alone else 1
         request = as_pipeline(request, stages)
     request = naive_strategy(request)
+    if request.context_parallel is None:  # auto: none, as the other auto degrees
+        request = replace(request, context_parallel=1)
     return replace(request, tensor_parallel=1) if request.tensor_parallel is None else request
 
 
@@ -122,12 +125,12 @@ def configured_for(shape: ModelShape, request: PlanRequest) -> Settings:
         micro = request.micro_batch_size
     elif request.gradient_accumulation_steps is not None:
         micro = per // request.gradient_accumulation_steps
-    elif request.pipeline_parallel > 1 and per % request.pipeline_parallel == 0:
+    elif request.dims.pp_enabled and per % request.pipeline_parallel == 0:
         micro = per // request.pipeline_parallel  # a micro-batch per stage: the fewest 1F1B runs
     else:
         micro = per
     checkpointing = _fixed_checkpointing(request.gradient_checkpointing, shape.num_layers)
-    levers = {name: bool(value) for name, value in request.levers().items()}  # auto levers start off
+    levers = {name: bool(value) for name, value in lever_table.decided(request).items()}  # auto levers start off
     if checkpointing is None:
         # Checkpointing starts off, unless offloaded activations (which are checkpointed layers' inputs) are asked for.
         checkpointing = shape.num_layers if levers["offload_activations"] else 0
@@ -152,9 +155,13 @@ def _settings(request: PlanRequest, micro: int, checkpointing: int, precision: s
         tensor_parallel=request.tensor_parallel,
         pipeline_parallel=request.pipeline_parallel,
         pipeline_schedule=request.pipeline_schedule,
+        context_parallel=request.context_parallel,
         attention_mask=request.attention_mask,
         document_length=request.document_length,
         target_fraction=request.target_fraction,
+        compensation=request.compensation,
+        float8_recipe=request.float8_recipe,
+        checkpoint_async=request.checkpoint_async,
         **(levers or {}),
     )
 
@@ -173,7 +180,8 @@ def _options(shape: ModelShape, request: PlanRequest) -> tuple[list[int], list[s
         precisions = ["bf16", "no"] if request.bf16_supported else ["fp16", "no"]
     else:
         precisions = ["no", "bf16"]
-    optimizers = [request.optimizer] if request.optimizer is not None else ["adamw", "adamw_8bit", "adafactor"]
+    optimizers = [request.optimizer] if request.optimizer is not None else [
+        r.name for r in OPTIMIZER_TABLE if r.auto == "always"]
     return micros, precisions, optimizers, _fixed_checkpointing(request.gradient_checkpointing, shape.num_layers)
 
 
@@ -182,8 +190,9 @@ def _lever_sets(request: PlanRequest, stage: int) -> list[dict[str, bool]]:
     `LEVERS` (cheapest first) on or off, the later auto ones off, the fixed ones as fixed. The lever table
     (fulltune/levers.py) is applied once per choice, with the optimizer, precision and accumulation it goes
     with (`_allowed_choice`); a combination it refuses whatever those are is refused there too."""
-    fixed = {name: bool(value) for name, value in request.levers().items()}
-    auto = [name for name in LEVERS[:stage] if request.levers()[name] is None and _may_choose(request, name)]
+    levers = lever_table.decided(request)
+    fixed = {name: bool(value) for name, value in levers.items()}
+    auto = [name for name in LEVERS[:stage] if levers[name] is None and _may_choose(request, name)]
     return [{**fixed, **dict(zip(auto, values))} for values in itertools.product((False, True), repeat=len(auto))]
 
 
@@ -196,8 +205,9 @@ def _combination(request: PlanRequest) -> lever_table.Combination:
 def _may_choose(request: PlanRequest, lever: str) -> bool:
     """Whether turning an auto lever on can save memory for this request (whether the lever table allows it
     is `_allowed_choice`'s)."""
-    # On a CPU device host RAM is the device memory: offloading saves nothing and costs copies.
-    return not (lever in ("offload_optimizer", "offload_activations") and request.device != "cuda")
+    # On a CPU device host RAM is the device memory: a lever that moves tensors to the host saves nothing there
+    # and costs copies.
+    return not (lever_table.BY_NAME[lever].slow and request.device != "cuda")
 
 
 def _allowed_choice(request: PlanRequest, micro: int, checkpointing: int | None, precision: str, optimizer: str,
@@ -218,15 +228,10 @@ def _lever_options(shape: ModelShape, request: PlanRequest, levers: dict[str, bo
         micros = [m for m in micros if m == per_process(request)]
     if levers["pure_bf16"]:
         precisions = ["bf16"] if request.mixed_precision is None else precisions
-    if stage > 0 and request.optimizer is None and "adamw_4bit" not in optimizers and _torchao_available():
-        optimizers = [*optimizers, "adamw_4bit"]
+    if stage > 0 and request.optimizer is None:  # the optimizers `auto` tries once the levers open, if installed
+        optimizers = [*optimizers, *(r.name for r in OPTIMIZER_TABLE
+                                     if r.auto == "levers" and r.name not in optimizers and r.installed())]
     return (micros, precisions, optimizers) if micros else None
-
-
-def _torchao_available() -> bool:
-    from fulltune.runtime.optim import torchao_available
-
-    return torchao_available()
 
 
 # The candidates of the search under way (`staged_search`): each lever stage repeats the lever sets of the one
@@ -309,13 +314,13 @@ def _search(
 
 
 def _ranks_per_machine(request: PlanRequest) -> int:
-    return max(request.num_processes // max(request.num_machines, 1), 1)
+    return request.dims.per_machine(request.num_machines)
 
 
 def _per_machine(shape: ModelShape, c: Candidate, host_budget: int | None, ranks: int) -> Candidate:
     """`c` with its host RAM as one machine holds it (`budget.host_memory` is per machine): every rank's
     offloaded tensors and, under FSDP, rank 0's gathered export (`process.node_host_bytes`)."""
-    if c.settings.strategy == "none" or c.settings.device == "cpu":
+    if c.settings.dims.alone or c.settings.device == "cpu":
         return replace(c, host_budget=host_budget)
     node = node_host_bytes(shape, c.settings, c.estimate.host_bytes, ranks)
     return replace(c, host_budget=host_budget, estimate=replace(c.estimate, host_bytes=node["total"]),
@@ -327,7 +332,8 @@ def staged_search(shape: ModelShape, request: PlanRequest, usable: int, micros: 
     """Search without the auto levers first (today's choices where they fit), then allow them one more at a
     time, cheapest first (`LEVERS`), until something fits; every candidate seen is returned. With
     `strategy` auto, that search for every strategy `strategy.strategy_choices` offers; with
-    `tensor_parallel` auto (None), for every degree `tensor_parallel_degrees` allows."""
+    `tensor_parallel` or `context_parallel` auto (None), for every degree `tensor_parallel_degrees` or
+    `context_parallel_degrees` allows."""
     if _SEARCHED.get() is None:  # the outermost call: one memo of candidates for the whole search
         token = _SEARCHED.set({})
         try:
@@ -342,7 +348,7 @@ def staged_search(shape: ModelShape, request: PlanRequest, usable: int, micros: 
                 f"{degree} stage{'s' if degree > 1 else ''}: {why}" for degree, why in sorted(refused.items())))
         return [c for degree in degrees
                 for c in staged_search(shape, as_pipeline(request, degree), usable, micros, min_checkpointing)]
-    if request.strategy == "auto":
+    if request.dims.auto_strategy:
         return [c for strategy in allowed_strategies(request)
                 for c in staged_search(shape, replace(request, strategy=strategy), usable, micros,
                                         min_checkpointing)]
@@ -351,9 +357,22 @@ def staged_search(shape: ModelShape, request: PlanRequest, usable: int, micros: 
         return [c for degree in degrees
                 for c in staged_search(shape, replace(request, tensor_parallel=degree), usable, micros,
                                         min_checkpointing)]
+    if request.context_parallel is None:
+        degrees, _ = context_parallel_degrees(shape, request)
+        return [c for degree in degrees
+                for c in staged_search(shape, replace(request, context_parallel=degree), usable, micros,
+                                        min_checkpointing)]
+    if request.dims.cp_enabled:
+        context_parallel_degrees(shape, request)  # a fixed degree that cannot attend on this device is refused
+    return _staged_levers(shape, request, usable, micros, min_checkpointing)
+
+
+def _staged_levers(shape: ModelShape, request: PlanRequest, usable: int, micros: list[int] | None,
+                   min_checkpointing: int) -> list[Candidate]:
+    """`staged_search` of one strategy and one set of degrees: the auto levers opened one at a time."""
     out: list[Candidate] = []
     for stage in range(len(LEVERS) + 1):
-        if stage > 0 and request.levers()[LEVERS[stage - 1]] is not None:
+        if stage > 0 and lever_table.decided(request)[LEVERS[stage - 1]] is not None:
             continue  # a fixed lever opens no new stage
         out.extend(_search(shape, request, usable, micros, min_checkpointing, stage))
         if any(fits_budget(c, usable) for c in out):
@@ -370,7 +389,7 @@ def tensor_parallel_degrees(shape: ModelShape, request: PlanRequest) -> tuple[li
     if request.tensor_parallel is not None:
         return [request.tensor_parallel], {}
     degrees, refused = [1], {}
-    if request.strategy != "fsdp":
+    if not request.dims.fsdp_enabled:
         return degrees, refused
     for degree in sorted(divisors(request.num_processes)):
         if degree == 1:
@@ -396,6 +415,39 @@ def tensor_parallel_degrees(shape: ModelShape, request: PlanRequest) -> tuple[li
             refused[degree] = found[0]
             continue
         degrees.append(degree)
+    return degrees, refused
+
+
+def context_parallel_degrees(shape: ModelShape, request: PlanRequest) -> tuple[list[int], dict[int, str]]:
+    """The context-parallel degrees `distributed.context_parallel: auto` may choose, and why the other divisors of
+    the processes may not: a degree keeps the effective batch over the data-parallel processes and breaks no rule of
+    the lever table with the fixed fields (a strategy that sums the group's gradients, no tensor parallel or
+    stages); where it does not divide the attention heads it is ring attention, CUDA only
+    (`ParallelDims.context_problem`); each process keeps at least one position of each of its two chunks. 1 is
+    always among them unless the request fixes another degree."""
+    if request.context_parallel is not None:
+        problem = request.dims.context_problem(shape.heads, request.device)
+        if problem:
+            raise MemoryConfigError(f"distributed.context_parallel: {problem}")
+        return [request.context_parallel], {}
+    degrees, refused = [1], {}
+    for degree in sorted(divisors(request.num_processes)):
+        if degree == 1:
+            continue
+        problem = request.dims.with_cp(degree).context_problem(shape.heads, request.device)
+        if problem is None and request.seq_len < 2 * degree:
+            problem = f"rows of {request.seq_len} positions cannot give each of {degree} processes two chunks"
+        if problem is None:
+            try:  # the request checks the batch rule and the lever table's rules for the degree
+                candidate = replace(request, context_parallel=degree)
+                found = lever_table.problems(_combination(candidate))
+                problem = found[0] if found else None
+            except ValueError as exc:
+                problem = str(exc).split(": ", 1)[-1]
+        if problem:
+            refused[degree] = problem
+        else:
+            degrees.append(degree)
     return degrees, refused
 
 
@@ -428,7 +480,7 @@ def pipeline_degrees(shape: ModelShape, request: PlanRequest) -> tuple[list[int]
     degrees, refused = [], {}
     for degree in sorted(divisors(n)):
         if degree == 1:
-            if request.strategy == "none" and n > 1:
+            if request.dims.alone and n > 1:
                 refused[1] = f"strategy none: {n} processes are pipeline stages (data parallel needs ddp, fsdp or auto)"
             else:
                 degrees.append(1)
@@ -443,7 +495,7 @@ def pipeline_degrees(shape: ModelShape, request: PlanRequest) -> tuple[list[int]
 
 def _stages_problem(shape: ModelShape, request: PlanRequest, degree: int) -> str | None:
     """Why `degree` pipeline stages over the request's processes cannot train (None: they can)."""
-    if degree < request.num_processes and request.strategy == "none":
+    if degree < request.num_processes and request.dims.alone:
         return "strategy none: every process is a stage (data parallel beside the stages needs ddp or fsdp)"
     if degree > shape.num_layers:
         return f"{degree} stages need a decoder layer each; the model has {shape.num_layers}"
@@ -462,7 +514,7 @@ def as_pipeline(request: PlanRequest, degree: int) -> PlanRequest:
     """The request with `degree` pipeline stages: the request's own strategy for 1 and for stages with data
     parallel beside them (ddp, fsdp, or auto: the search then tries both over each stage's processes), strategy
     none where every process is a stage."""
-    alone = degree > 1 and (request.strategy == "none" or degree == request.num_processes)
+    alone = degree > 1 and (request.dims.alone or degree == request.num_processes)
     return replace(request, pipeline_parallel=degree, strategy="none" if alone else request.strategy)
 
 

@@ -12,12 +12,15 @@ from __future__ import annotations
 import contextvars
 import functools
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+from fulltune import levers
+from fulltune.memory import parallelism
 from fulltune.memory.pipeline import per_stage
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import Settings
+from fulltune.optimizers import OPTIMIZER_TABLE, OPTIMIZERS_BY_NAME, compensation_of
 
 # Only the ranking of candidates matters, so the constants are round numbers:
 # sustained matmul throughput per device and precision (FLOP/s), the number of tokens per
@@ -54,22 +57,20 @@ HALF_EFFICIENCY_TOKENS = {"cuda": 1024, "cpu": 16}
 # measured 6–7% of the step per layer on CPU against 5% from FLOPs alone.
 RECOMPUTE_OVERHEAD = 1.4
 BANDWIDTH = {"cuda": 2.0e12, "cpu": 2.0e10}
-# Bytes the optimizer reads and writes per parameter in one step (weights, grads, states).
-OPTIMIZER_TRAFFIC = {"adamw": 32, "adamw_8bit": 20, "adamw_4bit": 18, "adafactor": 20}
-# bitsandbytes' 8-bit AdamW on CPU runs a scalar fallback: ~20× fused AdamW's step time, i.e.
-# what ~450 bytes per parameter would cost at the CPU bandwidth above.
-CPU_OPTIMIZER_TRAFFIC = {**OPTIMIZER_TRAFFIC, "adamw_8bit": 450}
-# Penalties for choices that cost more than their FLOPs show: 8-bit AdamW ≈5% slower per step
-# (torchao optim README: bnb 8-bit 3000 vs fused AdamW 3200 tok/s, Llama2-7B), Adafactor's factored second moment converges slower on fine-tuning tasks.
-OPTIMIZER_PENALTY = {"adamw": 1.0, "adamw_8bit": 1.05, "adamw_4bit": 1.1, "adafactor": 1.12}
+# Each optimizer's own numbers are its record's (fulltune/optimizers.py): the bytes it reads and writes per
+# parameter in one step (weights, grads, states; on a CPU device where that differs), the penalty for what its
+# FLOPs do not show, and its host step's speed against fused AdamW's.
+OPTIMIZER_TRAFFIC = {r.name: r.traffic for r in OPTIMIZER_TABLE}
+CPU_OPTIMIZER_TRAFFIC = {r.name: r.cpu_traffic or r.traffic for r in OPTIMIZER_TABLE}
+OPTIMIZER_PENALTY = {r.name: r.penalty for r in OPTIMIZER_TABLE}
 # Memory levers (assumptions, to be replaced by measurements on a GPU: benchmarks/device_check.py):
 # - host↔device copies run at ~25 GB/s (PCIe 4.0 x16 pinned-memory copies reach 22–26 GB/s);
 PCIE_BYTES_PER_S = 25e9
 # - the host optimizer of `offload_optimizer` moves ~1.5 GB/s of its fp32 masters, gradients and states
 #   (ZeRO-Offload's CPU Adam is 1–2 GB/s-class per socket without AVX-512 tuning; torch's fused CPU AdamW
-#   is in that range too), and bitsandbytes' 8-bit AdamW on a CPU is ~20× slower (its scalar fallback);
+#   is in that range too), each optimizer at its record's `host_slowdown` of that;
 HOST_OPTIMIZER_BYTES_PER_S = 1.5e9
-HOST_OPTIMIZER_SLOWDOWN = {"adamw": 1.0, "adamw_8bit": 20.0, "adamw_4bit": 1.0, "adafactor": 1.0}
+HOST_OPTIMIZER_SLOWDOWN = {r.name: r.host_slowdown for r in OPTIMIZER_TABLE}
 # - under FSDP's CPU offload over several processes the parameter and gradient copies of one unit overlap the
 #   compute of its neighbour (FSDP2 copies the shards in on its all-gather streams and prefetches the next unit;
 #   gradients go out on its reduce-scatter stream); assumed: 80% of the compute time hides copies, the rest is
@@ -83,10 +84,14 @@ OFFLOAD_OVERLAP = 0.8
 #   machines is 150-350 GB/s), a few GB/s for gloo between CPU processes, and a fixed cost per collective;
 TP_BYTES_PER_S = {"cuda": 150e9, "cpu": 2e9}
 COLLECTIVE_SECONDS = {"cuda": 20e-6, "cpu": 100e-6}
-# - the Kahan-compensated update reads and writes one more bf16 buffer: 4 B/param of extra traffic;
+# - float8 (`train.float8`): the converted linears' matmuls sustain this many times bf16's throughput: on GPUs
+#   with float8 tensor cores the dense float8 peak is twice bf16's, and torchtitan's Llama-3.1-8B on 8 × H100 ran
+#   1.28× faster end to end with torch.compile and float8 (6,667 → 8,532 tokens/s/GPU), the casts, attention and
+#   the layers left in bf16 taking the rest; a CPU has no float8 units (its eager casts are not counted);
+FLOAT8_SPEEDUP = {"cuda": 1.6, "cpu": 1.0}
+# - the Kahan-compensated update reads and writes one more bf16 buffer: 4 B/param of extra traffic.
+# What each lever adds is its record's `cost` (fulltune/levers.py) over these constants (`StepCosts`).
 KAHAN_TRAFFIC = 4
-# - the chunked loss recomputes the head's logits in backward: one more head forward per target;
-# - a step in backward costs nothing extra on the device (the same update, earlier).
 
 
 @functools.lru_cache(maxsize=1)
@@ -111,18 +116,22 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
     per micro-batch. Under tensor parallel each rank computes 1/T of every matmul and waits for the TP
     group's collectives (`tensor_parallel_seconds`).
     """
-    if settings.pipeline_parallel > 1:  # the slowest stage through the fill, the steady state and the drain
-        return pipeline_step_seconds(shape, per_stage(settings), settings.pipeline_parallel)[0]
+    if parallelism.rank_kind(settings) is parallelism.PIPELINE:  # the slowest stage through the fill, the steady
+        return pipeline_step_seconds(shape, per_stage(settings), settings.pipeline_parallel)[0]  # state, the drain
     compute = compute_seconds(shape, settings)
-    shard = settings.num_processes if settings.strategy in ("fsdp", "deepspeed_zero2", "deepspeed_zero3") else 1
+    shard = parallelism.optimizer_shards(settings)
+    record = OPTIMIZERS_BY_NAME[settings.optimizer]
     traffic = (CPU_OPTIMIZER_TRAFFIC if settings.device == "cpu" else OPTIMIZER_TRAFFIC)[settings.optimizer]
     if settings.pure_bf16:  # bf16 weights, gradients and (adamw) states: half the traffic, plus Kahan's buffer
-        traffic = traffic / 2 + (KAHAN_TRAFFIC if settings.optimizer == "adamw" else 0)
+        traffic = traffic / 2 + (KAHAN_TRAFFIC if compensation_of(settings) == "kahan" else 0)
     optimizer = shape.num_params / shard * traffic / BANDWIDTH[settings.device]
+    if record.step_flops is not None:  # matmuls of its own (Muon's orthogonalisation), whole on every rank
+        optimizer += record.step_flops(shape.optimizer_shapes) / _flops(settings.device, "bf16")
     if settings.offload_optimizer:
         optimizer = 0.0
     seconds = (compute + optimizer) * OPTIMIZER_PENALTY[settings.optimizer] + sum(lever_seconds(shape, settings).values())
-    seconds += tensor_parallel_seconds(shape, settings)
+    for traffic in parallelism.traffic(shape, settings):
+        seconds += traffic_seconds(traffic, settings.device)
     correction = STEP_TIME_CORRECTION.get()
     return seconds * correction(settings) if correction is not None else seconds
 
@@ -140,9 +149,12 @@ def compute_seconds(shape: ModelShape, settings: Settings) -> float:
     # The layers' share of the per-token FLOPs (all but the final norm), a third of it per forward.
     per_token += RECOMPUTE_OVERHEAD * (k / shape.num_layers) * (c.per_token + c.per_pair * attended) / 3.0
     tokens = b * s
-    efficiency = tokens / (tokens + HALF_EFFICIENCY_TOKENS[settings.device])
+    # Context parallel: each rank computes its s/N positions of every row (the zigzag balances attention's pairs).
+    local = tokens / settings.context_parallel
+    efficiency = local / (local + HALF_EFFICIENCY_TOKENS[settings.device])
     flops = _flops(settings.device, settings.mixed_precision)
-    return settings.gradient_accumulation_steps * tokens * per_token / (flops * efficiency * settings.tensor_parallel)
+    return settings.gradient_accumulation_steps * tokens * per_token / (
+        flops * efficiency * settings.tensor_parallel * settings.context_parallel)
 
 
 # Measured corrections of this model for the machine at hand: a factor per kind of step, set by
@@ -152,41 +164,94 @@ STEP_TIME_CORRECTION: contextvars.ContextVar[Callable[[Settings], float] | None]
     "step_time_correction", default=None)
 
 
+def traffic_seconds(traffic: parallelism.Traffic, device: str) -> float:
+    """Step time of a kind's collectives (`parallelism.Traffic`) over its link, not overlapped with compute: its
+    bytes at the link's bandwidth (`LINK_BYTES_PER_S`) and a fixed cost per collective."""
+    return traffic.bytes / LINK_BYTES_PER_S[traffic.link][device] + traffic.count * COLLECTIVE_SECONDS[device]
+
+
 def tensor_parallel_seconds(shape: ModelShape, settings: Settings) -> float:
     """Step time of tensor parallel's collectives over the TP group (memory/tensor_parallel.py counts them:
-    the blocks' all-gathers, reduce-scatters and all-reduces of the stream, the logits' all-gather), not
-    overlapped with compute; 0 without tensor parallel."""
-    from fulltune.memory.tensor_parallel import collectives
+    the blocks' all-gathers, reduce-scatters and all-reduces of the stream, the logits' all-gather); 0 without
+    tensor parallel."""
+    return sum(traffic_seconds(t, settings.device) for t in parallelism.traffic(shape, settings)
+               if t.link == parallelism.TENSOR_PARALLEL.name)
 
-    traffic = collectives(shape, settings)
-    return traffic.bytes / TP_BYTES_PER_S[settings.device] + traffic.count * COLLECTIVE_SECONDS[settings.device]
+
+def context_parallel_seconds(shape: ModelShape, settings: Settings) -> float:
+    """Step time of context parallel's all-to-alls (Ulysses) or ring sends (`parallelism.ContextParallel.traffic`),
+    at the assumed `CP_BYTES_PER_S`, not overlapped with compute; 0 without context parallel."""
+    return sum(traffic_seconds(t, settings.device) for t in parallelism.traffic(shape, settings)
+               if t.link == parallelism.CONTEXT_PARALLEL.name)
 
 
 def lever_seconds(shape: ModelShape, settings: Settings) -> dict[str, float]:
-    """Step time the levers add beyond compute and the device optimizer (assumed constants above)."""
-    from fulltune.memory.flops import from_shape
+    """Step time each lever on adds beyond compute and the device optimizer: its record's `cost`
+    (fulltune/levers.py) over this model's terms; a lever whose record says it adds none is left out."""
+    step = StepCosts(shape, settings)
+    return {lever.name: lever.cost(settings, step) for lever in levers.TABLE
+            if getattr(settings, lever.name) and not isinstance(lever.cost, levers.NoAddedTime)}
 
-    s, b, ga = settings.seq_len, settings.micro_batch_size, settings.gradient_accumulation_steps
-    h, P = shape.hidden, shape.num_params
-    out: dict[str, float] = {}
-    if settings.chunked_loss:
-        flops = _flops(settings.device, "bf16" if settings.pure_bf16 else settings.mixed_precision)
-        head_forward = from_shape(shape).per_target / 3.0  # the head's logits once more, per target
-        out["chunked_loss"] = ga * b * settings.targets_per_row * head_forward / flops
-    if settings.offload_optimizer and settings.strategy == "fsdp":
-        terms = fsdp_offload_terms(shape, settings)
-        out["offload_optimizer"] = terms["exposed_pcie_s"] + terms["host_step_s"]
-    elif settings.offload_optimizer:
-        weight = 2 if settings.pure_bf16 else 4
-        # Each micro-batch's gradients go to the host; the fp32 masters come back once per step.
-        pcie = (ga * weight * P + 4 * P) / PCIE_BYTES_PER_S
-        host = _lever_host_traffic(shape, settings) / HOST_OPTIMIZER_BYTES_PER_S
-        out["offload_optimizer"] = pcie + host * HOST_OPTIMIZER_SLOWDOWN[settings.optimizer]
-    if settings.offload_activations:
-        k = min(settings.gradient_checkpointing, shape.num_layers)
-        stream = 2 if settings.pure_bf16 else 4
-        out["offload_activations"] = ga * 2 * k * stream * b * s * h / PCIE_BYTES_PER_S
-    return out
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What a lever's cost (fulltune/levers.py `Lever.cost`) reads of this model: the step's throughputs, link
+    speeds and sizes, with the constants above."""
+
+    shape: ModelShape
+    settings: Settings
+
+    @property
+    def num_params(self) -> int:
+        return self.shape.num_params
+
+    @property
+    def num_layers(self) -> int:
+        return self.shape.num_layers
+
+    @property
+    def hidden(self) -> int:
+        return self.shape.hidden
+
+    @property
+    def pcie_bytes_per_s(self) -> float:
+        return PCIE_BYTES_PER_S
+
+    @property
+    def head_forward(self) -> float:
+        """FLOPs of the output head's forward for one target position."""
+        from fulltune.memory.flops import from_shape
+
+        return from_shape(self.shape).per_target / 3.0
+
+    def flops(self, precision: str) -> float:
+        """Sustained FLOP/s of this device computing in `precision`."""
+        return _flops(self.settings.device, precision)
+
+    @property
+    def float8_speedup(self) -> float:
+        """float8 matmuls' throughput over bf16's on this device (`FLOAT8_SPEEDUP`)."""
+        return FLOAT8_SPEEDUP[self.settings.device]
+
+    @property
+    def float8_matmul_flops(self) -> float:
+        """FLOPs of one optimizer step's matmuls in the linears float8 converts (fulltune/memory/float8.py): 6 per
+        weight and token in the forward and backward, 2 more in a checkpointed layer's recomputed forward."""
+        from fulltune.memory.float8 import converted
+
+        s = self.settings
+        tokens = s.gradient_accumulation_steps * s.micro_batch_size * s.seq_len
+        recomputed = min(s.gradient_checkpointing, self.shape.num_layers)
+        return tokens * sum(x.numel for x in converted(self.shape)) * (6 * self.shape.num_layers + 2 * recomputed)
+
+    def fsdp_offload(self) -> dict[str, float]:
+        """FSDP2's CPU offload, term by term (`fsdp_offload_terms`)."""
+        return fsdp_offload_terms(self.shape, self.settings)
+
+    def host_optimizer_seconds(self) -> float:
+        """The host optimizer's pass over the masters, gradients and states, at its optimizer's host speed."""
+        host = _lever_host_traffic(self.shape, self.settings) / HOST_OPTIMIZER_BYTES_PER_S
+        return host * HOST_OPTIMIZER_SLOWDOWN[self.settings.optimizer]
 
 
 def fsdp_offload_terms(shape: ModelShape, settings: Settings) -> dict[str, float]:
@@ -229,6 +294,12 @@ def _lever_host_traffic(shape: ModelShape, settings: Settings) -> float:
 # constants: GPUs without NVLink, or on two machines, move ~25 GB/s (PCIe 4.0 x16, a 200 Gb/s NIC); gloo
 # between two CPU processes of one machine copies through loopback TCP.
 P2P_BYTES_PER_S = {"cuda": 25e9, "cpu": 2e9}
+# Each kind's link (`parallelism.Traffic.link`) and its bandwidth per device.
+# Context parallel's all-to-alls (Ulysses) or ring sends run inside one machine, as tensor parallel's collectives
+# do: the same assumed bandwidth (NVLink; gloo between CPU processes), not overlapped with compute.
+CP_BYTES_PER_S = TP_BYTES_PER_S
+LINK_BYTES_PER_S = {parallelism.TENSOR_PARALLEL.name: TP_BYTES_PER_S, parallelism.PIPELINE.name: P2P_BYTES_PER_S,
+                    parallelism.CONTEXT_PARALLEL.name: CP_BYTES_PER_S}
 
 
 def pipeline_step_seconds(shape: ModelShape, settings: Settings, num_stages: int) -> tuple[float, float]:
@@ -241,7 +312,6 @@ def pipeline_step_seconds(shape: ModelShape, settings: Settings, num_stages: int
     stage's optimizer pass; each slot also sends one (b, s, h) activation forward and one gradient back
     (`P2P_BYTES_PER_S`).
     """
-    from fulltune.memory.activations import stream_bytes
     from fulltune.memory.pipeline import stage_settings, stage_shape
 
     M, P = settings.gradient_accumulation_steps, num_stages
@@ -252,8 +322,8 @@ def pipeline_step_seconds(shape: ModelShape, settings: Settings, num_stages: int
         two = step_seconds(sub, replace(ss, gradient_accumulation_steps=2))
         per_micro_batch.append(two - one)
         optimizer.append(max(one - (two - one), 0.0))
-    activation = stream_bytes(settings) * settings.micro_batch_size * settings.seq_len * shape.hidden
-    send = (2 * activation / P2P_BYTES_PER_S[settings.device]) if P > 1 else 0.0
+    sends = parallelism.PIPELINE.slot_traffic(shape, settings)
+    send = (sends.bytes / LINK_BYTES_PER_S[sends.link][settings.device]) if P > 1 else 0.0
     slots = M + P - 1
     return slots * (max(per_micro_batch) + send) + max(optimizer), slots * send
 

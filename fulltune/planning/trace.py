@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 import gc
 import json
 from pathlib import Path
@@ -100,8 +101,24 @@ def train_steps(model: Any, optimizer: Any, settings: Settings, steps: int, devi
             run_step(parts, batches, step, max(targets, 1), first_micro_batch=ga - count)
 
 
+def timed_train_steps(model: Any, optimizer: Any, settings: Settings, steps: int, device: str,
+                      warmup: int = 1) -> float:
+    """Seconds of `steps` optimizer steps (`train_steps`) after `warmup` untimed ones (the first allocates the
+    optimizer's states, and a compiled model compiles there), the device synchronised around them."""
+    import torch
+
+    train_steps(model, optimizer, settings, warmup, device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    train_steps(model, optimizer, settings, steps, device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
 def _check_single_process(settings: Settings) -> None:
-    if settings.strategy != "none" or settings.num_processes != 1:
+    if not settings.dims.alone or settings.num_processes != 1:
         raise MemoryConfigError(
             "simulate_memory/measure_memory run one process; use strategy='none' and num_processes=1 "
             "(the analytic estimate covers ddp and fsdp)"
@@ -109,26 +126,20 @@ def _check_single_process(settings: Settings) -> None:
 
 
 def build_model(config: Any, settings: Settings) -> Any:
+    import torch
     from transformers import AutoModelForCausalLM
 
     from fulltune.attention import kernel
-    from fulltune.runtime.checkpointing import apply_gradient_checkpointing
-
-    import torch
-
-    from fulltune.runtime.offload import ActivationOffload
+    from fulltune.runtime.checkpointing import apply_model_levers
 
     # bf16 weights are made bf16 from the start: `model.to` cannot swap FakeTensor parameters, and the
     # trainer's cast of a fp32 model ends in the same tensors.
     dtype = {"dtype": torch.bfloat16} if settings.pure_bf16 else {}
     # from_config writes the dtype into the config it is given: a copy keeps the caller's intact.
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=kernel(settings.attn_implementation),
-                                             **dtype)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                             attn_implementation=kernel(settings.attn_implementation), **dtype)
     model.train()
-    # In the trainer's order (fulltune/runtime/train.py): checkpointing, bf16 weights, activation offload.
-    apply_gradient_checkpointing(model, settings.gradient_checkpointing)
-    if settings.offload_activations:
-        ActivationOffload().install(model)
+    apply_model_levers(model, settings)  # as the trainer does (fulltune/runtime/train.py apply_levers)
     return model
 
 
@@ -334,7 +345,8 @@ def measure_cuda(config: Any, settings: Settings, steps: int = 2) -> dict[str, i
 # Traced peaks kept across processes
 
 # The code a trace runs: the trainer's step and everything it builds (optimizers, loss, levers), the model loader.
-TRACED_CODE = ("planning/trace.py", "runtime", "memory/types.py", "models.py", "attention.py", "levers.py")
+TRACED_CODE = ("planning/trace.py", "runtime", "memory/types.py", "models.py", "attention.py", "levers.py",
+               "optimizers.py")
 
 def stored_peak(config_json: str, settings: Settings) -> tuple[Path, int | None]:
     """(where the traced peak of this step is kept, the peak when a trace of it was kept before).

@@ -1,4 +1,5 @@
-"""Gradient checkpointing on the first k decoder layers of a transformers model.
+"""Gradient checkpointing on the first k decoder layers of a transformers model, and the memory levers that
+change the model after it (`apply_model_levers`: the trainer and the memory trace build the same model).
 
 The planner turns on only as many layers as the budget needs (each checkpointed layer costs one
 extra forward of that layer in backward, ~1/3 of its compute); this applies its choice.
@@ -6,9 +7,27 @@ extra forward of that layer in backward, ~1/3 of its compute); this applies its 
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
+from fulltune import levers
 from fulltune.memory.errors import MemoryConfigError
+
+
+def apply_model_levers(model: Any, settings: Any) -> int:
+    """Checkpoint the first `settings.gradient_checkpointing` layers, then apply each memory lever on in
+    `settings` (a `fulltune.memory.Settings`) that changes the model, in the lever table's order: its record's
+    `apply` (fulltune/levers.py). Returns the number of layers checkpointed.
+
+    Raises:
+        MemoryConfigError: as `apply_gradient_checkpointing`.
+    """
+    checkpointed = apply_gradient_checkpointing(model, settings.gradient_checkpointing)
+    for lever in levers.TABLE:
+        if lever.apply is not None and getattr(settings, lever.name):
+            module, function = lever.apply.split(":")
+            getattr(importlib.import_module(module), function)(model, settings)
+    return checkpointed
 
 
 def decoder_layers(model: Any) -> list[Any]:

@@ -9,6 +9,8 @@ stalls it, raises an out-of-memory error or poisons a loss at that point:
     checkpoint_write:S  SIGKILL while checkpoint S is half written (files in place, not yet renamed)
     after_checkpoint:S  SIGKILL right after checkpoint S was renamed into place
     stall_<point>:N     at any of the three points above, stop and wait to be killed from outside
+                        (under train.checkpoint_async the two checkpoint points run in the background writer:
+                        stall_checkpoint_write:S holds the write of checkpoint S while training goes on)
     oom:S               raise torch.OutOfMemoryError at the start of optimizer step S (1-based)
     nan_loss:S          make the loss of optimizer step S NaN (the step must be skipped)
     nan_losses_from:S   make every loss from optimizer step S on NaN (training must stop)

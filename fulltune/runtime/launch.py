@@ -85,24 +85,26 @@ class Tracking(Strict):
 # each, and effective_batch_size is its micro_batch_size × gradient_accumulation_steps × processes. The job's
 # train section leaves them out, so the child cannot read an `auto` where the plan's choice belongs.
 PLANNED_TRAIN_KEYS = ("effective_batch_size", "micro_batch_size", "gradient_accumulation_steps",
-                      "gradient_checkpointing", "mixed_precision", "optimizer", *LEVERS)
+                      "gradient_checkpointing", "mixed_precision", "optimizer", *LEVERS, "compensation", "float8_recipe")
 TrainOptions = create_model(
     "TrainOptions", __base__=Strict, __module__=__name__,
     __doc__="The pipeline's `train:` section without PLANNED_TRAIN_KEYS: the optimisation the plan does not decide.",
     **{name: (info.annotation, info) for name, info in spec.TrainSpec.model_fields.items()
        if name not in PLANNED_TRAIN_KEYS})
-# The distributed.* key the memory plan resolves (`auto` becomes a degree): the plan's tensor_parallel is the
-# job's one copy of it, read through `TrainJob.dims`.
-PLANNED_DISTRIBUTED_KEYS = ("tensor_parallel",)
+# The distributed.* keys the memory plan resolves (`auto` becomes a degree): the plan's tensor_parallel and
+# context_parallel are the job's one copy of them, read through `TrainJob.dims`.
+PLANNED_DISTRIBUTED_KEYS = ("tensor_parallel", "context_parallel")
 DistributedOptions = create_model(
     "DistributedOptions", __base__=Strict, __module__=__name__,
     __doc__="The pipeline's `distributed:` section without PLANNED_DISTRIBUTED_KEYS: how the processes start.",
     **{name: (info.annotation, info) for name, info in spec.DistributedSpec.model_fields.items()
-       if name not in PLANNED_DISTRIBUTED_KEYS})
+       if name not in (*PLANNED_DISTRIBUTED_KEYS, "strategy")},
+    # A job's strategy is the one its plan trains with (job_from_pipeline replaces auto): one process by default.
+    strategy=(spec.Strategy, Field("none", description="The strategy the plan trains with.")))
 # Settings the plan echoes from the spec (it planned for them): the spec sections are their source, and a job
 # whose plan disagrees is refused.
 PLAN_ECHOES = {"attn_implementation": "model", "strategy": "distributed", "num_processes": "distributed",
-               "pipeline_parallel": "distributed", "pipeline_schedule": "distributed"}
+               "pipeline_parallel": "distributed", "pipeline_schedule": "distributed", "checkpoint_async": "train"}
 # Settings that describe what the plan assumed about the data; the child does not read them.
 PLAN_ONLY_SETTINGS = ("seq_len", "attention_mask", "document_length", "target_fraction")
 
@@ -146,7 +148,9 @@ class TrainJob(Strict):
     @property
     def dims(self) -> ParallelDims:
         """How the job's processes split the work; the plan checked the degrees against the processes."""
-        return ParallelDims(self.distributed.num_processes, self.plan.tensor_parallel, self.distributed.pipeline_parallel)
+        distributed = self.distributed
+        return ParallelDims(distributed.num_processes, self.plan.tensor_parallel, distributed.pipeline_parallel,
+                            distributed.strategy, self.plan.context_parallel)
 
     def to_json(self) -> str:
         """JOB.json: one object per section, indented for a person to read."""
@@ -230,14 +234,14 @@ class TrainResult:
     model_dir: str
     steps: int
     epochs: float
-    train_loss: float  # mean token loss of the last log interval
+    train_loss: float  # mean token loss of the last step that trained
     tokens: int  # non-padding tokens trained on, all processes, whole run
     tokens_per_second: float  # over the optimizer steps this process ran (a resumed run counts its own part)
     seconds: float  # wall time of those steps
     peak_memory_bytes: int | None  # torch.cuda.max_memory_allocated on CUDA; None on CPU
     nonfinite_steps: int  # optimizer steps skipped because the loss or gradient norm was not finite
     resumed_from_step: int | None
-    loss_history: list[list[float]] = field(default_factory=list)  # [step, mean loss of the log interval]
+    loss_history: list[list[float]] = field(default_factory=list)  # [step, its mean token loss], every step that trained
     # Each process's step peak beside its estimate, when measured (fulltune/runtime/step_memory.py): rank, stage,
     # measured_bytes, estimated_bytes, error (+ when the estimate is above).
     rank_peaks: list[dict[str, Any]] = field(default_factory=list)
@@ -269,6 +273,7 @@ class OutOfMemory(RuntimeError):
 # assumptions about the data (PLAN_ONLY_SETTINGS) are not read by the child.
 RESUMABLE_CHANGES = frozenset({"plan.micro_batch_size", "plan.gradient_accumulation_steps",
                                "plan.gradient_checkpointing", "plan.mixed_precision", "paths.output_dir",
+                               "plan.checkpoint_async", "train.checkpoint_async",  # the same files either way
                                *(f"plan.{name}" for name in PLAN_ONLY_SETTINGS)})
 
 
@@ -363,7 +368,7 @@ def generate_accelerate_config(job: TrainJob) -> dict[str, Any]:
             raise ConfigError(f"distributed.num_machines > 1: set {' and '.join(missing)} on every machine")
         config["main_process_ip"] = os.environ["MASTER_ADDR"]
         config["main_process_port"] = int(os.environ["MASTER_PORT"])
-    if distributed.strategy == "fsdp":
+    if job.dims.fsdp_enabled:
         # FSDP2, one unit per transformer block (accelerate falls back to the model's `_no_split_modules`);
         # sharded checkpoints keep save_state cheap; activation recompute stays with fulltune (k of L layers).
         config["fsdp_config"] = {
@@ -380,17 +385,17 @@ def generate_accelerate_config(job: TrainJob) -> dict[str, Any]:
 
 def training_command(job: TrainJob, job_file: Path) -> list[str]:
     """The command line that runs the child (see the module docstring)."""
-    distributed = job.distributed
-    if distributed.num_processes == 1 and distributed.strategy == "none":
+    distributed, dims = job.distributed, job.dims
+    if dims.world_size == 1 and dims.alone:
         return [sys.executable, "-m", "fulltune.runtime.train", str(job_file)]
-    if distributed.strategy in ("ddp", "fsdp"):
+    if not dims.alone:
         from fulltune.runtime.rendezvous import launch_command
 
         # several machines: c10d
         command = launch_command(job_file, distributed.num_processes, distributed.num_machines)
         if command is not None:
             return command
-    if job.plan.device == "cpu" or distributed.strategy == "fsdp" or distributed.pipeline_parallel > 1:
+    if job.plan.device == "cpu" or dims.fsdp_enabled or dims.pp_enabled:
         # FSDP shards the model itself (fulltune/runtime/sharding.py) on CPU and CUDA alike; pipeline stages
         # are built by the trainer (fulltune/runtime/pipeline_parallel.py).
         # `accelerate launch --cpu --num_processes 2` ran a single process (accelerate 1.x);
@@ -436,7 +441,7 @@ def _train_in_child(job: TrainJob, output_dir: Path, on_output: Callable[[str], 
         (output_dir / stale).unlink(missing_ok=True)
     job_file = output_dir / JOB_FILE
     atomic_write_text(job_file, job.to_json())
-    if job.plan.device == "cuda" and job.distributed.strategy not in ("none", "fsdp"):
+    if job.plan.device == "cuda" and job.dims.ddp_enabled:
         atomic_write_text(output_dir / ACCELERATE_CONFIG_FILE, yaml.safe_dump(generate_accelerate_config(job)))
 
     code, tail = run_child(training_command(job, job_file), on_output, env)

@@ -69,3 +69,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     def _call(self, checkpoint: Any, *args: Any, **kwargs: Any) -> Any:
         with self:
             return checkpoint(*args, **kwargs)
+
+
+def offload_checkpointed_inputs(model: torch.nn.Module, settings: Any) -> None:
+    """`train.offload_activations` (fulltune/levers.py): the checkpointed layers' saved inputs wait in host RAM."""
+    ActivationOffload().install(model)

@@ -4,24 +4,21 @@
                     offload_optimizer=..., gradient_accumulation_steps=..., max_grad_norm=..., fake=...)
     optimizer_for(model, settings, lr=..., ...)   # the same, with a plan's optimizer and levers
 
-Optimizers (`name`), and their state per parameter element (`optimizer_state_bytes` counts it exactly):
+Each optimizer (`name`) is a record of fulltune/optimizers.py (its states, what refuses it) and a builder here
+(`BUILDERS`: its update, given parameter groups, a learning rate and a compensation).
 
-    adamw        torch AdamW, fused kernel (CPU and CUDA)                         8 B (fp32 weights)
-    adamw_8bit   bitsandbytes AdamW8bit, block-wise 8-bit states (256 / block)    ~2 B
-    adamw_4bit   torchao AdamW4bit, block-wise 4-bit states (128 / block)         ~1 B
-    adafactor    transformers Adafactor, factored second moment, no first moment  ~0 B for matrices
-
-Levers (each composes with every optimizer above, except where `check_levers` says otherwise; how they
+Levers (each composes with every optimizer, except where its record or `check_levers` says otherwise; how they
 combine with each other and with the strategy is fulltune/levers.py):
 
 - `pure_bf16`: the weights and gradients are bf16 and there is no fp32 master copy (2 + 2 B/param
   instead of 4 + 4). A bf16 weight cannot hold an update smaller than 1/256 of itself, so plain
-  updates are lost late in training; the update is compensated instead (`compensation`):
+  updates are lost late in training; the update is compensated instead (`compensation`, offered per optimizer
+  by its record):
     kahan                torch-optimi AdamW with `kahan_sum`: a bf16 buffer keeps what rounding dropped
                          and adds it back next step (+2 B/param; states bf16: 2 + 2 + 2 = 6 B/param).
                          Chosen for `adamw` because it is pure PyTorch (CPU and CUDA, no compiler), small,
                          maintained, and its Kahan update is the AnyPrecisionAdamW one torchdistx validated.
-    stochastic_rounding  torchao's low-bit AdamW with `bf16_stochastic_round`: rounding up or down with
+    stochastic           torchao's low-bit AdamW with `bf16_stochastic_round`: rounding up or down with
                          the probability of the remainder keeps updates unbiased (no extra state).
                          The only compensated path for 4-bit states; it needs torch.compile.
     none                 plain rounding (as torchtune's pure-bf16 recipes, and bitsandbytes 8-bit, which
@@ -33,8 +30,9 @@ combine with each other and with the strategy is fulltune/levers.py):
   the host (ZeRO-Offload's split); the device keeps only its weights. See `HostOffloadOptimizer`.
 
 Sharded parameters (FSDP2 DTensors, `distributed.strategy: fsdp`): adamw (torch fused, or torch-optimi
-Kahan in its per-parameter loop) updates each shard where it is; adafactor needs whole rows and columns
-and runs as `GatheredAdafactor` (one gathered parameter at a time, exact to one process).
+Kahan in its per-parameter loop) updates each shard where it is; an optimizer whose record says `gathered`
+(adafactor: whole rows and columns) runs as `GatheredOptimizer` (one gathered parameter at a time, exact to one
+process).
 
 The two wrappers are torch Optimizers (LR schedulers, Accelerate and checkpoints take them as any other)
 and add `clip_grad_norm_(max_norm)`, which the trainer must call instead of `clip_grad_norm_` over the
@@ -53,16 +51,24 @@ from typing import Any, Callable, Iterable
 import torch
 
 from fulltune import levers
-# The byte counts live with the memory model (pure arithmetic, fulltune/memory/optimizer_bytes.py); re-exported
-# here beside the optimizers that allocate them.
+# The byte counts live with the records and the memory model (pure arithmetic); re-exported here beside the
+# optimizers that allocate them.
 from fulltune.memory.optimizer_bytes import (  # noqa: F401
-    BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, COMPENSATIONS, OPTIMIZERS, TORCHAO_BLOCKSIZE, TORCHAO_MIN_LOWBIT_SIZE,
-    TORCHAO_QMAP_ENTRIES, default_compensation, device_gradient_bytes, device_state_bytes, host_bytes,
-    optimizer_state_bytes, weight_bytes)
+    device_gradient_bytes, device_state_bytes, host_bytes, optimizer_state_bytes, weight_bytes)
+from fulltune.optimizers import (BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, COMPENSATIONS, OPTIMIZERS,  # noqa: F401
+                                 TORCHAO_BLOCKSIZE, TORCHAO_MIN_LOWBIT_SIZE, TORCHAO_QMAP_ENTRIES, optimizer)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Building
+
+
+def to_bf16(model: torch.nn.Module, settings: Any) -> None:
+    """`train.pure_bf16` on the model (fulltune/levers.py): bf16 weights, no fp32 master copy (the optimizer
+    compensates its updates). A model built in bf16 (the memory trace builds its FakeTensor model so: `model.to`
+    cannot swap FakeTensor parameters) is left as it is."""
+    if any(p.dtype != torch.bfloat16 for p in model.parameters()):
+        model.to(torch.bfloat16)
 
 
 def check_levers(name: str, pure_bf16: bool = False, compensation: str | None = None,
@@ -78,17 +84,17 @@ def check_levers(name: str, pure_bf16: bool = False, compensation: str | None = 
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer: unknown {name!r}; expected one of {', '.join(OPTIMIZERS)}")
+    record = optimizer(name)
     if compensation is None or compensation == "auto":
-        compensation = default_compensation(name)
+        compensation = record.default_compensation
     if compensation not in COMPENSATIONS:
         raise ValueError(f"compensation: unknown {compensation!r}; expected auto or one of {', '.join(COMPENSATIONS)}")
     if not pure_bf16 or offload_optimizer:
         # fp32 weights, or fp32 masters on the host: nothing to compensate.
         return "none"
-    allowed = {"adamw": ("kahan", "stochastic_rounding", "none"), "adamw_8bit": ("stochastic_rounding", "none"),
-               "adamw_4bit": ("stochastic_rounding", "none"), "adafactor": ("none",)}[name]
-    if compensation not in allowed:
-        raise ValueError(f"compensation: {name} offers {' or '.join(allowed)} with pure bf16 weights, not {compensation}")
+    if compensation not in record.compensations:
+        raise ValueError(f"compensation: {name} offers {' or '.join(record.compensations)} with pure bf16 weights, "
+                         f"not {compensation}")
     return compensation
 
 
@@ -103,16 +109,29 @@ def optimizer_for(model: torch.nn.Module, plan: Any, *, lr: float = 1e-4, weight
 
     offload = plan.offload_optimizer and not sharding.is_sharded(model)
     return build_optimizer(model, plan.optimizer, lr=lr, weight_decay=weight_decay, pure_bf16=plan.pure_bf16,
+                           compensation=plan.compensation,
                            optimizer_in_backward=plan.optimizer_in_backward, offload_optimizer=offload,
                            gradient_accumulation_steps=plan.gradient_accumulation_steps,
                            max_grad_norm=max_grad_norm, fake=fake)
 
 
-def parameter_groups(model_or_params: torch.nn.Module | Iterable[Any], weight_decay: float = 0.0) -> list[dict[str, Any]]:
+def parameter_groups(model_or_params: torch.nn.Module | Iterable[Any], weight_decay: float = 0.0,
+                     matrices: bool = False) -> list[dict[str, Any]]:
     """Groups with weight decay on matrices only, not on biases and norm weights (as nanoGPT and HF
-    Trainer); an iterable of parameters or of groups is taken as given."""
+    Trainer); an iterable of parameters or of groups is taken as given. `matrices` (an optimizer whose record
+    says so: Muon): the decoder layers' 2-D weights in a group of their own, marked `"matrices": True`."""
     if isinstance(model_or_params, torch.nn.Module):
         params = [p for p in model_or_params.parameters() if p.requires_grad]
+        if matrices:
+            from fulltune.runtime.checkpointing import decoder_layers
+
+            hidden = {id(p) for layer in decoder_layers(model_or_params) for p in layer.parameters() if p.ndim == 2}
+            groups = [{"params": [p for p in params if id(p) in hidden], "weight_decay": weight_decay,
+                       "matrices": True},
+                      {"params": [p for p in params if p.ndim >= 2 and id(p) not in hidden],
+                       "weight_decay": weight_decay},
+                      {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+            return [g for g in groups if g["params"]]
         return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
                 {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     items = list(model_or_params)
@@ -141,14 +160,19 @@ def build_optimizer(model_or_params: torch.nn.Module | Iterable[Any], name: str 
         ValueError: an impossible combination (see `check_levers` and fulltune/levers.py).
     """
     compensation = check_levers(name, pure_bf16, compensation, offload_optimizer)
-    # Which optimizer levers combine is the lever table's (fulltune/levers.py).
+    # Which optimizer levers combine is the lever table's (fulltune/levers.py); the memory trace's stand-ins
+    # (`fake`) need no optional package installed.
     found = levers.problems(levers.Combination({"pure_bf16": pure_bf16, "optimizer_in_backward": optimizer_in_backward,
-                                                "offload_optimizer": offload_optimizer}))
+                                                "offload_optimizer": offload_optimizer}, optimizer=name),
+                            installed=not fake)
     if found:
         raise ValueError("; ".join(found))
     # The model's parameter order, which clipping over all gradients sums in (as the trainer's clip does).
     order = list(model_or_params.parameters()) if isinstance(model_or_params, torch.nn.Module) else None
-    groups = parameter_groups(model_or_params, weight_decay)
+    groups = parameter_groups(model_or_params, weight_decay, matrices=optimizer(name).matrices)
+    if optimizer(name).matrices and not any(g.get("matrices") for g in groups):
+        raise ValueError(f"optimizer: {name} steps the decoder layers' 2-D matrices apart: build it from the model "
+                         "(or groups marked 'matrices'), not from a list of parameters")
     if offload_optimizer:
         return HostOffloadOptimizer(groups, lambda g: _base_optimizer(name, g, lr, "none", fake), order)
     if optimizer_in_backward:
@@ -158,44 +182,82 @@ def build_optimizer(model_or_params: torch.nn.Module | Iterable[Any], name: str 
     return _base_optimizer(name, groups, lr, compensation, fake)
 
 
+# Optimizers whose kernels cannot run on FakeTensors (bitsandbytes' C code, torchao's compiled update): the memory
+# trace steps `FakeStatesOptimizer` for them, which allocates their states.
+_FAKE_LAYOUTS = ("adamw_8bit", "adamw_4bit")
+
+
 def _base_optimizer(name: str, groups: list[dict[str, Any]], lr: float, compensation: str,
                     fake: bool) -> torch.optim.Optimizer:
-    if fake and (name in ("adamw_8bit", "adamw_4bit") or compensation in ("kahan", "stochastic_rounding")):
+    if fake and (name in _FAKE_LAYOUTS or compensation in ("kahan", "stochastic")):
         return FakeStatesOptimizer(groups, lr=lr, layout=name, compensation=compensation)
-    if name == "adamw":
-        if compensation == "kahan":
-            import optimi
-
-            # torch AdamW's betas and eps (optimi defaults to 0.99 / 1e-6); decoupled weight decay
-            # scaled by lr, as torch AdamW.
-            # Sharded (DTensor) parameters: optimi's foreach path calls `_foreach_copy_`, which has no
-            # DTensor sharding strategy (torch 2.13), so they take its per-parameter loop (elementwise
-            # ops on local shards) and never its Triton kernel.
-            sharded = _has_dtensor(groups)
-            return optimi.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, kahan_sum=True,
-                                foreach=not sharded, **({"triton": False} if sharded else {}))
-        if compensation == "stochastic_rounding":
-            return _torchao_optim()._AdamW(groups, lr=lr, bf16_stochastic_round=True)
-        return torch.optim.AdamW(groups, lr=lr, fused=True)
-    if name == "adamw_8bit":
-        if compensation == "stochastic_rounding":
-            return _torchao_optim().AdamW8bit(groups, lr=lr, bf16_stochastic_round=True)
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(groups, lr=lr)
-    if name == "adamw_4bit":
-        # torchao's 4-bit AdamW: the only maintained 4-bit optimizer that runs on CPU and CUDA; its
-        # per-parameter update is torch.compile'd (one compile per parameter shape, seconds each on CPU).
-        return _torchao_optim().AdamW4bit(groups, lr=lr, bf16_stochastic_round=compensation == "stochastic_rounding")
-    if _has_dtensor(groups):
-        return GatheredAdafactor(groups, lr=lr)
-    return _adafactor(groups, lr)
+    build = BUILDERS[name]
+    if optimizer(name).gathered and _has_dtensor(groups):
+        return GatheredOptimizer(groups, lambda inner: build(inner, lr, compensation))
+    return build(groups, lr, compensation)
 
 
-def _adafactor(groups: list[dict[str, Any]], lr: float) -> torch.optim.Optimizer:
+def _adamw(groups: list[dict[str, Any]], lr: float, compensation: str) -> torch.optim.Optimizer:
+    if compensation == "kahan":
+        import optimi
+
+        # torch AdamW's betas and eps (optimi defaults to 0.99 / 1e-6); decoupled weight decay
+        # scaled by lr, as torch AdamW.
+        # Sharded (DTensor) parameters: optimi's foreach path calls `_foreach_copy_`, which has no
+        # DTensor sharding strategy (torch 2.13), so they take its per-parameter loop (elementwise
+        # ops on local shards) and never its Triton kernel.
+        sharded = _has_dtensor(groups)
+        return optimi.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, kahan_sum=True,
+                            foreach=not sharded, **({"triton": False} if sharded else {}))
+    if compensation == "stochastic":
+        return _torchao_optim()._AdamW(groups, lr=lr, bf16_stochastic_round=True)
+    return torch.optim.AdamW(groups, lr=lr, fused=True)
+
+
+def _adamw_8bit(groups: list[dict[str, Any]], lr: float, compensation: str) -> torch.optim.Optimizer:
+    if compensation == "stochastic":
+        return _torchao_optim().AdamW8bit(groups, lr=lr, bf16_stochastic_round=True)
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(groups, lr=lr)
+
+
+def _adamw_4bit(groups: list[dict[str, Any]], lr: float, compensation: str) -> torch.optim.Optimizer:
+    # torchao's 4-bit AdamW: the only maintained 4-bit optimizer that runs on CPU and CUDA; its
+    # per-parameter update is torch.compile'd (one compile per parameter shape, seconds each on CPU).
+    return _torchao_optim().AdamW4bit(groups, lr=lr, bf16_stochastic_round=compensation == "stochastic")
+
+
+def _adafactor(groups: list[dict[str, Any]], lr: float, compensation: str = "none") -> torch.optim.Optimizer:
     from transformers.optimization import Adafactor
 
     return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
+
+
+def _muon(groups: list[dict[str, Any]], lr: float, compensation: str) -> torch.optim.Optimizer:
+    """torch Muon on the groups marked `matrices` (the decoder layers' 2-D weights), AdamW (fused) on the others,
+    as one optimizer (`SplitOptimizer`). Muon's update is scaled as Moonshot's (`adjust_lr_fn="match_rms_adamw"`:
+    0.2 · √max(A, B)), so its RMS matches AdamW's and the one `train.learning_rate` and `weight_decay` serve both
+    (arXiv 2502.16982). On FSDP2 shards the matrices step gathered, one at a time (`GatheredOptimizer`: the
+    orthogonalisation needs the whole matrix; the momentum stays sharded), AdamW on its shards in place."""
+    def muon(inner: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        return torch.optim.Muon(inner, lr=lr, adjust_lr_fn="match_rms_adamw")
+
+    matrices = [g for g in groups if g.get("matrices")]
+    rest = [g for g in groups if not g.get("matrices")]
+    parts = []
+    if matrices:
+        parts.append(GatheredOptimizer(matrices, muon) if _has_dtensor(matrices) else muon(matrices))
+    if rest:
+        parts.append(_adamw(rest, lr, compensation))
+    return parts[0] if len(parts) == 1 else SplitOptimizer(parts)
+
+
+# One builder per record of fulltune/optimizers.py: the optimizer over parameter groups at a learning rate, with
+# the update pure bf16 weights get (`check_levers` has checked the record offers it).
+BUILDERS: dict[str, Callable[[list[dict[str, Any]], float, str], torch.optim.Optimizer]] = {
+    "adamw": _adamw, "adamw_8bit": _adamw_8bit, "adamw_4bit": _adamw_4bit, "adafactor": _adafactor, "muon": _muon}
+assert set(BUILDERS) == set(OPTIMIZERS), "every optimizer of fulltune/optimizers.py has a builder here"
 
 
 def _has_dtensor(groups: list[dict[str, Any]]) -> bool:
@@ -237,7 +299,7 @@ class FakeStatesOptimizer(torch.optim.Optimizer):
 
     def _states(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         n = p.numel()
-        if self.layout == "adamw_8bit" and self.compensation != "stochastic_rounding":
+        if self.layout == "adamw_8bit" and self.compensation != "stochastic":
             if n < BNB_MIN_8BIT_SIZE:
                 return {"state1": torch.zeros_like(p, dtype=torch.float32), "state2": torch.zeros_like(p, dtype=torch.float32)}
             blocks = -(-n // BNB_BLOCKSIZE)
@@ -271,45 +333,49 @@ class FakeStatesOptimizer(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-float(group["lr"]))
 
 
-class GatheredAdafactor(torch.optim.Optimizer):
-    """transformers Adafactor over sharded parameters (FSDP2 DTensors), with the update one process makes.
+class GatheredOptimizer(torch.optim.Optimizer):
+    """An optimizer that needs whole parameters (Adafactor's rows and columns, Muon's whole matrices), over
+    sharded parameters (FSDP2 DTensors), with the update one process makes.
 
     Adafactor's factored second moment takes row and column means of the whole gradient and clips by the
-    RMS of the whole update, and its states are plain tensors, which DTensor ops refuse to mix with shards.
-    So `step` takes one parameter at a time: it gathers the weight and the gradient (`full_tensor()`, two
-    all-gathers), runs the unchanged inner Adafactor on a plain proxy tensor holding the whole weight,
-    copies this process's rows back into its shard, and empties the proxy. Every process computes the same
-    update from the same whole tensors, so the states are the same on every process and the weights are
-    what one unsharded process gets.
+    RMS of the whole update; Muon orthogonalises the whole matrix; their states are plain tensors, which DTensor
+    ops refuse to mix with shards. So `step` takes one parameter at a time: it gathers the weight, the gradient
+    and the states kept sharded (`full_tensor()`), runs the unchanged inner optimizer (built by `make(groups)`)
+    on a plain proxy tensor holding the whole weight, copies this process's rows back into its shard, and empties
+    the proxy. Every process computes the same update from the same whole tensors, so the weights are what one
+    unsharded process gets.
 
-    Memory: the states `_adafactor_bytes` counts, whole on every process (row and column means of
-    matrices are small; a vector's second moment is whole, not sharded), plus, during `step`, ONE
-    parameter's whole weight and whole gradient at a time beside Adafactor's own temporaries.
-    `step` is collective: every process must call it.
+    Memory: a state shaped like its parameter (Muon's momentum, a vector's second moment) is kept as this
+    process's shard, as the parameter is; the others whole on every process (Adafactor's row and column means of
+    matrices are small). During `step`, ONE parameter's whole weight, gradient and parameter-shaped states at a
+    time, beside the inner optimizer's own temporaries (its record's `sharded_step_bytes`). `step` is
+    collective: every process must call it.
 
     `param_groups` are this optimizer's own (an LR scheduler's writes reach the inner one at each step)
-    and `state` holds the inner states keyed by the sharded parameters, so torch.distributed.checkpoint's
-    get_state_dict / set_state_dict (`fulltune.runtime.sharding.save_sharded_state`) save and restore them as
-    replicated plain tensors.
+    and `state` holds the states keyed by the sharded parameters, so torch.distributed.checkpoint's
+    get_state_dict / set_state_dict (`fulltune.runtime.sharding.save_sharded_state`) save and restore them (the
+    sharded ones as shards, the others as replicated plain tensors).
     """
 
-    def __init__(self, groups: list[dict[str, Any]], lr: float = 1e-4) -> None:
+    def __init__(self, groups: list[dict[str, Any]],
+                 make: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]) -> None:
         self._proxies: dict[torch.Tensor, torch.Tensor] = {}
         inner_groups = []
         for group in groups:
             proxies = []
             for p in group["params"]:
-                # A plain leaf on the shard's device and dtype, empty except while its parameter updates.
-                self._proxies[p] = torch.empty(0, dtype=p.dtype, device=p.device)
+                # A plain leaf on the shard's device and dtype, empty except while its parameter updates (as many
+                # dimensions as the parameter: Muon takes matrices only).
+                self._proxies[p] = torch.empty((0,) * p.ndim, dtype=p.dtype, device=p.device)
                 proxies.append(self._proxies[p])
             inner_groups.append({**group, "params": proxies})
-        self.inner = _adafactor(inner_groups, lr)
+        self.inner = make(inner_groups)
         super().__init__(groups, self.inner.defaults)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         """Update every parameter with a gradient, one gathered parameter at a time (collective)."""
-        from torch.distributed.tensor import distribute_tensor
+        from torch.distributed.tensor import DTensor, distribute_tensor
 
         for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
             inner_group.update({k: v for k, v in group.items() if k != "params"})
@@ -319,26 +385,59 @@ class GatheredAdafactor(torch.optim.Optimizer):
                 proxy = self._proxies[p]
                 proxy.set_(p.full_tensor())
                 proxy.grad = p.grad.full_tensor()
+                if self.state[p]:
+                    self.inner.state[proxy] = {k: v.full_tensor() if isinstance(v, DTensor) else v
+                                               for k, v in self.state[p].items()}
                 self.inner.step()  # only this proxy has a gradient: the others are skipped
-                # Every process holds the same updated weight: take this one's rows, no communication.
+                # Every process holds the same updated weight and states: take this one's rows, no communication.
                 p.to_local().copy_(distribute_tensor(proxy, p.device_mesh, p.placements, src_data_rank=None).to_local())
+                self.state[p] = {k: distribute_tensor(v, p.device_mesh, p.placements, src_data_rank=None)
+                                 if isinstance(v, torch.Tensor) and v.shape == p.shape else v
+                                 for k, v in self.inner.state.pop(proxy).items()}
                 proxy.grad = None
                 proxy.set_()
-                self.state[p] = self.inner.state[proxy]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as torch does, but keep the states' saved dtype (torch casts them to the parameter's,
-        which would round Adafactor's fp32 means to bf16 under pure bf16), and hand them to the inner one."""
+        which would round Adafactor's fp32 means to bf16 under pure bf16)."""
         super().load_state_dict(state_dict)
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
         for i, p in zip(saved_ids, params, strict=True):
             if i not in state_dict["state"]:
                 continue
-            state = {k: v.detach().to(p.device, copy=True) if isinstance(v, torch.Tensor) else v
-                     for k, v in state_dict["state"][i].items()}
-            self.state[p] = state
-            self.inner.state[self._proxies[p]] = state
+            self.state[p] = {k: v.detach().to(p.device, copy=True) if isinstance(v, torch.Tensor) else v
+                             for k, v in state_dict["state"][i].items()}
+
+
+class SplitOptimizer(torch.optim.Optimizer):
+    """Several optimizers as one, each stepping its own parameter groups (Muon's matrices, AdamW's rest): the
+    trainer, the LR schedule, Accelerate and checkpoints see one torch Optimizer. Its `param_groups` are the
+    parts' own group dicts (an LR scheduler's writes reach them) and its `state` is the parts' one state, keyed by
+    parameter, so `state_dict` and torch.distributed.checkpoint's get_state_dict / set_state_dict save and restore
+    every part's states at once."""
+
+    def __init__(self, parts: list[torch.optim.Optimizer]) -> None:
+        self.parts = parts
+        super().__init__([group for part in parts for group in part.param_groups], {})
+        self._share()
+
+    def _share(self) -> None:
+        """The parts' groups are this optimizer's (in order) and their states its one state."""
+        groups = iter(self.param_groups)
+        for part in self.parts:
+            part.param_groups = [next(groups) for _ in part.param_groups]
+            part.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for part in self.parts:
+            part.step()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load as torch does (which makes new group dicts and a new state), then hand both to the parts."""
+        super().load_state_dict(state_dict)
+        self._share()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -62,7 +62,6 @@ __all__ = ["SCHEDULES", "PipelineRun", "StageModule", "build_stage", "check_mode
 FIELD = "distributed.pipeline_parallel"
 STAGE_STATE_DIR = "stages"  # in a step checkpoint: every stage's parameters and optimizer state (DCP)
 INDEX_FILE = "model.safetensors.index.json"
-DATA_PARALLEL = ("fsdp", "ddp")  # distributed.strategy beside the stages (data_parallel_stage)
 
 
 class StageModule(torch.nn.Module):
@@ -160,10 +159,10 @@ def check_model_config(config: Any, num_stages: int, where: str = "") -> None:
                           "(tie_word_embeddings), which pipeline stages do not train yet; set pipeline_parallel to 1")
 
 
-def data_parallel_stage(stage: StageModule, mesh: Any, strategy: str = "fsdp") -> StageModule:
+def data_parallel_stage(stage: StageModule, mesh: Any, dims: Any) -> StageModule:
     """Data parallel over `mesh` (a stage's "dp" processes) in place, as torchtitan composes it with pipeline
-    stages: `fsdp` shards the stage with FSDP2 (`fully_shard`: the input embedding, each decoder layer and the
-    output head a unit, the stage the root: the final norm), `ddp` replicates it (`replicate`, FSDP2's
+    stages, as `dims` (a `fulltune.degrees.ParallelDims`) holds them: FSDP shards the stage with FSDP2 (`fully_shard`: the input embedding, each decoder layer and the
+    output head a unit, the stage the root: the final norm), DDP replicates it (`replicate`, FSDP2's
     replicated layout: the gradients all-reduced). The parameters become DTensors on `mesh`, which the
     optimizer is built on, the checkpoints save a shard of (DCP) and the export gathers.
 
@@ -176,9 +175,9 @@ def data_parallel_stage(stage: StageModule, mesh: Any, strategy: str = "fsdp") -
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    if strategy not in DATA_PARALLEL:
-        raise ValueError(f"data parallel beside pipeline stages is {' or '.join(DATA_PARALLEL)}; got {strategy!r}")
-    if strategy == "ddp":
+    if dims.alone:
+        raise ValueError("data parallel beside pipeline stages is fsdp or ddp; got strategy none")
+    if dims.ddp_enabled:
         replicate(stage, mesh=mesh)
     else:
         body = stage.model
@@ -274,8 +273,7 @@ class PipelineRun:
 
     @classmethod
     def create(cls, model: torch.nn.Module, settings: Any, *, schedule: str = "1f1b", length: int,
-               device: Any = "cpu", pad_token_id: int = 0, hooks: Any = None, dims: Any = None,
-               data_parallel: str = "none") -> PipelineRun:
+               device: Any = "cpu", pad_token_id: int = 0, hooks: Any = None, dims: Any = None) -> PipelineRun:
         """This process's stage of `model`, moved to `device`, and the schedule over
         `settings.gradient_accumulation_steps` micro-batches of `settings.micro_batch_size` × `length` tokens.
         The other stages' modules are dropped with `model`.
@@ -283,7 +281,7 @@ class PipelineRun:
         `dims` (a `fulltune.degrees.ParallelDims`; default: every process a stage) lays the processes out on
         the ("pp", "dp", "tp") mesh: this process is stage `dims.stage(rank)`, its point-to-point sends run
         in its "pp" group, and with `dims.dp` above 1 its stage is sharded over its "dp" group with FSDP2
-        (`data_parallel` fsdp) or replicated with its gradients all-reduced (ddp): `data_parallel_stage`.
+        (`dims.fsdp_enabled`) or replicated with its gradients all-reduced (DDP): `data_parallel_stage`.
 
         Raises:
             ValueError: an unknown schedule, or a model that is not of the Llama layout.
@@ -305,8 +303,8 @@ class PipelineRun:
         # metadata pass (an extra forward and backward of micro-batch 0 before the first step).
         b, h = settings.micro_batch_size, int(model.config.hidden_size)
         dtype = next(stage.parameters()).dtype  # the residual stream's: fp32 under autocast, bf16 with bf16 weights
-        if dims.dp > 1 and data_parallel in DATA_PARALLEL:
-            data_parallel_stage(stage, mesh["dp"], data_parallel)
+        if dims.dp > 1 and not dims.alone:
+            data_parallel_stage(stage, mesh["dp"], dims)
         stream = torch.empty((b, length, h), dtype=dtype, device="meta", requires_grad=True)
         tokens = torch.empty((b, length), dtype=torch.long, device="meta")
         pipeline_stage = PipelineStage(stage, index, stages, torch.device(device),

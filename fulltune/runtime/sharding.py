@@ -170,8 +170,8 @@ SOURCE_OPTIONS = ("revision", "token", "trust_remote_code", "allow_pickle_weight
 
 
 def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision: str = "no", dtype: Any = None,
-                       before_shard: Callable[[Any], None] | None = None, dims: Any = None, offload: bool = False,
-                       **source: Any) -> Any:
+                       before_shard: Callable[[Any], None] | None = None,
+                       shard: Callable[[Any], Any] | None = None, offload: bool = False, **source: Any) -> Any:
     """Load a Hugging Face causal LM straight into FSDP2 shards: no process ever holds the full model
     (except rank 0 in the fallback below). Collective: every process calls it with the same arguments.
 
@@ -179,10 +179,10 @@ def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision
        are built for real, so non-persistent ones (rotary `inv_freq`) keep their computed values.
     2. `before_shard(model)` applies what must precede sharding: gradient checkpointing, the TargetHead
        hook, a pure-bf16 cast (`model.to(torch.bfloat16)` on meta parameters is free).
-    3. `shard_model` (the same units as for a loaded model), or with `dims` (a `fulltune.degrees.ParallelDims`
-       with tensor parallel) its TP plan and FSDP over its "dp" mesh (`fulltune.runtime.parallel.apply`);
-       then `to_empty` on the mesh's device: each process allocates its own shards only, and the buffers
-       get their values back.
+    3. `shard(model)`, the run's kind of parallelism (`fulltune.runtime.parallelize.apply`: FSDP2, or tensor
+       parallel's plan and FSDP over its "dp" mesh), by default `shard_model` (the same units as for a loaded
+       model); then `to_empty` on the mesh's device: each process allocates its own shards only, and the
+       buffers get their values back.
     4. Each process reads only its shards' slices from the checkpoint's safetensors files
        (`torch.distributed.checkpoint.HuggingFaceStorageReader`), converting to the parameters' dtype
        (a bf16 checkpoint becomes fp32 masters; fp32 becomes bf16 under pure bf16, rounded as `.to()` does).
@@ -226,12 +226,8 @@ def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision
         before_shard(model)
     if offload and device != "cuda":
         raise ValueError("FSDP's CPU offload needs a CUDA device (CPUOffloadPolicy refuses to run without one)")
-    if dims is not None and dims.tp > 1:
-        if offload:
-            raise ValueError("FSDP's CPU offload does not combine with tensor parallel here")
-        from fulltune.runtime import parallel
-
-        parallel.apply(model, dims, device, mixed_precision)
+    if shard is not None:
+        shard(model)
     else:
         shard_model(model, device=device, mixed_precision=mixed_precision, offload=offload)
     _materialize(model, device, offload)
@@ -416,7 +412,9 @@ def _optimizers(optimizer: Any) -> Any:
     return inner() if inner is not None and getattr(optimizer, "steps_in_backward", False) else optimizer
 
 
-def _state(model: Any, optimizer: Any) -> dict[str, Any]:
+def sharded_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """{"model", "optimizer"}: the state dicts torch.distributed.checkpoint saves and loads for a sharded model,
+    each process's shards as DTensors (views of the live parameters and states, not copies)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optimizer_state = get_state_dict(_unwrap(model), _optimizers(optimizer))
@@ -432,7 +430,7 @@ def save_sharded_state(directory: str | Path, model: Any, optimizer: Any) -> Non
     """
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(model, optimizer), checkpoint_id=str(directory))
+    dcp.save(sharded_state(model, optimizer), checkpoint_id=str(directory))
 
 
 def load_sharded_state(directory: str | Path, model: Any, optimizer: Any) -> None:
@@ -442,7 +440,7 @@ def load_sharded_state(directory: str | Path, model: Any, optimizer: Any) -> Non
 
     # get_state_dict creates the optimizer's states (a zero-lr step) when it has none yet, so the
     # loader knows every tensor to fill.
-    state = _state(model, optimizer)
+    state = sharded_state(model, optimizer)
     dcp.load(state, checkpoint_id=str(directory))
     set_state_dict(_unwrap(model), _optimizers(optimizer), model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])

@@ -186,12 +186,15 @@ def save_checkpoint(run: TrainingRun, state: TrainState, counters: dict[str, Any
     The main process then reads every file back into manifest.json (sizes and hashes) that resume
     checks. A write that fails for want of disk space removes the half-written directory and raises
     TrainingError (exit 2: retrying cannot help), naming the checkpoint a rerun resumes from.
+
+    Under `train.checkpoint_async` the run's writer (fulltune/runtime/async_checkpoints.py) writes the same files
+    in the background and returns once the weights and optimizer states are copied.
     """
-    accelerator, root = run.accelerator, run.checkpoints
-    tmp, final = root / f".tmp-step-{state.step}", root / f"step-{state.step}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
+    if run.checkpoint_writer is not None:
+        run.checkpoint_writer.save(run, state, counters)
+        return
+    accelerator = run.accelerator
+    tmp = begin_checkpoint(run, state.step)
     try:
         accelerator.save_state(str(tmp))
         if sharding.is_sharded(run.model):  # FSDP2 outside prepare: each process writes its shards (fulltune/runtime/sharding.py)
@@ -200,25 +203,68 @@ def save_checkpoint(run: TrainingRun, state: TrainState, counters: dict[str, Any
             pipeline_parallel.save_stage_state(tmp / pipeline_parallel.STAGE_STATE_DIR, run.model, run.optimizer)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            (tmp / TRAINER_STATE_FILE).write_text(json.dumps({**asdict(state), **counters}))
-            run.hooks.checkpoint_written(state.step)
-            write_checkpoint_manifest(tmp)
-            fsync_tree(tmp)
+            write_trainer_state(tmp, state, counters)
+            seal_checkpoint(run, tmp, state.step)
     except Exception as exc:
-        shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back; the older checkpoints stand
-        if disk_full(exc):
-            older = latest_checkpoint(root)
-            raise TrainingError(
-                f"{root}: the disk filled up while writing checkpoint step-{state.step} "
-                f"({shutil.disk_usage(root).free / 2**30:.1f} GiB free now); free some space or lower "
-                f"train.keep_checkpoints, then rerun: it resumes from "
-                f"{older.name if older is not None else 'the start'}") from None
+        discard_failed_checkpoint(run.checkpoints, tmp, state.step, exc)
         raise
     if accelerator.is_main_process:
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        fsync_dir(root)
-        steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := CHECKPOINT_NAME.match(p.name)))
-        for old in steps[:-run.job.train.keep_checkpoints]:
-            shutil.rmtree(root / f"step-{old}", ignore_errors=True)
+        publish_checkpoint(run, tmp, state.step)
     accelerator.wait_for_everyone()
+    run.hooks.checkpoint_published(state.step)
+
+
+def begin_checkpoint(run: TrainingRun, step: int) -> Path:
+    """checkpoints/.tmp-step-`step`, made empty by the main process before every process writes into it."""
+    tmp = run.checkpoints / f".tmp-step-{step}"
+    if run.accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    run.accelerator.wait_for_everyone()
+    return tmp
+
+
+def write_trainer_state(tmp: Path, state: TrainState, counters: dict[str, Any]) -> None:
+    """trainer_state.json: where the run is and TrainMetrics' counters, as of the checkpoint's step boundary."""
+    (tmp / TRAINER_STATE_FILE).write_text(json.dumps({**asdict(state), **counters}))
+
+
+def seal_checkpoint(run: TrainingRun, tmp: Path, step: int) -> None:
+    """Main process, once every file of checkpoint `step` is in `tmp`: the manifest (each file read back), fsync."""
+    run.hooks.checkpoint_written(step)
+    write_checkpoint_manifest(tmp)
+    fsync_tree(tmp)
+
+
+def publish_checkpoint(run: TrainingRun, tmp: Path, step: int) -> None:
+    """Main process: rename the sealed `tmp` to checkpoints/step-`step` and drop all but the newest
+    `keep_checkpoints`."""
+    root = run.checkpoints
+    final = root / f"step-{step}"
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := CHECKPOINT_NAME.match(p.name)))
+    for old in steps[:-run.job.train.keep_checkpoints]:
+        shutil.rmtree(root / f"step-{old}", ignore_errors=True)
+
+
+def discard_failed_checkpoint(root: Path, tmp: Path, step: int, exc: BaseException) -> None:
+    """Remove the half-written `tmp` (the space it took, back; the older checkpoints stand); a write that failed
+    for want of disk space raises TrainingError naming what a rerun resumes from (the caller re-raises the rest)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    if disk_full(exc):
+        older = latest_checkpoint(root)
+        raise TrainingError(
+            f"{root}: the disk filled up while writing checkpoint step-{step} "
+            f"({shutil.disk_usage(root).free / 2**30:.1f} GiB free now); free some space or lower "
+            f"train.keep_checkpoints, then rerun: it resumes from "
+            f"{older.name if older is not None else 'the start'}") from None
+
+
+def wait_for_checkpoint_writes(run: TrainingRun) -> None:
+    """Before the final export: the checkpoint still being written in the background (train.checkpoint_async) is
+    published first, on every process, and what its write raised is raised here."""
+    if run.checkpoint_writer is not None:
+        run.checkpoint_writer.close(run)
+        run.accelerator.wait_for_everyone()

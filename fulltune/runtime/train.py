@@ -57,12 +57,13 @@ from fulltune.runtime.faults import TrainHooks, hooks_from_env
 from fulltune.storage import atomic_dir, atomic_write_text
 from fulltune.runtime.loss import TargetHead
 from fulltune.runtime import allocator
-from fulltune.runtime.offload import ActivationOffload
-from fulltune.runtime import pipeline_parallel, step_memory
+from fulltune.runtime import context_parallel, parallelize, pipeline_parallel, step_memory
 from fulltune.runtime.step_memory import StepMemory
 from fulltune.runtime.pipeline_parallel import PipelineRun
 from fulltune.runtime.step import OptimizerStep, StepOutcome, StepParts, run_step
-from fulltune.runtime.step_checkpoints import CHECKPOINT_DIR, TrainState, resume, save_checkpoint
+from fulltune.runtime.async_checkpoints import AsyncCheckpointWriter
+from fulltune.runtime.step_checkpoints import (CHECKPOINT_DIR, TrainState, resume, save_checkpoint,
+                                               wait_for_checkpoint_writes)
 from fulltune.runtime.train_metrics import TrainMetrics, memory_metrics
 from fulltune.logs import quiet_known_noise
 from fulltune.runtime.launch import (ERROR_FILE, MODEL_DIR, OOM_FILE, RESULT_FILE, TrainJob,
@@ -121,6 +122,9 @@ class TrainingRun:
     flops: flops.FlopCoefficients  # of the model, for MFU (fulltune/memory/flops.py)
     pipeline: PipelineRun | None = None  # this process's pipeline stage and its schedule (pipeline_parallel > 1)
     model_config: Any = None  # the whole model's transformers config (the memory estimate per rank reads it)
+    context: Any = None  # context_parallel.ContextParallel: this process's share of each row (context_parallel > 1)
+    # train.checkpoint_async: writes step checkpoints in the background (fulltune/runtime/async_checkpoints.py)
+    checkpoint_writer: AsyncCheckpointWriter | None = None
     padding_free: bool = False  # a packed micro-batch's rows laid end to end, no padding (fulltune/attention.py)
 
     @property
@@ -164,7 +168,7 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
     """
     if job.plan.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("budget.device: cuda was planned but this machine has no usable CUDA device")
-    if job.distributed.strategy == "fsdp" and job.plan.offload_optimizer and "WORLD_SIZE" in os.environ:
+    if job.dims.fsdp_enabled and job.plan.offload_optimizer and "WORLD_SIZE" in os.environ:
         # FSDP's CPU offload reduces the gradient norm over host shards: gloo beside NCCL (fulltune/runtime/sharding.py).
         sharding.init_process_group(job.plan.device, cpu_offload=True)
     # The scheduler steps once per optimizer step: total_steps already counts every process's
@@ -180,12 +184,14 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
     model_layers = config.num_hidden_layers
     hooks = hooks or TrainHooks()
     pipeline = None
-    if job.distributed.pipeline_parallel > 1:  # this process keeps its stage only (fulltune/runtime/pipeline_parallel.py)
+    if job.dims.pp_enabled:  # this process keeps its stage only (fulltune/runtime/pipeline_parallel.py)
         pipeline = pipeline_stage(job, model, head, int(data.lengths.max()), accelerator.device,
                                   pad_token_id_of(tokenizer), hooks)
         model = pipeline.stage
     optimizer = build_optimizer(job, model)
     scheduler = build_scheduler(job, optimizer, total_steps)
+    if job.train.compile and job.dims.cp_enabled:
+        raise ConfigError("train.compile: context-parallel attention is not compiled (yet); set compile to false")
     if job.train.compile:
         model = head.compile(model)
     model, optimizer, scheduler = prepare(job, accelerator, model, optimizer, scheduler)
@@ -196,7 +202,9 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
     return TrainingRun(job, accelerator, data, schedule, total_steps, tokenizer, pad_token_id_of(tokenizer), model,
                        head, optimizer, scheduler, OptimizerStep(accelerator, model, optimizer, scheduler,
                                                                  job.train.max_grad_norm),
-                       hooks, use_cache, checkpointed, model_layers, coefficients, pipeline, config, padding_free)
+                       hooks, use_cache, checkpointed, model_layers, coefficients, pipeline, config,
+                       context_parallel.active() if job.dims.cp_enabled else None,
+                       AsyncCheckpointWriter() if job.train.checkpoint_async else None, padding_free)
 
 
 def pipeline_stage(job: TrainJob, model: torch.nn.Module, head: TargetHead, length: int, device: Any,
@@ -217,8 +225,7 @@ def pipeline_stage(job: TrainJob, model: torch.nn.Module, head: TargetHead, leng
     head.remove()
     try:
         return PipelineRun.create(model, job.plan, schedule=distributed.pipeline_schedule, length=length,
-                                  device=device, pad_token_id=pad_token_id, hooks=hooks, dims=job.dims,
-                                  data_parallel=distributed.strategy)
+                                  device=device, pad_token_id=pad_token_id, hooks=hooks, dims=job.dims)
     except ValueError as exc:
         raise ConfigError(f"{pipeline_parallel.FIELD}: {exc}") from None
 
@@ -271,37 +278,34 @@ def load_model_with_levers(job: TrainJob) -> tuple[torch.nn.Module, Any, tuple[i
         built["levers"] = apply_levers(job, model)
         built["flops"] = flops.from_model(model)  # counts parameters: works on an empty model too
 
-    if job.distributed.strategy == "fsdp" and job.distributed.pipeline_parallel == 1:  # stages: their own FSDP
-        # With distributed.tensor_parallel > 1: the TP plan on each block, then FSDP over the data-parallel
-        # processes (fulltune/runtime/parallel.py).
-        model = sharding.load_sharded_model(job.paths.model_path, device=job.plan.device,
-                                            mixed_precision=job.plan.mixed_precision, before_shard=before_shard,
-                                            dims=job.dims,
-                                            offload=job.plan.offload_optimizer, **options)
+    if parallelize.sharded_load(job.dims):  # FSDP, or tensor parallel's plan then FSDP over "dp"
+        plan = job.plan
+        model = sharding.load_sharded_model(
+            job.paths.model_path, device=plan.device, mixed_precision=plan.mixed_precision, before_shard=before_shard,
+            shard=lambda empty: parallelize.apply(empty, job.dims, plan.device, plan.mixed_precision,
+                                                  plan.offload_optimizer),
+            offload=plan.offload_optimizer, **options)
     else:
         model = load_model(job.paths.model_path, **options)
         before_shard(model)
+        parallelize.apply(model, job.dims, job.plan.device, job.plan.mixed_precision, job.plan.offload_optimizer)
     return model, built["use_cache"], built["levers"], built["flops"]
 
 
 def apply_levers(job: TrainJob, model: torch.nn.Module) -> tuple[int, TargetHead]:
-    """Apply the model-side memory levers; returns (checkpointed layers, the loss head).
+    """Gradient checkpointing and the model-side memory levers (fulltune/runtime/checkpointing.py
+    `apply_model_levers`, which the memory trace runs too); returns (checkpointed layers, the loss head).
 
     The optimizer-side levers (pure bf16 updates, step in backward, optimizer offload) are build_optimizer's.
     """
-    from fulltune.runtime.checkpointing import apply_gradient_checkpointing
+    from fulltune.runtime.checkpointing import apply_model_levers
 
     try:
         # Recompute the first k layers' activations in backward: ~1/3 more compute for those layers,
         # their activations shrink to the layer input (Korthikanti et al. 2022).
-        checkpointed = apply_gradient_checkpointing(model, job.plan.gradient_checkpointing)
+        checkpointed = apply_model_levers(model, job.plan)
     except ValueError as exc:
         raise ConfigError(f"train.gradient_checkpointing: {exc}") from None
-    if job.plan.pure_bf16:
-        model.to(torch.bfloat16)  # no fp32 master copy: the optimizer compensates its updates (fulltune/runtime/optim.py)
-    if job.plan.offload_activations:
-        # The checkpointed layers' saved inputs wait in host RAM for their recompute (fulltune/runtime/offload.py).
-        ActivationOffload().install(model)
     model.config.use_cache = False
     # The output head runs at target positions only; chunked, no (targets × vocabulary) tensor is ever whole.
     return checkpointed, TargetHead(model, chunked=job.plan.chunked_loss)
@@ -319,7 +323,7 @@ def build_scheduler(job: TrainJob, optimizer: Any, total_steps: int) -> Any:
 def prepare(job: TrainJob, accelerator: Accelerator, model: torch.nn.Module, optimizer: Any,
             scheduler: Any) -> tuple[torch.nn.Module, Any, Any]:
     """accelerate's prepare, minus what the levers and FSDP2 keep to themselves."""
-    if sharding.is_sharded(model) or job.distributed.pipeline_parallel > 1:
+    if sharding.is_sharded(model) or job.dims.pp_enabled:
         # FSDP2's model and optimizer, or a pipeline stage's, stay out of prepare (see setup).
         return model, optimizer, accelerator.prepare(scheduler)
     if job.plan.offload_optimizer:
@@ -343,10 +347,12 @@ def train_step(run: TrainingRun, step_rows: np.ndarray, step: int) -> StepOutcom
     def micro_batches() -> Iterator[tuple[dict[str, Any], Any]]:
         for index in range(plan.gradient_accumulation_steps):
             rows = StepSchedule.micro_batch(step_rows, index, run.data_rank, micro, processes)
-            yield micro_batch_inputs(run.data, rows, run.pad_token_id, accelerator.device, run.padding_free)
+            batch = micro_batch_inputs(run.data, rows, run.pad_token_id, accelerator.device, run.padding_free)
+            # Context parallel: this process's share of the rows' positions and their targets.
+            yield run.context.shard(*batch) if run.context is not None else batch
 
     outcome = run_step(run.step_parts, micro_batches(), step, int(run.data.targets[step_rows].sum()))
-    if run.job.dims.tp > 1:  # the step's loss was summed over every process of a tp group too
+    if run.job.dims.tp_enabled:  # the step's loss was summed over every process of a tp group too
         outcome.loss_sum = outcome.loss_sum / run.job.dims.tp
     return outcome
 
@@ -395,7 +401,9 @@ def export_model(run: TrainingRun) -> Path:
 def finish(run: TrainingRun, state: TrainState, metrics: TrainMetrics, resumed_from: int | None,
            memory: StepMemory | None = None) -> TrainResult:
     """Export the model, close metrics.jsonl and write result.json (with each process's step peak beside its
-    estimate when they were measured: fulltune/runtime/step_memory.py); returns the result."""
+    estimate when they were measured: fulltune/runtime/step_memory.py); returns the result. A checkpoint still
+    being written in the background is published first."""
+    wait_for_checkpoint_writes(run)
     measured = memory.gathered() if memory is not None else None  # a collective: before rank 0 writes alone
     peaks = step_memory.rank_peaks(measured, run.model_config, run.job.plan) if measured else []
     if peaks and run.main_process:
@@ -457,7 +465,6 @@ def train(job: TrainJob, hooks: TrainHooks | None = None) -> TrainResult:
             every = job.train.checkpoint_every_steps  # 0: never; none at the last step (the model is exported)
             if every and state.step % every == 0 and state.step < run.total_steps:
                 save_checkpoint(run, state, metrics.state_dict())
-                run.hooks.checkpoint_published(state.step)
     return finish(run, state, metrics, resumed_from, memory)
 
 
@@ -468,10 +475,13 @@ def announce(run: TrainingRun, resumed_from: int | None) -> None:
     job = run.job
     stages = job.distributed.pipeline_parallel
     pipeline = f" × {stages} pipeline stages ({job.distributed.pipeline_schedule})" if stages > 1 else ""
+    if run.context is not None:  # the processes above share their rows with their context-parallel group
+        pipeline += f" × context parallel {run.context.degree} ({run.context.method})"
     print(f"fulltune train: {len(run.data)} rows, {run.schedule.per_epoch} optimizer steps per epoch, "
           f"{run.total_steps} steps of {job.plan.micro_batch_size} micro × {job.plan.gradient_accumulation_steps} "
           f"accumulation × {run.processes} processes{pipeline}; gradient checkpointing {run.checkpointed_layers}/"
-          f"{run.num_layers} layers; {job.plan.optimizer}; precision {job.plan.mixed_precision}; "
+          f"{run.num_layers} layers; {job.plan.optimizer}; precision {job.plan.mixed_precision}"
+          f"{f' with float8 matmuls ({job.plan.float8_recipe})' if job.plan.float8 else ''}; "
           f"{f'resumed from step {resumed_from}' if resumed_from is not None else 'from the start'}",
           file=sys.stderr, flush=True)
 

@@ -60,20 +60,24 @@ class MetricsFile:
 class TrainMetrics:
     """Owns every counter the logs and the result report, and logs them every `log_every_steps`.
 
-    Run totals: `tokens` (non-padding, all processes) and `loss_history` ([step, mean token loss of the
-    interval]). Interval counters, reset at each log: the loss sum of the finite steps (on the device:
-    read only when logging or checkpointing), their target tokens, tokens, rows, FLOPs and wall time.
-    A checkpoint saves `state_dict()` (tokens, loss sum, targets, history), so a resumed run logs the
-    same losses as an uninterrupted one.
+    Run totals: `tokens` (non-padding, all processes) and `loss_history` ([step, mean token loss of the step], every
+    step that trained, from the first: the loss curve and MLflow's `train_loss` have every step however seldom the
+    run logs). Interval counters, reset at each log: each finite step's loss sum (on the device: read only when
+    logging or checkpointing, so per-step losses cost no sync point) with its target tokens, and the interval's
+    tokens, rows, FLOPs and wall time. A checkpoint saves `state_dict()` (tokens, the interval's step losses,
+    history), so a resumed run logs the same losses as an uninterrupted one.
     """
 
     def __init__(self, run: TrainingRun, saved: dict[str, Any]) -> None:
         self.run, self.job = run, run.job
         self.tokens: int = saved.get("tokens", 0)
         self.loss_history: list[list[float]] = saved.get("loss_history", [])
-        self.interval_loss = torch.tensor(saved.get("interval_loss_sum", 0.0), dtype=torch.float32,
-                                          device=run.accelerator.device)
-        self.interval_targets: int = saved.get("interval_targets", 0)
+        device = run.accelerator.device
+        # (step, its loss sum on the device, its target tokens) of each finite step since the last log
+        self.interval_steps: list[tuple[int, torch.Tensor, int]] = [
+            (int(step), torch.tensor(loss_sum, dtype=torch.float32, device=device), int(targets))
+            for step, loss_sum, targets in saved.get("interval_steps", [])]
+        self.step = 0
         self.grad_norm = torch.zeros((), device=run.accelerator.device)
         self.sink = MetricsFile(run.output_dir, run.main_process)
         self.peak = peak_flops(run.job)
@@ -89,22 +93,28 @@ class TrainMetrics:
         self.progress = tqdm(total=self.run.total_steps, initial=step, desc="train", unit="step", file=sys.stderr,
                              disable=not self.run.main_process, mininterval=1.0 if sys.stderr.isatty() else 30.0)
         self.started = self.interval_started = time.perf_counter()
-        self.start_tokens = self.tokens
+        self.start_tokens, self.step = self.tokens, step
         with self.progress:
             yield
         self.seconds = time.perf_counter() - self.started
 
     def state_dict(self) -> dict[str, Any]:
         """The counters a checkpoint keeps."""
-        return {"tokens": self.tokens, "interval_loss_sum": self.interval_loss.item(),  # Sync point (checkpoint)
-                "interval_targets": self.interval_targets, "loss_history": self.loss_history}
+        sums = self._interval_sums()  # Sync point (checkpoint)
+        return {"tokens": self.tokens, "loss_history": self.loss_history,
+                "interval_steps": [[step, loss_sum, targets]
+                                   for (step, _, targets), loss_sum in zip(self.interval_steps, sums)]}
+
+    def _interval_sums(self) -> list[float]:
+        """Each finite step's loss sum since the last log, read from the device at once."""
+        return torch.stack([loss for _, loss, _ in self.interval_steps]).tolist() if self.interval_steps else []
 
     def record_step(self, step_rows: np.ndarray, outcome: StepOutcome) -> None:
         """Count a finished optimizer step (taken or skipped)."""
         data = self.run.data
+        self.step += 1
         if outcome.stepped:
-            self.interval_loss += outcome.loss_sum
-            self.interval_targets += outcome.targets
+            self.interval_steps.append((self.step, outcome.loss_sum.detach().float().reshape(()), outcome.targets))
         self.grad_norm = outcome.grad_norm
         step_tokens = int(data.lengths[step_rows].sum())
         self.tokens += step_tokens
@@ -115,13 +125,19 @@ class TrainMetrics:
         self.progress.update(1)
 
     def log_interval(self, step: int) -> None:
-        """Close the interval ending at `step`: loss history, MLflow, progress.json; then reset it."""
-        # Sync point (every log_every_steps): the interval's loss and the last gradient norm.
-        loss_sum, norm = torch.stack([self.interval_loss, self.grad_norm.float()]).tolist()
-        loss = loss_sum / self.interval_targets if self.interval_targets else float("nan")
+        """Close the interval ending at `step`: each step's loss into the history and the metrics file, the
+        interval's rates and the last step's loss, progress.json; then reset it."""
+        # Sync point (every log_every_steps): the interval's step losses and the last gradient norm.
+        read = torch.stack([self.grad_norm.float()] + [loss for _, loss, _ in self.interval_steps]).tolist()
+        norm, losses = read[0], [[s, loss_sum / targets] for (s, _, targets), loss_sum
+                                 in zip(self.interval_steps, read[1:]) if targets]
+        loss = losses[-1][1] if losses and losses[-1][0] == step else float("nan")
         seconds = time.perf_counter() - self.interval_started
-        self.loss_history.append([step, loss])
+        self.loss_history.extend(losses)
         if self.run.main_process:
+            for earlier, earlier_loss in losses:
+                if earlier != step:
+                    self.sink.log(earlier, {"train_loss": earlier_loss})
             values = {"train_loss": loss, "learning_rate": self.run.scheduler.get_last_lr()[0], "grad_norm": norm,
                       "tokens_per_second": self.interval_tokens / seconds,
                       "samples_per_second": self.interval_rows / seconds, **memory_metrics(self.job.plan.device)}
@@ -131,8 +147,7 @@ class TrainMetrics:
             atomic_write_text(self.run.output_dir / PROGRESS_FILE,
                               json.dumps({"step": step, "total_steps": self.run.total_steps, "loss": loss}))
             self.progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
-        self.interval_loss.zero_()
-        self.interval_targets = 0
+        self.interval_steps = []
         self.interval_started, self.interval_tokens, self.interval_rows, self.interval_flops = (
             time.perf_counter(), 0, 0, 0.0)
 

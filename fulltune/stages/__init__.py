@@ -1,8 +1,13 @@
-"""The five stages as plain functions over small records: what the Prefect tasks wrap.
+"""The stages' floor: the pipeline as the stages read it, and what every stage shares.
 
-Each stage takes paths, fingerprints and typed specs, writes its outputs atomically under the workdir,
-and returns a small frozen record. Cache keys are content hashes of a stage's inputs plus the engine's
-code version, so changing data, config or engine code re-runs exactly the stages that depend on it:
+Each stage is one module of this package that ends with `STAGE = Stage(...)` (fulltune/stages/runner.py: its
+code, key, run and the files it writes; `registry` finds them): `tokenize`, `budget` (the memory budget),
+`finetune`, `evaluate`, `register`. The flow only orders them. Here: `resolve_pipeline` (a pipeline with its
+overrides, paths made absolute, hub commits pinned), what a cache key sees of a file or a hub repository, the
+stage markers (a cache hit whose files are gone or damaged re-runs), and the checks a run makes before any stage.
+
+Cache keys are content hashes of a stage's inputs plus the source of the engine code it runs, so changing data,
+config or engine code re-runs exactly the stages that depend on it:
 
 - local files count by their bytes (hashed once, then remembered by size and mtime in
   `<workdir>/file-hashes.json`, fulltune/storage.py), hub models, tokenizers and datasets by the commit their revision names;
@@ -16,47 +21,44 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from fulltune import hub
 from fulltune.evaluation import harness
 from fulltune.degrees import DegreesError
 from fulltune.errors import ConfigError, DataError
-from fulltune.memory.types import Settings
-# The planning records (ResolvedPipeline, BudgetDecision, ...) live on the planning floor; re-exported here
-# because every stage and task takes them.
-from fulltune.planning.inputs import (  # noqa: F401
-    BudgetDecision, ResolvedPipeline, describe_settings, evaluation_request, plan_request, resolved_budget, with_budget)
+# The pipeline as every stage reads it; resolved and given its budget here (the CLI and the flow import them here).
+from fulltune.planning.inputs import ResolvedPipeline, resolved_budget, with_budget  # noqa: F401
 from fulltune.storage import FileHashes, atomic_write_text, cache_dir, code_version, hash_json, tree_sha256
 from fulltune.pipelines_file import get_pipeline, load_pipelines
 from fulltune.spec import PipelineSpec
 
-# The stages in run order, each with one name: its Prefect task, cache key, marker directory
-# (`<workdir>/stages/<name>/`), line of the run summary and MLflow tag `fulltune.stage.<name>`.
+# Each stage's one name: its Prefect task, cache key, marker directory (`<workdir>/stages/<name>/`), line of the
+# run summary and MLflow tag `fulltune.stage.<name>`.
 TOKENIZE, MEMORY_BUDGET, FINE_TUNE, EVALUATE, REGISTER = "tokenize", "memory-budget", "fine-tune", "evaluate", "register"
-STAGES = (TOKENIZE, MEMORY_BUDGET, FINE_TUNE, EVALUATE, REGISTER)
 
-# The engine modules each stage runs: their source is part of the stage's cache key.
-STAGE_CODE = {
-    TOKENIZE: ("stages/tokenize.py", "data", "storage.py", "hub.py", "models.py", "attention.py"),
-    # The budget stage measures candidates (planning/autotune.py) in child runs of the trainer on the data
-    # tokenized both ways: the whole runtime and the tokenize stage.
-    MEMORY_BUDGET: ("memory", "planning", "runtime", "data", "stages/__init__.py", "stages/budget.py",
-                    "stages/tokenize.py", "models.py", "attention.py", "levers.py", "degrees.py", "storage.py", "hub.py",
-                    "sizes.py", "pipelines_file.py"),
-    # An out-of-memory replan plans with the planner and the stages' planning inputs.
-    FINE_TUNE: ("stages/finetune.py", "stages/__init__.py", "runtime", "planning/replan.py", "planning/inputs.py",
-                "planning/planner.py", "planning/search.py", "planning/step_time.py", "planning/reasons.py",
-                "planning/pipeline.py", "planning/strategy.py", "planning/trace.py", "memory", "data", "models.py",
-                "attention.py", "levers.py", "degrees.py", "hub.py", "storage.py", "sizes.py", "pipelines_file.py"),
-    # A run trained sharded evaluates sharded, in children the training's launch path starts (evaluation/sharded.py).
-    EVALUATE: ("evaluation", "runtime/loss.py", "runtime/launch.py", "runtime/sharding.py", "runtime/parallel.py",
-               "runtime/checkpointing.py", "memory/head.py", "data", "models.py", "attention.py", "hub.py", "degrees.py",
-               "storage.py", "tracking/registry.py", "tracking/gates.py"),
-    REGISTER: ("tracking/registry.py", "tracking/gates.py", "evaluation/evaluate.py"),
-}
+
+# Fields that change neither the plan nor the trained weights: how often a run checkpoints, logs and keeps
+# checkpoints (a resume is bit-exact, so the cadence cannot change the weights), how many non-finite steps in a
+# row stop it, and the name of the variable a hub token is read from. The budget and training keys leave them
+# out, so changing one after Ctrl-C resumes the same run from its newest checkpoint instead of training anew.
+OUTSIDE_THE_WEIGHTS = {"train": {"checkpoint_every_steps", "keep_checkpoints", "log_every_steps",
+                                 "max_nonfinite_steps"},
+                       "model": {"token_env"}}
+
+
+# What changes the plan but not the weights: whether checkpoints are written in the background (the same files,
+# fulltune/runtime/async_checkpoints.py; the plan counts the copy they are written from). The budget key keeps it,
+# the training key leaves it out, so turning it on or off resumes the same run from its newest checkpoint.
+PLANNED_NOT_WEIGHTS = frozenset({"checkpoint_async"})
+
+
+def weights_inputs(spec: PipelineSpec) -> dict[str, Any]:
+    """The `model:` and `train:` sections as the budget and training keys see them (OUTSIDE_THE_WEIGHTS out)."""
+    return {section: getattr(spec, section).model_dump(mode="json", exclude=OUTSIDE_THE_WEIGHTS[section])
+            for section in ("model", "train")}
 
 
 def resolve_pipeline(pipelines_file: str, name: str, overrides: list[str] | dict[str, Any] | None = None) -> ResolvedPipeline:
@@ -138,7 +140,7 @@ def _not_local(p: ResolvedPipeline, reference: str) -> str:
 # ---------------------------------------------------------------- what a key sees of a file or a hub repo
 
 
-def _source_key(p: ResolvedPipeline, reference: str | None, field: str, repo_type: hub.RepoType = "model",
+def source_key(p: ResolvedPipeline, reference: str | None, field: str, repo_type: hub.RepoType = "model",
                 revision: str | None = None) -> str | None:
     """What a cache key sees of a model, tokenizer or data reference: a local file's or directory's
     content hash, a hub repository's commit (and a dataset's split)."""
@@ -157,8 +159,8 @@ def _source_key(p: ResolvedPipeline, reference: str | None, field: str, repo_typ
     return f"hub:{repo_type}:{name}@{commit}" + (f":{split}" if split else "")
 
 
-def _model_source(p: ResolvedPipeline) -> str | None:
-    return _source_key(p, p.spec.model.name_or_path, "model.name_or_path", revision=p.spec.model.revision)
+def model_source(p: ResolvedPipeline) -> str | None:
+    return source_key(p, p.spec.model.name_or_path, "model.name_or_path", revision=p.spec.model.revision)
 
 
 def model_config_key(p: ResolvedPipeline) -> str | None:
@@ -171,113 +173,14 @@ def model_config_key(p: ResolvedPipeline) -> str | None:
     if reference is None:
         return None
     if is_hub(reference):
-        source = _model_source(p)
+        source = model_source(p)
         commit = source.rsplit("@", 1)[-1] if source else None
         path = hub.cached_file(reference, "config.json", commit) if commit else None
     else:
         path = Path(reference) / "config.json"
     if path is None or not path.is_file():
-        return _model_source(p)
+        return model_source(p)
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-# ---------------------------------------------------------------- stage keys
-
-
-def tokenize_key(p: ResolvedPipeline) -> str:
-    from fulltune.data.tokenizer import tokenizer_revision
-
-    spec = p.spec
-    tokenizer = spec.model.tokenizer if spec.model.tokenizer is not None else spec.model.name_or_path
-    field = "model.tokenizer" if spec.model.tokenizer is not None else "model.name_or_path"
-    return hash_json({
-        "stage": TOKENIZE, "code": code_version(*STAGE_CODE[TOKENIZE]), "workdir": p.workdir,
-        "data": spec.data.model_dump(mode="json", exclude={"num_workers"}),  # the output is the same for any
-        **{split: _data_key(p, split) for split in ("train", "eval")},
-        "tokenizer": tokenizer if not isinstance(tokenizer, str)
-        else _source_key(p, tokenizer, field, revision=tokenizer_revision(spec.model)),
-        "seed": spec.train.seed,
-        "packing_choice": _packing_choice_key(p) if spec.data.packing == "auto" else None,
-    })
-
-
-def _data_key(p: ResolvedPipeline, split: Literal["train", "eval"]) -> Any:
-    """What the tokenize key sees of data.train or data.eval: `_source_key` of the reference, or of each
-    source in a list."""
-    from fulltune.data.sources import sources
-
-    value = getattr(p.spec.data, split)
-    if not isinstance(value, list):
-        return _source_key(p, value, f"data.{split}", "dataset")
-    return [_source_key(p, s.reference, s.what, "dataset") for s in sources(p.spec.data, split)]
-
-
-def _packing_choice_key(p: ResolvedPipeline) -> dict[str, Any]:
-    """What `data.packing: auto` is decided by (fulltune/planning/autotune.py `choose_packing`)."""
-    from fulltune.stages.budget import packing_choice_key
-
-    return packing_choice_key(p)
-
-
-def budget_key(p: ResolvedPipeline, train_fingerprint: str) -> str:
-    spec = p.spec
-    return hash_json({
-        "stage": MEMORY_BUDGET, "code": code_version(*STAGE_CODE[MEMORY_BUDGET]), "data": train_fingerprint,
-        "model": spec.model.model_dump(mode="json"), "model_source": _model_source(p),
-        "budget": spec.budget.model_dump(mode="json"), "train": spec.train.model_dump(mode="json"),
-        "distributed": spec.distributed.model_dump(mode="json"),
-        "evaluation": asdict(evaluation_request(spec)),  # the evaluate stage is planned here too
-        "resolved": asdict(resolved_budget(p)),
-        # The kind of device (its name and count), and the step times measured on it, which rerank the
-        # candidates and whose measurements a tuning chooses from (fulltune/planning/autotune.py).
-        "step_time_calibration": _calibration_key(p, resolved_budget(p).device),
-    })
-
-
-def _calibration_key(p: ResolvedPipeline, device: str) -> dict[str, Any]:
-    from fulltune.planning.autotune import calibration_key
-
-    return calibration_key(p.workdir, device)
-
-
-def train_key(p: ResolvedPipeline, train_fingerprint: str, settings: Settings | dict[str, Any]) -> str:
-    """The fine-tuned weights' identity: training data (not eval data), model, the planned settings
-    (which hold the device the budget resolved to) and the optimisation."""
-    spec = p.spec
-    return hash_json({
-        "stage": FINE_TUNE, "code": code_version(*STAGE_CODE[FINE_TUNE]), "data": train_fingerprint,
-        "settings": asdict(settings) if isinstance(settings, Settings) else settings,
-        "model": spec.model.model_dump(mode="json"), "model_source": _model_source(p),
-        "train": spec.train.model_dump(mode="json", exclude={"log_every_steps", "keep_checkpoints"}),
-        "distributed": spec.distributed.model_dump(mode="json"),
-    })[:24]
-
-
-def evaluate_key(p: ResolvedPipeline, trained_key: str, data_fingerprint: str, champion_version: str | None,
-                 evaluation: dict[str, Any] | None = None) -> str:
-    """`data_fingerprint` is the whole one (TokenizedData.fingerprint): it covers the held-out data;
-    `evaluation` the plan's evaluate stage: its dtype and batches decide the metrics, not its byte counts."""
-    return hash_json({
-        "evaluation": {name: evaluation[name] for name in ("dtype", "loss_batch", "generation_batch", "harness_batch")}
-        if evaluation else None,
-        "stage": EVALUATE, "code": code_version(*STAGE_CODE[EVALUATE]), "train": trained_key,
-        "data": data_fingerprint,
-        # how long a metric function may run does not change what it computes
-        "evaluate": p.spec.evaluate.model_dump(mode="json", exclude={"metric_timeout"}), "champion": champion_version,
-        # version numbers count per registered model: two pipelines sharing a workdir may both have a "3"
-        "champion_of": p.model_name,
-        # the content of the lm_eval task files, their data and the metric functions' modules
-        "benchmarks": harness.sources_key(p.spec, Path(p.pipelines_file).parent),
-    })
-
-
-def register_key(p: ResolvedPipeline, trained_key: str, eval_key: str, uri: str) -> str:
-    return hash_json({
-        "stage": REGISTER, "code": code_version(*STAGE_CODE[REGISTER]), "train": trained_key,
-        "evaluate": eval_key,
-        "register": p.spec.registration.model_dump(mode="json"), "name": p.model_name,
-        "tracking_uri": uri,
-    })
 
 
 # ---------------------------------------------------------------- markers: "a cache hit whose files are gone re-runs"
@@ -379,13 +282,17 @@ def check_model_split(p: ResolvedPipeline, config: Any) -> None:
     """Refuse a `distributed.tensor_parallel` that does not split the model's attention heads, key/value heads
     or MLP width evenly (`degrees.ParallelDims`), naming the field, before anything trains. With auto the
     planner tries only the degrees that split them. Pipeline stages need a decoder layer each and an untied head
-    (`runtime.pipeline_parallel.check_model_config`)."""
+    (`runtime.pipeline_parallel.check_model_config`). A `distributed.context_parallel` that does not divide the
+    attention heads is ring attention, refused on a CPU device (`ParallelDims.check_context`)."""
     from fulltune.runtime import pipeline_parallel
 
     stages = p.spec.distributed.pipeline_parallel
     if stages != "auto":  # auto: the planner tries only the numbers of stages that split the model
         pipeline_parallel.check_model_config(config, stages, f"pipelines.{p.name}.")
-    p.spec.distributed.dims.check_split(config, f"pipelines.{p.name}.")
+    dims = p.spec.distributed.dims
+    dims.check_split(config, f"pipelines.{p.name}.")
+    device = p.spec.budget.device
+    dims.check_context(config, None if device == "auto" else device, f"pipelines.{p.name}.")
 
 
 def _split_problems(p: ResolvedPipeline) -> list[str]:
@@ -395,7 +302,8 @@ def _split_problems(p: ResolvedPipeline) -> list[str]:
 
     model = p.spec.model
     dims = p.spec.distributed.dims
-    if (dims.tp in (None, 1) and dims.pp == 1) or (model.from_config is None and is_hub(model.name_or_path)):
+    if (dims.tp in (None, 1) and dims.pp == 1 and not dims.cp_enabled) or (
+            model.from_config is None and is_hub(model.name_or_path)):
         return []
     try:
         check_model_split(p, read_model_config(model))
@@ -429,15 +337,6 @@ def read_marker(workdir: str, stage: str, key: str) -> dict[str, Any] | None:
         return json.loads(marker_path(workdir, stage, key).read_text())
     except (OSError, json.JSONDecodeError):
         return None
-
-
-def registration_present(workdir: str, key: str, train_key: str) -> bool:
-    """Whether the register stage's cached result still matches the registry: its marker names a version
-    that exists and holds these weights (a deleted or replaced database re-runs the stage)."""
-    from fulltune.tracking import registry
-
-    marker = read_marker(workdir, REGISTER, key)
-    return bool(marker) and registry.version_exists(marker["name"], marker["version"], train_key)
 
 
 # Inline model configs transformers has built on this machine: `check_model_builds` skips them.
@@ -496,8 +395,9 @@ def ensure_local_data(p: ResolvedPipeline, check_hub: bool = False) -> None:
                     f"{len(problems)} problem(s)\n  " + "\n  ".join(problems))
 
 
-def _references(p: ResolvedPipeline) -> list[tuple[str, str, str, str | None]]:
-    """(YAML field, reference, kind, hub revision) of every file or repository the pipeline reads."""
+def references(p: ResolvedPipeline) -> list[tuple[str, str, str, str | None]]:
+    """(YAML field, reference, kind, hub revision) of every file or repository the pipeline reads, each list
+    item on its own (`data.train[2]`), whatever shape the YAML gave it (a string, a list, `{path, split}`)."""
     from fulltune.data.sources import sources
     from fulltune.data.tokenizer import tokenizer_revision
 
@@ -534,7 +434,7 @@ def check_sources(p: ResolvedPipeline, check_hub: bool = True,
     token_env = p.spec.model.token_env
     if check_hub and token_env and not os.environ.get(token_env) and not hub.offline():
         problems.append(f"pipelines.{p.name}.model.token_env: environment variable {token_env} is not set")
-    for field, reference, kind, revision in _references(p):
+    for field, reference, kind, revision in references(p):
         where = f"pipelines.{p.name}.{field}"
         if is_hub(reference):
             if not check_hub:

@@ -1,8 +1,8 @@
 """Stage 2, the memory budget: plan settings that fit, and measure the top candidates where autotune says so.
 
 `plan_budget` plans on the tokenized data's rows (`plan_inputs`: their length, the share of positions with a
-target, the vocabulary of a model built from a config); `plan_and_tune` is the stage as the task and
-`fulltune plan` run it: the plan with this machine's step-time calibration, then autotune's measurements
+target, the vocabulary of a model built from a config); `plan_and_tune` is what the stage's `run` and
+`fulltune plan` call: the plan with this machine's step-time calibration, then autotune's measurements
 (fulltune/planning/autotune.py) when `budget.autotune` asks for them. `data.packing: auto` is decided here too
 (`choose_packing`, which the tokenize stage calls): by the predicted epoch time of each layout, or by measuring
 both under `budget.autotune: true`.
@@ -16,14 +16,79 @@ from pathlib import Path
 from typing import Any
 
 from fulltune.errors import BudgetError, ConfigError
+from fulltune.memory import format_plan_table, render_breakdown_png
 from fulltune.memory.units import format_seconds
 from fulltune.planning.autotune import (AUTO_RATIO, AUTOTUNE_DIR, CHILD_START_SECONDS, Options, analytic_step_seconds,
-                                        calibrated, candidates, hardware, options, planned_settings, tune)
+                                        calibrated, calibration_key, candidates, hardware, options, planned_settings,
+                                        tune)
 from fulltune.planning.autotune_report import format_table, render_png
-from fulltune.planning.inputs import BudgetDecision, ResolvedPipeline, plan_request, resolved_budget
-from fulltune.stages import (MEMORY_BUDGET, STAGE_CODE, TOKENIZE, check_model_builds, check_model_split,
-                             check_positions, model_config_key, read_marker, tokenize_key)
-from fulltune.storage import code_version
+from fulltune.planning.inputs import BudgetDecision, ResolvedPipeline, evaluation_request, plan_request, resolved_budget
+from fulltune.stages import (MEMORY_BUDGET, OUTSIDE_THE_WEIGHTS, TOKENIZE, check_model_builds, check_model_split,
+                             check_positions, model_config_key, model_source, read_marker, weights_inputs)
+from fulltune.stages.runner import Inputs, Stage, StageLog, key_of, run_stage
+from fulltune.stages.tokenize import STAGE as TOKENIZE_STAGE
+
+# The budget stage measures candidates (planning/autotune.py) in child runs of the trainer on the data tokenized
+# both ways: the whole runtime and the tokenize stage.
+CODE = ("memory", "planning", "runtime", "data", "stages/__init__.py", "stages/runner.py", "stages/budget.py",
+        "stages/tokenize.py", "models.py", "attention.py", "levers.py", "optimizers.py", "degrees.py", "storage.py", "hub.py",
+        "sizes.py", "pipelines_file.py")
+
+
+def code(p: ResolvedPipeline) -> tuple[str, ...]:
+    return CODE
+
+
+def key(inputs: Inputs) -> dict[str, Any]:
+    """Training data (not eval data), the model, every section the plan reads, the budget as resolved on this
+    machine, and the step times measured on its kind of device."""
+    p = inputs.pipeline
+    spec = p.spec
+    return {
+        "data": inputs.record(TOKENIZE).data.training_fingerprint,
+        **weights_inputs(spec), "model_source": model_source(p), "budget": spec.budget.model_dump(mode="json"),
+        "distributed": spec.distributed.model_dump(mode="json"),
+        "evaluation": asdict(evaluation_request(spec)),  # the evaluate stage is planned here too
+        "resolved": asdict(resolved_budget(p)),
+        # The kind of device (its name and count), and the step times measured on it, which rerank the
+        # candidates and whose measurements a tuning chooses from (fulltune/planning/autotune.py).
+        "step_time_calibration": calibration_key(p.workdir, resolved_budget(p).device),
+    }
+
+
+def run(inputs: Inputs, key: str, log: StageLog) -> BudgetDecision:
+    """Estimate the peak for the configured settings; pick the fastest settings within the budget, measured on
+    this machine when `budget.autotune` says so (fulltune/planning/autotune.py)."""
+    p = inputs.pipeline
+    tokenized = inputs.record(TOKENIZE)
+    picture = Path(p.workdir) / "plans" / key / "memory_plan.png"
+    decision = plan_and_tune(p, tokenized.data, tokenized.tokenizer, picture=picture, on_progress=log.logger.info)
+    log.logger.info("memory plan:\n%s", decision.table)
+    return decision
+
+
+def writes(inputs: Inputs, key: str, record: BudgetDecision) -> list[str]:
+    """The breakdown's picture, and autotune's when it measured."""
+    tuned = record.plan["autotune"].get("picture")
+    return [p for p in (record.picture, tuned) if p]
+
+
+def track(inputs: Inputs, record: BudgetDecision) -> None:
+    """The memory plan in the pipeline's MLflow run: its table, picture and JSON under `memory_plan/`, the settings
+    that train as `trains.*` params, and autotune's table and picture when it ran."""
+    from mlflow.entities import Param
+    from mlflow.tracking import MlflowClient
+
+    from fulltune.planning.autotune_report import log_to_mlflow
+
+    client, run_id = MlflowClient(), inputs.mlflow_run_id
+    client.log_text(run_id, record.table, "memory_plan/memory_plan.txt")
+    client.log_dict(run_id, record.plan, "memory_plan/memory_plan.json")
+    if record.picture and Path(record.picture).is_file():
+        client.log_artifact(run_id, record.picture, "memory_plan")
+    settings = record.settings if isinstance(record.settings, dict) else asdict(record.settings)
+    client.log_batch(run_id, params=[Param(f"trains.{name}", str(value)) for name, value in sorted(settings.items())])
+    log_to_mlflow(run_id, record.plan)
 
 
 def planned_rows(p: ResolvedPipeline, data: Any) -> tuple[int, float, int]:
@@ -64,7 +129,7 @@ def plan_inputs(p: ResolvedPipeline, data: Any = None, tokenizer: str | None = N
 
 def cached_tokenized(p: ResolvedPipeline) -> tuple[Any, str | None]:
     """(TokenizedData, tokenizer) of the tokenize stage's cached outputs, (None, None) when it has not run."""
-    marker = read_marker(p.workdir, TOKENIZE, tokenize_key(p))
+    marker = read_marker(p.workdir, TOKENIZE, key_of(TOKENIZE_STAGE, Inputs(p)))
     if not (marker and all(Path(x).exists() for x in marker["paths"])):
         return None, None
     from fulltune.data import load_tokenized
@@ -101,7 +166,13 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None, 
     Raises BudgetError (exit 2, with the breakdown) when nothing fits, or when the configured settings
     do not fit and `budget.on_overflow` is `fail`.
     """
-    from fulltune.memory import format_plan_table, render_breakdown_png
+    return _plan(p, seq_len, tokenizer_vocab, picture, target_fraction, trace, data, document_length)[0]
+
+
+def _plan(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None, picture: Path | None,
+          target_fraction: float, trace: bool | None, data: Any, document_length: int = 0
+          ) -> tuple[BudgetDecision, Any, Any]:
+    """`plan_budget`'s decision, with the MemoryPlan and the model config it was made from."""
     from fulltune.planning import plan_memory
     from fulltune.models import read_model_config
 
@@ -122,20 +193,21 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None, 
     from fulltune.memory.process import tokenized_data_host
 
     d, data = p.spec.distributed, data if data is not None else cached_tokenized(p)[0]
-    plan = replace(plan, data_host=tokenized_data_host(data, max(d.num_processes // d.num_machines, 1), plan.settings))
+    plan = replace(plan, data_host=tokenized_data_host(data, d.dims.per_machine(d.num_machines), plan.settings))
     table = format_plan_table(plan)
     as_json = plan.to_dict()
     if picture is not None:
         picture.parent.mkdir(parents=True, exist_ok=True)
         render_breakdown_png(plan, picture)
     if not as_json["fits"]:
-        raise BudgetError(f"pipelines.{p.name}.budget.memory: no configuration fits the budget\n{table}")
+        raise BudgetError(f"pipelines.{p.name}.budget.memory: no configuration fits the budget\n{table}", as_json)
     if p.spec.budget.on_overflow == "fail" and plan.configured_estimate.device_bytes > budget.usable_bytes:
         raise BudgetError(f"pipelines.{p.name}.budget.on_overflow is 'fail' and the configured settings do not fit\n"
-                          f"{table}")
-    return BudgetDecision(plan.settings, as_json, table, seq_len, int(config.num_hidden_layers),
-                          str(picture) if picture is not None else None, tokenizer_vocab, target_fraction,
-                          document_length)
+                          f"{table}", as_json)
+    decision = BudgetDecision(plan.settings, as_json, table, seq_len, int(config.num_hidden_layers),
+                              str(picture) if picture is not None else None, tokenizer_vocab, target_fraction,
+                              document_length)
+    return decision, plan, config
 
 
 def should_tune(opts: Options, decision: BudgetDecision, data: Any, p: ResolvedPipeline,
@@ -192,15 +264,14 @@ def plan_and_tune(p: ResolvedPipeline, data: Any = None, tokenizer: str | None =
     seq_len, vocab, target_fraction, documents = plan_inputs(p, data, tokenizer)
     device = resolved_device(p)
     with calibrated(p.workdir, device) as factors:
-        decision = plan_budget(p, seq_len, vocab, picture, target_fraction, trace=trace, data=data,
-                               document_length=documents)
+        decision, memory_plan, config = _plan(p, seq_len, vocab, picture, target_fraction, trace, data, documents)
     if data is None:
-        decision = _untokenized(decision, p)
+        decision = _untokenized(decision, p, vocab)
     run, why = should_tune(opts, decision, data, p, force, auto_tunes)
     calibration_note = {"calibration": {k: round(v, 3) for k, v in factors.items()}} if factors else {}
-    if not run:
-        return replace(decision, plan={**decision.plan, "autotune": {"ran": False, "reason": why,
-                                                                      **calibration_note}})
+    if not run:  # said in the plan, so the artifact and the MLflow run say it too
+        return replace(decision, table=f"{decision.table}\nautotune: {why}",
+                       plan={**decision.plan, "autotune": {"ran": False, "reason": why, **calibration_note}})
     if tokenizer is None:
         data, tokenizer = tokenized(p)
     result = tune(p, decision, data, tokenizer, opts, on_progress)
@@ -209,22 +280,44 @@ def plan_and_tune(p: ResolvedPipeline, data: Any = None, tokenizer: str | None =
         where = picture.with_name(picture.stem + "-autotune.png") if picture is not None else \
             Path(p.workdir) / AUTOTUNE_DIR / f"{p.name}-autotune.png"
         result.picture = str(render_png(result, where))
-    table = format_table(result)
-    settings = decision.settings
+    settings, plan_table = decision.settings, decision.table
+    plan_json = {**decision.plan, "autotune": {**result.to_dict(), **calibration_note}}
     if result.chosen is not None:
         chosen = result.trials[result.chosen].settings
         settings = chosen if not isinstance(decision.settings, dict) else asdict(chosen)
-    return replace(decision, settings=settings, table=f"{decision.table}\n\n{table}",
-                   plan={**decision.plan, "autotune": {**result.to_dict(), **calibration_note}})
+    if result.chosen:  # not the analytic plan's settings: what trains is shown beside them everywhere
+        trained = _trained(config, result)
+        plan_table = format_plan_table(memory_plan, trained)
+        if picture is not None:
+            render_breakdown_png(memory_plan, picture, trained)
+        plan_json["trains"] = {**trained.settings.choices(), "estimate": trained.estimate.to_dict(), "why": trained.why}
+    return replace(decision, settings=settings, table=f"{plan_table}\n\n{format_table(result)}", plan=plan_json)
 
 
-def _untokenized(decision: BudgetDecision, p: ResolvedPipeline) -> BudgetDecision:
+def _trained(config: Any, result: Any) -> Any:
+    """The settings autotune chose over the analytic plan's (trial 0), their estimate and why they won."""
+    from fulltune.memory import estimate_memory
+    from fulltune.memory.report import Trained
+
+    chosen, analytic = result.trials[result.chosen], result.trials[0]
+    against = (f"the analytic plan's {format_seconds(analytic.measured_step_seconds)}"
+               if analytic.outcome == "fits" and analytic.measured_step_seconds else
+               f"the analytic plan's settings: {analytic.outcome}")
+    why = f"autotune measured {format_seconds(chosen.measured_step_seconds)} a step on this machine, {against}"
+    return Trained(chosen.settings, estimate_memory(config, chosen.settings), why)
+
+
+def _untokenized(decision: BudgetDecision, p: ResolvedPipeline, vocab: int | None) -> BudgetDecision:
     """Say that a plan made before the data is tokenized sizes every row at data.max_length with a
-    target at every position (the most the logits can take): the run tokenizes first and plans on the
-    real lengths and targets, so its plan can differ. `planned_on` in `plan --json`."""
+    target at every position (the most the logits can take), and a model built from a config at the configured
+    vocabulary (a tokenizer trained on the data may hold fewer tokens): the run tokenizes first and plans on the
+    real lengths, targets and vocabulary, so its plan can differ. `planned_on` in `plan --json`."""
     note = (f"planned before the data is tokenized: every row at data.max_length ({p.spec.data.max_length}) with "
-            "a target at every position, the most the logits can take; `fulltune run` tokenizes first and plans "
-            "on the real lengths, which can change the plan")
+            "a target at every position, the most the logits can take")
+    if vocab is not None and not isinstance(p.spec.model.tokenizer, str):
+        note += (f", and the model's vocabulary at model.tokenizer.vocab_size ({vocab}), the most a tokenizer "
+                 "trained on the data holds")
+    note += "; `fulltune run` tokenizes first and plans on the real data, which can change the plan"
     return replace(decision, table=f"{decision.table}\n{note}", plan={**decision.plan, "planned_on": note})
 
 
@@ -248,21 +341,21 @@ def _layout(p: ResolvedPipeline, packing: bool) -> ResolvedPipeline:
 
 
 def tokenized(p: ResolvedPipeline) -> tuple[Any, str]:
-    """(TokenizedData, tokenizer directory): the tokenize stage's cached outputs, else built by the stage's
-    own function (same fingerprinted directory and marker, so the stage finds them done)."""
-    from fulltune.stages.tokenize import tokenize
-
+    """(TokenizedData, tokenizer directory): the tokenize stage's cached outputs, else made by the stage (the
+    same fingerprinted directory and marker, so the stage finds them done)."""
     cached = _cached_data(p, with_tokenizer=True)
     if cached is not None:
         return cached
-    return tokenize(p, tokenize_key(p))
+    inputs = Inputs(p)
+    record = run_stage(TOKENIZE_STAGE, inputs, key_of(TOKENIZE_STAGE, inputs))
+    return record.data, record.tokenizer
 
 
 def _cached_data(p: ResolvedPipeline, with_tokenizer: bool = False) -> Any:
     from fulltune.data import load_tokenized
     from fulltune.errors import DataError
 
-    marker = read_marker(p.workdir, TOKENIZE, tokenize_key(p))
+    marker = read_marker(p.workdir, TOKENIZE, key_of(TOKENIZE_STAGE, Inputs(p)))
     if not marker or not all(Path(x).exists() for x in marker["paths"]):
         return None
     try:
@@ -289,23 +382,22 @@ def resolve_packing(p: ResolvedPipeline, tokenizer: str) -> Any:
 
 
 def packing_choice_key(p: ResolvedPipeline) -> dict[str, Any]:
-    """What `data.packing: auto` is decided by, for the tokenize stage's cache key: the model, the batch,
+    """What `data.packing: auto` is decided by, for the tokenize stage's cache key (which hashes this stage's
+    code too, fulltune/stages/tokenize.py `code`): the model, the batch,
     precision, optimizer and device (the predicted comparison needs no budget); where autotune measures
     the layouts (`budget.autotune: true`), also the budget and this machine."""
-    from fulltune.storage import code_version  # read when called: tests/test_engine_imports.py spies on it
-
     t, device = p.spec.train, resolved_device(p)
     key: dict[str, Any] = {
         # The model's shape decides the comparison, not its weights: a new checkpoint of the same shape
-        # (a retrained model, a new hub commit) keeps the tokenized data.
-        "code": code_version(*STAGE_CODE[MEMORY_BUDGET]),
-        "model": p.spec.model.model_dump(mode="json", exclude={"revision"}),  # the pinned commit: model_config
+        # (a retrained model, a new hub commit: the pinned `revision` is model_config's) keeps the tokenized data.
+        "model": p.spec.model.model_dump(mode="json", exclude={"revision", *OUTSIDE_THE_WEIGHTS["model"]}),
         "model_config": model_config_key(p), "device": device,
         "train": t.model_dump(mode="json", include={"effective_batch_size", "mixed_precision", "optimizer", "seed"}),
         "distributed": p.spec.distributed.model_dump(mode="json"),
         "autotune": p.spec.budget.model_dump(mode="json")["autotune"]}
     if options(p.spec.budget.autotune).mode == "on":
-        key.update(budget=p.spec.budget.model_dump(mode="json"), train_all=t.model_dump(mode="json"),
+        key.update(budget=p.spec.budget.model_dump(mode="json"),
+                   train_all=t.model_dump(mode="json", exclude=OUTSIDE_THE_WEIGHTS["train"]),
                    hardware=hardware(device))
     return key
 
@@ -411,7 +503,7 @@ def _epoch_seconds(p: ResolvedPipeline, tokenizer: str, packing: bool, rows: int
     from fulltune.planning.strategy import choices
 
     t, d, device = p.spec.train, p.spec.distributed, resolved_device(p)
-    processes = d.num_processes // d.dims.pp  # the stages of a pipeline share its rows and time (auto: as read)
+    processes = d.dims.per_stage().world_size  # the stages of a pipeline share its rows and time (auto: as read)
     config = read_model_config(p.spec.model, _planned_vocab(p, tokenizer))
     shape = model_shape(config)
     dense = packing and dense_mask_reason(config, seq_len) is not None  # a window shorter than the row
@@ -424,3 +516,7 @@ def _epoch_seconds(p: ResolvedPipeline, tokenizer: str, packing: bool, rows: int
         # the output head runs at the positions with a target: the same tokens in either layout
         target_fraction=min(1.0, label_tokens / max(1, rows * (seq_len - 1))))
     return analytic_step_seconds(shape, settings) * max(1, rows // t.effective_batch_size)
+
+
+STAGE = Stage(MEMORY_BUDGET, code, key, run, writes, rerun_after="the tokenized data is cached; it plans again",
+              track=track)

@@ -20,8 +20,6 @@ from fulltune.spec import NEVER_RUN_OVERRIDES, covers
 # processes, and how much of the held-out data to evaluate. None of it runs code or reads a file.
 DEFAULT_RUN_OVERRIDES = ("train", "budget", "distributed", "data.max_length", "evaluate.batch_size",
                          "evaluate.max_examples", "evaluate.max_generate_examples", "evaluate.max_new_tokens")
-# Fields holding a local path; a run parameter may point them only inside the pipelines file's folder.
-PATH_FIELDS = ("data.train", "data.eval", "model.name_or_path", "model.from_config", "model.tokenizer")
 
 
 def check_overrides(pipelines_file: str, pipeline: str, fields: dict[str, Any]) -> None:
@@ -39,7 +37,7 @@ def check_overrides(pipelines_file: str, pipeline: str, fields: dict[str, Any]) 
             raise ConfigError(f"overrides.{field}: pipeline {pipeline} does not let a run parameter set it; add it "
                               f"to pipelines.{pipeline}.run_overrides in {pipelines_file}, or run "
                               f"`fulltune run {pipeline} --set {field}=...` on the worker")
-    _check_paths(pipelines_file, pipeline, fields, [f for f in fields if f in PATH_FIELDS])
+    _check_paths(pipelines_file, pipeline, fields)
 
 
 def flatten(overrides: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -52,17 +50,16 @@ def flatten(overrides: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return found
 
 
-def _check_paths(pipelines_file: str, pipeline: str, overrides: dict[str, Any], fields: list[str]) -> None:
-    """Each local path the overrides set resolves inside the pipelines file's folder (hub ids pass)."""
-    if not fields:
-        return
-    from fulltune.stages import is_hub, resolve_pipeline
+def _check_paths(pipelines_file: str, pipeline: str, overrides: dict[str, Any]) -> None:
+    """Each local path the overrides set resolves inside the pipelines file's folder (hub ids pass), read from the
+    pipeline as the overrides leave it: every file it reads (fulltune/stages `references`), in whatever shape the
+    run parameter gave it (a string, a list, `{path, split}` items), under a field the overrides set."""
+    from fulltune.stages import is_hub, references, resolve_pipeline
 
-    spec = resolve_pipeline(pipelines_file, pipeline, overrides).spec
     folder = Path(pipelines_file).resolve().parent
-    for field in fields:
-        section, _, name = field.partition(".")
-        value = getattr(getattr(spec, section), name)
-        if isinstance(value, str) and not is_hub(value) and not Path(value).resolve().is_relative_to(folder):
-            raise ConfigError(f"overrides.{field}: {value} is outside {folder}; a run parameter may point only at "
-                              "files inside the pipelines file's folder")
+    for field, reference, _, _ in references(resolve_pipeline(pipelines_file, pipeline, overrides)):
+        base = field.partition("[")[0]  # data.train[2] is data.train's
+        setter = next((f for f in overrides if covers(f, base) or covers(base, f)), None)
+        if setter is not None and not is_hub(reference) and not Path(reference).resolve().is_relative_to(folder):
+            raise ConfigError(f"overrides.{setter}: {reference} ({field}) is outside {folder}; a run parameter may "
+                              "point only at files inside the pipelines file's folder")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -20,13 +20,20 @@ TAG_COMPARISON_REASON = "fulltune.comparison_reason"
 TAG_GATE = "fulltune.gate"
 
 
+# The settings a decision can rest on, as a version's label names them.
+PROMOTE_IF, BETTER_THAN_BASE = "register.promote_if", "register.require_better_than_base"
+COMPARISON = "the champion comparison (evaluate.compare_champion)"
+
+
 @dataclass(frozen=True)
 class GateCheck:
-    """One condition of `register.promote_if` and how the new version fared on it."""
+    """One condition of `register.promote_if` and how the new version fared on it; `rule` is the setting that
+    decided it (`register.require_better_than_base` when the base model was not beaten)."""
 
     metric: str
     passed: bool
     reason: str
+    rule: str = PROMOTE_IF
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,15 @@ class GateDecision:
     promote: bool
     reason: str
     checks: tuple[GateCheck, ...] = ()
+    kept_by_comparison: bool = False  # a champion exists but was not compared: it keeps its alias
+
+    @property
+    def rules(self) -> str:
+        """The settings that decided: those of the failed conditions, else `register.promote_if`."""
+        failed = [check.rule for check in self.checks if not check.passed]
+        if not failed and self.kept_by_comparison:
+            failed = [COMPARISON]
+        return ", ".join(f"`{rule}`" for rule in dict.fromkeys(failed or [PROMOTE_IF]))
 
 
 def decide_promotion(candidate: dict[str, float], champion: dict[str, float] | None, base: dict[str, float] | None,
@@ -66,7 +82,7 @@ def decide_gates(candidate: dict[str, float], champion: dict[str, float] | None,
     if failed:
         return GateDecision(False, _joined(c.reason for c in failed), tuple(checks))
     if keep_champion:
-        return GateDecision(False, f"the champion keeps its alias: {keep_champion}", tuple(checks))
+        return GateDecision(False, f"the champion keeps its alias: {keep_champion}", tuple(checks), True)
     return GateDecision(True, _joined(c.reason for c in checks), tuple(checks))
 
 
@@ -92,9 +108,10 @@ def _check(gate: PromoteIf, candidate: dict[str, float], champion: dict[str, flo
         reference = base.get(metric)
         if not _usable(reference):
             return GateCheck(metric, False, f"{metric} {value:.4g}: the base model's {metric} is "
-                                            f"{_unusable(reference)}, so it cannot be shown to beat it")
+                                            f"{_unusable(reference)}, so it cannot be shown to beat it", BETTER_THAN_BASE)
         if not better(value, reference, 0.0):
-            return GateCheck(metric, False, f"{metric} {value:.4g} does not beat the base model ({reference:.4g})")
+            return GateCheck(metric, False, f"{metric} {value:.4g} does not beat the base model ({reference:.4g})",
+                             BETTER_THAN_BASE)
     if champion is None:
         return GateCheck(metric, True, "no champion yet")
     reference = champion.get(metric)
@@ -145,7 +162,7 @@ def promotion_decision(register: RegisterSpec, report: EvalReport) -> GateDecisi
         report.candidates["base"].as_dict() if "base" in report.candidates else None, register.gates,
         register.require_better_than_base, keep_champion=report.comparison_reason if report.keeps_champion else None)
     if champion is not None and report.comparison == PER_BYTE:
-        decision = GateDecision(decision.promote, f"{decision.reason}; {report.comparison_reason}", decision.checks)
+        decision = replace(decision, reason=f"{decision.reason}; {report.comparison_reason}")
     return decision
 
 

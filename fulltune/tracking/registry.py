@@ -35,6 +35,9 @@ TAG_FLOW_RUN = "fulltune.flow_run_id"
 
 # A workdir's own MLflow store when MLFLOW_TRACKING_URI is not set.
 STORE_FILE = "mlflow.db"
+# MLflow 3's UI opens an experiment by its kind: without this tag it may open the GenAI view (traces), where the
+# runs, their metrics and the registry are one click further ("Model training"). Training runs are this kind.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 SECRET_KEY = re.compile(r"(token|password|secret|api[_-]?key|credential)", re.IGNORECASE)
 URI_PASSWORD = re.compile(r"(?<=://)([^:/@\s]+):([^@/\s]+)@")
@@ -128,26 +131,28 @@ def _empty_store() -> Path:
 
 
 def experiment_id(name: str, workdir: str | Path) -> str:
-    """Get or create the experiment; local stores keep artifacts under `<workdir>/mlartifacts`."""
+    """Get or create the experiment, of the kind MLflow's UI shows as model training (`EXPERIMENT_KIND`); local
+    stores keep artifacts under `<workdir>/mlartifacts`."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()
     experiment = client.get_experiment_by_name(name)
-    if experiment is not None:
-        return experiment.experiment_id
-    location = None
-    if tracking_uri(workdir).startswith("sqlite:"):
-        location = (Path(workdir).resolve() / "mlartifacts").as_uri()
-    from mlflow.exceptions import MlflowException
+    if experiment is None:
+        location = None
+        if tracking_uri(workdir).startswith("sqlite:"):
+            location = (Path(workdir).resolve() / "mlartifacts").as_uri()
+        from mlflow.exceptions import MlflowException
 
-    try:
-        return client.create_experiment(name, artifact_location=location)
-    except MlflowException:
-        # Another run created it between the two calls.
-        experiment = client.get_experiment_by_name(name)
-        if experiment is None:
-            raise
-        return experiment.experiment_id
+        try:
+            return client.create_experiment(name, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
+        except MlflowException:
+            # Another run created it between the two calls.
+            experiment = client.get_experiment_by_name(name)
+            if experiment is None:
+                raise
+    if experiment.tags.get(EXPERIMENT_KIND[0]) is None:  # made before fulltune tagged its kind
+        client.set_experiment_tag(experiment.experiment_id, *EXPERIMENT_KIND)
+    return experiment.experiment_id
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, str]:
@@ -169,19 +174,34 @@ def start_pipeline_run(pipeline: str, params: dict[str, Any], tags: dict[str, st
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()
-    run = client.create_run(experiment_id(f"fulltune-{pipeline}", workdir), run_name=f"{pipeline}",
+    name = run_name(pipeline, "running")
+    run = client.create_run(experiment_id(f"fulltune-{pipeline}", workdir), run_name=name,
                             tags={TAG_PIPELINE: pipeline, TAG_VERSION: code_version(), **tags})
     flat = [Param(k, v) for k, v in flatten(params).items()]
     for start in range(0, len(flat), 100):
         client.log_batch(run.info.run_id, params=flat[start:start + 100])
-    client.log_batch(run.info.run_id, tags=[RunTag("mlflow.runName", pipeline)])
+    client.log_batch(run.info.run_id, tags=[RunTag("mlflow.runName", name)])
     return run.info.run_id
 
 
-def end_pipeline_run(run_id: str, status: str = "FINISHED") -> None:
+def run_name(pipeline: str, outcome: str) -> str:
+    """`demo · v3 · not promoted`: the name of a pipeline run's MLflow run (and Prefect flow run) once its outcome
+    is known, `demo · running` before."""
+    return f"{pipeline} · {outcome}"
+
+
+def end_pipeline_run(run_id: str, status: str = "FINISHED", name: str | None = None,
+                     description: str | None = None) -> None:
+    """End the run with `status`, renamed to `name` and described by `description` (markdown) when given."""
+    from mlflow.entities import RunTag
     from mlflow.tracking import MlflowClient
 
-    MlflowClient().set_terminated(run_id, status=status)
+    client = MlflowClient()
+    tags = ([RunTag("mlflow.runName", name)] if name else []) + \
+        ([RunTag("mlflow.note.content", redact(description))] if description else [])
+    if tags:
+        client.log_batch(run_id, tags=tags)
+    client.set_terminated(run_id, status=status)
 
 
 def log_metrics(run_id: str, metrics: dict[str, float | None], step: int | None = None, client: Any = None) -> None:
@@ -227,7 +247,7 @@ def current_champion(name: str) -> Champion | None:
 
 @dataclass(frozen=True)
 class Registration:
-    """What the register stage did."""
+    """What the register stage did: `created` is False when these weights were registered before (no new version)."""
 
     name: str
     version: str
@@ -235,6 +255,24 @@ class Registration:
     promoted: bool
     reason: str
     run_id: str
+    created: bool = True
+    rules: str = "`register.promote_if`"  # the settings that decided (GateDecision.rules)
+
+    def outcome(self, cached: bool = False) -> str:
+        """`v3 · champion`, `v3 · not promoted`, or `v1 · nothing new registered` (a cached or repeated registration)."""
+        if cached or not self.created:
+            return f"v{self.version} · nothing new registered"
+        return f"v{self.version} · {'champion' if self.promoted else 'not promoted'}"
+
+    def model_uri(self) -> str:
+        """What loads this version (`model_uri`), by the aliases it was registered with."""
+        return model_uri(self.name, self.version, self.aliases)
+
+
+def model_uri(name: str, version: str, aliases: tuple[str, ...]) -> str:
+    """Where a version loads from: `@champion` when it holds the alias (what services load), else the version itself
+    (a version that was not promoted is not what `@champion` loads; a first one has no champion to load at all)."""
+    return f"models:/{name}@{CHAMPION}" if CHAMPION in aliases else f"models:/{name}/{version}"
 
 
 def register_model(model_dir: str, name: str, run_id: str, tags: dict[str, str], metrics: dict[str, float],
@@ -270,7 +308,7 @@ def register_model(model_dir: str, name: str, run_id: str, tags: dict[str, str],
     if decision.promote:
         client.set_registered_model_alias(name, CHAMPION, version)
         aliases.append(CHAMPION)
-    return Registration(name, version, tuple(aliases), decision.promote, decision.reason, run_id)
+    return Registration(name, version, tuple(aliases), decision.promote, decision.reason, run_id, rules=decision.rules)
 
 
 @contextlib.contextmanager
@@ -397,7 +435,7 @@ def register_version(spec: PipelineSpec, pipeline: str, trained: TrainedVersion,
     if existing is not None:
         aliases = aliases_of(name, existing)
         return Registration(name, existing, aliases, CHAMPION in aliases, "same weights as an existing version",
-                            mlflow_run_id)
+                            mlflow_run_id, created=False)
     decision = promotion_decision(spec.registration, report)
     tags = {TAG_PIPELINE: pipeline, TAG_DATA: trained.data.fingerprint, TAG_CONFIG: spec.config_hash(),
             TAG_VERSION: code_version(), TAG_TRAIN_KEY: trained.train_key, TAG_FLOW_RUN: flow_run_id,
@@ -409,8 +447,10 @@ def register_version(spec: PipelineSpec, pipeline: str, trained: TrainedVersion,
 
 def describe_version(spec: PipelineSpec, pipeline: str, trained: TrainedVersion, report: EvalReport,
                      decision: GateDecision) -> str:
-    """The registered version's description (markdown): the model and data it was trained from, the plan,
-    the evaluation of base, fine-tuned and champion side by side, and the gate's decision."""
+    """The registered version's description (markdown), the decision first (the registry lists the descriptions'
+    beginnings side by side): promoted or not and by which setting, the gate metric's value, what set this training
+    apart (steps, learning rate, seed, data); then the model and data it was trained from, the settings that
+    trained, the evaluation of base, fine-tuned and champion side by side."""
     import json as json_module
 
     from fulltune.data.sources import describe
@@ -429,22 +469,23 @@ def describe_version(spec: PipelineSpec, pipeline: str, trained: TrainedVersion,
     steps = int(train_metrics.get("steps", 0))
     run = f"{steps} optimizer steps" + (f", final train loss {train_metrics['train_loss']:.4f}"
                                         if "train_loss" in train_metrics else "")
-    lines = [
+    verdict = "Champion — promoted to champion" if decision.promote else "Not promoted — stays challenger"
+    lines = [  # plain words first: the registry's version list shows the beginning, unrendered
+        f"{verdict} by {decision.rules}: {decision.reason}. {steps} steps at learning rate "
+        f"{spec.train.learning_rate:g}, seed {spec.train.seed}, data {data.fingerprint[:12]}.",
+        "",
         f"Pipeline `{pipeline}`: {source} fully fine-tuned on `{describe(spec.data.train)}` (format {data.format}, "
         f"{data.num_train_examples} examples, {data.train_label_tokens} target tokens per epoch"
         f"{', packed' if data.packing else ''}; data fingerprint {data.fingerprint[:12]}).",
         "",
-        f"Plan: {describe_settings(settings, layers)}, effective batch {spec.train.effective_batch_size}, "
+        f"Trained with {describe_settings(settings, layers)}, effective batch {spec.train.effective_batch_size}, "
         f"learning rate {spec.train.learning_rate:g}; {run}.",
         "",
         f"Evaluated on {held_out}: {report.num_examples} examples, the base model, this one"
         + (f" and the champion (version {report.champion_version}, compared on {report.comparison.replace('_', ' ')})"
-           if report.champion_version is not None else "") + ".",
+           if report.champion_version is not None else " (no champion yet)") + ".",
         "",
         _metrics_table(report),
-        "",
-        f"Gate (`register.promote_if`): {'promoted to champion' if decision.promote else 'stays challenger'}: "
-        f"{decision.reason}.",
     ]
     return "\n".join(lines)
 

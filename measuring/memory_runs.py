@@ -1,9 +1,7 @@
 """The memory runs the CPU memory tests and benchmarks share: the models, rows and jobs they train, and the
-evaluate stage they measure. What is measured, and how, is the engine's (`fulltune.runtime.measure`).
+evaluate stage they measure. What is measured, and how, is `measuring.measure`'s.
 
-The benchmarks import this module as `tests.memory_runs` (`python -m benchmarks.<name>` runs from the
-repository root), the tests as `memory_runs`. The evaluate stage's measured process is
-`python -m tests.memory_runs eval JOB.json`, run from the root.
+The evaluate stage's measured process is `python -m measuring.memory_runs eval JOB.json`, run from the root.
 """
 
 from __future__ import annotations
@@ -235,8 +233,8 @@ PROCESS_CASES = {
 
 def measure_phases(case: Case, root: Path, omp_threads: int = 1) -> dict[str, Any]:
     """The case's assets, its job (2 steps, a checkpoint after the first, MLflow on) and its per-phase peaks
-    (`fulltune.runtime.measure`'s `phases`), with the rows' target fraction."""
-    from fulltune.runtime import measure
+    (`measuring.measure`'s `phases`), with the rows' target fraction."""
+    from measuring import measure
 
     model_dir, data, fraction = build_assets(root, case, steps=2)
     job = make_job(case, model_dir, data, root / "run", mlflow_run(root), steps=2)
@@ -324,7 +322,7 @@ def measure_evaluation(assets: dict[str, Any], budget: str | None) -> dict[str, 
     job = Path(assets["root"]) / f"job-{'planned' if budget else 'fp32'}.json"
     job.write_text(json.dumps({**assets, "evaluation": evaluation, "planned": budget is not None}))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "tests.memory_runs", "eval", str(job)], env=env, cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "measuring.memory_runs", "eval", str(job)], env=env, cwd=ROOT,
                           capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-4000:])
@@ -333,7 +331,7 @@ def measure_evaluation(assets: dict[str, Any], budget: str | None) -> dict[str, 
 
 def _evaluate(job_file: str) -> int:
     """Evaluate both candidates as the evaluate stage does; print one JSON line of the peak RSS."""
-    from fulltune.runtime.measure import Sampler, high_water_bytes, resident_bytes
+    from measuring.measure import Sampler, high_water_bytes, resident_bytes
 
     peak = [0]
 
@@ -363,5 +361,5 @@ def _evaluate(job_file: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "eval":
-        sys.exit("usage: python -m tests.memory_runs eval JOB.json")
+        sys.exit("usage: python -m measuring.memory_runs eval JOB.json")
     sys.exit(_evaluate(sys.argv[2]))

@@ -1,19 +1,22 @@
 """Each rank's memory in real multi-process training steps, measured, for the memory model's per-rank estimates.
 
-torchrun starts the ranks (gloo, CPU) of one run: `python -m fulltune.planning.rank_memory SPEC.json OUT.json`
+torchrun starts the ranks (gloo, CPU) of one run: `python -m measuring.rank_memory SPEC.json OUT.json`
 in every rank, SPEC naming the layout, the model's config and the settings. Each rank builds the same
 `from_config` Llama, splits it as the trainer does and runs optimizer steps of the trainer's step
 (`fulltune.runtime.step.run_step`) under one of torch's memory trackers; rank 0 writes every rank's result
-(`fulltune.runtime.measure.send_to_driver`).
+(`measuring.measure.send_to_driver`).
 
 - `fsdp`: FSDP2 shards (`sharding.shard_model`) and the trainer's optimizer builder, under FSDPMemTracker;
 - `tensor_parallel`: the tensor-parallel plan (`parallel.apply`, FSDP2 over "dp") and fused AdamW, under
   FSDPMemTracker;
+- `context_parallel`: Ulysses over the "cp" group and FSDP2 over every process (`parallelize.apply`, as the
+  trainer), each micro-batch this rank's share of its rows (`ContextParallel.shard`: packed rows when
+  `attention_mask`), under FSDPMemTracker;
 - `pipeline`: this rank's stage (`pipeline_parallel.PipelineRun`) under the schedule, under MemTracker (its
   peak only), then untracked steps for their wall times; `pipeline_reference` runs the same steps in one
   process;
 - `export`: the final export of FSDP2 shards (`sharding.save_pretrained`, one file at a time), this process's
-  resident set sampled every 2 ms (`fulltune.runtime.measure.peak_during`), beside the plan's host figures
+  resident set sampled every 2 ms (`measuring.measure.peak_during`), beside the plan's host figures
   (`memory.process.export_host_bytes`, `export_phase_bytes`).
 
 Measured: every tensor torch allocates on CPU. Not measured: the process itself, gloo's own buffers, CUDA.
@@ -31,7 +34,7 @@ from typing import Any
 
 from fulltune.memory import Settings
 
-KINDS = ("fsdp", "tensor_parallel", "pipeline", "export")
+KINDS = ("fsdp", "tensor_parallel", "context_parallel", "pipeline", "export")
 STEPS = 2  # tracked optimizer steps of `fsdp` and `tensor_parallel`
 COLLECTIVE_TIMEOUT_S = 120  # a pipeline rank's every collective
 
@@ -47,13 +50,13 @@ def measure_ranks(kind: str, config: dict[str, Any], settings: Settings, process
     Raises:
         RuntimeError: no result came back (torchrun's output); subprocess.TimeoutExpired past `timeout_s`.
     """
-    from fulltune.runtime.measure import torchrun_results
+    from measuring.measure import torchrun_results
 
     with tempfile.TemporaryDirectory(prefix="fulltune-ranks-") as tmp:
         spec = Path(tmp) / "spec.json"
         spec.write_text(json.dumps({"kind": kind, "config": config, "settings": asdict(settings), **options}))
         out = Path(tmp) / "ranks.json"
-        return torchrun_results(["--module", "fulltune.planning.rank_memory", str(spec), str(out)], processes, out,
+        return torchrun_results(["--module", "measuring.rank_memory", str(spec), str(out)], processes, out,
                                 timeout_s=timeout_s, what=f"{kind} {json.dumps(options)}")
 
 
@@ -130,10 +133,28 @@ def tensor_parallel_rank(config: dict[str, Any], settings: Settings, steps: int 
     return _tracked_steps(FSDPMemTracker(model, optimizer), model, head, optimizer, settings, steps)
 
 
+def context_parallel_rank(config: dict[str, Any], settings: Settings, steps: int = STEPS) -> dict[str, Any]:
+    """`steps` optimizer steps of context parallel over FSDP2 in this rank under FSDPMemTracker (the trainer's
+    `parallelize.apply`, its optimizer builder, each micro-batch's share of the rows); its peak and breakdown."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from fulltune.runtime import context_parallel, optim, parallelize, sharding
+    from fulltune.runtime.loss import TargetHead
+
+    sharding.init_process_group("cpu")
+    model = _llama(config, settings)
+    head = TargetHead(model, chunked=settings.chunked_loss)
+    parallelize.apply(model, settings.dims, "cpu", settings.mixed_precision)
+    optimizer = optim.optimizer_for(model, settings)
+    return _tracked_steps(FSDPMemTracker(model, optimizer), model, head, optimizer, settings, steps,
+                          context=context_parallel.active())
+
+
 def _tracked_steps(tracker: Any, model: Any, head: Any, optimizer: Any, settings: Settings,
-                   steps: int) -> dict[str, Any]:
+                   steps: int, context: Any = None) -> dict[str, Any]:
     """The trainer's step `steps` times under `tracker`, on the batch the estimate assumes (a padded row, every
-    position a target); the tracker's peak. bf16 is FSDP's MixedPrecisionPolicy here, not autocast."""
+    position a target; with `context`, its share of rows packed with two documents each when the estimate assumes
+    a mask, else whole rows); the tracker's peak. bf16 is FSDP's MixedPrecisionPolicy here, not autocast."""
     from fulltune.planning.trace import make_batch
     from fulltune.runtime.step import LocalAccelerator, StepParts, run_step
 
@@ -142,10 +163,19 @@ def _tracked_steps(tracker: Any, model: Any, head: Any, optimizer: Any, settings
     parts = StepParts.assemble(accelerator, model, head, optimizer, settings,
                                before_micro_batch=tracker.reset_mod_stats)  # the tracker needs the reset
     targets = settings.micro_batch_size * settings.targets_per_row * accumulation * accelerator.num_processes
+
+    def batch() -> tuple[dict[str, Any], Any]:
+        inputs, step_targets = make_batch(model.config.vocab_size, settings, "cpu")
+        if context is None:
+            return inputs, step_targets
+        if settings.attention_mask:  # packed rows: two documents each (the position ids restart)
+            s = settings.seq_len
+            inputs["position_ids"] = inputs["position_ids"] % max(s // 2, 1)
+        return context.shard(inputs, step_targets)
+
     with tracker:
         for step in range(1, steps + 1):
-            batches = (make_batch(model.config.vocab_size, settings, "cpu") for _ in range(accumulation))
-            run_step(parts, batches, step, targets)
+            run_step(parts, (batch() for _ in range(accumulation)), step, targets)
     return tracked_peak(tracker)
 
 
@@ -242,7 +272,7 @@ def pipeline_rank(config: dict[str, Any], settings: Settings, schedule: str, ste
     model = _pipeline_model(config, settings)
     vocab = model.config.vocab_size
     run = PipelineRun.create(model, settings, schedule=schedule, length=settings.seq_len,
-                             dims=ParallelDims(stages * replicas, 1, stages), data_parallel=data_parallel)
+                             dims=ParallelDims(stages * replicas, 1, stages, data_parallel))
     del model  # this process keeps only its stage's modules
     optimizer = optimizer_for(run.stage, settings)
     accelerator = LocalAccelerator("cpu", settings.mixed_precision, settings.gradient_accumulation_steps)
@@ -350,7 +380,7 @@ def export_rank(config: dict[str, Any], settings: Settings, out: Path, shard_byt
     from fulltune.memory.process import export_host_bytes, export_phase_bytes
     from fulltune.memory.shapes import model_shape
     from fulltune.runtime import sharding
-    from fulltune.runtime.measure import peak_during
+    from measuring.measure import peak_during
 
     sharding.init_process_group("cpu")
     torch.manual_seed(0)
@@ -371,8 +401,8 @@ def export_rank(config: dict[str, Any], settings: Settings, out: Path, shard_byt
 
 
 def main(argv: list[str] | None = None) -> int:
-    """One rank: `python -m fulltune.planning.rank_memory SPEC.json OUT.json` under torchrun."""
-    from fulltune.runtime.measure import send_to_driver
+    """One rank: `python -m measuring.rank_memory SPEC.json OUT.json` under torchrun."""
+    from measuring.measure import send_to_driver
 
     args = sys.argv[1:] if argv is None else argv
     spec = json.loads(Path(args[0]).read_text())
@@ -385,10 +415,11 @@ def main(argv: list[str] | None = None) -> int:
     elif spec["kind"] == "pipeline":
         measured = pipeline_rank(config, settings, spec["schedule"], spec["steps"], spec["timed_steps"],
                                  spec["stages"], spec["data_parallel"])
-    else:  # fsdp, tensor_parallel: each case of `cases` in turn, the last one's tensors freed first
+    else:  # fsdp, tensor_parallel, context_parallel: each case of `cases` in turn, the last one's tensors freed first
         import gc
 
-        measure = fsdp_rank if spec["kind"] == "fsdp" else tensor_parallel_rank
+        measure = {"fsdp": fsdp_rank, "tensor_parallel": tensor_parallel_rank,
+                   "context_parallel": context_parallel_rank}[spec["kind"]]
         measured = []
         for case in spec["cases"]:
             gc.collect()

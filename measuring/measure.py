@@ -12,10 +12,10 @@ each in a fresh process so that nothing else is counted:
   time as `fulltune.memory.process` names them, a sampler reading /proc/self/statm every 5 ms and the
   kernel's high-water mark (VmHWM) after each phase.
 
-    python -m fulltune.runtime.measure child|ranks|phases JOB.json    # one JSON line on stdout
+    python -m measuring.measure child|ranks|phases JOB.json    # one JSON line on stdout
 
 Runs of several processes under torchrun (gloo, CPU) hand their ranks' results back through
-`torchrun_results` and `send_to_driver` (fulltune/planning/rank_memory.py's ranks, the benchmarks' workers).
+`torchrun_results` and `send_to_driver` (measuring/rank_memory.py's ranks, the benchmarks' workers).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from fulltune.runtime.launch import TrainJob, run_training  # imports neither torch nor transformers
 
-ROOT = Path(__file__).resolve().parents[2]  # where `fulltune` is imported from
+ROOT = Path(__file__).resolve().parents[1]  # the repository root: where `fulltune` and `measuring` are imported from
 TORCHRUN_TIMEOUT_S = 900  # a whole torchrun; a hung collective ends there instead of holding the machine
 KINDS = ("child", "ranks", "phases")
 # The phases `phases` measures, in the order the process runs them (two steps: the checkpoint after the first).
@@ -315,10 +315,10 @@ def _train_two_steps(train: Any, job: TrainJob, enter: Callable[[str], None]) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m fulltune.runtime.measure child|ranks|phases JOB.json`: one JSON line of what was measured."""
+    """`python -m measuring.measure child|ranks|phases JOB.json`: one JSON line of what was measured."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or args[0] not in KINDS:
-        print(f"usage: python -m fulltune.runtime.measure {'|'.join(KINDS)} JOB.json", file=sys.stderr)
+        print(f"usage: python -m measuring.measure {'|'.join(KINDS)} JOB.json", file=sys.stderr)
         return 2
     kind, job = args[0], TrainJob.from_json(Path(args[1]).read_text())
     result = training_phases(job) if kind == "phases" else child_memory(job, ranks=kind == "ranks")
