@@ -25,6 +25,10 @@ and which of estimate and trace is right on CUDA is settled. Then:
   measurement, with probes of copy bandwidth and host optimizer throughput;
 - the evaluate stage at the Llama-3.1-8B-on-24 GiB plan's settings, on the 8B shape cut to 4 layers
   (`eval_memory.device_case`): peak allocated against the memory model and the budget;
+- packed rows, masked against varlen (`varlen_case`): the Llama-3.2-1B shape, rows of 8k and 32k tokens packed
+  with documents of 1,024, bf16, every layer checkpointed, chunked loss; transformers' SDPA with its dense block
+  mask from the restarting position_ids against fulltune's document attention (`varlen_attn`), each for its
+  tokens/s and peak allocated against the estimate (mask: `attention_mask`; varlen: `document_length`);
 - context parallel over NCCL (`context_parallel_case`, 2 GPUs): Ulysses and ring attention (PyTorch's
   `context_parallel`, CUDA only: 3 heads over 2 processes) against one process, loss and gradients of one
   micro-batch (tests/context_parallel_worker.py --cuda); on one GPU it says so and measures nothing;
@@ -168,13 +172,21 @@ def _peak_flops(device_name: str, override: float | None) -> float:
     return peak_flops(device_name) or CPU_NOMINAL_FLOPS
 
 
-def mfu_case(config: Any, settings: Settings, steps: int, peak: float) -> dict[str, Any]:
-    """Tokens/s and MFU of `steps` optimizer steps after one warm-up step."""
+def timed_steps(config: Any, settings: Settings, steps: int, attn_implementation: str | None = None) -> float:
+    """Seconds of `steps` optimizer steps of the trainer's step after one warm-up step; `attn_implementation` swaps
+    the model's attention after it is built (transformers' own `sdpa` for the masked case)."""
     device = settings.device
     with quiet():
         model = build_model(config, settings).to(device)
+        if attn_implementation is not None:
+            model.set_attn_implementation(attn_implementation)
         optimizer = optim.optimizer_for(model, settings)
-        seconds = timed_train_steps(model, optimizer, settings, steps, device)
+        return timed_train_steps(model, optimizer, settings, steps, device)
+
+
+def mfu_case(config: Any, settings: Settings, steps: int, peak: float) -> dict[str, Any]:
+    """Tokens/s and MFU of `steps` optimizer steps after one warm-up step."""
+    seconds = timed_steps(config, settings, steps)
     tokens = steps * settings.micro_batch_size * settings.gradient_accumulation_steps * settings.seq_len
     rate = tokens / seconds
     achieved = rate * flops_per_token(config, settings.seq_len)
@@ -240,6 +252,47 @@ def fp16_case(config: Any, settings: Settings, steps: int, overflow_at: int) -> 
     return row
 
 
+def varlen_case(dry_run: bool, steps: int = 3) -> list[dict[str, Any]]:
+    """Packed rows through the trainer's step, masked (transformers' SDPA: a dense block mask from the position_ids)
+    and varlen (fulltune/attention.py): tokens/s of `steps` optimizer steps after one warm-up step, and the peak
+    allocated against the estimate of each. A variant that runs out of memory is reported as such."""
+    import torch
+
+    device = "cpu" if dry_run else "cuda"
+    config = _llama(64, 176, 3, 8, 2, 300) if dry_run else _llama(2048, 8192, 16, 32, 8, 128256, tied=True)
+    lengths, document = ((256, 512), 64) if dry_run else ((8192, 32768), 1024)
+    rows = []
+    for seq in lengths:
+        # Packed rows of `document`-token documents (trace.make_batch builds them and their `documents`).
+        packed = Settings(micro_batch_size=1, seq_len=seq, gradient_checkpointing=config.num_hidden_layers,
+                          mixed_precision="bf16", chunked_loss=True, device=device, attention_mask=False,
+                          document_length=document)
+        for kind in ("masked", "varlen"):
+            planned = replace(packed, attention_mask=True) if kind == "masked" else packed
+            row: dict[str, Any] = {"name": f"{kind} {seq}", "settings": planned.to_dict(),
+                                   "estimate_peak": estimate_memory(config, planned).peak_bytes}
+            row.update(safely(row["name"], _packed_steps, config, packed, kind, steps))
+            rows.append(row)
+            print(f"[varlen] {row['name']}: done", file=sys.stderr, flush=True)
+    return rows
+
+
+def _packed_steps(config: Any, settings: Settings, kind: str, steps: int) -> dict[str, Any]:
+    import torch
+
+    cuda = settings.device == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+    # masked: transformers' own SDPA, which ignores `documents` and masks by the restarting position_ids.
+    seconds = timed_steps(config, settings, steps, "sdpa" if kind == "masked" else None)
+    row = {"tokens_per_second": steps * settings.micro_batch_size * settings.seq_len / seconds}
+    if cuda:
+        row["measured_allocated"] = int(torch.cuda.max_memory_allocated() - start)
+    return row
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'case':32s} {'estimate':>10s} {'trace':>10s} {'allocated':>10s} {'est err':>8s} {'trace err':>9s} "
             f"{'device est':>10s} {'reserved':>10s} {'dev err':>8s}")
@@ -287,6 +340,7 @@ def run(dry_run: bool, peak_tflops: float | None, mfu_steps: int, offload_steps:
 
     report["evaluation"] = safely("evaluation", device_case, dry_run)
     print("[evaluation] done", file=sys.stderr, flush=True)
+    report["varlen"] = varlen_case(dry_run)
     report["context_parallel"] = safely("context_parallel", context_parallel_case, on_gpu)
     print("[context parallel] done", file=sys.stderr, flush=True)
     from benchmarks.autotune import gpu_check  # the plan's top candidates measured in training children
@@ -344,6 +398,14 @@ def summary(report: dict[str, Any]) -> str:
         lines.append(f"fp16 + GradScaler: overflow skipped and recovered: {fp16['overflow_step_skipped_and_recovered']}"
                      f" (scale {scales}){memory}")
     lines.extend(host_param_lines(report.get("fsdp_offload") or {}))
+    for row in report.get("varlen", []):
+        if "error" in row:
+            lines.append(f"packed rows, {row['name']}: FAILED: {row['error']}")
+            continue
+        measured = row.get("measured_allocated")
+        memory = (f"; peak {format_bytes(measured)} vs estimate {format_bytes(row['estimate_peak'])} "
+                  f"({pct(row['estimate_peak'] / measured - 1)})" if measured else "")
+        lines.append(f"packed rows, {row['name']}: {row['tokens_per_second']:.0f} tokens/s{memory}")
     lines.append(f"context parallel 2 against one process (relative differences): {report.get('context_parallel')}")
     from benchmarks.float8_check import float8_lines
 

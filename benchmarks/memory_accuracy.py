@@ -105,6 +105,13 @@ def grid() -> list[Case]:
                attention_mask=False), "measured"),
         Case("gpt_neox 4L h256", _neox(256, 4, 8, 1024, 10000),
              S(micro_batch_size=1, seq_len=2048, mixed_precision="bf16"), "measured"),
+        # Packed rows, their documents attending alone (fulltune/attention.py): the twins of rows 2 and 8.
+        Case("llama 4L h256", _llama(256, 688, 4, 8, 2, 8000),
+             S(micro_batch_size=8, seq_len=256, mixed_precision="bf16", gradient_checkpointing=2,
+               attention_mask=False, document_length=48), "measured"),
+        Case("gpt_neox 4L h256", _neox(256, 4, 8, 1024, 10000),
+             S(micro_batch_size=1, seq_len=2048, mixed_precision="bf16", attention_mask=False, document_length=256),
+             "measured"),
         # Pure bf16 with Kahan AdamW (train.compensation auto) and with plain rounding (none: torchtune's recipe).
         Case("llama 4L h256, pure bf16", _llama(256, 688, 4, 8, 2, 8000),
              S(micro_batch_size=4, seq_len=256, mixed_precision="bf16", pure_bf16=True, attention_mask=False),
@@ -141,6 +148,13 @@ def grid() -> list[Case]:
                optimizer="adamw_8bit"), "traced"),
         Case("Pythia-1B shape", pythia1b,
              S(micro_batch_size=2, seq_len=1024, mixed_precision="bf16", attention_mask=False), "traced"),
+        # Packed rows, documents attending alone: the twins of the masked TinyLlama and Qwen2 rows.
+        Case("TinyLlama-1.1B shape", tinyllama,
+             S(micro_batch_size=1, seq_len=2048, mixed_precision="bf16", attention_mask=False, document_length=256),
+             "traced"),
+        Case("Qwen2-0.5B shape", qwen05,
+             S(micro_batch_size=4, seq_len=1024, mixed_precision="bf16", gradient_checkpointing=12,
+               attention_mask=False, document_length=128), "traced"),
     ]
 
 
@@ -156,6 +170,8 @@ def describe(s: Settings) -> str:
         parts.append(f"compensation {compensation_of(s)}")
     if s.attention_mask:
         parts.append("mask")
+    if s.document_length and not s.attention_mask:
+        parts.append(f"packed (documents of {s.document_length})")
     return " ".join(parts)
 
 
@@ -235,7 +251,8 @@ def section(rows: list[dict], command: str, seconds: float) -> str:
             "logits of the positions with a target (here every position but a row's last, the most a batch can have),",
             "summed cross-entropy, clipping, optimizer step, `zero_grad(set_to_none=True)`). The peer is",
             "`accelerate estimate-memory`'s training figure (16 B/param fp32, 8 B/param for 16-bit), which ignores",
-            "activations and logits. `mask` = an attention mask is passed (padding or packed rows).",
+            "activations and logits. `mask` = an attention mask is passed (a padded row); `packed` = rows of",
+            "documents of that length, each attending to itself only (fulltune/attention.py, no mask).",
             "",
             f"Reproduce: `{command}` (took {seconds / 60:.1f} min on this machine: {platform.machine()}, "
             f"torch {torch.__version__}, transformers {transformers.__version__}, CPU only).",

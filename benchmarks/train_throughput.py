@@ -2,6 +2,7 @@
 
     python -m benchmarks.train_throughput              # CPU: ~1M-parameter Llama, seq ≤ 256, fp32 (~6 min; --runs 5: ~9 min)
     python -m benchmarks.train_throughput --size zipf  # CPU: 4-layer Llama h256 V8192, Zipf lengths, micro-batch 8
+                                                       # (also prints what `data.packing: auto` chooses there)
     python -m benchmarks.train_throughput --gpu        # CUDA: ~1.1B Llama from a config, bf16, seq ≤ 2048
     python -m benchmarks.train_throughput --baseline DIR   # also fulltune from another checkout (A/B)
 
@@ -151,6 +152,27 @@ def prepare_inputs(size: Size, workdir: Path) -> dict[str, Any]:
     return {"model": str(model_dir), "unpacked": tokenized[False], "packed": tokenized[True]}
 
 
+def auto_packing(size: Size, workdir: Path, model_dir: str, device: str) -> str:
+    """What `data.packing: auto` chooses for this workload (fulltune/stages/budget.py `choose_packing`: the
+    planner's predicted epoch of each layout), as a pipeline of the same data, model and batch on CPU would."""
+    import yaml
+
+    from fulltune.stages import budget, resolve_pipeline
+
+    pipeline = {"model": {"name_or_path": model_dir},
+                "data": {"train": str(workdir / "records.jsonl"), "format": "prompt_completion",
+                         "max_length": size.max_length, "packing": "auto", "eval_split": 0.05},
+                "train": {"effective_batch_size": size.micro_batch_size * size.gradient_accumulation_steps,
+                          "micro_batch_size": size.micro_batch_size, "mixed_precision": size.precision,
+                          "optimizer": "adamw"},
+                "budget": {"device": device}}
+    path = workdir / "auto-packing" / "pipelines.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({"workdir": str(path.parent / "work"), "pipelines": {"bench": pipeline}}))
+    pack, why = budget.choose_packing(resolve_pipeline(str(path), "bench"), model_dir)
+    return f"data.packing: auto chooses {'packing' if pack else 'one example per row'} ({why})"
+
+
 def flop_coefficients(model_dir: str) -> tuple[float, float]:
     """(FLOPs per token, FLOPs per attended pair) of fulltune/memory/flops.py, with the output head at every position,
     as a full-logits loss runs it: both loops are credited the same work."""
@@ -205,7 +227,12 @@ def fulltune_worker(args: argparse.Namespace) -> None:
     """
     if args.tree:
         sys.path.insert(0, str(Path(args.tree).resolve()))  # ahead of this checkout
-    from fulltune.runtime import launch, train
+    try:
+        from fulltune.runtime import launch, train
+    except ImportError:  # releases before the engine's folders (7e7b1f8 and earlier): fulltune/train.py
+        from fulltune import launch, train  # type: ignore[no-redef]
+    # The module whose clock times the loop: train_metrics since the loop's counters left train.py.
+    timed = sys.modules.get("fulltune.runtime.train_metrics", train)
 
     if args.tree:
         assert Path(train.__file__).resolve().is_relative_to(Path(args.tree).resolve()), train.__file__
@@ -221,7 +248,7 @@ def fulltune_worker(args: argparse.Namespace) -> None:
                               output_dir=args.out, **settings)
         seed = job.seed
     clock = LoopClock()
-    train.time = clock  # measurement only: the loop's code is unchanged
+    timed.time = clock  # measurement only: the loop's code is unchanged
     result = train.train(job)
     rows = train.TokenizedRows(args.train_file)
     schedule = train.StepSchedule(rows.lengths, size.micro_batch_size * size.gradient_accumulation_steps, seed)
@@ -366,6 +393,7 @@ def main() -> None:
     if size.packed_epoch and args.steps is None:
         packed_steps = (f" ({inputs['packed'].num_train_rows // (size.micro_batch_size * size.gradient_accumulation_steps)}"
                         " on the packed rows)")
+    print(auto_packing(size, workdir, inputs["model"], "cuda" if args.gpu else "cpu"), flush=True)
     print(f"workdir {workdir}; {unpacked.num_train_rows} unpacked rows ({unpacked.train_label_tokens / unpacked.train_tokens:.0%} "
           f"of their tokens have a target), {inputs['packed'].num_train_rows} packed rows; {size.steps} steps of {size.micro_batch_size} × {size.gradient_accumulation_steps} rows{packed_steps}; peak {peak / 1e9 if peak else float('nan'):.1f} GFLOP/s ({peak_label}); "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fulltune.attention import kernel
 from fulltune.errors import ConfigError, root_message
 from fulltune.storage import atomic_dir, tree_sha256
 from fulltune.spec import ModelSpec
@@ -154,7 +155,7 @@ def load_model(path_or_id: str, *, revision: str | None = None, trust_remote_cod
             revision=revision,
             trust_remote_code=trust_remote_code,
             use_safetensors=None if allow_pickle_weights else True,
-            attn_implementation=attn_implementation,
+            attn_implementation=kernel(attn_implementation),
             dtype=dtype or torch.float32,
             token=token,
             # Mismatches are collected and refused below, in one message, instead of a RuntimeError.

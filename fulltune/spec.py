@@ -132,9 +132,10 @@ class DataSpec(Strict):
                             "the output is the same for any number). `auto`: the CPUs this process may use."
     )
     packing: Union[bool, Auto] = Field(
-        "auto", description="Pack several examples into each max_length row (positions restart). `auto`: pack "
+        "auto", description="Pack several examples into each max_length row (positions restart; each example "
+                            "attends to itself only, which needs model.attn_implementation: sdpa). `auto`: pack "
                             "when that trains faster (predicted per epoch, or measured under budget.autotune: "
-                            "true); examples longer than half of max_length are never packed."
+                            "true), one example per row where no two examples fit in one row."
     )
 
     @field_validator("num_workers")
@@ -449,6 +450,17 @@ class PipelineSpec(Strict):
             raise ValueError(f"evaluate.processes: {processes} shards each candidate over the training's processes, "
                              f"which needs distributed.strategy fsdp and num_processes {processes} (they are "
                              f"{d.strategy} and {d.num_processes}); set it to auto or 1")
+        return self
+
+    @model_validator(mode="after")
+    def _packing_attention(self) -> PipelineSpec:
+        # Packed rows keep their documents apart with fulltune's SDPA document attention (fulltune/attention.py);
+        # eager attention would build a dense (s × s) mask per layer instead, and compute every pair of positions.
+        if self.data.packing is True and self.model.attn_implementation != "sdpa":
+            raise ValueError(f"data.packing: true needs model.attn_implementation: sdpa (packed documents attend alone "
+                             f"without a (max_length × max_length) mask; {self.model.attn_implementation} attention "
+                             "would build one in every layer); set model.attn_implementation: sdpa, or "
+                             "data.packing: false (or auto, which then trains one example per row)")
         return self
 
     @model_validator(mode="after")

@@ -91,10 +91,11 @@ def _llama(config: dict[str, Any], settings: Settings) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from fulltune.attention import kernel
     from fulltune.runtime.checkpointing import apply_gradient_checkpointing
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config(config), attn_implementation=settings.attn_implementation)
+    model = AutoModelForCausalLM.from_config(_config(config), attn_implementation=kernel(settings.attn_implementation))
     model.train()
     apply_gradient_checkpointing(model, settings.gradient_checkpointing)
     return model

@@ -90,8 +90,8 @@ def test_prompt_completion_masks_exactly_the_prompt(tmp_path: Path, tok_dir: str
     from fulltune.stages.budget import planned_rows
 
     pipeline = SimpleNamespace(spec=SimpleNamespace(data=spec))
-    seq_len, share = planned_rows(pipeline, result)
-    assert seq_len == result.max_row_length
+    seq_len, share, documents = planned_rows(pipeline, result)
+    assert seq_len == result.max_row_length and documents == 0  # one example per row: the row is its document
     assert share == pytest.approx(result.max_row_targets / (result.max_row_length - 1)) and 0 < share < 1
 
 

@@ -75,6 +75,25 @@ CASES = [
                  attention_mask=False),
     ),
     (
+        # Packed rows whose documents attend alone (fulltune/attention.py: no mask, no repeated k/v heads): what
+        # one example per row holds, though the documents are regrouped for every layer's attention.
+        "llama-gqa-bf16-packed-checkpoint",
+        transformers.LlamaConfig(
+            hidden_size=48, intermediate_size=136, num_hidden_layers=2, num_attention_heads=6,
+            num_key_value_heads=2, vocab_size=400, tie_word_embeddings=False,
+        ),
+        Settings(micro_batch_size=3, seq_len=96, mixed_precision="bf16", gradient_checkpointing=1,
+                 attention_mask=False, document_length=20),
+    ),
+    (
+        "gpt2-fp32-packed",
+        transformers.GPT2Config(
+            n_embd=48, n_layer=2, n_head=4, vocab_size=300, n_positions=128,
+            resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0,
+        ),
+        Settings(micro_batch_size=2, seq_len=128, attention_mask=False, document_length=40),
+    ),
+    (
         # torchtune's pure-bf16 recipe: bf16 weights, gradients and AdamW states, plain rounding
         # (train.compensation none: 2 + 2 + 4 B/param).
         "llama-pure-bf16-plain-rounding",
@@ -127,8 +146,9 @@ def test_estimate_matches_the_measured_peak(name, config, settings):
     assert estimated == pytest.approx(measured, rel=TOLERANCE), f"{name}: estimated {estimated}, measured {measured}"
 
 
-def test_fake_tensor_trace_agrees_with_the_real_step():
-    name, config, settings = CASES[0]
+@pytest.mark.parametrize("case", ["llama-gqa-bf16-padded", "llama-gqa-bf16-packed-checkpoint"])
+def test_fake_tensor_trace_agrees_with_the_real_step(case):
+    name, config, settings = next(c for c in CASES if c[0] == case)
     traced = simulate_memory(config, settings)
     measured = measure_memory(config, settings)
     assert traced.peak_bytes == pytest.approx(measured, rel=0.01)

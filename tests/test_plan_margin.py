@@ -182,6 +182,12 @@ def test_device_check_dry_run_writes_its_report(tmp_path):
     candidates = [c for row in report["autotune"]["rows"] for c in row["candidates"]]
     assert len(candidates) >= 2 and all(c["status"] == "measured" and c["step_seconds"] > 0 for c in candidates)
     assert "est err" in result.stdout
+    # Packed rows, masked against varlen (the dense mask's estimate above the documents'), at both lengths.
+    varlen = {r["name"]: r for r in report["varlen"]}
+    assert set(varlen) == {"masked 256", "varlen 256", "masked 512", "varlen 512"}
+    assert all("error" not in r and r["tokens_per_second"] > 0 for r in varlen.values())
+    assert varlen["masked 512"]["estimate_peak"] > varlen["varlen 512"]["estimate_peak"]
+    assert "packed rows, varlen 512" in result.stdout
 
 
 def test_a_traced_peak_is_kept_for_the_next_process_and_a_damaged_entry_is_traced_again(tmp_path, monkeypatch):

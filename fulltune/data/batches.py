@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fulltune.data.formats import IGNORE_INDEX
 
@@ -12,24 +12,30 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-def collate(rows: Sequence[dict[str, Sequence[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
+def collate(rows: Sequence[dict[str, Sequence[int]]], pad_token_id: int, padding_free: bool = False) -> dict[str, Any]:
     """Stack Parquet rows into int64 tensors, padding on the right to the longest row in the batch.
 
     Returns input_ids, labels (-100 on padding), position_ids, and attention_mask (1 real / 0 padding)
     only when a row needed padding.
 
-    Packed rows (position_ids restart inside the row) are never given an attention_mask: transformers
-    builds the SDPA/eager mask from position_ids only when attention_mask is None
-    (`masking_utils.find_packed_sequence_indices`), and that is what keeps attention inside each
-    document. Their padding gets position_ids 0, 1, … so it is a document of its own, which real
-    tokens never see (it comes after them, and the mask is causal). transformers skips that mask when
-    a KV cache exists, and the default `use_cache=True` creates one even in train mode: call the model
-    with `use_cache=False` when training on packed rows (tests/test_data.py pins this).
+    Packed rows (position_ids restart inside the row) are never given an attention_mask; they come with
+    `documents` instead (`fulltune.attention.Documents`: each row's document lengths, read here from the
+    position lists without touching a device), which the model's forward hands to every attention call, so
+    each document attends to itself only (`fulltune.attention.sdpa_documents`) with no (s × s) mask. Their
+    padding gets position_ids 0, 1, … so it is a document of its own, which real tokens never see.
+    With `padding_free`, packed rows are laid end to end as one row of their tokens and no padding at all (the
+    documents attend alone, so which row a document sits in changes nothing; a document's first label is
+    always -100, so no row's last token is trained to predict the next row's first).
+    transformers' own SDPA and eager attention, which ignore `documents`, build a block mask from the
+    restarting position_ids instead (`masking_utils.find_packed_sequence_indices`), but only without a KV cache:
+    call the model with `use_cache=False` when training on packed rows (tests/test_data.py pins this).
     """
     import torch
 
-    longest = max(len(row["input_ids"]) for row in rows)
     packed = any(0 in list(row["position_ids"])[1:] for row in rows)
+    if packed and padding_free:
+        rows = [{name: [value for row in rows for value in row[name]] for name in ("input_ids", "labels", "position_ids")}]
+    longest = max(len(row["input_ids"]) for row in rows)
     needs_padding = any(len(row["input_ids"]) < longest for row in rows)
     input_ids, labels, positions, mask = [], [], [], []
     for row in rows:
@@ -52,6 +58,10 @@ def collate(rows: Sequence[dict[str, Sequence[int]]], pad_token_id: int) -> dict
     }
     if needs_padding and not packed:
         batch["attention_mask"] = torch.tensor(mask, dtype=torch.long)
+    if packed:
+        from fulltune.attention import Documents
+
+        batch["documents"] = Documents.from_positions(positions)
     return batch
 
 

@@ -75,15 +75,20 @@ class StepSchedule:
         return rows[start:start + micro_batch_size]
 
 
-def micro_batch_inputs(data: TokenizedRows, rows: np.ndarray, pad_token_id: int, device: Any) -> tuple[dict, Any]:
-    """The model inputs (input_ids, position_ids: (B, T)) and the loss targets of one micro-batch, on `device`."""
+def micro_batch_inputs(data: TokenizedRows, rows: np.ndarray, pad_token_id: int, device: Any,
+                       padding_free: bool = False) -> tuple[dict, Any]:
+    """The model inputs (input_ids, position_ids: (B, T); for packed rows `documents`) and the loss targets of one
+    micro-batch, on `device`; with `padding_free`, packed rows as one row of their tokens (`collate`)."""
     from fulltune.data.targets import Targets
 
-    batch = collate(data.rows(rows), pad_token_id)
+    batch = collate(data.rows(rows), pad_token_id, padding_free)
     # Padding is on the right, so in a causal LM no real token attends to it, and it has no labels: the
     # padding mask changes nothing but keeps SDPA off its causal kernel (11% slower per micro-batch of 200
-    # tokens on CPU, measured when this was written). Packed rows are separated by position_ids.
+    # tokens on CPU, measured when this was written). Packed rows are separated by their documents.
     batch.pop("attention_mask", None)
     targets = Targets.from_labels(batch.pop("labels")).to(device)
+    documents = batch.pop("documents", None)  # packed rows: their documents, for the attention (host-side)
     inputs = {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
+    if documents is not None:
+        inputs["documents"] = documents
     return inputs, targets

@@ -63,10 +63,13 @@ class Settings:
             (fulltune/runtime/pipeline_parallel.py); the step's micro-batches flow through them.
         context_parallel: processes each row's positions are split over (fulltune/runtime/context_parallel.py);
             the data-parallel degree is num_processes / (context_parallel × tensor_parallel × pipeline_parallel).
-        attention_mask: True when the model receives an explicit attention mask — padded batches,
-            or packed rows whose position_ids restart (transformers then builds a block-diagonal
-            mask). A mask makes SDPA keep a (b, 1, s, s) mask per layer and repeat grouped
-            key/value heads; without one (a causal row with no padding) neither happens.
+        attention_mask: True when the model receives an explicit (b, 1, s, s) attention mask: padded
+            batches, or packed rows under attention that needs one (eager, a sliding window shorter than
+            the row). A mask makes SDPA keep it per layer and repeat grouped key/value heads; without one
+            (a causal row with no padding, packed rows under `sdpa`'s document attention) neither happens.
+        document_length: packed rows whose documents attend alone (fulltune/attention.py): tokens of the
+            document an average token belongs to, Σ length² / Σ length over the rows' documents (the attention
+            FLOPs per token, fulltune/memory/flops.py); 0 for rows of one document each (then seq_len).
         target_fraction: share of the positions that can have a target (all but each row's last)
             that do. The trainer runs the output head only at those positions (`fulltune.runtime.loss`),
             so the logits are (t, V) with t = micro_batch_size · round(target_fraction ·
@@ -98,6 +101,7 @@ class Settings:
     pipeline_parallel: int = 1
     pipeline_schedule: str = "1f1b"
     attention_mask: bool = True
+    document_length: int = 0
     target_fraction: float = 1.0
     compensation: str = "auto"
     context_parallel: int = 1
@@ -118,6 +122,9 @@ class Settings:
             raise MemoryConfigError(f"gradient_checkpointing must be >= 0; got {self.gradient_checkpointing}")
         if not 0.0 <= self.target_fraction <= 1.0:
             raise MemoryConfigError(f"target_fraction must be between 0 and 1; got {self.target_fraction!r}")
+        if isinstance(self.document_length, bool) or not isinstance(self.document_length, int) \
+                or not 0 <= self.document_length <= self.seq_len:
+            raise MemoryConfigError(f"document_length must be an integer from 0 to seq_len; got {self.document_length!r}")
         _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("compensation", self.compensation, COMPENSATIONS)
@@ -143,6 +150,12 @@ class Settings:
         return {name: getattr(self, name) for name in LEVERS}
 
     @property
+    def attended_length(self) -> int:
+        """Keys each query is computed against, on average (the attention FLOPs per token ÷ 12·L·a·d): its
+        document's length where documents attend alone, else the whole row (a dense mask computes every pair)."""
+        return self.document_length if self.document_length and not self.attention_mask else self.seq_len
+
+    @property
     def targets_per_row(self) -> int:
         """Positions with a target in a row of the micro-batch, at most: the output head's rows are
         micro_batch_size × this (`fulltune.runtime.loss`)."""
@@ -160,7 +173,7 @@ class Settings:
 CHOSEN = ("micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "mixed_precision", "optimizer")
 RECORDED = ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "gradient_checkpointing", "mixed_precision",
             "optimizer", "attn_implementation", "device", "strategy", "num_processes", "tensor_parallel",
-            "attention_mask", "target_fraction", "compensation", "context_parallel")
+            "attention_mask", "document_length", "target_fraction", "compensation", "context_parallel")
 
 
 def _check_levers(settings: Any) -> None:
@@ -272,6 +285,7 @@ class PlanRequest:
     context_parallel: int | None = 1  # None: auto, the planner chooses a degree (planning/search.py)
     bf16_supported: bool = False
     attention_mask: bool = True
+    document_length: int = 0  # packed rows: Σ length² / Σ length of their documents (Settings.document_length)
     target_fraction: float = 1.0
     # Here, one field per memory lever: True, False or None (auto) (`lever_fields`).
     compensation: str = "auto"  # how pure bf16 weights keep small updates (`Settings`); auto: the optimizer's

@@ -71,10 +71,17 @@ class BudgetDecision:
     picture: str | None = None
     vocab_size: int | None = None  # of the trained tokenizer, for a model built from a config
     target_fraction: float = 1.0  # the most positions with a target in one row ÷ (seq_len - 1)
+    document_length: int = 0  # packed rows: Σ length² / Σ length of their documents (Settings.document_length)
 
 
-def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0) -> Any:
-    """The planner's request for `p` on its resolved budget: the fields left on auto are None."""
+def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0, document_length: int = 0,
+                 config: Any = None) -> Any:
+    """The planner's request for `p` on its resolved budget: the fields left on auto are None.
+
+    Packed rows (`document_length` > 0, or `data.packing` not yet resolved) reach the model without a mask under
+    `sdpa` (fulltune/attention.py); they get transformers' dense (s × s) mask under eager attention, or where the
+    model `config` has a sliding window shorter than the row (`attention.dense_mask_reason`)."""
+    from fulltune.attention import dense_mask_reason
     from fulltune.memory import PlanRequest
     from fulltune.memory.types import LEVERS
 
@@ -104,9 +111,11 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         pipeline_schedule=d.pipeline_schedule,
         context_parallel=d.dims.cp,  # None (auto): the planner chooses
         bf16_supported=budget.bf16_supported,
-        # Packed rows restart position_ids, so transformers builds a block mask per layer; unpacked rows
-        # are right-padded and the trainer passes no mask at all (see fulltune/runtime/train.py).
-        attention_mask=p.spec.data.packing is not False,  # `auto` not yet resolved: plan for the mask
+        # Unpacked rows are right-padded and the trainer passes no mask at all (fulltune/data/batching.py);
+        # packed rows need none under sdpa. `auto` not yet resolved: as packed.
+        attention_mask=p.spec.data.packing is not False and (p.spec.model.attn_implementation != "sdpa"
+                                                             or dense_mask_reason(config, seq_len) is not None),
+        document_length=document_length,
         target_fraction=target_fraction,
         **{lever: None if getattr(t, lever) == "auto" else bool(getattr(t, lever)) for lever in LEVERS},
         compensation=t.compensation,

@@ -90,5 +90,5 @@ def replan_settings(p: Any, decision: Any, settings: Settings, peak: int | None)
     from fulltune.planning.inputs import plan_request
 
     config = read_model_config(p.spec.model, decision.vocab_size)
-    request = plan_request(p, decision.seq_len, decision.target_fraction)
+    request = plan_request(p, decision.seq_len, decision.target_fraction, decision.document_length, config)
     return replan_after_oom(config, request, settings, peak).settings

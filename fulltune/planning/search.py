@@ -157,6 +157,7 @@ def _settings(request: PlanRequest, micro: int, checkpointing: int, precision: s
         pipeline_schedule=request.pipeline_schedule,
         context_parallel=request.context_parallel,
         attention_mask=request.attention_mask,
+        document_length=request.document_length,
         target_fraction=request.target_fraction,
         compensation=request.compensation,
         float8_recipe=request.float8_recipe,

@@ -109,8 +109,9 @@ def cpu_bf16_units() -> bool:
 def step_seconds(shape: ModelShape, settings: Settings) -> float:
     """Estimated wall time of one optimizer step (ranking only, not a promise).
 
-    Model FLOPs per token from fulltune/memory/flops.py (rows of one document, the output head at the
-    `target_fraction` of positions with a target), plus one more forward of each checkpointed layer
+    Model FLOPs per token from fulltune/memory/flops.py (each token attending to `Settings.attended_length`
+    keys: its packed document's, else the row's; the output head at the `target_fraction` of positions with a
+    target), plus one more forward of each checkpointed layer
     (a third of that layer's training FLOPs) at `RECOMPUTE_OVERHEAD`; throughput grows with tokens
     per micro-batch. Under tensor parallel each rank computes 1/T of every matmul and waits for the TP
     group's collectives (`tensor_parallel_seconds`).
@@ -142,9 +143,11 @@ def compute_seconds(shape: ModelShape, settings: Settings) -> float:
     s, b = settings.seq_len, settings.micro_batch_size
     k = min(settings.gradient_checkpointing, shape.num_layers)
     c = from_shape(shape)
-    per_token = c.per_token_of_rows(s, settings.target_fraction)
+    # Each query attends to its document (packed rows' documents attend alone) or to the whole row.
+    attended = settings.attended_length
+    per_token = c.per_token_of_rows(attended, settings.target_fraction)
     # The layers' share of the per-token FLOPs (all but the final norm), a third of it per forward.
-    per_token += RECOMPUTE_OVERHEAD * (k / shape.num_layers) * (c.per_token + c.per_pair * s) / 3.0
+    per_token += RECOMPUTE_OVERHEAD * (k / shape.num_layers) * (c.per_token + c.per_pair * attended) / 3.0
     tokens = b * s
     # Context parallel: each rank computes its s/N positions of every row (the zigzag balances attention's pairs).
     local = tokens / settings.context_parallel

@@ -31,14 +31,22 @@ from fulltune.memory.types import BREAKDOWN_KEYS, MemoryEstimate, Settings
 
 def make_batch(vocab: int, settings: Settings, device: str) -> tuple[dict[str, Any], Any]:
     """Inputs and targets of one micro-batch: every position but a row's last has a target (the
-    worst case the estimate assumes) unless `settings.target_fraction` leaves the first ones out."""
+    worst case the estimate assumes) unless `settings.target_fraction` leaves the first ones out.
+    Packed rows (`settings.document_length`) hold documents of that length (the last one the rest of the row),
+    passed to the model as `documents` (fulltune/attention.py), as the trainer's `collate` does."""
     import torch
 
+    from fulltune.attention import Documents
     from fulltune.runtime.loss import Targets
 
     b, s = settings.micro_batch_size, settings.seq_len
     input_ids = torch.randint(0, vocab, (b, s), device=device)
     position_ids = torch.arange(s, device=device).expand(b, s).contiguous()
+    documents = None
+    if settings.document_length and not settings.attention_mask:
+        row = [i % settings.document_length for i in range(s)]
+        position_ids = torch.tensor([row] * b, device=device)
+        documents = Documents.from_positions([row] * b)
     attention_mask = None
     if settings.attention_mask:
         # One padded row makes transformers build and pass a real (b, 1, s, s) mask.
@@ -49,6 +57,8 @@ def make_batch(vocab: int, settings: Settings, device: str) -> tuple[dict[str, A
     index = torch.arange(b * s, device=device).view(b, s)[:, first : s - 1].reshape(-1)
     targets = Targets(index=index, tokens=input_ids.view(-1).index_select(0, index + 1))
     inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
+    if documents is not None:
+        inputs["documents"] = documents
     return inputs, targets
 
 
@@ -116,18 +126,18 @@ def _check_single_process(settings: Settings) -> None:
 
 
 def build_model(config: Any, settings: Settings) -> Any:
+    import torch
     from transformers import AutoModelForCausalLM
 
-    import torch
-
+    from fulltune.attention import kernel
     from fulltune.runtime.checkpointing import apply_model_levers
 
     # bf16 weights are made bf16 from the start: `model.to` cannot swap FakeTensor parameters, and the
     # trainer's cast of a fp32 model ends in the same tensors.
     dtype = {"dtype": torch.bfloat16} if settings.pure_bf16 else {}
     # from_config writes the dtype into the config it is given: a copy keeps the caller's intact.
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=settings.attn_implementation,
-                                             **dtype)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                             attn_implementation=kernel(settings.attn_implementation), **dtype)
     model.train()
     apply_model_levers(model, settings)  # as the trainer does (fulltune/runtime/train.py apply_levers)
     return model
@@ -188,7 +198,9 @@ def _rows_known_unpacked(settings: Settings) -> Iterator[None]:
     TinyLlama-1.1B shape at seq 2048, micro 2 × accumulation 4, 1 of 22 layers checkpointed, bf16,
     Adafactor the trace read 21.2 GiB against the estimate's 20.2 GiB (issue 13): 21 layers × (16 MiB
     of mask + 28 MiB of repeated k/v) plus the checkpointed layer's kept mask. With this patch the
-    trace reads 20.2 GiB, the estimate's figure.
+    trace reads 20.2 GiB, the estimate's figure. Under `sdpa` the models load with fulltune's document
+    attention, whose mask function builds no mask for these rows anyway (fulltune/attention.py); eager
+    attention still needs the patch.
     """
     if settings.attention_mask:
         yield
@@ -333,7 +345,8 @@ def measure_cuda(config: Any, settings: Settings, steps: int = 2) -> dict[str, i
 # Traced peaks kept across processes
 
 # The code a trace runs: the trainer's step and everything it builds (optimizers, loss, levers), the model loader.
-TRACED_CODE = ("planning/trace.py", "runtime", "memory/types.py", "models.py", "levers.py", "optimizers.py")
+TRACED_CODE = ("planning/trace.py", "runtime", "memory/types.py", "models.py", "attention.py", "levers.py",
+               "optimizers.py")
 
 def stored_peak(config_json: str, settings: Settings) -> tuple[Path, int | None]:
     """(where the traced peak of this step is kept, the peak when a trace of it was kept before).

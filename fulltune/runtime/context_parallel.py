@@ -19,9 +19,11 @@ activations are 1/N of the row's. Only attention needs every position, in one of
 Causal load balance (zigzag): each row, padded to a multiple of 2N, is cut into 2N chunks and process r keeps chunks
 r and 2N − 1 − r, so every process attends over the same number of (query, key) pairs. After Ulysses' all-to-all a
 process holds the chunks in rank order and puts them back in sequence order before attention (one index_select),
-and out of it after. Every position keeps its own position id (the rotary embedding is the whole row's), and the
-attention mask — causal, per document in packed rows (position ids restart at each document) — is built from the
-whole row's position ids, which every process of the group has (`Shard.position_ids`), never from its share.
+and out of it after. Every position keeps its own position id (the rotary embedding is the whole row's), and
+packed rows' documents attend alone over the whole rows (fulltune/attention.py `sdpa_documents`, given the whole
+rows' documents, no (S × S) tensor); any mask an attention still needs — causal, per document where position ids
+restart — is built from the whole row's position ids, which every process of the group has (`Shard.position_ids`),
+never from its share.
 
 The loss: each process sums the token losses of its own positions' targets (`shard` splits the targets with the
 positions); the step divides the sum over every process by the step's target tokens (fulltune/runtime/step.py),
@@ -84,6 +86,7 @@ class Shard:
     sequence_order: Any  # (S,) int64: where each sequence position is among the gathered ones (the inverse)
     packed: bool  # position ids restart inside a row: documents attend alone
     masks: dict  # the attention masks built from `position_ids`, by (kind, dtype), kept for the micro-batch
+    documents: Any = None  # packed rows: their documents over the whole (padded) rows (fulltune.attention.Documents)
 
 
 class ContextParallel:
@@ -131,17 +134,22 @@ class ContextParallel:
         dense[rows * S + cols] = targets.tokens
         local = dense.view(b, S).index_select(1, keep).reshape(-1)
         index = (local >= 0).nonzero().squeeze(1)
-        # Sync point (per micro-batch): whether the rows are packed decides the attention's mask.
-        packed = bool((positions[:, 1:] <= positions[:, :-1]).any())
+        # Packed rows' documents, found on the host by collate (fulltune/data/batches.py), over the padded rows;
+        # without them (rows built elsewhere), one sync point per micro-batch: whether the position ids restart.
+        documents = inputs.get("documents")
+        if documents is not None:
+            documents, packed = documents.padded(S - s), True
+        else:
+            packed = bool((positions[:, 1:] <= positions[:, :-1]).any())
         if packed and self.method == "ring":
             raise ConfigError(f"{FIELD}: ring attention is causal over whole rows and keeps no per-document mask, "
                               "and these rows are packed; set data.packing: false, or a context_parallel that divides "
                               "the attention heads (Ulysses)")
-        self.current = Shard(positions, gathered, in_order, packed, {})
+        self.current = Shard(positions, gathered, in_order, packed, {}, documents)
         # A padding mask is not passed on: rows are right-padded (fulltune/data/batching.py), and a causal position
         # never attends to a later one; the attention builds its own mask from the whole rows' position ids.
         shared = {name: value for name, value in inputs.items()
-                  if name not in ("input_ids", "position_ids", "attention_mask")}
+                  if name not in ("input_ids", "position_ids", "attention_mask", "documents")}
         return ({"input_ids": ids.index_select(1, keep), "position_ids": positions.index_select(1, keep), **shared},
                 Targets(index=index, tokens=local.index_select(0, index)))
 
@@ -173,12 +181,17 @@ class ContextParallel:
 
     def mask(self, kind: str, dtype: Any) -> Any:
         """The whole sequence's attention mask as the inner attention `kind` takes it: None for sdpa over unpacked
-        rows (its causal kernel); a boolean (b, 1, S, S) mask for sdpa over packed rows (a position attends to
-        the earlier ones of its own document); an additive one of `dtype` for eager attention."""
+        rows (its causal kernel) and for the per-document attention over packed rows whose documents are known
+        (`fulltune.attention.sdpa_documents`: each attends to itself, no (S × S) tensor); a boolean (b, 1, S, S)
+        mask for sdpa over other packed rows (a position attends to the earlier ones of its own document); an
+        additive one of `dtype` for eager attention."""
         import torch
 
+        from fulltune.attention import IMPLEMENTATION
+
         shard = self.current
-        if kind == "sdpa" and not shard.packed:
+        if kind in ("sdpa", IMPLEMENTATION) and (
+                not shard.packed or (kind == IMPLEMENTATION and shard.documents is not None)):
             return None
         key = (kind, dtype)
         if key not in shard.masks:
@@ -188,7 +201,7 @@ class ContextParallel:
             document = (positions == 0).long().cumsum(1) if shard.packed else torch.zeros_like(positions)
             allowed = causal & (document[:, :, None] == document[:, None, :])
             allowed = allowed[:, None]
-            if kind != "sdpa":
+            if kind not in ("sdpa", IMPLEMENTATION):
                 allowed = torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill_(
                     ~allowed, torch.finfo(dtype).min)
             shard.masks[key] = allowed
@@ -206,6 +219,8 @@ class ContextParallel:
         kwargs["position_ids"] = self.current.position_ids
         kwargs.pop("is_causal", None)
         mask = self.mask(name, q.dtype)
+        if mask is None and self.current.documents is not None:  # the per-document attention's (no device sync)
+            kwargs["documents"] = self.current.documents
         # The inner attention repeats each key/value head for its group of query heads; with the heads repeated
         # above a process's groups are smaller than the model's.
         groups = module.num_key_value_groups

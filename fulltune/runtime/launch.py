@@ -106,7 +106,7 @@ DistributedOptions = create_model(
 PLAN_ECHOES = {"attn_implementation": "model", "strategy": "distributed", "num_processes": "distributed",
                "pipeline_parallel": "distributed", "pipeline_schedule": "distributed", "checkpoint_async": "train"}
 # Settings that describe what the plan assumed about the data; the child does not read them.
-PLAN_ONLY_SETTINGS = ("seq_len", "attention_mask", "target_fraction")
+PLAN_ONLY_SETTINGS = ("seq_len", "attention_mask", "document_length", "target_fraction")
 
 
 class TrainJob(Strict):

@@ -26,8 +26,9 @@ Each decoder block (Megatron-LM's layout, with sequence parallelism inside the b
     MLP          all-gather → gate, up column-split → down row-split → reduce-scatter (s/T)
     block output (b, s/T, h) ──all-gather──► (b, s, h) replicated          PrepareModuleOutput
 
-Between blocks the hidden states stay whole: transformers builds the causal / packed-row mask and the
-rotary embeddings at the model level over the whole sequence, so a block must receive all positions.
+Between blocks the hidden states stay whole: transformers builds the causal mask (packed rows: their
+documents, fulltune/attention.py) and the rotary embeddings at the model level over the whole sequence, so a
+block must receive all positions.
 The embedding is split over the vocabulary (row-wise, its output all-reduced), the output head over the
 vocabulary (column-wise, logits gathered), the final norm replicated; every parameter is then a DTensor on
 the "tp" mesh, so clipping, checkpoints and the exported model treat them alike. A tied output head keeps
@@ -194,6 +195,8 @@ class _SequencePadding:
             kwargs["position_ids"] = torch.cat([positions, tail], dim=1)
         if kwargs.get("attention_mask") is not None:
             kwargs["attention_mask"] = F.pad(kwargs["attention_mask"], (0, extra), value=0)
+        if kwargs.get("documents") is not None:  # packed rows: the padding continues each row's last document
+            kwargs["documents"] = kwargs["documents"].padded(extra)
         return args, kwargs
 
     def cut(self, _module: Any, output: Any, _mesh: Any) -> Any:

@@ -204,6 +204,7 @@ def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    from fulltune.attention import kernel
     from fulltune.errors import ConfigError
 
     unknown = sorted(set(source) - set(SOURCE_OPTIONS))
@@ -217,7 +218,7 @@ def load_sharded_model(path: str | Path, *, device: str = "cpu", mixed_precision
         raise ConfigError(f"model.name_or_path: cannot read a model config from {str(path)!r}: {exc}") from None
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32, trust_remote_code=trust_remote_code,
-                                                 attn_implementation=source.get("attn_implementation", "sdpa"))
+                                                 attn_implementation=kernel(source.get("attn_implementation", "sdpa")))
     model.tie_weights()  # transformers ties only materialised parameters when it builds a model
     if (Path(directory) / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(directory)

@@ -49,6 +49,7 @@ from accelerate.utils import set_seed
 
 from fulltune.memory import flops
 from fulltune.runtime import sharding
+from fulltune.attention import attends_alone
 from fulltune.data.batching import StepSchedule, TokenizedRows, micro_batch_inputs
 from fulltune.data import pad_token_id_of
 from fulltune.errors import ConfigError, DataError, TrainingError, UserError
@@ -124,6 +125,7 @@ class TrainingRun:
     context: Any = None  # context_parallel.ContextParallel: this process's share of each row (context_parallel > 1)
     # train.checkpoint_async: writes step checkpoints in the background (fulltune/runtime/async_checkpoints.py)
     checkpoint_writer: AsyncCheckpointWriter | None = None
+    padding_free: bool = False  # a packed micro-batch's rows laid end to end, no padding (fulltune/attention.py)
 
     @property
     def processes(self) -> int:
@@ -194,12 +196,15 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
         model = head.compile(model)
     model, optimizer, scheduler = prepare(job, accelerator, model, optimizer, scheduler)
     model.train()
+    # Packed documents that attend alone need no rows: a micro-batch trains as one row of its tokens, no padding.
+    # Not under pipeline stages, whose schedule sends micro-batches of one shape.
+    padding_free = pipeline is None and attends_alone(config, job.plan.micro_batch_size * int(data.lengths.max()))
     return TrainingRun(job, accelerator, data, schedule, total_steps, tokenizer, pad_token_id_of(tokenizer), model,
                        head, optimizer, scheduler, OptimizerStep(accelerator, model, optimizer, scheduler,
                                                                  job.train.max_grad_norm),
                        hooks, use_cache, checkpointed, model_layers, coefficients, pipeline, config,
                        context_parallel.active() if job.dims.cp_enabled else None,
-                       AsyncCheckpointWriter() if job.train.checkpoint_async else None)
+                       AsyncCheckpointWriter() if job.train.checkpoint_async else None, padding_free)
 
 
 def pipeline_stage(job: TrainJob, model: torch.nn.Module, head: TargetHead, length: int, device: Any,
@@ -342,7 +347,7 @@ def train_step(run: TrainingRun, step_rows: np.ndarray, step: int) -> StepOutcom
     def micro_batches() -> Iterator[tuple[dict[str, Any], Any]]:
         for index in range(plan.gradient_accumulation_steps):
             rows = StepSchedule.micro_batch(step_rows, index, run.data_rank, micro, processes)
-            batch = micro_batch_inputs(run.data, rows, run.pad_token_id, accelerator.device)
+            batch = micro_batch_inputs(run.data, rows, run.pad_token_id, accelerator.device, run.padding_free)
             # Context parallel: this process's share of the rows' positions and their targets.
             yield run.context.shard(*batch) if run.context is not None else batch
 

@@ -31,7 +31,7 @@ from fulltune.stages.tokenize import STAGE as TOKENIZE_STAGE
 # The budget stage measures candidates (planning/autotune.py) in child runs of the trainer on the data tokenized
 # both ways: the whole runtime and the tokenize stage.
 CODE = ("memory", "planning", "runtime", "data", "stages/__init__.py", "stages/runner.py", "stages/budget.py",
-        "stages/tokenize.py", "models.py", "levers.py", "optimizers.py", "degrees.py", "storage.py", "hub.py",
+        "stages/tokenize.py", "models.py", "attention.py", "levers.py", "optimizers.py", "degrees.py", "storage.py", "hub.py",
         "sizes.py", "pipelines_file.py")
 
 
@@ -91,28 +91,40 @@ def track(inputs: Inputs, record: BudgetDecision) -> None:
     log_to_mlflow(run_id, record.plan)
 
 
-def planned_rows(p: ResolvedPipeline, data: Any) -> tuple[int, float]:
-    """(seq_len, target_fraction) to plan for, from the tokenized data: packed rows are padded to
-    data.max_length, unpacked micro-batches to their longest row; a row never has more positions with
-    a target than the most in the data (the output head's share, fulltune/runtime/loss.py)."""
+def planned_rows(p: ResolvedPipeline, data: Any) -> tuple[int, float, int]:
+    """(seq_len, target_fraction, document_length) to plan for, from the tokenized data: packed rows are padded
+    to data.max_length, unpacked micro-batches to their longest row; a row never has more positions with
+    a target than the most in the data (the output head's share, fulltune/runtime/loss.py); packed rows'
+    documents attend alone, Σ length² / Σ length of them over the train rows (`Settings.document_length`)."""
     seq_len = p.spec.data.max_length if data.packing else data.max_row_length
+    documents = _document_length(data, seq_len) if data.packing else 0
     if not data.max_row_targets or seq_len < 2:
-        return seq_len, 1.0
-    return seq_len, min(1.0, data.max_row_targets / (seq_len - 1))
+        return seq_len, 1.0, documents
+    return seq_len, min(1.0, data.max_row_targets / (seq_len - 1)), documents
 
 
-def plan_inputs(p: ResolvedPipeline, data: Any = None, tokenizer: str | None = None) -> tuple[int, int | None, float]:
-    """(seq_len, vocabulary, target fraction) to plan for.
+def _document_length(data: Any, seq_len: int) -> int:
+    """Σ length² / Σ length of the documents of `data`'s packed train rows (their recorded attention pairs)."""
+    from fulltune.data.batching import TokenizedRows
+
+    rows = TokenizedRows(data.train_rows_file)
+    return min(seq_len, max(1, round(float(rows.attention_pairs.sum()) / max(1, int(rows.lengths.sum())))))
+
+
+def plan_inputs(p: ResolvedPipeline, data: Any = None, tokenizer: str | None = None
+                ) -> tuple[int, int | None, float, int]:
+    """(seq_len, vocabulary, target fraction, document length) to plan for.
 
     From `data` (a TokenizedData) and `tokenizer` when given (the budget stage), else from the tokenize
     stage's outputs when they are cached, else the worst case: rows of `data.max_length` with a target
-    everywhere. The vocabulary matters only for a model built from a config (sized to its tokenizer;
-    None otherwise).
+    everywhere, each one document. The vocabulary matters only for a model built from a config (sized to its
+    tokenizer; None otherwise).
     """
     if data is None:
         data, tokenizer = cached_tokenized(p)
-    seq_len, target_fraction = planned_rows(p, data) if data is not None else (p.spec.data.max_length, 1.0)
-    return seq_len, _planned_vocab(p, tokenizer), target_fraction
+    seq_len, target_fraction, documents = (planned_rows(p, data) if data is not None
+                                           else (p.spec.data.max_length, 1.0, 0))
+    return seq_len, _planned_vocab(p, tokenizer), target_fraction, documents
 
 
 def cached_tokenized(p: ResolvedPipeline) -> tuple[Any, str | None]:
@@ -141,7 +153,8 @@ def _planned_vocab(p: ResolvedPipeline, tokenizer: str | None) -> int | None:
 
 
 def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None, picture: Path | None = None,
-                target_fraction: float = 1.0, trace: bool | None = None, data: Any = None) -> BudgetDecision:
+                target_fraction: float = 1.0, trace: bool | None = None, data: Any = None,
+                document_length: int = 0) -> BudgetDecision:
     """Stage 2: estimate peak memory for the configured settings and plan settings that fit.
 
     `data` (default: the tokenize stage's cached output, if any) adds the host RAM per machine its rows cost
@@ -153,11 +166,12 @@ def plan_budget(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None, 
     Raises BudgetError (exit 2, with the breakdown) when nothing fits, or when the configured settings
     do not fit and `budget.on_overflow` is `fail`.
     """
-    return _plan(p, seq_len, tokenizer_vocab, picture, target_fraction, trace, data)[0]
+    return _plan(p, seq_len, tokenizer_vocab, picture, target_fraction, trace, data, document_length)[0]
 
 
 def _plan(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None, picture: Path | None,
-          target_fraction: float, trace: bool | None, data: Any) -> tuple[BudgetDecision, Any, Any]:
+          target_fraction: float, trace: bool | None, data: Any, document_length: int = 0
+          ) -> tuple[BudgetDecision, Any, Any]:
     """`plan_budget`'s decision, with the MemoryPlan and the model config it was made from."""
     from fulltune.planning import plan_memory
     from fulltune.models import read_model_config
@@ -168,7 +182,7 @@ def _plan(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None, pictur
     check_positions(p, config)
     check_model_split(p, config)
     try:
-        request = plan_request(p, seq_len, target_fraction)
+        request = plan_request(p, seq_len, target_fraction, document_length, config)
     except ValueError as exc:  # the spec validates these fields; a message naming the setting, not a traceback
         raise ConfigError(f"pipelines.{p.name}: {exc}") from None
     try:
@@ -191,7 +205,8 @@ def _plan(p: ResolvedPipeline, seq_len: int, tokenizer_vocab: int | None, pictur
         raise BudgetError(f"pipelines.{p.name}.budget.on_overflow is 'fail' and the configured settings do not fit\n"
                           f"{table}", as_json)
     decision = BudgetDecision(plan.settings, as_json, table, seq_len, int(config.num_hidden_layers),
-                              str(picture) if picture is not None else None, tokenizer_vocab, target_fraction)
+                              str(picture) if picture is not None else None, tokenizer_vocab, target_fraction,
+                              document_length)
     return decision, plan, config
 
 
@@ -246,10 +261,10 @@ def plan_and_tune(p: ResolvedPipeline, data: Any = None, tokenizer: str | None =
         else:
             data, tokenizer = _cached_data(p, with_tokenizer=True) or (None, None)
     p = with_packing(p, data)
-    seq_len, vocab, target_fraction = plan_inputs(p, data, tokenizer)
+    seq_len, vocab, target_fraction, documents = plan_inputs(p, data, tokenizer)
     device = resolved_device(p)
     with calibrated(p.workdir, device) as factors:
-        decision, memory_plan, config = _plan(p, seq_len, vocab, picture, target_fraction, trace, data)
+        decision, memory_plan, config = _plan(p, seq_len, vocab, picture, target_fraction, trace, data, documents)
     if data is None:
         decision = _untokenized(decision, p, vocab)
     run, why = should_tune(opts, decision, data, p, force, auto_tunes)
@@ -390,13 +405,14 @@ def packing_choice_key(p: ResolvedPipeline) -> dict[str, Any]:
 def choose_packing(p: ResolvedPipeline, tokenizer: str) -> tuple[bool, str]:
     """(pack?, why) for `data.packing: auto`.
 
-    Examples are tokenized one per row first (a cached dataset). Where the longest takes more than half
-    of `data.max_length`, no two examples share a row and rows stay one example each. Otherwise the two
-    layouts are compared by the time of an epoch: with `budget.autotune: true`, each layout's planned
+    Examples are tokenized one per row first (a cached dataset). Where no two of them fit in one row of
+    `data.max_length`, rows stay one example each. Otherwise the two layouts are compared by the time of an
+    epoch: with `budget.autotune: true`, each layout's planned
     settings run on this machine (as `tune` runs a candidate) and the higher measured tokens per second
     wins; else the planner's step time predicts it, for the same settings on both layouts (so a
     calibration factor cancels), × optimizer steps per epoch, with unpacked micro-batches padded to
-    their longest row (the trainer groups rows by length) and packed rows to max_length.
+    their longest row (the trainer groups rows by length) and packed rows without padding, their documents
+    attending alone (fulltune/attention.py).
     """
     import numpy as np
 
@@ -404,10 +420,15 @@ def choose_packing(p: ResolvedPipeline, tokenizer: str) -> tuple[bool, str]:
     from fulltune.data.store import _pack
 
     spec = p.spec.data
+    if p.spec.model.attn_implementation != "sdpa":
+        return False, (f"one example per row: packed rows need model.attn_implementation: sdpa "
+                       f"({p.spec.model.attn_implementation} attention would mask every row with a dense (s × s) mask)")
     unpacked = _tokenize_layout(p, tokenizer, False)
     lengths = TokenizedRows(unpacked.train_rows_file).lengths
-    if len(lengths) < 2 or int(lengths.max()) * 2 > spec.max_length:
-        return False, "one example per row: the longest examples take more than half of data.max_length"
+    # The packed rows' count, as the tokenize stage packs them (next fit, in the shuffled order).
+    rows = len(_pack(np.random.default_rng(p.spec.train.seed).permutation(lengths), spec.max_length)) - 1
+    if rows >= len(lengths):
+        return False, "one example per row: no two examples fit in one row of data.max_length"
     opts = options(p.spec.budget.autotune)
     if opts.mode == "on" and _device_present(resolved_device(p)):
         measured = {packing: _measured_tokens_per_second(p, tokenizer, packing, opts) for packing in (False, True)}
@@ -415,10 +436,13 @@ def choose_packing(p: ResolvedPipeline, tokenizer: str) -> tuple[bool, str]:
             pack = measured[True] > measured[False]
             return pack, (f"{'packed rows' if pack else 'one example per row'}: measured {measured[True]:,.0f} "
                           f"tokens/s packed, {measured[False]:,.0f} one example per row")
-    rows = len(_pack(np.random.default_rng(p.spec.train.seed).permutation(lengths), spec.max_length)) - 1
     labels = unpacked.train_label_tokens
+    # Packed, the trainer lays a micro-batch's rows end to end (no padding), and each example is a document that
+    # attends to itself only: Σ length² / Σ length keys per token.
+    packed_length = min(spec.max_length, math.ceil(int(lengths.sum()) / rows))
+    documents = max(1, round(float(np.square(lengths.astype(np.float64)).sum()) / float(lengths.sum())))
     epochs = {False: _epoch_seconds(p, tokenizer, False, len(lengths), _padded_length(lengths, p), labels),
-              True: _epoch_seconds(p, tokenizer, True, rows, spec.max_length, labels)}
+              True: _epoch_seconds(p, tokenizer, True, rows, packed_length, labels, min(documents, packed_length))}
     pack = epochs[True] < epochs[False]
     return pack, (f"{'packed rows' if pack else 'one example per row'}: predicted epoch {format_seconds(epochs[True])} "
                   f"packed, {format_seconds(epochs[False])} one example per row")
@@ -444,10 +468,11 @@ def _measured_tokens_per_second(p: ResolvedPipeline, tokenizer: str, packing: bo
     alike); None when they do not fit or do not run."""
     layout = _layout(p, packing)
     data = _tokenize_layout(p, tokenizer, packing)
-    seq_len, vocab, target_fraction = plan_inputs(layout, data, tokenizer)
+    seq_len, vocab, target_fraction, documents = plan_inputs(layout, data, tokenizer)
     try:
         with calibrated(p.workdir, resolved_device(p)):
-            decision = plan_budget(layout, seq_len, vocab, None, target_fraction, trace=False)
+            decision = plan_budget(layout, seq_len, vocab, None, target_fraction, trace=False,
+                                   document_length=documents)
     except BudgetError:
         return None
     result = tune(layout, decision, data, tokenizer, replace(opts, candidates=1, max_seconds=opts.max_seconds / 2))
@@ -467,9 +492,11 @@ def _padded_length(lengths: Any, p: ResolvedPipeline) -> int:
 
 
 def _epoch_seconds(p: ResolvedPipeline, tokenizer: str, packing: bool, rows: int, seq_len: int,
-                   label_tokens: int) -> float:
-    """Predicted seconds of an epoch of `rows` rows padded to `seq_len`, the whole per-process batch in one
-    micro-batch, the configured precision and optimizer (fp32 / bf16 and AdamW where auto)."""
+                   label_tokens: int, document_length: int = 0) -> float:
+    """Predicted seconds of an epoch of `rows` rows padded to `seq_len` (packed: of documents of
+    `document_length`, Σ length² / Σ length), the whole per-process batch in one micro-batch, the configured
+    precision and optimizer (fp32 / bf16 and AdamW where auto)."""
+    from fulltune.attention import dense_mask_reason
     from fulltune.memory.shapes import model_shape
     from fulltune.memory.types import Settings
     from fulltune.models import read_model_config
@@ -477,13 +504,15 @@ def _epoch_seconds(p: ResolvedPipeline, tokenizer: str, packing: bool, rows: int
 
     t, d, device = p.spec.train, p.spec.distributed, resolved_device(p)
     processes = d.dims.per_stage().world_size  # the stages of a pipeline share its rows and time (auto: as read)
-    shape = model_shape(read_model_config(p.spec.model, _planned_vocab(p, tokenizer)))
+    config = read_model_config(p.spec.model, _planned_vocab(p, tokenizer))
+    shape = model_shape(config)
+    dense = packing and dense_mask_reason(config, seq_len) is not None  # a window shorter than the row
     precision = t.mixed_precision if t.mixed_precision != "auto" else ("bf16" if device == "cuda" else "no")
     settings = Settings(
         micro_batch_size=t.effective_batch_size // processes, seq_len=seq_len, mixed_precision=precision,
         optimizer=t.optimizer if t.optimizer != "auto" else "adamw", attn_implementation=p.spec.model.attn_implementation,
-        device=device, strategy=choices(d.strategy, processes)[0], num_processes=processes,
-        attention_mask=packing,  # strategy auto: its naive default, as for the other auto fields
+        device=device, strategy=choices(d.strategy, processes)[0],  # strategy auto: its naive default
+        num_processes=processes, attention_mask=dense, document_length=document_length if packing else 0,
         # the output head runs at the positions with a target: the same tokens in either layout
         target_fraction=min(1.0, label_tokens / max(1, rows * (seq_len - 1))))
     return analytic_step_seconds(shape, settings) * max(1, rows // t.effective_batch_size)

@@ -21,7 +21,7 @@ from fulltune.stages.runner import Inputs, Stage, StageLog
 # A run trained sharded evaluates sharded, in children the training's launch path starts (evaluation/sharded.py).
 CODE = ("stages/evaluate.py", "evaluation", "runtime/loss.py", "runtime/launch.py", "runtime/sharding.py",
         "runtime/parallel.py", "runtime/context_parallel.py", "runtime/checkpointing.py", "memory/head.py", "data",
-        "models.py", "hub.py", "degrees.py", "storage.py", "tracking/registry.py", "tracking/gates.py")
+        "models.py", "attention.py", "hub.py", "degrees.py", "storage.py", "tracking/registry.py", "tracking/gates.py")
 
 
 def code(p: ResolvedPipeline) -> tuple[str, ...]:

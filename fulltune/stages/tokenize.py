@@ -17,7 +17,7 @@ from fulltune.spec import PipelineSpec
 from fulltune.stages import TOKENIZE, source_key
 from fulltune.stages.runner import Inputs, Stage, StageLog
 
-CODE = ("stages/tokenize.py", "data", "storage.py", "hub.py", "models.py")
+CODE = ("stages/tokenize.py", "data", "storage.py", "hub.py", "models.py", "attention.py")
 
 
 @dataclass(frozen=True)
