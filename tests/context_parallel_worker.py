@@ -21,12 +21,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # (attention, packed rows, key/value heads, row length): sdpa's causal kernel and its masked path (packed rows:
-# documents attend alone), eager attention, key/value heads split (2 of 4 over 2 processes) and repeated (1), a
+# documents attend alone through the whole rows' mask), the per-document attention the trainer loads for sdpa
+# (fulltune/attention.py `sdpa_documents`: packed rows given their documents, no mask at all), eager attention, key/value heads split (2 of 4 over 2 processes) and repeated (1), a
 # length the zigzag pads (27 → 28).
 CASES = {
     "sdpa-gqa2": ("sdpa", False, 2, 27),
     "sdpa-packed-gqa2": ("sdpa", True, 2, 27),
     "sdpa-packed-kv1": ("sdpa", True, 1, 32),
+    "documents-packed-gqa2": ("sdpa_documents", True, 2, 27),
+    "documents-packed-kv1": ("sdpa_documents", True, 1, 32),
     "eager-packed-kv1": ("eager", True, 1, 27),
     "eager-mha": ("eager", False, 4, 24),
 }
@@ -40,10 +43,13 @@ def run_case(attention: str, packed: bool, kv_heads: int, length: int, device: s
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from fulltune.attention import Documents, register
     from fulltune.data.targets import Targets
     from fulltune.runtime.context_parallel import ContextParallel
     from fulltune.runtime.loss import TargetHead
 
+    if attention == "sdpa_documents":
+        register()
     heads = 3 if kv_heads == 3 else 4  # 3: ring attention (the heads do not split over 2 processes)
     config = LlamaConfig(num_hidden_layers=2, hidden_size=32 * heads, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, intermediate_size=128, vocab_size=256,
@@ -64,11 +70,14 @@ def run_case(attention: str, packed: bool, kv_heads: int, length: int, device: s
     labels = ids.clone()
     labels[:, :3] = -100  # a prompt without targets
     targets = Targets.from_labels(labels).to(device)
-    ids, positions = ids.to(device), positions.to(device)
+    # The trainer's packed micro-batches carry their documents, found on the host (fulltune/data/batches.py).
+    documents = Documents.from_positions(positions.tolist()) if attention == "sdpa_documents" else None
+    batch = {"input_ids": ids.to(device), "position_ids": positions.to(device),
+             **({"documents": documents} if documents is not None else {})}
 
     whole = build()  # one process: before any ring dispatcher is open
     head = TargetHead(whole)
-    reference = head.loss_sum(whole, {"input_ids": ids, "position_ids": positions}, targets)
+    reference = head.loss_sum(whole, batch, targets)
     reference.backward()
 
     model = build()
@@ -76,9 +85,10 @@ def run_case(attention: str, packed: bool, kv_heads: int, length: int, device: s
     method = "ulysses" if heads % world == 0 else "ring"
     context = ContextParallel(init_device_mesh(device, (world,)), world, dist.get_rank(), method)
     context.install(model)
-    inputs, local = context.shard({"input_ids": ids, "position_ids": positions}, targets)
+    inputs, local = context.shard(batch, targets)
     loss = TargetHead(model).loss_sum(model, inputs, local)
     loss.backward()
+    masks = len(context.current.masks)  # (S × S) masks built for the micro-batch
     total = loss.detach().clone()
     dist.all_reduce(total)
     worst = 0.0
@@ -87,7 +97,7 @@ def run_case(attention: str, packed: bool, kv_heads: int, length: int, device: s
         dist.all_reduce(grad)
         worst = max(worst, float((grad - q.grad).abs().max() / q.grad.abs().max()))
     context.remove(model)
-    return {"loss": abs(float(total) / float(reference.detach()) - 1), "grads": worst}
+    return {"loss": abs(float(total) / float(reference.detach()) - 1), "grads": worst, "masks": masks}
 
 
 def main() -> int:

@@ -96,15 +96,20 @@ def test_validate_refuses_ring_attention_on_a_cpu_device_in_one_line(tmp_path):
 
 
 def test_ulysses_attends_over_whole_rows_like_one_process(tmp_path):
-    """Loss and every gradient of one micro-batch, summed over the group, equal one process's (fp32)."""
+    """Loss and every gradient of one micro-batch, summed over the group, equal one process's (fp32), packed rows
+    under the per-document attention included."""
     out = tmp_path / "ulysses.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(ROOT / "tests" / "context_parallel_worker.py"), str(out)]
     done = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    for case, error in json.loads(out.read_text()).items():
+    results = json.loads(out.read_text())
+    for case, error in results.items():
         assert error["loss"] <= 1e-6 and error["grads"] <= 1e-5, (case, error)
+    # Packed rows under the per-document attention: each document attends alone, with no (S × S) mask anywhere.
+    assert results["documents-packed-gqa2"]["masks"] == results["documents-packed-kv1"]["masks"] == 0
+    assert results["sdpa-packed-gqa2"]["masks"] > 0  # transformers' sdpa over packed rows needs the whole rows' mask
 
 
 # ---------------------------------------------------------------------------------------------------
