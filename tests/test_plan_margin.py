@@ -127,9 +127,13 @@ def test_trace_of_unpacked_rows_agrees_with_the_real_step():
 @pytest.mark.slow
 def test_device_check_dry_run_writes_its_report(tmp_path):
     """benchmarks/device_check.py is the one script a GPU session runs; --dry-run checks it on CPU."""
+    from lowbit import environment
+
     out = tmp_path / "report.json"
+    # With torchao (.lowbit/, as a GPU session runs it) so that the float8 case runs too.
     result = subprocess.run([sys.executable, "-m", "benchmarks.device_check", "--dry-run", "--out", str(out)],
-                            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+                            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600,
+                            env=environment())
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
     assert [r.get("error") for r in report["memory"]] == [None] * len(report["memory"])
@@ -188,6 +192,11 @@ def test_device_check_dry_run_writes_its_report(tmp_path):
     assert all("error" not in r and r["tokens_per_second"] > 0 for r in varlen.values())
     assert varlen["masked 512"]["estimate_peak"] > varlen["varlen 512"]["estimate_peak"]
     assert "packed rows, varlen 512" in result.stdout
+    # Context parallel: on CPU the group of two against one process (Ulysses over gloo), packed rows included.
+    assert all(c["loss"] <= 1e-6 and c["grads"] <= 1e-5 for c in report["context_parallel"].values())
+    # float8: bf16 against torchao's float8 recipes with the same plan, each with its estimate.
+    assert report["float8"] and all("error" not in v and v["estimate_peak"] > 0 for v in report["float8"].values()), \
+        report["float8"]
 
 
 def test_a_traced_peak_is_kept_for_the_next_process_and_a_damaged_entry_is_traced_again(tmp_path, monkeypatch):
