@@ -17,8 +17,11 @@ KNOWN_NOISE: dict[str, tuple[str, ...]] = {
     # A local checkpoint directory has no hub model card or license to copy into the logged model.
     "mlflow.transformers": ("The model card could not be retrieved from the hub",
                             "Unable to find license information for this model"),
-    # System metrics on a machine without a GPU: CPU and memory are still logged.
-    "mlflow.system_metrics.system_metrics_monitor": ("Skip logging GPU metrics",),
+    # System metrics on a machine without a GPU: CPU and memory are still logged. The monitor's start and stop
+    # lines say nothing the run's own lines do not.
+    "mlflow.system_metrics.system_metrics_monitor": ("Skip logging GPU metrics", "Started monitoring system metrics",
+                                                     "Stopping system metrics monitoring",
+                                                     "Successfully terminated system metrics monitoring"),
     # torchao (float8 training) tries its prebuilt kernels for other Python versions and GPU architectures on import.
     "torchao": ("Failed to load ",),
     # torchao 0.18 registers its enums with torch.compile the way torch 2.13 deprecates.

@@ -6,9 +6,11 @@ unless `model.allow_pickle_weights` is set.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,19 +152,20 @@ def load_model(path_or_id: str, *, revision: str | None = None, trust_remote_cod
     if isinstance(dtype, str):
         dtype = getattr(torch, DTYPES[dtype])
     try:
-        model, loading = AutoModelForCausalLM.from_pretrained(
-            path_or_id,
-            revision=revision,
-            trust_remote_code=trust_remote_code,
-            use_safetensors=None if allow_pickle_weights else True,
-            attn_implementation=kernel(attn_implementation),
-            dtype=dtype or torch.float32,
-            token=token,
-            # Mismatches are collected and refused below, in one message, instead of a RuntimeError.
-            ignore_mismatched_sizes=True,
-            output_loading_info=True,
-            **placement.from_pretrained_kwargs(),
-        )
+        with _local_weights_quietly(path_or_id):
+            model, loading = AutoModelForCausalLM.from_pretrained(
+                path_or_id,
+                revision=revision,
+                trust_remote_code=trust_remote_code,
+                use_safetensors=None if allow_pickle_weights else True,
+                attn_implementation=kernel(attn_implementation),
+                dtype=dtype or torch.float32,
+                token=token,
+                # Mismatches are collected and refused below, in one message, instead of a RuntimeError.
+                ignore_mismatched_sizes=True,
+                output_loading_info=True,
+                **placement.from_pretrained_kwargs(),
+            )
     except (OSError, ValueError) as exc:
         hint = ""
         if "safetensors" in str(exc).lower() and not allow_pickle_weights:
@@ -170,6 +173,23 @@ def load_model(path_or_id: str, *, revision: str | None = None, trust_remote_cod
         raise ConfigError(f"model.name_or_path: cannot load {path_or_id!r}{hint}: {exc}") from None
     check_weights_fit(path_or_id, loading)
     return model if placement.max_memory is not None or placement.device == "cpu" else model.to(placement.device)
+
+
+@contextlib.contextmanager
+def _local_weights_quietly(path: str | Path) -> Iterator[None]:
+    """transformers' per-tensor progress bars ("Loading weights", "Writing model shards") off while weights are read
+    from or written to a local directory (nothing to wait for; they would only clutter the run's log); a hub id
+    keeps its download bars."""
+    from transformers.utils import logging as transformers_logging
+
+    if not Path(path).is_dir() or not transformers_logging.is_progress_bar_enabled():
+        yield
+        return
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        transformers_logging.enable_progress_bar()
 
 
 def release_memory() -> None:
@@ -236,7 +256,7 @@ def prepare_base_model(model: ModelSpec, tokenizer: str, workdir: str | Path, se
         setattr(config, name, getattr(tok, name))
     torch.manual_seed(seed)
     built = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=model.attn_implementation)
-    with atomic_dir(target) as tmp:
+    with atomic_dir(target) as tmp, _local_weights_quietly(tmp):
         built.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
     return str(target)
