@@ -72,14 +72,15 @@ def prefect_server():
 # --no-loadscope-reorder` hands files out in this order, so the last minutes are short files on both workers,
 # not one worker finishing a long file alone (xdist's own order, most tests first, left the files of one long
 # test to the end).
-LONGEST_FIRST = ("test_tensor_parallel.py", "test_train.py", "test_plan_margin.py", "test_lever_table.py",
-                 "test_servers.py", "test_fsdp_run.py", "test_pipeline_run.py", "test_interrupt.py",
-                 "test_cache_keys.py", "test_fsdp_levers.py", "test_float8.py", "test_flow.py", "test_eval_sources.py",
-                 "test_fsdp_optimizers.py", "test_sharding.py", "test_hub.py", "test_cli.py",
-                 "test_tensor_parallel_memory.py", "test_benchmark_gate.py", "test_autotune.py",
-                 "test_process_memory.py", "test_rerun.py",
-                 "test_train_levers.py", "test_memory_accuracy.py", "test_frontier_plan.py", "test_sharded_load.py",
-                 "test_concurrency.py", "test_cpu_rss.py", "test_sharded_memory.py", "test_retrain.py")
+LONGEST_FIRST = ("test_train.py", "test_tensor_parallel.py", "test_plan_margin.py", "test_context_parallel.py",
+                 "test_lever_table.py", "test_float8.py", "test_fsdp_run.py", "test_cache_keys.py",
+                 "test_pipeline_run.py", "test_flow.py", "test_cli.py", "test_servers.py", "test_memory_accuracy.py",
+                 "test_interrupt.py", "test_fsdp_optimizers.py", "test_hub.py", "test_fsdp_levers.py",
+                 "test_sharding.py", "test_autotune.py", "test_benchmark_gate.py", "test_rerun.py",
+                 "test_tensor_parallel_memory.py", "test_train_levers.py", "test_frontier_plan.py",
+                 "test_retrain.py", "test_concurrency.py", "test_cpu_rss.py", "test_eval_sources.py",
+                 "test_sharded_load.py", "test_ui.py", "test_data_memory.py", "test_evaluate.py",
+                 "test_process_memory.py", "test_sharded_memory.py")
 
 
 def pytest_collection_modifyitems(config, items):

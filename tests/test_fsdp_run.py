@@ -30,6 +30,9 @@ def test_two_fsdp_processes_train_like_one_and_evaluate_sharded(shared_run) -> N
     clean, one = sharded.finish(), single.finish()
     log = (clean / "run.log").read_text()
     assert "registered tiny-model version 1" in log
+    # What a person reads: no per-tensor bars of local weights, no system-metrics monitor chatter.
+    for noise in ("Writing model shards", "Loading weights", "Started monitoring system metrics"):
+        assert noise not in log + (one / "run.log").read_text(), noise
     # Evaluated sharded over the run's 2 processes, with one process's metrics.
     check_fsdp_run_evaluation(clean / "work", log)
     want = saved_model(clean / "work")
