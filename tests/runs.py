@@ -120,18 +120,44 @@ def assert_same_weights(got: dict, want: dict) -> None:
     assert [name for name in want if not torch.equal(got[name], want[name])] == []
 
 
-def saved_model(workdir: Path) -> dict:
-    """The tensors of the run's exported model."""
+def _run_file(directory: Path, name: str) -> Path:
+    """`name` of the one run under a `fulltune run` workdir (`runs/<key>/name`), or of a train job's output
+    directory (`rerun_job`)."""
+    if (directory / name).exists():
+        return directory / name
+    (found,) = directory.glob(f"runs/*/{name}")
+    return found
+
+
+def saved_model(directory: Path) -> dict:
+    """The tensors of the run's exported model (a workdir, or a train job's output directory)."""
     from safetensors.torch import load_file
 
-    (model,) = workdir.glob("runs/*/model/model.safetensors")
-    return load_file(str(model))
+    return load_file(str(_run_file(directory, "model/model.safetensors")))
 
 
-def loss_history(workdir: Path) -> list[float]:
-    """The run's mean token loss per optimizer step (result.json)."""
-    (result,) = workdir.glob("runs/*/result.json")
-    return [loss for _, loss in json.loads(result.read_text())["loss_history"]]
+def loss_history(directory: Path) -> list[float]:
+    """The run's mean token loss per optimizer step (result.json; a workdir, or a train job's output directory)."""
+    return [loss for _, loss in json.loads(_run_file(directory, "result.json").read_text())["loss_history"]]
+
+
+def rerun_job(job_file: Path, output_dir: Path, **plan: object) -> Path:
+    """A run's train job again in `output_dir` (a fresh run: nothing to resume), through the command the launcher
+    runs, without the pipeline's other stages; `plan` overrides the plan's fields (and the distributed fields it
+    echoes). Returns `output_dir`."""
+    from fulltune.runtime.launch import TrainJob, training_command
+
+    data = json.loads(job_file.read_text())
+    data["paths"]["output_dir"] = str(output_dir)
+    data["plan"].update(plan)
+    data["distributed"].update({k: v for k, v in plan.items() if k in data["distributed"]})
+    output_dir.mkdir(parents=True)
+    job = TrainJob.from_json(json.dumps(data))
+    (output_dir / "JOB.json").write_text(job.to_json())
+    done = subprocess.run(training_command(job, output_dir / "JOB.json"), cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return output_dir
 
 
 class SharedRun:

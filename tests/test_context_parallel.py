@@ -116,24 +116,6 @@ def test_ulysses_attends_over_whole_rows_like_one_process(tmp_path):
 # Through `fulltune run`
 
 
-def _rerun_job(job_file: Path, output_dir: Path, **plan: object) -> Path:
-    """The run's train job again in `output_dir` (a fresh run: nothing to resume), through the command the
-    launcher runs; `plan` overrides the plan's fields (and the distributed fields it echoes)."""
-    from fulltune.runtime.launch import TrainJob, training_command
-
-    data = json.loads(job_file.read_text())
-    data["paths"]["output_dir"] = str(output_dir)
-    data["plan"].update(plan)
-    data["distributed"].update({k: v for k, v in plan.items() if k in data["distributed"]})
-    output_dir.mkdir(parents=True)
-    job = TrainJob.from_json(json.dumps(data))
-    (output_dir / "JOB.json").write_text(job.to_json())
-    done = subprocess.run(training_command(job, output_dir / "JOB.json"), cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return output_dir
-
-
 def _result(run_dir: Path) -> tuple[list[float], dict]:
     from safetensors.torch import load_file
 
@@ -145,7 +127,7 @@ def _result(run_dir: Path) -> tuple[list[float], dict]:
 @pytest.mark.timeout(1800)
 def test_context_parallel_2_trains_like_one_process_resumes_bit_exact_after_a_kill_and_exports(tmp_path,
                                                                                              prefect_server):
-    from runs import assert_same_weights, finish, fulltune_run, kill_at_checkpoint
+    from runs import assert_same_weights, finish, fulltune_run, kill_at_checkpoint, rerun_job
 
     pipelines = tiny_pipeline(tmp_path, train=TRAIN, distributed=CP)
     log = tmp_path / "run.log"
@@ -160,12 +142,12 @@ def test_context_parallel_2_trains_like_one_process_resumes_bit_exact_after_a_ki
     assert len(losses) == 20
 
     # Killed and rerun equals a run never interrupted, bit for bit.
-    clean_losses, clean_weights = _result(_rerun_job(run_dir / "JOB.json", tmp_path / "clean"))
+    clean_losses, clean_weights = _result(rerun_job(run_dir / "JOB.json", tmp_path / "clean"))
     assert losses == clean_losses
     assert_same_weights(weights, clean_weights)
 
     # One process over whole rows trains the same steps (fp32: only the order of the sums differs).
-    one_losses, _ = _result(_rerun_job(run_dir / "JOB.json", tmp_path / "one", strategy="none", num_processes=1,
+    one_losses, _ = _result(rerun_job(run_dir / "JOB.json", tmp_path / "one", strategy="none", num_processes=1,
                                        context_parallel=1))
     for a, b in zip(losses, one_losses, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (losses, one_losses)

@@ -100,12 +100,11 @@ def test_two_stages_train_like_one_process_resume_bit_exact_after_a_kill_and_exp
     from transformers import AutoModelForCausalLM
 
     from runs import (assert_rank_peaks_within, assert_same_weights, finish, fulltune_run, kill_at_checkpoint,
-                      loss_history, saved_model)
+                      loss_history, rerun_job, saved_model)
 
-    one, clean, killed = (tmp_path / name for name in ("one", "clean", "killed"))
-    for directory in (one, clean, killed):
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    for directory in (clean, killed):
         directory.mkdir()
-    single = fulltune_run(tiny_pipeline(one, model=UNTIED, train=ONE), one / "run.log", prefect_server)
     # The uninterrupted run measures each stage's step peak (MemTracker on the real tensors: CPU has no device
     # peak) and sets it beside the plan's estimate for that stage.
     uninterrupted = fulltune_run(tiny_pipeline(clean, model=UNTIED, train=ONE, distributed=STAGES),
@@ -122,7 +121,6 @@ def test_two_stages_train_like_one_process_resume_bit_exact_after_a_kill_and_exp
     assert "2 pipeline stages (1f1b)" in output
     assert "registered tiny-model version 1" in output
     assert "step peak per process: rank 0 (stage 0)" in finish(uninterrupted, clean / "run.log")
-    finish(single, one / "run.log")
     assert_rank_peaks_within(clean / "work", stages=[0, 1])  # within 3% either way
     from mlflow.tracking import MlflowClient
 
@@ -138,12 +136,15 @@ def test_two_stages_train_like_one_process_resume_bit_exact_after_a_kill_and_exp
     want = _exported(clean / "work")
     assert_same_weights(_exported(killed / "work"), want)
 
-    # Two stages train like one process: fp32, the same micro-batches, only the padding and sum order differ.
-    staged, single_losses = loss_history(clean / "work"), loss_history(one / "work")
+    # Two stages train like one process: fp32, the same micro-batches, only the padding and sum order differ. The
+    # one process is the uninterrupted run's train job on one process, through the launcher's training command.
+    (job,) = (clean / "work").glob("runs/*/JOB.json")
+    one = rerun_job(job, tmp_path / "one", strategy="none", num_processes=1, pipeline_parallel=1)
+    staged, single_losses = loss_history(clean / "work"), loss_history(one)
     assert len(staged) == len(single_losses) == ONE["max_steps"]
     for a, b in zip(staged, single_losses):
         assert abs(a - b) <= 1e-5 * abs(b), (staged, single_losses)
-    reference = saved_model(one / "work")
+    reference = saved_model(one)
     assert want.keys() == reference.keys()
     for name, tensor in want.items():
         torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-5)

@@ -67,45 +67,44 @@ def test_tensor_parallel_and_2d_train_like_one_process_and_resume_bit_exact_afte
     import torch
     from transformers import AutoModelForCausalLM
 
-    from runs import assert_same_weights, finish, fulltune_run, kill_at_checkpoint, loss_history, saved_model
+    from runs import assert_same_weights, finish, fulltune_run, kill_at_checkpoint, loss_history, rerun_job, saved_model
 
-    tp, clean, killed = (tmp_path / name for name in ("tp", "clean", "killed"))
-    for directory in (tp, clean, killed):
+    tp, killed = tmp_path / "tp", tmp_path / "killed"
+    for directory in (tp, killed):
         directory.mkdir()
     single = shared_run(**ONE_PROCESS)
     finish(fulltune_run(tiny_pipeline(tp, train=ONE, distributed=TP), tp / "run.log", prefect_server), tp / "run.log")
-    uninterrupted = fulltune_run(tiny_pipeline(clean, train=TWO_D, distributed=FSDP_TP), clean / "run.log",
-                                 prefect_server)
     pipelines = tiny_pipeline(killed, train=TWO_D, distributed=FSDP_TP)
     log = killed / "run.log"
     # The 7th micro-batch of a process is the first of step 4: step-2 is then the newest checkpoint.
     kill_at_checkpoint(pipelines, log, micro_step=7, timeout_s=900, api=prefect_server)
-    finish(uninterrupted, clean / "run.log")
 
     output = finish(fulltune_run(pipelines, log, prefect_server), log)
     assert "resumed from step 2" in output, output[-4000:]
     assert "registered tiny-model version 1" in output
 
-    # Killed and rerun equals uninterrupted, tensor for tensor.
-    assert_same_weights(saved_model(killed / "work"), saved_model(clean / "work"))
+    # Killed and rerun equals the same train job never interrupted (run by the launcher's training command, without
+    # the pipeline's other stages), tensor for tensor.
+    (model_dir,) = (killed / "work").glob("runs/*/model")
+    clean = rerun_job(model_dir.parent / "JOB.json", tmp_path / "clean")
+    assert_same_weights(saved_model(killed / "work"), saved_model(clean))
 
     # Tensor parallel and FSDP × TP train like one process (fp32: only the order of sums differs).
     one = single.finish()
     reference = loss_history(one / "work")
-    for workdir in (tp / "work", clean / "work"):
+    for workdir in (tp / "work", clean):
         losses = loss_history(workdir)
         assert len(losses) == len(reference)
         for a, b in zip(losses, reference):
             assert abs(a - b) <= 1e-4 * abs(b), (workdir, losses, reference)
     single_model = saved_model(one / "work")
-    for workdir in (tp / "work", clean / "work"):
+    for workdir in (tp / "work", clean):
         trained = saved_model(workdir)
         assert trained.keys() == single_model.keys()
         for name, tensor in trained.items():
             torch.testing.assert_close(tensor, single_model[name], rtol=1e-3, atol=1e-4)
 
     # The registered model is a plain Hugging Face checkpoint (tied embeddings stay tied).
-    (model_dir,) = (clean / "work").glob("runs/*/model")
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     assert type(model).__name__ == "LlamaForCausalLM"
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
