@@ -116,18 +116,11 @@ def test_ulysses_attends_over_whole_rows_like_one_process(tmp_path):
 # Through `fulltune run`
 
 
-def _result(run_dir: Path) -> tuple[list[float], dict]:
-    from safetensors.torch import load_file
-
-    losses = [loss for _, loss in json.loads((run_dir / "result.json").read_text())["loss_history"]]
-    return losses, load_file(str(run_dir / "model" / "model.safetensors"))
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_context_parallel_2_trains_like_one_process_resumes_bit_exact_after_a_kill_and_exports(tmp_path,
                                                                                              prefect_server):
-    from runs import assert_same_weights, finish, fulltune_run, kill_at_checkpoint, rerun_job
+    from runs import assert_same_weights, finish, fulltune_run, kill_at_checkpoint, loss_history, rerun_job, saved_model
 
     pipelines = tiny_pipeline(tmp_path, train=TRAIN, distributed=CP)
     log = tmp_path / "run.log"
@@ -138,16 +131,17 @@ def test_context_parallel_2_trains_like_one_process_resumes_bit_exact_after_a_ki
     assert "registered tiny-model version 1" in output
     (run_dir,) = (tmp_path / "work").glob("runs/*/model")
     run_dir = run_dir.parent
-    losses, weights = _result(run_dir)
+    losses, weights = loss_history(run_dir), saved_model(run_dir)
     assert len(losses) == 20
 
     # Killed and rerun equals a run never interrupted, bit for bit.
-    clean_losses, clean_weights = _result(rerun_job(run_dir / "JOB.json", tmp_path / "clean"))
+    clean = rerun_job(run_dir / "JOB.json", tmp_path / "clean")
+    clean_losses, clean_weights = loss_history(clean), saved_model(clean)
     assert losses == clean_losses
     assert_same_weights(weights, clean_weights)
 
     # One process over whole rows trains the same steps (fp32: only the order of the sums differs).
-    one_losses, _ = _result(rerun_job(run_dir / "JOB.json", tmp_path / "one", strategy="none", num_processes=1,
+    one_losses = loss_history(rerun_job(run_dir / "JOB.json", tmp_path / "one", strategy="none", num_processes=1,
                                        context_parallel=1))
     for a, b in zip(losses, one_losses, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (losses, one_losses)

@@ -136,11 +136,11 @@ def context_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates
     s = chosen.settings
     N = s.context_parallel
     if N > 1:
-        method = "Ulysses" if shape.heads % N == 0 else "ring attention"
+        method, traffic = ("Ulysses", "all-to-alls") if shape.heads % N == 0 else ("ring attention", "ring sends")
         head = (f"context parallel {N} ({s.dims.dp} data-parallel × {N}, {method}, distributed.context_parallel "
                 f"auto): {format_bytes(chosen.expected_bytes)} per {device_word(s.device)}, "
                 f"{format_seconds(chosen.seconds, 's/step')}, of which "
-                f"{format_seconds(context_parallel_seconds(shape, s))} are its {'all-to-alls' if method == 'Ulysses' else 'ring sends'} (assumed "
+                f"{format_seconds(context_parallel_seconds(shape, s))} are its {traffic} (assumed "
                 f"{CP_BYTES_PER_S[s.device] / 1e9:g} GB/s, not overlapped)")
     else:
         head = "context parallel 1 (distributed.context_parallel auto): every process holds whole rows"

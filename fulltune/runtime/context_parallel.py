@@ -39,6 +39,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from fulltune.attention import IMPLEMENTATION as DOCUMENTS
 from fulltune.errors import ConfigError
 
 FIELD = "distributed.context_parallel"
@@ -187,11 +188,8 @@ class ContextParallel:
         additive one of `dtype` for eager attention."""
         import torch
 
-        from fulltune.attention import IMPLEMENTATION
-
         shard = self.current
-        if kind in ("sdpa", IMPLEMENTATION) and (
-                not shard.packed or (kind == IMPLEMENTATION and shard.documents is not None)):
+        if kind in ("sdpa", DOCUMENTS) and (not shard.packed or (kind == DOCUMENTS and shard.documents is not None)):
             return None
         key = (kind, dtype)
         if key not in shard.masks:
@@ -201,7 +199,7 @@ class ContextParallel:
             document = (positions == 0).long().cumsum(1) if shard.packed else torch.zeros_like(positions)
             allowed = causal & (document[:, :, None] == document[:, None, :])
             allowed = allowed[:, None]
-            if kind not in ("sdpa", IMPLEMENTATION):
+            if kind not in ("sdpa", DOCUMENTS):
                 allowed = torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill_(
                     ~allowed, torch.finfo(dtype).min)
             shard.masks[key] = allowed
