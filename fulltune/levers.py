@@ -2,13 +2,16 @@
 `fulltune plan`, the planner's search, the step-time model, the plan's reasons, the train job and the trainer all
 read it.
 
-A lever is a key of the pipeline's `train:` section (true, false or `auto`). Its record holds everything the engine
-says and does about it beside the bytes it moves (those are the memory model's, fulltune/memory/): the field's
-description (the spec's, `Settings`' and `PlanRequest`'s lever fields are made from the records: `spec_fields`,
-`lever_fields`), the plan's sentence, the step time it adds (`cost`, over the step-time model's terms; a lever
-that adds none says so with `NoAddedTime`), whether it is slow, why pipeline stages refuse it, and the runtime
-function that applies it to the model (fulltune/runtime/checkpointing.py `apply_model_levers` runs them for the
-trainer and the memory trace alike). tests/test_lever_table.py fails for a lever without a cost or a sentence.
+A lever is a key of the pipeline's `train:` section (true, false or `auto`). Its record (fulltune/lever_record.py)
+holds everything the engine says and does about it beside the bytes it moves (those are the memory model's,
+fulltune/memory/): the field's description, the keys that say how it runs (`Option`) and what its `auto` reads of
+the machine (`Condition`) — the spec's, `Settings`' and `PlanRequest`'s fields, the request's copy from the spec,
+the settings' from the request and the job's planned keys are made from them (`spec_fields`, `lever_fields`,
+`request_fields`, `options_of`, `TRAIN_KEYS`) —, the plan's sentence and other lines, the step time it adds (`cost`;
+a lever that adds none says so with `NoAddedTime`), whether it is slow, why pipeline stages refuse it, what it
+makes of a model it cannot convert, and the runtime function that applies it to the model
+(fulltune/runtime/checkpointing.py `apply_model_levers` runs them for the trainer and the memory trace alike).
+tests/test_lever_table.py fails for a lever without a cost or a sentence.
 
 Each rule of `RULES` names the YAML fields it reads and says why the combination cannot train; a combination that
 breaks no rule trains (`tests/test_lever_table.py` enumerates levers × optimizer × strategy and proves it both
@@ -49,48 +52,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from fulltune.errors import ConfigError
-from fulltune.optimizers import OPTIMIZER_TABLE, OPTIMIZERS_BY_NAME, STOCHASTIC_NEEDS, compensation_of
+from fulltune.lever_record import Condition, Elsewhere, Lever, NoAddedTime, Option  # noqa: F401
+from fulltune.optimizers import (COMPENSATIONS, OPTIMIZER_TABLE, OPTIMIZERS_BY_NAME, STOCHASTIC_NEEDS,
+                                  compensation_of)
 
 
 # ---------------------------------------------------------------------------------------------------
 # The levers, one record each
-
-
-@dataclass(frozen=True)
-class NoAddedTime:
-    """A lever's cost where it adds no step time of its own, and why: the step-time model then counts nothing
-    for it (never by omission)."""
-
-    why: str
-
-    def __call__(self, settings: Any, step: Any) -> float:
-        return 0.0
-
-
-@dataclass(frozen=True)
-class Lever:
-    """One memory lever: the `train.<name>` key and what the engine says and does about it.
-
-    `sentence(settings)`: what the plan says it does, for the settings that run it. `cost(settings, step)`: the
-    seconds it adds to one optimizer step (negative for a lever that saves time), from the step-time model's terms (`step`: fulltune/planning/step_time.py
-    `StepCosts`: throughputs, link speeds, the model's size), or `NoAddedTime(why)`. `slow`: it moves tensors
-    between host and device every step, so on a CPU device (host RAM is the device's memory) it saves nothing and
-    the planner never chooses it there, and a plan that fits only with it hears what pipeline stages would do
-    instead. `pipeline_refusal`: why pipeline stages do not run it (None: they do). `apply`: the runtime function
-    ("module:function", called as function(model, settings)) that changes the model for it, or None when its
-    code path is the optimizer's or the loss's. `auto`: for a lever that saves no memory, what `auto` means, a
-    function of the plan request (`fulltune.memory.PlanRequest`) saying whether it is on (`decided`); None: the
-    planner turns it on only when memory requires it, cheapest first.
-    """
-
-    name: str
-    description: str
-    sentence: Callable[[Any], str]
-    cost: Callable[[Any, Any], float]
-    slow: bool = False
-    pipeline_refusal: str | None = None
-    apply: str | None = None
-    auto: Callable[[Any], bool] | None = None
 
 
 def _pure_bf16_sentence(s: Any) -> str:
@@ -142,13 +110,6 @@ def _offload_activations_seconds(s: Any, step: Any) -> float:
             / step.pcie_bytes_per_s)
 
 
-def _float8_seconds(s: Any, step: Any) -> float:
-    """The converted linears' matmuls at float8's throughput (a multiple of bf16's) instead of the step's precision's
-    (negative: time saved)."""
-    precision = "bf16" if s.pure_bf16 else s.mixed_precision
-    return step.float8_matmul_flops * (1 / (step.flops("bf16") * step.float8_speedup) - 1 / step.flops(precision))
-
-
 def _float8_auto(request: Any) -> bool:
     """`float8: auto`: on where it is a step-time lever: a GPU with float8 tensor cores (compute capability ≥ 8.9),
     a compiled step (eager, torchao's casts cost more than the float8 matmuls save: pytorch/ao#685) and torchao
@@ -158,6 +119,9 @@ def _float8_auto(request: Any) -> bool:
 
 def _torchao_installed() -> bool:
     return importlib.util.find_spec("torchao") is not None
+
+
+FLOAT8_CAPABILITY = (8, 9)  # the first CUDA compute capability with float8 tensor cores (Ada; Hopper is 9.0)
 
 
 # In the order the planner tries them: cheapest in step time first.
@@ -171,9 +135,18 @@ TABLE: tuple[Lever, ...] = (
                       "(pip install 'fulltune[lowbit]'); never on a CPU, never to save memory.",
           sentence=lambda s: f"float8 matmuls in the decoder layers' linears ({s.float8_recipe} scales; the output "
                              "head stays in its precision)",
-          cost=_float8_seconds,
+          cost=Elsewhere("fulltune.memory.float8:step_seconds"),
           pipeline_refusal="pipeline stages are not measured with float8 linears",
-          apply="fulltune.runtime.float8:convert_linears", auto=_float8_auto),
+          apply="fulltune.runtime.float8:convert_linears", auto=_float8_auto,
+          options=(Option("float8_recipe", ("tensorwise", "rowwise"), "tensorwise",
+                          "How float8's matmuls scale their operands (torchao's recipes): `tensorwise`, one scale "
+                          "per tensor (the fastest; under FSDP on GPUs the weights are gathered in float8); "
+                          "`rowwise`, one per row (closer to bf16's accuracy, slower)."),),
+          conditions=(  # what `auto` reads: the GPU's float8 tensor cores (its capability), a compiled step
+              Condition("float8_supported", lambda train, budget: (budget.capability or (0, 0)) >= FLOAT8_CAPABILITY),
+              Condition("compile", lambda train, budget: train.compile)),
+          for_model=Elsewhere("fulltune.memory.float8:for_model"),
+          reasons=Elsewhere("fulltune.memory.float8:reasons")),
     Lever("chunked_loss",
           description="Compute the output head and cross-entropy in chunks of target positions and vocabulary, "
                       "recomputed in backward: no whole (targets × vocabulary) fp32 tensor.",
@@ -187,7 +160,16 @@ TABLE: tuple[Lever, ...] = (
           sentence=_pure_bf16_sentence,
           cost=NoAddedTime("it changes the optimizer's own pass (fulltune/planning/step_time.py step_seconds: "
                            "half the traffic, plus the Kahan buffer's)"),
-          apply="fulltune.runtime.optim:to_bf16"),
+          apply="fulltune.runtime.optim:to_bf16",
+          options=(Option(
+              "compensation", ("auto", *COMPENSATIONS), "auto",
+              "How pure_bf16's bf16 weights keep updates smaller than their rounding step: "
+              + "; ".join(f"`{name}`: {what}" for name, what in COMPENSATIONS.items())
+              + ". `auto`: the optimizer's own ("
+              + ", ".join(f"{r.name} {r.default_compensation}" for r in OPTIMIZER_TABLE)
+              + "). The plan says which one runs and what it costs.",
+              off_refusal="train.compensation is how pure_bf16's bf16 weights keep small updates, and "
+                          "train.pure_bf16 is false; set pure_bf16 true (or auto), or compensation auto"),)),
     Lever("optimizer_in_backward",
           description="Step each parameter as soon as its gradient is complete in backward and free the "
                       "gradient (at most one parameter's gradient alive). Needs gradient_accumulation_steps 1: "
@@ -220,6 +202,11 @@ assert sorted(FIELD_ORDER) == sorted(LEVERS), "FIELD_ORDER names every lever of 
 # What a pipeline stage does not run, and why: each is a rule of the table below.
 PIPELINE_REFUSED_LEVERS = {lever.name: lever.pipeline_refusal for lever in TABLE if lever.pipeline_refusal}
 SLOW_LEVERS = tuple(lever.name for lever in TABLE if lever.slow)
+# The levers' options and conditions, in FIELD_ORDER: the fields made beside the levers' own.
+OPTIONS: tuple[Option, ...] = tuple(option for name in FIELD_ORDER for option in BY_NAME[name].options)
+CONDITIONS: tuple[Condition, ...] = tuple(condition for name in FIELD_ORDER for condition in BY_NAME[name].conditions)
+# The `train:` keys the records declare: what the plan decides for the job (fulltune/runtime/launch.py).
+TRAIN_KEYS = (*LEVERS, *(option.name for option in OPTIONS))
 
 
 def decided(request: Any) -> dict[str, bool | None]:
@@ -230,28 +217,57 @@ def decided(request: Any) -> dict[str, bool | None]:
 
 
 def spec_fields() -> dict[str, Any]:
-    """The spec's `train:` lever fields (`pydantic.create_model` field definitions), in `FIELD_ORDER`: each
-    `auto`, true or false, `auto` by default, described by its record."""
+    """The spec's `train:` fields of the records (`pydantic.create_model` field definitions), in `FIELD_ORDER`:
+    each lever `auto`, true or false, `auto` by default; then each lever's options, one of their choices."""
     from typing import Literal, Union
 
     from pydantic import Field
 
-    return {name: (Union[Literal["auto"], bool], Field("auto", description=BY_NAME[name].description))
-            for name in FIELD_ORDER}
+    return {**{name: (Union[Literal["auto"], bool], Field("auto", description=BY_NAME[name].description))
+               for name in FIELD_ORDER},
+            **{option.name: (Literal[option.choices], Field(option.default, description=option.description))
+               for option in OPTIONS}}
 
 
-def lever_fields(annotation: str, default: Any, after: str) -> Callable[[type], type]:
+def off_refusals(train: Any) -> list[str]:
+    """What the spec refuses in its `train:` section `train`: an option set while its lever is false
+    (`Option.off_refusal`)."""
+    return [option.off_refusal for lever in TABLE for option in lever.options
+            if option.off_refusal and getattr(train, option.name) != option.default
+            and getattr(train, lever.name) is False]
+
+
+def lever_fields(annotation: str, default: Any, after: str, conditions: bool = False) -> Callable[[type], type]:
     """A class decorator, under `@dataclass`: one field per lever (`FIELD_ORDER`) typed `annotation` with
-    `default`, inserted after the class's field `after` (so the fields after it keep their defaults' order)."""
+    `default`, then one `str` per option with its default and, with `conditions`, one `bool` per condition, False;
+    inserted after the class's field `after` (so the fields after it keep their defaults' order)."""
+    fields = [(name, annotation, default) for name in FIELD_ORDER]
+    fields += [(option.name, "str", option.default) for option in OPTIONS]
+    fields += [(condition.name, "bool", False) for condition in CONDITIONS] if conditions else []
+
     def add(cls: type) -> type:
         items = list(cls.__dict__["__annotations__"].items())
         at = [name for name, _ in items].index(after) + 1
-        cls.__annotations__ = dict(items[:at] + [(name, annotation) for name in FIELD_ORDER] + items[at:])
-        for name in FIELD_ORDER:
-            setattr(cls, name, default)
+        cls.__annotations__ = dict(items[:at] + [(name, kind) for name, kind, _ in fields] + items[at:])
+        for name, _, value in fields:
+            setattr(cls, name, value)
         return cls
 
     return add
+
+
+def request_fields(train: Any, budget: Any) -> dict[str, Any]:
+    """`PlanRequest`'s fields of the records, from the spec's `train:` section and the resolved budget
+    (`fulltune.memory.budget.Budget`): each lever True, False or None (auto), each option as set, each condition
+    as read."""
+    return {**{name: None if getattr(train, name) == "auto" else bool(getattr(train, name)) for name in LEVERS},
+            **{option.name: getattr(train, option.name) for option in OPTIONS},
+            **{condition.name: condition.read(train, budget) for condition in CONDITIONS}}
+
+
+def options_of(settings: Any) -> dict[str, str]:
+    """The options of a plan request or settings, name → value: what planned settings copy from the request."""
+    return {option.name: getattr(settings, option.name) for option in OPTIONS}
 
 
 # ---------------------------------------------------------------------------------------------------

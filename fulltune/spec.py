@@ -18,7 +18,7 @@ from pydantic import BeforeValidator, Discriminator, Field, Tag, create_model, f
 
 from fulltune import levers
 from fulltune.degrees import ParallelDims
-from fulltune.optimizers import COMPENSATIONS, OPTIMIZER_TABLE, OPTIMIZERS
+from fulltune.optimizers import OPTIMIZER_TABLE, OPTIMIZERS
 from fulltune.sizes import SIZE_PATTERN, parse_size
 # The evaluate and register sections, importable from here as the rest of the schema is.
 from fulltune.spec_gates import (BUILTIN_METRICS, DEFAULT_METRIC_TIMEOUT, EvaluateSpec, LmEvalSpec,  # noqa: F401
@@ -34,8 +34,6 @@ AttnImplementation = Literal["sdpa", "eager"]
 Device = Literal["cpu", "cuda"]
 MixedPrecision = Literal["bf16", "fp16", "no"]
 Optimizer = Literal[OPTIMIZERS]  # one record each in fulltune/optimizers.py
-Compensation = Literal[tuple(COMPENSATIONS)]  # how pure bf16 weights keep small updates (fulltune/optimizers.py)
-Float8Recipe = Literal["tensorwise", "rowwise"]  # torchao's float8 training recipes (fulltune/memory/float8.py)
 LrScheduler = Literal["cosine", "linear", "constant"]
 Strategy = Literal["none", "ddp", "fsdp", "auto"]
 PipelineSchedule = Literal["1f1b", "gpipe"]
@@ -253,29 +251,19 @@ class _TrainSpec(Strict):
         return value
 
     @model_validator(mode="after")
-    def _compensated(self) -> _TrainSpec:
-        # The fields `compensation` and `pure_bf16` are the generated TrainSpec's (below).
-        if getattr(self, "compensation", "auto") != "auto" and getattr(self, "pure_bf16", "auto") is False:
-            raise ValueError("train.compensation is how pure_bf16's bf16 weights keep small updates, and "
-                             "train.pure_bf16 is false; set pure_bf16 true (or auto), or compensation auto")
+    def _options_beside_their_levers(self) -> _TrainSpec:
+        # The levers and their options are the generated TrainSpec's fields (below).
+        refused = levers.off_refusals(self)
+        if refused:
+            raise ValueError("; ".join(refused))
         return self
 
 
-# `train:`: the fields above, then one field per memory lever (`auto`, true or false), made from its record in
-# fulltune/levers.py, pure bf16's compensation, then the non-finite guard.
+# `train:`: the fields above, then one field per memory lever (`auto`, true or false) and each lever's options, made
+# from its record in fulltune/levers.py, then the non-finite guard.
 TrainSpec = create_model(
     "TrainSpec", __base__=_TrainSpec, __module__=__name__, __doc__=_TrainSpec.__doc__,
     **levers.spec_fields(),
-    compensation=(Literal["auto", Compensation], Field(
-        "auto", description="How pure_bf16's bf16 weights keep updates smaller than their rounding step: "
-                            + "; ".join(f"`{name}`: {what}" for name, what in COMPENSATIONS.items())
-                            + ". `auto`: the optimizer's own ("
-                            + ", ".join(f"{r.name} {r.default_compensation}" for r in OPTIMIZER_TABLE)
-                            + "). The plan says which one runs and what it costs.")),
-    float8_recipe=(Float8Recipe, Field(
-        "tensorwise", description="How float8's matmuls scale their operands (torchao's recipes): `tensorwise`, one "
-                                  "scale per tensor (the fastest; under FSDP on GPUs the weights are gathered in "
-                                  "float8); `rowwise`, one per row (closer to bf16's accuracy, slower).")),
     max_nonfinite_steps=(int, Field(5, ge=1, description="Stop after this many non-finite losses in a row.")))
 
 

@@ -15,7 +15,6 @@ from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.units import format_bytes, parse_bytes
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-FLOAT8_CAPABILITY = (8, 9)  # the first CUDA compute capability with float8 tensor cores (Ada; Hopper is 9.0)
 
 
 def usable_bytes(budget_bytes: int, headroom: float) -> int:
@@ -36,8 +35,8 @@ class Budget:
         host_bytes: host RAM the offload levers may use (`budget.host_memory`; `auto`: this machine's RAM).
         bf16_supported: the device computes in bf16 (CPU autocast always can; slower without bf16 matrix
             units, which the step-time model knows).
-        float8_supported: the GPU has float8 tensor cores (compute capability 8.9 or above: Ada, Hopper and later),
-            which `train.float8: auto` needs; never a CPU.
+        capability: the GPU's CUDA compute capability (major, minor), what a lever's `auto` may read of the
+            hardware (fulltune/levers.py `Condition`); None on a CPU or where no GPU is visible.
         host_assumed: what `host_memory: auto` was taken to mean when it cannot mean the RAM of the machine that
             runs the plan (`device: cuda` planned on a machine without a GPU), and how to say it instead; None
             when `host_bytes` is this machine's and this machine runs it, or was given.
@@ -52,7 +51,7 @@ class Budget:
     bf16_supported: bool = True
     host_assumed: str | None = None
     shared: str | None = None
-    float8_supported: bool = False
+    capability: tuple[int, int] | None = None
 
     @property
     def usable_bytes(self) -> int:
@@ -80,7 +79,7 @@ def resolve_budget(device: str = "auto", memory: int | str = "auto", headroom: f
     resolved = ("cuda" if has_cuda else "cpu") if device == "auto" else device
     # CPU autocast supports bf16 (slower without bf16 matrix units: the planner's step time knows).
     bf16 = bool(_torch().cuda.is_bf16_supported()) if resolved == "cuda" and has_cuda else True
-    float8 = resolved == "cuda" and has_cuda and tuple(_torch().cuda.get_device_capability(0)) >= FLOAT8_CAPABILITY
+    capability = tuple(_torch().cuda.get_device_capability(0)) if resolved == "cuda" and has_cuda else None
     if memory == "auto":
         if resolved == "cuda" and not has_cuda:
             raise MemoryConfigError(
@@ -102,7 +101,7 @@ def resolve_budget(device: str = "auto", memory: int | str = "auto", headroom: f
                    "of the machine that trains (e.g. host_memory: 512GiB)")
     if not 0.0 <= headroom < 1.0:
         raise MemoryConfigError(f"{where}.headroom: must be in [0, 1); got {headroom}")
-    return Budget(resolved, total, headroom, host, bf16, assumed, shared, float8_supported=float8)
+    return Budget(resolved, total, headroom, host, bf16, assumed, shared, capability=capability)
 
 
 def _torch():  # noqa: ANN202 - the torch module

@@ -1,5 +1,7 @@
 """float8 training (`train.float8`, torchao's `convert_to_float8_training`): which linears of a decoder layer it
-converts, and the bytes their float8 matmuls hold, as torchao 0.18 runs them (fulltune/runtime/float8.py applies it).
+converts, and the bytes their float8 matmuls hold, as torchao 0.18 runs them (fulltune/runtime/float8.py applies it);
+the functions the lever's record (fulltune/levers.py) names here: the step time it saves (`step_seconds`), the
+request as the model allows it (`for_model`) and what the plan says of it (`reasons`).
 
 A converted linear (`Float8Linear`) keeps its weight as it is (fp32 masters, or bf16 under pure bf16 and FSDP's
 bf16 gather) and saves for backward what a plain linear saves: its input and its weight (a view, not a copy). Each
@@ -30,14 +32,19 @@ not modelled here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.shapes import ModelShape
 
 ALIGNMENT = 16  # both dimensions of a float8 matmul (torch._scaled_mm)
 CAST_BYTES = 9  # per element at a cast's peak: scaled fp32 + clamped fp32 + the float8 result
-RECIPES = ("tensorwise", "rowwise")
+# The converted linears' matmuls sustain this many times bf16's throughput (assumed): on GPUs with float8 tensor
+# cores the dense float8 peak is twice bf16's, and torchtitan's Llama-3.1-8B on 8 × H100 ran 1.28× faster end to
+# end with torch.compile and float8 (6,667 → 8,532 tokens/s/GPU), the casts, attention and the layers left in bf16
+# taking the rest; a CPU has no float8 units (its eager casts are not counted).
+SPEEDUP = {"cuda": 1.6, "cpu": 1.0}
 # The layouts whose decoder linears are converted (see the module docstring).
 CONVERTED_LAYOUTS = ("llama",)
 
@@ -161,3 +168,56 @@ def layer_float8(shape: ModelShape, tokens: int, c: int, recipe: str, attn_core:
         mlp_backward=mlp, attn_backward=attention,
         converted_numel=sum(x.numel for x in linears),
         converted_mlp_numel=sum(x.numel for x in linears if x.mlp))
+
+
+def step_seconds(settings: Any, step: Any) -> float:
+    """The lever's cost (fulltune/levers.py `Lever.cost`, over the step-time model's `StepCosts`): the converted
+    linears' matmuls at float8's throughput (`SPEEDUP` × bf16's) instead of the step's precision's (negative: time
+    saved). Their FLOPs: 6 per weight and token in the forward and backward, 2 more in a checkpointed layer's
+    recomputed forward."""
+    s, shape = settings, step.shape
+    tokens = s.gradient_accumulation_steps * s.micro_batch_size * s.seq_len
+    recomputed = min(s.gradient_checkpointing, shape.num_layers)
+    flops = tokens * sum(x.numel for x in converted(shape)) * (6 * shape.num_layers + 2 * recomputed)
+    precision = "bf16" if s.pure_bf16 else s.mixed_precision
+    return flops * (1 / (step.flops("bf16") * SPEEDUP[s.device]) - 1 / step.flops(precision))
+
+
+def for_model(shape: ModelShape, request: Any) -> Any:
+    """The plan request (`fulltune.memory.PlanRequest`) with `float8: auto` off for a model float8 converts nothing
+    of (another layout than Llama's, or no linear the kernels take).
+
+    Raises:
+        MemoryConfigError: `float8: true` for such a model, naming train.float8.
+    """
+    if converted(shape) or request.float8 is False:
+        return request
+    if request.float8 is None:
+        return replace(request, float8=False)
+    what = (f"the {shape.model_type} layout" if shape.layout not in CONVERTED_LAYOUTS
+            else "none of its decoder linears has both dimensions a multiple of 16")
+    raise MemoryConfigError(f"train.float8: float8 training converts the decoder linears of the Llama layout (Llama, "
+                            f"Mistral, Qwen) whose dimensions float8 kernels take, and this model has {what}; set "
+                            "float8 to false or auto")
+
+
+def reasons(shape: ModelShape, request: Any, settings: Any) -> list[str]:
+    """What `train.float8` converts (and what stays in its precision), or why `auto` left it off on a GPU."""
+    s = settings
+    if not s.float8:
+        if request.float8 is None and s.device == "cuda" and converted(shape):
+            missing = [why for needed, why in ((request.float8_supported, "a GPU with float8 tensor cores (compute "
+                                                "capability 8.9 or above)"), (request.compile, "train.compile "
+                                                "(eager, torchao's casts cost more than float8 saves)"))
+                       if not needed]
+            if missing:
+                return [f"float8: auto stays off: it needs {' and '.join(missing)}"]
+        return []
+    linears, left = layer_linears(shape), kept(shape)
+    dtype = "bf16" if s.pure_bf16 or s.mixed_precision == "bf16" else "fp32"
+    gathered = ", gathered in float8 under FSDP" if float8_all_gather(s) else ""
+    line = (f"float8: {len(linears) - len(left)} of the {len(linears)} linears of each decoder layer run float8 "
+            f"matmuls ({s.float8_recipe} scales{gathered}); the output head and the embeddings stay {dtype}")
+    if left:
+        line += f", and so do {', '.join(x.name for x in left)} (a dimension not a multiple of 16)"
+    return [line]

@@ -7,16 +7,14 @@ from typing import Any, get_args
 
 from fulltune import spec
 from fulltune.degrees import ParallelDims
-from fulltune.levers import LEVERS, lever_fields  # the lever table's names, in the order the planner tries them
+from fulltune.levers import LEVERS, OPTIONS, lever_fields  # the levers (in the order the planner tries them), options
 from fulltune.memory.errors import MemoryConfigError
 from fulltune.optimizers import compensation_of
 
 # The choices are the spec's (fulltune/spec.py), defined once there.
 MIXED_PRECISIONS = get_args(spec.MixedPrecision)
 OPTIMIZERS = get_args(spec.Optimizer)
-COMPENSATIONS = ("auto", *get_args(spec.Compensation))
 ATTN_IMPLEMENTATIONS = get_args(spec.AttnImplementation)
-FLOAT8_RECIPES = get_args(spec.Float8Recipe)
 DEVICES = get_args(spec.Device)
 # What a step runs under; a request may also leave it to the planner ("auto": planning/strategy.py).
 STRATEGIES = tuple(s for s in get_args(spec.Strategy) if s != "auto")
@@ -34,6 +32,12 @@ BREAKDOWN_KEYS = (
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise MemoryConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_options(settings: Any) -> None:
+    """Each lever's options (fulltune/levers.py `Option`) against their choices."""
+    for option in OPTIONS:
+        _check_choice(option.name, getattr(settings, option.name), option.choices)
 
 
 @dataclass(frozen=True)
@@ -75,16 +79,13 @@ class Settings:
             so the logits are (t, V) with t = micro_batch_size · round(target_fraction ·
             (seq_len - 1)). 1.0, the default, is the most any batch can have.
 
-    Then one bool per memory lever (fulltune/levers.py, made from its record by `lever_fields`): `pure_bf16`
-    (bf16 weights and gradients, no fp32 master; activations are bf16 whatever `mixed_precision` says),
-    `optimizer_in_backward`, `offload_optimizer`, `offload_activations`, `chunked_loss`; and `compensation`, how
-    pure bf16 weights keep small updates (`auto`: the optimizer's default; `optimizers.compensation_of` says which
-    runs).
+    Then one bool per memory lever and one string per lever's option (fulltune/levers.py, made from its record by
+    `lever_fields`; `pure_bf16`: bf16 weights and gradients, no fp32 master, activations bf16 whatever
+    `mixed_precision` says).
 
     `checkpoint_async`: step checkpoints are copied to host RAM at the step boundary and written while training
     goes on (`fulltune.runtime.async_checkpoints`): the copy is counted in the checkpoint phase and the host RAM
-    (`fulltune.memory.process.checkpoint_staging_bytes`). `float8_recipe`: the scales of the `float8` lever's
-    matmuls, `tensorwise` or `rowwise` (`fulltune.memory.float8`).
+    (`fulltune.memory.process.checkpoint_staging_bytes`).
     """
 
     micro_batch_size: int
@@ -103,10 +104,8 @@ class Settings:
     attention_mask: bool = True
     document_length: int = 0
     target_fraction: float = 1.0
-    compensation: str = "auto"
     context_parallel: int = 1
     checkpoint_async: bool = False
-    float8_recipe: str = "tensorwise"
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "num_processes",
@@ -127,9 +126,8 @@ class Settings:
             raise MemoryConfigError(f"document_length must be an integer from 0 to seq_len; got {self.document_length!r}")
         _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
-        _check_choice("compensation", self.compensation, COMPENSATIONS)
+        _check_options(self)
         _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
-        _check_choice("float8_recipe", self.float8_recipe, FLOAT8_RECIPES)
         _check_choice("device", self.device, DEVICES)
         _check_choice("strategy", self.strategy, STRATEGIES)
         # The field's own check, before the degrees are built from it (`dims`: the layout).
@@ -252,7 +250,7 @@ class EvalRequest:
 
 
 @dataclass(frozen=True)
-@lever_fields("bool | None", None, after="target_fraction")
+@lever_fields("bool | None", None, after="target_fraction", conditions=True)
 class PlanRequest:
     """What the user asked for; `None` in a field means "auto": the planner may choose it.
 
@@ -287,12 +285,9 @@ class PlanRequest:
     attention_mask: bool = True
     document_length: int = 0  # packed rows: Σ length² / Σ length of their documents (Settings.document_length)
     target_fraction: float = 1.0
-    # Here, one field per memory lever: True, False or None (auto) (`lever_fields`).
-    compensation: str = "auto"  # how pure bf16 weights keep small updates (`Settings`); auto: the optimizer's
+    # Here, one field per memory lever (True, False or None: auto), per lever's option (as `Settings`) and per
+    # condition a lever's auto reads (the machine's or the pipeline's facts), made from the records (`lever_fields`).
     checkpoint_async: bool = False  # train.checkpoint_async: the staged copy is counted, never chosen
-    float8_recipe: str = "tensorwise"  # train.float8_recipe: how float8 matmuls scale their operands
-    float8_supported: bool = False  # the GPU has float8 tensor cores (memory/budget.py): what float8: auto needs
-    compile: bool = False  # train.compile: the step is compiled (float8: auto needs it)
     host_memory_bytes: int | None = None
     num_machines: int = 1  # the processes are spread evenly over them; host_memory_bytes is per machine
     # The evaluate stage (`evaluate.*`): planned beside training and part of `fits`; None: not planned.
@@ -355,9 +350,8 @@ def _check_request_choices(request: PlanRequest) -> None:
         _check_choice("mixed_precision", request.mixed_precision, MIXED_PRECISIONS)
     if request.optimizer is not None:
         _check_choice("optimizer", request.optimizer, OPTIMIZERS)
-    _check_choice("compensation", request.compensation, COMPENSATIONS)
+    _check_options(request)
     _check_choice("attn_implementation", request.attn_implementation, ATTN_IMPLEMENTATIONS)
-    _check_choice("float8_recipe", request.float8_recipe, FLOAT8_RECIPES)
     _check_choice("device", request.device, DEVICES)
     _check_choice("strategy", request.strategy, (*STRATEGIES, "auto"))
     if request.budget_bytes is not None and (isinstance(request.budget_bytes, bool) or request.budget_bytes <= 0):

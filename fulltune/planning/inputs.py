@@ -83,7 +83,6 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
     model `config` has a sliding window shorter than the row (`attention.dense_mask_reason`)."""
     from fulltune.attention import dense_mask_reason
     from fulltune.memory import PlanRequest
-    from fulltune.memory.types import LEVERS
 
     t, d = p.spec.train, p.spec.distributed
     budget = resolved_budget(p)
@@ -117,9 +116,7 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
                                                              or dense_mask_reason(config, seq_len) is not None),
         document_length=document_length,
         target_fraction=target_fraction,
-        **{lever: None if getattr(t, lever) == "auto" else bool(getattr(t, lever)) for lever in LEVERS},
-        compensation=t.compensation,
-        float8_recipe=t.float8_recipe, float8_supported=budget.float8_supported, compile=t.compile,
+        **levers.request_fields(t, budget),  # each lever, its options and what its auto reads
         checkpoint_async=t.checkpoint_async,
         host_memory_bytes=budget.host_bytes,
         num_machines=d.num_machines,

@@ -20,18 +20,17 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from fulltune import levers
 from fulltune.memory.budget import usable_bytes
 from fulltune.memory.estimate import _estimate
 from fulltune.memory.evaluation import with_evaluation
 from fulltune.memory.shapes import ModelShape, model_shape
-from fulltune.memory import float8
-from fulltune.memory.errors import MemoryConfigError
 from fulltune.memory.types import MemoryEstimate, MemoryPlan, PlanRequest, Settings
 from fulltune.memory.uncertainty import Uncertainty, traced_uncertainty
 from fulltune.memory.units import format_bytes
 from fulltune.planning.pipeline import needs_advice, pipeline_advice, pipeline_reasons
 from fulltune.planning.reasons import (alternatives_for, change_reasons, checkpoint_reasons, configured_reason,
-                                       context_parallel_reasons, describe, float8_reasons, host_reasons,
+                                       context_parallel_reasons, describe, host_reasons,
                                        optimizer_reasons, strategy_reasons, suggestions_for,
                                        tensor_parallel_reasons)
 from fulltune.planning.search import (Candidate, configured_for, configured_request, configured_settings,
@@ -59,7 +58,7 @@ def plan_memory(config: Any, request: PlanRequest, trace: bool | None = False) -
     (`trace_is_cheap`). The plan's `uncertainty` says which basis it rests on.
     """
     shape = model_shape(config)
-    request = float8_for(shape, request)
+    request = levers_for_model(shape, request)
     configured = configured_for(shape, configured_request(request))
     configured_estimate = _estimate(shape, configured)
     if request.budget_bytes is None:
@@ -164,22 +163,17 @@ def _traced(config: Any, shape: ModelShape, candidates: list[Candidate], usable:
     return candidates, tuple(reasons)
 
 
-def float8_for(shape: ModelShape, request: PlanRequest) -> PlanRequest:
-    """`request` with `float8: auto` off for a model float8 converts nothing of (fulltune/memory/float8.py: another
-    layout than Llama's, or no linear the kernels take).
+def levers_for_model(shape: ModelShape, request: PlanRequest) -> PlanRequest:
+    """`request` as each lever can run on this model (its record's `for_model`: an `auto` turned off where the lever
+    converts nothing of it).
 
     Raises:
-        MemoryConfigError: `float8: true` for such a model, naming train.float8.
+        MemoryConfigError: a lever set on that this model cannot run, naming its field.
     """
-    if float8.converted(shape) or request.float8 is False:
-        return request
-    if request.float8 is None:
-        return replace(request, float8=False)
-    what = (f"the {shape.model_type} layout" if shape.layout not in float8.CONVERTED_LAYOUTS
-            else "none of its decoder linears has both dimensions a multiple of 16")
-    raise MemoryConfigError(f"train.float8: float8 training converts the decoder linears of the Llama layout (Llama, "
-                            f"Mistral, Qwen) whose dimensions float8 kernels take, and this model has {what}; set "
-                            "float8 to false or auto")
+    for lever in levers.TABLE:
+        if lever.for_model is not None:
+            request = lever.for_model(shape, request)
+    return request
 
 
 def _finish(
@@ -220,7 +214,8 @@ def _finish(
     reasons.extend(pipeline_reasons(shape, request, candidates, chosen, usable))
     reasons.extend(host_reasons(request, candidates, chosen, usable))
     reasons.extend(checkpoint_reasons(shape, chosen))
-    reasons.extend(float8_reasons(shape, request, chosen))
+    reasons.extend(line for lever in levers.TABLE if lever.reasons
+                   for line in lever.reasons(shape, request, chosen.settings))
     suggestions: tuple[str, ...] = ()
     if not fits:
         reasons.append(

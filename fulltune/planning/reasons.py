@@ -8,7 +8,6 @@ from dataclasses import replace
 from typing import Any
 
 from fulltune import levers
-from fulltune.memory import float8
 from fulltune.memory import parallelism
 from fulltune.memory.estimate import _estimate
 from fulltune.memory.process import CHECKPOINT, checkpoint_staging_bytes
@@ -237,28 +236,6 @@ def _lever_reasons(shape: ModelShape, configured: Settings, chosen: Candidate) -
         out.append(f"host RAM: {format_bytes(chosen.estimate.host_bytes)}{budget} (offloaded "
                    f"{'optimizer states and masters' if chosen.settings.offload_optimizer else 'tensors'})")
     return out
-
-
-def float8_reasons(shape: ModelShape, request: PlanRequest, chosen: Candidate) -> list[str]:
-    """What `train.float8` converts (and what stays in its precision), or why `auto` left it off on a GPU."""
-    s = chosen.settings
-    if not s.float8:
-        if request.float8 is None and s.device == "cuda" and float8.converted(shape):
-            missing = [why for needed, why in ((request.float8_supported, "a GPU with float8 tensor cores (compute "
-                                                "capability 8.9 or above)"), (request.compile, "train.compile "
-                                                "(eager, torchao's casts cost more than float8 saves)"))
-                       if not needed]
-            if missing:
-                return [f"float8: auto stays off: it needs {' and '.join(missing)}"]
-        return []
-    linears, kept = float8.layer_linears(shape), float8.kept(shape)
-    dtype = "bf16" if s.pure_bf16 or s.mixed_precision == "bf16" else "fp32"
-    gathered = ", gathered in float8 under FSDP" if float8.float8_all_gather(s) else ""
-    line = (f"float8: {len(linears) - len(kept)} of the {len(linears)} linears of each decoder layer run float8 "
-            f"matmuls ({s.float8_recipe} scales{gathered}); the output head and the embeddings stay {dtype}")
-    if kept:
-        line += f", and so do {', '.join(x.name for x in kept)} (a dimension not a multiple of 16)"
-    return [line]
 
 
 def checkpoint_reasons(shape: ModelShape, chosen: Candidate) -> list[str]:

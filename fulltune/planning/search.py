@@ -159,9 +159,8 @@ def _settings(request: PlanRequest, micro: int, checkpointing: int, precision: s
         attention_mask=request.attention_mask,
         document_length=request.document_length,
         target_fraction=request.target_fraction,
-        compensation=request.compensation,
-        float8_recipe=request.float8_recipe,
         checkpoint_async=request.checkpoint_async,
+        **lever_table.options_of(request),
         **(levers or {}),
     )
 

@@ -84,13 +84,9 @@ OFFLOAD_OVERLAP = 0.8
 #   machines is 150-350 GB/s), a few GB/s for gloo between CPU processes, and a fixed cost per collective;
 TP_BYTES_PER_S = {"cuda": 150e9, "cpu": 2e9}
 COLLECTIVE_SECONDS = {"cuda": 20e-6, "cpu": 100e-6}
-# - float8 (`train.float8`): the converted linears' matmuls sustain this many times bf16's throughput: on GPUs
-#   with float8 tensor cores the dense float8 peak is twice bf16's, and torchtitan's Llama-3.1-8B on 8 × H100 ran
-#   1.28× faster end to end with torch.compile and float8 (6,667 → 8,532 tokens/s/GPU), the casts, attention and
-#   the layers left in bf16 taking the rest; a CPU has no float8 units (its eager casts are not counted);
-FLOAT8_SPEEDUP = {"cuda": 1.6, "cpu": 1.0}
 # - the Kahan-compensated update reads and writes one more bf16 buffer: 4 B/param of extra traffic.
-# What each lever adds is its record's `cost` (fulltune/levers.py) over these constants (`StepCosts`).
+# What each lever adds is its record's `cost` (fulltune/levers.py) over these constants (`StepCosts`); a lever's own
+# constants are beside its cost where its record names it with `Elsewhere`.
 KAHAN_TRAFFIC = 4
 
 
@@ -227,22 +223,6 @@ class StepCosts:
     def flops(self, precision: str) -> float:
         """Sustained FLOP/s of this device computing in `precision`."""
         return _flops(self.settings.device, precision)
-
-    @property
-    def float8_speedup(self) -> float:
-        """float8 matmuls' throughput over bf16's on this device (`FLOAT8_SPEEDUP`)."""
-        return FLOAT8_SPEEDUP[self.settings.device]
-
-    @property
-    def float8_matmul_flops(self) -> float:
-        """FLOPs of one optimizer step's matmuls in the linears float8 converts (fulltune/memory/float8.py): 6 per
-        weight and token in the forward and backward, 2 more in a checkpointed layer's recomputed forward."""
-        from fulltune.memory.float8 import converted
-
-        s = self.settings
-        tokens = s.gradient_accumulation_steps * s.micro_batch_size * s.seq_len
-        recomputed = min(s.gradient_checkpointing, self.shape.num_layers)
-        return tokens * sum(x.numel for x in converted(self.shape)) * (6 * self.shape.num_layers + 2 * recomputed)
 
     def fsdp_offload(self) -> dict[str, float]:
         """FSDP2's CPU offload, term by term (`fsdp_offload_terms`)."""

@@ -346,7 +346,7 @@ def measure_cuda(config: Any, settings: Settings, steps: int = 2) -> dict[str, i
 
 # The code a trace runs: the trainer's step and everything it builds (optimizers, loss, levers), the model loader.
 TRACED_CODE = ("planning/trace.py", "runtime", "memory/types.py", "models.py", "attention.py", "levers.py",
-               "optimizers.py")
+               "lever_record.py", "optimizers.py")
 
 def stored_peak(config_json: str, settings: Settings) -> tuple[Path, int | None]:
     """(where the traced peak of this step is kept, the peak when a trace of it was kept before).

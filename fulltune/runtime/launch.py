@@ -40,7 +40,7 @@ from fulltune import errors, spec
 from fulltune.degrees import ParallelDims
 from fulltune.errors import ConfigError, DataError, TrainingError, UserError
 from fulltune import levers
-from fulltune.memory.types import LEVERS, Settings
+from fulltune.memory.types import Settings
 from fulltune.pipelines_file import format_errors
 from fulltune.spec import Strict
 # One test of "has that process ended" for locks, temp dirs and the launcher; re-exported for the trainer.
@@ -85,7 +85,7 @@ class Tracking(Strict):
 # each, and effective_batch_size is its micro_batch_size × gradient_accumulation_steps × processes. The job's
 # train section leaves them out, so the child cannot read an `auto` where the plan's choice belongs.
 PLANNED_TRAIN_KEYS = ("effective_batch_size", "micro_batch_size", "gradient_accumulation_steps",
-                      "gradient_checkpointing", "mixed_precision", "optimizer", *LEVERS, "compensation", "float8_recipe")
+                      "gradient_checkpointing", "mixed_precision", "optimizer", *levers.TRAIN_KEYS)
 TrainOptions = create_model(
     "TrainOptions", __base__=Strict, __module__=__name__,
     __doc__="The pipeline's `train:` section without PLANNED_TRAIN_KEYS: the optimisation the plan does not decide.",

@@ -31,8 +31,8 @@ from fulltune.stages.tokenize import STAGE as TOKENIZE_STAGE
 # The budget stage measures candidates (planning/autotune.py) in child runs of the trainer on the data tokenized
 # both ways: the whole runtime and the tokenize stage.
 CODE = ("memory", "planning", "runtime", "data", "stages/__init__.py", "stages/runner.py", "stages/budget.py",
-        "stages/tokenize.py", "models.py", "attention.py", "levers.py", "optimizers.py", "degrees.py", "storage.py", "hub.py",
-        "sizes.py", "pipelines_file.py")
+        "stages/tokenize.py", "models.py", "attention.py", "levers.py", "lever_record.py", "optimizers.py", "degrees.py",
+        "storage.py", "hub.py", "sizes.py", "pipelines_file.py")
 
 
 def code(p: ResolvedPipeline) -> tuple[str, ...]:

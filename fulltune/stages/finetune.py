@@ -24,7 +24,8 @@ from fulltune.stages.runner import Inputs, Stage, StageLog
 CODE = ("stages/finetune.py", "stages/__init__.py", "runtime", "planning/replan.py", "planning/inputs.py",
         "planning/planner.py", "planning/search.py", "planning/step_time.py", "planning/reasons.py",
         "planning/pipeline.py", "planning/strategy.py", "planning/trace.py", "memory", "data", "models.py",
-        "attention.py", "levers.py", "optimizers.py", "degrees.py", "hub.py", "storage.py", "sizes.py", "pipelines_file.py")
+        "attention.py", "levers.py", "lever_record.py", "optimizers.py", "degrees.py", "hub.py", "storage.py", "sizes.py",
+        "pipelines_file.py")
 
 
 @dataclass(frozen=True)
