@@ -445,6 +445,54 @@ def test_every_lever_record_says_what_it_does_and_what_it_costs() -> None:
     assert Settings(micro_batch_size=1, seq_len=8).levers() == dict.fromkeys(levers.LEVERS, False)
 
 
+def test_a_levers_options_and_conditions_are_declared_once_in_its_record() -> None:
+    # An option (train.compensation, train.float8_recipe) and a condition (what float8: auto reads of the machine)
+    # are written once, in the record: the spec's field, the settings' and the request's fields and checks, the
+    # request read from a pipeline, the planned settings and the job's planned keys all follow from it.
+    import dataclasses
+
+    import pydantic
+    from transformers import LlamaConfig
+
+    from fulltune import levers, spec
+    from fulltune.memory.budget import Budget
+    from fulltune.memory.errors import MemoryConfigError
+    from fulltune.memory.types import PlanRequest, Settings
+    from fulltune.planning.search import configured_settings
+    from fulltune.runtime import launch
+
+    assert [o.name for o in levers.OPTIONS] == ["compensation", "float8_recipe"]
+    assert [c.name for c in levers.CONDITIONS] == ["float8_supported", "compile"]
+    request_defaults = {f.name: f.default for f in dataclasses.fields(PlanRequest)}
+    for option in levers.OPTIONS:
+        field = spec.TrainSpec.model_fields[option.name]
+        assert (field.description, field.default) == (option.description, option.default)
+        with pytest.raises(pydantic.ValidationError, match=option.name):
+            spec.TrainSpec(**{option.name: "nonsense"})
+        for make in (lambda **kw: Settings(micro_batch_size=1, seq_len=8, **kw),
+                     lambda **kw: PlanRequest(effective_batch_size=8, seq_len=8, **kw)):
+            assert getattr(make(), option.name) == option.default
+            with pytest.raises(MemoryConfigError, match=f"^{option.name} must be one of {', '.join(option.choices)}; "
+                                                        "got 'nonsense'$"):
+                make(**{option.name: "nonsense"})
+        assert option.name in launch.PLANNED_TRAIN_KEYS and option.name not in launch.TrainOptions.model_fields
+    assert all(request_defaults[c.name] is False for c in levers.CONDITIONS)
+    # The refusal an option declares for its lever off.
+    with pytest.raises(pydantic.ValidationError, match="train.pure_bf16 is false"):
+        spec.TrainSpec(pure_bf16=False, compensation="kahan")
+    # Read from a pipeline's train section and this machine's budget, then carried into the planned settings.
+    train = spec.TrainSpec(compensation="kahan", float8_recipe="rowwise", compile=True)
+    for capability, tensor_cores in ((None, False), ((8, 0), False), ((8, 9), True), ((9, 0), True)):
+        fields = levers.request_fields(train, Budget("cuda", 2**34, capability=capability))
+        assert fields["float8_supported"] is tensor_cores and fields["compile"] is True
+    request = PlanRequest(effective_batch_size=8, seq_len=8,
+                          **levers.request_fields(train, Budget("cuda", 2**34, capability=(9, 0))))
+    assert (request.compensation, request.float8_recipe, request.float8) == ("kahan", "rowwise", None)
+    settings = configured_settings(LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=2, num_attention_heads=4), request)
+    assert (settings.compensation, settings.float8_recipe) == ("kahan", "rowwise")
+
+
 def test_the_model_side_levers_are_applied_by_one_function() -> None:
     # The trainer (fulltune/runtime/train.py apply_levers) and the memory trace (planning/trace.py build_model)
     # both call apply_model_levers: checkpointing, then bf16 weights, then the checkpointed inputs offloaded.
