@@ -24,7 +24,7 @@ class NoAddedTime:
 @dataclass(frozen=True)
 class Elsewhere:
     """A lever's function that lives on a floor above this one (beside the model's code it reads), named
-    "module:function" and imported when first called: the record can name it without importing upward."""
+    "module:function" and imported when called: the record can name it without importing upward."""
 
     ref: str
 
