@@ -39,9 +39,12 @@ demo: install
 
 # Two workers (pytest-xdist), a test file each at a time, the longest first (tests/conftest.py LONGEST_FIRST).
 # FULLTUNE_TEST_LOWBIT=required: a test that needs torchao fails instead of skipping when .lowbit is missing.
+# OMP_NUM_THREADS=1: the two workers and the processes they start already fill the cores; a second OpenMP thread
+# per process only spins waiting for a core the other worker holds (19-21% more CPU for the same tests, measured
+# side by side: BENCHMARKS.md). Tests that compare thread counts set their own.
 test: install $(LOWBIT_STAMP)
 	$(BIN)/python -m compileall -q -j 0 fulltune flows tasks tests benchmarks > /dev/null
-	FULLTUNE_TEST_LOWBIT=required $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not heavy"
+	OMP_NUM_THREADS=1 FULLTUNE_TEST_LOWBIT=required $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not heavy"
 
 test-all: install $(LOWBIT_STAMP)
 	FULLTUNE_TEST_LOWBIT=required $(BIN)/python -m pytest -q

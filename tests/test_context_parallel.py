@@ -146,12 +146,12 @@ def test_context_parallel_2_trains_like_one_process_resumes_bit_exact_after_a_ki
     for a, b in zip(losses, one_losses, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (losses, one_losses)
 
-    # One Hugging Face checkpoint, loaded in a fresh process.
-    probe = ("import sys; from transformers import AutoModelForCausalLM; "
-             "m = AutoModelForCausalLM.from_pretrained(sys.argv[1]); print(type(m).__name__, m.num_parameters())")
-    loaded = subprocess.run([sys.executable, "-c", probe, str(run_dir / "model")], capture_output=True, text=True,
-                            timeout=300)
-    assert loaded.returncode == 0 and loaded.stdout.startswith("LlamaForCausalLM"), loaded.stderr[-2000:]
+    # One Hugging Face checkpoint, as transformers loads it.
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(run_dir / "model")
+    assert type(loaded).__name__ == "LlamaForCausalLM"
+    assert_same_weights({name: t for name, t in loaded.state_dict().items() if name in weights}, weights)
 
 
 # ---------------------------------------------------------------------------------------------------

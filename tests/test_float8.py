@@ -61,12 +61,13 @@ def test_float8_trains_like_bf16_and_holds_what_the_plan_counts(tmp_path: Path) 
 def test_fulltune_run_trains_float8_under_fsdp_like_the_same_run_without_it(tmp_path: Path, shared_run,
                                                                              prefect_server) -> None:
     """The shared two-process FSDP run (tests/runs.py TWO_SHARDS) with float8 on: the plan says what is converted,
-    each process's step peak is within 3% of its estimate, and the losses stay within 2% of the run without it."""
+    each process's step peak is within 3% of its estimate, and the losses stay within 2% of the run without it.
+    (Its evaluation is the default one, in one process: the shared run proves the sharded one and the harness.)"""
     import lowbit
-    from runs import FSDP, TWO_SHARDS, assert_rank_peaks_within, finish, fulltune_run, loss_history
+    from runs import FSDP, SHARDED, TWO_SHARDS, assert_rank_peaks_within, finish, fulltune_run, loss_history
 
     plain = shared_run(**TWO_SHARDS)
-    sections = {**TWO_SHARDS, "train": {**FSDP, "float8": True}}
+    sections = {"train": {**FSDP, "float8": True}, "distributed": SHARDED}
     log = tmp_path / "run.log"
     run = fulltune_run(tiny_pipeline(tmp_path, **sections), log, prefect_server,
                        **{"PYTHONPATH": lowbit.environment()["PYTHONPATH"], "FULLTUNE_TRACK_MEMORY": "1"})

@@ -1,8 +1,8 @@
-"""`distributed.tensor_parallel` on CPU processes through `fulltune run`, as a user runs it: tensor parallel
-on 2 processes and FSDP 2 × TP 2 on 4 train like one process, the 2-D run survives a kill of its whole
-process tree bit-exactly, and the registered model is a plain Hugging Face checkpoint. Also what validate
-refuses: DeepSpeed strategies, a tensor-parallel degree that does not divide the processes or the model's
-heads."""
+"""`distributed.tensor_parallel` on CPU processes through `fulltune run`, as a user runs it: FSDP 2 × TP 2 on 4
+processes survives a kill of its whole process tree bit-exactly and registers a plain Hugging Face checkpoint; its
+train job, run again through the launcher's training command as 2-D and as tensor parallel alone on 2 processes,
+trains like one process. Also what validate refuses: DeepSpeed strategies, a tensor-parallel degree that does not
+divide the processes or the model's heads."""
 
 from __future__ import annotations
 
@@ -69,11 +69,9 @@ def test_tensor_parallel_and_2d_train_like_one_process_and_resume_bit_exact_afte
 
     from runs import assert_same_weights, finish, fulltune_run, kill_at_checkpoint, loss_history, rerun_job, saved_model
 
-    tp, killed = tmp_path / "tp", tmp_path / "killed"
-    for directory in (tp, killed):
-        directory.mkdir()
+    killed = tmp_path / "killed"
+    killed.mkdir()
     single = shared_run(**ONE_PROCESS)
-    finish(fulltune_run(tiny_pipeline(tp, train=ONE, distributed=TP), tp / "run.log", prefect_server), tp / "run.log")
     pipelines = tiny_pipeline(killed, train=TWO_D, distributed=FSDP_TP)
     log = killed / "run.log"
     # The 7th micro-batch of a process is the first of step 4: step-2 is then the newest checkpoint.
@@ -88,17 +86,20 @@ def test_tensor_parallel_and_2d_train_like_one_process_and_resume_bit_exact_afte
     (model_dir,) = (killed / "work").glob("runs/*/model")
     clean = rerun_job(model_dir.parent / "JOB.json", tmp_path / "clean")
     assert_same_weights(saved_model(killed / "work"), saved_model(clean))
+    # The same job as tensor parallel alone: one pair of processes, 8 rows a step by accumulating 4 micro-batches.
+    tp = rerun_job(model_dir.parent / "JOB.json", tmp_path / "tp", num_processes=TP["num_processes"],
+                   gradient_accumulation_steps=ONE["gradient_accumulation_steps"])
 
     # Tensor parallel and FSDP × TP train like one process (fp32: only the order of sums differs).
     one = single.finish()
     reference = loss_history(one / "work")
-    for workdir in (tp / "work", clean):
+    for workdir in (tp, clean):
         losses = loss_history(workdir)
         assert len(losses) == len(reference)
         for a, b in zip(losses, reference):
             assert abs(a - b) <= 1e-4 * abs(b), (workdir, losses, reference)
     single_model = saved_model(one / "work")
-    for workdir in (tp / "work", clean):
+    for workdir in (tp, clean):
         trained = saved_model(workdir)
         assert trained.keys() == single_model.keys()
         for name, tensor in trained.items():
