@@ -131,7 +131,9 @@ def test_device_check_dry_run_writes_its_report(tmp_path):
 
     out = tmp_path / "report.json"
     # With torchao (.lowbit/, as a GPU session runs it) so that the float8 case runs too.
-    result = subprocess.run([sys.executable, "-m", "benchmarks.device_check", "--dry-run", "--out", str(out)],
+    # Two timed steps for MFU and one per host-parameter variant: the dry run checks the script, it measures nothing.
+    result = subprocess.run([sys.executable, "-m", "benchmarks.device_check", "--dry-run", "--out", str(out),
+                             "--mfu-steps", "2", "--offload-steps", "1"],
                             cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600,
                             env=environment())
     assert result.returncode == 0, result.stderr[-2000:]
