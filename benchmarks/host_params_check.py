@@ -440,16 +440,17 @@ def _text(output: Any) -> str:
     return output.decode(errors="replace") if isinstance(output, bytes) else output
 
 
-def run_host_params_child(name: str, dry_run: bool, steps: int) -> dict[str, Any]:
-    """`python -m benchmarks.host_params_check NAME` in a fresh process (a process group of its own on a
-    free port); its JSON, or what went wrong (exit status, timeout, the end of its stderr)."""
+def run_host_params_child(names: tuple[str, ...], dry_run: bool, steps: int) -> dict[str, dict[str, Any]]:
+    """`python -m benchmarks.host_params_check NAME...` in a fresh process (a process group of its own on a free
+    port), the parts one after the other; {name: its JSON, or what went wrong (exit status, timeout, the end of
+    its stderr)}."""
     import subprocess
     import tempfile
 
-    timeout = _child_timeout(name, dry_run, steps)
+    timeout = sum(_child_timeout(name, dry_run, steps) for name in names)
     with tempfile.TemporaryDirectory(prefix="fulltune-host-params-") as tmp:
-        out = Path(tmp) / f"{name}.json"
-        command = [sys.executable, "-m", "benchmarks.host_params_check", name, "--steps", str(steps), "--out",
+        out = Path(tmp) / (f"{names[0]}.json" if len(names) == 1 else "parts")
+        command = [sys.executable, "-m", "benchmarks.host_params_check", *names, "--steps", str(steps), "--out",
                    str(out), *(["--dry-run"] if dry_run else [])]
         env = {**os.environ, **_one_process_env()}
         started = time.perf_counter()
@@ -457,18 +458,22 @@ def run_host_params_child(name: str, dry_run: bool, steps: int) -> dict[str, Any
             done = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True,
                                   text=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:
-            return {"name": name, "error": f"timed out after {timeout:.0f} s (child killed)",
-                    "stderr_tail": _text(exc.stderr)[-3000:]}
-        try:
-            row = json.loads(out.read_text()) if out.is_file() else {"name": name}
-        except ValueError as exc:
-            row = {"name": name, "error": f"unreadable report: {exc}"}
-    row["child_seconds"] = round(time.perf_counter() - started, 1)
-    if done.returncode != 0 and "error" not in row:
-        row["error"] = f"child exited with status {done.returncode}"
-    if "error" in row:
-        row["stderr_tail"] = _text(done.stderr)[-3000:]
-    return row
+            return {name: {"name": name, "error": f"timed out after {timeout:.0f} s (child killed)",
+                           "stderr_tail": _text(exc.stderr)[-3000:]} for name in names}
+        rows = {}
+        for name in names:
+            path = out if len(names) == 1 else out / f"{name}.json"
+            try:
+                rows[name] = json.loads(path.read_text()) if path.is_file() else {"name": name}
+            except ValueError as exc:
+                rows[name] = {"name": name, "error": f"unreadable report: {exc}"}
+    for row in rows.values():
+        row["child_seconds"] = round(time.perf_counter() - started, 1)
+        if done.returncode != 0 and "error" not in row:
+            row["error"] = f"child exited with status {done.returncode}"
+        if "error" in row:
+            row["stderr_tail"] = _text(done.stderr)[-3000:]
+    return rows
 
 
 def host_param_comparisons(plan: dict[str, Any], measured: dict[str, Any], settings: dict[str, Any],
@@ -563,12 +568,16 @@ def fsdp_offload_case(dry_run: bool, steps: int = 2) -> dict[str, Any]:
 
     gc.collect()
     torch.cuda.empty_cache()  # the earlier cases' cached blocks: the children have the GPU to themselves (no-op on CPU)
-    probes = run_host_params_child(HOST_PARAM_PROBES, dry_run, steps)
+    parts = (HOST_PARAM_PROBES, *HOST_PARAM_VARIANTS)
+    # --dry-run: one child runs the parts in turn (at its tiny shapes, starting three children would cost more than
+    # the parts: torch and transformers imported three times); on a GPU each part has a fresh process of its own.
+    rows = run_host_params_child(parts, dry_run, steps) if dry_run else {}
+    probes = rows.get(HOST_PARAM_PROBES) or run_host_params_child((HOST_PARAM_PROBES,), dry_run, steps)[HOST_PARAM_PROBES]
     print(f"[fsdp offload] probes: {'FAILED' if 'error' in probes else 'done'}", file=sys.stderr, flush=True)
     usable = None if "error" in probes else probes
     variants = []
     for name in HOST_PARAM_VARIANTS:
-        row = run_host_params_child(name, dry_run, steps)
+        row = rows.get(name) or run_host_params_child((name,), dry_run, steps)[name]
         for part in (row, row.get("dry_run")):
             if part and "measured" in part:
                 part["comparisons"] = host_param_comparisons(part["plan"], part["measured"], part["settings"], usable)
@@ -690,24 +699,29 @@ def host_param_lines(offload: dict[str, Any]) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=(HOST_PARAM_PROBES, *HOST_PARAM_VARIANTS))
-    parser.add_argument("--out", required=True, help="where to write the part's JSON")
+    parser.add_argument("part", nargs="+", choices=(HOST_PARAM_PROBES, *HOST_PARAM_VARIANTS),
+                        help="the parts, run one after the other")
+    parser.add_argument("--out", required=True,
+                        help="where to write the part's JSON; with several parts, a directory of NAME.json")
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny shapes on CPU: checks the script, measures nothing")
     parser.add_argument("--steps", type=int, default=2, help="timed steps, after one warm-up step")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        report = host_params_child(args.part, args.dry_run, args.steps)
-    except Exception as exc:  # reported to the parent in the JSON it reads
-        report = {"name": args.part, "error": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc(limit=8)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2, default=str))
-    tmp.replace(out)
-    return 1 if "error" in report else 0
+    failed = False
+    for part in args.part:
+        try:
+            report = host_params_child(part, args.dry_run, args.steps)
+        except Exception as exc:  # reported to the parent in the JSON it reads
+            report = {"name": part, "error": f"{type(exc).__name__}: {exc}",
+                      "traceback": traceback.format_exc(limit=8)}
+        out = Path(args.out) if len(args.part) == 1 else Path(args.out) / f"{part}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2, default=str))
+        tmp.replace(out)
+        failed |= "error" in report
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
