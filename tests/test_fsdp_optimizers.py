@@ -15,30 +15,47 @@ optimizer state would leave them a whole step (~1% of the loss) off the one-proc
   the gradients' other summation order, rounded by the orthogonalisation's bf16 matmuls, measured 3.0e-5
   relative at most over 6 steps; asserted at 1e-4. The sharded run with the save/load round trip gives
   the losses of one without it to the bit.
-Each pair costs ~25 s on 2 cores, hence `slow`.
+The three one-process runs share one process and the three sharded runs one torchrun (the worker's `--then`:
+each run builds its model from its seed and resets the Accelerator), hence one start of each for all three.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
-from test_sharding import one_process, two_sharded
+from test_sharding import STEPS, WORKER, _sharded_run, _torchrun, result, run
 
 pytestmark = pytest.mark.slow
 
+OPTIMIZERS = {"adafactor": ("--optimizer", "adafactor"), "pure_bf16_kahan_adamw": ("--optimizer", "adamw", "--pure-bf16"),
+              "muon": ("--optimizer", "muon")}
 
-@pytest.mark.parametrize(("options", "tolerance"), [
-    (("--optimizer", "adafactor"), 1e-5),
-    (("--optimizer", "adamw", "--pure-bf16"), 2e-3),
-    (("--optimizer", "muon"), 1e-4),
-], ids=["adafactor", "pure_bf16_kahan_adamw", "muon"])
-def test_two_fsdp_processes_step_and_resume_the_optimizer_like_one_process(tmp_path: Path, options: tuple,
+
+def _chain(runs: list[list[str]]) -> list[str]:
+    return [argument for i, arguments in enumerate(runs) for argument in (["--then"] if i else []) + arguments]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """Each optimizer's one-process run (`one/<name>`) and two-process FSDP run (`two/<name>`) under one root."""
+    root = tmp_path_factory.mktemp("optimizers")
+    run([sys.executable, str(WORKER), *_chain([[str(root / "one" / name), "--steps", str(STEPS), "--micro", "2",
+                                                *options] for name, options in OPTIMIZERS.items()])])
+    run(_torchrun("--standalone", "--nproc_per_node", "2", str(WORKER),
+                  *_chain([_sharded_run(root / "two" / name, STEPS, *options, "--rewind-at", "3")
+                           for name, options in OPTIMIZERS.items()])))
+    return root
+
+
+@pytest.mark.parametrize(("name", "tolerance"), [("adafactor", 1e-5), ("pure_bf16_kahan_adamw", 2e-3),
+                                                 ("muon", 1e-4)])
+def test_two_fsdp_processes_step_and_resume_the_optimizer_like_one_process(trained: Path, name: str,
                                                                             tolerance: float) -> None:
-    one = one_process(tmp_path / "one", *options)
-    two = two_sharded(tmp_path / "two", *options, "--rewind-at", "3")
+    one, two = result(trained / "one" / name), result(trained / "two" / name)
     assert two["weights"]["sharded"] and not one["weights"]["sharded"]
-    assert (tmp_path / "two" / "rewind" / ".metadata").is_file()
+    assert (trained / "two" / name / "rewind" / ".metadata").is_file()
     assert two["losses"][-1] < two["losses"][0]
     assert two["losses"] == pytest.approx(one["losses"], rel=tolerance)
