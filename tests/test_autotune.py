@@ -207,6 +207,23 @@ def test_measured_step_times_calibrate_the_ranking_for_their_kind_of_step(tmp_pa
     assert planner.step_seconds(shape, bf16) == pytest.approx(autotune.analytic_step_seconds(shape, bf16))
 
 
+def test_a_measurement_is_kept_per_float8_recipe():
+    """`train.float8_recipe` is not among the settings `Settings.to_dict` records, yet rowwise scales run another
+    step than tensorwise ones: their measurements are kept apart."""
+    from fulltune.planning import autotune
+    from fulltune.memory import Settings
+    from fulltune.memory.shapes import model_shape
+    from fulltune.models import config_from_spec
+    from pipelines_fixture import TINY_LLAMA
+
+    shape = model_shape(config_from_spec(dict(TINY_LLAMA), 96))
+    info = autotune.hardware("cpu")
+    tensorwise = Settings(micro_batch_size=4, seq_len=16, device="cpu", mixed_precision="bf16", float8=True)
+    rowwise = replace(tensorwise, float8_recipe="rowwise")
+    keys = {autotune.measurement_key(info, shape, s, autotune.Options()) for s in (tensorwise, rowwise)}
+    assert len(keys) == 2
+
+
 # --- the YAML --------------------------------------------------------------------------------------
 
 

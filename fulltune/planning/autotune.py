@@ -179,10 +179,14 @@ def _shape_from(data: dict[str, Any]) -> ModelShape:
 
 
 def measurement_key(info: dict[str, Any], shape: ModelShape, settings: Settings, opts: Options) -> str:
+    """The measurement's cache key: the machine, the model's shape, the settings (with every lever option,
+    `train.float8_recipe` too, which `Settings.to_dict` does not record) and the steps timed."""
+    from fulltune.levers import options_of
     from fulltune.storage import hash_json
 
     return hash_json({"version": CACHE_VERSION, "hardware": info, "shape": _shape_dict(shape),
-                      "settings": settings.to_dict(), "steps": opts.steps, "warmup_steps": opts.warmup_steps})[:32]
+                      "settings": settings.to_dict() | options_of(settings), "steps": opts.steps,
+                      "warmup_steps": opts.warmup_steps})[:32]
 
 
 def _measurements_dir(workdir: str | Path) -> Path:
