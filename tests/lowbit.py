@@ -30,6 +30,16 @@ def require() -> Path:
     pytest.skip(message)
 
 
+def available() -> bool:
+    """Whether .lowbit/ holds torchao, for a test with more to prove than what needs it; where it is required and
+    missing, the test fails."""
+    if (LOWBIT / "torchao").is_dir():
+        return True
+    if os.environ.get(REQUIRED_ENV) == "required":
+        pytest.fail(f"needs torchao in {LOWBIT}: `make test` installs it (fulltune[lowbit])")
+    return False
+
+
 def environment(**extra: str) -> dict[str, str]:
     """This process's environment with the repository and .lowbit/ first on PYTHONPATH (and `extra`)."""
     path = os.pathsep.join(filter(None, [str(ROOT), str(require()), os.environ.get("PYTHONPATH")]))

@@ -79,50 +79,33 @@ def test_fulltune_run_trains_float8_under_fsdp_like_the_same_run_without_it(tmp_
     assert float8_losses == pytest.approx(plain_losses, rel=0.02)
 
 
-@pytest.mark.slow
-def test_float8_beside_each_other_lever_is_refused_by_validate_or_trains(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """float8 with each other lever on its own, AdamW, bf16 (pure bf16 beside it on one process and under DDP,
-    where CPU autocast would stand in its way), under each strategy: `validate` (as on a machine with torchao)
-    refuses the combination naming its fields, or it trains two optimizer steps through the trainer's own setup and
-    step (tests/lever_table_worker.py, in processes with torchao)."""
-    import lowbit
-    from test_lever_table import STRATEGIES, job_text, layout_of, validate
-    from test_train import build_model, counting_rows, write_rows
+def float8_sets_accepted_by_validate() -> dict[str, list[dict[str, bool]]]:
+    """float8 with each other lever on its own, AdamW, bf16 (pure bf16 beside it on one process and under DDP, where
+    CPU autocast would stand in its way), under each strategy, validated as on a machine with torchao: the lever sets
+    accepted, by strategy; a refused one names its fields."""
+    from test_lever_table import STRATEGIES, validate
 
-    monkeypatch.setattr(levers, "_torchao_installed", lambda: True)  # what the training processes have
-    assets = {"model": tmp_path / "model", "data": tmp_path / "train.parquet", "root": tmp_path}
-    build_model(assets["model"], attention_dropout=0.0)
-    write_rows(assets["data"], counting_rows(16))
     accepted: dict[str, list[dict[str, bool]]] = {}
-    for layout in STRATEGIES:
-        base = {"float8": True, **({"pure_bf16": True} if layout != "fsdp" else {})}
-        for other in (None, *(name for name in levers.LEVERS if name not in base)):
-            on = {**dict.fromkeys(levers.LEVERS, False), **base, **({other: True} if other else {})}
-            problem = validate(on, "adamw", layout)
-            if problem is None:
-                accepted.setdefault(layout, []).append(on)
-            else:
-                assert "pipelines.t" in problem and f"train.{other}" in problem, problem
-    # One process: alone and beside each of the 4 others; DDP: not beside the two that step from gradient hooks; FSDP
-    # on a CPU device: alone and beside each but its CPU offload (it needs CUDA).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(levers, "_torchao_installed", lambda: True)  # what the training processes have
+        for layout in STRATEGIES:
+            base = {"float8": True, **({"pure_bf16": True} if layout != "fsdp" else {})}
+            for other in (None, *(name for name in levers.LEVERS if name not in base)):
+                on = {**dict.fromkeys(levers.LEVERS, False), **base, **({other: True} if other else {})}
+                problem = validate(on, "adamw", layout)
+                if problem is None:
+                    accepted.setdefault(layout, []).append(on)
+                else:
+                    assert "pipelines.t" in problem and f"train.{other}" in problem, problem
+    return accepted
+
+
+def test_float8_beside_each_other_lever_is_refused_by_validate_or_accepted() -> None:
+    """One process: alone and beside each of the 4 others; DDP: not beside the two that step from gradient hooks;
+    FSDP on a CPU device: alone and beside each but its CPU offload (it needs CUDA). The accepted ones train two
+    optimizer steps in tests/test_lever_table.py's processes (with torchao), beside every other combination."""
+    accepted = float8_sets_accepted_by_validate()
     assert {layout: len(sets) for layout, sets in accepted.items()} == {"none": 5, "ddp": 3, "fsdp": 5}
-    failures = []
-    for layout, sets in accepted.items():
-        jobs, out = tmp_path / f"{layout}.json", tmp_path / f"{layout}-out.json"
-        jobs.write_text(json.dumps([job_text(assets, on, "adamw", layout, i) for i, on in enumerate(sets)]))
-        processes = layout_of(layout)[1]
-        launcher = [] if processes == 1 else ["-m", "torch.distributed.run", "--standalone",
-                                              f"--nproc_per_node={processes}"]
-        done = subprocess.run([sys.executable, *launcher, str(Path(__file__).parent / "lever_table_worker.py"),
-                               str(jobs), str(out)], env=lowbit.environment(OMP_NUM_THREADS="1"),
-                              capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stderr[-3000:]
-        for on, result in zip(sets, json.loads(out.read_text())):
-            if "error" in result or not (all(loss == loss and loss < 1e4 for loss in result["losses"])
-                                         and result["moved"]):
-                failures.append(f"{layout} {[name for name, value in on.items() if value]}: {result}")
-    assert failures == []
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ train two optimizer steps each through the trainer's own `setup` and `train_step
 the one-process combinations in one child process, the ddp and fsdp ones in one 2-process torchrun group, each
 combination with the accumulation and micro-batch a plan would give it (accumulation 1 with the step in
 backward, else 2), bf16 and all layers checkpointed (so that offloaded activations have layers to offload).
+float8 beside each other lever (tests/test_float8.py finds which) trains in the same processes, which then have
+torchao.
 """
 
 from __future__ import annotations
@@ -97,10 +99,11 @@ def job_text(assets: dict[str, Path], on: dict[str, bool], optimizer: str, strat
     return job.to_json()
 
 
-def train_all(assets: dict[str, Path], texts: list[str], processes: int, name: str) -> list[dict]:
+def train_all(assets: dict[str, Path], texts: list[str], processes: int, name: str,
+              env: dict[str, str] | None = None) -> list[dict]:
     jobs, out = assets["root"] / f"{name}.json", assets["root"] / f"{name}-out.json"
     jobs.write_text(json.dumps(texts))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**(env or {**os.environ, "PYTHONPATH": str(ROOT)}), "OMP_NUM_THREADS": "1"}
     if processes == 1:
         command = [sys.executable, str(WORKER), str(jobs), str(out)]
     else:
@@ -131,14 +134,14 @@ def accepted_by_validate(layouts: tuple[str, ...]) -> dict[str, list[tuple[dict[
     return accepted
 
 
-def train_accepted(assets: dict[str, Path], accepted: dict[str, list]) -> list[str]:
-    """Two optimizer steps of each accepted combination, one process or torchrun group per layout; what did
-    not train. A combination is (levers, optimizer) or (levers, optimizer, more of the plan)."""
+def train_accepted(assets: dict[str, Path], accepted: dict[str, list], env: dict[str, str] | None = None) -> list[str]:
+    """Two optimizer steps of each accepted combination, one process or torchrun group per layout (`env`: theirs);
+    what did not train. A combination is (levers, optimizer) or (levers, optimizer, more of the plan)."""
     failures = []
     for layout, combos in accepted.items():
         combos = [combo if len(combo) == 3 else (*combo, {}) for combo in combos]
         texts = [job_text(assets, on, optimizer, layout, i, **plan) for i, (on, optimizer, plan) in enumerate(combos)]
-        results = train_all(assets, texts, layout_of(layout)[1], layout.replace(" ", ""))
+        results = train_all(assets, texts, layout_of(layout)[1], layout.replace(" ", ""), env)
         for (on, optimizer, plan), result in zip(combos, results):
             label = f"{layout} {optimizer} {[name for name, value in on.items() if value]} {plan or ''}"
             if "error" in result:
@@ -180,7 +183,17 @@ def test_every_lever_optimizer_strategy_combination_is_refused_by_validate_or_tr
     # lever sets above train), as `test_every_compensation_...` finds validate accepts them.
     accepted["none"] += [(on, optimizer, plan) for on, optimizer, plan in compensations_accepted_by_validate()
                          if plan["compensation"] != OPTIMIZERS_BY_NAME[optimizer].default_compensation]
-    assert train_accepted(assets, accepted) == []
+    # And float8 beside each other lever, as tests/test_float8.py finds validate accepts it on a machine with
+    # torchao: the processes then have torchao (.lowbit/, tests/lowbit.py; `make test` requires it).
+    import lowbit
+    from test_float8 import float8_sets_accepted_by_validate
+
+    env = None
+    if lowbit.available():
+        for layout, sets in float8_sets_accepted_by_validate().items():
+            accepted[layout] += [(on, "adamw") for on in sets]
+        env = lowbit.environment()
+    assert train_accepted(assets, accepted, env) == []
 
 
 def test_every_compensation_with_every_optimizer_is_refused_by_validate_or_accepted() -> None:
