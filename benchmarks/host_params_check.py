@@ -571,13 +571,17 @@ def fsdp_offload_case(dry_run: bool, steps: int = 2) -> dict[str, Any]:
     parts = (HOST_PARAM_PROBES, *HOST_PARAM_VARIANTS)
     # --dry-run: one child runs the parts in turn (at its tiny shapes, starting three children would cost more than
     # the parts: torch and transformers imported three times); on a GPU each part has a fresh process of its own.
-    rows = run_host_params_child(parts, dry_run, steps) if dry_run else {}
-    probes = rows.get(HOST_PARAM_PROBES) or run_host_params_child((HOST_PARAM_PROBES,), dry_run, steps)[HOST_PARAM_PROBES]
+    together = run_host_params_child(parts, dry_run, steps) if dry_run else {}
+
+    def part_row(name: str) -> dict[str, Any]:
+        return together[name] if together else run_host_params_child((name,), dry_run, steps)[name]
+
+    probes = part_row(HOST_PARAM_PROBES)
     print(f"[fsdp offload] probes: {'FAILED' if 'error' in probes else 'done'}", file=sys.stderr, flush=True)
     usable = None if "error" in probes else probes
     variants = []
     for name in HOST_PARAM_VARIANTS:
-        row = rows.get(name) or run_host_params_child((name,), dry_run, steps)[name]
+        row = part_row(name)
         for part in (row, row.get("dry_run")):
             if part and "measured" in part:
                 part["comparisons"] = host_param_comparisons(part["plan"], part["measured"], part["settings"], usable)

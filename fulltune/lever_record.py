@@ -65,14 +65,13 @@ class Lever:
     `sentence(settings)`: what the plan says it does, for the settings that run it. `cost(settings, step)`: the
     seconds it adds to one optimizer step (negative for a lever that saves time), from the step-time model's terms
     (`step`: fulltune/planning/step_time.py `StepCosts`: throughputs, link speeds, the model's shape), or
-    `NoAddedTime(why)`. `slow`: it moves tensors
-    between host and device every step, so on a CPU device (host RAM is the device's memory) it saves nothing and
-    the planner never chooses it there, and a plan that fits only with it hears what pipeline stages would do
-    instead. `pipeline_refusal`: why pipeline stages do not run it (None: they do). `apply`: the runtime function
-    ("module:function", called as function(model, settings)) that changes the model for it, or None when its
-    code path is the optimizer's or the loss's. `auto`: for a lever that saves no memory, what `auto` means, a
-    function of the plan request (`fulltune.memory.PlanRequest`) saying whether it is on (`decided`); None: the
-    planner turns it on only when memory requires it, cheapest first.
+    `NoAddedTime(why)`. `slow`: it moves tensors between host and device every step, so on a CPU device (host RAM is
+    the device's memory) it saves nothing and the planner never chooses it there, and a plan that fits only with it
+    hears what pipeline stages would do instead. `pipeline_refusal`: why pipeline stages do not run it (None: they
+    do). `apply`: the runtime function ("module:function", called as function(model, settings)) that changes the
+    model for it, or None when its code path is the optimizer's or the loss's. `auto`: for a lever that saves no
+    memory, what `auto` means, a function of the plan request (`fulltune.memory.PlanRequest`) saying whether it is
+    on (`decided`); None: the planner turns it on only when memory requires it, cheapest first.
 
     `options`: the `train:` keys that say how it runs (`Option`); `conditions`: what its `auto` reads of the machine
     and the pipeline (`Condition`). `for_model(shape, request)`: the request as this lever can run on the model

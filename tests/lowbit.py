@@ -18,16 +18,14 @@ from conftest import ROOT
 
 LOWBIT = ROOT / ".lowbit"
 REQUIRED_ENV = "FULLTUNE_TEST_LOWBIT"
+MISSING = f"needs torchao in {LOWBIT}: `make test` installs it (fulltune[lowbit])"
 
 
 def require() -> Path:
     """.lowbit/ (torchao installed there); skip the test without it, or fail where it is required."""
-    if (LOWBIT / "torchao").is_dir():
-        return LOWBIT
-    message = f"needs torchao in {LOWBIT}: `make test` installs it (fulltune[lowbit])"
-    if os.environ.get(REQUIRED_ENV) == "required":
-        pytest.fail(message)
-    pytest.skip(message)
+    if not available():
+        pytest.skip(MISSING)
+    return LOWBIT
 
 
 def available() -> bool:
@@ -36,7 +34,7 @@ def available() -> bool:
     if (LOWBIT / "torchao").is_dir():
         return True
     if os.environ.get(REQUIRED_ENV) == "required":
-        pytest.fail(f"needs torchao in {LOWBIT}: `make test` installs it (fulltune[lowbit])")
+        pytest.fail(MISSING)
     return False
 
 

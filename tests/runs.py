@@ -141,13 +141,13 @@ def loss_history(directory: Path) -> list[float]:
     return [loss for _, loss in json.loads(_run_file(directory, "result.json").read_text())["loss_history"]]
 
 
-def rerun_job(job_file: Path, output_dir: Path, **plan: object) -> Path:
-    """A run's train job again in `output_dir` (a fresh run: nothing to resume), through the command the launcher
-    runs, without the pipeline's other stages; `plan` overrides the plan's fields (and the distributed fields it
-    echoes). Returns `output_dir`."""
+def rerun_job(directory: Path, output_dir: Path, **plan: object) -> Path:
+    """The train job (JOB.json) of the run in `directory` (a `fulltune run` workdir, or a run's directory) again in
+    `output_dir` (a fresh run: nothing to resume), through the command the launcher runs, without the pipeline's
+    other stages; `plan` overrides the plan's fields (and the distributed fields it echoes). Returns `output_dir`."""
     from fulltune.runtime.launch import TrainJob, training_command
 
-    data = json.loads(job_file.read_text())
+    data = json.loads(_run_file(directory, "JOB.json").read_text())
     data["paths"]["output_dir"] = str(output_dir)
     data["plan"].update(plan)
     data["distributed"].update({k: v for k, v in plan.items() if k in data["distributed"]})

@@ -135,14 +135,13 @@ def test_context_parallel_2_trains_like_one_process_resumes_bit_exact_after_a_ki
     assert len(losses) == 20
 
     # Killed and rerun equals a run never interrupted, bit for bit.
-    clean = rerun_job(run_dir / "JOB.json", tmp_path / "clean")
+    clean = rerun_job(run_dir, tmp_path / "clean")
     clean_losses, clean_weights = loss_history(clean), saved_model(clean)
     assert losses == clean_losses
     assert_same_weights(weights, clean_weights)
 
     # One process over whole rows trains the same steps (fp32: only the order of the sums differs).
-    one_losses = loss_history(rerun_job(run_dir / "JOB.json", tmp_path / "one", strategy="none", num_processes=1,
-                                       context_parallel=1))
+    one_losses = loss_history(rerun_job(run_dir, tmp_path / "one", strategy="none", num_processes=1, context_parallel=1))
     for a, b in zip(losses, one_losses, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (losses, one_losses)
 

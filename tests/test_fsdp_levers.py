@@ -44,8 +44,7 @@ def test_chunked_loss_and_optimizer_in_backward_under_fsdp_train_like_fsdp_witho
 
     # The chunked head: the run without levers' own train job again, with the lever on.
     without = without_levers.finish() / "work"
-    (job,) = without.glob("runs/*/JOB.json")
-    chunked = rerun_job(job, tmp_path / "chunked_loss", chunked_loss=True)
+    chunked = rerun_job(without, tmp_path / "chunked_loss", chunked_loss=True)
 
     plain = loss_history(without)
     assert len(plain) == FSDP["max_steps"] and plain[-1] < plain[0]

@@ -181,8 +181,7 @@ def test_two_stages_by_two_shards_train_like_one_process_resume_bit_exact_and_ex
     # norm; only the padding and the order of the sums differ.
     # The one process: the uninterrupted run's train job on one process, through the launcher's training command,
     # accumulating the 8 rows a step the two shards take.
-    (job,) = (clean / "work").glob("runs/*/JOB.json")
-    one = rerun_job(job, tmp_path / "one", strategy="none", num_processes=1, pipeline_parallel=1,
+    one = rerun_job(clean / "work", tmp_path / "one", strategy="none", num_processes=1, pipeline_parallel=1,
                     gradient_accumulation_steps=ONE["gradient_accumulation_steps"])
     staged, single_losses = loss_history(clean / "work"), loss_history(one)
     assert len(staged) == len(single_losses) == ONE["max_steps"]

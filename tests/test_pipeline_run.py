@@ -138,8 +138,7 @@ def test_two_stages_train_like_one_process_resume_bit_exact_after_a_kill_and_exp
 
     # Two stages train like one process: fp32, the same micro-batches, only the padding and sum order differ. The
     # one process is the uninterrupted run's train job on one process, through the launcher's training command.
-    (job,) = (clean / "work").glob("runs/*/JOB.json")
-    one = rerun_job(job, tmp_path / "one", strategy="none", num_processes=1, pipeline_parallel=1)
+    one = rerun_job(clean / "work", tmp_path / "one", strategy="none", num_processes=1, pipeline_parallel=1)
     staged, single_losses = loss_history(clean / "work"), loss_history(one)
     assert len(staged) == len(single_losses) == ONE["max_steps"]
     for a, b in zip(staged, single_losses):

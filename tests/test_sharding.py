@@ -69,13 +69,16 @@ def two_sharded(out: Path, *options: str, steps: int = STEPS) -> dict:
     return result(out)
 
 
+def chained(runs: list[list[str]]) -> list[str]:
+    """The worker's arguments for several runs one after another in the same processes (`--then` between them)."""
+    return [argument for i, arguments in enumerate(runs) for argument in (["--then"] if i else []) + arguments]
+
+
 def two_sharded_from(*runs: tuple[Path, Path, tuple[str, ...]], steps: int = STEPS) -> None:
     """Runs of two FSDP processes, each (OUT, checkpoint, options) starting from a saved checkpoint, one after
     another in the same two processes (one torchrun); each OUT gets result.json, model/ and loaded/."""
-    arguments: list[str] = []
-    for out, checkpoint, options in runs:
-        arguments += ["--then"] if arguments else []
-        arguments += _sharded_run(out, steps, "--load", str(checkpoint), *options)
+    arguments = chained([_sharded_run(out, steps, "--load", str(checkpoint), *options)
+                         for out, checkpoint, options in runs])
     run(_torchrun("--standalone", "--nproc_per_node", "2", str(WORKER), *arguments))
 
 

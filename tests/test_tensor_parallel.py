@@ -84,10 +84,10 @@ def test_tensor_parallel_and_2d_train_like_one_process_and_resume_bit_exact_afte
     # Killed and rerun equals the same train job never interrupted (run by the launcher's training command, without
     # the pipeline's other stages), tensor for tensor.
     (model_dir,) = (killed / "work").glob("runs/*/model")
-    clean = rerun_job(model_dir.parent / "JOB.json", tmp_path / "clean")
+    clean = rerun_job(killed / "work", tmp_path / "clean")
     assert_same_weights(saved_model(killed / "work"), saved_model(clean))
     # The same job as tensor parallel alone: one pair of processes, 8 rows a step by accumulating 4 micro-batches.
-    tp = rerun_job(model_dir.parent / "JOB.json", tmp_path / "tp", num_processes=TP["num_processes"],
+    tp = rerun_job(killed / "work", tmp_path / "tp", num_processes=TP["num_processes"],
                    gradient_accumulation_steps=ONE["gradient_accumulation_steps"])
 
     # Tensor parallel and FSDP × TP train like one process (fp32: only the order of sums differs).
