@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
 CP = {"strategy": "fsdp", "num_processes": 2, "context_parallel": 2}
 # 8 rows per optimizer step (micro 2 × accumulation 4 × one data-parallel group of 2 context-parallel processes),
-# as the one-process reference; a checkpoint every 5 steps; unclipped (the same update whatever the split).
-TRAIN = {"effective_batch_size": 8, "micro_batch_size": 2, "gradient_accumulation_steps": 4, "max_steps": 20,
-         "checkpoint_every_steps": 5, "keep_checkpoints": 2, "max_grad_norm": 1.0e6, "log_every_steps": 1,
+# as the one-process reference; a checkpoint every 3 steps; unclipped (the same update whatever the split).
+TRAIN = {"effective_batch_size": 8, "micro_batch_size": 2, "gradient_accumulation_steps": 4, "max_steps": 8,
+         "checkpoint_every_steps": 3, "keep_checkpoints": 2, "max_grad_norm": 1.0e6, "log_every_steps": 1,
          "chunked_loss": False, "optimizer_in_backward": False}
 
 
@@ -124,15 +124,15 @@ def test_context_parallel_2_trains_like_one_process_resumes_bit_exact_after_a_ki
 
     pipelines = tiny_pipeline(tmp_path, train=TRAIN, distributed=CP)
     log = tmp_path / "run.log"
-    # The 21st micro-batch of a process is the first of step 6: step-5 is then the newest checkpoint.
-    kill_at_checkpoint(pipelines, log, micro_step=21, step=5, timeout_s=900, api=prefect_server)
+    # The 17th micro-batch of a process is the first of step 5: step-3 is then the newest checkpoint.
+    kill_at_checkpoint(pipelines, log, micro_step=17, step=3, timeout_s=900, api=prefect_server)
     output = finish(fulltune_run(pipelines, log, prefect_server), log)
-    assert "resumed from step 5" in output and "× context parallel 2 (ulysses)" in output, output[-4000:]
+    assert "resumed from step 3" in output and "× context parallel 2 (ulysses)" in output, output[-4000:]
     assert "registered tiny-model version 1" in output
     (run_dir,) = (tmp_path / "work").glob("runs/*/model")
     run_dir = run_dir.parent
     losses, weights = loss_history(run_dir), saved_model(run_dir)
-    assert len(losses) == 20
+    assert len(losses) == 8
 
     # Killed and rerun equals a run never interrupted, bit for bit.
     clean = rerun_job(run_dir, tmp_path / "clean")
