@@ -77,12 +77,14 @@ class Degree:
 
 
 # In the order `Settings`, `PlanRequest` and the plan list them: the order they were added in. A new degree goes last.
-DEGREES: tuple[Degree, ...] = (
-    Degree("tensor_parallel", "tp", "tensor parallel", recorded_after="num_processes", always_listed=True),
-    Degree("pipeline_parallel", "pp", "pipeline stages", while_auto=1, beside=("pipeline_schedule",), echoed=True),
-    Degree("context_parallel", "cp", "context parallel", recorded_after="compensation",
-           not_beside=("tensor_parallel", "pipeline_parallel")),
-)
+TENSOR = Degree("tensor_parallel", "tp", "tensor parallel", recorded_after="num_processes", always_listed=True)
+PIPELINE = Degree("pipeline_parallel", "pp", "pipeline stages", while_auto=1, beside=("pipeline_schedule",),
+                  echoed=True)
+# Each row's positions split over its processes; the evaluate stage's held-out loss may split them too
+# (memory/evaluation.py, evaluation/sharded.py), and its plan records that under this degree's name.
+CONTEXT = Degree("context_parallel", "cp", "context parallel", recorded_after="compensation",
+                 not_beside=("tensor_parallel", "pipeline_parallel"))
+DEGREES: tuple[Degree, ...] = (TENSOR, PIPELINE, CONTEXT)
 BY_NAME: dict[str, Degree] = {degree.name: degree for degree in DEGREES}
 # Every degree 1: one process holds the whole model (with `num_processes` 1 and strategy none).
 UNSPLIT: dict[str, int] = {degree.name: 1 for degree in DEGREES}
