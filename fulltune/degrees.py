@@ -24,6 +24,12 @@ job (`launch.TrainJob.dims`) and the trainer's mesh (fulltune/runtime/parallel.p
 auto` is read here only (`from_spec`); the planner chooses a degree, and everything after the plan sees a
 number.
 
+Each degree is also one record of `DEGREES` (`Degree`): the fields of the memory plan's `Settings` and `PlanRequest`
+and of the lever table's `Combination` are made from the records (`degree_fields`), as the levers' are from theirs
+(fulltune/levers.py), and so are the copies between them (`requested`, `values`, `dims_of`). A new degree is a
+record here, a `ParallelDims` attribute, its YAML key (fulltune/spec.py) and its kind's object
+(fulltune/memory/parallelism.py, with its runtime half in fulltune/runtime/parallelize.py).
+
 Importing this module imports no torch: the planner and cached reruns read it; `mesh` imports torch when
 called.
 """
@@ -34,9 +40,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from fulltune.errors import ConfigError
-
-TENSOR_PARALLEL = "distributed.tensor_parallel"
-CONTEXT_PARALLEL = "distributed.context_parallel"
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ PIPELINE = Degree("pipeline_parallel", "pp", "pipeline stages", while_auto=1, be
 CONTEXT = Degree("context_parallel", "cp", "context parallel", recorded_after="compensation",
                  not_beside=("tensor_parallel", "pipeline_parallel"))
 DEGREES: tuple[Degree, ...] = (TENSOR, PIPELINE, CONTEXT)
+TENSOR_PARALLEL, CONTEXT_PARALLEL = TENSOR.key, CONTEXT.key  # what the messages below name
 BY_NAME: dict[str, Degree] = {degree.name: degree for degree in DEGREES}
 # Every degree 1: one process holds the whole model (with `num_processes` 1 and strategy none).
 UNSPLIT: dict[str, int] = {degree.name: 1 for degree in DEGREES}
