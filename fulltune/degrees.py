@@ -24,6 +24,12 @@ job (`launch.TrainJob.dims`) and the trainer's mesh (fulltune/runtime/parallel.p
 auto` is read here only (`from_spec`); the planner chooses a degree, and everything after the plan sees a
 number.
 
+Each degree is also one record of `DEGREES` (`Degree`): the fields of the memory plan's `Settings` and `PlanRequest`
+and of the lever table's `Combination` are made from the records (`degree_fields`), as the levers' are from theirs
+(fulltune/levers.py), and so are the copies between them (`requested`, `values`, `dims_of`). A new degree is a
+record here, a `ParallelDims` attribute, its YAML key (fulltune/spec.py) and its kind's object
+(fulltune/memory/parallelism.py, with its runtime half in fulltune/runtime/parallelize.py).
+
 Importing this module imports no torch: the planner and cached reruns read it; `mesh` imports torch when
 called.
 """
@@ -31,12 +37,104 @@ called.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 from fulltune.errors import ConfigError
 
-TENSOR_PARALLEL = "distributed.tensor_parallel"
-CONTEXT_PARALLEL = "distributed.context_parallel"
+
+@dataclass(frozen=True)
+class Degree:
+    """One parallel degree: the `distributed.<name>` key (an integer >= 1 or `auto`), the field of the memory plan's
+    `Settings` and `PlanRequest` and of the lever table's `Combination` (None there while auto), the key of the plan
+    and the train job, and `attr`, its `ParallelDims` attribute. Those fields, the request's copy from the spec, the
+    settings' from the request, the degrees of each (`dims_of`), the job's planned keys, the plan's lines and the
+    lever table's rules about it are made from these records.
+
+    `words`: how a plan and a message name it. `while_auto`: what `ParallelDims` holds while it is auto (None: not
+    known yet; pipeline stages count as one stage until the planner chooses). `beside`: the `distributed:` keys that
+    say how it runs, which the plan lists after it. `recorded_after`: the key of `Settings.to_dict` it follows
+    (None: not recorded there, nor in the plan's settings line). `always_listed`: the plan's alternatives name it at
+    every degree (the others only above 1). `echoed`: the train job's `distributed:` section keeps it and the plan
+    echoes it (else the plan's is the job's only copy: `planned`). `not_beside`: the degrees it is not combined
+    with (not built), a rule of the lever table each."""
+
+    name: str
+    attr: str
+    words: str
+    while_auto: int | None = None
+    beside: tuple[str, ...] = ()
+    recorded_after: str | None = None
+    always_listed: bool = False
+    echoed: bool = False
+    not_beside: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> str:
+        """The YAML key: `distributed.<name>`."""
+        return f"distributed.{self.name}"
+
+    def on(self, dims: ParallelDims) -> bool:
+        """Above 1 in `dims` (auto is not)."""
+        value = getattr(dims, self.attr)
+        return value is not None and value > 1
+
+
+# In the order `Settings`, `PlanRequest` and the plan list them: the order they were added in. A new degree goes last.
+TENSOR = Degree("tensor_parallel", "tp", "tensor parallel", recorded_after="num_processes", always_listed=True)
+PIPELINE = Degree("pipeline_parallel", "pp", "pipeline stages", while_auto=1, beside=("pipeline_schedule",),
+                  echoed=True)
+# Each row's positions split over its processes; the evaluate stage's held-out loss may split them too
+# (memory/evaluation.py, evaluation/sharded.py), and its plan records that under this degree's name.
+CONTEXT = Degree("context_parallel", "cp", "context parallel", recorded_after="compensation",
+                 not_beside=("tensor_parallel", "pipeline_parallel"))
+DEGREES: tuple[Degree, ...] = (TENSOR, PIPELINE, CONTEXT)
+TENSOR_PARALLEL, CONTEXT_PARALLEL = TENSOR.key, CONTEXT.key  # what the messages below name
+BY_NAME: dict[str, Degree] = {degree.name: degree for degree in DEGREES}
+# Every degree 1: one process holds the whole model (with `num_processes` 1 and strategy none).
+UNSPLIT: dict[str, int] = {degree.name: 1 for degree in DEGREES}
+# The distributed.* keys the memory plan resolves (`auto` becomes a degree), whose only copy in a train job is its plan.
+PLANNED: tuple[str, ...] = tuple(degree.name for degree in DEGREES if not degree.echoed)
+
+
+def degree_fields(annotation: str, after: str) -> Callable[[type], type]:
+    """A class decorator, under `@dataclass`: one field per degree (`DEGREES`) typed `annotation`, 1 by default,
+    inserted after the class's field `after`."""
+
+    def add(cls: type) -> type:
+        items = list(cls.__dict__["__annotations__"].items())
+        at = [name for name, _ in items].index(after) + 1
+        cls.__annotations__ = dict(items[:at] + [(degree.name, annotation) for degree in DEGREES] + items[at:])
+        for degree in DEGREES:
+            setattr(cls, degree.name, 1)
+        return cls
+
+    return add
+
+
+def values(record: Any) -> dict[str, int | None]:
+    """The degree fields of `record` (a `Settings`, a `PlanRequest`), name → value: what is copied from one to
+    the other."""
+    return {degree.name: getattr(record, degree.name) for degree in DEGREES}
+
+
+def requested(distributed: Any) -> dict[str, int | None]:
+    """The degrees a `spec.DistributedSpec` asks for, name → value; `auto` is None (the planner chooses)."""
+    return {degree.name: None if getattr(distributed, degree.name) == "auto" else getattr(distributed, degree.name)
+            for degree in DEGREES}
+
+
+def dims_of(record: Any, strategy: str | None) -> ParallelDims:
+    """The `ParallelDims` of a record with a field per degree and `num_processes` (a `Settings`, a `PlanRequest`),
+    its processes held as `strategy` says (None: auto); a degree still auto is its `while_auto`."""
+    return ParallelDims(record.num_processes, strategy=strategy, **{
+        degree.attr: degree.while_auto if getattr(record, degree.name) is None else getattr(record, degree.name)
+        for degree in DEGREES})
+
+
+def recorded(keys: tuple[str, ...]) -> tuple[str, ...]:
+    """`keys` (those of `Settings.to_dict`) with each degree recorded there after the key its record names."""
+    return tuple(name for key in keys
+                 for name in (key, *(degree.name for degree in DEGREES if degree.recorded_after == key)))
 
 
 class DegreesError(ConfigError, ValueError):

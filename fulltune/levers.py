@@ -36,7 +36,7 @@ make would satisfy it — the planner, which fills the `auto` fields, keeps only
                            never by memory)                                       stages; not CPU autocast
 
 Context parallel (`distributed.context_parallel` > 1) runs every lever over fsdp or ddp, not beside tensor parallel
-or pipeline stages (`_context_parallel_rules`).
+or pipeline stages (its record's `not_beside`, fulltune/degrees.py: `_degree_rules`).
 
 Pipeline stages (`distributed.pipeline_parallel` > 1, fulltune/runtime/pipeline_parallel.py) run the chunked
 loss and pure bf16, not the step in backward or the offloads (each record's `pipeline_refusal`), nor fp16's grad
@@ -51,6 +51,8 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from fulltune import degrees
+from fulltune.degrees import degree_fields
 from fulltune.errors import ConfigError
 from fulltune.lever_record import Condition, Elsewhere, Lever, NoAddedTime, Option  # noqa: F401
 from fulltune.optimizers import (COMPENSATIONS, OPTIMIZER_TABLE, OPTIMIZERS_BY_NAME, STOCHASTIC_NEEDS,
@@ -275,19 +277,19 @@ def options_of(settings: Any) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
+@degree_fields("int | None", after="num_processes")
 class Combination:
     """What the rules read, from a pipeline spec, a plan request, planned settings or a train job.
 
     `None` means "auto": not decided yet (a lever, the optimizer, accumulation, precision, checkpointing,
-    the device, the tensor-parallel degree, the strategy). `bf16_supported` is None unless the device is a known GPU.
+    the device, a parallel degree, the strategy). `bf16_supported` is None unless the device is a known GPU.
+    After `num_processes`, one field per parallel degree (fulltune/degrees.py `DEGREES`): None while auto, which
+    the planner checks for every degree it tries.
     """
 
     levers: Mapping[str, bool | None]
     strategy: str | None = "none"
     num_processes: int = 1
-    tensor_parallel: int | None = 1
-    pipeline_parallel: int | None = 1  # None: auto, the planner checks every degree it tries
-    context_parallel: int | None = 1  # None: auto, the planner checks every degree it tries
     pipeline_schedule: str = "1f1b"
     optimizer: str | None = "adamw"
     gradient_accumulation_steps: int | None = None
@@ -320,10 +322,10 @@ class Combination:
         """Tensor parallel is fixed above 1 (auto may still choose 1)."""
         return self.tensor_parallel is not None and self.tensor_parallel > 1
 
-    @property
-    def context_parallel_on(self) -> bool:
-        """Context parallel is fixed above 1 (auto may still choose 1)."""
-        return self.context_parallel is not None and self.context_parallel > 1
+    def degree_on(self, name: str) -> bool:
+        """The degree `name` is fixed above 1 (auto may still choose 1)."""
+        value = getattr(self, name)
+        return value is not None and value > 1
 
 
 @dataclass(frozen=True)
@@ -459,17 +461,13 @@ def _pipeline_rules() -> tuple[Rule, ...]:
     )
 
 
-def _context_parallel_rules() -> tuple[Rule, ...]:
-    """Context parallel (fulltune/runtime/context_parallel.py) is built over data parallel alone (fsdp or ddp: its
-    processes sum their gradients, which strategy none, one process, cannot be asked for with several)."""
-    return (
-        Rule(("distributed.context_parallel", "distributed.tensor_parallel"),
-             lambda c: c.context_parallel_on and c.tensor_parallel_on,
-             "context parallel is not combined with tensor parallel (not built); set one of them to 1"),
-        Rule(("distributed.context_parallel", "distributed.pipeline_parallel"),
-             lambda c: c.context_parallel_on and c.pipelined,
-             "context parallel is not combined with pipeline stages (not built); set one of them to 1"),
-    )
+def _degree_rules() -> tuple[Rule, ...]:
+    """The degrees each degree's record says it is not combined with (fulltune/degrees.py `Degree.not_beside`):
+    context parallel is built over data parallel alone (fsdp or ddp: its processes sum their gradients)."""
+    return tuple(
+        Rule((degree.key, other.key), lambda c, a=degree.name, b=other.name: c.degree_on(a) and c.degree_on(b),
+             f"{degree.words} is not combined with {other.words} (not built); set one of them to 1")
+        for degree in degrees.DEGREES for other in map(degrees.BY_NAME.get, degree.not_beside))
 
 
 RULES: tuple[Rule, ...] = (
@@ -530,7 +528,7 @@ RULES: tuple[Rule, ...] = (
     *_optimizer_rules("offload_refusal", ("train.optimizer", "train.offload_optimizer"),
                       lambda c: c.on("offload_optimizer")),
     *_pipeline_rules(),
-    *_context_parallel_rules(),
+    *_degree_rules(),
 )
 
 
@@ -558,10 +556,8 @@ def from_spec(pipeline: object) -> Combination:
     return Combination(
         levers={name: auto(getattr(train, name)) for name in LEVERS},
         strategy=auto(distributed.strategy), num_processes=distributed.num_processes,  # type: ignore[arg-type]
-        # tensor_parallel auto is None: the planner checks every degree it tries against the table.
-        tensor_parallel=distributed.dims.tp, optimizer=auto(train.optimizer),
-        pipeline_parallel=auto(distributed.pipeline_parallel),  # type: ignore[arg-type]
-        context_parallel=distributed.dims.cp,
+        # A degree's auto is None: the planner checks every degree it tries against the table.
+        **degrees.requested(distributed), optimizer=auto(train.optimizer),
         pipeline_schedule=distributed.pipeline_schedule,
         gradient_accumulation_steps=auto(train.gradient_accumulation_steps),
         implied_accumulation=_implied_accumulation(train, distributed),
@@ -589,9 +585,8 @@ def from_settings(settings: object, bf16_supported: bool | None = None) -> Combi
     return Combination(
         levers=s.levers(), num_processes=s.num_processes,  # type: ignore[attr-defined]
         strategy=None if s.strategy == "auto" else s.strategy,  # type: ignore[attr-defined]  # a request's auto
-        tensor_parallel=s.tensor_parallel,  # type: ignore[attr-defined]  # None: auto, in a request
-        pipeline_parallel=getattr(s, "pipeline_parallel", 1), pipeline_schedule=getattr(s, "pipeline_schedule", "1f1b"),
-        context_parallel=getattr(s, "context_parallel", 1),  # None: auto, in a request
+        **degrees.values(s),  # None: auto, in a request
+        pipeline_schedule=getattr(s, "pipeline_schedule", "1f1b"),
         optimizer=s.optimizer, gradient_accumulation_steps=s.gradient_accumulation_steps,  # type: ignore[attr-defined]
         mixed_precision=s.mixed_precision, gradient_checkpointing=s.gradient_checkpointing,  # type: ignore[attr-defined]
         device=s.device, bf16_supported=bf16_supported,  # type: ignore[attr-defined]

@@ -172,7 +172,7 @@ def test_the_evaluate_stage_splits_long_rows_over_the_group_like_one_process(tmp
     single = evaluate_model(model, tokenizer_dir, rows, EvalOptions(batch_size=3, generate_examples=3,
                                                                     max_new_tokens=3), load_kwargs=load)
     options = EvalOptions(batch_size=3, generate_examples=3, max_new_tokens=3, device="cpu", processes=2,
-                          work_dir=str(tmp_path / "evals"), chunked_loss=True, context_parallel=2)
+                          work_dir=str(tmp_path / "evals"), chunked_loss=True, row_split=2)
     sharded = evaluate_sharded_candidates([Candidate("fine_tuned", model, tokenizer_dir, load)], rows, options)
     assert_same_metrics(sharded["fine_tuned"], single)
 
@@ -195,10 +195,11 @@ def test_a_long_row_evaluation_is_planned_chunked_and_split_like_the_training():
         return plan_evaluation(shape, settings, request, usable=int(76 * GiB))
 
     whole = planned(131072, 1)
-    assert whole.fits and whole.chunked_loss and whole.context_parallel == 1
+    assert whole.fits and whole.chunked_loss and whole.to_dict()["context_parallel"] == 1
     assert "chunked over positions and vocabulary" in whole.reason
     longest = planned(524288, 8)
-    assert longest.fits and longest.chunked_loss and longest.context_parallel == 8 and longest.processes == 8
+    assert longest.fits and longest.chunked_loss and longest.to_dict()["context_parallel"] == 8
+    assert longest.processes == 8
     assert "split over 8 processes (context parallel, as trained)" in longest.reason
     assert not planned(524288, 1).fits
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fulltune import levers, spec
+from fulltune import degrees, levers, spec
 from fulltune.runtime import launch
 from fulltune.degrees import ParallelDims
 from fulltune.errors import ConfigError
@@ -129,6 +129,9 @@ def test_every_planner_setting_is_read_from_the_plan_or_declared_plan_only() -> 
     # which the child hands its whole plan.
     assert "apply_model_levers(model, job.plan)" in (ROOT / "fulltune/runtime/train.py").read_text()
     read |= {"gradient_checkpointing"} | {lever.name for lever in levers.TABLE if lever.apply}
+    # The parallel degrees are read together, as the plan's `dims` (fulltune/degrees.py `dims_of`).
+    assert "dims" in read
+    read |= set(degrees.BY_NAME)
     echoes = set(launch.PLAN_ECHOES)
     # A new planner setting must be read by the child or declared plan-only, not silently dropped.
     assert settings - read - echoes == set(launch.PLAN_ONLY_SETTINGS)

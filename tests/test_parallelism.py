@@ -26,6 +26,31 @@ STRATEGY_STRINGS_ALLOWED = {
 }
 
 
+def test_a_degree_is_one_record_that_makes_its_fields_keys_and_rules():
+    """`DEGREES` makes the degree fields of Settings, PlanRequest and the lever table's Combination (in its order),
+    the job's planned keys, each one's `ParallelDims` attribute, the plan's keys and its "not combined" rules."""
+    from dataclasses import fields
+
+    from fulltune import degrees, levers, spec
+    from fulltune.memory import PlanRequest
+    from fulltune.runtime.launch import PLANNED_DISTRIBUTED_KEYS
+
+    names = [d.name for d in degrees.DEGREES]
+    for kind in (Settings, PlanRequest, levers.Combination):
+        assert [f.name for f in fields(kind) if f.name in names] == names
+    assert set(names) <= set(spec.DistributedSpec.model_fields)  # each is a YAML key
+    assert PLANNED_DISTRIBUTED_KEYS == ("tensor_parallel", "context_parallel")
+    settings = Settings(micro_batch_size=1, seq_len=8, strategy="fsdp", num_processes=4, context_parallel=2)
+    assert {d.attr: getattr(settings.dims, d.attr) for d in degrees.DEGREES} == {"tp": 1, "pp": 1, "cp": 2}
+    assert set(parallelism.BY_DEGREE) <= set(degrees.BY_NAME)  # a kind explains a degree that has a record
+    # Settings.to_dict records the degrees whose records say where (not the stages), in the records' order.
+    assert [k for k in settings.to_dict() if k in names] == ["tensor_parallel", "context_parallel"]
+    combination = levers.Combination(levers={}, context_parallel=2, pipeline_parallel=2)
+    assert levers.problems(combination) == ["distributed.context_parallel with distributed.pipeline_parallel: context "
+                                            "parallel is not combined with pipeline stages (not built); set one of "
+                                            "them to 1"]
+
+
 def test_every_kind_has_its_runtime_half_and_one_name():
     from fulltune.runtime.parallelize import RUNTIME
 

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fulltune.data import IGNORE_INDEX
+from fulltune.degrees import CONTEXT
 from fulltune.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -179,7 +180,7 @@ class EvalOptions:
     # The plan's held-out loss for long rows (memory/evaluation.py EvalPlan): in (rows × vocabulary) tiles, and
     # with each row's positions split over this many of the processes (context parallel, sharded runs only).
     chunked_loss: bool = False
-    context_parallel: int = 1
+    row_split: int = 1
 
     @property
     def generation_batch(self) -> int:
@@ -508,7 +509,7 @@ def evaluate_candidates(spec: PipelineSpec, candidates: Candidates, champion: Ch
         evaluation.get("processes", 1) if evaluation else 1, str(Path(workdir) / "evals"),
         kept_sources(sources, e.max_examples),
         bool(evaluation.get("chunked_loss")) if evaluation else False,
-        int(evaluation.get("context_parallel", 1)) if evaluation else 1),
+        int(evaluation.get(CONTEXT.name, 1)) if evaluation else 1),
         "benchmarks": benchmarks, "progress": progress}
     models = {"base": (c.base_model, tokenizer, load), "fine_tuned": (model_dir, model_dir, {**load, "revision": None})}
     if options["options"].processes > 1:  # one launch of the processes for both

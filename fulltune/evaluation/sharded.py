@@ -46,6 +46,10 @@ ROWS_FILE = "rows.parquet"
 EVAL_RESULT_FILE = "eval-result.json"
 # The hub token of a private model reaches the child in its environment, never in EVAL_JOB.json.
 TOKEN_ENV = "FULLTUNE_EVAL_HUB_TOKEN"
+# The runtime modules the evaluation runs, in one process or in the training's (the evaluate stage's key hashes them):
+# the loss, the launch path, FSDP2's shards, tensor parallel's and context parallel's layouts, the checkpoints.
+RUNTIME_CODE = ("runtime/loss.py", "runtime/launch.py", "runtime/sharding.py", "runtime/parallel.py",
+                "runtime/context_parallel.py", "runtime/checkpointing.py")
 # load_model's keyword arguments the child reads (the placement is the shards', the token from TOKEN_ENV).
 LOAD_KEYS = ("dtype", "revision", "trust_remote_code", "allow_pickle_weights", "attn_implementation")
 
@@ -209,14 +213,14 @@ def _loss_sums(model: Any, tokenizer: Any, rows: list[dict[str, Any]], options: 
 
 def _context_parallel(model: Any, options: EvalOptions, rank: int, world: int) -> tuple[Any, int, int]:
     """(the context parallel the plan splits each loss row's positions with, or None; this process's data rank;
-    the data ranks): with `options.context_parallel` N the processes of a group share their batches, each keeping
+    the data ranks): with `options.row_split` N the processes of a group share their batches, each keeping
     its share of the positions (fulltune/runtime/context_parallel.py, as the run trained)."""
-    if options.context_parallel == 1:
+    if options.row_split == 1:
         return None, rank, world
     from fulltune.degrees import ParallelDims
     from fulltune.runtime.context_parallel import ContextParallel
 
-    dims = ParallelDims(world, 1, 1, "fsdp", options.context_parallel)
+    dims = ParallelDims(world, 1, 1, "fsdp", options.row_split)
     context = ContextParallel(dims.mesh(options.device)["cp"], dims.cp, dims.cp_rank(rank))
     context.install(model)
     return context, dims.data_rank(rank), dims.dp

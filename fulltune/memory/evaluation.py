@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from fulltune.degrees import CONTEXT
 from fulltune.memory.overhead import evaluation_overhead
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import EvalRequest, MemoryPlan, PlanRequest, Settings
@@ -94,7 +95,7 @@ def exported_bytes(settings: Settings) -> int:
 
 def eval_memory(shape: ModelShape, *, weight_bytes: int, batches: tuple[int, int, int], seq_len: int,
                 max_new_tokens: int = 0, harness_seq_len: int = 0, attn_implementation: str = "sdpa",
-                chunked_loss: bool = False, context_parallel: int = 1) -> EvalMemory:
+                chunked_loss: bool = False, row_split: int = 1) -> EvalMemory:
     """Analytic device tensors of evaluating one model of `shape` in `weight_bytes` per parameter.
 
     `batches` are the (loss, generation, harness) batches; a 0 skips that phase. Generation holds a KV cache of
@@ -105,7 +106,7 @@ def eval_memory(shape: ModelShape, *, weight_bytes: int, batches: tuple[int, int
 
     `chunked_loss`: the held-out loss in (rows × vocabulary) tiles (fulltune/runtime/loss.py's chunked head), no
     (positions × vocabulary) logits: one tile's logits and their fp32 copy beside the gathered rows.
-    `context_parallel` N: the held-out loss with each row's positions split over N processes (Ulysses, as the run
+    `row_split` N: the held-out loss with each row's positions split over N processes (Ulysses, as the run
     trained): a process's layer transient is its s/N positions', its attention over the whole row for H/N heads
     with the all-to-alls' copies.
     """
@@ -123,9 +124,9 @@ def eval_memory(shape: ModelShape, *, weight_bytes: int, batches: tuple[int, int
         return layer_transient(batch, positions) + 2 * batch * positions * shape.vocab * 4 if batch else 0
 
     def held_out(batch: int, positions: int) -> int:
-        if not batch or (not chunked_loss and context_parallel == 1):
+        if not batch or (not chunked_loss and row_split == 1):
             return scored(batch, positions)
-        N = context_parallel
+        N = row_split
         local = -(-positions // (2 * N)) * 2 if N > 1 else positions
         transient = layer_transient(batch, local)
         if N > 1:  # the whole row's attention for H/N heads, the all-to-alls' copies of q
@@ -165,14 +166,15 @@ class EvalPlan:
     offload_host_bytes: int = 0
     processes: int = 1  # > 1: every candidate sharded over this many processes; the figures are per process
     chunked_loss: bool = False  # the held-out loss in (rows × vocabulary) tiles: no whole-vocabulary logits
-    context_parallel: int = 1  # > 1: the held-out loss with each row's positions split over this many processes
+    row_split: int = 1  # > 1: the held-out loss with each row's positions split over this many processes (context
+    # parallel, as trained; the plan records it under the degree's name)
 
     def to_dict(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "loss_batch": self.loss_batch, "generation_batch": self.generation_batch,
                 "harness_batch": self.harness_batch, "memory": self.memory.as_dict(),
                 "device_bytes": self.device_bytes, "fits": self.fits, "reason": self.reason,
                 "processes": self.processes, "chunked_loss": self.chunked_loss,
-                "context_parallel": self.context_parallel,
+                CONTEXT.name: self.row_split,
                 "offload": None if self.offload_device_bytes is None else {
                     "device_bytes": self.offload_device_bytes, "host_bytes": self.offload_host_bytes}}
 
@@ -194,7 +196,7 @@ def plan_evaluation(shape: ModelShape, settings: Settings, request: EvalRequest,
         return plan
     # Long rows: the held-out loss without whole-vocabulary logits, then (a run trained context parallel, sharded
     # over its processes) with each row's positions split as it trained.
-    ways = [(True, 1)] + ([(True, settings.context_parallel)] if settings.dims.cp_enabled else [])
+    ways = [(True, 1)] + ([(True, settings.dims.cp)] if settings.dims.cp_enabled else [])
     for chunked, cp in ways:
         processes = eval_processes(settings) if cp > 1 else plan.processes
         tried = _plan_over(shape, settings, request, usable, host_budget, attn_implementation, processes, chunked, cp)
@@ -227,9 +229,9 @@ def _configured(request: EvalRequest) -> tuple[int, int, int]:
 
 def _plan_over(shape: ModelShape, settings: Settings, request: EvalRequest, usable: int | None,
                host_budget: int | None, attn_implementation: str, processes: int, chunked_loss: bool = False,
-               context_parallel: int = 1) -> EvalPlan:
+               row_split: int = 1) -> EvalPlan:
     """`plan_evaluation` with each candidate on `processes` processes (1, or sharded like the training), the
-    held-out loss chunked and split over `context_parallel` processes as asked."""
+    held-out loss chunked and each row's positions split over `row_split` processes as asked."""
     dtype = eval_dtype(settings, request.precision)
     width = DTYPE_BYTES[dtype]
     seq_len = request.seq_len or settings.seq_len
@@ -239,7 +241,7 @@ def _plan_over(shape: ModelShape, settings: Settings, request: EvalRequest, usab
         m = eval_memory(shape, weight_bytes=width, batches=batches, seq_len=seq_len,
                         max_new_tokens=request.max_new_tokens, harness_seq_len=request.harness_seq_len,
                         attn_implementation=attn_implementation, chunked_loss=chunked_loss,
-                        context_parallel=context_parallel)
+                        row_split=row_split)
         if processes > 1:
             shards, gathered = sharded_bytes(shape, width, processes)
             # Each process reads its shards' slices of the checkpoint (`load_sharded_model`): its shards and
@@ -253,13 +255,13 @@ def _plan_over(shape: ModelShape, settings: Settings, request: EvalRequest, usab
     where = f" sharded over {processes} processes (FSDP2, per process)" if processes > 1 else ""
     if chunked_loss:
         where += ", the held-out loss chunked over positions and vocabulary" + (
-            f" with each row's positions split over {context_parallel} processes (context parallel, as trained)"
-            if context_parallel > 1 else "")
+            f" with each row's positions split over {row_split} processes (context parallel, as trained)"
+            if row_split > 1 else "")
 
     def plan(batches: tuple[int, int, int], fits: bool, reason: str, **offload: int) -> EvalPlan:
         m = memory(batches)
         return EvalPlan(dtype, batches[0], batches[1], batches[2] or None, m, total(m), fits, reason, **offload,
-                        processes=processes, chunked_loss=chunked_loss, context_parallel=context_parallel)
+                        processes=processes, chunked_loss=chunked_loss, row_split=row_split)
 
     if usable is None:
         return plan(configured, True, f"evaluation in {dtype}{where}: no budget, the configured batches")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from fulltune.degrees import ParallelDims
 from fulltune.memory import context_parallel as cp
@@ -45,6 +46,7 @@ from fulltune.memory.shapes import ModelShape
 from fulltune.memory import tensor_parallel as tp
 from fulltune.memory.timeline import StepTerms, Timeline, step_terms
 from fulltune.memory.types import MemoryEstimate, Settings
+from fulltune.memory.units import format_bytes
 from fulltune.memory.walk import Layout, walk
 
 
@@ -75,6 +77,9 @@ class Parallelism:
 
     name = ""
     margin: Margin | None = None
+    # The degree (fulltune/degrees.py `DEGREES`) whose `auto` the plan explains in this kind's words (`chosen_words`,
+    # `traffic_words`, `alone_words`); "" for none (pipeline stages say theirs in fulltune/planning/pipeline.py).
+    degree = ""
 
     def runs(self, dims: ParallelDims) -> bool:
         """Whether a rank of `dims` runs this kind."""
@@ -141,6 +146,20 @@ class Parallelism:
     def describe(self, settings: Settings) -> str:
         """The kind in a plan's one-line settings (`planning.reasons.describe`); "" when it says nothing."""
         return ""
+
+    # -- the plan's sentence about an auto degree (`planning.reasons.degree_reasons`) ---------------------
+
+    def chosen_words(self, shape: ModelShape, settings: Settings) -> str:
+        """What follows "dp data-parallel × N" where the plan chose this kind (", Ulysses"); "" for nothing."""
+        return ""
+
+    def traffic_words(self, shape: ModelShape, settings: Settings, link_bytes_per_s: float) -> str:
+        """What its step time beyond compute is ("collectives (3 MiB per rank)"), its link at `link_bytes_per_s`."""
+        raise NotImplementedError
+
+    def alone_words(self, request: Any) -> str:
+        """Why the plan kept the degree at 1 for a `PlanRequest` with it auto."""
+        raise NotImplementedError
 
 
 class OneProcess(Parallelism):
@@ -219,6 +238,7 @@ class TensorParallel(Parallelism):
 
     name = "tensor parallel"
     margin = TP_MEASURED
+    degree = "tensor_parallel"
 
     def runs(self, dims: ParallelDims) -> bool:
         return dims.tp_enabled
@@ -249,6 +269,14 @@ class TensorParallel(Parallelism):
 
     def describe(self, settings: Settings) -> str:
         return f"tensor parallel {settings.tensor_parallel}"
+
+    def traffic_words(self, shape: ModelShape, settings: Settings, link_bytes_per_s: float) -> str:
+        return f"collectives ({format_bytes(int(tp.collectives(shape, settings).bytes))} per rank)"
+
+    def alone_words(self, request: Any) -> str:
+        if not request.dims.fsdp_enabled:
+            return f"tensor parallel runs under strategy fsdp, this pipeline's is {request.strategy}"
+        return "FSDP alone"
 
 
 # A pipeline stage's per-rank peak (`memory/pipeline.py`), measured in every rank with MemTracker on CPU through
@@ -309,6 +337,7 @@ class ContextParallel(Parallelism):
 
     name = "context parallel"
     margin = CP_MEASURED
+    degree = "context_parallel"
 
     def runs(self, dims: ParallelDims) -> bool:
         return dims.cp_enabled
@@ -352,6 +381,21 @@ class ContextParallel(Parallelism):
     def describe(self, settings: Settings) -> str:
         return f"context parallel {settings.context_parallel}"
 
+    def chosen_words(self, shape: ModelShape, settings: Settings) -> str:
+        return ", Ulysses" if _ulysses(shape, settings) else ", ring attention"
+
+    def traffic_words(self, shape: ModelShape, settings: Settings, link_bytes_per_s: float) -> str:
+        traffic = "all-to-alls" if _ulysses(shape, settings) else "ring sends"
+        return f"{traffic} (assumed {link_bytes_per_s / 1e9:g} GB/s, not overlapped)"
+
+    def alone_words(self, request: Any) -> str:
+        return "every process holds whole rows"
+
+
+def _ulysses(shape: ModelShape, settings: Settings) -> bool:
+    """Context parallel attends by Ulysses where its degree divides the heads (else ring attention)."""
+    return shape.heads % settings.dims.cp == 0
+
 
 
 ONE_PROCESS = OneProcess()
@@ -364,6 +408,8 @@ CONTEXT_PARALLEL = ContextParallel()
 DATA_PARALLEL = (FSDP, DDP, ONE_PROCESS)
 OVER_DATA_PARALLEL = (CONTEXT_PARALLEL, TENSOR_PARALLEL, PIPELINE)
 KINDS = (*DATA_PARALLEL, *OVER_DATA_PARALLEL)
+# The kinds that explain their degree's `auto` in a plan, by the degree's name.
+BY_DEGREE = {kind.degree: kind for kind in KINDS if kind.degree}
 
 
 def kinds_of(dims: ParallelDims) -> tuple[Parallelism, ...]:

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from fulltune.degrees import DEGREES
 from fulltune.memory.types import BREAKDOWN_KEYS, LEVERS, MemoryEstimate, MemoryPlan, Settings
 from fulltune.memory.units import format_bytes, format_seconds
 
@@ -36,8 +37,8 @@ def _settings_text(s: Settings) -> str:
         f"{s.gradient_accumulation_steps} gradient_checkpointing={s.gradient_checkpointing} "
         f"mixed_precision={s.mixed_precision} optimizer={s.optimizer}"
         + "".join(f" {name}=true" for name, on in s.levers().items() if on)
-        + (f" tensor_parallel={s.tensor_parallel}" if s.dims.tp_enabled else "")
-        + (f" context_parallel={s.context_parallel}" if s.dims.cp_enabled else "")
+        + "".join(f" {degree.name}={getattr(s, degree.name)}" for degree in DEGREES
+                  if degree.recorded_after and degree.on(s.dims))
     )
 
 

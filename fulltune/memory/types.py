@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, get_args
 
-from fulltune import spec
-from fulltune.degrees import ParallelDims
+from fulltune import degrees, spec
+from fulltune.degrees import ParallelDims, degree_fields
 from fulltune.levers import LEVERS, OPTIONS, lever_fields  # the levers (in the order the planner tries them), options
 from fulltune.memory.errors import MemoryConfigError
 from fulltune.optimizers import compensation_of
@@ -42,6 +42,7 @@ def _check_options(settings: Any) -> None:
 
 @dataclass(frozen=True)
 @lever_fields("bool", False, after="target_fraction")
+@degree_fields("int", after="num_processes")
 class Settings:
     """One concrete way to run a training step; everything that decides its memory.
 
@@ -61,12 +62,8 @@ class Settings:
         device: `cpu` or `cuda`; decides the attention kernel and the runtime overhead.
         strategy: how parameters, gradients and optimizer states are split over processes.
         num_processes: processes (GPUs) taking part; the estimate is per process.
-        tensor_parallel: processes each layer's matmuls are split over (fulltune/runtime/parallel.py); the
-            data-parallel degree is num_processes / (tensor_parallel × pipeline_parallel).
-        pipeline_parallel, pipeline_schedule: pipeline stages (one process each) and their schedule
-            (fulltune/runtime/pipeline_parallel.py); the step's micro-batches flow through them.
-        context_parallel: processes each row's positions are split over (fulltune/runtime/context_parallel.py);
-            the data-parallel degree is num_processes / (context_parallel × tensor_parallel × pipeline_parallel).
+        pipeline_schedule: the pipeline stages' schedule (fulltune/runtime/pipeline_parallel.py); the step's
+            micro-batches flow through them.
         attention_mask: True when the model receives an explicit (b, 1, s, s) attention mask: padded
             batches, or packed rows under attention that needs one (eager, a sliding window shorter than
             the row). A mask makes SDPA keep it per layer and repeat grouped key/value heads; without one
@@ -78,6 +75,9 @@ class Settings:
             that do. The trainer runs the output head only at those positions (`fulltune.runtime.loss`),
             so the logits are (t, V) with t = micro_batch_size · round(target_fraction ·
             (seq_len - 1)). 1.0, the default, is the most any batch can have.
+
+    After `num_processes`, one int per parallel degree (fulltune/degrees.py `DEGREES`, made by `degree_fields`:
+    tensor parallel, pipeline stages, context parallel); the data-parallel degree is what is left of num_processes.
 
     Then one bool per memory lever and one string per lever's option (fulltune/levers.py, made from its record by
     `lever_fields`; `pure_bf16`: bf16 weights and gradients, no fp32 master, activations bf16 whatever
@@ -98,18 +98,15 @@ class Settings:
     device: str = "cpu"
     strategy: str = "none"
     num_processes: int = 1
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
     pipeline_schedule: str = "1f1b"
     attention_mask: bool = True
     document_length: int = 0
     target_fraction: float = 1.0
-    context_parallel: int = 1
     checkpoint_async: bool = False
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "num_processes",
-                     "tensor_parallel", "context_parallel"):
+                     *degrees.BY_NAME):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MemoryConfigError(f"{name} must be an integer >= 1; got {value!r}")
@@ -138,10 +135,9 @@ class Settings:
 
     @property
     def dims(self) -> ParallelDims:
-        """The parallel degrees the step runs with: num_processes as data parallel × tensor_parallel ×
-        pipeline_parallel, the data-parallel processes held as `strategy` says."""
-        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel, self.strategy,
-                            self.context_parallel)
+        """The parallel degrees the step runs with: num_processes as data parallel × the degrees, the
+        data-parallel processes held as `strategy` says."""
+        return degrees.dims_of(self, self.strategy)
 
     def levers(self) -> dict[str, bool]:
         """The memory levers, name → on."""
@@ -169,9 +165,10 @@ class Settings:
 
 # The fields the planner chooses, and those `to_dict` records (in this order; the levers follow).
 CHOSEN = ("micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "mixed_precision", "optimizer")
-RECORDED = ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "gradient_checkpointing", "mixed_precision",
-            "optimizer", "attn_implementation", "device", "strategy", "num_processes", "tensor_parallel",
-            "attention_mask", "document_length", "target_fraction", "compensation", "context_parallel")
+RECORDED = degrees.recorded((
+    "micro_batch_size", "seq_len", "gradient_accumulation_steps", "gradient_checkpointing", "mixed_precision",
+    "optimizer", "attn_implementation", "device", "strategy", "num_processes", "attention_mask", "document_length",
+    "target_fraction", "compensation"))
 
 
 def _check_levers(settings: Any) -> None:
@@ -251,6 +248,7 @@ class EvalRequest:
 
 @dataclass(frozen=True)
 @lever_fields("bool | None", None, after="target_fraction", conditions=True)
+@degree_fields("int | None", after="num_processes")
 class PlanRequest:
     """What the user asked for; `None` in a field means "auto": the planner may choose it.
 
@@ -277,10 +275,9 @@ class PlanRequest:
     headroom: float = 0.05
     strategy: str = "none"
     num_processes: int = 1
-    tensor_parallel: int | None = 1  # None: auto, the planner chooses a degree (planning/search.py)
-    pipeline_parallel: int | None = 1  # None: auto, the planner chooses the stages (planning/pipeline.py)
+    # Here, one field per parallel degree (fulltune/degrees.py `DEGREES`, made by `degree_fields`); None: auto, the
+    # planner chooses it (planning/search.py, the stages planning/pipeline.py).
     pipeline_schedule: str = "1f1b"
-    context_parallel: int | None = 1  # None: auto, the planner chooses a degree (planning/search.py)
     bf16_supported: bool = False
     attention_mask: bool = True
     document_length: int = 0  # packed rows: Σ length² / Σ length of their documents (Settings.document_length)
@@ -334,11 +331,9 @@ class PlanRequest:
 
     @property
     def dims(self) -> ParallelDims:
-        """The parallel degrees asked for: `tp` None while tensor_parallel is auto (pipeline_parallel auto:
-        as one stage until the planner chooses)."""
-        return ParallelDims(self.num_processes, self.tensor_parallel, self.pipeline_parallel or 1,
-                            None if self.strategy == "auto" else self.strategy,  # the request's auto: None
-                            self.context_parallel)
+        """The parallel degrees asked for: a degree None while it is auto (pipeline stages: as one stage until
+        the planner chooses, `Degree.while_auto`)."""
+        return degrees.dims_of(self, None if self.strategy == "auto" else self.strategy)  # the request's auto: None
 
 
 def _check_request_choices(request: PlanRequest) -> None:
@@ -409,10 +404,8 @@ class MemoryPlan:
                 "seq_len": s.seq_len,
                 "strategy": s.strategy,
                 "num_processes": s.num_processes,
-                "tensor_parallel": s.tensor_parallel,
-                "pipeline_parallel": s.pipeline_parallel,
-                "pipeline_schedule": s.pipeline_schedule,
-                "context_parallel": s.context_parallel,
+                # Each degree and the keys that say how it runs (pipeline_schedule), in `DEGREES`' order.
+                **{key: getattr(s, key) for degree in degrees.DEGREES for key in (degree.name, *degree.beside)},
                 "checkpoint_async": s.checkpoint_async,
                 "estimated_step_seconds": self.estimated_step_seconds,
                 "host_bytes": int(self.plan_estimate.host_bytes),

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fulltune import levers
+from fulltune import degrees, levers
 from fulltune.memory.budget import Budget, resolve_budget
 from fulltune.memory.report import describe_settings  # noqa: F401  (re-exported: one line of a plan)
 from fulltune.memory.types import Settings
@@ -105,10 +105,8 @@ def plan_request(p: ResolvedPipeline, seq_len: int, target_fraction: float = 1.0
         headroom=budget.headroom,
         strategy=d.strategy,
         num_processes=d.num_processes,
-        tensor_parallel=d.dims.tp,  # None (auto): the planner chooses
-        pipeline_parallel=None if d.pipeline_parallel == "auto" else d.pipeline_parallel,  # auto: the planner's
+        **degrees.requested(d),  # each parallel degree; None (auto): the planner chooses
         pipeline_schedule=d.pipeline_schedule,
-        context_parallel=d.dims.cp,  # None (auto): the planner chooses
         bf16_supported=budget.bf16_supported,
         # Unpacked rows are right-padded and the trainer passes no mask at all (fulltune/data/batching.py);
         # packed rows need none under sdpa. `auto` not yet resolved: as packed.

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from fulltune.degrees import UNSPLIT
 from fulltune.levers import SLOW_LEVERS
 from fulltune.memory.pipeline import (SCHEDULE_NAMES, UNSUPPORTED_LEVERS, StageEstimate, bubble_fraction,
                                       estimate_stages, per_stage, stage_settings, stage_shape, worst_stage)
@@ -82,8 +83,7 @@ def pipeline_advice(shape: ModelShape, request: Any, settings: Settings, usable:
     """
     if not usable:
         return None
-    base = replace(settings, strategy="none", num_processes=1, tensor_parallel=1, pipeline_parallel=1,
-                   context_parallel=1, **{name: False for name in UNSUPPORTED_LEVERS})
+    base = replace(settings, strategy="none", num_processes=1, **UNSPLIT, **{name: False for name in UNSUPPORTED_LEVERS})
     B = request.effective_batch_size
     best: tuple[PipelineEstimate, int] | None = None
     smallest: tuple[int, PipelineEstimate, int] | None = None  # (planned bytes, ...) of the least demanding

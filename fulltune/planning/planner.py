@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from fulltune import levers
+from fulltune import degrees, levers
 from fulltune.memory.budget import usable_bytes
 from fulltune.memory.estimate import _estimate
 from fulltune.memory.evaluation import with_evaluation
@@ -30,9 +30,8 @@ from fulltune.memory.uncertainty import Uncertainty, traced_uncertainty
 from fulltune.memory.units import format_bytes
 from fulltune.planning.pipeline import needs_advice, pipeline_advice, pipeline_reasons
 from fulltune.planning.reasons import (alternatives_for, change_reasons, checkpoint_reasons, configured_reason,
-                                       context_parallel_reasons, describe, host_reasons,
-                                       optimizer_reasons, strategy_reasons, suggestions_for,
-                                       tensor_parallel_reasons)
+                                       degree_reasons, describe, host_reasons, optimizer_reasons, strategy_reasons,
+                                       suggestions_for)
 from fulltune.planning.search import (Candidate, configured_for, configured_request, configured_settings,
                                       divisors, fits_budget, host_budget_for, make_candidate, per_process,
                                       staged_search)
@@ -207,10 +206,8 @@ def _finish(
     # Where the parameters live in host RAM: the step's terms, for the reasons and `plan --json`.
     host = host_step(shape, chosen.settings) if host_parameters(chosen.settings) else None
     reasons.extend(strategy_reasons(request, candidates, chosen, usable, host))
-    reasons.extend(tensor_parallel_reasons(shape, replace(request, strategy=chosen.settings.strategy), candidates,
-                                            chosen, usable))
-    reasons.extend(context_parallel_reasons(shape, replace(request, strategy=chosen.settings.strategy), candidates,
-                                             chosen, usable))
+    reasons.extend(degree_reasons(shape, replace(request, strategy=chosen.settings.strategy), candidates, chosen,
+                                  usable))
     reasons.extend(pipeline_reasons(shape, request, candidates, chosen, usable))
     reasons.extend(host_reasons(request, candidates, chosen, usable))
     reasons.extend(checkpoint_reasons(shape, chosen))
@@ -258,12 +255,11 @@ def replan_after_oom(
     than micro-batch/accumulation stay fixed; those two must change after an OOM.
     """
     shape = model_shape(config)
-    if request.tensor_parallel is None:  # auto: the degree the run was planned with stays (its processes are set)
-        request = replace(request, tensor_parallel=previous.tensor_parallel)
-    if request.context_parallel is None:  # likewise the context-parallel degree
-        request = replace(request, context_parallel=previous.context_parallel)
-    if request.dims.auto_strategy or request.pipeline_parallel is None:  # and so do its strategy and stages
-        request = replace(request, strategy=previous.strategy, pipeline_parallel=previous.pipeline_parallel)
+    if request.dims.auto_strategy or request.pipeline_parallel is None:  # the strategy the run was planned with stays
+        request = replace(request, strategy=previous.strategy)
+    # An auto degree: the one the run was planned with stays (its processes are set).
+    request = replace(request, **{name: getattr(previous, name) for name, value in degrees.values(request).items()
+                                  if value is None})
     previous_estimate = _estimate(shape, previous)
     if observed_peak_bytes is not None and observed_peak_bytes > 0:
         ratio = max(observed_peak_bytes / max(previous_estimate.device_bytes, 1), 1.05)

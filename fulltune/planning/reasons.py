@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from fulltune import levers
+from fulltune.degrees import DEGREES
 from fulltune.memory import parallelism
 from fulltune.memory.estimate import _estimate
 from fulltune.memory.process import CHECKPOINT, checkpoint_staging_bytes
@@ -15,9 +16,9 @@ from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import MemoryEstimate, PlanRequest, Settings
 from fulltune.memory.units import format_bytes, format_seconds
 from fulltune.optimizers import COMPENSATIONS, ParamShapes, compensation_of, optimizer
-from fulltune.planning.search import (Candidate, best_by, context_parallel_degrees, device_word, fits_budget,
-                                      staged_search, tensor_parallel_degrees)
-from fulltune.planning.step_time import CP_BYTES_PER_S, context_parallel_seconds, step_seconds, tensor_parallel_seconds
+from fulltune.planning.search import (Candidate, best_by, degree_choices, device_word, fits_budget, over_processes,
+                                      staged_search)
+from fulltune.planning.step_time import LINK_BYTES_PER_S, kind_seconds, step_seconds
 from fulltune.planning.strategy import host_parameters, strategy_choices
 
 
@@ -34,9 +35,9 @@ def describe(settings: Settings) -> str:
 def alternative_entry(c: Candidate, why: str) -> dict[str, Any]:
     return {
         **c.settings.choices(),
-        "tensor_parallel": c.settings.tensor_parallel, "strategy": c.settings.strategy,
-        **({"pipeline_parallel": c.settings.pipeline_parallel} if c.settings.dims.pp_enabled else {}),
-        **({"context_parallel": c.settings.context_parallel} if c.settings.dims.cp_enabled else {}),
+        **{d.name: getattr(c.settings, d.name) for d in DEGREES if d.always_listed},
+        "strategy": c.settings.strategy,
+        **{d.name: getattr(c.settings, d.name) for d in DEGREES if not d.always_listed and d.on(c.settings.dims)},
         "peak_bytes": c.estimate.peak_bytes,
         "device_bytes": c.estimate.device_bytes,
         "uncertainty_bytes": c.uncertainty.bytes,
@@ -83,31 +84,32 @@ def change_reasons(shape: ModelShape, configured: Settings, chosen: Candidate, u
     return out
 
 
-def tensor_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates: list[Candidate],
-                             chosen: Candidate, usable: int) -> list[str]:
-    """With `tensor_parallel` auto: the degree chosen, what it costs, and each other degree's best candidate
-    (the fastest that fits, else the smallest) or why it was not tried."""
-    if request.tensor_parallel is not None:
-        return []
-    from fulltune.memory.tensor_parallel import collectives
-
-    best = best_by(candidates, lambda c: c.settings.tensor_parallel, usable)
-    s = chosen.settings
-    T = s.tensor_parallel
-    if T > 1:
-        traffic = collectives(shape, s)
-        head = (f"tensor parallel {T} ({s.dims.dp} data-parallel × {T}, distributed.tensor_parallel auto): "
-                f"{format_bytes(chosen.expected_bytes)} per {device_word(s.device)}, "
-                f"{format_seconds(chosen.seconds, 's/step')}, of which "
-                f"{format_seconds(tensor_parallel_seconds(shape, s))} are its collectives "
-                f"({format_bytes(int(traffic.bytes))} per rank)")
-    elif not request.dims.fsdp_enabled:
-        head = (f"tensor parallel 1 (distributed.tensor_parallel auto): tensor parallel runs under strategy fsdp, "
-                f"this pipeline's is {request.strategy}")
-    else:
-        head = "tensor parallel 1 (distributed.tensor_parallel auto): FSDP alone"
-    _, refused = tensor_parallel_degrees(shape, request)
-    return [head + _other_degrees(best, T, usable, refused)]
+def degree_reasons(shape: ModelShape, request: PlanRequest, candidates: list[Candidate], chosen: Candidate,
+                   usable: int) -> list[str]:
+    """For each degree left auto whose kind explains it (`parallelism.BY_DEGREE`: tensor parallel, context parallel;
+    the stages are `planning.pipeline.pipeline_reasons`'), in `DEGREES`' order: the degree chosen and what it costs
+    ("context parallel 4 (…, Ulysses, distributed.context_parallel auto): 71.2 GiB per GPU, 38 s/step, of which …
+    its all-to-alls"), and each other degree's best candidate (the fastest that fits, else the smallest) or why it
+    was not tried."""
+    out = []
+    for degree in DEGREES:
+        kind = parallelism.BY_DEGREE.get(degree.name)
+        if kind is None or getattr(request, degree.name) is not None:
+            continue
+        best = best_by(candidates, lambda c, name=degree.name: getattr(c.settings, name), usable)
+        s = chosen.settings
+        N = getattr(s, degree.name)
+        if N > 1:
+            link = LINK_BYTES_PER_S[kind.name][s.device]
+            head = (f"{degree.words} {N} ({s.dims.dp} data-parallel × {N}{kind.chosen_words(shape, s)}, {degree.key} "
+                    f"auto): {format_bytes(chosen.expected_bytes)} per {device_word(s.device)}, "
+                    f"{format_seconds(chosen.seconds, 's/step')}, of which "
+                    f"{format_seconds(kind_seconds(shape, s, kind))} are its {kind.traffic_words(shape, s, link)}")
+        else:
+            head = f"{degree.words} 1 ({degree.key} auto): {kind.alone_words(request)}"
+        _, refused = degree_choices(degree.name, shape, request)
+        out.append(head + _other_degrees(best, N, usable, refused))
+    return out
 
 
 def _other_degrees(best: dict[int, Candidate], chosen: int, usable: int, refused: dict[int, str]) -> str:
@@ -123,28 +125,6 @@ def _other_degrees(best: dict[int, Candidate], chosen: int, usable: int, refused
             others.append(f"{degree} does not fit ({format_bytes(c.expected_bytes)} ± {format_bytes(c.uncertainty.bytes)})")
     others += [f"{degree} not tried ({why})" for degree, why in sorted(refused.items())]
     return "; " + "; ".join(others) if others else ""
-
-
-def context_parallel_reasons(shape: ModelShape, request: PlanRequest, candidates: list[Candidate],
-                             chosen: Candidate, usable: int) -> list[str]:
-    """With `context_parallel` auto: the degree chosen ("context parallel 4: 71.2 GiB per GPU, 38 s/step, of which
-    … its all-to-alls"), and each other degree's best candidate or why it was not tried."""
-    if request.context_parallel is not None:
-        return []
-    best = best_by(candidates, lambda c: c.settings.context_parallel, usable)
-    s = chosen.settings
-    N = s.context_parallel
-    if N > 1:
-        method, traffic = ("Ulysses", "all-to-alls") if shape.heads % N == 0 else ("ring attention", "ring sends")
-        head = (f"context parallel {N} ({s.dims.dp} data-parallel × {N}, {method}, distributed.context_parallel "
-                f"auto): {format_bytes(chosen.expected_bytes)} per {device_word(s.device)}, "
-                f"{format_seconds(chosen.seconds, 's/step')}, of which "
-                f"{format_seconds(context_parallel_seconds(shape, s))} are its {traffic} (assumed "
-                f"{CP_BYTES_PER_S[s.device] / 1e9:g} GB/s, not overlapped)")
-    else:
-        head = "context parallel 1 (distributed.context_parallel auto): every process holds whole rows"
-    _, refused = context_parallel_degrees(shape, request)
-    return [head + _other_degrees(best, N, usable, refused)]
 
 
 def lever_trade(shape: ModelShape, settings: Settings) -> dict[str, dict[str, float]]:
@@ -286,9 +266,7 @@ def suggestions_for(shape: ModelShape, request: PlanRequest, smallest: Candidate
         for n in counts:
             if n < 2 or request.effective_batch_size % n:
                 continue
-            cp = request.context_parallel  # auto stays auto; a fixed degree the processes do not divide is none
-            sharded = replace(request, strategy="fsdp", num_processes=n, pipeline_parallel=1,
-                              context_parallel=cp if cp is None or n % cp == 0 else 1, micro_batch_size=None,
+            sharded = replace(request, **over_processes(request, n), micro_batch_size=None,
                               gradient_accumulation_steps=None, optimizer_in_backward=None, offload_optimizer=None)
             usable = request.usable_bytes or 0
             candidates = [c for c in staged_search(shape, sharded, usable) if fits_budget(c, usable)]

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from fulltune import degrees
 from fulltune import levers as lever_table
 from fulltune.memory.budget import host_ram
 from fulltune.memory.errors import MemoryConfigError
@@ -152,10 +153,8 @@ def _settings(request: PlanRequest, micro: int, checkpointing: int, precision: s
         device=request.device,
         strategy=request.strategy,
         num_processes=request.num_processes,
-        tensor_parallel=request.tensor_parallel,
-        pipeline_parallel=request.pipeline_parallel,
+        **degrees.values(request),
         pipeline_schedule=request.pipeline_schedule,
-        context_parallel=request.context_parallel,
         attention_mask=request.attention_mask,
         document_length=request.document_length,
         target_fraction=request.target_fraction,
@@ -415,6 +414,20 @@ def tensor_parallel_degrees(shape: ModelShape, request: PlanRequest) -> tuple[li
             continue
         degrees.append(degree)
     return degrees, refused
+
+
+def degree_choices(name: str, shape: ModelShape, request: PlanRequest) -> tuple[list[int], dict[int, str]]:
+    """The degrees of `name` (a `DEGREES` name whose kind explains its auto) `auto` may choose, and why the others
+    may not (`tensor_parallel_degrees`, `context_parallel_degrees`)."""
+    return {"tensor_parallel": tensor_parallel_degrees, "context_parallel": context_parallel_degrees}[name](shape, request)
+
+
+def over_processes(request: PlanRequest, processes: int) -> dict[str, Any]:
+    """The fields that put `request` under FSDP over `processes` processes (what more GPUs would do): no stages; a
+    context-parallel degree auto stays auto, a fixed one the processes do not divide is none."""
+    cp = request.context_parallel
+    return {"strategy": "fsdp", "num_processes": processes, "pipeline_parallel": 1,
+            "context_parallel": cp if cp is None or processes % cp == 0 else 1}
 
 
 def context_parallel_degrees(shape: ModelShape, request: PlanRequest) -> tuple[list[int], dict[int, str]]:

@@ -110,7 +110,7 @@ def step_seconds(shape: ModelShape, settings: Settings) -> float:
     target), plus one more forward of each checkpointed layer
     (a third of that layer's training FLOPs) at `RECOMPUTE_OVERHEAD`; throughput grows with tokens
     per micro-batch. Under tensor parallel each rank computes 1/T of every matmul and waits for the TP
-    group's collectives (`tensor_parallel_seconds`).
+    group's collectives (`kind_seconds`).
     """
     if parallelism.rank_kind(settings) is parallelism.PIPELINE:  # the slowest stage through the fill, the steady
         return pipeline_step_seconds(shape, per_stage(settings), settings.pipeline_parallel)[0]  # state, the drain
@@ -145,12 +145,12 @@ def compute_seconds(shape: ModelShape, settings: Settings) -> float:
     # The layers' share of the per-token FLOPs (all but the final norm), a third of it per forward.
     per_token += RECOMPUTE_OVERHEAD * (k / shape.num_layers) * (c.per_token + c.per_pair * attended) / 3.0
     tokens = b * s
-    # Context parallel: each rank computes its s/N positions of every row (the zigzag balances attention's pairs).
-    local = tokens / settings.context_parallel
+    dims = settings.dims
+    # Context parallel: each rank computes its s/cp positions of every row (the zigzag balances attention's pairs).
+    local = tokens / dims.cp
     efficiency = local / (local + HALF_EFFICIENCY_TOKENS[settings.device])
     flops = _flops(settings.device, settings.mixed_precision)
-    return settings.gradient_accumulation_steps * tokens * per_token / (
-        flops * efficiency * settings.tensor_parallel * settings.context_parallel)
+    return settings.gradient_accumulation_steps * tokens * per_token / (flops * efficiency * dims.tp * dims.cp)
 
 
 # Measured corrections of this model for the machine at hand: a factor per kind of step, set by
@@ -166,19 +166,12 @@ def traffic_seconds(traffic: parallelism.Traffic, device: str) -> float:
     return traffic.bytes / LINK_BYTES_PER_S[traffic.link][device] + traffic.count * COLLECTIVE_SECONDS[device]
 
 
-def tensor_parallel_seconds(shape: ModelShape, settings: Settings) -> float:
-    """Step time of tensor parallel's collectives over the TP group (memory/tensor_parallel.py counts them:
-    the blocks' all-gathers, reduce-scatters and all-reduces of the stream, the logits' all-gather); 0 without
-    tensor parallel."""
+def kind_seconds(shape: ModelShape, settings: Settings, kind: parallelism.Parallelism) -> float:
+    """Step time of one kind's collectives over its group (`Parallelism.traffic`: tensor parallel's all-gathers,
+    reduce-scatters and all-reduces of the stream, context parallel's all-to-alls or ring sends) at its link's
+    assumed bandwidth, not overlapped with compute; 0 where the settings do not run it."""
     return sum(traffic_seconds(t, settings.device) for t in parallelism.traffic(shape, settings)
-               if t.link == parallelism.TENSOR_PARALLEL.name)
-
-
-def context_parallel_seconds(shape: ModelShape, settings: Settings) -> float:
-    """Step time of context parallel's all-to-alls (Ulysses) or ring sends (`parallelism.ContextParallel.traffic`),
-    at the assumed `CP_BYTES_PER_S`, not overlapped with compute; 0 without context parallel."""
-    return sum(traffic_seconds(t, settings.device) for t in parallelism.traffic(shape, settings)
-               if t.link == parallelism.CONTEXT_PARALLEL.name)
+               if t.link == kind.name)
 
 
 def lever_seconds(shape: ModelShape, settings: Settings) -> dict[str, float]:

@@ -37,7 +37,7 @@ from typing import Any
 from pydantic import Field, ValidationError, create_model, model_validator
 
 from fulltune import errors, spec
-from fulltune.degrees import ParallelDims
+from fulltune.degrees import PLANNED, ParallelDims
 from fulltune.errors import ConfigError, DataError, TrainingError, UserError
 from fulltune import levers
 from fulltune.memory.types import Settings
@@ -91,9 +91,9 @@ TrainOptions = create_model(
     __doc__="The pipeline's `train:` section without PLANNED_TRAIN_KEYS: the optimisation the plan does not decide.",
     **{name: (info.annotation, info) for name, info in spec.TrainSpec.model_fields.items()
        if name not in PLANNED_TRAIN_KEYS})
-# The distributed.* keys the memory plan resolves (`auto` becomes a degree): the plan's tensor_parallel and
-# context_parallel are the job's one copy of them, read through `TrainJob.dims`.
-PLANNED_DISTRIBUTED_KEYS = ("tensor_parallel", "context_parallel")
+# The distributed.* keys the memory plan resolves (`auto` becomes a degree, fulltune/degrees.py `PLANNED`): the
+# plan's are the job's one copy of them, read through `TrainJob.dims`.
+PLANNED_DISTRIBUTED_KEYS = PLANNED
 DistributedOptions = create_model(
     "DistributedOptions", __base__=Strict, __module__=__name__,
     __doc__="The pipeline's `distributed:` section without PLANNED_DISTRIBUTED_KEYS: how the processes start.",
@@ -148,9 +148,7 @@ class TrainJob(Strict):
     @property
     def dims(self) -> ParallelDims:
         """How the job's processes split the work; the plan checked the degrees against the processes."""
-        distributed = self.distributed
-        return ParallelDims(distributed.num_processes, self.plan.tensor_parallel, distributed.pipeline_parallel,
-                            distributed.strategy, self.plan.context_parallel)
+        return self.plan.dims  # its processes, strategy and stages are the spec's (`PLAN_ECHOES`)
 
     def to_json(self) -> str:
         """JOB.json: one object per section, indented for a person to read."""

@@ -85,6 +85,16 @@ def apply(model: Any, dims: ParallelDims, device: str, mixed_precision: str = "n
     return runtime(dims).apply(model, dims, device, mixed_precision, offload)
 
 
+def row_share(dims: ParallelDims) -> Any:
+    """This process's share of each row's positions, the `context_parallel.ContextParallel` that `apply` installed
+    (it splits each batch); None where the processes keep whole rows."""
+    if not dims.cp_enabled:
+        return None
+    from fulltune.runtime.context_parallel import active
+
+    return active()
+
+
 def sharded_load(dims: ParallelDims) -> bool:
     """Whether the rank's kind builds the model empty and reads only its shards (`sharding.load_sharded_model`)."""
     loads = runtime(dims).sharded_load

@@ -57,7 +57,7 @@ from fulltune.runtime.faults import TrainHooks, hooks_from_env
 from fulltune.storage import atomic_dir, atomic_write_text
 from fulltune.runtime.loss import TargetHead
 from fulltune.runtime import allocator
-from fulltune.runtime import context_parallel, parallelize, pipeline_parallel, step_memory
+from fulltune.runtime import parallelize, pipeline_parallel, step_memory
 from fulltune.runtime.step_memory import StepMemory
 from fulltune.runtime.pipeline_parallel import PipelineRun
 from fulltune.runtime.step import OptimizerStep, StepOutcome, StepParts, run_step
@@ -203,7 +203,7 @@ def setup(job: TrainJob, hooks: TrainHooks | None = None) -> TrainingRun:
                        head, optimizer, scheduler, OptimizerStep(accelerator, model, optimizer, scheduler,
                                                                  job.train.max_grad_norm),
                        hooks, use_cache, checkpointed, model_layers, coefficients, pipeline, config,
-                       context_parallel.active() if job.dims.cp_enabled else None,
+                       parallelize.row_share(job.dims),
                        AsyncCheckpointWriter() if job.train.checkpoint_async else None, padding_free)
 
 

@@ -14,14 +14,14 @@ from typing import Any
 
 from fulltune.evaluation import harness
 from fulltune.evaluation.evaluate import EvalReport
+from fulltune.evaluation.sharded import RUNTIME_CODE
 from fulltune.planning.inputs import ResolvedPipeline
 from fulltune.stages import EVALUATE, FINE_TUNE, MEMORY_BUDGET, TOKENIZE
 from fulltune.stages.runner import Inputs, Stage, StageLog
 
 # A run trained sharded evaluates sharded, in children the training's launch path starts (evaluation/sharded.py).
-CODE = ("stages/evaluate.py", "evaluation", "runtime/loss.py", "runtime/launch.py", "runtime/sharding.py",
-        "runtime/parallel.py", "runtime/context_parallel.py", "runtime/checkpointing.py", "memory/head.py", "data",
-        "models.py", "attention.py", "hub.py", "degrees.py", "storage.py", "tracking/registry.py", "tracking/gates.py")
+CODE = ("stages/evaluate.py", "evaluation", *RUNTIME_CODE, "memory/head.py", "data", "models.py", "attention.py",
+        "hub.py", "degrees.py", "storage.py", "tracking/registry.py", "tracking/gates.py")
 
 
 def code(p: ResolvedPipeline) -> tuple[str, ...]:
