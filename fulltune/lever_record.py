@@ -77,7 +77,9 @@ class Lever:
     and the pipeline (`Condition`). `for_model(shape, request)`: the request as this lever can run on the model
     (`auto` turned off where it converts nothing, a MemoryConfigError naming its field where it is on), before
     anything is planned; `reasons(shape, request, settings)`: the plan's lines about it beyond its sentence. Each
-    None where there is nothing to say; a function above this floor is named with `Elsewhere`.
+    None where there is nothing to say; a function above this floor is named with `Elsewhere`. `started`: what the
+    trainer's first line says of it when it is on (after the precision, `str.format`ted with the job's planned
+    settings), or nothing.
     """
 
     name: str
@@ -92,3 +94,4 @@ class Lever:
     conditions: tuple[Condition, ...] = ()
     for_model: Callable[[Any, Any], Any] | None = None
     reasons: Callable[[Any, Any, Any], list[str]] | None = None
+    started: str = ""

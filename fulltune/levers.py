@@ -148,7 +148,7 @@ TABLE: tuple[Lever, ...] = (
               Condition("float8_supported", lambda train, budget: (budget.capability or (0, 0)) >= FLOAT8_CAPABILITY),
               Condition("compile", lambda train, budget: train.compile)),
           for_model=Elsewhere("fulltune.memory.float8:for_model"),
-          reasons=Elsewhere("fulltune.memory.float8:reasons")),
+          reasons=Elsewhere("fulltune.memory.float8:reasons"), started=" with float8 matmuls ({float8_recipe})"),
     Lever("chunked_loss",
           description="Compute the output head and cross-entropy in chunks of target positions and vocabulary, "
                       "recomputed in backward: no whole (targets × vocabulary) fp32 tensor.",
@@ -209,6 +209,13 @@ OPTIONS: tuple[Option, ...] = tuple(option for name in FIELD_ORDER for option in
 CONDITIONS: tuple[Condition, ...] = tuple(condition for name in FIELD_ORDER for condition in BY_NAME[name].conditions)
 # The `train:` keys the records declare: what the plan decides for the job (fulltune/runtime/launch.py).
 TRAIN_KEYS = (*LEVERS, *(option.name for option in OPTIONS))
+
+
+def started(settings: Any) -> str:
+    """What the trainer's first line says of the levers `settings` (a train job's plan) turns on: their records'
+    `started`, in `TABLE`'s order."""
+    return "".join(lever.started.format(**vars(settings)) for lever in TABLE
+                   if lever.started and getattr(settings, lever.name))
 
 
 def decided(request: Any) -> dict[str, bool | None]:

@@ -491,6 +491,9 @@ def test_a_levers_options_and_conditions_are_declared_once_in_its_record() -> No
     settings = configured_settings(LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128,
                                                num_hidden_layers=2, num_attention_heads=4), request)
     assert (settings.compensation, settings.float8_recipe) == ("kahan", "rowwise")
+    # What the trainer's first line says of a lever comes from its record too, with its options' values.
+    assert levers.started(settings) == ""
+    assert levers.started(dataclasses.replace(settings, float8=True)) == " with float8 matmuls (rowwise)"
 
 
 def test_the_model_side_levers_are_applied_by_one_function() -> None:

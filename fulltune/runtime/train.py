@@ -47,6 +47,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
+from fulltune import levers
 from fulltune.memory import flops
 from fulltune.runtime import sharding
 from fulltune.attention import attends_alone
@@ -481,7 +482,7 @@ def announce(run: TrainingRun, resumed_from: int | None) -> None:
           f"{run.total_steps} steps of {job.plan.micro_batch_size} micro × {job.plan.gradient_accumulation_steps} "
           f"accumulation × {run.processes} processes{pipeline}; gradient checkpointing {run.checkpointed_layers}/"
           f"{run.num_layers} layers; {job.plan.optimizer}; precision {job.plan.mixed_precision}"
-          f"{f' with float8 matmuls ({job.plan.float8_recipe})' if job.plan.float8 else ''}; "
+          f"{levers.started(job.plan)}; "
           f"{f'resumed from step {resumed_from}' if resumed_from is not None else 'from the start'}",
           file=sys.stderr, flush=True)
 
