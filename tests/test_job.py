@@ -125,10 +125,11 @@ def attributes_read(section: str) -> set[str]:
 def test_every_planner_setting_is_read_from_the_plan_or_declared_plan_only() -> None:
     settings = {f.name for f in fields(Settings)}
     read = attributes_read("plan")
-    # Checkpointing and the model-side levers are read by apply_model_levers (fulltune/runtime/checkpointing.py),
-    # which the child hands its whole plan.
+    # Checkpointing and the model-side levers with their options are read by apply_model_levers
+    # (fulltune/runtime/checkpointing.py), which the child hands its whole plan.
     assert "apply_model_levers(model, job.plan)" in (ROOT / "fulltune/runtime/train.py").read_text()
-    read |= {"gradient_checkpointing"} | {lever.name for lever in levers.TABLE if lever.apply}
+    read |= {"gradient_checkpointing"} | {name for lever in levers.TABLE if lever.apply
+                                          for name in (lever.name, *(option.name for option in lever.options))}
     # The parallel degrees are read together, as the plan's `dims` (fulltune/degrees.py `dims_of`).
     assert "dims" in read
     read |= set(degrees.BY_NAME)
