@@ -263,15 +263,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.server import start_temporary_server
     from fulltune.stages import ensure_local_data, ensure_workdir, pin_hub_revisions, resolve_pipeline, resolved_budget
 
-    # Validate before any stage runs, so a bad config costs seconds and leaves nothing behind. The
-    # temporary Prefect server boots meanwhile (in its own process; it writes nothing to the workdir),
-    # while validation, the flow's imports and MLflow's start-up run here.
+    # Validate before any stage runs, so a bad config costs seconds, starts no server and leaves nothing
+    # behind. The temporary Prefect server then boots (in its own process; it writes nothing to the workdir)
+    # while the flow's imports and MLflow's start-up run here.
     p = resolve_pipeline(args.file, args.name, args.overrides)
+    ensure_local_data(p, check_hub=True)
+    pin_hub_revisions(p)
+    resolved_budget(p)
     server = start_temporary_server() if _check_servers(p.workdir) else None
     try:
-        ensure_local_data(p, check_hub=True)
-        pin_hub_revisions(p)
-        resolved_budget(p)
         ensure_workdir(p)
     except BaseException:
         if server is not None:
