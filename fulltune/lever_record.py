@@ -79,7 +79,12 @@ class Lever:
     anything is planned; `reasons(shape, request, settings)`: the plan's lines about it beyond its sentence. Each
     None where there is nothing to say; a function above this floor is named with `Elsewhere`. `started`: what the
     trainer's first line says of it when it is on (after the precision, `str.format`ted with the job's planned
-    settings), or nothing.
+    settings), or nothing. For a lever that changes what a decoder layer holds, its terms in the memory walk:
+    `layer_terms(shape, settings, c, attn_core, attn_work)`, what it adds to one layer's counts
+    (fulltune/memory/activations.py `layer_bytes`: its forward transient, its MLP's and attention's backward
+    peaks, and the weights autocast no longer copies to 16 bit), and `gathered_numel(shape, settings)`, the
+    elements of a layer's weights FSDP gathers in one byte each instead of the gathered dtype
+    (fulltune/memory/fsdp.py).
     """
 
     name: str
@@ -95,3 +100,5 @@ class Lever:
     for_model: Callable[[Any, Any], Any] | None = None
     reasons: Callable[[Any, Any, Any], list[str]] | None = None
     started: str = ""
+    layer_terms: Callable[[Any, Any, int, int, int], Any] | None = None
+    gathered_numel: Callable[[Any, Any], int] | None = None

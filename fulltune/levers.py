@@ -148,7 +148,9 @@ TABLE: tuple[Lever, ...] = (
               Condition("float8_supported", lambda train, budget: (budget.capability or (0, 0)) >= FLOAT8_CAPABILITY),
               Condition("compile", lambda train, budget: train.compile)),
           for_model=Elsewhere("fulltune.memory.float8:for_model"),
-          reasons=Elsewhere("fulltune.memory.float8:reasons"), started=" with float8 matmuls ({float8_recipe})"),
+          reasons=Elsewhere("fulltune.memory.float8:reasons"), started=" with float8 matmuls ({float8_recipe})",
+          layer_terms=Elsewhere("fulltune.memory.float8:layer_terms"),
+          gathered_numel=Elsewhere("fulltune.memory.float8:gathered_numel")),
     Lever("chunked_loss",
           description="Compute the output head and cross-entropy in chunks of target positions and vocabulary, "
                       "recomputed in backward: no whole (targets × vocabulary) fp32 tensor.",
@@ -207,6 +209,9 @@ SLOW_LEVERS = tuple(lever.name for lever in TABLE if lever.slow)
 # The levers' options and conditions, in FIELD_ORDER: the fields made beside the levers' own.
 OPTIONS: tuple[Option, ...] = tuple(option for name in FIELD_ORDER for option in BY_NAME[name].options)
 CONDITIONS: tuple[Condition, ...] = tuple(condition for name in FIELD_ORDER for condition in BY_NAME[name].conditions)
+# The levers with terms of their own in a decoder layer's counts and in FSDP's gathered weights (fulltune/memory/).
+LAYER_LEVERS = tuple(lever for lever in TABLE if lever.layer_terms)
+GATHER_LEVERS = tuple(lever for lever in TABLE if lever.gathered_numel)
 # The `train:` keys the records declare: what the plan decides for the job (fulltune/runtime/launch.py).
 TRAIN_KEYS = (*LEVERS, *(option.name for option in OPTIONS))
 

@@ -494,6 +494,8 @@ def test_a_levers_options_and_conditions_are_declared_once_in_its_record() -> No
     # What the trainer's first line says of a lever comes from its record too, with its options' values.
     assert levers.started(settings) == ""
     assert levers.started(dataclasses.replace(settings, float8=True)) == " with float8 matmuls (rowwise)"
+    # And its terms in the memory walk (a decoder layer's counts, the weights FSDP gathers): the walk names no lever.
+    assert [lever.name for lever in levers.LAYER_LEVERS] == [lever.name for lever in levers.GATHER_LEVERS] == ["float8"]
 
 
 def test_the_model_side_levers_are_applied_by_one_function() -> None:

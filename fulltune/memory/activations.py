@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fulltune.memory.float8 import layer_float8
+from fulltune import levers
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.types import Settings
 
@@ -125,11 +125,12 @@ def layer_bytes(shape: ModelShape, settings: Settings) -> LayerBytes:
     # bf16 weights need no copies.
     sharded_params = settings.dims.fsdp_enabled
     mlp_params = 2 * h * I + (I * h if shape.gated_mlp else 0)
-    # float8 (fulltune/memory/float8.py): the converted linears' casts, and no 16-bit copies of their weights.
-    f8 = layer_float8(shape, b * s, c, settings.float8_recipe, attn_core, attn_work) if settings.float8 else None
-    copied, copied_mlp = shape.layer_matmul_numel, mlp_params
-    if f8 is not None:
-        copied, copied_mlp = copied - f8.converted_numel, copied_mlp - f8.converted_mlp_numel
+    # The levers with terms of their own in a layer (their records' `layer_terms`; float8: its linears' casts, and
+    # no 16-bit copies of their weights).
+    terms = [lever.layer_terms(shape, settings, c, attn_core, attn_work) for lever in levers.LAYER_LEVERS
+             if getattr(settings, lever.name)]
+    copied = shape.layer_matmul_numel - sum(t.converted_numel for t in terms)
+    copied_mlp = mlp_params - sum(t.converted_mlp_numel for t in terms)
     copies = mixed and not sharded_params and not settings.pure_bf16
     weight_copies = 2 * copied if copies else 0
     halves = _LAYOUT_HALVES[shape.layout](shape, settings, z)
@@ -139,9 +140,9 @@ def layer_bytes(shape: ModelShape, settings: Settings) -> LayerBytes:
         saved=halves.attn_saved + halves.mlp_saved + weight_copies,
         # The attention half keeps its share of the 16-bit weight copies after the MLP backward.
         attn_saved=halves.attn_saved + (2 * (copied - copied_mlp) if copies else 0),
-        forward_transient=max(halves.forward_transient, f8.forward if f8 else 0),
-        mlp_backward=grad_stream + halves.mlp_backward + (f8.mlp_backward if f8 else 0),
-        attn_backward=grad_stream + z.bshc + attn_work + (f8.attn_backward if f8 else 0),
+        forward_transient=max([halves.forward_transient, *(t.forward for t in terms)]),
+        mlp_backward=grad_stream + halves.mlp_backward + sum(t.mlp_backward for t in terms),
+        attn_backward=grad_stream + z.bshc + attn_work + sum(t.attn_backward for t in terms),
         checkpoint_saved=z.bsh4,
         grads=4 * shape.layer_numel,
         mlp_grads=4 * mlp_params,

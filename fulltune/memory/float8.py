@@ -136,6 +136,18 @@ class LayerFloat8:
     converted_mlp_numel: int
 
 
+def layer_terms(shape: ModelShape, settings: Any, c: int, attn_core: int, attn_work: int) -> LayerFloat8:
+    """float8's terms in one decoder layer's counts under `settings` (the `float8` lever's `layer_terms`)."""
+    return layer_float8(shape, settings.micro_batch_size * settings.seq_len, c, settings.float8_recipe, attn_core,
+                        attn_work)
+
+
+def gathered_numel(shape: ModelShape, settings: Any) -> int:
+    """The elements of a decoder layer's weights FSDP2 gathers in float8, one byte each (the `float8` lever's
+    `gathered_numel`): its converted linears' where `float8_all_gather`, else none."""
+    return sum(x.numel for x in converted(shape)) if float8_all_gather(settings) else 0
+
+
 def layer_float8(shape: ModelShape, tokens: int, c: int, recipe: str, attn_core: int, attn_work: int) -> LayerFloat8:
     """The float8 terms of one Llama-layout decoder layer whose linears see `tokens` rows in `c` bytes per element
     (`attn_core`, `attn_work`: the attention core's saved tensors and its backward's gradients of q, k, v).

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from fulltune.memory.float8 import converted, float8_all_gather
+from fulltune import levers
 from fulltune.memory.shapes import ModelShape
 from fulltune.memory.timeline import Persistent, StepTerms, Timeline, shares
 from fulltune.memory.types import Settings
@@ -101,10 +101,11 @@ class Units:
         self.rb = 4 if policy_bf16 else self.wb  # reduce-scatter buffers (the policy reduces in fp32)
         self.n, self.copies, self.prefetching = settings.num_processes, copies, prefetching
         self.lay, self.vh, self.tied = shape.layer_numel, shape.vocab * shape.hidden, shape.tied
-        # A decoder layer's gathered weights: under float8's all-gather (`float8.float8_all_gather`) its converted
-        # linears arrive as float8 (1 byte each), the rest in the gathered dtype.
-        float8 = sum(x.numel for x in converted(shape)) if settings.float8 and float8_all_gather(settings) else 0
-        self.layer_g = self.pb * (self.lay - float8) + float8
+        # A decoder layer's gathered weights: what a lever gathers in one byte an element (its record's
+        # `gathered_numel`; float8's converted linears under its all-gather), the rest in the gathered dtype.
+        narrow = sum(lever.gathered_numel(shape, settings) for lever in levers.GATHER_LEVERS
+                     if getattr(settings, lever.name))
+        self.layer_g = self.pb * (self.lay - narrow) + narrow
         # The root: the final norm (+ a tied embedding, positions).
         self.root = shape.num_params - shape.num_layers * self.lay - (0 if self.tied else 2 * self.vh)
         self.root_g = self.pb * self.root  # its gathered weights (forward, and backward from the head on)
