@@ -74,9 +74,8 @@ class Degree:
         return f"distributed.{self.name}"
 
     def on(self, dims: ParallelDims) -> bool:
-        """Above 1 in `dims` (auto is not)."""
-        value = getattr(dims, self.attr)
-        return value is not None and value > 1
+        """Above 1 in `dims` (auto is not): its `ParallelDims.<attr>_enabled`."""
+        return getattr(dims, f"{self.attr}_enabled")
 
 
 # In the order `Settings`, `PlanRequest` and the plan list them: the order they were added in. A new degree goes last.

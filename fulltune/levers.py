@@ -327,12 +327,12 @@ class Combination:
     @property
     def pipelined(self) -> bool:
         """Pipeline stages are fixed above 1 (auto may still choose 1)."""
-        return self.pipeline_parallel is not None and self.pipeline_parallel > 1
+        return self.degree_on("pipeline_parallel")
 
     @property
     def tensor_parallel_on(self) -> bool:
         """Tensor parallel is fixed above 1 (auto may still choose 1)."""
-        return self.tensor_parallel is not None and self.tensor_parallel > 1
+        return self.degree_on("tensor_parallel")
 
     def degree_on(self, name: str) -> bool:
         """The degree `name` is fixed above 1 (auto may still choose 1)."""
