@@ -22,8 +22,11 @@ NOT_IMPORTED := /transformers/models/(?!auto/|llama/|gpt2/|gpt_neox/|qwen2/|qwen
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet --no-compile torch==2.13.0
-	$(BIN)/pip install --quiet --no-compile -e '.[dev,eval]'
+	$(BIN)/pip install --quiet --no-compile torch==2.13.0 uv
+	# The rest through uv, which resolves and unpacks in parallel (the same 208 packages at the same versions in 7 s,
+	# where pip took 50 s here); through pip where uv cannot (an index configured for pip alone).
+	$(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[dev,eval]' || \
+		$(BIN)/pip install --quiet --no-compile -e '.[dev,eval]'
 	# Byte-compiled on every core: pip compiles on one (83 s of a 187 s install here), compileall -j 0 on two takes
 	# 36 s, 26 s without the packages' own test suites (21% of the bytes; nothing imports them), 21.6 s without
 	# the largest parts that fulltune and its tests never import (NOT_IMPORTED; half the bytes are never read).
