@@ -102,14 +102,43 @@ def kill_run(run: subprocess.Popen, timeout_s: float = 60) -> list:
 
 
 def kill_at_checkpoint(pipelines: Path, log: Path, micro_step: int, step: int = 2, timeout_s: float = 600,
-                       api: str | None = None) -> None:
-    """Run `pipelines`, stalled at micro-batch `micro_step` (the first of the step after checkpoint `step`);
-    once checkpoint `step` is published, SIGKILL the whole process group and check that no trainer outlives
-    it. The test then reruns the same command."""
+                       api: str | None = None, logged: int | None = None) -> None:
+    """Run `pipelines`, stalled at micro-batch `micro_step` (the first of a step after checkpoint `step`); once
+    checkpoint `step` is published (and, with `logged`, the loss of step `logged`: the steps before the stall),
+    SIGKILL the whole process group and check that no trainer outlives it. The test then reruns the same command."""
     run = fulltune_run(pipelines, log, api, FULLTUNE_TEST_FAULT=f"stall_micro_step:{micro_step}")
     wait_for_checkpoint(run, pipelines.parent / "work", log, step=step, timeout_s=timeout_s)
+    if logged is not None:
+        deadline = time.monotonic() + timeout_s
+        while logged not in logged_losses(pipelines.parent / "work"):
+            assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
     alive = kill_run(run, timeout_s=60)
     assert not alive, alive
+
+
+def logged_losses(directory: Path) -> dict[int, list[float]]:
+    """Step → each loss the run's trainers logged for it (metrics.jsonl, appended by every attempt; the tests' runs
+    log every step): a step trained again after a resume appears twice."""
+    found = list(directory.glob("runs/*/metrics.jsonl")) or list(directory.glob("metrics.jsonl"))
+    losses: dict[int, list[float]] = {}
+    for path in found:
+        for line in path.read_text().splitlines():
+            if line.endswith("}"):  # a line still being written is left for the next look
+                record = json.loads(line)
+                if "train_loss" in record["values"]:
+                    losses.setdefault(record["step"], []).append(record["values"]["train_loss"])
+    return losses
+
+
+def assert_steps_trained_again_alike(directory: Path, steps: list[int]) -> None:
+    """Killed after logging `steps` (beyond its newest checkpoint) and rerun, the run trained each of them again
+    from the restored state: each time to the same loss, bit for bit. The loss of each after the first shows the
+    update the restored optimizer made (its moments, the learning rate's schedule): the weights, the optimizer's
+    state, the data's order and the random state all came back as they were."""
+    losses = logged_losses(directory)
+    assert sorted(step for step, found in losses.items() if len(found) > 1) == steps, losses
+    assert [losses[step][0] for step in steps] == [losses[step][1] for step in steps], losses
 
 
 def assert_same_weights(got: dict, want: dict) -> None:
