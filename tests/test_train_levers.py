@@ -1,5 +1,6 @@
 """The memory levers in the real trainer (a child process, as the flow runs it): each changes where memory
-goes, not what is learned — checked against a run without them — and a run with them resumes bit-exact."""
+goes, not what is learned — checked against a run without them — and a run with them resumes bit-exact (the steps
+it trains again after resuming, as the first time)."""
 
 from __future__ import annotations
 
@@ -43,20 +44,20 @@ def test_pure_bf16_with_states_in_host_ram_learns_and_resumes_bit_exact(
         assets: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plain) -> None:  # noqa: F811
     import torch
 
-    settings = dict(NO_CLIP, pure_bf16=True, offload_optimizer=True, chunked_loss=True, max_steps=6,
-                    checkpoint_every_steps=2, max_grad_norm=1.0)
-    expected = quiet(make_job(assets, tmp_path / "clean", **settings))
-    losses = [loss for _, loss in expected.loss_history]
-    assert losses[-1] < losses[0] - 0.2, losses
-    assert all(t.dtype == torch.bfloat16 for t in model_tensors(expected.model_dir).values())
+    from runs import assert_steps_trained_again_alike
 
+    settings = dict(NO_CLIP, pure_bf16=True, offload_optimizer=True, chunked_loss=True, max_steps=6,
+                    checkpoint_every_steps=3, max_grad_norm=1.0)
     job = make_job(assets, tmp_path / "killed", **settings)
-    run_with_fault(job, "micro_step:9", monkeypatch)  # the first micro-batch of step 5
+    run_with_fault(job, "micro_step:11", monkeypatch)  # the first micro-batch of step 6
     result = quiet(job)
-    assert result.resumed_from_step == 4
-    assert result.loss_history == expected.loss_history
-    got, want = model_tensors(result.model_dir), model_tensors(expected.model_dir)
-    assert [name for name in want if not torch.equal(got[name], want[name])] == []
+    assert result.resumed_from_step == 3
+    # Steps 4 and 5 trained again from checkpoint 3 (the host's optimizer states among what it restores), each
+    # to the loss it had the first time, bit for bit.
+    assert_steps_trained_again_alike(Path(job.paths.output_dir), [4, 5])
+    losses = [loss for _, loss in result.loss_history]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.2, losses
+    assert all(t.dtype == torch.bfloat16 for t in model_tensors(result.model_dir).values())
 
 
 def test_pure_bf16_kahan_adamw_tracks_the_fp32_run(assets: dict[str, Path], tmp_path: Path, plain) -> None:  # noqa: F811
