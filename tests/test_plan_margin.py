@@ -194,8 +194,15 @@ def test_device_check_dry_run_writes_its_report(tmp_path):
     assert all("error" not in r and r["tokens_per_second"] > 0 for r in varlen.values())
     assert varlen["masked 512"]["estimate_peak"] > varlen["varlen 512"]["estimate_peak"]
     assert "packed rows, varlen 512" in result.stdout
-    # Context parallel: on CPU the group of two against one process (Ulysses over gloo), packed rows included.
-    assert all(c["loss"] <= 1e-6 and c["grads"] <= 1e-5 for c in report["context_parallel"].values())
+    # Context parallel: on CPU the group of two against one process (Ulysses over gloo, tests/context_parallel_worker.py
+    # under torchrun): the loss and every gradient of one micro-batch, summed over the group, equal one process's
+    # (fp32; packed rows and not, sdpa and eager, key/value heads split and repeated). Packed rows under the
+    # per-document attention: each document attends alone, with no (S × S) mask anywhere; transformers' sdpa over
+    # packed rows needs the whole rows' mask.
+    cp = report["context_parallel"]
+    assert all(c["loss"] <= 1e-6 and c["grads"] <= 1e-5 for c in cp.values()), cp
+    assert cp["documents-packed-gqa2"]["masks"] == cp["documents-packed-kv1"]["masks"] == 0
+    assert cp["sdpa-packed-gqa2"]["masks"] > 0
     # float8: bf16 against torchao's float8 recipes with the same plan, each with its estimate.
     assert report["float8"] and all("error" not in v and v["estimate_peak"] > 0 for v in report["float8"].values()), \
         report["float8"]
