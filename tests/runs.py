@@ -120,14 +120,12 @@ def kill_at_checkpoint(pipelines: Path, log: Path, micro_step: int, step: int = 
 def logged_losses(directory: Path) -> dict[int, list[float]]:
     """Step → each loss the run's trainers logged for it (metrics.jsonl, appended by every attempt; the tests' runs
     log every step): a step trained again after a resume appears twice."""
-    found = list(directory.glob("runs/*/metrics.jsonl")) or list(directory.glob("metrics.jsonl"))
     losses: dict[int, list[float]] = {}
-    for path in found:
-        for line in path.read_text().splitlines():
-            if line.endswith("}"):  # a line still being written is left for the next look
-                record = json.loads(line)
-                if "train_loss" in record["values"]:
-                    losses.setdefault(record["step"], []).append(record["values"]["train_loss"])
+    for line in _run_file(directory, "metrics.jsonl").read_text().splitlines():
+        if line.endswith("}"):  # a line still being written is left for the next look
+            record = json.loads(line)
+            if "train_loss" in record["values"]:
+                losses.setdefault(record["step"], []).append(record["values"]["train_loss"])
     return losses
 
 

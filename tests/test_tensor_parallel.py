@@ -1,8 +1,8 @@
 """`distributed.tensor_parallel` on CPU processes through `fulltune run`, as a user runs it: FSDP 2 × TP 2 on 4
 processes survives a kill of its whole process tree (the steps it trains again after resuming, bit for bit as the
 first time) and registers a plain Hugging Face checkpoint; it, and its train job run again through the launcher's
-training command as tensor parallel alone on 2 processes, train like one process. Also what validate refuses: DeepSpeed strategies, a tensor-parallel degree that does not
-divide the processes or the model's heads."""
+training command as tensor parallel alone on 2 processes, train like one process. Also what validate refuses:
+DeepSpeed strategies, a tensor-parallel degree that does not divide the processes or the model's heads."""
 
 from __future__ import annotations
 
